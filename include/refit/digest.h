@@ -1,0 +1,43 @@
+// The state digest: an order-independent 64-bit fingerprint of a tensor's bits.
+//
+// digest(T) = Σ_i h(i, bits_i) mod 2^64 over every element i. Because it is a sum, a change of
+// element i from a to b moves the digest by h(i, b) − h(i, a): both ends keep it current in
+// O(changes) and compare it at flush without rehashing the model.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "refit/tensor.h"
+
+namespace refit {
+
+/// Return h(index, bits): a 64-bit mix of the element index and its zero-extended bits.
+/// The function is part of payload format v1 (docs/format/payload.md) and never changes.
+inline uint64_t ElementHash(uint64_t index, uint64_t bits) {
+  // Two rounds of the splitmix64 / Murmur3 finalizer over the index, then over index ^ bits:
+  // fast (no memory), well-distributed, and bijective in each argument.
+  auto mix = [](uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+  };
+  return mix(mix(index + 0x9e3779b97f4a7c15ULL) ^ bits);
+}
+
+/// Return the digest of elements [begin, end) of `bytes` (element width `width`).
+/// Complexity: O(end − begin).
+uint64_t DigestRange(std::span<const std::byte> bytes, uint32_t width, uint64_t begin,
+                     uint64_t end);
+
+/// Return the digest of a whole tensor.
+inline uint64_t TensorDigest(const TensorView& tensor) {
+  const uint32_t width = DTypeSize(tensor.dtype);
+  return DigestRange(tensor.bytes, width, 0, tensor.bytes.size() / width);
+}
+
+}  // namespace refit

@@ -1,0 +1,122 @@
+// Payload format v1: the self-contained, checksummed, compressed unit on the wire.
+//
+// The byte-exact spec is docs/format/payload.md. A payload is a fixed header followed by a zstd
+// frame (the body) holding the item table, the location bytes and the values grouped by element
+// width (optionally split into byte planes). Every byte of a received payload is untrusted:
+//   ValidatePayloadHeader()  — cheap: header fields, limits and sizes; allocates nothing.
+//   DecodePayload()          — full: checksum, bounded decompression, item table, every location
+//                              and value bound. Nothing may be applied before it returns OK.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/item.h"
+#include "refit/status.h"
+
+namespace refit {
+
+/// The 128-bit id of one transfer (one version step of the fleet).
+struct TransferId {
+  std::array<uint8_t, 16> bytes{};
+
+  /// Return a random id (from the OS entropy source).
+  static TransferId Random();
+  /// Parse 32 hex digits. Errors: InvalidArgument naming the text.
+  static Result<TransferId> FromHex(std::string_view hex);
+  /// Return 32 lower-case hex digits.
+  std::string ToHex() const;
+
+  friend bool operator==(const TransferId&, const TransferId&) = default;
+};
+
+/// The identity and version step of one payload.
+struct PayloadIds {
+  TransferId transfer_id;
+  uint32_t producer_id = 0;
+  uint32_t payload_id = 0;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+};
+
+/// Format version written by this library.
+inline constexpr uint16_t kPayloadFormatVersion = 1;
+/// Size in bytes of the fixed v1 header.
+inline constexpr size_t kPayloadHeaderSize = 128;
+
+/// Options of EncodePayload.
+struct PayloadEncodeOptions {
+  /// zstd compression level; 1 is the measured sweet spot for sparse deltas (upstream default).
+  int zstd_level = 1;
+  /// Split each value group into byte planes before compression: XOR values of 1-ulp changes
+  /// are mostly low bits, so planes compress far better.
+  bool byte_planes = true;
+};
+
+/// Hard limits applied while decoding untrusted payloads.
+struct PayloadLimits {
+  /// Largest accepted payload (header + compressed body).
+  uint64_t max_payload_bytes = uint64_t{4} << 30;
+  /// Largest accepted decompressed body; checked against the zstd frame header before
+  /// decompressing.
+  uint64_t max_body_bytes = uint64_t{4} << 30;
+  uint32_t max_items = 1u << 20;
+  uint32_t max_name_length = 1024;
+  uint32_t max_rank = 16;
+};
+
+/// The decoded fixed header of a payload.
+struct PayloadHeader {
+  uint16_t format_version = kPayloadFormatVersion;
+  uint16_t flags = 0;
+  PayloadIds ids;
+  uint32_t item_count = 0;
+  uint64_t body_bytes = 0;        ///< Decompressed body length.
+  uint64_t compressed_bytes = 0;  ///< Compressed body length (the payload is header + this).
+  std::array<uint8_t, 16> checksum{};  ///< XXH3-128 of the compressed body.
+};
+
+/// Flag bits of the header (docs/format/payload.md). Unknown bits are rejected.
+inline constexpr uint16_t kPayloadFlagBytePlanes = 1u << 0;
+
+/// Serialize, compress and checksum `items` into one payload.
+/// Errors: InvalidArgument for an inconsistent item (value size vs count, span vs shape, name
+/// too long). Deterministic: the same inputs give the same bytes.
+Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<const ItemView> items,
+                                             const PayloadEncodeOptions& options = {});
+
+/// Check the header of `payload` against `limits` without touching the body.
+/// Errors: DataLoss (bad magic, header checksum, truncated or trailing bytes), InvalidArgument
+/// (unsupported version or flags), ResourceExhausted (a declared size over a limit).
+Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
+                                            const PayloadLimits& limits = {});
+
+/// A fully validated payload. Owns the decompressed body; items view into it.
+///
+/// Thread-safety: immutable after DecodePayload; safe to read from many threads.
+class DecodedPayload {
+ public:
+  const PayloadHeader& header() const { return header_; }
+  std::span<const ItemView> items() const { return items_; }
+
+ private:
+  friend Result<DecodedPayload> DecodePayload(std::span<const std::byte>, const PayloadLimits&);
+  PayloadHeader header_;
+  // unique_ptr keeps item views valid when the DecodedPayload moves.
+  std::unique_ptr<std::vector<std::byte>> body_;
+  std::vector<ItemView> items_;
+};
+
+/// Validate everything (header, checksum, bounded decompression, item table, every location and
+/// value size) and return the decoded items. Nothing in a payload that fails here may be applied.
+/// Errors: as ValidatePayloadHeader, plus DataLoss for a checksum mismatch or any inconsistent
+/// body content, each naming the payload ids and the item.
+Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
+                                     const PayloadLimits& limits = {});
+
+}  // namespace refit

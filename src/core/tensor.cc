@@ -1,0 +1,32 @@
+#include "refit/tensor.h"
+
+namespace refit {
+
+Result<uint64_t> NumElements(const Shape& shape) {
+  uint64_t count = 1;
+  for (int64_t extent : shape) {
+    if (extent < 0) return InvalidArgument("negative extent {} in shape {}", extent, ShapeToString(shape));
+    if (extent != 0 && count > (uint64_t{1} << 63) / static_cast<uint64_t>(extent)) {
+      return InvalidArgument("shape {} has more than 2^63 elements", ShapeToString(shape));
+    }
+    count *= static_cast<uint64_t>(extent);
+  }
+  return count;
+}
+
+std::string ShapeToString(const Shape& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+Status CheckTensorSize(const TensorView& tensor) {
+  REFIT_ASSIGN_OR_RETURN(uint64_t numel, NumElements(tensor.shape));
+  const uint64_t elem = DTypeSize(tensor.dtype);
+  if (numel > UINT64_MAX / elem || numel * elem != tensor.bytes.size()) {
+    return InvalidArgument("tensor '{}': shape {} of {} needs {} bytes, got {}", tensor.name,
+                           ShapeToString(tensor.shape), DTypeName(tensor.dtype), numel * elem,
+                           tensor.bytes.size());
+  }
+  return Status::OK();
+}
+
+}  // namespace refit

@@ -1,0 +1,47 @@
+// GoogleTest helpers for Status and Result.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "refit/status.h"
+
+#define REFIT_TEST_CONCAT_IMPL(a, b) a##b
+#define REFIT_TEST_CONCAT(a, b) REFIT_TEST_CONCAT_IMPL(a, b)
+
+#define ASSERT_OK(expr)                                                      \
+  do {                                                                       \
+    ::refit::Status _st = ::refit::internal::ToStatus(expr);                 \
+    ASSERT_TRUE(_st.ok()) << #expr << " returned " << _st.ToString();        \
+  } while (false)
+
+#define EXPECT_OK(expr)                                                      \
+  do {                                                                       \
+    ::refit::Status _st = ::refit::internal::ToStatus(expr);                 \
+    EXPECT_TRUE(_st.ok()) << #expr << " returned " << _st.ToString();        \
+  } while (false)
+
+#define ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, rexpr)                                  \
+  auto tmp = (rexpr);                                                               \
+  ASSERT_TRUE(tmp.ok()) << #rexpr << " returned " << tmp.status().ToString();       \
+  lhs = std::move(tmp).ValueOrDie()
+
+#define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
+  ASSERT_OK_AND_ASSIGN_IMPL(REFIT_TEST_CONCAT(_refit_test_result_, __LINE__), lhs, rexpr)
+
+/// Expect `expr` (a Status or Result) to fail with StatusCode::k<code>.
+#define EXPECT_STATUS(code, expr)                                                   \
+  do {                                                                              \
+    ::refit::Status _st = ::refit::internal::ToStatus(expr);                        \
+    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##code)                             \
+        << #expr << " returned " << _st.ToString();                                 \
+  } while (false)
+
+/// Expect `expr` to fail with k<code> and a message containing `substring`.
+#define EXPECT_STATUS_MSG(code, substring, expr)                                    \
+  do {                                                                              \
+    ::refit::Status _st = ::refit::internal::ToStatus(expr);                        \
+    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##code)                             \
+        << #expr << " returned " << _st.ToString();                                 \
+    EXPECT_NE(_st.message().find(substring), std::string::npos)                     \
+        << "message '" << _st.message() << "' lacks '" << substring << "'";        \
+  } while (false)
