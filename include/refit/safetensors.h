@@ -5,13 +5,19 @@
 #include <cstddef>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "refit/status.h"
 #include "refit/tensor.h"
 
 namespace refit {
+
+namespace internal {
+class MappedFile;
+}  // namespace internal
 
 /// How a file's bytes are brought into memory.
 enum class LoadMode : uint8_t {
@@ -52,8 +58,7 @@ class SafetensorsFile {
   std::vector<TensorView> tensors_;
   std::map<std::string, std::string> metadata_;
   // Either an mmap region or an owned buffer backs the views.
-  void* map_base_ = nullptr;
-  size_t map_length_ = 0;
+  std::unique_ptr<internal::MappedFile> mapping_;
   std::vector<std::byte> owned_;
 };
 

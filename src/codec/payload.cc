@@ -1,1 +1,840 @@
-// Not written yet.
+// Payload format v1: encoder and hostile-input decoder. The byte layout is specified in
+// docs/format/payload.md; every constant below names the section of that spec it comes from.
+#include "refit/payload.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <xxhash.h>
+#include <zstd.h>
+
+#include "refit/dtype.h"
+#include "refit/locations.h"
+#include "refit/tensor.h"
+#include "refit/values.h"
+#include "util/check.h"
+
+namespace refit {
+namespace {
+
+// ---- Fixed header layout (spec §"Fixed header"). -----------------------------------------------
+constexpr std::array<uint8_t, 4> kMagic = {'R', 'F', 'P', 'L'};
+constexpr size_t kOffsetMagic = 0;
+constexpr size_t kOffsetFormatVersion = 4;
+constexpr size_t kOffsetFlags = 6;
+constexpr size_t kOffsetTransferId = 8;
+constexpr size_t kOffsetProducerId = 24;
+constexpr size_t kOffsetPayloadId = 28;
+constexpr size_t kOffsetBaseVersion = 32;
+constexpr size_t kOffsetTargetVersion = 40;
+constexpr size_t kOffsetItemCount = 48;
+constexpr size_t kOffsetCompression = 52;
+constexpr size_t kOffsetMacAlgorithm = 53;
+constexpr size_t kOffsetReserved = 54;
+constexpr size_t kOffsetBodyBytes = 56;
+constexpr size_t kOffsetCompressedBytes = 64;
+constexpr size_t kOffsetChecksum = 72;
+constexpr size_t kOffsetMac = 88;
+constexpr size_t kMacSize = 32;
+constexpr size_t kOffsetHeaderChecksum = 120;
+static_assert(kOffsetHeaderChecksum + sizeof(uint64_t) == kPayloadHeaderSize);
+
+/// The only compression of v1: one zstd frame.
+constexpr uint8_t kCompressionZstd = 1;
+/// v1 carries no MAC; nonzero codes are reserved for the keyed MAC of a later version.
+constexpr uint8_t kMacNone = 0;
+/// Every flag bit this decoder understands.
+constexpr uint16_t kKnownFlags = kPayloadFlagBytePlanes;
+
+// ---- Body layout (spec §"Item table" and §"Value groups"). --------------------------------------
+/// The fixed fields of an item entry after its dims: span_begin, span_end, count, location_bytes,
+/// digest (5 × u64).
+constexpr size_t kItemTailBytes = 5 * sizeof(uint64_t);
+/// dtype, value_dtype, op, location_encoding, rank (5 × u8).
+constexpr size_t kItemCodeBytes = 5;
+/// The smallest possible item entry: u16 name length, a 1-byte name, the codes, rank 0.
+constexpr uint64_t kMinItemEntryBytes = sizeof(uint16_t) + 1 + kItemCodeBytes + kItemTailBytes;
+/// A value group header: u8 width, u64 element count.
+constexpr size_t kGroupHeaderBytes = sizeof(uint8_t) + sizeof(uint64_t);
+/// Value widths in bytes; a group per width that occurs.
+constexpr std::array<uint32_t, 4> kValueWidths = {1, 2, 4, 8};
+
+// ---- Little-endian helpers (byte-wise: correct on any host, compiled to plain loads). ---------
+template <typename T>
+T LoadLE(const std::byte* p) {
+  std::make_unsigned_t<T> value = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    value |= static_cast<std::make_unsigned_t<T>>(std::to_integer<uint8_t>(p[i])) << (8 * i);
+  }
+  return static_cast<T>(value);
+}
+
+template <typename T>
+void StoreLE(std::byte* p, T value) {
+  auto bits = static_cast<std::make_unsigned_t<T>>(value);
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    p[i] = static_cast<std::byte>((bits >> (8 * i)) & 0xFFu);
+  }
+}
+
+template <typename T>
+void AppendLE(std::vector<std::byte>* out, T value) {
+  const size_t at = out->size();
+  out->resize(at + sizeof(T));
+  StoreLE(out->data() + at, value);
+}
+
+/// Render an untrusted name for an error message: printable ASCII as is, anything else as \xNN.
+std::string PrintableName(std::string_view name) {
+  std::string out;
+  out.reserve(name.size());
+  for (char c : name) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7F && c != '\\') {
+      out.push_back(c);
+    } else {
+      out += fmt::format("\\x{:02x}", byte);
+    }
+  }
+  return out;
+}
+
+std::string PayloadContext(const PayloadIds& ids) {
+  return fmt::format("payload {} of producer {} (transfer {})", ids.payload_id, ids.producer_id,
+                     ids.transfer_id.ToHex());
+}
+
+std::string ItemContext(const PayloadIds& ids, size_t index, std::string_view name) {
+  return fmt::format("{}: item {} '{}'", PayloadContext(ids), index, PrintableName(name));
+}
+
+int WidthSlot(uint32_t width) {
+  for (size_t slot = 0; slot < kValueWidths.size(); ++slot) {
+    if (kValueWidths[slot] == width) return static_cast<int>(slot);
+  }
+  return -1;
+}
+
+/// The value groups implied by an item table, in first-seen order of value width.
+struct GroupPlan {
+  struct Group {
+    uint32_t width = 0;
+    uint64_t element_count = 0;
+  };
+  std::vector<Group> groups;
+  /// Per item: its group and the index of its first element within the group.
+  std::vector<size_t> item_group;
+  std::vector<uint64_t> item_first_element;
+};
+
+/// Build the group plan. Element counts are bounded by the caller (each count ≤ 2^63 and the
+/// decoder checks the group's byte size against the body), so only the sum can overflow.
+Result<GroupPlan> PlanGroups(std::span<const ItemView> items, const PayloadIds& ids) {
+  GroupPlan plan;
+  plan.item_group.reserve(items.size());
+  plan.item_first_element.reserve(items.size());
+  std::array<int, kValueWidths.size()> group_of_slot;
+  group_of_slot.fill(-1);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const uint32_t width = DTypeSize(items[i].value_dtype);
+    const int slot = WidthSlot(width);
+    if (group_of_slot[slot] < 0) {
+      group_of_slot[slot] = static_cast<int>(plan.groups.size());
+      plan.groups.push_back({width, 0});
+    }
+    GroupPlan::Group& group = plan.groups[group_of_slot[slot]];
+    if (items[i].count > std::numeric_limits<uint64_t>::max() - group.element_count) {
+      return DataLoss("{}: value group of width {} overflows 2^64 elements",
+                      ItemContext(ids, i, items[i].name), width);
+    }
+    plan.item_group.push_back(static_cast<size_t>(group_of_slot[slot]));
+    plan.item_first_element.push_back(group.element_count);
+    group.element_count += items[i].count;
+  }
+  return plan;
+}
+
+/// Check the rules of spec §"Item rules" that need neither location decoding nor other items.
+/// `numel` is the element count of the item's shape. Codes follow the decoder's conventions;
+/// the encoder re-codes every failure as InvalidArgument.
+Status CheckItemRules(const ItemView& item, uint64_t numel, const PayloadLimits& limits,
+                      const PayloadIds& ids, size_t index) {
+  auto context = [&] { return ItemContext(ids, index, item.name); };
+  if (item.name.empty()) return DataLoss("{}: empty name", context());
+  if (item.name.size() > limits.max_name_length) {
+    return ResourceExhausted("{}: name length {} > limit {}", context(), item.name.size(),
+                             limits.max_name_length);
+  }
+  if (item.name.find('\0') != std::string_view::npos) {
+    return DataLoss("{}: name contains a NUL byte", context());
+  }
+  if (item.shape.size() > limits.max_rank) {
+    return ResourceExhausted("{}: rank {} > limit {}", context(), item.shape.size(),
+                             limits.max_rank);
+  }
+  if (item.span_begin > item.span_end || item.span_end > numel) {
+    return DataLoss("{}: span [{}, {}) is not inside numel {} of shape {}", context(),
+                    item.span_begin, item.span_end, numel, ShapeToString(item.shape));
+  }
+  const uint64_t span_length = item.span_end - item.span_begin;
+  if (item.op == Op::kFull) {
+    if (item.location_encoding != LocationEncoding::kAll) {
+      return DataLoss("{}: op full needs location encoding all, got {}", context(),
+                      LocationEncodingName(item.location_encoding));
+    }
+  }
+  if (item.location_encoding == LocationEncoding::kAll && item.count != span_length) {
+    return DataLoss("{}: location encoding all with count {} != span length {}", context(),
+                    item.count, span_length);
+  }
+  if (item.count > span_length) {
+    return DataLoss("{}: count {} > span length {}", context(), item.count, span_length);
+  }
+  if (item.count == 0 && item.op != Op::kFull) {
+    return DataLoss("{}: op {} with zero locations", context(), OpName(item.op));
+  }
+  if (item.op == Op::kAdd) {
+    if (!AddSupported(item.dtype, item.value_dtype)) {
+      return InvalidArgument("{}: op add is not defined for dtype {} with delta dtype {}",
+                             context(), DTypeName(item.dtype), DTypeName(item.value_dtype));
+    }
+  } else if (item.value_dtype != item.dtype) {
+    return DataLoss("{}: op {} needs value dtype {} (the tensor's), got {}", context(),
+                    OpName(item.op), DTypeName(item.dtype), DTypeName(item.value_dtype));
+  }
+  if (item.location_encoding == LocationEncoding::kAll && !item.locations.empty()) {
+    return DataLoss("{}: location encoding all with {} location bytes", context(),
+                    item.locations.size());
+  }
+  return Status::OK();
+}
+
+/// Check that items sharing a name agree on dtype and shape (spec §"Item rules").
+Status CheckSameNameAgreement(std::span<const ItemView> items, const PayloadIds& ids) {
+  std::unordered_map<std::string_view, size_t> first_with_name;
+  first_with_name.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const auto [it, inserted] = first_with_name.emplace(items[i].name, i);
+    if (inserted) continue;
+    const ItemView& first = items[it->second];
+    if (first.dtype != items[i].dtype || first.shape != items[i].shape) {
+      return DataLoss("{}: dtype {} shape {} disagrees with item {} of the same name ({} {})",
+                      ItemContext(ids, i, items[i].name), DTypeName(items[i].dtype),
+                      ShapeToString(items[i].shape), it->second, DTypeName(first.dtype),
+                      ShapeToString(first.shape));
+    }
+  }
+  return Status::OK();
+}
+
+Status ValidateLocations(const ItemView& item, const PayloadIds& ids, size_t index) {
+  auto decoder = LocationDecoder::Make(item.location_encoding, item.locations, item.count,
+                                       item.span_begin, item.span_end);
+  Status status = decoder.ok() ? decoder->ValidateAll() : decoder.status();
+  return status.WithContext(ItemContext(ids, index, item.name));
+}
+
+// ---- zstd contexts, one per thread and reused (zstd's own advice for repeated calls). ---------
+struct CCtxDeleter {
+  void operator()(ZSTD_CCtx* cctx) const { ZSTD_freeCCtx(cctx); }
+};
+struct DCtxDeleter {
+  void operator()(ZSTD_DCtx* dctx) const { ZSTD_freeDCtx(dctx); }
+};
+
+ZSTD_CCtx* ThreadCompressionContext() {
+  thread_local std::unique_ptr<ZSTD_CCtx, CCtxDeleter> cctx(ZSTD_createCCtx());
+  return cctx.get();
+}
+
+ZSTD_DCtx* ThreadDecompressionContext() {
+  thread_local std::unique_ptr<ZSTD_DCtx, DCtxDeleter> dctx(ZSTD_createDCtx());
+  return dctx.get();
+}
+
+// ---- Encoder. ----------------------------------------------------------------------------------
+
+/// Validate one encoder input; every failure is InvalidArgument (bad input from the caller).
+Status CheckEncoderItem(const ItemView& item, const PayloadIds& ids, size_t index,
+                        const PayloadLimits& limits) {
+  auto context = [&] { return ItemContext(ids, index, item.name); };
+  if (!DTypeFromCode(static_cast<uint8_t>(item.dtype)).ok() ||
+      !DTypeFromCode(static_cast<uint8_t>(item.value_dtype)).ok()) {
+    return InvalidArgument("{}: invalid dtype code {} or value dtype code {}", context(),
+                           static_cast<int>(item.dtype), static_cast<int>(item.value_dtype));
+  }
+  const auto op_code = static_cast<uint8_t>(item.op);
+  if (op_code < static_cast<uint8_t>(Op::kXor) || op_code > static_cast<uint8_t>(Op::kFull)) {
+    return InvalidArgument("{}: invalid op code {}", context(), op_code);
+  }
+  const auto encoding_code = static_cast<uint8_t>(item.location_encoding);
+  if (encoding_code < static_cast<uint8_t>(LocationEncoding::kAll) ||
+      encoding_code > static_cast<uint8_t>(LocationEncoding::kBitmask)) {
+    return InvalidArgument("{}: invalid location encoding code {}", context(), encoding_code);
+  }
+  if (item.name.size() > std::numeric_limits<uint16_t>::max()) {
+    return InvalidArgument("{}: name length {} does not fit the u16 length field", context(),
+                           item.name.size());
+  }
+  Result<uint64_t> numel = NumElements(item.shape);
+  if (!numel.ok()) return numel.status().WithContext(context());
+  Status rules = CheckItemRules(item, *numel, limits, ids, index);
+  if (!rules.ok()) return Status(StatusCode::kInvalidArgument, rules.message());
+  const uint32_t width = DTypeSize(item.value_dtype);
+  if (item.values.size() / width != item.count || item.values.size() % width != 0) {
+    return InvalidArgument("{}: {} value bytes for {} locations of {} ({} bytes each)", context(),
+                           item.values.size(), item.count, DTypeName(item.value_dtype), width);
+  }
+  Status locations = ValidateLocations(item, ids, index);
+  if (!locations.ok()) return Status(StatusCode::kInvalidArgument, locations.message());
+  return Status::OK();
+}
+
+uint64_t ItemEntryBytes(const ItemView& item) {
+  return sizeof(uint16_t) + item.name.size() + kItemCodeBytes +
+         item.shape.size() * sizeof(int64_t) + kItemTailBytes;
+}
+
+void AppendItemEntry(const ItemView& item, std::vector<std::byte>* body) {
+  AppendLE(body, static_cast<uint16_t>(item.name.size()));
+  const auto* name = reinterpret_cast<const std::byte*>(item.name.data());
+  body->insert(body->end(), name, name + item.name.size());
+  AppendLE(body, static_cast<uint8_t>(item.dtype));
+  AppendLE(body, static_cast<uint8_t>(item.value_dtype));
+  AppendLE(body, static_cast<uint8_t>(item.op));
+  AppendLE(body, static_cast<uint8_t>(item.location_encoding));
+  AppendLE(body, static_cast<uint8_t>(item.shape.size()));
+  for (int64_t extent : item.shape) AppendLE(body, extent);
+  AppendLE(body, item.span_begin);
+  AppendLE(body, item.span_end);
+  AppendLE(body, item.count);
+  AppendLE(body, static_cast<uint64_t>(item.locations.size()));
+  AppendLE(body, item.digest);
+}
+
+void WriteHeader(const PayloadIds& ids, uint16_t flags, uint32_t item_count, uint64_t body_bytes,
+                 std::span<const std::byte> compressed, std::byte* header) {
+  std::memset(header, 0, kPayloadHeaderSize);
+  std::memcpy(header + kOffsetMagic, kMagic.data(), kMagic.size());
+  StoreLE(header + kOffsetFormatVersion, kPayloadFormatVersion);
+  StoreLE(header + kOffsetFlags, flags);
+  std::memcpy(header + kOffsetTransferId, ids.transfer_id.bytes.data(),
+              ids.transfer_id.bytes.size());
+  StoreLE(header + kOffsetProducerId, ids.producer_id);
+  StoreLE(header + kOffsetPayloadId, ids.payload_id);
+  StoreLE(header + kOffsetBaseVersion, ids.base_version);
+  StoreLE(header + kOffsetTargetVersion, ids.target_version);
+  StoreLE(header + kOffsetItemCount, item_count);
+  StoreLE(header + kOffsetCompression, kCompressionZstd);
+  StoreLE(header + kOffsetMacAlgorithm, kMacNone);
+  StoreLE(header + kOffsetBodyBytes, body_bytes);
+  StoreLE(header + kOffsetCompressedBytes, static_cast<uint64_t>(compressed.size()));
+  const XXH128_hash_t checksum = XXH3_128bits(compressed.data(), compressed.size());
+  StoreLE(header + kOffsetChecksum, static_cast<uint64_t>(checksum.low64));
+  StoreLE(header + kOffsetChecksum + sizeof(uint64_t), static_cast<uint64_t>(checksum.high64));
+  // The MAC field stays zero: mac_algorithm is kMacNone in v1.
+  StoreLE(header + kOffsetHeaderChecksum,
+          static_cast<uint64_t>(XXH3_64bits(header, kOffsetHeaderChecksum)));
+}
+
+// ---- Decoder. ----------------------------------------------------------------------------------
+
+/// A bounds-checked cursor over the untrusted decompressed body. `describe` callables name what
+/// is being read; they run only on failure, so the hot path formats nothing.
+class BodyReader {
+ public:
+  explicit BodyReader(std::span<const std::byte> body) : body_(body) {}
+
+  size_t position() const { return position_; }
+  size_t remaining() const { return body_.size() - position_; }
+
+  /// Return the next `n` bytes, or DataLoss when fewer are left.
+  template <typename Describe>
+  Result<std::span<const std::byte>> Take(uint64_t n, const Describe& describe) {
+    if (n > remaining()) {
+      return DataLoss("{} needs {} bytes at body offset {}, {} left", describe(), n, position_,
+                      remaining());
+    }
+    auto out = body_.subspan(position_, static_cast<size_t>(n));
+    position_ += static_cast<size_t>(n);
+    return out;
+  }
+
+  template <typename T, typename Describe>
+  Result<T> Read(const Describe& describe) {
+    REFIT_ASSIGN_OR_RETURN(auto bytes, Take(sizeof(T), describe));
+    return LoadLE<T>(bytes.data());
+  }
+
+ private:
+  std::span<const std::byte> body_;
+  size_t position_ = 0;
+};
+
+/// The fields of one item entry as read from the table, before its sections are located.
+struct ParsedEntry {
+  ItemView view;
+  uint64_t location_bytes = 0;
+};
+
+Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, size_t index,
+                                   const PayloadLimits& limits) {
+  ParsedEntry entry;
+  ItemView& item = entry.view;
+  auto where = [&] { return fmt::format("{}: item {} name", PayloadContext(ids), index); };
+  REFIT_ASSIGN_OR_RETURN(uint16_t name_length, reader->Read<uint16_t>(where));
+  if (name_length > limits.max_name_length) {
+    return ResourceExhausted("{}: length {} > limit {}", where(), name_length,
+                             limits.max_name_length);
+  }
+  REFIT_ASSIGN_OR_RETURN(auto name, reader->Take(name_length, where));
+  item.name = std::string_view(reinterpret_cast<const char*>(name.data()), name.size());
+  auto context = [&] { return ItemContext(ids, index, item.name); };
+
+  REFIT_ASSIGN_OR_RETURN(auto codes, reader->Take(kItemCodeBytes, context));
+  const auto code = [&](size_t i) { return std::to_integer<uint8_t>(codes[i]); };
+  Result<DType> dtype = DTypeFromCode(code(0));
+  if (!dtype.ok()) return dtype.status().WithContext(context() + " dtype");
+  Result<DType> value_dtype = DTypeFromCode(code(1));
+  if (!value_dtype.ok()) return value_dtype.status().WithContext(context() + " value dtype");
+  item.dtype = *dtype;
+  item.value_dtype = *value_dtype;
+  if (code(2) < static_cast<uint8_t>(Op::kXor) || code(2) > static_cast<uint8_t>(Op::kFull)) {
+    return InvalidArgument("{}: unknown op code {} (valid: 1..4)", context(), code(2));
+  }
+  item.op = static_cast<Op>(code(2));
+  if (code(3) < static_cast<uint8_t>(LocationEncoding::kAll) ||
+      code(3) > static_cast<uint8_t>(LocationEncoding::kBitmask)) {
+    return InvalidArgument("{}: unknown location encoding code {} (valid: 1..6)", context(),
+                           code(3));
+  }
+  item.location_encoding = static_cast<LocationEncoding>(code(3));
+  const uint8_t rank = code(4);
+  if (rank > limits.max_rank) {
+    return ResourceExhausted("{}: rank {} > limit {}", context(), rank, limits.max_rank);
+  }
+  REFIT_ASSIGN_OR_RETURN(auto dims, reader->Take(uint64_t{rank} * sizeof(int64_t), context));
+  item.shape.resize(rank);
+  for (size_t d = 0; d < rank; ++d) {
+    item.shape[d] = LoadLE<int64_t>(dims.data() + d * sizeof(int64_t));
+  }
+  REFIT_ASSIGN_OR_RETURN(auto tail, reader->Take(kItemTailBytes, context));
+  const auto field = [&](size_t i) { return LoadLE<uint64_t>(tail.data() + i * sizeof(uint64_t)); };
+  item.span_begin = field(0);
+  item.span_end = field(1);
+  item.count = field(2);
+  entry.location_bytes = field(3);
+  item.digest = field(4);
+  return entry;
+}
+
+Status CheckZstdFrame(std::span<const std::byte> compressed, const PayloadHeader& header) {
+  const std::string context = PayloadContext(header.ids);
+  if (compressed.size() < sizeof(uint32_t) ||
+      LoadLE<uint32_t>(compressed.data()) != ZSTD_MAGICNUMBER) {
+    return DataLoss("{}: compressed body is not a zstd frame", context);
+  }
+  const unsigned long long content_size =
+      ZSTD_getFrameContentSize(compressed.data(), compressed.size());
+  if (content_size == ZSTD_CONTENTSIZE_ERROR) {
+    return DataLoss("{}: invalid zstd frame header", context);
+  }
+  if (content_size == ZSTD_CONTENTSIZE_UNKNOWN) {
+    return DataLoss("{}: zstd frame does not declare its content size", context);
+  }
+  if (content_size != header.body_bytes) {
+    return DataLoss("{}: zstd frame content size {} != body_bytes {}", context, content_size,
+                    header.body_bytes);
+  }
+  const size_t frame_size = ZSTD_findFrameCompressedSize(compressed.data(), compressed.size());
+  if (ZSTD_isError(frame_size)) {
+    return DataLoss("{}: corrupt zstd frame: {}", context, ZSTD_getErrorName(frame_size));
+  }
+  if (frame_size != compressed.size()) {
+    return DataLoss("{}: zstd frame spans {} of {} compressed bytes", context, frame_size,
+                    compressed.size());
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+// ---- TransferId. -------------------------------------------------------------------------------
+
+TransferId TransferId::Random() {
+  TransferId id;
+  size_t filled = 0;
+  while (filled < id.bytes.size()) {
+    const ssize_t n = getrandom(id.bytes.data() + filled, id.bytes.size() - filled, 0);
+    if (n > 0) {
+      filled += static_cast<size_t>(n);
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;
+    }
+  }
+  if (filled < id.bytes.size()) {
+    // getrandom(2) unavailable (old kernel, seccomp): the library's other entropy source.
+    std::random_device device;
+    for (size_t i = filled; i < id.bytes.size(); ++i) {
+      id.bytes[i] = static_cast<uint8_t>(device());
+    }
+  }
+  return id;
+}
+
+Result<TransferId> TransferId::FromHex(std::string_view hex) {
+  TransferId id;
+  if (hex.size() != 2 * id.bytes.size()) {
+    return InvalidArgument("transfer id '{}' has {} characters, need {} hex digits",
+                           PrintableName(hex), hex.size(), 2 * id.bytes.size());
+  }
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < id.bytes.size(); ++i) {
+    const int high = nibble(hex[2 * i]);
+    const int low = nibble(hex[2 * i + 1]);
+    if (high < 0 || low < 0) {
+      return InvalidArgument("transfer id '{}' is not hex (character {})", PrintableName(hex),
+                             high < 0 ? 2 * i : 2 * i + 1);
+    }
+    id.bytes[i] = static_cast<uint8_t>(high << 4 | low);
+  }
+  return id;
+}
+
+std::string TransferId::ToHex() const {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out(2 * bytes.size(), '0');
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    out[2 * i] = kDigits[bytes[i] >> 4];
+    out[2 * i + 1] = kDigits[bytes[i] & 0xF];
+  }
+  return out;
+}
+
+// ---- EncodePayload. ----------------------------------------------------------------------------
+
+Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<const ItemView> items,
+                                             const PayloadEncodeOptions& options) {
+  // The encoder never writes what the default decoder would refuse.
+  const PayloadLimits limits;
+  const std::string context = PayloadContext(ids);
+  if (ids.target_version <= ids.base_version) {
+    return InvalidArgument("{}: target_version {} must be > base_version {}", context,
+                           ids.target_version, ids.base_version);
+  }
+  if (items.size() > limits.max_items) {
+    return InvalidArgument("{}: {} items > limit {}", context, items.size(), limits.max_items);
+  }
+  if (options.zstd_level < ZSTD_minCLevel() || options.zstd_level > ZSTD_maxCLevel()) {
+    return InvalidArgument("{}: zstd level {} outside [{}, {}]", context, options.zstd_level,
+                           ZSTD_minCLevel(), ZSTD_maxCLevel());
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    REFIT_RETURN_NOT_OK(CheckEncoderItem(items[i], ids, i, limits));
+  }
+  Status agreement = CheckSameNameAgreement(items, ids);
+  if (!agreement.ok()) return Status(StatusCode::kInvalidArgument, agreement.message());
+  Result<GroupPlan> planned = PlanGroups(items, ids);
+  if (!planned.ok()) return Status(StatusCode::kInvalidArgument, planned.status().message());
+  const GroupPlan& plan = *planned;
+
+  // Exact body size, so the body is allocated once. Every term is the size of bytes the caller
+  // holds in memory, so the sum cannot overflow.
+  uint64_t body_bytes = 0;
+  for (const ItemView& item : items) {
+    body_bytes += ItemEntryBytes(item) + item.locations.size() + item.values.size();
+  }
+  body_bytes += plan.groups.size() * kGroupHeaderBytes;
+  if (body_bytes > limits.max_body_bytes) {
+    return InvalidArgument("{}: body of {} bytes > limit {}; split the items over payloads",
+                           context, body_bytes, limits.max_body_bytes);
+  }
+
+  std::vector<std::byte> body;
+  body.reserve(body_bytes);
+  for (const ItemView& item : items) AppendItemEntry(item, &body);
+  for (const ItemView& item : items) {
+    const auto* locations = reinterpret_cast<const std::byte*>(item.locations.data());
+    body.insert(body.end(), locations, locations + item.locations.size());
+  }
+  std::vector<std::byte> group_values;  // Gathered values of one group, for the plane split.
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const GroupPlan::Group& group = plan.groups[g];
+    AppendLE(&body, static_cast<uint8_t>(group.width));
+    AppendLE(&body, group.element_count);
+    if (!options.byte_planes) {
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (plan.item_group[i] != g) continue;
+        body.insert(body.end(), items[i].values.begin(), items[i].values.end());
+      }
+      continue;
+    }
+    group_values.clear();
+    group_values.reserve(group.element_count * group.width);
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (plan.item_group[i] != g) continue;
+      group_values.insert(group_values.end(), items[i].values.begin(), items[i].values.end());
+    }
+    SplitBytePlanes(group_values, group.width, &body);
+  }
+  REFIT_DCHECK(body.size() == body_bytes, "body size differs from its plan");
+
+  ZSTD_CCtx* cctx = ThreadCompressionContext();
+  if (cctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context);
+  ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
+  // Content size in the frame header lets the decoder bound its allocation before decompressing;
+  // zstd's own checksum is redundant with the header's XXH3-128 over the compressed bytes.
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, options.zstd_level);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0);
+
+  std::vector<std::byte> payload(kPayloadHeaderSize + ZSTD_compressBound(body.size()));
+  const size_t compressed =
+      ZSTD_compress2(cctx, payload.data() + kPayloadHeaderSize, payload.size() - kPayloadHeaderSize,
+                     body.data(), body.size());
+  if (ZSTD_isError(compressed)) {
+    return Internal("{}: zstd compression failed: {}", context, ZSTD_getErrorName(compressed));
+  }
+  payload.resize(kPayloadHeaderSize + compressed);
+  const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
+  WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
+              std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
+  return payload;
+}
+
+// ---- ValidatePayloadHeader. --------------------------------------------------------------------
+
+Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
+                                            const PayloadLimits& limits) {
+  if (payload.size() < kPayloadHeaderSize) {
+    return DataLoss("payload of {} bytes is shorter than the {}-byte header", payload.size(),
+                    kPayloadHeaderSize);
+  }
+  const std::byte* h = payload.data();
+  if (std::memcmp(h + kOffsetMagic, kMagic.data(), kMagic.size()) != 0) {
+    return DataLoss("payload magic {:02x} {:02x} {:02x} {:02x} is not 'RFPL'",
+                    std::to_integer<uint8_t>(h[0]), std::to_integer<uint8_t>(h[1]),
+                    std::to_integer<uint8_t>(h[2]), std::to_integer<uint8_t>(h[3]));
+  }
+  // The version decides the header layout, so it is read before the v1 header checksum.
+  PayloadHeader header;
+  header.format_version = LoadLE<uint16_t>(h + kOffsetFormatVersion);
+  if (header.format_version != kPayloadFormatVersion) {
+    return InvalidArgument("payload format version {} is not supported (this decoder reads {})",
+                           header.format_version, kPayloadFormatVersion);
+  }
+  const uint64_t stored_header_checksum = LoadLE<uint64_t>(h + kOffsetHeaderChecksum);
+  const uint64_t header_checksum = XXH3_64bits(h, kOffsetHeaderChecksum);
+  if (stored_header_checksum != header_checksum) {
+    return DataLoss("payload header checksum {:016x} != computed {:016x}", stored_header_checksum,
+                    header_checksum);
+  }
+  // From here on the fields are what the producer wrote, so messages can name the payload.
+  std::memcpy(header.ids.transfer_id.bytes.data(), h + kOffsetTransferId,
+              header.ids.transfer_id.bytes.size());
+  header.ids.producer_id = LoadLE<uint32_t>(h + kOffsetProducerId);
+  header.ids.payload_id = LoadLE<uint32_t>(h + kOffsetPayloadId);
+  header.ids.base_version = LoadLE<uint64_t>(h + kOffsetBaseVersion);
+  header.ids.target_version = LoadLE<uint64_t>(h + kOffsetTargetVersion);
+  header.flags = LoadLE<uint16_t>(h + kOffsetFlags);
+  header.item_count = LoadLE<uint32_t>(h + kOffsetItemCount);
+  header.body_bytes = LoadLE<uint64_t>(h + kOffsetBodyBytes);
+  header.compressed_bytes = LoadLE<uint64_t>(h + kOffsetCompressedBytes);
+  std::memcpy(header.checksum.data(), h + kOffsetChecksum, header.checksum.size());
+  const std::string context = PayloadContext(header.ids);
+
+  if ((header.flags & ~kKnownFlags) != 0) {
+    return InvalidArgument("{}: unknown flag bits 0x{:04x}", context, header.flags & ~kKnownFlags);
+  }
+  const uint8_t compression = LoadLE<uint8_t>(h + kOffsetCompression);
+  if (compression != kCompressionZstd) {
+    return InvalidArgument("{}: unsupported compression {} (v1 knows 1 = zstd)", context,
+                           compression);
+  }
+  const uint8_t mac_algorithm = LoadLE<uint8_t>(h + kOffsetMacAlgorithm);
+  if (mac_algorithm != kMacNone) {
+    return InvalidArgument("{}: unsupported MAC algorithm {} (v1 knows 0 = none)", context,
+                           mac_algorithm);
+  }
+  const uint16_t reserved = LoadLE<uint16_t>(h + kOffsetReserved);
+  if (reserved != 0) {
+    return InvalidArgument("{}: reserved field is 0x{:04x}, must be 0", context, reserved);
+  }
+  for (size_t i = 0; i < kMacSize; ++i) {
+    if (h[kOffsetMac + i] != std::byte{0}) {
+      return InvalidArgument("{}: MAC byte {} is nonzero without a MAC algorithm", context, i);
+    }
+  }
+  if (header.ids.target_version <= header.ids.base_version) {
+    return DataLoss("{}: target_version {} <= base_version {}", context, header.ids.target_version,
+                    header.ids.base_version);
+  }
+  if (header.item_count > limits.max_items) {
+    return ResourceExhausted("{}: {} items > limit {}", context, header.item_count,
+                             limits.max_items);
+  }
+  if (header.body_bytes > limits.max_body_bytes) {
+    return ResourceExhausted("{}: body_bytes {} > limit {}", context, header.body_bytes,
+                             limits.max_body_bytes);
+  }
+  const uint64_t max_compressed_bytes =
+      limits.max_payload_bytes - std::min<uint64_t>(limits.max_payload_bytes, kPayloadHeaderSize);
+  if (header.compressed_bytes > max_compressed_bytes || payload.size() > limits.max_payload_bytes) {
+    return ResourceExhausted("{}: payload of {} bytes (compressed body {}) > limit {}", context,
+                             payload.size(), header.compressed_bytes, limits.max_payload_bytes);
+  }
+  if (header.compressed_bytes != payload.size() - kPayloadHeaderSize) {
+    return DataLoss("{}: compressed_bytes {} but {} bytes follow the header ({})", context,
+                    header.compressed_bytes, payload.size() - kPayloadHeaderSize,
+                    header.compressed_bytes > payload.size() - kPayloadHeaderSize
+                        ? "truncated"
+                        : "trailing bytes");
+  }
+  if (header.item_count > header.body_bytes / kMinItemEntryBytes) {
+    return DataLoss("{}: {} items cannot fit a body of {} bytes ({} bytes per item at least)",
+                    context, header.item_count, header.body_bytes, kMinItemEntryBytes);
+  }
+  return header;
+}
+
+// ---- DecodePayload. ----------------------------------------------------------------------------
+
+Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
+                                     const PayloadLimits& limits) {
+  DecodedPayload decoded;
+  REFIT_ASSIGN_OR_RETURN(decoded.header_, ValidatePayloadHeader(payload, limits));
+  const PayloadHeader& header = decoded.header_;
+  const PayloadIds& ids = header.ids;
+  const std::string context = PayloadContext(ids);
+  const auto compressed = payload.subspan(kPayloadHeaderSize);
+
+  // Checksum first: nothing of a corrupt body reaches the decompressor.
+  const XXH128_hash_t checksum = XXH3_128bits(compressed.data(), compressed.size());
+  if (checksum.low64 != LoadLE<uint64_t>(header.checksum.data()) ||
+      checksum.high64 != LoadLE<uint64_t>(header.checksum.data() + sizeof(uint64_t))) {
+    return DataLoss("{}: body checksum mismatch (stored {:016x}{:016x}, computed {:016x}{:016x})",
+                    context, LoadLE<uint64_t>(header.checksum.data() + sizeof(uint64_t)),
+                    LoadLE<uint64_t>(header.checksum.data()),
+                    static_cast<uint64_t>(checksum.high64), static_cast<uint64_t>(checksum.low64));
+  }
+  // The frame must declare exactly body_bytes (bounded by the limits) before we allocate it.
+  REFIT_RETURN_NOT_OK(CheckZstdFrame(compressed, header));
+
+  decoded.body_ = std::make_unique<std::vector<std::byte>>(header.body_bytes);
+  std::vector<std::byte>& body = *decoded.body_;
+  ZSTD_DCtx* dctx = ThreadDecompressionContext();
+  if (dctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context);
+  ZSTD_DCtx_reset(dctx, ZSTD_reset_session_and_parameters);
+  const size_t decompressed =
+      ZSTD_decompressDCtx(dctx, body.data(), body.size(), compressed.data(), compressed.size());
+  if (ZSTD_isError(decompressed)) {
+    return DataLoss("{}: zstd decompression failed: {}", context, ZSTD_getErrorName(decompressed));
+  }
+  if (decompressed != header.body_bytes) {
+    return DataLoss("{}: body decompressed to {} bytes, header says {}", context, decompressed,
+                    header.body_bytes);
+  }
+
+  // Item table.
+  BodyReader reader(body);
+  std::vector<uint64_t> location_bytes;
+  location_bytes.reserve(header.item_count);
+  decoded.items_.reserve(header.item_count);
+  for (size_t i = 0; i < header.item_count; ++i) {
+    REFIT_ASSIGN_OR_RETURN(ParsedEntry entry, ParseItemEntry(&reader, ids, i, limits));
+    Result<uint64_t> numel = NumElements(entry.view.shape);
+    if (!numel.ok()) {
+      return DataLoss("{}: {}", ItemContext(ids, i, entry.view.name), numel.status().message());
+    }
+    REFIT_RETURN_NOT_OK(CheckItemRules(entry.view, *numel, limits, ids, i));
+    location_bytes.push_back(entry.location_bytes);
+    decoded.items_.push_back(std::move(entry.view));
+  }
+  std::span<ItemView> items(decoded.items_);
+  REFIT_RETURN_NOT_OK(CheckSameNameAgreement(items, ids));
+
+  // Location section: each item's bytes in item order.
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].location_encoding == LocationEncoding::kAll && location_bytes[i] != 0) {
+      return DataLoss("{}: location encoding all with {} location bytes",
+                      ItemContext(ids, i, items[i].name), location_bytes[i]);
+    }
+    auto where = [&] { return ItemContext(ids, i, items[i].name) + " locations"; };
+    REFIT_ASSIGN_OR_RETURN(auto locations, reader.Take(location_bytes[i], where));
+    items[i].locations = std::span<const uint8_t>(
+        reinterpret_cast<const uint8_t*>(locations.data()), locations.size());
+  }
+
+  // Value groups: their headers must match what the item table implies.
+  REFIT_ASSIGN_OR_RETURN(GroupPlan plan, PlanGroups(items, ids));
+  std::vector<size_t> group_offset(plan.groups.size());
+  uint64_t largest_group_bytes = 0;
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const GroupPlan::Group& group = plan.groups[g];
+    auto where = [&] { return fmt::format("{}: value group {}", context, g); };
+    REFIT_ASSIGN_OR_RETURN(uint8_t width, reader.Read<uint8_t>(where));
+    REFIT_ASSIGN_OR_RETURN(uint64_t element_count, reader.Read<uint64_t>(where));
+    if (width != group.width || element_count != group.element_count) {
+      return DataLoss("{} declares width {} × {} elements; the item table implies {} × {}", where(),
+                      width, element_count, group.width, group.element_count);
+    }
+    if (element_count > reader.remaining() / width) {
+      return DataLoss("{}: {} elements of {} bytes exceed the {} bytes left in the body", where(),
+                      element_count, width, reader.remaining());
+    }
+    group_offset[g] = reader.position();
+    const uint64_t group_bytes = element_count * width;
+    largest_group_bytes = std::max(largest_group_bytes, group_bytes);
+    REFIT_RETURN_NOT_OK(reader.Take(group_bytes, where).status());
+  }
+  if (reader.remaining() != 0) {
+    return DataLoss("{}: {} trailing bytes after the last value group at body offset {}", context,
+                    reader.remaining(), reader.position());
+  }
+
+  // Every structure is consistent; now the O(count) checks of each item's locations.
+  for (size_t i = 0; i < items.size(); ++i) {
+    REFIT_RETURN_NOT_OK(ValidateLocations(items[i], ids, i));
+  }
+
+  // Join byte planes in place (through one scratch buffer), then point each item at its values.
+  if ((header.flags & kPayloadFlagBytePlanes) != 0) {
+    std::vector<std::byte> joined(largest_group_bytes);
+    for (size_t g = 0; g < plan.groups.size(); ++g) {
+      const uint32_t width = plan.groups[g].width;
+      if (width == 1) continue;  // One plane is the values themselves.
+      const size_t group_bytes = plan.groups[g].element_count * width;
+      std::span<std::byte> planes(body.data() + group_offset[g], group_bytes);
+      JoinBytePlanes(planes, width, std::span<std::byte>(joined.data(), group_bytes));
+      std::memcpy(planes.data(), joined.data(), group_bytes);
+    }
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const size_t g = plan.item_group[i];
+    const uint32_t width = plan.groups[g].width;
+    items[i].values = std::span<const std::byte>(
+        body.data() + group_offset[g] + plan.item_first_element[i] * width, items[i].count * width);
+  }
+  return decoded;
+}
+
+}  // namespace refit

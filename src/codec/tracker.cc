@@ -1,1 +1,473 @@
-// Not written yet.
+#include "refit/tracker.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "core/mapped_file.h"
+#include "refit/digest.h"
+#include "refit/locations.h"
+#include "refit/values.h"
+#include "util/check.h"
+
+namespace refit {
+namespace {
+
+/// The bytes of one tensor's baseline: anonymous memory or an unlinked mmapped temp file.
+class BaselineBuffer {
+ public:
+  static Result<std::unique_ptr<BaselineBuffer>> Make(const TrackerOptions& options, size_t size) {
+    auto buffer = std::unique_ptr<BaselineBuffer>(new BaselineBuffer());
+    if (options.baseline_storage == BaselineStorage::kFile && size > 0) {
+      REFIT_ASSIGN_OR_RETURN(buffer->file_,
+                             internal::MappedFile::CreateTemporary(options.baseline_dir, size));
+      buffer->bytes_ = buffer->file_->bytes();
+    } else {
+      buffer->memory_ = std::make_unique_for_overwrite<std::byte[]>(size);
+      buffer->bytes_ = {buffer->memory_.get(), size};
+    }
+    return buffer;
+  }
+  std::span<std::byte> bytes() { return bytes_; }
+
+ private:
+  BaselineBuffer() = default;
+  std::unique_ptr<std::byte[]> memory_;
+  std::unique_ptr<internal::MappedFile> file_;
+  std::span<std::byte> bytes_;
+};
+
+/// Changes of one tensor recorded by Encode and applied by Commit.
+struct PendingChanges {
+  /// New bits at changed locations of an existing baseline (unsorted across spans).
+  std::vector<uint64_t> locations;
+  std::vector<std::byte> new_bits;
+  /// A tensor introduced or reshaped at an anchor: its complete new baseline.
+  std::unique_ptr<BaselineBuffer> replacement;
+  DType replacement_dtype = DType::kUInt8;
+  Shape replacement_shape;
+  uint64_t replacement_covered = 0;
+  /// Σ h(i, new) − h(i, old) over the changes (mod 2^64); for a replacement, its full digest.
+  uint64_t digest_delta = 0;
+  uint64_t changed = 0;
+};
+
+struct BaselineEntry {
+  DType dtype = DType::kUInt8;
+  Shape shape;
+  uint64_t numel = 0;
+  std::unique_ptr<BaselineBuffer> buffer;
+  uint64_t digest = 0;
+  /// Guards `pending` against concurrent Encode calls on disjoint spans of this tensor.
+  std::mutex pending_mutex;
+  PendingChanges pending;
+};
+
+void GatherBits(std::span<const std::byte> tensor, uint32_t width,
+                std::span<const uint64_t> locations, std::byte* out) {
+  for (size_t k = 0; k < locations.size(); ++k) {
+    std::memcpy(out + k * width, tensor.data() + locations[k] * width, width);
+  }
+}
+
+uint64_t DigestDelta(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
+                     uint32_t width, std::span<const uint64_t> locations) {
+  uint64_t delta = 0;
+  for (uint64_t location : locations) {
+    delta += ElementHash(location, LoadBits(new_tensor, width, location)) -
+             ElementHash(location, LoadBits(old_tensor, width, location));
+  }
+  return delta;
+}
+
+/// Scatter new bits into the baseline. A contiguous run of locations is one memcpy.
+void ScatterBits(std::span<std::byte> baseline, uint32_t width, std::span<const uint64_t> locations,
+                 std::span<const std::byte> bits) {
+  size_t k = 0;
+  while (k < locations.size()) {
+    size_t run = 1;
+    while (k + run < locations.size() && locations[k + run] == locations[k] + run) ++run;
+    std::memcpy(baseline.data() + locations[k] * width, bits.data() + k * width, run * width);
+    k += run;
+  }
+}
+
+}  // namespace
+
+struct DeltaTracker::State {
+  TrackerOptions options;
+  std::set<std::string, std::less<>> overwrite_names;
+  uint64_t version = 0;
+  uint64_t committed_transfers = 0;
+  uint64_t changed_since_anchor = 0;
+  std::optional<TransferPlan> open;
+  /// Guards the map's shape (insertions at anchors); entries themselves are stable.
+  mutable std::shared_mutex entries_mutex;
+  std::unordered_map<std::string, std::unique_ptr<BaselineEntry>> entries;
+
+  uint64_t TotalElements() const {
+    uint64_t total = 0;
+    for (const auto& [name, entry] : entries) total += entry->numel;
+    return total;
+  }
+
+  Status CheckOpen(const TransferId& id, std::string_view action) const {
+    if (!open) {
+      return FailedPrecondition("{} for transfer {}: no transfer is open", action, id.ToHex());
+    }
+    if (!(open->transfer_id == id)) {
+      return FailedPrecondition("{} for transfer {}: the open transfer is {}", action, id.ToHex(),
+                                open->transfer_id.ToHex());
+    }
+    return Status::OK();
+  }
+
+  BaselineEntry* FindOrCreateEntry(const std::string& name) {
+    {
+      std::shared_lock lock(entries_mutex);
+      auto it = entries.find(name);
+      if (it != entries.end()) return it->second.get();
+    }
+    std::unique_lock lock(entries_mutex);
+    auto& slot = entries[name];
+    if (!slot) slot = std::make_unique<BaselineEntry>();
+    return slot.get();
+  }
+
+  BaselineEntry* FindEntry(const std::string& name) const {
+    std::shared_lock lock(entries_mutex);
+    auto it = entries.find(name);
+    return it == entries.end() ? nullptr : it->second.get();
+  }
+
+  Result<EncodeResult> EncodeAnchor(const TensorView& current, uint64_t begin, uint64_t end);
+  Result<EncodeResult> EncodeDelta(BaselineEntry& entry, const TensorView& current, uint64_t begin,
+                                   uint64_t end);
+  Result<Item> MakeItem(const TensorView& current, Op op, DType value_dtype, uint64_t begin,
+                        uint64_t end, std::span<const uint64_t> locations,
+                        std::vector<std::byte> values, uint64_t digest) const;
+};
+
+DeltaTracker::DeltaTracker(std::unique_ptr<State> state) : state_(std::move(state)) {}
+DeltaTracker::~DeltaTracker() = default;
+
+Result<std::unique_ptr<DeltaTracker>> DeltaTracker::Make(const TrackerOptions& options) {
+  if (options.op == Op::kFull) {
+    return InvalidArgument("tracker op must be xor, overwrite or add, not full");
+  }
+  if (options.op == Op::kAdd && !AddSupported(DType::kFloat32, options.add_delta_dtype)) {
+    return InvalidArgument("add_delta_dtype {} is not a float16/bfloat16/float32/float64 type",
+                           DTypeName(options.add_delta_dtype));
+  }
+  if (options.max_drift_fraction < 0.0 || options.max_drift_fraction > 1.0) {
+    return InvalidArgument("max_drift_fraction {} is outside [0, 1]", options.max_drift_fraction);
+  }
+  if (options.compare.threads < 1) {
+    return InvalidArgument("compare threads {} must be >= 1", options.compare.threads);
+  }
+  auto state = std::make_unique<State>();
+  state->options = options;
+  state->overwrite_names.insert(options.overwrite_names.begin(), options.overwrite_names.end());
+  state->version = options.initial_version;
+  return std::unique_ptr<DeltaTracker>(new DeltaTracker(std::move(state)));
+}
+
+Result<TransferPlan> DeltaTracker::Begin(const TransferId& id, bool force_anchor) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot begin transfer {}: transfer {} is still open", id.ToHex(),
+                              s.open->transfer_id.ToHex());
+  }
+  const TrackerOptions& o = s.options;
+  bool anchor = force_anchor || s.committed_transfers == 0;
+  if (o.full_sync_interval > 0 && s.committed_transfers % o.full_sync_interval == 0) anchor = true;
+  if (o.max_drift_fraction > 0.0) {
+    const uint64_t total = s.TotalElements();
+    if (total > 0 && static_cast<double>(s.changed_since_anchor) >
+                         o.max_drift_fraction * static_cast<double>(total)) {
+      anchor = true;
+    }
+  }
+  s.open = TransferPlan{id, anchor, s.version, s.version + 1};
+  return *s.open;
+}
+
+Result<Item> DeltaTracker::State::MakeItem(const TensorView& current, Op op, DType value_dtype,
+                                           uint64_t begin, uint64_t end,
+                                           std::span<const uint64_t> locations,
+                                           std::vector<std::byte> values, uint64_t digest) const {
+  Item item;
+  item.name = current.name;
+  item.dtype = current.dtype;
+  item.shape = current.shape;
+  item.op = op;
+  item.value_dtype = value_dtype;
+  item.span_begin = begin;
+  item.span_end = end;
+  item.digest = digest;
+  item.values = std::move(values);
+  if (op == Op::kFull) {
+    item.count = end - begin;
+    item.location_encoding = LocationEncoding::kAll;
+    return item;
+  }
+  item.count = locations.size();
+  REFIT_ASSIGN_OR_RETURN(item.location_encoding,
+                         ChooseLocationEncoding(locations, begin, end,
+                                                options.force_location_encoding));
+  REFIT_RETURN_NOT_OK(
+      EncodeLocations(item.location_encoding, locations, begin, end, &item.locations));
+  return item;
+}
+
+Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current, uint64_t begin,
+                                                       uint64_t end) {
+  const uint32_t width = DTypeSize(current.dtype);
+  BaselineEntry* entry = FindOrCreateEntry(current.name);
+  EncodeResult result;
+  result.total_elements = end - begin;
+  const auto span_bytes = current.bytes.subspan(begin * width, (end - begin) * width);
+  const uint64_t span_digest = DigestRange(current.bytes, width, begin, end);
+
+  std::lock_guard lock(entry->pending_mutex);
+  PendingChanges& pending = entry->pending;
+  const bool same_layout =
+      entry->buffer && entry->dtype == current.dtype && entry->shape == current.shape;
+  if (same_layout && !pending.replacement) {
+    // Keep the pending state O(changes) even though the payload carries every element.
+    const auto baseline = entry->buffer->bytes();
+    REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> changed,
+                           FindChangedLocations(baseline, current.bytes, width, begin, end,
+                                                options.compare));
+    pending.digest_delta += DigestDelta(baseline, current.bytes, width, changed);
+    const size_t old_bits = pending.new_bits.size();
+    pending.new_bits.resize(old_bits + changed.size() * width);
+    GatherBits(current.bytes, width, changed, pending.new_bits.data() + old_bits);
+    pending.locations.insert(pending.locations.end(), changed.begin(), changed.end());
+    pending.changed += changed.size();
+    result.changed_elements = changed.size();
+  } else {
+    // New or reshaped tensor: its baseline is built here and installed at commit.
+    if (!pending.replacement) {
+      REFIT_ASSIGN_OR_RETURN(pending.replacement,
+                             BaselineBuffer::Make(options, current.bytes.size()));
+      pending.replacement_dtype = current.dtype;
+      pending.replacement_shape = current.shape;
+      pending.digest_delta = 0;
+    } else if (pending.replacement_dtype != current.dtype ||
+               pending.replacement_shape != current.shape) {
+      return InvalidArgument("tensor '{}': span [{}, {}) has dtype {} shape {}, earlier spans {} {}",
+                             current.name, begin, end, DTypeName(current.dtype),
+                             ShapeToString(current.shape), DTypeName(pending.replacement_dtype),
+                             ShapeToString(pending.replacement_shape));
+    }
+    std::memcpy(pending.replacement->bytes().data() + begin * width, span_bytes.data(),
+                span_bytes.size());
+    pending.replacement_covered += end - begin;
+    pending.digest_delta += span_digest;
+    pending.changed += end - begin;
+    result.changed_elements = end - begin;
+  }
+  std::vector<std::byte> values(span_bytes.begin(), span_bytes.end());
+  REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, Op::kFull, current.dtype, begin, end, {},
+                                             std::move(values), span_digest));
+  result.items.push_back(std::move(item));
+  return result;
+}
+
+Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
+                                                      const TensorView& current, uint64_t begin,
+                                                      uint64_t end) {
+  const uint32_t width = DTypeSize(current.dtype);
+  const auto baseline = entry.buffer->bytes();
+  EncodeResult result;
+  result.total_elements = end - begin;
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> changed,
+                         FindChangedLocations(baseline, current.bytes, width, begin, end,
+                                              options.compare));
+  result.changed_elements = changed.size();
+  if (changed.empty()) return result;
+
+  // Record the exact new bits first: whatever op travels, commit installs these.
+  std::vector<std::byte> new_bits(changed.size() * width);
+  GatherBits(current.bytes, width, changed, new_bits.data());
+
+  Op op = options.op;
+  if (overwrite_names.contains(current.name)) op = Op::kOverwrite;
+  DType value_dtype = current.dtype;
+  if (op == Op::kAdd) {
+    if (AddSupported(current.dtype, options.add_delta_dtype)) {
+      value_dtype = options.add_delta_dtype;
+    } else {
+      op = Op::kOverwrite;  // Integers and FP8 have no exact additive form; documented.
+    }
+  }
+
+  uint64_t digest_total = 0;
+  {
+    std::lock_guard lock(entry.pending_mutex);
+    entry.pending.locations.insert(entry.pending.locations.end(), changed.begin(), changed.end());
+    entry.pending.new_bits.insert(entry.pending.new_bits.end(), new_bits.begin(), new_bits.end());
+    entry.pending.changed += changed.size();
+  }
+
+  if (op == Op::kOverwrite) {
+    const uint64_t digest = DigestDelta(baseline, current.bytes, width, changed);
+    digest_total = digest;
+    REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
+                                               std::move(new_bits), digest));
+    result.items.push_back(std::move(item));
+  } else {
+    REFIT_ASSIGN_OR_RETURN(OpValues values, MakeOpValues(op, current.dtype, value_dtype, baseline,
+                                                         current.bytes, std::move(changed)));
+    if (!values.locations.empty()) {
+      const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.locations);
+      digest_total += digest;
+      REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end,
+                                                 values.locations, std::move(values.values),
+                                                 digest));
+      result.items.push_back(std::move(item));
+    }
+    if (!values.demoted_locations.empty()) {
+      const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.demoted_locations);
+      digest_total += digest;
+      REFIT_ASSIGN_OR_RETURN(Item item,
+                             MakeItem(current, Op::kOverwrite, current.dtype, begin, end,
+                                      values.demoted_locations, std::move(values.demoted_values),
+                                      digest));
+      result.items.push_back(std::move(item));
+    }
+  }
+  std::lock_guard lock(entry.pending_mutex);
+  entry.pending.digest_delta += digest_total;
+  return result;
+}
+
+Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView& current,
+                                          uint64_t span_begin, uint64_t span_end) {
+  State& s = *state_;
+  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "encode"));
+  REFIT_RETURN_NOT_OK(CheckTensorSize(current));
+  const uint64_t numel = current.numel();
+  if (span_end == UINT64_MAX) span_end = numel;
+  if (span_begin > span_end || span_end > numel) {
+    return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
+                           span_begin, span_end, numel);
+  }
+  if (s.open->anchor) return s.EncodeAnchor(current, span_begin, span_end);
+
+  BaselineEntry* entry = s.FindEntry(current.name);
+  if (entry == nullptr || !entry->buffer) {
+    return FailedPrecondition(
+        "tensor '{}' has no baseline; only an anchor (FULL) transfer may introduce a tensor",
+        current.name);
+  }
+  if (entry->dtype != current.dtype || entry->shape != current.shape) {
+    return FailedPrecondition(
+        "tensor '{}' is {} {} but its baseline is {} {}; only an anchor may reshape a tensor",
+        current.name, DTypeName(current.dtype), ShapeToString(current.shape),
+        DTypeName(entry->dtype), ShapeToString(entry->shape));
+  }
+  return s.EncodeDelta(*entry, current, span_begin, span_end);
+}
+
+Status DeltaTracker::Commit(const TransferId& id) {
+  State& s = *state_;
+  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "commit"));
+  // Check everything before changing anything, so a failed commit leaves the tracker intact.
+  for (const auto& [name, entry] : s.entries) {
+    const PendingChanges& p = entry->pending;
+    if (!p.replacement) continue;
+    REFIT_ASSIGN_OR_RETURN(uint64_t numel, NumElements(p.replacement_shape));
+    if (p.replacement_covered != numel) {
+      return FailedPrecondition("commit of transfer {}: tensor '{}' covered {} of {} elements",
+                                id.ToHex(), name, p.replacement_covered, numel);
+    }
+  }
+  uint64_t changed = 0;
+  for (auto& [name, entry] : s.entries) {
+    PendingChanges& p = entry->pending;
+    changed += p.changed;
+    if (p.replacement) {
+      entry->buffer = std::move(p.replacement);
+      entry->dtype = p.replacement_dtype;
+      entry->shape = p.replacement_shape;
+      entry->numel = entry->buffer->bytes().size() / DTypeSize(entry->dtype);
+      entry->digest = p.digest_delta;
+    } else if (!p.locations.empty()) {
+      ScatterBits(entry->buffer->bytes(), DTypeSize(entry->dtype), p.locations, p.new_bits);
+      entry->digest += p.digest_delta;
+    }
+    p = PendingChanges{};
+  }
+  // Entries created by an anchor Encode that never received data stay out of the baseline.
+  std::erase_if(s.entries, [](const auto& kv) { return !kv.second->buffer; });
+  s.changed_since_anchor = s.open->anchor ? 0 : s.changed_since_anchor + changed;
+  s.version = s.open->target_version;
+  ++s.committed_transfers;
+  s.open.reset();
+  return Status::OK();
+}
+
+Status DeltaTracker::Abort(const TransferId& id) {
+  State& s = *state_;
+  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "abort"));
+  for (auto& [name, entry] : s.entries) entry->pending = PendingChanges{};
+  std::erase_if(s.entries, [](const auto& kv) { return !kv.second->buffer; });
+  s.open.reset();
+  return Status::OK();
+}
+
+uint64_t DeltaTracker::version() const { return state_->version; }
+
+std::optional<TransferPlan> DeltaTracker::open_transfer() const { return state_->open; }
+
+std::map<std::string, uint64_t> DeltaTracker::Digests() const {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, entry] : state_->entries) {
+    if (entry->buffer) out[name] = entry->digest;
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> DeltaTracker::PendingDigests() const {
+  std::map<std::string, uint64_t> out;
+  for (const auto& [name, entry] : state_->entries) {
+    const PendingChanges& p = entry->pending;
+    if (p.replacement) {
+      out[name] = p.digest_delta;
+    } else if (entry->buffer) {
+      out[name] = entry->digest + p.digest_delta;
+    }
+  }
+  return out;
+}
+
+uint64_t DeltaTracker::baseline_bytes() const {
+  uint64_t total = 0;
+  for (const auto& [name, entry] : state_->entries) {
+    if (entry->buffer) total += entry->buffer->bytes().size();
+  }
+  return total;
+}
+
+uint64_t DeltaTracker::pending_bytes() const {
+  uint64_t total = 0;
+  for (const auto& [name, entry] : state_->entries) {
+    const PendingChanges& p = entry->pending;
+    total += p.locations.size() * sizeof(uint64_t) + p.new_bits.size();
+    if (p.replacement) total += p.replacement->bytes().size();
+  }
+  return total;
+}
+
+Result<TensorView> DeltaTracker::Baseline(const std::string& name) const {
+  const BaselineEntry* entry = state_->FindEntry(name);
+  if (entry == nullptr || !entry->buffer) return NotFound("no baseline for tensor '{}'", name);
+  return TensorView{name, entry->dtype, entry->shape, entry->buffer->bytes()};
+}
+
+}  // namespace refit

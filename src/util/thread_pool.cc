@@ -1,1 +1,203 @@
-// Not written yet.
+#include "util/thread_pool.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "util/check.h"
+#include "util/logging.h"
+
+namespace refit::internal {
+namespace {
+
+// Linux limits thread names to 15 bytes plus the terminating NUL.
+constexpr size_t kMaxThreadNameBytes = 15;
+
+// Name the calling thread "<prefix>-<index>", shortening the prefix so the index survives.
+void NameCurrentThread(const std::string& prefix, int index) {
+  const std::string suffix = fmt::format("-{}", index);
+  const size_t prefix_bytes = kMaxThreadNameBytes - std::min(suffix.size(), kMaxThreadNameBytes);
+  const std::string name = prefix.substr(0, prefix_bytes) + suffix;
+  // Naming is a debugging aid; failing to name a thread is harmless, so the result is ignored.
+  pthread_setname_np(pthread_self(), name.c_str());
+}
+
+// The pool whose worker is running on this thread, to catch Stop() from inside a task.
+thread_local const ThreadPool* current_pool = nullptr;
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0); }
+
+}  // namespace
+
+ThreadPool::ThreadPool(std::string name, size_t queue_depth)
+    : name_(std::move(name)), queue_(queue_depth, fmt::format("thread pool '{}'", name_)) {}
+
+Result<std::unique_ptr<ThreadPool>> ThreadPool::Make(const Options& options) {
+  if (options.threads < 0 || options.threads > kMaxThreads) {
+    return InvalidArgument("thread pool '{}': threads {} is outside [0, {}]", options.name,
+                           options.threads, kMaxThreads);
+  }
+  if (options.name.empty()) return InvalidArgument("thread pool name is empty");
+  const int threads = options.threads > 0
+                          ? options.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const size_t queue_depth = options.queue_depth > 0
+                                 ? options.queue_depth
+                                 : static_cast<size_t>(threads) * kDefaultQueueDepthPerThread;
+  // Not make_unique: the constructor is private.
+  std::unique_ptr<ThreadPool> pool(new ThreadPool(options.name, queue_depth));
+  pool->workers_.reserve(static_cast<size_t>(threads));
+  for (int i = 0; i < threads; ++i) {
+    // std::thread reports an OS refusal (EAGAIN: thread or memory limit) only by throwing; turn
+    // it into a Status here so no exception leaves the library. The pool's destructor stops the
+    // workers already started.
+    try {
+      pool->workers_.emplace_back(
+          [raw = pool.get(), i](std::stop_token stop) { raw->RunWorker(std::move(stop), i); });
+    } catch (const std::system_error& error) {
+      return ResourceExhausted("thread pool '{}': cannot start worker {} of {}: {}", options.name,
+                               i, threads, error.what());
+    }
+  }
+  return pool;
+}
+
+ThreadPool::~ThreadPool() { Stop(); }
+
+Status ThreadPool::Submit(Task task, TaskCompletion on_done, std::stop_token stop) {
+  return queue_.Push(Work{std::move(task), std::move(on_done)}, std::move(stop));
+}
+
+void ThreadPool::Stop() {
+  REFIT_DCHECK(current_pool != this, "ThreadPool::Stop called from one of its own tasks");
+  std::lock_guard lock(stop_mutex_);
+  if (stopped_) return;
+  stopped_ = true;
+  queue_.Close();
+  for (std::jthread& worker : workers_) worker.request_stop();
+  for (std::jthread& worker : workers_) worker.join();
+  // The workers are gone; whatever is still queued never ran. Its owners (TaskGroups) wait for
+  // a completion, so each one gets Cancelled rather than silence.
+  while (std::optional<Work> work = queue_.TryPop()) {
+    Complete(*work, Cancelled("thread pool '{}' stopped before the task ran", name_));
+  }
+}
+
+void ThreadPool::RunWorker(std::stop_token stop, int index) {
+  NameCurrentThread(name_, index);
+  current_pool = this;
+  while (std::optional<Work> work = queue_.Pop(stop)) {
+    Status status = work->task(stop);
+    Complete(*work, std::move(status));
+  }
+  current_pool = nullptr;
+}
+
+void ThreadPool::Complete(Work& work, Status status) {
+  if (work.on_done) {
+    work.on_done(std::move(status));
+  } else if (!status.ok()) {
+    REFIT_LOG_WARN("thread pool '{}': task failed: {}", name_, status.ToString());
+  }
+}
+
+TaskGroup::~TaskGroup() {
+  bool idle = false;
+  {
+    std::lock_guard lock(mutex_);
+    idle = pending_ == 0;
+  }
+  if (!idle) {
+    RequestStop();
+    Wait().IgnoreError();
+  }
+}
+
+void TaskGroup::Submit(Task task) {
+  if (stop_source_.stop_requested()) {
+    // Not run, yet still reported: if the stop came from the pool rather than from an error,
+    // Wait() must not claim the whole batch succeeded.
+    Finish(Cancelled("task group stopped before the task was submitted"));
+    return;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    ++pending_;
+  }
+  if (pool_ == nullptr) {
+    Finish(task(stop_source_.get_token()));
+    return;
+  }
+  Status submitted = pool_->Submit(
+      [this, task = std::move(task)](std::stop_token pool_stop) -> Status {
+        if (stop_source_.stop_requested()) {
+          return Cancelled("task group stopped before the task started");
+        }
+        // A task sees one token; forward the pool's stop into the group's so either cancels it.
+        std::stop_callback forward_pool_stop(pool_stop, [this] { stop_source_.request_stop(); });
+        return task(stop_source_.get_token());
+      },
+      [this](Status status) { Finish(std::move(status)); }, stop_source_.get_token());
+  if (!submitted.ok()) Finish(std::move(submitted));
+}
+
+Status TaskGroup::Wait() {
+  std::unique_lock lock(mutex_);
+  all_done_.wait(lock, [this] { return pending_ == 0; });
+  return first_error_;
+}
+
+void TaskGroup::RequestStop() {
+  {
+    std::lock_guard lock(mutex_);
+    if (first_error_.ok()) first_error_ = Cancelled("task group cancelled");
+  }
+  stop_source_.request_stop();
+}
+
+void TaskGroup::Finish(Status status) {
+  bool first_error = false;
+  {
+    std::lock_guard lock(mutex_);
+    if (!status.ok() && first_error_.ok()) {
+      first_error_ = std::move(status);
+      first_error = true;
+    }
+    // Notify under the lock: once pending_ reaches 0 a waiter may return and destroy the group,
+    // so nothing of `this` may be touched after the lock is released — except stop_source_,
+    // which is safe because a group with an unreported error still has pending_ > 0 below.
+    if (--pending_ == 0) all_done_.notify_all();
+  }
+  if (first_error) stop_source_.request_stop();
+}
+
+Status ParallelFor(ThreadPool* pool, uint64_t n, const RangeFunction& fn, uint64_t min_chunk) {
+  if (n == 0) return Status::OK();
+  if (pool == nullptr) return fn(0, n);
+  const uint64_t max_chunks = static_cast<uint64_t>(pool->threads()) * kParallelForChunksPerThread;
+  const uint64_t chunks = std::min(CeilDiv(n, std::max<uint64_t>(min_chunk, 1)), max_chunks);
+  const uint64_t chunk = CeilDiv(n, chunks);
+  TaskGroup group(pool);
+  for (uint64_t begin = 0; begin < n && !group.stop_token().stop_requested();) {
+    const uint64_t end = begin + std::min(chunk, n - begin);
+    group.Submit([&fn, begin, end](std::stop_token) { return fn(begin, end); });
+    begin = end;
+  }
+  return group.Wait();
+}
+
+Status ParallelFor(int threads, uint64_t n, const RangeFunction& fn, uint64_t min_chunk) {
+  if (threads == 1 || n <= std::max<uint64_t>(min_chunk, 1)) {
+    return n == 0 ? Status::OK() : fn(0, n);
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ThreadPool> pool,
+                         ThreadPool::Make({.threads = threads, .name = "parallel-for"}));
+  return ParallelFor(pool.get(), n, fn, min_chunk);
+}
+
+}  // namespace refit::internal

@@ -1,1 +1,221 @@
+#include "refit/apply.h"
+
+#include <gtest/gtest.h>
+
+#include "refit/digest.h"
+#include "refit/tracker.h"
+#include "test_data.h"
 #include "test_util.h"
+
+namespace refit {
+namespace {
+
+using testing::Perturb;
+using testing::RandomTensor;
+
+struct Snapshot {
+  std::map<std::string, std::vector<std::byte>> bytes;
+  std::map<std::string, uint64_t> digests;
+  friend bool operator==(const Snapshot&, const Snapshot&) = default;
+};
+
+Snapshot Take(const WeightStore& store) {
+  Snapshot s;
+  for (const TensorView& t : store.tensors()) s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
+  s.digests = store.Digests();
+  return s;
+}
+
+/// A producer and a receiver that start from the same weights, like a trainer and one replica.
+class ApplyTest : public ::testing::TestWithParam<std::tuple<DType, Op>> {
+ protected:
+  void SetUp() override {
+    const auto [dtype, op] = GetParam();
+    TrackerOptions options;
+    options.op = op;
+    options.add_delta_dtype = DType::kFloat32;
+    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make(options));
+    store_ = WeightStore::Make();
+    v0_ = {RandomTensor("model.embed.weight", dtype, {300, 17}, 1),
+           RandomTensor("model.norm.weight", dtype, {17}, 2)};
+    const TransferId id = TransferId::Random();
+    ASSERT_OK(tracker_->Begin(id));
+    for (const OwnedTensor& t : v0_) {
+      ASSERT_OK(tracker_->Encode(id, t.view()));
+      ASSERT_OK(store_->AddCopy(t.view()));
+    }
+    ASSERT_OK(tracker_->Commit(id));
+    store_->set_version(tracker_->version());
+  }
+
+  /// Encode `next` as one transfer into one payload per tensor.
+  std::vector<std::vector<std::byte>> EncodeStep(const std::vector<OwnedTensor>& next,
+                                                 const TransferId& id) {
+    auto plan = tracker_->Begin(id);
+    EXPECT_TRUE(plan.ok());
+    std::vector<std::vector<std::byte>> payloads;
+    uint32_t payload_id = 0;
+    for (const OwnedTensor& t : next) {
+      auto encoded = tracker_->Encode(id, t.view());
+      EXPECT_TRUE(encoded.ok()) << encoded.status().ToString();
+      std::vector<ItemView> views;
+      for (const Item& item : encoded->items) views.push_back(item.view());
+      PayloadIds ids{id, 0, payload_id++, plan->base_version, plan->target_version};
+      auto bytes = EncodePayload(ids, views);
+      EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+      payloads.push_back(std::move(bytes).ValueOrDie());
+    }
+    return payloads;
+  }
+
+  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<WeightStore> store_;
+  std::vector<OwnedTensor> v0_;
+};
+
+TEST_P(ApplyTest, StepsReproduceTheTrainerBitExactlyAndDigestsMatch) {
+  std::vector<OwnedTensor> current = v0_;
+  for (int step = 0; step < 3; ++step) {
+    for (OwnedTensor& t : current) t = Perturb(t, 0.05, 10 * step + t.bytes.size());
+    const TransferId id = TransferId::Random();
+    UndoLog undo;
+    for (const auto& payload : EncodeStep(current, id)) {
+      ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+      ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+    }
+    // The receiver's incrementally kept digests equal a from-scratch digest and the producer's.
+    EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+    EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
+    ASSERT_OK(tracker_->Commit(id));
+    undo.Clear();
+    for (const OwnedTensor& t : current) {
+      ASSERT_OK_AND_ASSIGN(TensorView got, store_->Find(t.name));
+      EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin())) << t.name;
+    }
+  }
+}
+
+TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
+  const Snapshot before = Take(*store_);
+  std::vector<OwnedTensor> next;
+  for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.3, 99));
+  const TransferId id = TransferId::Random();
+  UndoLog undo;
+  for (const auto& payload : EncodeStep(next, id)) {
+    ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+    ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+  }
+  EXPECT_NE(Take(*store_), before);
+  EXPECT_GT(undo.bytes(), 0u);
+  ASSERT_OK(undo.Rollback(*store_));
+  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(undo.records(), 0u);
+  ASSERT_OK(tracker_->Abort(id));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DTypesAndOps, ApplyTest,
+    ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32,
+                                         DType::kFloat8E4M3FN, DType::kFloat8E5M2, DType::kInt64),
+                       ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),
+    [](const auto& info) {
+      return std::string(DTypeName(std::get<0>(info.param))) + "_" +
+             std::string(OpName(std::get<1>(info.param)));
+    });
+
+class ApplyRejectionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_ = WeightStore::Make();
+    base_ = RandomTensor("w", DType::kBFloat16, {1000}, 5);
+    ASSERT_OK(store_->AddCopy(base_.view()));
+    ASSERT_OK(store_->AddCopy(RandomTensor("other", DType::kFloat32, {10}, 6).view()));
+  }
+
+  /// One payload holding an XOR delta of `w` (base → perturbed) plus `extra` items.
+  std::vector<std::byte> MakePayload(std::vector<Item> extra = {}) {
+    auto tracker = DeltaTracker::Make({});
+    EXPECT_TRUE(tracker.ok());
+    const TransferId anchor = TransferId::Random();
+    EXPECT_TRUE((*tracker)->Begin(anchor).ok());
+    EXPECT_TRUE((*tracker)->Encode(anchor, base_.view()).ok());
+    EXPECT_TRUE((*tracker)->Commit(anchor).ok());
+    const TransferId id = TransferId::Random();
+    EXPECT_TRUE((*tracker)->Begin(id).ok());
+    auto r = (*tracker)->Encode(id, Perturb(base_, 0.2, 7).view());
+    EXPECT_TRUE(r.ok());
+    std::vector<ItemView> views;
+    for (const Item& item : r->items) views.push_back(item.view());
+    for (const Item& item : extra) views.push_back(item.view());
+    auto bytes = EncodePayload(PayloadIds{id, 3, 9, 1, 2}, views);
+    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+    return std::move(bytes).ValueOrDie();
+  }
+
+  std::unique_ptr<WeightStore> store_;
+  OwnedTensor base_;
+};
+
+Item OverwriteItem(std::string name, DType dtype, Shape shape) {
+  Item item;
+  item.name = std::move(name);
+  item.dtype = item.value_dtype = dtype;
+  item.shape = shape;
+  item.op = Op::kOverwrite;
+  item.span_end = 4;
+  item.count = 1;
+  item.location_encoding = LocationEncoding::kGap16;
+  item.locations = {0, 0};
+  item.values.resize(DTypeSize(dtype));
+  return item;
+}
+
+TEST_F(ApplyRejectionTest, UnknownTensorAppliesNothing) {
+  const Snapshot before = Take(*store_);
+  // The valid item for 'w' comes first: it must not be applied either.
+  auto payload = MakePayload({OverwriteItem("model.missing", DType::kBFloat16, {4})});
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+  UndoLog undo;
+  EXPECT_STATUS_MSG(NotFound, "model.missing", ApplyPayload(decoded, *store_, &undo));
+  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(undo.records(), 0u);
+}
+
+TEST_F(ApplyRejectionTest, DtypeOrShapeMismatchAppliesNothing) {
+  const Snapshot before = Take(*store_);
+  UndoLog undo;
+  for (Item bad : {OverwriteItem("other", DType::kBFloat16, {10}),
+                   OverwriteItem("other", DType::kFloat32, {2, 5})}) {
+    auto payload = MakePayload({bad});
+    ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+    EXPECT_STATUS_MSG(InvalidArgument, "'other'", ApplyPayload(decoded, *store_, &undo));
+    EXPECT_EQ(Take(*store_), before);
+  }
+}
+
+TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
+  auto payload = MakePayload();
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+  // Diverge the receiver at one element, then remember that state.
+  ASSERT_OK_AND_ASSIGN(MutableTensorView w, store_->Find("w"));
+  w.bytes[0] ^= std::byte{0x40};
+  ASSERT_OK(store_->SetDigest("w", TensorDigest(w.AsConst())));
+  const Snapshot diverged = Take(*store_);
+  UndoLog undo;
+  EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(decoded, *store_, &undo));
+  EXPECT_EQ(Take(*store_), diverged);
+}
+
+TEST_F(ApplyRejectionTest, UndoLogSpansPayloadsAndRollsBackAll) {
+  const Snapshot before = Take(*store_);
+  UndoLog undo;
+  auto payload = MakePayload();
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+  ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+  EXPECT_STATUS(InvalidArgument, ApplyPayload(decoded, *store_, nullptr));
+  ASSERT_OK(undo.Rollback(*store_));
+  EXPECT_EQ(Take(*store_), before);
+}
+
+}  // namespace
+}  // namespace refit

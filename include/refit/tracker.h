@@ -1,0 +1,133 @@
+// DeltaTracker: the producer side of a transfer. It keeps the last committed bits of every owned
+// canonical tensor (the baseline) and turns "the weights now" into items of exact changes.
+//
+// Lifecycle of one transfer:
+//   Begin(id)                  decides anchor (FULL) or delta, fixes base/target versions
+//   Encode(id, tensor[, span]) compares against the baseline, returns items, and records the
+//                              *pending* new bits of changed elements only (O(changes))
+//   Commit(id)                 scatters pending bits into the baseline (O(changes))
+//   Abort(id)                  drops pending bits: the next transfer re-emits the same changes
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/compare.h"
+#include "refit/item.h"
+#include "refit/payload.h"
+#include "refit/status.h"
+#include "refit/tensor.h"
+
+namespace refit {
+
+/// Where the tracker keeps baselines. Behaviour is identical; only memory accounting differs.
+enum class BaselineStorage : uint8_t {
+  /// Anonymous process memory.
+  kMemory,
+  /// An unlinked temporary file per tensor, mmapped shared: the kernel can write clean pages back
+  /// instead of swapping, so a producer's RSS is not charged with the whole baseline.
+  kFile,
+};
+
+/// Options of DeltaTracker::Make.
+struct TrackerOptions {
+  BaselineStorage baseline_storage = BaselineStorage::kMemory;
+  /// Directory for kFile baselines.
+  std::string baseline_dir = "/tmp";
+  /// The first transfer is always an anchor (FULL). With N > 0, every transfer whose number of
+  /// previously committed transfers is a multiple of N is an anchor too (the upstream rule:
+  /// N = 20 → transfers 1, 21, 41, … are FULL). 0 = only the first.
+  uint64_t full_sync_interval = 0;
+  /// Force an anchor when the changed elements committed since the last anchor exceed this
+  /// fraction of all baseline elements (for object-store chains, so late joiners replay a
+  /// bounded chain). 0 = off.
+  double max_drift_fraction = 0.0;
+  /// The op of delta items: kXor (default), kOverwrite or kAdd.
+  Op op = Op::kXor;
+  /// The delta dtype of kAdd items. Tensors whose dtype cannot ADD (integers, FP8) use kOverwrite.
+  DType add_delta_dtype = DType::kBFloat16;
+  /// Tensors that always use kOverwrite in delta transfers (upstream `overwrite_names`).
+  std::vector<std::string> overwrite_names;
+  /// Pin a location encoding (tests); default: the smallest estimate per item.
+  std::optional<LocationEncoding> force_location_encoding;
+  /// Threads and kernel of the comparison inside one Encode call.
+  CompareOptions compare;
+  /// The version the tracker starts at (the receivers' version before the first transfer).
+  uint64_t initial_version = 0;
+};
+
+/// The plan of an open transfer.
+struct TransferPlan {
+  TransferId transfer_id;
+  bool anchor = false;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+};
+
+/// The result of encoding one tensor (or span).
+struct EncodeResult {
+  /// Zero items when nothing changed (delta), one per op otherwise (ADD may add an OVERWRITE
+  /// item for demoted elements).
+  std::vector<Item> items;
+  uint64_t changed_elements = 0;
+  uint64_t total_elements = 0;
+};
+
+/// The producer-side tracker of DESIGN.md.
+///
+/// Thread-safety: Encode may run concurrently from many threads on distinct tensors or disjoint
+/// spans of one tensor. Begin, Commit, Abort and the accessors must not run concurrently with
+/// Encode or with each other.
+class DeltaTracker {
+ public:
+  ~DeltaTracker();
+  DeltaTracker(const DeltaTracker&) = delete;
+  DeltaTracker& operator=(const DeltaTracker&) = delete;
+
+  /// Errors: InvalidArgument for inconsistent options (e.g. kFull as the delta op).
+  static Result<std::unique_ptr<DeltaTracker>> Make(const TrackerOptions& options);
+
+  /// Open a transfer. `force_anchor` makes it FULL regardless of cadence.
+  /// Errors: FailedPrecondition if another transfer is open.
+  Result<TransferPlan> Begin(const TransferId& id, bool force_anchor = false);
+
+  /// Encode elements [span_begin, span_end) of `current` (the whole tensor by default) for the
+  /// open transfer. In a delta transfer the tensor must have a baseline of the same dtype and
+  /// shape; an anchor may introduce or reshape tensors. Spans of one tensor must be disjoint and,
+  /// for a tensor new at this anchor, cover it completely before Commit.
+  /// Errors: FailedPrecondition (wrong transfer id, missing or reshaped baseline outside an
+  /// anchor), InvalidArgument (bad span, size mismatch).
+  Result<EncodeResult> Encode(const TransferId& id, const TensorView& current,
+                              uint64_t span_begin = 0, uint64_t span_end = UINT64_MAX);
+
+  /// Make the pending bits of the open transfer the new baseline and advance the version.
+  /// Errors: FailedPrecondition (wrong id; a new tensor not fully covered — nothing changes).
+  Status Commit(const TransferId& id);
+  /// Drop the pending bits of the open transfer. Errors: FailedPrecondition (wrong id).
+  Status Abort(const TransferId& id);
+
+  /// The committed version.
+  uint64_t version() const;
+  /// The open transfer, if any.
+  std::optional<TransferPlan> open_transfer() const;
+  /// The committed state digest of every baseline tensor.
+  std::map<std::string, uint64_t> Digests() const;
+  /// The state digest each tensor will have if the open transfer commits.
+  std::map<std::string, uint64_t> PendingDigests() const;
+  /// Bytes held by baselines, and by pending changes of the open transfer.
+  uint64_t baseline_bytes() const;
+  uint64_t pending_bytes() const;
+  /// Read-only view of a committed baseline tensor (for tests and tools).
+  Result<TensorView> Baseline(const std::string& name) const;
+
+ private:
+  struct State;
+  explicit DeltaTracker(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace refit
