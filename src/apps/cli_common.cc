@@ -1,1 +1,166 @@
-// Not written yet.
+#include "cli_common.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+namespace refit::cli {
+
+Result<uint64_t> ParseByteSize(const std::string& text) {
+  struct Unit {
+    const char* suffix;
+    double factor;
+  };
+  // Longest suffixes first so "KiB" is not read as "B".
+  static constexpr Unit kUnits[] = {
+      {"KiB", 1024.0},       {"MiB", 1048576.0},   {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3},           {"MB", 1e6},          {"GB", 1e9},           {"TB", 1e12},
+      {"K", 1024.0},         {"M", 1048576.0},     {"G", 1073741824.0},   {"B", 1.0},
+  };
+  double factor = 1.0;
+  std::string number = text;
+  for (const Unit& unit : kUnits) {
+    const size_t n = std::strlen(unit.suffix);
+    if (number.size() > n && number.compare(number.size() - n, n, unit.suffix) == 0) {
+      number.resize(number.size() - n);
+      factor = unit.factor;
+      break;
+    }
+  }
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(number.c_str(), &end);
+  if (number.empty() || end != number.c_str() + number.size() || errno != 0 || value < 0 ||
+      !std::isfinite(value * factor) || value * factor > 1.8e19) {
+    return InvalidArgument("'{}' is not a byte size (examples: 4096, 64MiB, 1.5GiB, 2GB)", text);
+  }
+  return static_cast<uint64_t>(std::llround(value * factor));
+}
+
+Result<std::vector<std::byte>> ReadFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("open '{}'", path));
+  std::vector<std::byte> bytes;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  if (size > 0) bytes.resize(static_cast<size_t>(size));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      return IoErrorFromErrno(err, fmt::format("read '{}'", path));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return bytes;
+}
+
+Status WriteFileAtomically(const std::string& path,
+                           const std::vector<std::vector<std::byte>>& parts) {
+  const std::string tmp = fmt::format("{}.tmp.{}", path, ::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("create '{}'", tmp));
+  for (const auto& part : parts) {
+    size_t done = 0;
+    while (done < part.size()) {
+      const ssize_t n = ::write(fd, part.data() + done, part.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        const int err = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        return IoErrorFromErrno(err, fmt::format("write '{}'", tmp));
+      }
+      done += static_cast<size_t>(n);
+    }
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return IoErrorFromErrno(err, fmt::format("sync '{}'", tmp));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return IoErrorFromErrno(err, fmt::format("rename '{}' to '{}'", tmp, path));
+  }
+  return Status::OK();
+}
+
+bool StdoutIsTty() { return ::isatty(STDOUT_FILENO) == 1; }
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace refit::cli
+
+namespace refit::cli {
+
+Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
+                                                         const std::vector<Item>& items,
+                                                         uint64_t bucket_bytes,
+                                                         const PayloadEncodeOptions& options) {
+  std::vector<std::vector<std::byte>> payloads;
+  std::vector<ItemView> bucket;
+  uint64_t bucket_fill = 0;
+  PayloadIds next = ids;
+  auto flush = [&]() -> Status {
+    if (bucket.empty()) return Status::OK();
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload, EncodePayload(next, bucket, options));
+    payloads.push_back(std::move(payload));
+    ++next.payload_id;
+    bucket.clear();
+    bucket_fill = 0;
+    return Status::OK();
+  };
+  for (const Item& item : items) {
+    const uint64_t size = item.values.size() + item.locations.size();
+    if (!bucket.empty() && bucket_fill + size > bucket_bytes) REFIT_RETURN_NOT_OK(flush());
+    bucket.push_back(item.view());
+    bucket_fill += size;
+  }
+  REFIT_RETURN_NOT_OK(flush());
+  return payloads;
+}
+
+Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,
+                                                                 const PayloadLimits& limits) {
+  std::vector<std::span<const std::byte>> payloads;
+  size_t offset = 0;
+  while (offset < file.size()) {
+    const auto rest = file.subspan(offset);
+    if (rest.size() < kPayloadHeaderSize) {
+      return DataLoss("payload at byte {}: {} bytes left, a header needs {}", offset, rest.size(),
+                      kPayloadHeaderSize);
+    }
+    // The header's own length fields say where the payload ends; validate exactly that slice.
+    uint64_t compressed = 0;
+    std::memcpy(&compressed, rest.data() + 64, sizeof(compressed));
+    if (compressed > rest.size() - kPayloadHeaderSize) {
+      return DataLoss("payload at byte {}: declares {} body bytes, only {} remain", offset,
+                      compressed, rest.size() - kPayloadHeaderSize);
+    }
+    const auto payload = rest.first(kPayloadHeaderSize + compressed);
+    auto header = ValidatePayloadHeader(payload, limits);
+    if (!header.ok()) return header.status().WithContext(fmt::format("payload at byte {}", offset));
+    payloads.push_back(payload);
+    offset += payload.size();
+  }
+  return payloads;
+}
+
+uint64_t VersionOf(const SafetensorsFile& file) {
+  auto it = file.metadata().find(kVersionMetadataKey);
+  if (it == file.metadata().end()) return 0;
+  return std::strtoull(it->second.c_str(), nullptr, 10);
+}
+
+}  // namespace refit::cli

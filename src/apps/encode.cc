@@ -1,1 +1,104 @@
-// Not written yet.
+// refit encode OLD NEW -o DELTA.rfp: the changes from OLD to NEW as a payload file.
+#include <cstdio>
+
+#include "cli_common.h"
+
+namespace refit::cli {
+namespace {
+
+struct EncodeArgs {
+  std::string old_path;
+  std::string new_path;
+  std::string output;
+  std::string op = "xor";
+  std::string add_dtype = "bfloat16";
+  std::string force_encoding;
+  std::string bucket = "256MiB";
+  int level = 1;
+  bool no_byte_planes = false;
+  bool full = false;
+  int threads = 1;
+};
+
+Status RunEncode(const EncodeArgs& args) {
+  REFIT_ASSIGN_OR_RETURN(auto old_file, SafetensorsFile::Open(args.old_path));
+  REFIT_ASSIGN_OR_RETURN(auto new_file, SafetensorsFile::Open(args.new_path));
+  TrackerOptions options;
+  REFIT_ASSIGN_OR_RETURN(options.op, ParseOp(args.op));
+  REFIT_ASSIGN_OR_RETURN(options.add_delta_dtype, ParseDType(args.add_dtype));
+  if (!args.force_encoding.empty()) {
+    REFIT_ASSIGN_OR_RETURN(options.force_location_encoding,
+                           ParseLocationEncoding(args.force_encoding));
+  }
+  options.compare.threads = args.threads;
+  options.initial_version = VersionOf(*old_file);
+  REFIT_ASSIGN_OR_RETURN(uint64_t bucket_bytes, ParseByteSize(args.bucket));
+  REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
+
+  for (const TensorView& tensor : old_file->tensors()) {
+    if (!new_file->Find(tensor.name).ok()) {
+      return InvalidArgument("tensor '{}' is in {} but not in {}", tensor.name, args.old_path,
+                             args.new_path);
+    }
+  }
+  // OLD becomes the baseline (as if it had been sent and committed), unless --full.
+  if (!args.full) {
+    const TransferId seed = TransferId::Random();
+    REFIT_RETURN_NOT_OK(tracker->Begin(seed));
+    for (const TensorView& tensor : old_file->tensors()) {
+      REFIT_RETURN_NOT_OK(tracker->Encode(seed, tensor));
+    }
+    REFIT_RETURN_NOT_OK(tracker->Commit(seed));
+  }
+
+  const TransferId id = TransferId::Random();
+  REFIT_ASSIGN_OR_RETURN(TransferPlan plan, tracker->Begin(id, args.full));
+  std::vector<Item> items;
+  uint64_t changed = 0, total = 0;
+  for (const TensorView& tensor : new_file->tensors()) {
+    REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker->Encode(id, tensor));
+    changed += r.changed_elements;
+    total += r.total_elements;
+    for (Item& item : r.items) items.push_back(std::move(item));
+  }
+  PayloadEncodeOptions encode_options;
+  encode_options.zstd_level = args.level;
+  encode_options.byte_planes = !args.no_byte_planes;
+  const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
+  REFIT_ASSIGN_OR_RETURN(auto payloads, PackPayloads(ids, items, bucket_bytes, encode_options));
+  REFIT_RETURN_NOT_OK(WriteFileAtomically(args.output, payloads));
+  uint64_t wire = 0;
+  for (const auto& p : payloads) wire += p.size();
+  std::printf("%s: %s transfer %s v%llu -> v%llu, %llu of %llu elements changed (%.4f%%), "
+              "%zu items in %zu payloads, %llu bytes\n",
+              args.output.c_str(), plan.anchor ? "FULL" : "delta", id.ToHex().c_str(),
+              static_cast<unsigned long long>(plan.base_version),
+              static_cast<unsigned long long>(plan.target_version),
+              static_cast<unsigned long long>(changed), static_cast<unsigned long long>(total),
+              total ? 100.0 * static_cast<double>(changed) / static_cast<double>(total) : 0.0,
+              items.size(), payloads.size(), static_cast<unsigned long long>(wire));
+  return Status::OK();
+}
+
+}  // namespace
+
+void RegisterEncode(CLI::App& app, Status* result) {
+  auto args = std::make_shared<EncodeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "encode", "Write the changes from OLD to NEW (safetensors) as a payload file");
+  cmd->add_option("OLD", args->old_path, "Base checkpoint (what receivers hold)")->required();
+  cmd->add_option("NEW", args->new_path, "New checkpoint")->required();
+  cmd->add_option("-o,--output", args->output, "Output payload file (.rfp)")->required();
+  cmd->add_option("--op", args->op, "Value op: xor, overwrite or add")->capture_default_str();
+  cmd->add_option("--add-dtype", args->add_dtype, "Delta dtype of --op add")->capture_default_str();
+  cmd->add_option("--force-encoding", args->force_encoding,
+                  "Pin the location encoding: range, gap16, gap32, gap64, bitmask");
+  cmd->add_option("--bucket", args->bucket, "Item bytes per payload")->capture_default_str();
+  cmd->add_option("--level", args->level, "zstd level")->capture_default_str();
+  cmd->add_flag("--no-byte-planes", args->no_byte_planes, "Do not split values into byte planes");
+  cmd->add_flag("--full", args->full, "Write a FULL (anchor) transfer of NEW");
+  cmd->add_option("--threads", args->threads, "Compare threads")->capture_default_str();
+  cmd->callback([args, result] { *result = RunEncode(*args); });
+}
+
+}  // namespace refit::cli

@@ -1,1 +1,36 @@
-int main() { return 0; }
+// refit — the command-line front end. One file per subcommand; public API only.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+
+#include "cli_common.h"
+#include "refit/logging.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"refit: keep inference workers bit-identical to an RL trainer by sending only the "
+               "weights that changed"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("refit 0.1.0"));
+  std::string log_level = "warn";
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical or off")
+      ->capture_default_str();
+  app.parse_complete_callback([&] {
+    refit::Status st = refit::SetLogLevel(log_level);
+    if (!st.ok()) throw CLI::ValidationError("--log-level", st.message());
+  });
+
+  refit::Status result;
+  refit::cli::RegisterDemo(app, &result);
+  refit::cli::RegisterDiff(app, &result);
+  refit::cli::RegisterEncode(app, &result);
+  refit::cli::RegisterApply(app, &result);
+  refit::cli::RegisterInspect(app, &result);
+  refit::cli::RegisterSimulate(app, &result);
+
+  CLI11_PARSE(app, argc, argv);
+  if (!result.ok()) {
+    std::fprintf(stderr, "refit: %s\n", result.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,64 @@
+// Shared plumbing of the `refit` subcommands: registration, size parsing, file helpers.
+// Uses only the public API (include/refit/), like any other client of the library.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "refit/status.h"
+
+namespace refit::cli {
+
+/// Register each subcommand on `app`. Each sets the `status` a run returns through `*result`.
+void RegisterDiff(CLI::App& app, Status* result);
+void RegisterEncode(CLI::App& app, Status* result);
+void RegisterApply(CLI::App& app, Status* result);
+void RegisterInspect(CLI::App& app, Status* result);
+void RegisterSimulate(CLI::App& app, Status* result);
+void RegisterDemo(CLI::App& app, Status* result);
+
+/// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes. Errors: InvalidArgument naming the text.
+Result<uint64_t> ParseByteSize(const std::string& text);
+
+/// Read a whole file. Errors: IoError naming the path.
+Result<std::vector<std::byte>> ReadFile(const std::string& path);
+/// Write bytes to `path` atomically (temp file + rename). Errors: IoError naming the path.
+Status WriteFileAtomically(const std::string& path, const std::vector<std::vector<std::byte>>& parts);
+
+/// Return whether stdout is a terminal (tables get colour-free alignment either way).
+bool StdoutIsTty();
+
+/// Seconds since an arbitrary epoch (steady clock).
+double NowSeconds();
+
+}  // namespace refit::cli
+
+#include "refit/item.h"
+#include "refit/payload.h"
+#include "refit/safetensors.h"
+#include "refit/tracker.h"
+
+namespace refit::cli {
+
+/// Pack `items` into payloads of at most ~`bucket_bytes` of item values each (an item larger
+/// than the bucket gets a payload of its own), numbering payload ids from 0.
+Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
+                                                         const std::vector<Item>& items,
+                                                         uint64_t bucket_bytes,
+                                                         const PayloadEncodeOptions& options);
+
+/// Split a `.rfp` file — one or more payloads back to back — into payloads, checking each header.
+/// Errors: as ValidatePayloadHeader, naming the byte offset of the bad payload.
+Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,
+                                                                 const PayloadLimits& limits);
+
+/// The weight version recorded in a safetensors file's metadata ("refit.version"), or 0.
+uint64_t VersionOf(const SafetensorsFile& file);
+/// The metadata key holding the weight version.
+inline constexpr const char* kVersionMetadataKey = "refit.version";
+
+}  // namespace refit::cli
