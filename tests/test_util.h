@@ -28,19 +28,19 @@
 #define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
   ASSERT_OK_AND_ASSIGN_IMPL(REFIT_TEST_CONCAT(_refit_test_result_, __LINE__), lhs, rexpr)
 
-/// Expect `expr` (a Status or Result) to fail with StatusCode::k<code>.
-#define EXPECT_STATUS(code, expr)                                                   \
+/// Expect `expr` (a Status or Result) to fail with StatusCode::k<status_code>.
+#define EXPECT_STATUS(status_code, expr)                                                   \
   do {                                                                              \
     ::refit::Status _st = ::refit::internal::ToStatus(expr);                        \
-    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##code)                             \
+    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##status_code)                             \
         << #expr << " returned " << _st.ToString();                                 \
   } while (false)
 
-/// Expect `expr` to fail with k<code> and a message containing `substring`.
-#define EXPECT_STATUS_MSG(code, substring, expr)                                    \
+/// Expect `expr` to fail with k<status_code> and a message containing `substring`.
+#define EXPECT_STATUS_MSG(status_code, substring, expr)                                    \
   do {                                                                              \
     ::refit::Status _st = ::refit::internal::ToStatus(expr);                        \
-    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##code)                             \
+    EXPECT_EQ(_st.code(), ::refit::StatusCode::k##status_code)                             \
         << #expr << " returned " << _st.ToString();                                 \
     EXPECT_NE(_st.message().find(substring), std::string::npos)                     \
         << "message '" << _st.message() << "' lacks '" << substring << "'";        \

@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <new>
+#include <optional>
 #include <set>
 #include <span>
 #include <thread>
@@ -277,8 +278,8 @@ void InitializeRange(TensorState& tensor, const InitialWeights& initial, uint64_
     for (uint64_t i = begin; i < end; ++i) {
       master[i] = initial.mean + initial.std * StandardNormal(ElementBits(init_key, i));
     }
-    for (uint64_t i = begin; i < end; ++i) {
-      if (tensor.kind != ExportKind::kFloat32) {
+    if (tensor.kind != ExportKind::kFloat32) {
+      for (uint64_t i = begin; i < end; ++i) {
         tensor.export16[i] = static_cast<uint16_t>(ExportBits(tensor.kind, master[i]));
       }
     }
@@ -301,8 +302,8 @@ void InitializeRange(TensorState& tensor, const InitialWeights& initial, uint64_
 }
 
 template <ExportKind kKind>
-void StepRange(TensorState& tensor, const AdamConstants& c, uint64_t signal_key,
-               uint64_t noise_key, uint64_t begin, uint64_t end) {
+void StepRange(TensorState& tensor, const AdamConstants& c, uint64_t signal_key, uint64_t noise_key,
+               uint64_t begin, uint64_t end) {
   float* __restrict master = tensor.master.get();
   float* __restrict first_moment = tensor.first_moment.get();
   float* __restrict second_moment = tensor.second_moment.get();
@@ -336,7 +337,9 @@ struct SampleRef {
 };
 
 Status ValidateOptions(const SimulatorOptions& options) {
-  auto finite_at_least = [](double value, double low) { return std::isfinite(value) && value >= low; };
+  auto finite_at_least = [](double value, double low) {
+    return std::isfinite(value) && value >= low;
+  };
   if (!finite_at_least(options.learning_rate, 0.0)) {
     return InvalidArgument("simulator: learning_rate {} must be finite and >= 0",
                            options.learning_rate);
@@ -400,14 +403,23 @@ struct TransformerShape {
   int64_t vocab;
   int64_t layers;
 
-  uint64_t Elements() const {
+  // Embedding, lm_head and the final norm.
+  uint64_t FixedElements() const {
     const uint64_t h = static_cast<uint64_t>(hidden);
-    const uint64_t per_layer = 4 * h * h + 3 * h * static_cast<uint64_t>(intermediate) + 2 * h;
-    return 2 * static_cast<uint64_t>(vocab) * h + h + static_cast<uint64_t>(layers) * per_layer;
+    return 2 * static_cast<uint64_t>(vocab) * h + h;
+  }
+  // Four attention projections, three MLP projections, two norms.
+  uint64_t LayerElements() const {
+    const uint64_t h = static_cast<uint64_t>(hidden);
+    return 4 * h * h + 3 * h * static_cast<uint64_t>(intermediate) + 2 * h;
+  }
+  uint64_t Elements() const {
+    return FixedElements() + static_cast<uint64_t>(layers) * LayerElements();
   }
 };
 
 TransformerShape ChooseTransformerShape(uint64_t target_elements) {
+  // Width candidates, each with the depth that brings it closest to the target.
   std::vector<TransformerShape> candidates;
   for (int64_t hidden = kMinHidden; hidden <= kMaxHidden; hidden += kWidthMultiple) {
     TransformerShape shape{
@@ -416,12 +428,10 @@ TransformerShape ChooseTransformerShape(uint64_t target_elements) {
         .vocab = std::clamp(kVocabPerHidden * hidden, kMinVocab, kMaxVocab),
         .layers = 1,
     };
-    const double one_layer = static_cast<double>(shape.Elements());
-    shape.layers = 0;
-    const double fixed = static_cast<double>(shape.Elements());
-    const double layers = std::round((static_cast<double>(target_elements) - fixed) /
-                                     (one_layer - fixed));
-    shape.layers = std::max<int64_t>(1, static_cast<int64_t>(std::min(layers, 1e9)));
+    const double layers = std::round(
+        (static_cast<double>(target_elements) - static_cast<double>(shape.FixedElements())) /
+        static_cast<double>(shape.LayerElements()));
+    if (layers > 1.0) shape.layers = static_cast<int64_t>(layers);
     candidates.push_back(shape);
   }
   auto size_error = [&](const TransformerShape& shape) {
@@ -506,8 +516,8 @@ Result<std::unique_ptr<TrainingSimulator>> TrainingSimulator::Make(
   std::set<std::string> names;
   auto add_tensor = [&](const std::string& name, DType dtype, const Shape& shape,
                         std::string_view origin) -> Result<TensorState*> {
-    if (name.empty()) return InvalidArgument("{}: tensor {} has an empty name", origin,
-                                             state->tensors.size());
+    if (name.empty())
+      return InvalidArgument("{}: tensor {} has an empty name", origin, state->tensors.size());
     if (!names.insert(name).second) {
       return InvalidArgument("{}: duplicate tensor name '{}'", origin, name);
     }
@@ -539,8 +549,9 @@ Result<std::unique_ptr<TrainingSimulator>> TrainingSimulator::Make(
   } else {
     for (const SimulatedTensorSpec& spec : options.tensors) {
       if (!std::isfinite(spec.init_std) || spec.init_std < 0.0f || !std::isfinite(spec.init_mean)) {
-        return InvalidArgument("simulator: tensor '{}' init mean {} / std {} must be finite, std >= 0",
-                               spec.name, spec.init_mean, spec.init_std);
+        return InvalidArgument(
+            "simulator: tensor '{}' init mean {} / std {} must be finite, std >= 0", spec.name,
+            spec.init_mean, spec.init_std);
       }
       REFIT_ASSIGN_OR_RETURN(TensorState * tensor,
                              add_tensor(spec.name, options.export_dtype, spec.shape, "simulator"));
@@ -625,22 +636,34 @@ Result<double> TrainingSimulator::CalibrateLearningRate(double density) {
     const bool whole_model = state.trained_elements <= kCalibrationSampleSize;
     const uint64_t count = whole_model ? state.trained_elements : kCalibrationSampleSize;
     const uint64_t sample_key = StreamKey(options.seed, StreamPurpose::kCalibrationSample, 0, 0);
-    state.calibration_sample.resize(count);
+    std::vector<uint64_t> global(count);
     for (uint64_t k = 0; k < count; ++k) {
       // Uniform with replacement; the modulo bias is below N / 2^64.
-      const uint64_t global =
-          whole_model ? k : ElementBits(sample_key, k) % state.trained_elements;
+      global[k] = whole_model ? k : ElementBits(sample_key, k) % state.trained_elements;
+    }
+    // In model order, so that probing the sample walks memory forward instead of at random.
+    std::sort(global.begin(), global.end());
+    state.calibration_sample.resize(count);
+    for (uint64_t k = 0; k < count; ++k) {
       const size_t slot = static_cast<size_t>(
-          std::upper_bound(state.trained_begin.begin(), state.trained_begin.end(), global) -
+          std::upper_bound(state.trained_begin.begin(), state.trained_begin.end(), global[k]) -
           state.trained_begin.begin() - 1);
       state.calibration_sample[k] =
-          SampleRef{state.trained_tensor[slot], global - state.trained_begin[slot]};
+          SampleRef{state.trained_tensor[slot], global[k] - state.trained_begin[slot]};
     }
   }
 
   // The next step, up to the learning rate: same gradients, the current moments advanced.
   const uint64_t next_step = state.step + 1;
-  const AdamConstants constants = MakeAdamConstants(options, 1.0, next_step);
+  const AdamConstants constants = MakeAdamConstants(options, state.learning_rate, next_step);
+  std::vector<uint64_t> signal_keys(state.tensors.size());
+  std::vector<uint64_t> noise_keys(state.tensors.size());
+  for (const TensorState& tensor : state.tensors) {
+    signal_keys[tensor.position] =
+        StreamKey(options.seed, StreamPurpose::kGradientSignal, 0, tensor.position);
+    noise_keys[tensor.position] =
+        StreamKey(options.seed, StreamPurpose::kGradientNoise, next_step, tensor.position);
+  }
   const size_t sample_size = state.calibration_sample.size();
   const size_t tasks = (sample_size + kChunkElements - 1) / kChunkElements;
   std::vector<CalibrationPoint> points(sample_size);
@@ -649,15 +672,12 @@ Result<double> TrainingSimulator::CalibrateLearningRate(double density) {
     for (size_t k = task * kChunkElements; k < end; ++k) {
       const SampleRef& ref = state.calibration_sample[k];
       const TensorState& tensor = state.tensors[ref.tensor];
-      const uint64_t signal_key =
-          StreamKey(options.seed, StreamPurpose::kGradientSignal, 0, tensor.position);
-      const uint64_t noise_key =
-          StreamKey(options.seed, StreamPurpose::kGradientNoise, next_step, tensor.position);
       float m = tensor.first_moment[ref.element];
       float v = tensor.second_moment[ref.element];
       const float weight = tensor.master[ref.element];
-      const float direction =
-          AdvanceMoments(m, v, Gradient(signal_key, noise_key, ref.element, constants), constants);
+      const float gradient =
+          Gradient(signal_keys[ref.tensor], noise_keys[ref.tensor], ref.element, constants);
+      const float direction = AdvanceMoments(m, v, gradient, constants);
       const uint32_t exported = tensor.kind == ExportKind::kFloat32
                                     ? std::bit_cast<uint32_t>(weight)
                                     : tensor.export16[ref.element];
@@ -669,7 +689,8 @@ Result<double> TrainingSimulator::CalibrateLearningRate(double density) {
   // it independent of the thread count.
   std::vector<uint64_t> changed(tasks);
   auto changed_fraction = [&](double learning_rate) {
-    const float step_size = static_cast<float>(learning_rate * constants.step_size);
+    // Derived exactly as Step derives it, so the prediction is bit-exact.
+    const float step_size = MakeAdamConstants(options, learning_rate, next_step).step_size;
     ParallelFor(options.threads, tasks, [&](size_t task) {
       const size_t end = std::min(sample_size, (task + 1) * kChunkElements);
       uint64_t count = 0;
