@@ -96,8 +96,6 @@ Status SetLogLevel(std::string_view level) {
   return Status::OK();
 }
 
-std::string_view CurrentLogLevel() {
-  return internal::LevelName(internal::Logger().level());
-}
+std::string_view CurrentLogLevel() { return internal::LevelName(internal::Logger().level()); }
 
 }  // namespace refit

@@ -13,9 +13,10 @@
 namespace refit::internal {
 
 /// Return the library logger, creating it on first use: it writes to stderr (coloured only on a
-/// TTY) with time, level and thread id, at the level named by the environment variable REFIT_LOG_LEVEL (default "info";
-/// an unknown name falls back to "info" with a warning). It is not registered in spdlog's global
-/// registry, so an application's own "refit" logger cannot clash with it.
+/// TTY) with time, level and thread id, at the level named by the environment variable
+/// REFIT_LOG_LEVEL (default "info"; an unknown name falls back to "info" with a warning). It is not
+/// registered in spdlog's global registry, so an application's own "refit" logger cannot clash with
+/// it.
 ///
 /// Thread-safety: the logger is thread-safe (a mutex-protected sink); creation is a
 /// function-local static, so concurrent first calls are safe.
@@ -27,9 +28,9 @@ Result<spdlog::level::level_enum> ParseLogLevel(std::string_view name);
 
 }  // namespace refit::internal
 
-#define REFIT_LOG_AT_LEVEL(level, ...)                                   \
-  do {                                                                   \
-    ::spdlog::logger& _refit_logger = ::refit::internal::Logger();       \
+#define REFIT_LOG_AT_LEVEL(level, ...)                                          \
+  do {                                                                          \
+    ::spdlog::logger& _refit_logger = ::refit::internal::Logger();              \
     if (_refit_logger.should_log(level)) _refit_logger.log(level, __VA_ARGS__); \
   } while (false)
 

@@ -58,7 +58,7 @@ Result<std::unique_ptr<ThreadPool>> ThreadPool::Make(const Options& options) {
     // workers already started.
     try {
       pool->workers_.emplace_back(
-          [raw = pool.get(), i](std::stop_token stop) { raw->RunWorker(std::move(stop), i); });
+          [raw = pool.get(), i](const std::stop_token& stop) { raw->RunWorker(stop, i); });
     } catch (const std::system_error& error) {
       return ResourceExhausted("thread pool '{}': cannot start worker {} of {}: {}", options.name,
                                i, threads, error.what());
@@ -78,8 +78,9 @@ void ThreadPool::Stop() {
   std::lock_guard lock(stop_mutex_);
   if (stopped_) return;
   stopped_ = true;
-  queue_.Close();
+  // Stop before closing: a worker woken by the close must not start another queued task.
   for (std::jthread& worker : workers_) worker.request_stop();
+  queue_.Close();
   for (std::jthread& worker : workers_) worker.join();
   // The workers are gone; whatever is still queued never ran. Its owners (TaskGroups) wait for
   // a completion, so each one gets Cancelled rather than silence.
@@ -88,7 +89,7 @@ void ThreadPool::Stop() {
   }
 }
 
-void ThreadPool::RunWorker(std::stop_token stop, int index) {
+void ThreadPool::RunWorker(const std::stop_token& stop, int index) {
   NameCurrentThread(name_, index);
   current_pool = this;
   while (std::optional<Work> work = queue_.Pop(stop)) {
@@ -99,6 +100,9 @@ void ThreadPool::RunWorker(std::stop_token stop, int index) {
 }
 
 void ThreadPool::Complete(Work& work, Status status) {
+  // Destroy the task, and whatever its closure owns, before reporting it done: the completion
+  // may let the owner (a returning TaskGroup::Wait) free what that closure refers to.
+  work.task = nullptr;
   if (work.on_done) {
     work.on_done(std::move(status));
   } else if (!status.ok()) {
@@ -119,22 +123,22 @@ TaskGroup::~TaskGroup() {
 }
 
 void TaskGroup::Submit(Task task) {
+  {
+    std::lock_guard lock(mutex_);
+    ++pending_;
+  }
   if (stop_source_.stop_requested()) {
     // Not run, yet still reported: if the stop came from the pool rather than from an error,
     // Wait() must not claim the whole batch succeeded.
     Finish(Cancelled("task group stopped before the task was submitted"));
     return;
   }
-  {
-    std::lock_guard lock(mutex_);
-    ++pending_;
-  }
   if (pool_ == nullptr) {
     Finish(task(stop_source_.get_token()));
     return;
   }
   Status submitted = pool_->Submit(
-      [this, task = std::move(task)](std::stop_token pool_stop) -> Status {
+      [this, task = std::move(task)](const std::stop_token& pool_stop) -> Status {
         if (stop_source_.stop_requested()) {
           return Cancelled("task group stopped before the task started");
         }
@@ -162,30 +166,33 @@ void TaskGroup::RequestStop() {
 
 void TaskGroup::Finish(Status status) {
   bool first_error = false;
-  {
+  if (!status.ok()) {
     std::lock_guard lock(mutex_);
-    if (!status.ok() && first_error_.ok()) {
+    if (first_error_.ok()) {
       first_error_ = std::move(status);
       first_error = true;
     }
-    // Notify under the lock: once pending_ reaches 0 a waiter may return and destroy the group,
-    // so nothing of `this` may be touched after the lock is released — except stop_source_,
-    // which is safe because a group with an unreported error still has pending_ > 0 below.
-    if (--pending_ == 0) all_done_.notify_all();
   }
+  // Request stop while this task still counts as pending, so the group cannot have been
+  // destroyed by a returning Wait(); and outside mutex_, because request_stop() runs the
+  // tasks' stop callbacks synchronously and one of them may call back into the group.
   if (first_error) stop_source_.request_stop();
+  std::lock_guard lock(mutex_);
+  // Notify under the lock: once pending_ reaches 0 a waiter may return and destroy the group.
+  if (--pending_ == 0) all_done_.notify_all();
 }
 
 Status ParallelFor(ThreadPool* pool, uint64_t n, const RangeFunction& fn, uint64_t min_chunk) {
   if (n == 0) return Status::OK();
   if (pool == nullptr) return fn(0, n);
   const uint64_t max_chunks = static_cast<uint64_t>(pool->threads()) * kParallelForChunksPerThread;
-  const uint64_t chunks = std::min(CeilDiv(n, std::max<uint64_t>(min_chunk, 1)), max_chunks);
+  // Rounding the chunk count down keeps every chunk but the last at least min_chunk long.
+  const uint64_t chunks = std::clamp<uint64_t>(n / std::max<uint64_t>(min_chunk, 1), 1, max_chunks);
   const uint64_t chunk = CeilDiv(n, chunks);
   TaskGroup group(pool);
   for (uint64_t begin = 0; begin < n && !group.stop_token().stop_requested();) {
     const uint64_t end = begin + std::min(chunk, n - begin);
-    group.Submit([&fn, begin, end](std::stop_token) { return fn(begin, end); });
+    group.Submit([&fn, begin, end](const std::stop_token&) { return fn(begin, end); });
     begin = end;
   }
   return group.Wait();

@@ -86,7 +86,7 @@ class ThreadPool {
   };
 
   ThreadPool(std::string name, size_t queue_depth);
-  void RunWorker(std::stop_token stop, int index);
+  void RunWorker(const std::stop_token& stop, int index);
   void Complete(Work& work, Status status);
 
   const std::string name_;
