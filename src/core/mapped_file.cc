@@ -12,6 +12,14 @@
 namespace refit::internal {
 namespace {
 
+// Return an IoError for the failed OS call that set errno. errno is read before the message is
+// formatted: formatting allocates, and the allocator may clobber errno.
+template <typename... Args>
+Status ErrnoError(fmt::format_string<Args...> format, Args&&... args) {
+  const int errnum = errno;
+  return IoErrorFromErrno(errnum, fmt::format(format, std::forward<Args>(args)...));
+}
+
 // How a file is opened and mapped.
 struct MapMode {
   int open_flags;
@@ -29,7 +37,9 @@ class ScopedFd {
  public:
   explicit ScopedFd(int fd) : fd_(fd) {}
   ~ScopedFd() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) {
+      ::close(fd_);
+    }
   }
   ScopedFd(ScopedFd&& other) noexcept : fd_(other.release()) {}
   ScopedFd& operator=(ScopedFd&& other) = delete;
@@ -61,7 +71,9 @@ Result<Mapping> MapFd(ScopedFd fd, size_t size, const MapMode& mode, const std::
   void* base = nullptr;
   if (size > 0) {
     base = ::mmap(nullptr, size, mode.prot, mode.map_flags, fd.get(), 0);
-    if (base == MAP_FAILED) return IoErrorFromErrno(errno, fmt::format("mmap {}", what));
+    if (base == MAP_FAILED) {
+      return ErrnoError("mmap {}", what);
+    }
   }
   return Mapping{base, size, fd.release()};
 }
@@ -69,12 +81,18 @@ Result<Mapping> MapFd(ScopedFd fd, size_t size, const MapMode& mode, const std::
 Result<Mapping> MapPath(const std::string& path, const MapMode& mode) {
   const std::string what = fmt::format("'{}'", path);
   ScopedFd fd(::open(path.c_str(), mode.open_flags | O_CLOEXEC));
-  if (fd.get() < 0) return IoErrorFromErrno(errno, fmt::format("open {}", what));
+  if (fd.get() < 0) {
+    return ErrnoError("open {}", what);
+  }
   struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return IoErrorFromErrno(errno, fmt::format("fstat {}", what));
+  if (::fstat(fd.get(), &st) != 0) {
+    return ErrnoError("fstat {}", what);
+  }
   // mmap of a directory or a device would fail with an obscure errno (or map something that is
   // not file contents), so say plainly what is wrong.
-  if (!S_ISREG(st.st_mode)) return IoError("mmap {}: not a regular file", what);
+  if (!S_ISREG(st.st_mode)) {
+    return IoError("mmap {}: not a regular file", what);
+  }
   return MapFd(std::move(fd), static_cast<size_t>(st.st_size), mode, what);
 }
 
@@ -82,24 +100,34 @@ Result<Mapping> MapPath(const std::string& path, const MapMode& mode) {
 // named file from mkstemp that is unlinked at once. Either way nothing is left behind on exit.
 Result<ScopedFd> OpenUnnamedFile(const std::string& dir) {
   ScopedFd fd(::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, S_IRUSR | S_IWUSR));
-  if (fd.get() >= 0) return fd;
+  if (fd.get() >= 0) {
+    return fd;
+  }
   // EOPNOTSUPP: the filesystem lacks O_TMPFILE. EISDIR: the kernel predates O_TMPFILE and saw a
   // plain directory open. Anything else (ENOENT, EACCES, …) would fail for mkstemp too.
   if (errno != EOPNOTSUPP && errno != EISDIR) {
-    return IoErrorFromErrno(errno, fmt::format("open temporary file in '{}'", dir));
+    return ErrnoError("open temporary file in '{}'", dir);
   }
   std::string name = dir + "/refit-tmp-XXXXXX";
   ScopedFd named(::mkostemp(name.data(), O_CLOEXEC));
-  if (named.get() < 0) return IoErrorFromErrno(errno, fmt::format("mkstemp '{}'", name));
-  if (::unlink(name.c_str()) != 0) return IoErrorFromErrno(errno, fmt::format("unlink '{}'", name));
+  if (named.get() < 0) {
+    return ErrnoError("mkstemp '{}'", name);
+  }
+  if (::unlink(name.c_str()) != 0) {
+    return ErrnoError("unlink '{}'", name);
+  }
   return named;
 }
 
 }  // namespace
 
 MappedFile::~MappedFile() {
-  if (base_ != nullptr) ::munmap(base_, size_);
-  if (fd_ >= 0) ::close(fd_);
+  if (base_ != nullptr) {
+    ::munmap(base_, size_);
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
 }
 
 Result<std::unique_ptr<MappedFile>> MappedFile::OpenReadOnly(const std::string& path) {
@@ -122,8 +150,7 @@ Result<std::unique_ptr<MappedFile>> MappedFile::CreateTemporary(const std::strin
   REFIT_ASSIGN_OR_RETURN(ScopedFd fd, OpenUnnamedFile(dir));
   // ftruncate extends with a hole that reads as zeros, so no page is written up front.
   if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) {
-    return IoErrorFromErrno(errno,
-                            fmt::format("ftruncate temporary file in '{}' to {} bytes", dir, size));
+    return ErrnoError("ftruncate temporary file in '{}' to {} bytes", dir, size);
   }
   REFIT_ASSIGN_OR_RETURN(Mapping m, MapFd(std::move(fd), size, kReadWrite,
                                           fmt::format("temporary file in '{}'", dir)));

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -21,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/mapped_file.h"
+#include "util/check.h"
 
 namespace refit {
 namespace {
@@ -46,11 +46,24 @@ constexpr size_t kMaxQuotedValueChars = 64;
 // The reserved header key of the free-form string map.
 constexpr std::string_view kMetadataKey = "__metadata__";
 
+// Return an IoError for the failed OS call that set errno. errno is read before the message is
+// formatted: formatting allocates, and the allocator may clobber errno.
+template <typename... Args>
+Status ErrnoError(fmt::format_string<Args...> format, Args&&... args) {
+  const int errnum = errno;
+  return IoErrorFromErrno(errnum, fmt::format(format, std::forward<Args>(args)...));
+}
+
 // Return `value` as compact JSON, shortened for an error message.
 std::string Quote(const Json& value) {
   std::string text = value.dump();
   if (text.size() > kMaxQuotedValueChars) {
-    text.resize(kMaxQuotedValueChars);
+    // Cut before the UTF-8 character that straddles the limit, keeping the message valid UTF-8.
+    size_t cut = kMaxQuotedValueChars;
+    while (cut > 0 && (static_cast<uint8_t>(text[cut]) & 0xC0) == 0x80) {
+      --cut;
+    }
+    text.resize(cut);
     text += "...";
   }
   return text;
@@ -59,7 +72,9 @@ std::string Quote(const Json& value) {
 std::string AcceptedSafetensorsCodes() {
   std::string out;
   for (const DTypeInfo& info : AllDTypes()) {
-    if (!out.empty()) out += ", ";
+    if (!out.empty()) {
+      out += ", ";
+    }
     out += info.safetensors_code;
   }
   return out;
@@ -69,11 +84,15 @@ std::string AcceptedSafetensorsCodes() {
 std::optional<uint64_t> NonNegativeInteger(const Json& value, uint64_t max) {
   if (value.is_number_unsigned()) {
     const uint64_t v = value.get<uint64_t>();
-    if (v <= max) return v;
+    if (v <= max) {
+      return v;
+    }
   } else if (value.is_number_integer()) {
     const int64_t v = value.get<int64_t>();
     // nlohmann stores "-0" as a signed zero; every other signed value is negative.
-    if (v == 0) return 0;
+    if (v == 0) {
+      return 0;
+    }
   }
   return std::nullopt;
 }
@@ -90,18 +109,24 @@ uint64_t LoadLittleEndian64(std::span<const std::byte> bytes) {
 // parsing: nlohmann treats a NUL byte as the end of input (silently ignoring what follows), and
 // nesting beyond the schema's depth would only cost memory before failing.
 Status PrescanHeader(std::string_view header, const std::string& origin) {
-  if (header.empty()) return InvalidArgument("{}: header length is 0", origin);
-  // The upstream reader requires the object to start at the first byte, without whitespace.
+  if (header.empty()) {
+    return InvalidArgument("{}: header length is 0", origin);
+  }
+  // The header must be a JSON object, and the upstream reader requires it to start at the first
+  // byte, without whitespace; checking that here also settles the type of the parsed value.
   if (header.front() != '{') {
-    return InvalidArgument("{}: header starts with byte 0x{:02x}, expected '{{'", origin,
-                           static_cast<uint8_t>(header.front()));
+    return InvalidArgument(
+        "{}: header is not a JSON object: it starts with byte 0x{:02x}, expected '{{'", origin,
+        static_cast<uint8_t>(header.front()));
   }
   bool in_string = false;
   bool escaped = false;
   int depth = 0;
   for (size_t i = 0; i < header.size(); ++i) {
     const char c = header[i];
-    if (c == '\0') return InvalidArgument("{}: header has a NUL byte at offset {}", origin, i);
+    if (c == '\0') {
+      return InvalidArgument("{}: header has a NUL byte at offset {}", origin, i);
+    }
     if (in_string) {
       if (escaped) {
         escaped = false;
@@ -137,7 +162,9 @@ Result<Json> ParseHeaderJson(std::string_view header, const std::string& origin)
         open_objects.emplace_back();
         break;
       case Json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
+        if (!open_objects.empty()) {
+          open_objects.pop_back();
+        }
         break;
       case Json::parse_event_t::key:
         if (!duplicate && !open_objects.empty() &&
@@ -163,9 +190,7 @@ Result<Json> ParseHeaderJson(std::string_view header, const std::string& origin)
     }
     return InvalidArgument("{}: duplicate key '{}' in a header entry", origin, *duplicate);
   }
-  if (!root.is_object()) {
-    return InvalidArgument("{}: header is a JSON {}, expected an object", origin, root.type_name());
-  }
+  REFIT_DCHECK(root.is_object(), "PrescanHeader admits only headers that start with '{'");
   return root;
 }
 
@@ -218,7 +243,9 @@ Result<TensorEntry> ParseTensorEntry(const std::string& name, const Json& value,
   if (dtype.is_string()) {
     const std::string& code = dtype.get_ref<const std::string&>();
     Result<DType> parsed = ParseDType(code);
-    if (parsed.ok() && GetDTypeInfo(*parsed).safetensors_code == code) parsed_dtype = *parsed;
+    if (parsed.ok() && GetDTypeInfo(*parsed).safetensors_code == code) {
+      parsed_dtype = *parsed;
+    }
   }
   if (!parsed_dtype) {
     return InvalidArgument("{}: tensor '{}': unknown dtype {}; accepted: {}", origin, name,
@@ -235,9 +262,8 @@ Result<TensorEntry> ParseTensorEntry(const std::string& name, const Json& value,
         NonNegativeInteger(extent, static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
     if (!v) {
       return InvalidArgument(
-          "{}: tensor '{}': shape {} has extent {}, expected a non-negative "
-          "integer",
-          origin, name, Quote(shape), Quote(extent));
+          "{}: tensor '{}': shape {} has extent {}, expected a non-negative integer", origin, name,
+          Quote(shape), Quote(extent));
     }
     entry.shape.push_back(static_cast<int64_t>(*v));
   }
@@ -251,28 +277,28 @@ Result<TensorEntry> ParseTensorEntry(const std::string& name, const Json& value,
   }
   if (!begin || !end || *begin > *end) {
     return InvalidArgument(
-        "{}: tensor '{}': data_offsets {} must be [begin, end] with "
-        "0 <= begin <= end",
-        origin, name, Quote(offsets));
+        "{}: tensor '{}': data_offsets {} must be [begin, end] with 0 <= begin <= end", origin,
+        name, Quote(offsets));
   }
   if (*end > data_size) {
     return InvalidArgument(
-        "{}: tensor '{}': data_offsets {} end beyond the data section of {} "
-        "bytes",
-        origin, name, Quote(offsets), data_size);
+        "{}: tensor '{}': data_offsets {} end beyond the data section of {} bytes", origin, name,
+        Quote(offsets), data_size);
   }
   entry.begin = *begin;
   entry.end = *end;
 
   Result<uint64_t> numel = NumElements(entry.shape);
-  if (!numel.ok()) return numel.status().WithContext(fmt::format("{}: tensor '{}'", origin, name));
+  if (!numel.ok()) {
+    return numel.status().WithContext(fmt::format("{}: tensor '{}'", origin, name));
+  }
   const uint64_t element_size = DTypeSize(entry.dtype);
   const uint64_t range_bytes = entry.end - entry.begin;
   if (*numel > std::numeric_limits<uint64_t>::max() / element_size ||
       *numel * element_size != range_bytes) {
     return InvalidArgument(
-        "{}: tensor '{}': shape {} of {} has {} elements of {} bytes, but "
-        "data_offsets {} span {} bytes",
+        "{}: tensor '{}': shape {} of {} has {} elements of {} bytes, "
+        "but data_offsets {} span {} bytes",
         origin, name, ShapeToString(entry.shape), GetDTypeInfo(entry.dtype).safetensors_code,
         *numel, element_size, Quote(offsets), range_bytes);
   }
@@ -289,15 +315,12 @@ Status CheckLayout(const std::vector<TensorEntry>& sorted, uint64_t data_size,
   for (const TensorEntry& entry : sorted) {
     if (entry.begin < expected) {
       return InvalidArgument(
-          "{}: tensor '{}' at data_offsets [{}, {}] overlaps tensor '{}' at "
-          "[{}, {}]",
-          origin, entry.name, entry.begin, entry.end, previous->name, previous->begin,
-          previous->end);
+          "{}: tensor '{}' at data_offsets [{}, {}] overlaps tensor '{}' at [{}, {}]", origin,
+          entry.name, entry.begin, entry.end, previous->name, previous->begin, previous->end);
     }
     if (entry.begin > expected) {
       return InvalidArgument(
-          "{}: {} unused bytes at data offset {} before tensor '{}' at "
-          "data_offsets [{}, {}]",
+          "{}: {} unused bytes at data offset {} before tensor '{}' at data_offsets [{}, {}]",
           origin, entry.begin - expected, expected, entry.name, entry.begin, entry.end);
     }
     expected = entry.end;
@@ -313,11 +336,13 @@ Status CheckLayout(const std::vector<TensorEntry>& sorted, uint64_t data_size,
 // Read all of `path` into `out`, looping over short reads and EINTR.
 Status ReadWholeFile(const std::string& path, std::vector<std::byte>* out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("open '{}'", path));
+  if (fd < 0) {
+    return ErrnoError("open '{}'", path);
+  }
   Status status;
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
-    status = IoErrorFromErrno(errno, fmt::format("fstat '{}'", path));
+    status = ErrnoError("fstat '{}'", path);
   } else if (!S_ISREG(st.st_mode)) {
     status = IoError("read '{}': not a regular file", path);
   } else {
@@ -326,9 +351,11 @@ Status ReadWholeFile(const std::string& path, std::vector<std::byte>* out) {
     while (done < out->size()) {
       const ssize_t n =
           ::pread(fd, out->data() + done, out->size() - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
       if (n < 0) {
-        status = IoErrorFromErrno(errno, fmt::format("read '{}' at offset {}", path, done));
+        status = ErrnoError("read '{}' at offset {}", path, done);
         break;
       }
       if (n == 0) {
@@ -347,10 +374,16 @@ Status ReadWholeFile(const std::string& path, std::vector<std::byte>* out) {
 Status WriteAll(int fd, std::span<const std::byte> bytes, const std::string& path) {
   while (!bytes.empty()) {
     const ssize_t n = ::write(fd, bytes.data(), bytes.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return IoErrorFromErrno(errno, fmt::format("write '{}'", path));
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n < 0) {
+      return ErrnoError("write '{}'", path);
+    }
     // A regular file never accepts zero bytes of a non-empty write; stop rather than spin.
-    if (n == 0) return IoError("write '{}': no progress with {} bytes left", path, bytes.size());
+    if (n == 0) {
+      return IoError("write '{}': no progress with {} bytes left", path, bytes.size());
+    }
     bytes = bytes.subspan(static_cast<size_t>(n));
   }
   return Status::OK();
@@ -392,7 +425,9 @@ Result<std::string> BuildHeader(const std::vector<TensorView>& tensors,
     REFIT_ASSIGN_OR_RETURN(
         std::string quoted_name,
         JsonString(tensor.name, fmt::format("tensor name '{}'", tensor.name), path));
-    if (header.size() > 1) header += ",";
+    if (header.size() > 1) {
+      header += ",";
+    }
     header += fmt::format(R"({}:{{"dtype":"{}","shape":[{}],"data_offsets":[{},{}]}})", quoted_name,
                           GetDTypeInfo(tensor.dtype).safetensors_code, fmt::join(tensor.shape, ","),
                           offset, offset + tensor.bytes.size());
@@ -420,7 +455,9 @@ Status WriteContents(int fd, const std::string& header, const std::vector<Tensor
   for (const TensorView& tensor : tensors) {
     REFIT_RETURN_NOT_OK(WriteAll(fd, tensor.bytes, tmp_path));
   }
-  if (::fsync(fd) != 0) return IoErrorFromErrno(errno, fmt::format("fsync '{}'", tmp_path));
+  if (::fsync(fd) != 0) {
+    return ErrnoError("fsync '{}'", tmp_path);
+  }
   return Status::OK();
 }
 
@@ -429,9 +466,13 @@ Status SyncParentDirectory(const std::string& path) {
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   const std::string dir = parent.empty() ? std::string(".") : parent.string();
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("open directory '{}'", dir));
+  if (fd < 0) {
+    return ErrnoError("open directory '{}'", dir);
+  }
   Status status;
-  if (::fsync(fd) != 0) status = IoErrorFromErrno(errno, fmt::format("fsync directory '{}'", dir));
+  if (::fsync(fd) != 0) {
+    status = ErrnoError("fsync directory '{}'", dir);
+  }
   ::close(fd);
   return status;
 }
@@ -458,7 +499,9 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
 
 Result<TensorView> SafetensorsFile::Find(std::string_view name) const {
   for (const TensorView& tensor : tensors_) {
-    if (tensor.name == name) return tensor;
+    if (tensor.name == name) {
+      return tensor;
+    }
   }
   return NotFound("{}: no tensor named '{}'", path_, name);
 }
@@ -514,7 +557,9 @@ Result<std::vector<TensorView>> ParseSafetensors(std::span<const std::byte> file
                                data.subspan(static_cast<size_t>(entry.begin),
                                             static_cast<size_t>(entry.end - entry.begin))});
   }
-  if (metadata != nullptr) *metadata = std::move(parsed_metadata);
+  if (metadata != nullptr) {
+    *metadata = std::move(parsed_metadata);
+  }
   return views;
 }
 
@@ -538,13 +583,15 @@ Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& 
   // 0644 before the umask: the permissions of a file written by an ordinary open().
   constexpr mode_t kFileMode = S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH;
   const int fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, kFileMode);
-  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("open '{}'", tmp_path));
+  if (fd < 0) {
+    return ErrnoError("open '{}'", tmp_path);
+  }
   Status status = WriteContents(fd, header, tensors, tmp_path);
   if (::close(fd) != 0 && status.ok()) {
-    status = IoErrorFromErrno(errno, fmt::format("close '{}'", tmp_path));
+    status = ErrnoError("close '{}'", tmp_path);
   }
   if (status.ok() && ::rename(tmp_path.c_str(), path.c_str()) != 0) {
-    status = IoErrorFromErrno(errno, fmt::format("rename '{}' to '{}'", tmp_path, path));
+    status = ErrnoError("rename '{}' to '{}'", tmp_path, path);
   }
   if (!status.ok()) {
     ::unlink(tmp_path.c_str());
