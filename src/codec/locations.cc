@@ -15,16 +15,27 @@
 //             is non-zero, and a 10th byte is 0x01). No bytes follow the run that completes the
 //             n-th location; n == 0 is the empty string.
 //   kGap16    n fixed-width little-endian unsigned gaps: g0 = L0 - span_begin and
-//   kGap32    gi = Li - L(i-1) - 1 for i >= 1, each u16 / u32 / u64. Exactly n × width bytes.
-//   kGap64    The chooser prefers the narrowest width that holds max(g) (estimates are exact
-//             and smaller wins; equal sizes happen only for n == 0 and go to the lower code).
+//   kGap32    gi = Li - L(i-1) - 1 for i >= 1, each u16 / u32 / u64 (width 2 / 4 / 8).
+//   kGap64    Exactly n × width bytes; every gap must fit the width.
 //   kBitmask  ceil(span_length / 8) bytes; bit i of the span (byte i / 8, bit i % 8 with bit 0
 //             the least significant) is set iff span_begin + i is a location. Padding bits
 //             beyond span_length in the last byte are 0, and exactly n bits are set.
 //
-// The decoder reads untrusted bytes: every read is bounds-checked by construction (sizes are
-// checked in Make() or per varint), every loop advances by at least one byte or one location,
-// and every inconsistency is a DataLoss naming the encoding, the position and the value.
+// Choosing: EstimateLocationBytes is exact (the encoder's output size, UINT64_MAX when the
+// encoding cannot represent the set) and ChooseLocationEncoding takes the smallest, ties to the
+// lower wire code. Among the gap widths that makes the narrowest width holding max(g) win:
+// max(g) <= 0xFFFF → gap16, <= 0xFFFFFFFF → gap32, else gap64. An empty set in an empty span is
+// kAll; in a non-empty span it is kRange (0 bytes, tied with the gap encodings).
+//
+// Decoding reads untrusted bytes. Make() rejects, as DataLoss, an unknown encoding code,
+// span_begin > span_end, count > span_length, and byte lengths that contradict the count: kAll
+// not empty or count != span_length; gaps not exactly count × width; a bitmask not
+// ceil(span_length / 8) bytes or with padding bits set; a run list empty iff count == 0 and not
+// longer than 20 bytes per location. Next() rejects, as DataLoss naming the encoding, the
+// position and the value: out-of-span or overflowing locations, non-canonical varints and
+// runs, too few or too many locations, and trailing bytes. Every read is bounds-checked by
+// construction, every loop advances by at least one byte or one location, and the state only
+// advances past data that decoded correctly, so a failed decoder fails again if called again.
 #include "refit/locations.h"
 
 #include <algorithm>
@@ -33,6 +44,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+
+#include "util/check.h"
 
 namespace refit {
 namespace {
@@ -84,12 +97,14 @@ uint64_t VarintSize(uint64_t value) {
   return std::max<uint64_t>(1, (std::bit_width(value) + kVarintValueBits - 1) / kVarintValueBits);
 }
 
-void AppendVarint(uint64_t value, std::vector<uint8_t>* out) {
+// Write `value` as LEB128 at `destination`; return the byte after it.
+uint8_t* WriteVarint(uint64_t value, uint8_t* destination) {
   while (value > kVarintValueMask) {
-    out->push_back(static_cast<uint8_t>((value & kVarintValueMask) | kVarintContinue));
+    *destination++ = static_cast<uint8_t>((value & kVarintValueMask) | kVarintContinue);
     value >>= kVarintValueBits;
   }
-  out->push_back(static_cast<uint8_t>(value));
+  *destination++ = static_cast<uint8_t>(value);
+  return destination;
 }
 
 uint64_t GapWidth(LocationEncoding encoding) {
@@ -204,8 +219,12 @@ void AppendGaps(std::span<const uint64_t> locations, uint64_t span_begin,
   }
 }
 
-void AppendRanges(std::span<const uint64_t> locations, uint64_t span_begin,
+// `range_bytes` is the exact size from AnalyzeLocations, so the output is sized once.
+void AppendRanges(std::span<const uint64_t> locations, uint64_t span_begin, uint64_t range_bytes,
                   std::vector<uint8_t>* out) {
+  const size_t offset = out->size();
+  out->resize(offset + range_bytes);
+  uint8_t* destination = out->data() + offset;
   uint64_t previous_run_end = span_begin;
   size_t i = 0;
   while (i < locations.size()) {
@@ -216,10 +235,11 @@ void AppendRanges(std::span<const uint64_t> locations, uint64_t span_begin,
       ++run_end;
       ++i;
     }
-    AppendVarint(run_start - previous_run_end, out);
-    AppendVarint(run_end - run_start, out);
+    destination = WriteVarint(run_start - previous_run_end, destination);
+    destination = WriteVarint(run_end - run_start, destination);
     previous_run_end = run_end;
   }
+  REFIT_DCHECK(destination == out->data() + out->size(), "range size estimate is not exact");
 }
 
 void AppendBitmask(std::span<const uint64_t> locations, uint64_t span_begin, uint64_t span_end,
@@ -284,6 +304,27 @@ Status DecodeGapBatch(LocationEncoding encoding, const uint8_t* gap_bytes, uint6
   return Status::OK();
 }
 
+/// Read one canonical LEB128 varint at `*position` of `data`, which must have kMaxVarintBytes
+/// readable bytes there; advance `*position` past it. Return false, reading no further, on a
+/// varint that is not canonical (ReadVarint then describes the defect).
+inline bool ReadCanonicalVarintUnchecked(const uint8_t* data, uint64_t* position, uint64_t* value) {
+  const uint8_t* source = data + *position;
+  uint64_t result = 0;
+  for (uint64_t i = 0; i < kMaxVarintBytes; ++i) {
+    const uint8_t byte = source[i];
+    result |= static_cast<uint64_t>(byte & kVarintValueMask) << (kVarintValueBits * i);
+    if ((byte & kVarintContinue) == 0) {
+      if ((byte == 0 && i > 0) || (i == kMaxVarintBytes - 1 && byte > kVarintLastByteMax)) {
+        return false;
+      }
+      *value = result;
+      *position += i + 1;
+      return true;
+    }
+  }
+  return false;
+}
+
 /// Read one canonical LEB128 varint at `*position` of `bytes`; advance `*position` past it.
 /// Errors: DataLoss naming `field`, the byte offset and the defect.
 Status ReadVarint(std::span<const uint8_t> bytes, uint64_t* position, const char* field,
@@ -319,6 +360,44 @@ Status ReadVarint(std::span<const uint8_t> bytes, uint64_t* position, const char
   }
   // The 10th byte either failed the width check or ended the varint.
   return Internal("range locations: varint decoder passed {} bytes", kMaxVarintBytes);
+}
+
+/// Read a run header (gap and length varints) at `*position` in the general, multi-byte case.
+Status ReadRunHeader(std::span<const uint8_t> bytes, uint64_t emitted, uint64_t count,
+                     uint64_t* position, uint64_t* gap, uint64_t* length) {
+  if (*position == bytes.size()) {
+    return DataLoss("range locations: bytes end after {} of {} locations", emitted, count);
+  }
+  REFIT_RETURN_NOT_OK(ReadVarint(bytes, position, "gap", gap));
+  return ReadVarint(bytes, position, "length", length);
+}
+
+/// Describe the first defect of a decoded run header (the caller found one). Cold path.
+[[gnu::cold]] Status RunError(uint64_t run_offset, uint64_t gap, uint64_t length, uint64_t cursor,
+                              uint64_t emitted, uint64_t count, uint64_t span_end) {
+  if (gap == 0 && emitted > 0) {
+    return DataLoss(
+        "range locations: run at byte offset {} has gap 0 after location {} (runs must be "
+        "maximal)",
+        run_offset, cursor - 1);
+  }
+  if (length == 0) {
+    return DataLoss("range locations: run at byte offset {} has length 0", run_offset);
+  }
+  if (gap >= span_end - cursor) {
+    return DataLoss(
+        "range locations: run at byte offset {} starts at {} + gap {}, outside span end {}",
+        run_offset, cursor, gap, span_end);
+  }
+  if (length > span_end - (cursor + gap)) {
+    return DataLoss(
+        "range locations: run at byte offset {} from {} of length {} passes span end {}",
+        run_offset, cursor + gap, length, span_end);
+  }
+  return DataLoss(
+      "range locations: run at byte offset {} of length {} exceeds the {} locations left of "
+      "count {}",
+      run_offset, length, count - emitted, count);
 }
 
 }  // namespace
@@ -385,7 +464,7 @@ Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> loca
     case LocationEncoding::kAll:
       break;
     case LocationEncoding::kRange:
-      AppendRanges(locations, span_begin, out);
+      AppendRanges(locations, span_begin, stats.range_bytes, out);
       break;
     case LocationEncoding::kGap16:
       AppendGaps<uint16_t>(locations, span_begin, out);
@@ -491,11 +570,13 @@ Result<size_t> LocationDecoder::Next(std::span<uint64_t> out) {
   const size_t n = static_cast<size_t>(std::min<uint64_t>(out.size(), count_ - emitted_));
   out = out.first(n);
   switch (encoding_) {
-    case LocationEncoding::kAll:
-      for (size_t i = 0; i < n; ++i) out[i] = cursor_ + i;
-      cursor_ += n;
+    case LocationEncoding::kAll: {
+      const uint64_t first = cursor_;  // A local: `out` could alias the member.
+      for (size_t i = 0; i < n; ++i) out[i] = first + i;
+      cursor_ = first + n;
       emitted_ += n;
       break;
+    }
     case LocationEncoding::kGap16:
       REFIT_RETURN_NOT_OK(DecodeGapBatch<uint16_t>(encoding_, bytes_.data() + byte_pos_, emitted_,
                                                    span_end_, &cursor_, out));
@@ -517,93 +598,92 @@ Result<size_t> LocationDecoder::Next(std::span<uint64_t> out) {
     case LocationEncoding::kRange: {
       // cursor_ is the next location of the current run, or the end of the previous run (the
       // span begin before the first) when run_left_ == 0. State advances run by run, so an
-      // error leaves it at the offending run and a retry fails the same way.
+      // error leaves it at the offending run and a retry fails the same way. The loop works on
+      // locals: `out` could alias the members, which would force a reload after every store.
+      const uint8_t* data = bytes_.data();
+      const uint64_t size = bytes_.size();
+      uint64_t position = byte_pos_;
+      uint64_t cursor = cursor_;
+      uint64_t run_left = run_left_;
+      uint64_t emitted = emitted_;
+      Status error;
       size_t produced = 0;
       while (produced < n) {
-        if (run_left_ == 0) {
-          const uint64_t run_offset = byte_pos_;
-          if (run_offset == bytes_.size()) {
-            return DataLoss("range locations: bytes end after {} of {} locations", emitted_,
-                            count_);
-          }
-          uint64_t position = run_offset;
+        if (run_left == 0) {
+          uint64_t next_position = position;
           uint64_t gap;
           uint64_t length;
-          REFIT_RETURN_NOT_OK(ReadVarint(bytes_, &position, "gap", &gap));
-          REFIT_RETURN_NOT_OK(ReadVarint(bytes_, &position, "length", &length));
-          if (gap == 0 && emitted_ > 0) {
-            return DataLoss(
-                "range locations: run at byte offset {} has gap 0 after location {} (runs must "
-                "be maximal)",
-                run_offset, cursor_ - 1);
+          // With a whole maximal run header in reach, canonical varints decode without bounds
+          // checks; anything else (the tail, or a defect to describe) takes the checked path.
+          if (size - position < kMaxRunBytes ||
+              !ReadCanonicalVarintUnchecked(data, &next_position, &gap) ||
+              !ReadCanonicalVarintUnchecked(data, &next_position, &length)) {
+            next_position = position;
+            error = ReadRunHeader(bytes_, emitted, count_, &next_position, &gap, &length);
+            if (!error.ok()) break;
           }
-          if (length == 0) {
-            return DataLoss("range locations: run at byte offset {} has length 0", run_offset);
+          // cursor <= span_end_ always holds, so `room` cannot wrap.
+          const uint64_t room = span_end_ - cursor;
+          if ((gap == 0 && emitted > 0) || length == 0 || gap >= room || length > room - gap ||
+              length > count_ - emitted) [[unlikely]] {
+            error = RunError(position, gap, length, cursor, emitted, count_, span_end_);
+            break;
           }
-          if (gap >= span_end_ - cursor_) {
-            return DataLoss(
-                "range locations: run at byte offset {} starts at {} + gap {}, outside span end "
-                "{}",
-                run_offset, cursor_, gap, span_end_);
-          }
-          const uint64_t run_start = cursor_ + gap;
-          if (length > span_end_ - run_start) {
-            return DataLoss(
-                "range locations: run at byte offset {} from {} of length {} passes span end {}",
-                run_offset, run_start, length, span_end_);
-          }
-          if (length > count_ - emitted_) {
-            return DataLoss(
-                "range locations: run at byte offset {} of length {} exceeds the {} locations "
-                "left of count {}",
-                run_offset, length, count_ - emitted_, count_);
-          }
-          cursor_ = run_start;
-          run_left_ = length;
-          byte_pos_ = position;
+          cursor += gap;
+          run_left = length;
+          position = next_position;
         }
-        const size_t take = static_cast<size_t>(std::min<uint64_t>(run_left_, n - produced));
-        for (size_t i = 0; i < take; ++i) out[produced + i] = cursor_ + i;
-        cursor_ += take;
-        run_left_ -= take;
-        emitted_ += take;
+        const size_t take = static_cast<size_t>(std::min<uint64_t>(run_left, n - produced));
+        uint64_t* destination = out.data() + produced;
+        for (size_t i = 0; i < take; ++i) destination[i] = cursor + i;
+        cursor += take;
+        run_left -= take;
+        emitted += take;
         produced += take;
       }
+      byte_pos_ = position;
+      cursor_ = cursor;
+      run_left_ = run_left;
+      emitted_ = emitted;
+      REFIT_RETURN_NOT_OK(error);
       break;
     }
     case LocationEncoding::kBitmask: {
       // run_left_ holds the not yet emitted bits of the current 64-bit word and cursor_ the
       // location of that word's bit 0; byte_pos_ is the first byte not yet loaded.
-      size_t produced = 0;
+      const uint8_t* data = bytes_.data();
+      const uint64_t size = bytes_.size();
+      uint64_t position = byte_pos_;
       uint64_t pending = run_left_;
       uint64_t word_base = cursor_;
+      size_t produced = 0;
       while (produced < n) {
         if (pending == 0) {
-          if (byte_pos_ == bytes_.size()) {
-            run_left_ = 0;
-            emitted_ += produced;
-            return DataLoss("bitmask locations: {} bits set, count says {}", emitted_, count_);
-          }
-          const size_t chunk =
-              static_cast<size_t>(std::min<uint64_t>(sizeof(uint64_t), bytes_.size() - byte_pos_));
-          if (chunk == sizeof(uint64_t)) {
-            pending = LoadLittleEndian<uint64_t>(bytes_.data() + byte_pos_);
+          if (position == size) break;  // Fewer bits than count: reported below.
+          if (size - position >= sizeof(uint64_t)) {
+            pending = LoadLittleEndian<uint64_t>(data + position);
+            word_base = span_begin_ + position * kBitsPerByte;
+            position += sizeof(uint64_t);
           } else {  // The last, partial word: zero-fill the missing high bytes.
             std::array<uint8_t, sizeof(uint64_t)> word_bytes{};
-            std::memcpy(word_bytes.data(), bytes_.data() + byte_pos_, chunk);
+            std::memcpy(word_bytes.data(), data + position, size - position);
             pending = LoadLittleEndian<uint64_t>(word_bytes.data());
+            word_base = span_begin_ + position * kBitsPerByte;
+            position = size;
           }
-          // Cannot overflow: the word holds at least one bit of the span.
-          word_base = span_begin_ + byte_pos_ * kBitsPerByte;
-          byte_pos_ += chunk;
+          // word_base cannot overflow: the word holds at least one bit of the span.
           continue;
         }
-        out[produced++] = word_base + std::countr_zero(pending);
+        out[produced++] = word_base + static_cast<uint64_t>(std::countr_zero(pending));
         pending &= pending - 1;
       }
+      byte_pos_ = position;
       run_left_ = pending;
       cursor_ = word_base;
       emitted_ += produced;
+      if (produced < n) {
+        return DataLoss("bitmask locations: {} bits set, count says {}", emitted_, count_);
+      }
       break;
     }
   }

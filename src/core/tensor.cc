@@ -3,10 +3,18 @@
 namespace refit {
 
 Result<uint64_t> NumElements(const Shape& shape) {
+  bool empty = false;
+  for (int64_t extent : shape) {
+    if (extent < 0) {
+      return InvalidArgument("negative extent {} in shape {}", extent, ShapeToString(shape));
+    }
+    empty = empty || extent == 0;
+  }
+  // A zero extent makes the product 0 however large the others are.
+  if (empty) return uint64_t{0};
   uint64_t count = 1;
   for (int64_t extent : shape) {
-    if (extent < 0) return InvalidArgument("negative extent {} in shape {}", extent, ShapeToString(shape));
-    if (extent != 0 && count > (uint64_t{1} << 63) / static_cast<uint64_t>(extent)) {
+    if (count > (uint64_t{1} << 63) / static_cast<uint64_t>(extent)) {
       return InvalidArgument("shape {} has more than 2^63 elements", ShapeToString(shape));
     }
     count *= static_cast<uint64_t>(extent);

@@ -1,1 +1,711 @@
+// Tests of the location encodings (src/codec/locations.cc) and of the op / encoding names
+// (src/codec/item.cc).
+#include "refit/locations.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "refit/item.h"
 #include "test_util.h"
+
+namespace refit {
+namespace {
+
+constexpr uint64_t kMax64 = std::numeric_limits<uint64_t>::max();
+constexpr uint64_t kTwoPow32 = uint64_t{1} << 32;
+/// Round trips skip encodings larger than this (a bitmask over a 2^33-element span): the test is
+/// about the numbers, not about allocating gigabytes.
+constexpr uint64_t kMaxRoundTripBytes = uint64_t{1} << 20;
+
+constexpr LocationEncoding kAllEncodings[] = {
+    LocationEncoding::kAll,   LocationEncoding::kRange, LocationEncoding::kGap16,
+    LocationEncoding::kGap32, LocationEncoding::kGap64, LocationEncoding::kBitmask,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Names.
+
+TEST(ItemNamesTest, OpNamesRoundTrip) {
+  const std::pair<Op, std::string_view> expected[] = {
+      {Op::kXor, "xor"}, {Op::kOverwrite, "overwrite"}, {Op::kAdd, "add"}, {Op::kFull, "full"}};
+  for (const auto& [op, name] : expected) {
+    EXPECT_EQ(OpName(op), name);
+    ASSERT_OK_AND_ASSIGN(Op parsed, ParseOp(name));
+    EXPECT_EQ(parsed, op);
+  }
+}
+
+TEST(ItemNamesTest, UnknownOpListsTheAcceptedNames) {
+  EXPECT_STATUS_MSG(InvalidArgument, "'XOR'", ParseOp("XOR"));
+  EXPECT_STATUS_MSG(InvalidArgument, "xor, overwrite, add, full", ParseOp("sub"));
+  EXPECT_STATUS(InvalidArgument, ParseOp(""));
+}
+
+TEST(ItemNamesTest, EncodingNamesRoundTrip) {
+  const std::pair<LocationEncoding, std::string_view> expected[] = {
+      {LocationEncoding::kAll, "all"},     {LocationEncoding::kRange, "range"},
+      {LocationEncoding::kGap16, "gap16"}, {LocationEncoding::kGap32, "gap32"},
+      {LocationEncoding::kGap64, "gap64"}, {LocationEncoding::kBitmask, "bitmask"},
+  };
+  for (const auto& [encoding, name] : expected) {
+    EXPECT_EQ(LocationEncodingName(encoding), name);
+    ASSERT_OK_AND_ASSIGN(LocationEncoding parsed, ParseLocationEncoding(name));
+    EXPECT_EQ(parsed, encoding);
+  }
+}
+
+TEST(ItemNamesTest, UnknownEncodingListsTheAcceptedNames) {
+  EXPECT_STATUS_MSG(InvalidArgument, "all, range, gap16, gap32, gap64, bitmask",
+                    ParseLocationEncoding("gap8"));
+  EXPECT_STATUS_MSG(InvalidArgument, "'Range'", ParseLocationEncoding("Range"));
+}
+
+TEST(ItemNamesTest, WireCodesAreStable) {
+  EXPECT_EQ(static_cast<int>(Op::kXor), 1);
+  EXPECT_EQ(static_cast<int>(Op::kFull), 4);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kAll), 1);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kRange), 2);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kGap16), 3);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kGap32), 4);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kGap64), 5);
+  EXPECT_EQ(static_cast<int>(LocationEncoding::kBitmask), 6);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+std::vector<uint8_t> Encode(LocationEncoding encoding, const std::vector<uint64_t>& locations,
+                            uint64_t span_begin, uint64_t span_end) {
+  std::vector<uint8_t> bytes;
+  Status status = EncodeLocations(encoding, locations, span_begin, span_end, &bytes);
+  EXPECT_TRUE(status.ok()) << LocationEncodingName(encoding) << ": " << status.ToString();
+  return bytes;
+}
+
+// Decode with Next() in batches of `batch` locations.
+Result<std::vector<uint64_t>> DecodeInBatches(LocationEncoding encoding,
+                                              std::span<const uint8_t> bytes, uint64_t count,
+                                              uint64_t span_begin, uint64_t span_end,
+                                              size_t batch) {
+  REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                         LocationDecoder::Make(encoding, bytes, count, span_begin, span_end));
+  std::vector<uint64_t> out;
+  std::vector<uint64_t> buffer(batch);
+  while (true) {
+    REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(buffer));
+    if (n == 0) return out;
+    out.insert(out.end(), buffer.begin(), buffer.begin() + static_cast<ptrdiff_t>(n));
+  }
+}
+
+Status DecodeStatus(LocationEncoding encoding, std::span<const uint8_t> bytes, uint64_t count,
+                    uint64_t span_begin, uint64_t span_end) {
+  return DecodeInBatches(encoding, bytes, count, span_begin, span_end, 7).status();
+}
+
+ItemView MakeView(LocationEncoding encoding, std::span<const uint8_t> bytes, uint64_t count,
+                  uint64_t span_begin, uint64_t span_end) {
+  ItemView item;
+  item.location_encoding = encoding;
+  item.locations = bytes;
+  item.count = count;
+  item.span_begin = span_begin;
+  item.span_end = span_end;
+  return item;
+}
+
+// Encode `locations` with `encoding`, check the estimate is exact, and decode them back in several
+// ways; every path must reproduce them.
+void ExpectRoundTrip(LocationEncoding encoding, const std::vector<uint64_t>& locations,
+                     uint64_t span_begin, uint64_t span_end) {
+  SCOPED_TRACE(fmt::format("{} n={} span=[{}, {})", LocationEncodingName(encoding),
+                           locations.size(), span_begin, span_end));
+  const std::vector<uint8_t> bytes = Encode(encoding, locations, span_begin, span_end);
+  EXPECT_EQ(EstimateLocationBytes(encoding, locations, span_begin, span_end), bytes.size());
+  for (const size_t batch : {size_t{1}, size_t{3}, size_t{64}, size_t{100000}}) {
+    ASSERT_OK_AND_ASSIGN(
+        std::vector<uint64_t> decoded,
+        DecodeInBatches(encoding, bytes, locations.size(), span_begin, span_end, batch));
+    EXPECT_EQ(decoded, locations) << "batch " << batch;
+  }
+  ASSERT_OK_AND_ASSIGN(
+      std::vector<uint64_t> all,
+      DecodeAllLocations(MakeView(encoding, bytes, locations.size(), span_begin, span_end)));
+  EXPECT_EQ(all, locations);
+  ASSERT_OK_AND_ASSIGN(
+      LocationDecoder decoder,
+      LocationDecoder::Make(encoding, bytes, locations.size(), span_begin, span_end));
+  EXPECT_EQ(decoder.count(), locations.size());
+  EXPECT_OK(decoder.ValidateAll());
+}
+
+// Round-trip through every encoding that can represent `locations`, and through the chooser;
+// check the chosen encoding is the smallest, ties going to the lower wire code.
+void ExpectRoundTripEverywhere(const std::vector<uint64_t>& locations, uint64_t span_begin,
+                               uint64_t span_end) {
+  uint64_t best_bytes = kMax64;
+  LocationEncoding best = LocationEncoding::kRange;
+  for (const LocationEncoding encoding : kAllEncodings) {
+    const uint64_t estimate = EstimateLocationBytes(encoding, locations, span_begin, span_end);
+    if (estimate == kMax64) {
+      EXPECT_STATUS(InvalidArgument,
+                    ChooseLocationEncoding(locations, span_begin, span_end, encoding));
+      std::vector<uint8_t> bytes;
+      EXPECT_STATUS(InvalidArgument,
+                    EncodeLocations(encoding, locations, span_begin, span_end, &bytes));
+      continue;
+    }
+    if (estimate < best_bytes) {
+      best_bytes = estimate;
+      best = encoding;
+    }
+    ASSERT_OK_AND_ASSIGN(LocationEncoding forced,
+                         ChooseLocationEncoding(locations, span_begin, span_end, encoding));
+    EXPECT_EQ(forced, encoding);
+    if (estimate <= kMaxRoundTripBytes) ExpectRoundTrip(encoding, locations, span_begin, span_end);
+  }
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen,
+                       ChooseLocationEncoding(locations, span_begin, span_end));
+  EXPECT_EQ(chosen, best);
+}
+
+std::vector<uint64_t> RandomLocations(std::mt19937_64& rng, uint64_t span_begin,
+                                      uint64_t span_length, double density) {
+  std::vector<uint64_t> locations;
+  std::bernoulli_distribution present(density);
+  for (uint64_t i = 0; i < span_length; ++i) {
+    if (present(rng)) locations.push_back(span_begin + i);
+  }
+  return locations;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Round trips.
+
+TEST(LocationsTest, EmptyLocationsInAnEmptySpanAreAll) {
+  ExpectRoundTripEverywhere({}, 5, 5);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({}, 5, 5));
+  EXPECT_EQ(chosen, LocationEncoding::kAll);
+}
+
+TEST(LocationsTest, EmptyLocationsInASpanAreAnEmptyRangeList) {
+  ExpectRoundTripEverywhere({}, 0, 1000);
+  // kRange and the gap encodings all take 0 bytes: the tie goes to the lowest code.
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({}, 0, 1000));
+  EXPECT_EQ(chosen, LocationEncoding::kRange);
+  EXPECT_TRUE(Encode(LocationEncoding::kRange, {}, 0, 1000).empty());
+}
+
+TEST(LocationsTest, SingleLocation) {
+  for (const uint64_t location : {uint64_t{0}, uint64_t{1}, uint64_t{63}, uint64_t{999}}) {
+    ExpectRoundTripEverywhere({location}, 0, 1000);
+  }
+  ExpectRoundTripEverywhere({10}, 10, 11);  // The whole span: kAll.
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({{10}}, 10, 11));
+  EXPECT_EQ(chosen, LocationEncoding::kAll);
+}
+
+TEST(LocationsTest, FullSpanIsAll) {
+  std::vector<uint64_t> locations(777);
+  for (size_t i = 0; i < locations.size(); ++i) locations[i] = 100 + i;
+  ExpectRoundTripEverywhere(locations, 100, 877);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 100, 877));
+  EXPECT_EQ(chosen, LocationEncoding::kAll);
+  EXPECT_EQ(EstimateLocationBytes(LocationEncoding::kAll, locations, 100, 877), 0u);
+  // One element short of the span: kAll cannot represent it.
+  EXPECT_EQ(EstimateLocationBytes(LocationEncoding::kAll, locations, 100, 878), kMax64);
+}
+
+TEST(LocationsTest, RunsPreferRange) {
+  std::vector<uint64_t> locations;
+  for (uint64_t run = 0; run < 50; ++run) {
+    for (uint64_t i = 0; i < 40; ++i) locations.push_back(run * 1000 + i);
+  }
+  ExpectRoundTripEverywhere(locations, 0, 50000);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 50000));
+  EXPECT_EQ(chosen, LocationEncoding::kRange);
+}
+
+TEST(LocationsTest, RangeBytesAreTheDocumentedVarintPairs) {
+  // Runs [3, 5) and [135, 136) in span [0, 200): (gap 3, length 2), (gap 130, length 1).
+  const std::vector<uint8_t> bytes = Encode(LocationEncoding::kRange, {3, 4, 135}, 0, 200);
+  EXPECT_EQ(bytes, (std::vector<uint8_t>{0x03, 0x02, 0x82, 0x01, 0x01}));
+  // The first run may start at the span begin (gap 0); locations are relative to it.
+  EXPECT_EQ(Encode(LocationEncoding::kRange, {1000, 1001}, 1000, 1010),
+            (std::vector<uint8_t>{0x00, 0x02}));
+}
+
+TEST(LocationsTest, GapBytesAreLittleEndianGapsMinusOne) {
+  // g0 = 5 - 2 = 3, g1 = 6 - 5 - 1 = 0, g2 = 0x10007 - 6 - 1 = 0x10000.
+  EXPECT_EQ(Encode(LocationEncoding::kGap16, {5, 6}, 2, 100),
+            (std::vector<uint8_t>{0x03, 0x00, 0x00, 0x00}));
+  EXPECT_EQ(Encode(LocationEncoding::kGap32, {5, 6, 0x10007}, 2, 0x20000),
+            (std::vector<uint8_t>{3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0}));
+}
+
+TEST(LocationsTest, BitmaskBytesAreLsbFirst) {
+  // Span [10, 20): bits 0, 3, 9 → byte 0 = 0b00001001, byte 1 = 0b00000010.
+  EXPECT_EQ(Encode(LocationEncoding::kBitmask, {10, 13, 19}, 10, 20),
+            (std::vector<uint8_t>{0x09, 0x02}));
+}
+
+TEST(LocationsTest, DenseScatteredPrefersBitmask) {
+  std::mt19937_64 rng(7);
+  const std::vector<uint64_t> locations = RandomLocations(rng, 0, 10000, 0.4);
+  ExpectRoundTripEverywhere(locations, 0, 10000);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 10000));
+  EXPECT_EQ(chosen, LocationEncoding::kBitmask);
+}
+
+TEST(LocationsTest, SparseScatteredPrefersGap16) {
+  std::vector<uint64_t> locations;
+  for (uint64_t i = 0; i < 200; ++i) locations.push_back(i * 20000 + 17);
+  ExpectRoundTripEverywhere(locations, 0, 200 * 20000);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 4000000));
+  EXPECT_EQ(chosen, LocationEncoding::kGap16);
+}
+
+TEST(LocationsTest, BitmaskSpansThatAreNotAMultipleOfEight) {
+  for (uint64_t span_length = 1; span_length <= 70; ++span_length) {
+    std::vector<uint64_t> locations;
+    for (uint64_t i = 0; i < span_length; i += 3) locations.push_back(1000 + i);
+    locations.push_back(1000 + span_length - 1);  // The very last bit.
+    std::sort(locations.begin(), locations.end());
+    locations.erase(std::unique(locations.begin(), locations.end()), locations.end());
+    ExpectRoundTrip(LocationEncoding::kBitmask, locations, 1000, 1000 + span_length);
+  }
+}
+
+// Locations whose maximal gap is `max_gap`: two of them, plus a run, so every encoding differs.
+std::vector<uint64_t> WithMaxGap(uint64_t span_begin, uint64_t max_gap) {
+  return {span_begin + 1, span_begin + 2, span_begin + 3 + max_gap};
+}
+
+TEST(LocationsTest, GapWidthBoundaries) {
+  struct Case {
+    uint64_t max_gap;
+    LocationEncoding narrowest;
+  };
+  const Case cases[] = {
+      {0xFFFF, LocationEncoding::kGap16},
+      {0x10000, LocationEncoding::kGap32},
+      {0xFFFFFFFF, LocationEncoding::kGap32},
+      {kTwoPow32, LocationEncoding::kGap64},
+  };
+  const uint64_t span_begin = 12345;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("max gap {:#x}", c.max_gap));
+    const std::vector<uint64_t> locations = WithMaxGap(span_begin, c.max_gap);
+    const uint64_t span_end = locations.back() + 1;
+    LocationEncoding narrowest = LocationEncoding::kRange;
+    for (const LocationEncoding gap :
+         {LocationEncoding::kGap16, LocationEncoding::kGap32, LocationEncoding::kGap64}) {
+      if (EstimateLocationBytes(gap, locations, span_begin, span_end) != kMax64) {
+        narrowest = gap;
+        break;
+      }
+    }
+    EXPECT_EQ(narrowest, c.narrowest);
+    const uint64_t width = c.narrowest == LocationEncoding::kGap16   ? 2
+                           : c.narrowest == LocationEncoding::kGap32 ? 4
+                                                                     : 8;
+    EXPECT_EQ(EstimateLocationBytes(c.narrowest, locations, span_begin, span_end),
+              locations.size() * width);
+    ExpectRoundTripEverywhere(locations, span_begin, span_end);
+  }
+}
+
+TEST(LocationsTest, ChooserPicksTheNarrowestGapWidthWhenGapsWin) {
+  // Every gap is 0xFFFF: gap16 (2 bytes each) beats range (3 + 1 bytes each).
+  std::vector<uint64_t> gap16;
+  for (uint64_t i = 0; i < 100; ++i) gap16.push_back(i * 0x10000 + 0xFFFF);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(gap16, 0, gap16.back() + 1));
+  EXPECT_EQ(chosen, LocationEncoding::kGap16);
+  // Every gap is 0xFFFFFFFF: gap32 (4) beats range (5 + 1) and gap64 (8).
+  std::vector<uint64_t> gap32;
+  for (uint64_t i = 0; i < 100; ++i) gap32.push_back(i * kTwoPow32 + 0xFFFFFFFF);
+  ASSERT_OK_AND_ASSIGN(chosen, ChooseLocationEncoding(gap32, 0, gap32.back() + 1));
+  EXPECT_EQ(chosen, LocationEncoding::kGap32);
+  // Gaps of 2^60 need 9 varint bytes: gap64 (8) wins.
+  std::vector<uint64_t> gap64;
+  for (uint64_t i = 0; i < 10; ++i) gap64.push_back(i * (uint64_t{1} << 60) + 5);
+  ASSERT_OK_AND_ASSIGN(chosen, ChooseLocationEncoding(gap64, 0, kMax64));
+  EXPECT_EQ(chosen, LocationEncoding::kGap64);
+  ExpectRoundTripEverywhere(gap64, 0, kMax64);
+}
+
+TEST(LocationsTest, ForcedEncodingThatCannotRepresentIsInvalidArgument) {
+  const std::vector<uint64_t> locations = WithMaxGap(0, 0x10000);
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "gap16",
+      ChooseLocationEncoding(locations, 0, locations.back() + 1, LocationEncoding::kGap16));
+  std::vector<uint8_t> bytes;
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "gap16",
+      EncodeLocations(LocationEncoding::kGap16, locations, 0, locations.back() + 1, &bytes));
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "all",
+      ChooseLocationEncoding(locations, 0, locations.back() + 1, LocationEncoding::kAll));
+  EXPECT_STATUS(InvalidArgument, ChooseLocationEncoding(locations, 0, locations.back() + 1,
+                                                        static_cast<LocationEncoding>(9)));
+}
+
+TEST(LocationsTest, EncoderRejectsInvalidLocations) {
+  std::vector<uint8_t> bytes;
+  for (const LocationEncoding encoding : kAllEncodings) {
+    SCOPED_TRACE(LocationEncodingName(encoding));
+    EXPECT_STATUS_MSG(InvalidArgument, "does not increase",
+                      EncodeLocations(encoding, {{5, 4}}, 0, 10, &bytes));
+    EXPECT_STATUS_MSG(InvalidArgument, "does not increase",
+                      EncodeLocations(encoding, {{5, 5}}, 0, 10, &bytes));
+    EXPECT_STATUS_MSG(InvalidArgument, "outside span",
+                      EncodeLocations(encoding, {{5, 10}}, 0, 10, &bytes));
+    EXPECT_STATUS_MSG(InvalidArgument, "below span begin",
+                      EncodeLocations(encoding, {{2}}, 3, 10, &bytes));
+    EXPECT_STATUS(InvalidArgument, EncodeLocations(encoding, {}, 10, 3, &bytes));
+    EXPECT_TRUE(bytes.empty());
+  }
+  EXPECT_STATUS(InvalidArgument, ChooseLocationEncoding({{3, 3}}, 0, 10));
+  EXPECT_EQ(EstimateLocationBytes(LocationEncoding::kRange, {{3, 3}}, 0, 10), kMax64);
+}
+
+TEST(LocationsTest, EncodeAppendsToExistingBytes) {
+  std::vector<uint8_t> bytes = {0xAA};
+  ASSERT_OK(EncodeLocations(LocationEncoding::kGap16, {{1}}, 0, 10, &bytes));
+  ASSERT_OK(EncodeLocations(LocationEncoding::kBitmask, {{1}}, 0, 10, &bytes));
+  EXPECT_EQ(bytes, (std::vector<uint8_t>{0xAA, 0x01, 0x00, 0x02, 0x00}));
+}
+
+TEST(LocationsTest, RandomRoundTripsAcrossDensitiesAndSeeds) {
+  const double densities[] = {0.0005, 0.01, 0.1, 0.5, 0.9, 0.999, 1.0};
+  const uint64_t span_begins[] = {0, 3, 1u << 20, (uint64_t{1} << 40) + 5};
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    std::mt19937_64 rng(seed);
+    for (const double density : densities) {
+      for (const uint64_t span_begin : span_begins) {
+        const uint64_t span_length = 1 + rng() % 5000;
+        SCOPED_TRACE(fmt::format("seed {} density {} span [{}, +{})", seed, density, span_begin,
+                                 span_length));
+        const std::vector<uint64_t> locations =
+            RandomLocations(rng, span_begin, span_length, density);
+        ExpectRoundTripEverywhere(locations, span_begin, span_begin + span_length);
+      }
+    }
+  }
+}
+
+TEST(LocationsTest, RandomClusteredRoundTrips) {
+  // Runs of random lengths separated by gaps drawn from several magnitudes, so runs, all gap
+  // widths and multi-byte varints all occur.
+  for (uint64_t seed = 11; seed <= 16; ++seed) {
+    std::mt19937_64 rng(seed);
+    const uint64_t span_begin = rng() % (uint64_t{1} << 36);
+    std::vector<uint64_t> locations;
+    uint64_t next = span_begin;
+    for (int run = 0; run < 300; ++run) {
+      const int magnitude = static_cast<int>(rng() % 40);
+      next += rng() % (uint64_t{1} << magnitude);
+      const uint64_t length = 1 + rng() % 20;
+      for (uint64_t i = 0; i < length; ++i) locations.push_back(next++);
+      ++next;
+    }
+    SCOPED_TRACE(fmt::format("seed {}", seed));
+    ExpectRoundTripEverywhere(locations, span_begin, next + rng() % 1000);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 64-bit locations: spans beyond 2^32 elements (no tensor is allocated; locations are numbers).
+
+TEST(LocationsTest, LocationsAbove32BitsRoundTrip) {
+  const uint64_t span_begin = kTwoPow32 - 10;
+  const uint64_t span_end = span_begin + 3 * kTwoPow32;
+  const std::vector<uint64_t> locations = {span_begin,    kTwoPow32 - 1,     kTwoPow32,
+                                           kTwoPow32 + 1, 2 * kTwoPow32 + 7, 3 * kTwoPow32 + 3,
+                                           span_end - 1};
+  ExpectRoundTripEverywhere(locations, span_begin, span_end);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen,
+                       ChooseLocationEncoding(locations, span_begin, span_end));
+  EXPECT_NE(chosen, LocationEncoding::kBitmask);  // 1.5 GiB of bitmask would be absurd.
+}
+
+TEST(LocationsTest, LocationsAtTheTopOfTheUint64Range) {
+  const uint64_t span_end = kMax64;
+  const uint64_t span_begin = kMax64 - 200000;
+  std::vector<uint64_t> sparse;
+  for (uint64_t i = 0; i < 30; ++i) sparse.push_back(span_begin + i * 6000 + (i % 3));
+  sparse.push_back(span_end - 1);
+  ExpectRoundTripEverywhere(sparse, span_begin, span_end);
+  std::vector<uint64_t> dense;
+  for (uint64_t location = span_end - 300; location < span_end; location += 2) {
+    dense.push_back(location);
+  }
+  ExpectRoundTripEverywhere(dense, span_end - 301, span_end);
+  ExpectRoundTripEverywhere({kMax64 - 1}, 0, kMax64);
+}
+
+TEST(LocationsTest, SpanOfAllIsDecodedWithoutMaterializingIt) {
+  // A 2^40-element kAll span: ValidateAll must not walk it, Next hands out the first ones.
+  const uint64_t span_begin = uint64_t{1} << 41;
+  const uint64_t span_length = uint64_t{1} << 40;
+  ASSERT_OK_AND_ASSIGN(LocationDecoder decoder,
+                       LocationDecoder::Make(LocationEncoding::kAll, {}, span_length, span_begin,
+                                             span_begin + span_length));
+  std::vector<uint64_t> first(3);
+  ASSERT_OK_AND_ASSIGN(size_t n, decoder.Next(first));
+  EXPECT_EQ(n, 3u);
+  EXPECT_EQ(first, (std::vector<uint64_t>{span_begin, span_begin + 1, span_begin + 2}));
+  EXPECT_OK(decoder.ValidateAll());
+  ASSERT_OK_AND_ASSIGN(n, decoder.Next(first));
+  EXPECT_EQ(n, 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile bytes: every inconsistency is DataLoss naming the encoding.
+
+TEST(LocationDecoderTest, RejectsBadSpansCountsAndCodes) {
+  EXPECT_STATUS_MSG(DataLoss, "begin > end",
+                    LocationDecoder::Make(LocationEncoding::kRange, {}, 0, 10, 5));
+  EXPECT_STATUS_MSG(DataLoss, "count 11 exceeds span length 10",
+                    LocationDecoder::Make(LocationEncoding::kGap16, {}, 11, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "unknown location encoding code 0",
+                    LocationDecoder::Make(static_cast<LocationEncoding>(0), {}, 0, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "unknown location encoding code 7",
+                    LocationDecoder::Make(static_cast<LocationEncoding>(7), {}, 0, 0, 10));
+}
+
+TEST(LocationDecoderTest, AllNeedsTheWholeSpanAndNoBytes) {
+  const std::vector<uint8_t> one_byte = {0};
+  EXPECT_STATUS_MSG(DataLoss, "all", DecodeStatus(LocationEncoding::kAll, {}, 9, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "all", DecodeStatus(LocationEncoding::kAll, one_byte, 10, 0, 10));
+  EXPECT_OK(DecodeStatus(LocationEncoding::kAll, {}, 10, 0, 10));
+}
+
+TEST(LocationDecoderTest, GapLengthMustMatchCount) {
+  const std::vector<uint8_t> bytes = Encode(LocationEncoding::kGap32, {1, 2, 3}, 0, 10);
+  EXPECT_OK(DecodeStatus(LocationEncoding::kGap32, bytes, 3, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "gap32", DecodeStatus(LocationEncoding::kGap32, bytes, 2, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "gap32", DecodeStatus(LocationEncoding::kGap32, bytes, 4, 0, 10));
+  const std::span<const uint8_t> truncated(bytes.data(), bytes.size() - 1);
+  EXPECT_STATUS_MSG(DataLoss, "gap32", DecodeStatus(LocationEncoding::kGap32, truncated, 3, 0, 10));
+  std::vector<uint8_t> trailing = bytes;
+  trailing.push_back(0);
+  EXPECT_STATUS_MSG(DataLoss, "gap32", DecodeStatus(LocationEncoding::kGap32, trailing, 3, 0, 10));
+}
+
+TEST(LocationDecoderTest, GapOutOfSpanNamesTheLocation) {
+  // Gaps 2, 3, 4 from span begin 100: locations 102, 106, 111 — the last is outside [100, 110).
+  const std::vector<uint8_t> bytes = {2, 0, 3, 0, 4, 0};
+  EXPECT_STATUS_MSG(DataLoss, "gap16 locations: location #2 (byte offset 4) is 111 >= span end 110",
+                    DecodeStatus(LocationEncoding::kGap16, bytes, 3, 100, 110));
+  EXPECT_OK(DecodeStatus(LocationEncoding::kGap16, bytes, 3, 100, 112));
+  // In batches of one the error is found by the same check.
+  EXPECT_STATUS_MSG(DataLoss, "111",
+                    DecodeInBatches(LocationEncoding::kGap16, bytes, 3, 100, 110, 1));
+}
+
+TEST(LocationDecoderTest, Gap64OverflowIsDataLoss) {
+  std::vector<uint8_t> bytes = Encode(LocationEncoding::kGap64, {5}, 0, 10);
+  const std::vector<uint8_t> huge(8, 0xFF);
+  bytes.insert(bytes.end(), huge.begin(), huge.end());  // 6 + (2^64 - 1) overflows.
+  EXPECT_STATUS_MSG(DataLoss, "overflows",
+                    DecodeStatus(LocationEncoding::kGap64, bytes, 2, 0, kMax64));
+  // A large but valid gap lands outside a small span.
+  std::vector<uint8_t> far = Encode(LocationEncoding::kGap64, {5}, 0, 10);
+  const std::vector<uint8_t> gap = {0, 0, 0, 0, 1, 0, 0, 0};  // 2^32
+  far.insert(far.end(), gap.begin(), gap.end());
+  EXPECT_STATUS_MSG(DataLoss, "gap64", DecodeStatus(LocationEncoding::kGap64, far, 2, 0, 1000));
+}
+
+TEST(LocationDecoderTest, Gap16NearTheTopOfUint64UsesCheckedDecoding) {
+  // From span begin 2^64 - 10, gaps of 0xFFFF would wrap around 2^64 without the checks.
+  const uint64_t span_begin = kMax64 - 10;
+  const std::vector<uint8_t> wrap = {0xFF, 0xFF, 0xFF, 0xFF};
+  EXPECT_STATUS(DataLoss, DecodeStatus(LocationEncoding::kGap16, wrap, 2, span_begin, kMax64));
+  const std::vector<uint8_t> valid = {1, 0, 2, 0};
+  ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
+                       DecodeInBatches(LocationEncoding::kGap16, valid, 2, span_begin, kMax64, 8));
+  EXPECT_EQ(decoded, (std::vector<uint64_t>{span_begin + 1, span_begin + 4}));
+}
+
+TEST(LocationDecoderTest, RangeRejectsMalformedVarints) {
+  struct Case {
+    std::vector<uint8_t> bytes;
+    uint64_t count;
+    std::string message;
+  };
+  const Case cases[] = {
+      {{0x80}, 1, "truncated"},                // Continuation bit on the last byte.
+      {{0x01, 0x81}, 1, "truncated"},          // The length varint is cut short.
+      {{0x80, 0x00, 0x01}, 1, "not minimal"},  // Gap 0 in two bytes.
+      {{0x01, 0x81, 0x00}, 1, "not minimal"},  // Length 1 in two bytes.
+      {{0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02, 0x01}, 1, "exceeds 64 bits"},
+      {{0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01, 0x01},
+       1,
+       "exceeds 64 bits"},  // Eleven bytes.
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{:02x}", fmt::join(c.bytes, " ")));
+    EXPECT_STATUS_MSG(DataLoss, c.message,
+                      DecodeStatus(LocationEncoding::kRange, c.bytes, c.count, 0, 100));
+    EXPECT_STATUS_MSG(DataLoss, "range locations",
+                      DecodeStatus(LocationEncoding::kRange, c.bytes, c.count, 0, 100));
+  }
+  // Bit 63 alone in the 10th byte is a valid gap — outside any span starting at 0 but kMax64.
+  const std::vector<uint8_t> top = {0x80, 0x80, 0x80, 0x80, 0x80, 0x80,
+                                    0x80, 0x80, 0x80, 0x01, 0x01};
+  ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
+                       DecodeInBatches(LocationEncoding::kRange, top, 1, 0, kMax64, 4));
+  EXPECT_EQ(decoded, (std::vector<uint64_t>{uint64_t{1} << 63}));
+}
+
+TEST(LocationDecoderTest, RangeRejectsNonCanonicalOrInconsistentRuns) {
+  struct Case {
+    std::vector<uint8_t> bytes;
+    uint64_t count;
+    std::string message;
+  };
+  const Case cases[] = {
+      {{0x01, 0x02, 0x00, 0x01}, 3, "gap 0 after location 2"},  // Runs must be maximal.
+      {{0x01, 0x00}, 1, "length 0"},
+      {{0x01, 0x00, 0x01, 0x01}, 1, "length 0"},
+      {{0x64, 0x01}, 1, "outside span end 100"},  // Starts at 100.
+      {{0x60, 0x05}, 5, "passes span end 100"},   // [96, 101).
+      {{0x01, 0x03}, 2, "exceeds the 2 locations left"},
+      {{0x01, 0x02}, 3, "bytes end after 2 of 3"},
+      {{0x01, 0x02, 0x01}, 2, "1 trailing bytes at byte offset 2"},
+      {{0x01, 0x02, 0x05, 0x01}, 2, "trailing"},
+      {{0x01, 0x01}, 0, "cannot hold 0 locations"},
+      {{}, 1, "cannot hold 1 locations"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{:02x} count {}", fmt::join(c.bytes, " "), c.count));
+    EXPECT_STATUS_MSG(DataLoss, c.message,
+                      DecodeStatus(LocationEncoding::kRange, c.bytes, c.count, 0, 100));
+  }
+}
+
+TEST(LocationDecoderTest, RangeFailsWhenTheBytesAreFarTooLongForTheCount) {
+  const std::vector<uint8_t> bytes(100, 0x01);  // 50 runs cannot hold 2 locations.
+  EXPECT_STATUS_MSG(DataLoss, "cannot hold",
+                    LocationDecoder::Make(LocationEncoding::kRange, bytes, 2, 0, 1000));
+}
+
+TEST(LocationDecoderTest, BitmaskRejectsBadSizePaddingAndPopcount) {
+  const std::vector<uint8_t> bytes = Encode(LocationEncoding::kBitmask, {0, 5, 11}, 0, 12);
+  ASSERT_EQ(bytes.size(), 2u);
+  EXPECT_OK(DecodeStatus(LocationEncoding::kBitmask, bytes, 3, 0, 12));
+  EXPECT_STATUS_MSG(DataLoss, "bitmask locations: 2 bytes, expected 3",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 3, 0, 17));
+  EXPECT_STATUS_MSG(DataLoss, "expected 1",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 3, 0, 8));
+  std::vector<uint8_t> padded = bytes;
+  padded[1] |= 0x10;  // Bit 12 of a 12-element span.
+  EXPECT_STATUS_MSG(DataLoss, "padding bits",
+                    DecodeStatus(LocationEncoding::kBitmask, padded, 3, 0, 12));
+  EXPECT_STATUS_MSG(DataLoss, "surplus location 11",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 2, 0, 12));
+  EXPECT_STATUS_MSG(DataLoss, "surplus location 5",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 1, 0, 12));
+  EXPECT_STATUS_MSG(DataLoss, "3 bits set, count says 4",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 4, 0, 12));
+}
+
+TEST(LocationDecoderTest, BitmaskSurplusInALaterWordIsFound) {
+  std::vector<uint8_t> bytes(40, 0);
+  bytes[0] = 0x01;
+  bytes[37] = 0x04;  // Location 37 * 8 + 2 = 298, beyond count 1.
+  EXPECT_STATUS_MSG(DataLoss, "surplus location 298 (byte 37)",
+                    DecodeStatus(LocationEncoding::kBitmask, bytes, 1, 0, 320));
+}
+
+TEST(LocationDecoderTest, ErrorsRepeatWhenNextIsCalledAgain) {
+  const std::vector<uint8_t> range = {0x01, 0x02, 0x00, 0x01};  // Second run has gap 0.
+  ASSERT_OK_AND_ASSIGN(LocationDecoder decoder,
+                       LocationDecoder::Make(LocationEncoding::kRange, range, 3, 0, 100));
+  std::vector<uint64_t> out(10);
+  EXPECT_STATUS(DataLoss, decoder.Next(out));
+  EXPECT_STATUS(DataLoss, decoder.Next(out));
+  EXPECT_STATUS(DataLoss, decoder.ValidateAll());
+
+  const std::vector<uint8_t> gaps = {2, 0, 200, 0};
+  ASSERT_OK_AND_ASSIGN(LocationDecoder gap_decoder,
+                       LocationDecoder::Make(LocationEncoding::kGap16, gaps, 2, 0, 100));
+  EXPECT_STATUS(DataLoss, gap_decoder.Next(out));
+  EXPECT_STATUS(DataLoss, gap_decoder.Next(out));
+
+  const std::vector<uint8_t> mask = {0x07};
+  ASSERT_OK_AND_ASSIGN(LocationDecoder mask_decoder,
+                       LocationDecoder::Make(LocationEncoding::kBitmask, mask, 2, 0, 8));
+  EXPECT_STATUS(DataLoss, mask_decoder.Next(out));
+  EXPECT_STATUS(DataLoss, mask_decoder.Next(out));
+}
+
+TEST(LocationDecoderTest, EmptyOutputSpanDecodesNothing) {
+  const std::vector<uint8_t> bytes = Encode(LocationEncoding::kGap16, {1, 2}, 0, 10);
+  ASSERT_OK_AND_ASSIGN(LocationDecoder decoder,
+                       LocationDecoder::Make(LocationEncoding::kGap16, bytes, 2, 0, 10));
+  ASSERT_OK_AND_ASSIGN(size_t n, decoder.Next({}));
+  EXPECT_EQ(n, 0u);
+  std::vector<uint64_t> out(5);
+  ASSERT_OK_AND_ASSIGN(n, decoder.Next(out));
+  EXPECT_EQ(n, 2u);
+}
+
+// Flip, insert and delete random bytes of valid encodings: the decoder either fails with DataLoss
+// or returns valid locations whose re-encoding is exactly the input (one encoding per set).
+TEST(LocationDecoderTest, MutatedBytesFailOrDecodeCanonically) {
+  std::mt19937_64 rng(99);
+  int accepted = 0;
+  int rejected = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const LocationEncoding encoding = kAllEncodings[1 + rng() % 5];
+    const uint64_t span_begin = rng() % 3 == 0 ? (uint64_t{1} << 33) : rng() % 100;
+    const uint64_t span_length = 1 + rng() % 300;
+    std::vector<uint64_t> locations = RandomLocations(rng, span_begin, span_length, 0.2);
+    std::vector<uint8_t> bytes;
+    if (!EncodeLocations(encoding, locations, span_begin, span_begin + span_length, &bytes).ok()) {
+      continue;
+    }
+    uint64_t count = locations.size();
+    switch (rng() % 4) {
+      case 0:
+        if (!bytes.empty()) bytes[rng() % bytes.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+        break;
+      case 1:
+        bytes.insert(bytes.begin() + static_cast<ptrdiff_t>(rng() % (bytes.size() + 1)),
+                     static_cast<uint8_t>(rng()));
+        break;
+      case 2:
+        if (!bytes.empty())
+          bytes.erase(bytes.begin() + static_cast<ptrdiff_t>(rng() % bytes.size()));
+        break;
+      default:  // Claim one location more or fewer (0 - 1 wraps to a count beyond the span).
+        count = rng() % 2 == 0 ? count + 1 : count - 1;
+        break;
+    }
+    Result<std::vector<uint64_t>> decoded = DecodeInBatches(
+        encoding, bytes, count, span_begin, span_begin + span_length, 1 + rng() % 50);
+    if (!decoded.ok()) {
+      EXPECT_EQ(decoded.status().code(), StatusCode::kDataLoss) << decoded.status().ToString();
+      ++rejected;
+      continue;
+    }
+    ++accepted;
+    ASSERT_EQ(decoded->size(), count);
+    std::vector<uint8_t> again;
+    ASSERT_OK(EncodeLocations(encoding, *decoded, span_begin, span_begin + span_length, &again));
+    EXPECT_EQ(again, bytes);
+  }
+  // Both outcomes occur, so the test exercises both paths.
+  EXPECT_GT(accepted, 40);
+  EXPECT_GT(rejected, 100);
+}
+
+}  // namespace
+}  // namespace refit
