@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -73,20 +74,35 @@ constexpr std::array<uint32_t, 4> kValueWidths = {1, 2, 4, 8};
 
 // ---- Little-endian helpers (byte-wise: correct on any host, compiled to plain loads). ---------
 template <typename T>
-T LoadLE(const std::byte* p) {
+T LoadLE(const void* p) {
+  const auto* bytes = static_cast<const unsigned char*>(p);
   std::make_unsigned_t<T> value = 0;
   for (size_t i = 0; i < sizeof(T); ++i) {
-    value |= static_cast<std::make_unsigned_t<T>>(std::to_integer<uint8_t>(p[i])) << (8 * i);
+    value |= static_cast<std::make_unsigned_t<T>>(bytes[i]) << (8 * i);
   }
   return static_cast<T>(value);
 }
 
 template <typename T>
-void StoreLE(std::byte* p, T value) {
-  auto bits = static_cast<std::make_unsigned_t<T>>(value);
+void StoreLE(void* p, T value) {
+  auto* bytes = static_cast<unsigned char*>(p);
+  const auto bits = static_cast<std::make_unsigned_t<T>>(value);
   for (size_t i = 0; i < sizeof(T); ++i) {
-    p[i] = static_cast<std::byte>((bits >> (8 * i)) & 0xFFu);
+    bytes[i] = static_cast<unsigned char>((bits >> (8 * i)) & 0xFFu);
   }
+}
+
+/// The 16 wire bytes of an XXH3-128 checksum: low 64 bits LE, then high 64 bits LE.
+std::array<uint8_t, 16> ChecksumBytes(std::span<const std::byte> data) {
+  const XXH128_hash_t hash = XXH3_128bits(data.data(), data.size());
+  std::array<uint8_t, 16> out;
+  StoreLE(out.data(), static_cast<uint64_t>(hash.low64));
+  StoreLE(out.data() + sizeof(uint64_t), static_cast<uint64_t>(hash.high64));
+  return out;
+}
+
+std::string HexBytes(std::span<const uint8_t> bytes) {
+  return fmt::format("{:02x}", fmt::join(bytes, ""));
 }
 
 template <typename T>
@@ -102,7 +118,7 @@ std::string PrintableName(std::string_view name) {
   out.reserve(name.size());
   for (char c : name) {
     const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7F && c != '\\') {
+    if (c >= ' ' && c <= '~' && c != '\\') {
       out.push_back(c);
     } else {
       out += fmt::format("\\x{:02x}", byte);
@@ -189,11 +205,9 @@ Status CheckItemRules(const ItemView& item, uint64_t numel, const PayloadLimits&
                     item.span_begin, item.span_end, numel, ShapeToString(item.shape));
   }
   const uint64_t span_length = item.span_end - item.span_begin;
-  if (item.op == Op::kFull) {
-    if (item.location_encoding != LocationEncoding::kAll) {
-      return DataLoss("{}: op full needs location encoding all, got {}", context(),
-                      LocationEncodingName(item.location_encoding));
-    }
+  if (item.op == Op::kFull && item.location_encoding != LocationEncoding::kAll) {
+    return DataLoss("{}: op full needs location encoding all, got {}", context(),
+                    LocationEncodingName(item.location_encoding));
   }
   if (item.location_encoding == LocationEncoding::kAll && item.count != span_length) {
     return DataLoss("{}: location encoding all with count {} != span length {}", context(),
@@ -284,10 +298,6 @@ Status CheckEncoderItem(const ItemView& item, const PayloadIds& ids, size_t inde
       encoding_code > static_cast<uint8_t>(LocationEncoding::kBitmask)) {
     return InvalidArgument("{}: invalid location encoding code {}", context(), encoding_code);
   }
-  if (item.name.size() > std::numeric_limits<uint16_t>::max()) {
-    return InvalidArgument("{}: name length {} does not fit the u16 length field", context(),
-                           item.name.size());
-  }
   Result<uint64_t> numel = NumElements(item.shape);
   if (!numel.ok()) return numel.status().WithContext(context());
   Status rules = CheckItemRules(item, *numel, limits, ids, index);
@@ -341,9 +351,8 @@ void WriteHeader(const PayloadIds& ids, uint16_t flags, uint32_t item_count, uin
   StoreLE(header + kOffsetMacAlgorithm, kMacNone);
   StoreLE(header + kOffsetBodyBytes, body_bytes);
   StoreLE(header + kOffsetCompressedBytes, static_cast<uint64_t>(compressed.size()));
-  const XXH128_hash_t checksum = XXH3_128bits(compressed.data(), compressed.size());
-  StoreLE(header + kOffsetChecksum, static_cast<uint64_t>(checksum.low64));
-  StoreLE(header + kOffsetChecksum + sizeof(uint64_t), static_cast<uint64_t>(checksum.high64));
+  const std::array<uint8_t, 16> checksum = ChecksumBytes(compressed);
+  std::memcpy(header + kOffsetChecksum, checksum.data(), checksum.size());
   // The MAC field stays zero: mac_algorithm is kMacNone in v1.
   StoreLE(header + kOffsetHeaderChecksum,
           static_cast<uint64_t>(XXH3_64bits(header, kOffsetHeaderChecksum)));
@@ -534,8 +543,10 @@ std::string TransferId::ToHex() const {
 
 Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<const ItemView> items,
                                              const PayloadEncodeOptions& options) {
-  // The encoder never writes what the default decoder would refuse.
-  const PayloadLimits limits;
+  // The encoder never writes what the default decoder would refuse; the default name limit also
+  // keeps every name length inside its u16 field.
+  constexpr PayloadLimits limits;
+  static_assert(limits.max_name_length <= std::numeric_limits<uint16_t>::max());
   const std::string context = PayloadContext(ids);
   if (ids.target_version <= ids.base_version) {
     return InvalidArgument("{}: target_version {} must be > base_version {}", context,
@@ -615,6 +626,10 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
     return Internal("{}: zstd compression failed: {}", context, ZSTD_getErrorName(compressed));
   }
   payload.resize(kPayloadHeaderSize + compressed);
+  if (payload.size() > limits.max_payload_bytes) {
+    return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
+                           context, payload.size(), limits.max_payload_bytes);
+  }
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
               std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
@@ -660,50 +675,52 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   header.body_bytes = LoadLE<uint64_t>(h + kOffsetBodyBytes);
   header.compressed_bytes = LoadLE<uint64_t>(h + kOffsetCompressedBytes);
   std::memcpy(header.checksum.data(), h + kOffsetChecksum, header.checksum.size());
-  const std::string context = PayloadContext(header.ids);
+  // Formatted only on failure: the success path allocates nothing.
+  auto context = [&] { return PayloadContext(header.ids); };
 
   if ((header.flags & ~kKnownFlags) != 0) {
-    return InvalidArgument("{}: unknown flag bits 0x{:04x}", context, header.flags & ~kKnownFlags);
+    return InvalidArgument("{}: unknown flag bits 0x{:04x}", context(),
+                           header.flags & ~kKnownFlags);
   }
   const uint8_t compression = LoadLE<uint8_t>(h + kOffsetCompression);
   if (compression != kCompressionZstd) {
-    return InvalidArgument("{}: unsupported compression {} (v1 knows 1 = zstd)", context,
+    return InvalidArgument("{}: unsupported compression {} (v1 knows 1 = zstd)", context(),
                            compression);
   }
   const uint8_t mac_algorithm = LoadLE<uint8_t>(h + kOffsetMacAlgorithm);
   if (mac_algorithm != kMacNone) {
-    return InvalidArgument("{}: unsupported MAC algorithm {} (v1 knows 0 = none)", context,
+    return InvalidArgument("{}: unsupported MAC algorithm {} (v1 knows 0 = none)", context(),
                            mac_algorithm);
   }
   const uint16_t reserved = LoadLE<uint16_t>(h + kOffsetReserved);
   if (reserved != 0) {
-    return InvalidArgument("{}: reserved field is 0x{:04x}, must be 0", context, reserved);
+    return InvalidArgument("{}: reserved field is 0x{:04x}, must be 0", context(), reserved);
   }
   for (size_t i = 0; i < kMacSize; ++i) {
     if (h[kOffsetMac + i] != std::byte{0}) {
-      return InvalidArgument("{}: MAC byte {} is nonzero without a MAC algorithm", context, i);
+      return InvalidArgument("{}: MAC byte {} is nonzero without a MAC algorithm", context(), i);
     }
   }
   if (header.ids.target_version <= header.ids.base_version) {
-    return DataLoss("{}: target_version {} <= base_version {}", context, header.ids.target_version,
-                    header.ids.base_version);
+    return DataLoss("{}: target_version {} <= base_version {}", context(),
+                    header.ids.target_version, header.ids.base_version);
   }
   if (header.item_count > limits.max_items) {
-    return ResourceExhausted("{}: {} items > limit {}", context, header.item_count,
+    return ResourceExhausted("{}: {} items > limit {}", context(), header.item_count,
                              limits.max_items);
   }
   if (header.body_bytes > limits.max_body_bytes) {
-    return ResourceExhausted("{}: body_bytes {} > limit {}", context, header.body_bytes,
+    return ResourceExhausted("{}: body_bytes {} > limit {}", context(), header.body_bytes,
                              limits.max_body_bytes);
   }
   const uint64_t max_compressed_bytes =
       limits.max_payload_bytes - std::min<uint64_t>(limits.max_payload_bytes, kPayloadHeaderSize);
   if (header.compressed_bytes > max_compressed_bytes || payload.size() > limits.max_payload_bytes) {
-    return ResourceExhausted("{}: payload of {} bytes (compressed body {}) > limit {}", context,
+    return ResourceExhausted("{}: payload of {} bytes (compressed body {}) > limit {}", context(),
                              payload.size(), header.compressed_bytes, limits.max_payload_bytes);
   }
   if (header.compressed_bytes != payload.size() - kPayloadHeaderSize) {
-    return DataLoss("{}: compressed_bytes {} but {} bytes follow the header ({})", context,
+    return DataLoss("{}: compressed_bytes {} but {} bytes follow the header ({})", context(),
                     header.compressed_bytes, payload.size() - kPayloadHeaderSize,
                     header.compressed_bytes > payload.size() - kPayloadHeaderSize
                         ? "truncated"
@@ -711,7 +728,7 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   }
   if (header.item_count > header.body_bytes / kMinItemEntryBytes) {
     return DataLoss("{}: {} items cannot fit a body of {} bytes ({} bytes per item at least)",
-                    context, header.item_count, header.body_bytes, kMinItemEntryBytes);
+                    context(), header.item_count, header.body_bytes, kMinItemEntryBytes);
   }
   return header;
 }
@@ -728,13 +745,10 @@ Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
   const auto compressed = payload.subspan(kPayloadHeaderSize);
 
   // Checksum first: nothing of a corrupt body reaches the decompressor.
-  const XXH128_hash_t checksum = XXH3_128bits(compressed.data(), compressed.size());
-  if (checksum.low64 != LoadLE<uint64_t>(header.checksum.data()) ||
-      checksum.high64 != LoadLE<uint64_t>(header.checksum.data() + sizeof(uint64_t))) {
-    return DataLoss("{}: body checksum mismatch (stored {:016x}{:016x}, computed {:016x}{:016x})",
-                    context, LoadLE<uint64_t>(header.checksum.data() + sizeof(uint64_t)),
-                    LoadLE<uint64_t>(header.checksum.data()),
-                    static_cast<uint64_t>(checksum.high64), static_cast<uint64_t>(checksum.low64));
+  const std::array<uint8_t, 16> checksum = ChecksumBytes(compressed);
+  if (checksum != header.checksum) {
+    return DataLoss("{}: body checksum {} != computed {}", context, HexBytes(header.checksum),
+                    HexBytes(checksum));
   }
   // The frame must declare exactly body_bytes (bounded by the limits) before we allocate it.
   REFIT_RETURN_NOT_OK(CheckZstdFrame(compressed, header));
@@ -803,7 +817,7 @@ Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
     }
     group_offset[g] = reader.position();
     const uint64_t group_bytes = element_count * width;
-    largest_group_bytes = std::max(largest_group_bytes, group_bytes);
+    if (width > 1) largest_group_bytes = std::max(largest_group_bytes, group_bytes);
     REFIT_RETURN_NOT_OK(reader.Take(group_bytes, where).status());
   }
   if (reader.remaining() != 0) {
@@ -821,8 +835,8 @@ Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
     std::vector<std::byte> joined(largest_group_bytes);
     for (size_t g = 0; g < plan.groups.size(); ++g) {
       const uint32_t width = plan.groups[g].width;
-      if (width == 1) continue;  // One plane is the values themselves.
       const size_t group_bytes = plan.groups[g].element_count * width;
+      if (width == 1 || group_bytes == 0) continue;  // One plane is the values themselves.
       std::span<std::byte> planes(body.data() + group_offset[g], group_bytes);
       JoinBytePlanes(planes, width, std::span<std::byte>(joined.data(), group_bytes));
       std::memcpy(planes.data(), joined.data(), group_bytes);

@@ -89,7 +89,7 @@ TEST_P(ApplyTest, StepsReproduceTheTrainerBitExactlyAndDigestsMatch) {
     ASSERT_OK(tracker_->Commit(id));
     undo.Clear();
     for (const OwnedTensor& t : current) {
-      ASSERT_OK_AND_ASSIGN(TensorView got, store_->Find(t.name));
+      ASSERT_OK_AND_ASSIGN(TensorView got, std::as_const(*store_).Find(t.name));
       EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin())) << t.name;
     }
   }
@@ -118,9 +118,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32,
                                          DType::kFloat8E4M3FN, DType::kFloat8E5M2, DType::kInt64),
                        ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),
-    [](const auto& info) {
-      return std::string(DTypeName(std::get<0>(info.param))) + "_" +
-             std::string(OpName(std::get<1>(info.param)));
+    [](const auto& param_info) {
+      return std::string(DTypeName(std::get<0>(param_info.param))) + "_" +
+             std::string(OpName(std::get<1>(param_info.param)));
     });
 
 class ApplyRejectionTest : public ::testing::Test {

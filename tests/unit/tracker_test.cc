@@ -374,8 +374,8 @@ TEST(TrackerOptionsTest, RejectsBadOptions) {
 
 INSTANTIATE_TEST_SUITE_P(Storage, TrackerTest,
                          ::testing::Values(BaselineStorage::kMemory, BaselineStorage::kFile),
-                         [](const auto& info) {
-                           return info.param == BaselineStorage::kMemory ? "Memory" : "File";
+                         [](const auto& param_info) {
+                           return param_info.param == BaselineStorage::kMemory ? "Memory" : "File";
                          });
 
 }  // namespace

@@ -65,8 +65,8 @@ TEST_P(WeightStoreTest, SaveRoundTrips) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, WeightStoreTest,
                          ::testing::Values(StoreMode::kMemory, StoreMode::kMmap),
-                         [](const auto& info) {
-                           return info.param == StoreMode::kMemory ? "Memory" : "Mmap";
+                         [](const auto& param_info) {
+                           return param_info.param == StoreMode::kMemory ? "Memory" : "Mmap";
                          });
 
 TEST(WeightStoreApiTest, AddCopyAndExternal) {
