@@ -142,7 +142,8 @@ class ApplyRejectionTest : public ::testing::Test {
     EXPECT_TRUE((*tracker)->Commit(anchor).ok());
     const TransferId id = TransferId::Random();
     EXPECT_TRUE((*tracker)->Begin(id).ok());
-    auto r = (*tracker)->Encode(id, Perturb(base_, 0.2, 7).view());
+    next_ = Perturb(base_, 0.2, 7);
+    auto r = (*tracker)->Encode(id, next_.view());
     EXPECT_TRUE(r.ok());
     std::vector<ItemView> views;
     for (const Item& item : r->items) views.push_back(item.view());
@@ -154,6 +155,7 @@ class ApplyRejectionTest : public ::testing::Test {
 
   std::unique_ptr<WeightStore> store_;
   OwnedTensor base_;
+  OwnedTensor next_;
 };
 
 Item OverwriteItem(std::string name, DType dtype, Shape shape) {
@@ -196,14 +198,33 @@ TEST_F(ApplyRejectionTest, DtypeOrShapeMismatchAppliesNothing) {
 TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
   auto payload = MakePayload();
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-  // Diverge the receiver at one element, then remember that state.
+  // Diverge the receiver at an element the payload changes, then remember that state.
+  size_t changed_byte = 0;
+  while (base_.bytes[changed_byte] == next_.bytes[changed_byte]) ++changed_byte;
   ASSERT_OK_AND_ASSIGN(MutableTensorView w, store_->Find("w"));
-  w.bytes[0] ^= std::byte{0x40};
+  w.bytes[changed_byte] ^= std::byte{0x40};
   ASSERT_OK(store_->SetDigest("w", TensorDigest(w.AsConst())));
   const Snapshot diverged = Take(*store_);
   UndoLog undo;
   EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(decoded, *store_, &undo));
   EXPECT_EQ(Take(*store_), diverged);
+  EXPECT_EQ(undo.records(), 0u);
+}
+
+TEST_F(ApplyRejectionTest, DivergenceOutsideTheChangesShowsInTheTensorDigest) {
+  auto payload = MakePayload();
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+  size_t unchanged_byte = 0;
+  while (base_.bytes[unchanged_byte] != next_.bytes[unchanged_byte]) ++unchanged_byte;
+  ASSERT_OK_AND_ASSIGN(MutableTensorView w, store_->Find("w"));
+  w.bytes[unchanged_byte] ^= std::byte{0x40};
+  ASSERT_OK(store_->SetDigest("w", TensorDigest(w.AsConst())));
+  // The payload only touches changed elements, so it applies; the divergence is caught where
+  // the coordinator compares whole-tensor digests with the producer's.
+  UndoLog undo;
+  ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+  EXPECT_NE(*store_->Digest("w"), TensorDigest(next_.view()));
+  EXPECT_EQ(*store_->Digest("w"), store_->RecomputeDigests().at("w"));
 }
 
 TEST_F(ApplyRejectionTest, UndoLogSpansPayloadsAndRollsBackAll) {
