@@ -104,6 +104,13 @@ class DeltaTracker {
   Result<EncodeResult> Encode(const TransferId& id, const TensorView& current,
                               uint64_t span_begin = 0, uint64_t span_end = UINT64_MAX);
 
+  /// Adopt `tensor` as committed baseline at the current version, without a transfer: for a
+  /// producer whose receivers already hold exactly these weights (all loaded one checkpoint, or
+  /// a trainer restarting against a live fleet). Counts as an anchor for the cadence rules, so
+  /// the next transfer is a delta. Errors: FailedPrecondition while a transfer is open,
+  /// InvalidArgument (size mismatch).
+  Status AdoptBaseline(const TensorView& tensor);
+
   /// Make the pending bits of the open transfer the new baseline and advance the version.
   /// Errors: FailedPrecondition (wrong id; a new tensor not fully covered — nothing changes).
   Status Commit(const TransferId& id);

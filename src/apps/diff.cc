@@ -28,10 +28,9 @@ Status RunDiff(const DiffArgs& args) {
   TrackerOptions options;
   options.compare.threads = args.threads;
   REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
-  const TransferId seed = TransferId::Random();
-  REFIT_RETURN_NOT_OK(tracker->Begin(seed));
-  for (const TensorView& tensor : old_file->tensors()) REFIT_RETURN_NOT_OK(tracker->Encode(seed, tensor));
-  REFIT_RETURN_NOT_OK(tracker->Commit(seed));
+  for (const TensorView& tensor : old_file->tensors()) {
+    REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(tensor));
+  }
 
   const TransferId id = TransferId::Random();
   REFIT_ASSIGN_OR_RETURN(TransferPlan plan, tracker->Begin(id));

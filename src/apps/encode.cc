@@ -41,14 +41,11 @@ Status RunEncode(const EncodeArgs& args) {
                              args.new_path);
     }
   }
-  // OLD becomes the baseline (as if it had been sent and committed), unless --full.
+  // Receivers hold OLD: it becomes the committed baseline, unless --full.
   if (!args.full) {
-    const TransferId seed = TransferId::Random();
-    REFIT_RETURN_NOT_OK(tracker->Begin(seed));
     for (const TensorView& tensor : old_file->tensors()) {
-      REFIT_RETURN_NOT_OK(tracker->Encode(seed, tensor));
+      REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(tensor));
     }
-    REFIT_RETURN_NOT_OK(tracker->Commit(seed));
   }
 
   const TransferId id = TransferId::Random();

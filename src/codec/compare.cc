@@ -58,6 +58,7 @@ void AppendChangedLocations(std::span<const std::byte> old_bytes,
                             std::span<const std::byte> new_bytes, uint32_t width, uint64_t begin,
                             uint64_t end, std::vector<uint64_t>* out, CompareKernel kernel) {
   REFIT_DCHECK(IsSupportedWidth(width), "AppendChangedLocations: width not in {1, 2, 4, 8}");
+  REFIT_DCHECK(out != nullptr, "AppendChangedLocations: null output vector");
   REFIT_DCHECK(begin <= end && end <= old_bytes.size() / width && end <= new_bytes.size() / width,
                "AppendChangedLocations: range outside the tensors");
   if (kernel == CompareKernel::kScalar) {
@@ -75,8 +76,8 @@ Result<std::vector<uint64_t>> FindChangedLocations(std::span<const std::byte> ol
   std::vector<uint64_t> locations;
   const uint64_t count = end - begin;
   const uint64_t num_chunks = count == 0 ? 0 : (count - 1) / options.chunk_elements + 1;
-  const uint64_t num_workers = std::min<uint64_t>(static_cast<uint64_t>(options.threads),
-                                                  num_chunks);
+  const uint64_t num_workers =
+      std::min<uint64_t>(static_cast<uint64_t>(options.threads), num_chunks);
   if (num_workers <= 1) {
     AppendChangedLocations(old_bytes, new_bytes, width, begin, end, &locations, options.kernel);
     return locations;
@@ -100,12 +101,16 @@ Result<std::vector<uint64_t>> FindChangedLocations(std::span<const std::byte> ol
     // The calling thread is one of the workers; the jthreads join when this scope ends.
     std::vector<std::jthread> helpers;
     helpers.reserve(num_workers - 1);
-    for (uint64_t helper = 1; helper < num_workers; ++helper) helpers.emplace_back(compare_chunks);
+    for (uint64_t helper = 1; helper < num_workers; ++helper) {
+      helpers.emplace_back(compare_chunks);
+    }
     compare_chunks();
   }
 
   size_t total = 0;
-  for (const auto& chunk : chunk_locations) total += chunk.size();
+  for (const auto& chunk : chunk_locations) {
+    total += chunk.size();
+  }
   locations.reserve(total);
   for (const auto& chunk : chunk_locations) {
     locations.insert(locations.end(), chunk.begin(), chunk.end());

@@ -374,6 +374,29 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
   return s.EncodeDelta(*entry, current, span_begin, span_end);
 }
 
+Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot adopt a baseline for '{}' while transfer {} is open",
+                              tensor.name, s.open->transfer_id.ToHex());
+  }
+  REFIT_RETURN_NOT_OK(CheckTensorSize(tensor));
+  REFIT_ASSIGN_OR_RETURN(auto buffer, BaselineBuffer::Make(s.options, tensor.bytes.size()));
+  if (!tensor.bytes.empty()) {
+    std::memcpy(buffer->bytes().data(), tensor.bytes.data(), tensor.bytes.size());
+  }
+  BaselineEntry* entry = s.FindOrCreateEntry(tensor.name);
+  entry->buffer = std::move(buffer);
+  entry->dtype = tensor.dtype;
+  entry->shape = tensor.shape;
+  entry->numel = tensor.numel();
+  entry->digest = TensorDigest(tensor);
+  // The adopted state plays the role of a committed anchor.
+  s.committed_transfers = std::max<uint64_t>(s.committed_transfers, 1);
+  s.changed_since_anchor = 0;
+  return Status::OK();
+}
+
 Status DeltaTracker::Commit(const TransferId& id) {
   State& s = *state_;
   REFIT_RETURN_NOT_OK(s.CheckOpen(id, "commit"));

@@ -380,3 +380,24 @@ INSTANTIATE_TEST_SUITE_P(Storage, TrackerTest,
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST(TrackerAdoptTest, AdoptedBaselineMakesTheNextTransferADelta) {
+  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  OwnedTensor v0 = testing::RandomTensor("w", DType::kBFloat16, {512}, 70);
+  ASSERT_OK(tracker->AdoptBaseline(v0.view()));
+  EXPECT_EQ(tracker->version(), 0u);
+  EXPECT_EQ(tracker->Digests().at("w"), TensorDigest(v0.view()));
+  const TransferId id = TransferId::Random();
+  ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
+  EXPECT_FALSE(plan.anchor);
+  EXPECT_EQ(plan.base_version, 0u);
+  EXPECT_STATUS(FailedPrecondition, tracker->AdoptBaseline(v0.view()));
+  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, testing::Perturb(v0, 0.1, 71).view()));
+  EXPECT_EQ(r.items.at(0).op, Op::kXor);
+}
+
+}  // namespace
+}  // namespace refit
