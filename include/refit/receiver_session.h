@@ -1,0 +1,282 @@
+// ReceiverSession: the receiver's transactional transfer state — staging with dedupe, a bounded
+// FIFO apply queue drained by one apply thread, flush with verification, commit, and abort with a
+// bit-exact rollback. Transport-independent: `refit serve` feeds it from ZeroMQ and HTTP.
+//
+// Lifecycle of one transfer T (base version v, target v + 1):
+//
+//   kIdle (at v) ──Prepare(T)──▶ kReceiving ──Flush(T)──▶ kPrepared ──Commit(T)──▶ kIdle (at v+1)
+//                                    │                        │
+//                                    └──────Abort(T)──────────┴──────────────────▶ kIdle (at v)
+//
+// Stage(payload) is accepted only in kReceiving for T, before T is sealed. ACK (Stage OK) means
+// *staged*: the payload is queued, not yet applied. Only a successful Flush means *applied and
+// verified*. Every payload applied in T is recorded in an UndoLog, so Abort restores version v
+// bit-exactly without a reload, and a retry (with a new transfer id) starts from a clean base.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/payload.h"
+#include "refit/status.h"
+#include "refit/weight_store.h"
+
+namespace refit {
+
+/// The state of a ReceiverSession.
+enum class ReceiverState : uint8_t {
+  /// No open transfer; the store holds the committed version.
+  kIdle,
+  /// A transfer is prepared: payloads are staged and applied, not yet verified.
+  kReceiving,
+  /// The transfer is flushed: every expected payload is applied and verified; it awaits Commit
+  /// (or Abort). The transfer is sealed: no more payloads are accepted.
+  kPrepared,
+};
+
+/// Return "idle", "receiving" or "prepared".
+std::string_view ReceiverStateName(ReceiverState state);
+
+/// What one transfer must deliver. The coordinator may declare it at Prepare, or only at Flush
+/// (payload counts and digests are known once every producer has streamed), or at both if the two
+/// agree.
+struct TransferExpectation {
+  /// Payloads per producer id: producer p sends payload ids 0 … n_p − 1 (upstream numbering).
+  /// Producers not listed send none. With these counts the session rejects unexpected payload
+  /// ids at Stage and names each missing payload when Flush times out.
+  std::map<uint32_t, uint32_t> payloads_per_producer;
+  /// The total number of payloads over all producers, for coordinators that only know the sum.
+  /// If payloads_per_producer is set too, this must equal its sum.
+  std::optional<uint64_t> total_payloads;
+  /// The per-tensor state digests the store must hold after the transfer (the producers'
+  /// DeltaTracker::PendingDigests, merged). Empty: Flush does not compare digests.
+  std::map<std::string, uint64_t> digests;
+
+  /// Whether a payload count is declared (an empty transfer declares total_payloads = 0).
+  bool has_payload_count() const {
+    return !payloads_per_producer.empty() || total_payloads.has_value();
+  }
+
+  friend bool operator==(const TransferExpectation&, const TransferExpectation&) = default;
+};
+
+/// The argument of Prepare.
+struct PrepareRequest {
+  TransferId transfer_id;
+  /// The version the transfer starts from; it must equal the receiver's committed version
+  /// (version fencing). The target is base_version + 1.
+  uint64_t base_version = 0;
+  TransferExpectation expected;
+};
+
+/// What Prepare did.
+struct PrepareResult {
+  /// True when the transfer was already open with the same request (a retried control call).
+  bool repeated = false;
+  /// The transfer committed implicitly because this one is based on its target version
+  /// (DESIGN.md "implied commit": a lost Commit message cannot wedge the receiver).
+  std::optional<TransferId> implied_commit;
+};
+
+/// How a payload was staged. Either way the sender gets an ACK.
+enum class StageResult : uint8_t {
+  /// Queued for apply.
+  kAccepted,
+  /// Already staged in this transfer with the same checksum: not queued again. (An XOR payload
+  /// applied twice would revert its changes, so dedupe is what makes sender retries safe.)
+  kDuplicate,
+};
+
+/// Options of Flush.
+struct FlushOptions {
+  /// How long to wait for the expected payloads to be staged and applied.
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// Expectations declared now (see TransferExpectation); fields left empty keep Prepare's.
+  TransferExpectation expected;
+};
+
+/// The result of a successful Flush.
+struct FlushReport {
+  TransferId transfer_id;
+  uint64_t target_version = 0;
+  /// Payloads applied (duplicates excluded), their items, and the elements those items changed
+  /// (the location count of each item; the span length of a FULL item).
+  uint64_t payloads = 0;
+  uint64_t items = 0;
+  uint64_t changed_elements = 0;
+  /// Payloads ACKed as duplicates.
+  uint64_t duplicates = 0;
+  /// The store's per-tensor state digests after the transfer, for the coordinator to compare
+  /// across receivers and with the producers.
+  std::map<std::string, uint64_t> digests;
+
+  friend bool operator==(const FlushReport&, const FlushReport&) = default;
+};
+
+/// A consistent snapshot of the session (GetStatus).
+struct ReceiverStatus {
+  ReceiverState state = ReceiverState::kIdle;
+  /// The committed version the store holds.
+  uint64_t version = 0;
+  /// The open transfer (kReceiving or kPrepared) and its versions.
+  std::optional<TransferId> transfer_id;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  /// Whether the open transfer refuses new payloads (Flush got past waiting for them).
+  bool sealed = false;
+  /// Payloads of the open transfer: distinct ones staged, applied, waiting in the queue, and
+  /// duplicates ACKed.
+  uint64_t staged_payloads = 0;
+  uint64_t applied_payloads = 0;
+  uint64_t queued_payloads = 0;
+  uint64_t duplicate_payloads = 0;
+  /// The error that failed the open (or, once idle, the last) transfer: the first apply error,
+  /// or a failed Flush or Abort. OK otherwise. Cleared by the next Prepare.
+  Status last_error;
+  /// Bytes held by the undo log of the open transfer.
+  uint64_t undo_bytes = 0;
+};
+
+/// Options of ReceiverSession::Make.
+struct ReceiverSessionOptions {
+  /// Payloads staged but not yet applied. Stage blocks (TryStage fails) while this many wait, so
+  /// receiver memory stays bounded by depth × payload size. Upstream allows 32 batches of 8
+  /// outstanding because each batch costs an RPC round trip; applying in process needs only
+  /// enough queued work that the apply thread never waits for the next payload.
+  size_t apply_queue_depth = 8;
+  /// Limits for decoding untrusted payloads (Stage checks the header against them too).
+  PayloadLimits limits;
+  /// How many finished (committed or aborted) transfer ids to remember, so that a late payload
+  /// or a replayed Prepare of a finished transfer is refused instead of re-applied. Oldest are
+  /// forgotten first; 1024 ids cost under 100 KiB and cover far more transfers than can be in
+  /// flight.
+  size_t remembered_transfers = 1024;
+  /// A hook for tracing and tests: called on the apply thread, without the session lock, before
+  /// each payload is decoded and applied. It must not call into the session.
+  std::function<void(const PayloadIds&)> before_apply;
+};
+
+/// The receiver's transactional transfer state over one WeightStore.
+///
+/// What each call does by state (T = the open transfer, U = any other id):
+/// - Prepare(T): kIdle → opens T if its base is the store's version. kReceiving/kPrepared with T
+///   open and the same request → OK, repeated.
+/// - Prepare(U): kIdle → opens U. kPrepared with U based on T's target → commits T (implied
+///   commit), then opens U. Otherwise FailedPrecondition.
+/// - Stage: only in kReceiving, for T's payloads, before T is sealed; FailedPrecondition
+///   otherwise.
+/// - Flush(T): kReceiving → waits, seals, verifies → kPrepared. kPrepared → the same report
+///   again. kIdle, or U → FailedPrecondition.
+/// - Commit(T): kPrepared → kIdle at the target version. kIdle with T already committed → OK.
+///   Otherwise FailedPrecondition.
+/// - Abort(T): kReceiving/kPrepared → rolls back → kIdle at the base version. kIdle → OK unless
+///   T was committed. Abort(U) while T is open → FailedPrecondition.
+///
+/// Finished transfer ids (committed or aborted) are remembered (remembered_transfers): their
+/// payloads and a new Prepare with their id are refused, because replaying an XOR delta reverts it.
+///
+/// Thread-safety: every member function may be called concurrently from any thread. Stage and
+/// TryStage are meant for many transport threads; the control calls (Prepare, Flush, Commit,
+/// Abort) for the control plane. One mutex guards the state; blocked callers (Stage on a full
+/// queue, Flush waiting for payloads, Abort waiting for the payload being applied) wait on
+/// condition variables without holding it. Payloads are decoded and applied on the session's own
+/// apply thread without the lock. No call may be in flight when the session is destroyed.
+///
+/// The store must outlive the session, and while the session exists it is the only writer of
+/// the store's bytes, digests and version. Reading the store is safe while no transfer is open,
+/// or while one is kPrepared and no Commit or Abort runs concurrently.
+class ReceiverSession {
+ public:
+  /// Bounds on Options::apply_queue_depth and remembered_transfers: far above any sensible
+  /// value, low enough that a mistyped one (e.g. a byte count) is reported.
+  static constexpr size_t kMaxApplyQueueDepth = size_t{1} << 16;
+  static constexpr size_t kMaxRememberedTransfers = size_t{1} << 20;
+
+  /// Create a session idle at store.version() and start its apply thread.
+  /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
+  /// [1, kMax…]; ResourceExhausted when the OS refuses the thread.
+  static Result<std::unique_ptr<ReceiverSession>> Make(const ReceiverSessionOptions& options,
+                                                       WeightStore& store);
+
+  /// Stop the apply thread (after the payload it is applying) and discard queued payloads. If a
+  /// transfer is still open, roll it back, so the store is left bit-exactly at its version.
+  ~ReceiverSession();
+  ReceiverSession(const ReceiverSession&) = delete;
+  ReceiverSession& operator=(const ReceiverSession&) = delete;
+
+  /// Open a transfer (see the table). A repeat of the open transfer's request is OK and changes
+  /// nothing. In kPrepared, a request based on the open transfer's target commits it first.
+  /// Errors: InvalidArgument (inconsistent expectation; base version at the maximum);
+  /// FailedPrecondition (base_version is not the receiver's version; another transfer is open;
+  /// the id is open with a different request; the id belongs to a finished transfer).
+  Result<PrepareResult> Prepare(const PrepareRequest& request);
+
+  /// Stage one payload of the open transfer, taking ownership of its bytes; block while the
+  /// apply queue is full. Only the header is checked here (cheap); the checksum and body are
+  /// checked on the apply thread, and their errors surface at the next Stage and at Flush.
+  /// Errors (each one a NACK):
+  /// - as ValidatePayloadHeader (DataLoss, InvalidArgument, ResourceExhausted);
+  /// - FailedPrecondition: no open transfer, another transfer id (including finished ones),
+  ///   base/target versions that differ from the transfer's, the transfer is sealed ("already
+  ///   flushed") or being aborted;
+  /// - InvalidArgument: a payload id outside the declared per-producer counts;
+  /// - AlreadyExists: the same (transfer, producer, payload) ids were staged with another
+  ///   checksum. (Not DataLoss: nothing says which copy is corrupt — ids were reused or one copy
+  ///   was damaged — and neither is applied twice; the transfer should be aborted and retried.)
+  /// - the first apply error of the transfer, once one happened (its own code, e.g. DataLoss);
+  /// - Cancelled when `stop` is requested while waiting for room.
+  Result<StageResult> Stage(std::vector<std::byte> payload, std::stop_token stop = {});
+
+  /// As Stage, but never block: when the apply queue is full, return ResourceExhausted (a
+  /// retryable NACK) and leave `payload` untouched. `payload` is moved from only when the result
+  /// is kAccepted.
+  Result<StageResult> TryStage(std::vector<std::byte>&& payload);
+
+  /// Wait up to options.timeout until every expected payload of transfer `id` is staged and
+  /// applied, then seal the transfer (later payloads: FailedPrecondition "already flushed"),
+  /// compare the expected digests with the store's, and move to kPrepared. A timed-out Flush
+  /// does not seal, so missing payloads may still arrive and Flush be called again. Repeating a
+  /// successful Flush returns the same report. On any error the transfer stays open (kReceiving)
+  /// for the coordinator to Abort.
+  /// Errors: FailedPrecondition (`id` is not the open transfer; no payload count declared at
+  /// Prepare or here); InvalidArgument (an expectation that contradicts Prepare's; a payload
+  /// staged that the count does not expect); DeadlineExceeded naming the missing payloads; the
+  /// first apply error (e.g. DataLoss for a corrupt payload); NotFound / DataLoss naming the
+  /// first expected tensor that the store lacks / whose digest differs; Cancelled when the
+  /// transfer is aborted while waiting.
+  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {});
+
+  /// Commit prepared transfer `id`: the store's version becomes its target and the undo log is
+  /// dropped. Committing an already committed id is OK (idempotent).
+  /// Errors: FailedPrecondition naming the state (`id` not flushed yet, aborted, unknown, or not
+  /// the open transfer).
+  Status Commit(const TransferId& id);
+
+  /// Abort transfer `id`: discard queued payloads, wait for the one being applied, and roll the
+  /// store back to the base version bit-exactly (bytes and digests). Aborting an already aborted
+  /// id is OK. Aborting an id this receiver never prepared while idle is OK too (a coordinator
+  /// aborts everywhere, including where Prepare never arrived) and records the id as finished,
+  /// so its late payloads and a late Prepare are refused.
+  /// Errors: FailedPrecondition (`id` is committed, or another transfer is open); NotFound if the
+  /// rollback cannot find a tensor (the transfer then stays open).
+  Status Abort(const TransferId& id);
+
+  /// Return a snapshot of the state and counters. Cheap (no store access).
+  ReceiverStatus GetStatus() const;
+
+ private:
+  struct Impl;
+  explicit ReceiverSession(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit

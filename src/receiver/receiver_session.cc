@@ -1,0 +1,706 @@
+#include "refit/receiver_session.h"
+
+#include <pthread.h>
+
+#include <array>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "refit/apply.h"
+#include "util/check.h"
+#include "util/logging.h"
+
+namespace refit {
+namespace {
+
+/// Missing payloads named in a DeadlineExceeded message; the rest are counted. Enough to show a
+/// pattern (one producer silent, one payload lost) without a megabyte-long message.
+constexpr size_t kMaxNamedMissingPayloads = 8;
+
+/// The OS name of the apply thread (Linux keeps at most 15 bytes).
+constexpr const char* kApplyThreadName = "refit-apply";
+
+/// How a finished transfer ended.
+enum class Outcome : uint8_t { kCommitted, kAborted };
+
+std::string_view OutcomeName(Outcome outcome) {
+  return outcome == Outcome::kCommitted ? "committed" : "aborted";
+}
+
+/// The dedupe key of a payload within its transfer.
+uint64_t PayloadKey(uint32_t producer_id, uint32_t payload_id) {
+  return (uint64_t{producer_id} << 32) | payload_id;
+}
+
+Status CheckExpectation(const TransferExpectation& expected) {
+  if (!expected.payloads_per_producer.empty() && expected.total_payloads.has_value()) {
+    uint64_t sum = 0;
+    for (const auto& [producer, count] : expected.payloads_per_producer) sum += count;
+    if (sum != *expected.total_payloads) {
+      return InvalidArgument(
+          "expected total_payloads {} != {}, the sum of the per-producer payload counts",
+          *expected.total_payloads, sum);
+    }
+  }
+  return Status::OK();
+}
+
+/// One staged payload waiting for the apply thread.
+struct QueuedPayload {
+  PayloadIds ids;
+  std::vector<std::byte> bytes;
+};
+
+/// Everything the apply thread learns from one payload.
+struct ApplyOutcome {
+  Status status;
+  uint64_t items = 0;
+  uint64_t changed_elements = 0;
+};
+
+}  // namespace
+
+std::string_view ReceiverStateName(ReceiverState state) {
+  switch (state) {
+    case ReceiverState::kIdle:
+      return "idle";
+    case ReceiverState::kReceiving:
+      return "receiving";
+    case ReceiverState::kPrepared:
+      return "prepared";
+  }
+  return "unknown";
+}
+
+struct ReceiverSession::Impl {
+  /// The open transfer.
+  struct Transfer {
+    TransferId id;
+    uint64_t base_version = 0;
+    uint64_t target_version = 0;
+    /// The expectation as Prepare declared it (a repeated Prepare must match it).
+    TransferExpectation declared;
+    /// The expectation in force: Prepare's, completed by Flush.
+    TransferExpectation expected;
+    /// No more payloads accepted.
+    bool sealed = false;
+    /// Set by Abort while it waits for the apply thread and rolls back.
+    bool aborting = false;
+    /// Staged payloads: PayloadKey → body checksum.
+    std::unordered_map<uint64_t, std::array<uint8_t, 16>> staged;
+    /// Distinct payloads staged per producer.
+    std::map<uint32_t, uint64_t> staged_per_producer;
+    uint64_t applied = 0;
+    uint64_t items = 0;
+    uint64_t changed_elements = 0;
+    uint64_t duplicates = 0;
+    /// The first apply error; after it, queued payloads are discarded unapplied.
+    Status first_error;
+    /// Set by a successful Flush: the transfer is kPrepared.
+    std::optional<FlushReport> report;
+  };
+
+  Impl(const ReceiverSessionOptions& session_options, WeightStore& session_store)
+      : options(session_options), store(session_store), version(session_store.version()) {}
+
+  ReceiverState StateLocked() const {
+    if (!transfer) return ReceiverState::kIdle;
+    return transfer->report ? ReceiverState::kPrepared : ReceiverState::kReceiving;
+  }
+
+  std::string DescribeLocked() const {
+    if (!transfer) return fmt::format("the receiver is idle at version {}", version);
+    return fmt::format("the receiver is {} transfer {} (version {} -> {})",
+                       ReceiverStateName(StateLocked()), transfer->id.ToHex(),
+                       transfer->base_version, transfer->target_version);
+  }
+
+  std::optional<Outcome> FinishedLocked(const TransferId& id) const {
+    auto it = finished.find(id.bytes);
+    if (it == finished.end()) return std::nullopt;
+    return it->second;
+  }
+
+  void RememberLocked(const TransferId& id, Outcome outcome) {
+    if (finished.emplace(id.bytes, outcome).second) finished_order.push_back(id.bytes);
+    while (finished_order.size() > options.remembered_transfers) {
+      finished.erase(finished_order.front());
+      finished_order.pop_front();
+    }
+  }
+
+  // Abort holds the open transfer while it rolls back; every other control call waits for it so
+  // that it sees the transfer either fully open or fully finished.
+  void WaitForAbortLocked(std::unique_lock<std::mutex>& lock) {
+    progress.wait(lock, [this] { return !transfer || !transfer->aborting; });
+  }
+
+  void CommitLocked() {
+    REFIT_DCHECK(transfer && transfer->report, "CommitLocked needs a prepared transfer");
+    version = transfer->target_version;
+    store.set_version(version);
+    undo.Clear();
+    undo_bytes = 0;
+    RememberLocked(transfer->id, Outcome::kCommitted);
+    REFIT_LOG_INFO("receiver: committed transfer {} ({} payloads): now at version {}",
+                   transfer->id.ToHex(), transfer->applied, version);
+    transfer.reset();
+    progress.notify_all();
+  }
+
+  // ---- Stage. ---------------------------------------------------------------------------------
+
+  /// Check that `ids` may be staged now; the dedupe and room checks come after.
+  Status CheckStageableLocked(const PayloadIds& ids) const {
+    auto context = [&] {
+      return fmt::format("payload {} of producer {} (transfer {})", ids.payload_id, ids.producer_id,
+                         ids.transfer_id.ToHex());
+    };
+    if (std::optional<Outcome> outcome = FinishedLocked(ids.transfer_id)) {
+      return FailedPrecondition("{}: the transfer was already {}", context(),
+                                OutcomeName(*outcome));
+    }
+    if (!transfer || transfer->id != ids.transfer_id) {
+      return FailedPrecondition("{}: not the open transfer: {}", context(), DescribeLocked());
+    }
+    if (transfer->aborting)
+      return FailedPrecondition("{}: the transfer is being aborted", context());
+    if (transfer->sealed)
+      return FailedPrecondition("{}: the transfer is already flushed", context());
+    if (ids.base_version != transfer->base_version ||
+        ids.target_version != transfer->target_version) {
+      return FailedPrecondition("{}: moves version {} -> {} but the transfer moves {} -> {}",
+                                context(), ids.base_version, ids.target_version,
+                                transfer->base_version, transfer->target_version);
+    }
+    if (!transfer->first_error.ok()) {
+      return transfer->first_error.WithContext(
+          fmt::format("{}: the transfer failed earlier", context()));
+    }
+    const auto& per_producer = transfer->expected.payloads_per_producer;
+    if (!per_producer.empty()) {
+      auto it = per_producer.find(ids.producer_id);
+      const uint32_t count = it == per_producer.end() ? 0 : it->second;
+      if (ids.payload_id >= count) {
+        return InvalidArgument("{}: unexpected: producer {} sends {} payloads (ids 0 to n-1)",
+                               context(), ids.producer_id, count);
+      }
+    }
+    return Status::OK();
+  }
+
+  Result<StageResult> StagePayload(std::vector<std::byte>& payload, bool block,
+                                   const std::stop_token& stop) {
+    REFIT_ASSIGN_OR_RETURN(const PayloadHeader header,
+                           ValidatePayloadHeader(payload, options.limits));
+    const PayloadIds& ids = header.ids;
+    const uint64_t key = PayloadKey(ids.producer_id, ids.payload_id);
+    std::unique_lock lock(mutex);
+    while (true) {
+      REFIT_RETURN_NOT_OK(CheckStageableLocked(ids));
+      auto staged = transfer->staged.find(key);
+      if (staged != transfer->staged.end()) {
+        if (staged->second != header.checksum) {
+          return AlreadyExists(
+              "payload {} of producer {} (transfer {}) was already staged with another checksum",
+              ids.payload_id, ids.producer_id, ids.transfer_id.ToHex());
+        }
+        ++transfer->duplicates;
+        return StageResult::kDuplicate;
+      }
+      if (queue.size() < options.apply_queue_depth) break;
+      if (!block) {
+        return ResourceExhausted(
+            "payload {} of producer {} (transfer {}): the apply queue is full at depth {}",
+            ids.payload_id, ids.producer_id, ids.transfer_id.ToHex(), options.apply_queue_depth);
+      }
+      // Wake on room or on any change of the transfer; the loop re-checks everything, since
+      // another thread may have staged the same payload or the transfer may have ended.
+      const bool woken = progress.wait(lock, stop, [&] {
+        return queue.size() < options.apply_queue_depth || !transfer ||
+               transfer->id != ids.transfer_id || transfer->aborting || transfer->sealed ||
+               !transfer->first_error.ok();
+      });
+      if (!woken) {
+        return Cancelled(
+            "payload {} of producer {} (transfer {}): stop requested while waiting "
+            "for room in the apply queue",
+            ids.payload_id, ids.producer_id, ids.transfer_id.ToHex());
+      }
+    }
+    transfer->staged.emplace(key, header.checksum);
+    ++transfer->staged_per_producer[ids.producer_id];
+    queue.push_back(QueuedPayload{ids, std::move(payload)});
+    work.notify_one();
+    return StageResult::kAccepted;
+  }
+
+  // ---- Apply thread. --------------------------------------------------------------------------
+
+  ApplyOutcome ApplyOne(const QueuedPayload& payload) {
+    if (options.before_apply) options.before_apply(payload.ids);
+    ApplyOutcome outcome;
+    Result<DecodedPayload> decoded = DecodePayload(payload.bytes, options.limits);
+    if (!decoded.ok()) {
+      outcome.status = decoded.status();
+      return outcome;
+    }
+    for (const ItemView& item : decoded->items()) {
+      ++outcome.items;
+      outcome.changed_elements += item.count;
+    }
+    outcome.status = ApplyPayload(*decoded, store, &undo);
+    return outcome;
+  }
+
+  void RunApply(const std::stop_token& stop) {
+    // Naming is a debugging aid; failing to name the thread is harmless, so the result is ignored.
+    pthread_setname_np(pthread_self(), kApplyThreadName);
+    std::unique_lock lock(mutex);
+    while (work.wait(lock, stop, [this] { return !queue.empty(); })) {
+      QueuedPayload payload = std::move(queue.front());
+      queue.pop_front();
+      // Every queued payload belongs to the open transfer: Abort empties the queue before the
+      // transfer ends, and only the open transfer's payloads are staged.
+      REFIT_DCHECK(transfer && transfer->id == payload.ids.transfer_id,
+                   "a queued payload outlived its transfer");
+      progress.notify_all();                      // Room in the queue.
+      if (!transfer->first_error.ok()) continue;  // Nothing applies after the first error.
+      applying = true;
+      lock.unlock();
+      ApplyOutcome outcome = ApplyOne(payload);
+      // O(records) but records grow by one per item, so this stays small next to the apply.
+      const uint64_t bytes = undo.bytes();
+      lock.lock();
+      applying = false;
+      undo_bytes = bytes;
+      if (outcome.status.ok()) {
+        ++transfer->applied;
+        transfer->items += outcome.items;
+        transfer->changed_elements += outcome.changed_elements;
+      } else {
+        transfer->first_error = outcome.status;
+        last_error = outcome.status;
+        REFIT_LOG_WARN("receiver: transfer {}: apply failed: {}", transfer->id.ToHex(),
+                       outcome.status.ToString());
+      }
+      progress.notify_all();
+    }
+  }
+
+  // ---- Flush. ---------------------------------------------------------------------------------
+
+  /// Whether every expected payload is staged. Precondition: a payload count is declared.
+  bool AllStagedLocked() const {
+    const TransferExpectation& expected = transfer->expected;
+    if (!expected.payloads_per_producer.empty()) {
+      // Stage refuses ids outside the counts, so per-producer counts identify the payloads.
+      for (const auto& [producer, count] : expected.payloads_per_producer) {
+        auto it = transfer->staged_per_producer.find(producer);
+        if ((it == transfer->staged_per_producer.end() ? 0 : it->second) < count) return false;
+      }
+      return true;
+    }
+    return transfer->staged.size() >= *expected.total_payloads;
+  }
+
+  bool DrainedLocked() const { return queue.empty() && !applying; }
+
+  std::string DescribeMissingLocked() const {
+    const TransferExpectation& expected = transfer->expected;
+    const uint64_t staged = transfer->staged.size();
+    if (expected.payloads_per_producer.empty()) {
+      return fmt::format("{} of {} expected payloads staged, {} applied", staged,
+                         *expected.total_payloads, transfer->applied);
+    }
+    std::string named;
+    uint64_t missing = 0;
+    uint64_t wanted = 0;
+    for (const auto& [producer, count] : expected.payloads_per_producer) {
+      wanted += count;
+      for (uint32_t id = 0; id < count; ++id) {
+        if (transfer->staged.contains(PayloadKey(producer, id))) continue;
+        if (++missing <= kMaxNamedMissingPayloads) {
+          named += fmt::format("{}producer {} payload {}", named.empty() ? "" : ", ", producer, id);
+        }
+      }
+    }
+    if (missing == 0) {
+      return fmt::format("all {} expected payloads staged, {} applied", wanted, transfer->applied);
+    }
+    if (missing > kMaxNamedMissingPayloads) {
+      named += fmt::format(" and {} more", missing - kMaxNamedMissingPayloads);
+    }
+    return fmt::format("{} of {} expected payloads missing ({}); {} applied", missing, wanted,
+                       named, transfer->applied);
+  }
+
+  /// Combine the expectation given to Flush with the one in force.
+  Status MergeExpectationLocked(const TransferExpectation& given) {
+    REFIT_RETURN_NOT_OK(CheckExpectation(given).WithContext("flush"));
+    TransferExpectation& expected = transfer->expected;
+    if (given.has_payload_count()) {
+      if (expected.has_payload_count() &&
+          (given.payloads_per_producer != expected.payloads_per_producer ||
+           given.total_payloads != expected.total_payloads)) {
+        return InvalidArgument(
+            "flush of transfer {}: payload count differs from the one declared before",
+            transfer->id.ToHex());
+      }
+      // With per-producer counts declared only now, payloads staged before must fit them.
+      for (const auto& [key, checksum] : transfer->staged) {
+        const auto producer = static_cast<uint32_t>(key >> 32);
+        const auto payload = static_cast<uint32_t>(key);
+        if (given.payloads_per_producer.empty()) break;
+        auto it = given.payloads_per_producer.find(producer);
+        if (it == given.payloads_per_producer.end() || payload >= it->second) {
+          return InvalidArgument(
+              "flush of transfer {}: payload {} of producer {} was staged but is not expected",
+              transfer->id.ToHex(), payload, producer);
+        }
+      }
+      expected.payloads_per_producer = given.payloads_per_producer;
+      expected.total_payloads = given.total_payloads;
+    }
+    if (!given.digests.empty()) {
+      if (!expected.digests.empty() && given.digests != expected.digests) {
+        return InvalidArgument(
+            "flush of transfer {}: expected digests differ from the ones declared before",
+            transfer->id.ToHex());
+      }
+      expected.digests = given.digests;
+    }
+    if (!expected.has_payload_count()) {
+      return FailedPrecondition(
+          "flush of transfer {}: no expected payload count was declared at Prepare or Flush",
+          transfer->id.ToHex());
+    }
+    return Status::OK();
+  }
+
+  /// Seal, verify and prepare. Precondition: every expected payload is staged and applied.
+  Result<FlushReport> FinishFlushLocked() {
+    const TransferExpectation& expected = transfer->expected;
+    const std::string id = transfer->id.ToHex();
+    transfer->sealed = true;
+    if (expected.payloads_per_producer.empty() &&
+        transfer->staged.size() > *expected.total_payloads) {
+      return InvalidArgument("flush of transfer {}: {} payloads staged but {} expected", id,
+                             transfer->staged.size(), *expected.total_payloads);
+    }
+    FlushReport report;
+    report.transfer_id = transfer->id;
+    report.target_version = transfer->target_version;
+    report.payloads = transfer->applied;
+    report.items = transfer->items;
+    report.changed_elements = transfer->changed_elements;
+    report.duplicates = transfer->duplicates;
+    // Safe under the lock: the transfer is sealed and drained, so the apply thread is idle.
+    report.digests = store.Digests();
+    for (const auto& [name, digest] : expected.digests) {
+      auto it = report.digests.find(name);
+      if (it == report.digests.end()) {
+        return NotFound("flush of transfer {}: expected tensor '{}' is not in the store", id, name);
+      }
+      if (it->second != digest) {
+        return DataLoss(
+            "flush of transfer {}: tensor '{}' has state digest {:#018x} but the producers "
+            "expect {:#018x}",
+            id, name, it->second, digest);
+      }
+    }
+    transfer->report = report;
+    progress.notify_all();
+    return report;
+  }
+
+  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options_given) {
+    const auto deadline = std::chrono::steady_clock::now() + options_given.timeout;
+    std::unique_lock lock(mutex);
+    WaitForAbortLocked(lock);
+    if (!transfer || transfer->id != id) {
+      return FailedPrecondition("flush of transfer {}: not the open transfer: {}", id.ToHex(),
+                                DescribeLocked());
+    }
+    auto finish = [&](Status status) {
+      last_error = status;
+      return status;
+    };
+    if (!transfer->report) {
+      Status merged = MergeExpectationLocked(options_given.expected);
+      if (!merged.ok()) return finish(merged);
+      const bool ready = progress.wait_until(lock, deadline, [&] {
+        return !transfer || transfer->id != id || transfer->aborting ||
+               !transfer->first_error.ok() || transfer->report ||
+               (AllStagedLocked() && DrainedLocked());
+      });
+      if (!transfer || transfer->id != id || transfer->aborting) {
+        return Cancelled("flush of transfer {}: the transfer was aborted while flushing",
+                         id.ToHex());
+      }
+      if (!transfer->first_error.ok()) {
+        return transfer->first_error.WithContext(fmt::format("flush of transfer {}", id.ToHex()));
+      }
+      if (!ready) {
+        return finish(DeadlineExceeded("flush of transfer {} timed out after {} ms: {}", id.ToHex(),
+                                       options_given.timeout.count(), DescribeMissingLocked()));
+      }
+      // A concurrent Flush may have finished it while this one waited.
+      if (!transfer->report) {
+        Result<FlushReport> report = FinishFlushLocked();
+        if (!report.ok()) return finish(report.status());
+        return report;
+      }
+    }
+    // Repeated Flush: the same report, unless it now expects something else.
+    const TransferExpectation& given = options_given.expected;
+    const TransferExpectation& expected = transfer->expected;
+    if ((given.has_payload_count() &&
+         (given.payloads_per_producer != expected.payloads_per_producer ||
+          given.total_payloads != expected.total_payloads)) ||
+        (!given.digests.empty() && given.digests != expected.digests)) {
+      return InvalidArgument("flush of transfer {}: already flushed with a different expectation",
+                             id.ToHex());
+    }
+    return *transfer->report;
+  }
+
+  // ---- Abort. ---------------------------------------------------------------------------------
+
+  Status Abort(const TransferId& id) {
+    std::unique_lock lock(mutex);
+    WaitForAbortLocked(lock);
+    if (!transfer || transfer->id != id) {
+      const std::optional<Outcome> outcome = FinishedLocked(id);
+      if (outcome == Outcome::kAborted) return Status::OK();
+      if (outcome == Outcome::kCommitted) {
+        return FailedPrecondition("abort of transfer {}: it was already committed", id.ToHex());
+      }
+      if (transfer) {
+        return FailedPrecondition("abort of transfer {}: not the open transfer: {}", id.ToHex(),
+                                  DescribeLocked());
+      }
+      RememberLocked(id, Outcome::kAborted);
+      REFIT_LOG_INFO("receiver: aborted transfer {} before it was prepared here", id.ToHex());
+      return Status::OK();
+    }
+    transfer->aborting = true;
+    const uint64_t discarded = queue.size();
+    queue.clear();
+    progress.notify_all();  // Wake blocked Stage and Flush callers: the transfer is ending.
+    progress.wait(lock, [this] { return !applying; });
+    // Under the lock: the apply thread is idle and the queue empty, so nothing else touches the
+    // store; O(changes of the transfer), like applying it.
+    Status rollback = undo.Rollback(store);
+    undo_bytes = undo.bytes();
+    if (!rollback.ok()) {
+      transfer->aborting = false;
+      last_error = rollback.WithContext(fmt::format("abort of transfer {}", id.ToHex()));
+      progress.notify_all();
+      return last_error;
+    }
+    REFIT_LOG_INFO(
+        "receiver: aborted transfer {} ({} payloads applied and rolled back, {} discarded "
+        "unapplied): back at version {}",
+        id.ToHex(), transfer->applied, discarded, version);
+    RememberLocked(id, Outcome::kAborted);
+    transfer.reset();
+    progress.notify_all();
+    return Status::OK();
+  }
+
+  const ReceiverSessionOptions options;
+  WeightStore& store;
+
+  mutable std::mutex mutex;
+  /// The apply thread waits here for queued payloads; condition_variable_any so that the wait
+  /// also ends on the thread's stop_token.
+  std::condition_variable_any work;
+  /// Everything else waits here for progress: room in the queue, a payload applied, a transfer
+  /// flushed or ended.
+  std::condition_variable_any progress;
+
+  /// The committed version (mirrors store.version(), readable without touching the store).
+  uint64_t version = 0;
+  std::optional<Transfer> transfer;
+  std::deque<QueuedPayload> queue;
+  /// True while the apply thread works on a payload without the lock.
+  bool applying = false;
+  /// Written by the apply thread without the lock while `applying`; by Commit and Abort only
+  /// when the apply thread is idle.
+  UndoLog undo;
+  uint64_t undo_bytes = 0;
+  Status last_error;
+  /// Finished transfers, and their ids oldest first (for forgetting).
+  std::map<std::array<uint8_t, 16>, Outcome> finished;
+  std::deque<std::array<uint8_t, 16>> finished_order;
+
+  /// Declared last: it starts after every member it uses is constructed, and stops first.
+  std::jthread apply_thread;
+};
+
+ReceiverSession::ReceiverSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
+    const ReceiverSessionOptions& options, WeightStore& store) {
+  if (options.apply_queue_depth == 0 || options.apply_queue_depth > kMaxApplyQueueDepth) {
+    return InvalidArgument("receiver session: apply_queue_depth {} is outside [1, {}]",
+                           options.apply_queue_depth, kMaxApplyQueueDepth);
+  }
+  if (options.remembered_transfers == 0 || options.remembered_transfers > kMaxRememberedTransfers) {
+    return InvalidArgument("receiver session: remembered_transfers {} is outside [1, {}]",
+                           options.remembered_transfers, kMaxRememberedTransfers);
+  }
+  auto impl = std::make_unique<Impl>(options, store);
+  // std::jthread reports an OS refusal (EAGAIN: thread or memory limit) only by throwing; turn it
+  // into a Status so no exception leaves the library.
+  try {
+    impl->apply_thread =
+        std::jthread([raw = impl.get()](const std::stop_token& stop) { raw->RunApply(stop); });
+  } catch (const std::system_error& error) {
+    return ResourceExhausted("receiver session: cannot start the apply thread: {}", error.what());
+  }
+  // Not make_unique: the constructor is private.
+  return std::unique_ptr<ReceiverSession>(new ReceiverSession(std::move(impl)));
+}
+
+ReceiverSession::~ReceiverSession() {
+  impl_->apply_thread.request_stop();
+  impl_->apply_thread.join();
+  // The apply thread is gone, so nothing else touches the store or the undo log.
+  std::lock_guard lock(impl_->mutex);
+  if (!impl_->transfer) return;
+  const std::string id = impl_->transfer->id.ToHex();
+  Status rollback = impl_->undo.Rollback(impl_->store);
+  if (rollback.ok()) {
+    REFIT_LOG_WARN("receiver: transfer {} was still open at shutdown; rolled back to version {}",
+                   id, impl_->version);
+  } else {
+    REFIT_LOG_ERROR("receiver: transfer {} was still open at shutdown and its rollback failed: {}",
+                    id, rollback.ToString());
+  }
+}
+
+Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
+  const std::string id = request.transfer_id.ToHex();
+  REFIT_RETURN_NOT_OK(CheckExpectation(request.expected).WithContext("prepare of transfer " + id));
+  if (request.base_version == UINT64_MAX) {
+    return InvalidArgument("prepare of transfer {}: base version {} has no successor", id,
+                           request.base_version);
+  }
+  Impl& s = *impl_;
+  std::unique_lock lock(s.mutex);
+  s.WaitForAbortLocked(lock);
+  PrepareResult result;
+  if (s.transfer && s.transfer->id == request.transfer_id) {
+    if (request.base_version != s.transfer->base_version ||
+        request.expected != s.transfer->declared) {
+      return FailedPrecondition(
+          "prepare of transfer {}: already open with base version {} and a different request", id,
+          s.transfer->base_version);
+    }
+    result.repeated = true;
+    return result;
+  }
+  if (std::optional<Outcome> outcome = s.FinishedLocked(request.transfer_id)) {
+    return FailedPrecondition(
+        "prepare of transfer {}: it was already {}; a retried transfer needs a new id", id,
+        OutcomeName(*outcome));
+  }
+  if (s.transfer && s.transfer->report && request.base_version == s.transfer->target_version) {
+    // The coordinator only starts a transfer from T's target once every receiver prepared T and
+    // it decided to commit; this receiver's Commit(T) was lost or is still in flight.
+    result.implied_commit = s.transfer->id;
+    REFIT_LOG_INFO("receiver: transfer {} is based on version {}: implied commit of transfer {}",
+                   id, request.base_version, s.transfer->id.ToHex());
+    s.CommitLocked();
+  }
+  if (s.transfer) {
+    return FailedPrecondition("prepare of transfer {}: {}", id, s.DescribeLocked());
+  }
+  if (request.base_version != s.version) {
+    return FailedPrecondition(
+        "prepare of transfer {}: it is based on version {} but the receiver is at version {}", id,
+        request.base_version, s.version);
+  }
+  Impl::Transfer& transfer = s.transfer.emplace();
+  transfer.id = request.transfer_id;
+  transfer.base_version = request.base_version;
+  transfer.target_version = request.base_version + 1;
+  transfer.declared = request.expected;
+  transfer.expected = request.expected;
+  s.last_error = Status::OK();
+  s.undo_bytes = 0;
+  REFIT_LOG_DEBUG("receiver: prepared transfer {} (version {} -> {})", id, transfer.base_version,
+                  transfer.target_version);
+  return result;
+}
+
+Result<StageResult> ReceiverSession::Stage(std::vector<std::byte> payload, std::stop_token stop) {
+  return impl_->StagePayload(payload, /*block=*/true, stop);
+}
+
+Result<StageResult> ReceiverSession::TryStage(std::vector<std::byte>&& payload) {
+  return impl_->StagePayload(payload, /*block=*/false, std::stop_token());
+}
+
+Result<FlushReport> ReceiverSession::Flush(const TransferId& id, const FlushOptions& options) {
+  return impl_->Flush(id, options);
+}
+
+Status ReceiverSession::Commit(const TransferId& id) {
+  Impl& s = *impl_;
+  std::unique_lock lock(s.mutex);
+  s.WaitForAbortLocked(lock);
+  if (s.transfer && s.transfer->id == id) {
+    if (!s.transfer->report) {
+      return FailedPrecondition("commit of transfer {}: it is not flushed yet: {}", id.ToHex(),
+                                s.DescribeLocked());
+    }
+    s.CommitLocked();
+    return Status::OK();
+  }
+  const std::optional<Outcome> outcome = s.FinishedLocked(id);
+  if (outcome == Outcome::kCommitted) return Status::OK();
+  if (outcome == Outcome::kAborted) {
+    return FailedPrecondition("commit of transfer {}: it was aborted", id.ToHex());
+  }
+  return FailedPrecondition("commit of transfer {}: unknown transfer: {}", id.ToHex(),
+                            s.DescribeLocked());
+}
+
+Status ReceiverSession::Abort(const TransferId& id) { return impl_->Abort(id); }
+
+ReceiverStatus ReceiverSession::GetStatus() const {
+  const Impl& s = *impl_;
+  std::lock_guard lock(s.mutex);
+  ReceiverStatus status;
+  status.state = s.StateLocked();
+  status.version = s.version;
+  status.last_error = s.last_error;
+  status.undo_bytes = s.undo_bytes;
+  if (s.transfer) {
+    status.transfer_id = s.transfer->id;
+    status.base_version = s.transfer->base_version;
+    status.target_version = s.transfer->target_version;
+    status.sealed = s.transfer->sealed;
+    status.staged_payloads = s.transfer->staged.size();
+    status.applied_payloads = s.transfer->applied;
+    status.queued_payloads = s.queue.size();
+    status.duplicate_payloads = s.transfer->duplicates;
+  }
+  return status;
+}
+
+}  // namespace refit
