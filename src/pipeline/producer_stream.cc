@@ -1,0 +1,599 @@
+// ProducerStream: one transfer of one producer, as a bounded pipeline of threads.
+//
+// Threads and hand-offs of one Run (every queue and limit is bounded by the options):
+//
+//   caller thread: PullSource ──(chunk credit)──▶ ordered_ (slots, chunk order)  ──▶ bucketer
+//                              └──────────────▶ encode_queue_ ──▶ encode threads ──┘ (fill slot)
+//   bucketer ──(payload credit)──▶ serialize_queue_ ──▶ serialize threads ──▶ send_queue_
+//            ──▶ send threads (release the payload credit after each send; cleanup at the end)
+//
+// Determinism: the source pushes each owned chunk's result slot into `ordered_` in chunk order
+// before handing the chunk to an encode thread, and the bucketer takes slots in that order,
+// waiting for each to be filled. Bucket contents and payload ids therefore depend only on the
+// inputs; thread timing changes only when things happen.
+//
+// Cancellation: the first error requests stop on `stop_`. Every blocking wait takes that token,
+// so all stages wind down promptly, while the caller thread keeps draining the source.
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "refit/pipeline.h"
+#include "util/bounded_queue.h"
+#include "util/logging.h"
+
+namespace refit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using internal::BoundedQueue;
+
+// Owned chunks in flight per encode thread when max_chunks_in_flight is 0: one being encoded and
+// one queued behind it, so a thread that finishes finds work at once (upstream bounds in-flight
+// encodes at 2 × workers).
+constexpr size_t kChunksInFlightPerEncodeThread = 2;
+
+// Linux limits thread names to 15 bytes plus the terminating NUL.
+constexpr size_t kMaxThreadNameBytes = 15;
+
+// Name the calling thread (visible in top and gdb); a debugging aid, so failure is ignored.
+void NameCurrentThread(const std::string& name) {
+  pthread_setname_np(pthread_self(), name.substr(0, kMaxThreadNameBytes).c_str());
+}
+
+// Busy time of one stage, summed over the threads that add to it.
+class StageTime {
+ public:
+  void Add(Clock::time_point since) {
+    nanoseconds_.fetch_add(
+        static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count()),
+        std::memory_order_relaxed);
+  }
+  double seconds() const {
+    return static_cast<double>(nanoseconds_.load(std::memory_order_relaxed)) * 1e-9;
+  }
+
+ private:
+  std::atomic<uint64_t> nanoseconds_{0};
+};
+
+// A counting limit on things in flight between two stages, with the peak for the report.
+//
+// Thread-safety: every member may be called concurrently.
+class InFlightLimit {
+ public:
+  explicit InFlightLimit(size_t limit) : limit_(limit) {}
+
+  // Block until fewer than `limit` units are taken, then take one. Return false, taking nothing,
+  // once `stop` is requested.
+  bool Acquire(const std::stop_token& stop) {
+    std::unique_lock lock(mutex_);
+    released_.wait(lock, stop, [this] { return in_use_ < limit_; });
+    if (stop.stop_requested()) return false;
+    ++in_use_;
+    peak_ = std::max(peak_, in_use_);
+    return true;
+  }
+
+  void Release() {
+    std::lock_guard lock(mutex_);
+    --in_use_;
+    released_.notify_one();
+  }
+
+  size_t peak() const {
+    std::lock_guard lock(mutex_);
+    return peak_;
+  }
+
+ private:
+  const size_t limit_;
+  mutable std::mutex mutex_;
+  // condition_variable_any: only it can wait on a stop_token.
+  std::condition_variable_any released_;
+  size_t in_use_ = 0;
+  size_t peak_ = 0;
+};
+
+// The items of one encoded owned chunk.
+struct EncodedChunk {
+  std::vector<Item> items;
+  uint64_t changed_elements = 0;
+  uint64_t total_elements = 0;
+};
+
+// Where an encode thread leaves one chunk's result for the bucketer, which waits for the slots
+// in chunk order.
+//
+// Thread-safety: one Fulfil and one Take, from any threads.
+class EncodedChunkSlot {
+ public:
+  void Fulfil(Result<EncodedChunk> result) {
+    std::lock_guard lock(mutex_);
+    result_.emplace(std::move(result));
+    ready_.notify_all();
+  }
+
+  // Wait for the result; nullopt once `stop` is requested first.
+  std::optional<Result<EncodedChunk>> Take(const std::stop_token& stop) {
+    std::unique_lock lock(mutex_);
+    ready_.wait(lock, stop, [this] { return result_.has_value(); });
+    if (!result_) return std::nullopt;
+    std::optional<Result<EncodedChunk>> result = std::move(result_);
+    result_.reset();
+    return result;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable_any ready_;
+  std::optional<Result<EncodedChunk>> result_;
+};
+
+struct EncodeJob {
+  uint64_t chunk_index = 0;
+  ExportChunk chunk;
+  std::shared_ptr<EncodedChunkSlot> slot;
+};
+
+// A closed bucket: the items of one payload.
+struct PayloadJob {
+  uint32_t payload_id = 0;
+  std::vector<Item> items;
+};
+
+struct SerializedPayload {
+  uint32_t payload_id = 0;
+  std::vector<std::byte> bytes;
+};
+
+// Location and value bytes of an item: what bucket_bytes limits.
+uint64_t ItemBytes(const Item& item) { return item.locations.size() + item.values.size(); }
+
+// The state and threads of one ProducerStream::Run.
+//
+// Thread-safety: Run is called once, on the caller's thread; the loops run on the threads Run
+// starts. Shared counters are atomics; the first error is guarded by a mutex.
+class StreamRun {
+ public:
+  StreamRun(const ProducerStreamOptions& options, DeltaTracker& tracker, const PayloadSender& send,
+            const SenderCleanup& cleanup)
+      : options_(options),
+        tracker_(tracker),
+        send_(send),
+        cleanup_(cleanup),
+        context_(fmt::format("producer {}", options.producer_id)),
+        chunker_(options.chunk_bytes),
+        chunk_credits_(options.max_chunks_in_flight),
+        payload_credits_(options.max_payloads_in_flight),
+        ordered_(options.max_chunks_in_flight, "ordered chunk queue"),
+        encode_queue_(options.max_chunks_in_flight, "encode queue"),
+        serialize_queue_(options.max_payloads_in_flight, "serialize queue"),
+        send_queue_(options.max_payloads_in_flight, "send queue") {}
+
+  Result<StreamReport> Run(const ChunkSource& source);
+
+ private:
+  bool stopped() const { return stop_source_.stop_requested(); }
+  // Record `status` if it is the first error, and cancel every stage.
+  void Fail(const Status& status);
+
+  void StartThreads();
+  Status Spawn(std::string name, void (StreamRun::*loop)());
+
+  void PullSource(const ChunkSource& source);
+  Status CheckChunk(uint64_t chunk_index, const ExportChunk& chunk);
+  bool Dispatch(uint64_t chunk_index, ExportChunk chunk);
+
+  void EncodeLoop();
+  Result<EncodedChunk> EncodeChunk(const EncodeJob& job);
+  void BucketLoop();
+  void BucketChunks();
+  bool AddToBucket(Item item);
+  bool EmitBucket();
+  void SerializeLoop();
+  void SendLoop();
+
+  const ProducerStreamOptions& options_;
+  DeltaTracker& tracker_;
+  const PayloadSender& send_;
+  const SenderCleanup& cleanup_;
+  TransferPlan plan_;
+  // "producer P of transfer T": the prefix of every error message.
+  std::string context_;
+
+  std::stop_source stop_source_;
+  const std::stop_token stop_ = stop_source_.get_token();
+  std::mutex error_mutex_;
+  Status first_error_;
+
+  // Caller thread only: the chunking rule replayed over the source's chunks, and the chunk of
+  // every tensor name seen, to reject chunks that drift from the rule or repeat a tensor.
+  Chunker chunker_;
+  std::unordered_map<std::string, uint64_t> chunk_of_tensor_;
+  uint64_t chunks_ = 0;
+  uint64_t owned_chunks_ = 0;
+
+  // Bucketer thread only.
+  std::vector<Item> bucket_;
+  uint64_t bucket_bytes_ = 0;
+  uint64_t next_payload_id_ = 0;
+  uint64_t items_ = 0;
+  uint64_t item_bytes_ = 0;
+  uint64_t changed_elements_ = 0;
+  uint64_t total_elements_ = 0;
+
+  // Owned chunks pulled but not yet consumed by the bucketer; payloads closed but not yet sent.
+  InFlightLimit chunk_credits_;
+  InFlightLimit payload_credits_;
+  BoundedQueue<std::shared_ptr<EncodedChunkSlot>> ordered_;
+  BoundedQueue<EncodeJob> encode_queue_;
+  BoundedQueue<PayloadJob> serialize_queue_;
+  BoundedQueue<SerializedPayload> send_queue_;
+  // The last serialize thread to finish closes the send queue.
+  std::atomic<int> serializers_running_{0};
+  std::atomic<uint64_t> wire_bytes_{0};
+
+  StageTime source_time_;
+  StageTime dispatch_wait_time_;
+  StageTime encode_time_;
+  StageTime serialize_time_;
+  StageTime send_time_;
+
+  // Last member: destroyed (joined) first, before anything its threads use.
+  std::vector<std::jthread> threads_;
+};
+
+void StreamRun::Fail(const Status& status) {
+  {
+    std::lock_guard lock(error_mutex_);
+    if (first_error_.ok()) first_error_ = status;
+  }
+  stop_source_.request_stop();
+}
+
+Status StreamRun::Spawn(std::string name, void (StreamRun::*loop)()) {
+  // std::thread reports an OS refusal (EAGAIN) only by throwing; turn it into a Status so no
+  // exception leaves the library.
+  try {
+    threads_.emplace_back([this, name, loop] {
+      NameCurrentThread(name);
+      (this->*loop)();
+    });
+  } catch (const std::system_error& error) {
+    return ResourceExhausted("{}: cannot start thread {}: {}", context_, name, error.what());
+  }
+  return Status::OK();
+}
+
+void StreamRun::StartThreads() {
+  const int encode = options_.encode_threads;
+  const int serialize = options_.serialize_threads;
+  const int send = options_.send_threads;
+  threads_.reserve(static_cast<size_t>(encode + serialize + send + 1));
+  // Downstream first, so that a failed start leaves no upstream stage without its consumer; the
+  // serialize queue cannot close before every serialize thread runs, because it closes only
+  // after the source is drained.
+  Status started;
+  for (int i = 0; i < send && started.ok(); ++i) {
+    started = Spawn(fmt::format("refit-send-{}", i), &StreamRun::SendLoop);
+  }
+  for (int i = 0; i < serialize && started.ok(); ++i) {
+    serializers_running_.fetch_add(1);
+    started = Spawn(fmt::format("refit-serial-{}", i), &StreamRun::SerializeLoop);
+    if (!started.ok()) serializers_running_.fetch_sub(1);
+  }
+  if (started.ok()) started = Spawn("refit-bucket", &StreamRun::BucketLoop);
+  for (int i = 0; i < encode && started.ok(); ++i) {
+    started = Spawn(fmt::format("refit-encode-{}", i), &StreamRun::EncodeLoop);
+  }
+  if (!started.ok()) Fail(started);
+}
+
+Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
+  const Clock::time_point start = Clock::now();
+  std::optional<TransferPlan> plan = tracker_.open_transfer();
+  if (plan) {
+    plan_ = *plan;
+    context_ =
+        fmt::format("producer {} of transfer {}", options_.producer_id, plan_.transfer_id.ToHex());
+    StartThreads();
+  } else {
+    // Still drain the source below: the other producers' collectives must not hang.
+    Fail(FailedPrecondition("{}: the tracker has no open transfer (call DeltaTracker::Begin)",
+                            context_));
+  }
+  PullSource(source);
+  ordered_.Close();
+  encode_queue_.Close();
+  // Join: without an error each stage ends when the one before it closes its queue; after an
+  // error every blocked wait returns on the stop token.
+  threads_.clear();
+  if (!first_error_.ok()) return first_error_;
+
+  StreamReport report;
+  report.chunks = chunks_;
+  report.owned_chunks = owned_chunks_;
+  report.payloads = next_payload_id_;
+  report.items = items_;
+  report.changed_elements = changed_elements_;
+  report.total_elements = total_elements_;
+  report.item_bytes = item_bytes_;
+  report.wire_bytes = wire_bytes_.load();
+  report.peak_chunks_in_flight = chunk_credits_.peak();
+  report.peak_payloads_in_flight = payload_credits_.peak();
+  report.timings.source_s = source_time_.seconds();
+  report.timings.dispatch_wait_s = dispatch_wait_time_.seconds();
+  report.timings.encode_s = encode_time_.seconds();
+  report.timings.serialize_s = serialize_time_.seconds();
+  report.timings.send_s = send_time_.seconds();
+  report.timings.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  REFIT_LOG_DEBUG(
+      "{}: {} of {} chunks owned, {} payloads, {} items, {}/{} elements changed, {} wire bytes",
+      context_, report.owned_chunks, report.chunks, report.payloads, report.items,
+      report.changed_elements, report.total_elements, report.wire_bytes);
+  return report;
+}
+
+void StreamRun::PullSource(const ChunkSource& source) {
+  uint64_t chunk_index = 0;
+  while (true) {
+    const bool owned =
+        OwnsChunk(chunk_index, options_.producer_id, options_.num_producers) && !stopped();
+    // Take the owned chunk's credit before pulling it, so that the source's memory is bounded
+    // too. A failed acquire means the stream stopped: the chunk is then pulled and dropped.
+    bool credit = false;
+    if (owned) {
+      const Clock::time_point wait_start = Clock::now();
+      credit = chunk_credits_.Acquire(stop_);
+      dispatch_wait_time_.Add(wait_start);
+    }
+    const bool draining = stopped();
+    const Clock::time_point pull_start = Clock::now();
+    Result<std::optional<ExportChunk>> next = source();
+    source_time_.Add(pull_start);
+    if (!next.ok() || !next->has_value()) {
+      if (credit) chunk_credits_.Release();
+      if (next.ok()) break;  // The end of the export.
+      Fail(next.status().WithContext(fmt::format("{}, source at chunk {}", context_, chunk_index)));
+      // A source that fails again while being drained cannot go on.
+      if (draining) break;
+      ++chunk_index;
+      continue;
+    }
+    ExportChunk chunk = std::move(**next);
+    const uint64_t index = chunk_index++;
+    ++chunks_;
+    if (stopped()) {
+      if (credit) chunk_credits_.Release();
+      continue;  // Draining: the chunk is dropped here, releasing the source's bytes.
+    }
+    if (Status valid = CheckChunk(index, chunk); !valid.ok()) {
+      if (credit) chunk_credits_.Release();
+      Fail(valid);
+      continue;
+    }
+    if (!credit) continue;  // Not ours: walked for the collectives, then dropped.
+    ++owned_chunks_;
+    // The credit now travels with the chunk; the bucketer releases it.
+    if (!Dispatch(index, std::move(chunk))) continue;
+  }
+}
+
+Status StreamRun::CheckChunk(uint64_t chunk_index, const ExportChunk& chunk) {
+  if (chunk.tensors.empty()) {
+    return InvalidArgument("{}: source chunk {} holds no tensor", context_, chunk_index);
+  }
+  for (size_t i = 0; i < chunk.tensors.size(); ++i) {
+    const TensorView& tensor = chunk.tensors[i];
+    const uint64_t bytes = tensor.bytes.size();
+    const bool starts = chunker_.Add(bytes);
+    if (i == 0 && !starts) {
+      return InvalidArgument(
+          "{}: source chunk {} starts with tensor '{}' ({} bytes), but the chunking rule with "
+          "target {} bytes appends it to chunk {} ({} bytes before it)",
+          context_, chunk_index, tensor.name, bytes, options_.chunk_bytes, chunk_index - 1,
+          chunker_.chunk_bytes() - bytes);
+    }
+    if (i > 0 && starts) {
+      return InvalidArgument(
+          "{}: source chunk {} holds tensor '{}' ({} bytes) at position {}, but the chunking "
+          "rule with target {} bytes starts a new chunk with it",
+          context_, chunk_index, tensor.name, bytes, i, options_.chunk_bytes);
+    }
+    const auto [it, inserted] = chunk_of_tensor_.emplace(tensor.name, chunk_index);
+    if (!inserted) {
+      return InvalidArgument("{}: tensor '{}' appears in source chunk {} and again in chunk {}",
+                             context_, tensor.name, it->second, chunk_index);
+    }
+  }
+  return Status::OK();
+}
+
+bool StreamRun::Dispatch(uint64_t chunk_index, ExportChunk chunk) {
+  auto slot = std::make_shared<EncodedChunkSlot>();
+  // Both queues hold at most max_chunks_in_flight elements and the credit bounds the chunks in
+  // flight to that, so these pushes wait only if the stream stopped (then they fail).
+  if (!ordered_.Push(slot, stop_).ok()) return false;
+  return encode_queue_.Push(EncodeJob{chunk_index, std::move(chunk), std::move(slot)}, stop_).ok();
+}
+
+void StreamRun::EncodeLoop() {
+  while (std::optional<EncodeJob> job = encode_queue_.Pop(stop_)) {
+    Result<EncodedChunk> encoded = EncodeChunk(*job);
+    if (!encoded.ok()) Fail(encoded.status());
+    std::shared_ptr<EncodedChunkSlot> slot = std::move(job->slot);
+    // Release the source's bytes before the bucketer may ask the source for more.
+    job.reset();
+    slot->Fulfil(std::move(encoded));
+  }
+}
+
+Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
+  EncodedChunk out;
+  for (const TensorView& tensor : job.chunk.tensors) {
+    if (stopped()) {
+      return Cancelled("{}, chunk {}: the stream stopped before tensor '{}'", context_,
+                       job.chunk_index, tensor.name);
+    }
+    const Clock::time_point start = Clock::now();
+    Result<EncodeResult> encoded = tracker_.Encode(plan_.transfer_id, tensor);
+    encode_time_.Add(start);
+    if (!encoded.ok()) {
+      return encoded.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
+    }
+    out.changed_elements += encoded->changed_elements;
+    out.total_elements += encoded->total_elements;
+    for (Item& item : encoded->items) out.items.push_back(std::move(item));
+  }
+  return out;
+}
+
+void StreamRun::BucketLoop() {
+  BucketChunks();
+  serialize_queue_.Close();
+}
+
+void StreamRun::BucketChunks() {
+  while (std::optional<std::shared_ptr<EncodedChunkSlot>> slot = ordered_.Pop(stop_)) {
+    std::optional<Result<EncodedChunk>> encoded = (*slot)->Take(stop_);
+    if (!encoded) return;  // Stopped.
+    if (!encoded->ok()) {
+      Fail(encoded->status());
+      return;
+    }
+    EncodedChunk chunk = std::move(*encoded).ValueOrDie();
+    chunk_credits_.Release();
+    changed_elements_ += chunk.changed_elements;
+    total_elements_ += chunk.total_elements;
+    for (Item& item : chunk.items) {
+      if (!AddToBucket(std::move(item))) return;
+    }
+  }
+  if (!stopped() && !bucket_.empty()) EmitBucket();
+}
+
+bool StreamRun::AddToBucket(Item item) {
+  const uint64_t bytes = ItemBytes(item);
+  // A non-empty bucket holds fewer than bucket_bytes (it is emitted on reaching them), so the
+  // subtraction cannot wrap.
+  if (!bucket_.empty() && bytes > options_.bucket_bytes - bucket_bytes_ && !EmitBucket()) {
+    return false;
+  }
+  bucket_bytes_ += bytes;
+  bucket_.push_back(std::move(item));
+  return bucket_bytes_ < options_.bucket_bytes || EmitBucket();
+}
+
+bool StreamRun::EmitBucket() {
+  if (next_payload_id_ > std::numeric_limits<uint32_t>::max()) {
+    Fail(ResourceExhausted("{}: more than {} payloads in one transfer", context_,
+                           uint64_t{std::numeric_limits<uint32_t>::max()} + 1));
+    return false;
+  }
+  if (!payload_credits_.Acquire(stop_)) return false;
+  PayloadJob job{static_cast<uint32_t>(next_payload_id_), std::move(bucket_)};
+  items_ += job.items.size();
+  item_bytes_ += bucket_bytes_;
+  bucket_.clear();
+  bucket_bytes_ = 0;
+  if (!serialize_queue_.Push(std::move(job), stop_).ok()) return false;
+  ++next_payload_id_;
+  return true;
+}
+
+void StreamRun::SerializeLoop() {
+  while (std::optional<PayloadJob> job = serialize_queue_.Pop(stop_)) {
+    std::vector<ItemView> views;
+    views.reserve(job->items.size());
+    for (const Item& item : job->items) views.push_back(item.view());
+    const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id,
+                         plan_.base_version, plan_.target_version};
+    const Clock::time_point start = Clock::now();
+    Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, options_.payload);
+    serialize_time_.Add(start);
+    if (!bytes.ok()) {
+      Fail(bytes.status().WithContext(fmt::format("{}, payload {}", context_, job->payload_id)));
+      break;
+    }
+    const uint32_t payload_id = job->payload_id;
+    // Free the items before waiting for room downstream.
+    views.clear();
+    job.reset();
+    if (!send_queue_.Push(SerializedPayload{payload_id, std::move(*bytes)}, stop_).ok()) break;
+  }
+  if (serializers_running_.fetch_sub(1) == 1) send_queue_.Close();
+}
+
+void StreamRun::SendLoop() {
+  while (std::optional<SerializedPayload> payload = send_queue_.Pop(stop_)) {
+    const Clock::time_point start = Clock::now();
+    Status sent = send_(payload->payload_id, payload->bytes);
+    send_time_.Add(start);
+    if (!sent.ok()) {
+      Fail(sent.WithContext(fmt::format("{}, payload {}", context_, payload->payload_id)));
+      break;
+    }
+    wire_bytes_.fetch_add(payload->bytes.size(), std::memory_order_relaxed);
+    // Free the bytes before the credit lets the bucketer close another payload.
+    payload.reset();
+    payload_credits_.Release();
+  }
+  if (cleanup_) cleanup_();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<ProducerStream>> ProducerStream::Make(const ProducerStreamOptions& options) {
+  if (options.num_producers == 0) return InvalidArgument("num_producers is 0");
+  if (options.producer_id >= options.num_producers) {
+    return InvalidArgument("producer_id {} is not below num_producers {}", options.producer_id,
+                           options.num_producers);
+  }
+  if (options.chunk_bytes == 0) return InvalidArgument("chunk_bytes is 0");
+  if (options.bucket_bytes == 0) return InvalidArgument("bucket_bytes is 0");
+  for (const auto& [name, threads] : {std::pair{"encode_threads", options.encode_threads},
+                                      std::pair{"serialize_threads", options.serialize_threads},
+                                      std::pair{"send_threads", options.send_threads}}) {
+    if (threads < 1 || threads > kMaxThreads) {
+      return InvalidArgument("{} {} is outside [1, {}]", name, threads, kMaxThreads);
+    }
+  }
+  if (options.max_payloads_in_flight == 0) return InvalidArgument("max_payloads_in_flight is 0");
+  ProducerStreamOptions resolved = options;
+  if (resolved.max_chunks_in_flight == 0) {
+    resolved.max_chunks_in_flight =
+        kChunksInFlightPerEncodeThread * static_cast<size_t>(options.encode_threads);
+  }
+  return std::unique_ptr<ProducerStream>(new ProducerStream(resolved));
+}
+
+Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+                                         const PayloadSender& send,
+                                         const SenderCleanup& cleanup) const {
+  // The run's queues and counters live on the heap: they are large and shared with its threads.
+  auto run = std::make_unique<StreamRun>(options_, tracker, send, cleanup);
+  return run->Run(source);
+}
+
+}  // namespace refit
