@@ -22,8 +22,16 @@ namespace refit {
 uint64_t EstimateLocationBytes(LocationEncoding encoding, std::span<const uint64_t> locations,
                                uint64_t span_begin, uint64_t span_end);
 
-/// Return the encoding with the smallest estimate; ties go to the lower wire code. With `force`,
-/// return it if it can represent the locations, else InvalidArgument naming it.
+/// Return the encoding whose bytes should cost the least on the wire after zstd; ties go to the
+/// lower wire code. The cost model: a gap encoding costs the significant bytes of its gaps,
+/// Σ max(1, ceil(bit_width(gap) / 8)), whatever its width (it stores byte planes, and the
+/// all-zero high planes of small gaps compress to almost nothing), so among the gap widths the
+/// narrowest that holds the largest gap wins; kRange and kBitmask cost their exact size; kAll
+/// costs 0. This is an encoder choice, not a format rule: every valid encoding decodes. With
+/// `force`, return it if it can represent the locations, else InvalidArgument naming it.
+/// Errors: InvalidArgument when the locations are unsorted, repeated or outside the span, or the
+/// span has begin > end.
+/// Complexity: O(n).
 Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locations,
                                                 uint64_t span_begin, uint64_t span_end,
                                                 std::optional<LocationEncoding> force = {});

@@ -14,18 +14,24 @@
 //             byte but the last; at most 10 bytes; minimal (the last byte of a multi-byte varint
 //             is non-zero, and a 10th byte is 0x01). No bytes follow the run that completes the
 //             n-th location; n == 0 is the empty string.
-//   kGap16    n fixed-width little-endian unsigned gaps: g0 = L0 - span_begin and
-//   kGap32    gi = Li - L(i-1) - 1 for i >= 1, each u16 / u32 / u64 (width 2 / 4 / 8).
-//   kGap64    Exactly n × width bytes; every gap must fit the width.
+//   kGap16    n fixed-width unsigned gaps: g0 = L0 - span_begin and gi = Li - L(i-1) - 1 for
+//   kGap32    i >= 1, each of width w = 2 / 4 / 8 bytes, stored as w byte planes: first the
+//   kGap64    least significant byte of every gap (n bytes), then byte 1 of every gap, …, so
+//             byte k of gap i is at offset k·n + i. Exactly n × w bytes; every gap must fit.
+//             Planes, because gaps of sparse changes are small: the high planes are nearly all
+//             zero and compress to almost nothing, while interleaved they cost ~2 bits a gap.
 //   kBitmask  ceil(span_length / 8) bytes; bit i of the span (byte i / 8, bit i % 8 with bit 0
 //             the least significant) is set iff span_begin + i is a location. Padding bits
 //             beyond span_length in the last byte are 0, and exactly n bits are set.
 //
 // Choosing: EstimateLocationBytes is exact (the encoder's output size, UINT64_MAX when the
-// encoding cannot represent the set) and ChooseLocationEncoding takes the smallest, ties to the
-// lower wire code. Among the gap widths that makes the narrowest width holding max(g) win:
-// max(g) <= 0xFFFF → gap16, <= 0xFFFFFFFF → gap32, else gap64. An empty set in an empty span is
-// kAll; in a non-empty span it is kRange (0 bytes, tied with the gap encodings).
+// encoding cannot represent the set). ChooseLocationEncoding minimises what the bytes will cost
+// *after* zstd, which is what goes on the wire: an all-zero byte plane compresses to nearly
+// nothing, so a gap encoding costs its significant bytes, Σ max(1, ceil(bit_width(gi) / 8)),
+// whatever its width; kRange and kBitmask cost their size; kAll costs 0. Ties go to the lower
+// wire code, so among the gap widths the narrowest one holding max(g) wins: max(g) <= 0xFFFF →
+// gap16, <= 0xFFFFFFFF → gap32, else gap64; and kRange beats the gaps on runs of length >= 2.
+// An empty set in an empty span is kAll; in a non-empty span it is kRange (tied at 0).
 //
 // Decoding reads untrusted bytes. Make() rejects, as DataLoss, an unknown encoding code,
 // span_begin > span_end, count > span_length, and byte lengths that contradict the count: kAll
@@ -135,6 +141,11 @@ bool IsKnownEncoding(LocationEncoding encoding) {
   return encoding >= LocationEncoding::kAll && encoding <= LocationEncoding::kBitmask;
 }
 
+/// Bytes of `value` that are not leading zeros, at least 1.
+uint64_t SignificantBytes(uint64_t value) {
+  return std::max<uint64_t>(1, (std::bit_width(value) + kBitsPerByte - 1) / kBitsPerByte);
+}
+
 uint64_t BitmaskBytes(uint64_t span_length) {
   return span_length / kBitsPerByte + (span_length % kBitsPerByte != 0 ? 1 : 0);
 }
@@ -145,6 +156,8 @@ struct LocationStats {
   uint64_t max_gap = 0;
   /// The exact kRange size.
   uint64_t range_bytes = 0;
+  /// Σ max(1, ceil(bit_width(gi) / 8)): the cost model of the gap encodings (see top).
+  uint64_t gap_significant_bytes = 0;
 };
 
 /// Check that `locations` are sorted, unique and inside [span_begin, span_end), and gather their
@@ -172,6 +185,7 @@ Status AnalyzeLocations(std::span<const uint64_t> locations, uint64_t span_begin
                              span_end);
     }
     result.max_gap = std::max(result.max_gap, location - next);
+    result.gap_significant_bytes += SignificantBytes(location - next);
     if (i == 0) {
       run_start = location;
     } else if (location != next) {  // A run ended at `next`; a new one starts here.
@@ -205,18 +219,46 @@ uint64_t EstimateFromStats(LocationEncoding encoding, const LocationStats& stats
   return kNotRepresentable;
 }
 
+/// The chooser's estimate of the compressed cost (see top); kNotRepresentable as above.
+uint64_t CostFromStats(LocationEncoding encoding, const LocationStats& stats, uint64_t count,
+                       uint64_t span_length) {
+  const uint64_t bytes = EstimateFromStats(encoding, stats, count, span_length);
+  if (bytes == kNotRepresentable) return bytes;
+  switch (encoding) {
+    case LocationEncoding::kGap16:
+    case LocationEncoding::kGap32:
+    case LocationEncoding::kGap64:
+      return stats.gap_significant_bytes;
+    default:
+      return bytes;
+  }
+}
+
 template <typename Gap>
 void AppendGaps(std::span<const uint64_t> locations, uint64_t span_begin,
                 std::vector<uint8_t>* out) {
+  const size_t n = locations.size();
   const size_t offset = out->size();
-  out->resize(offset + locations.size() * sizeof(Gap));
-  uint8_t* destination = out->data() + offset;
+  out->resize(offset + n * sizeof(Gap));
+  uint8_t* planes = out->data() + offset;
   uint64_t next = span_begin;
-  for (const uint64_t location : locations) {
-    StoreLittleEndian<Gap>(destination, static_cast<Gap>(location - next));
-    destination += sizeof(Gap);
-    next = location + 1;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t gap = locations[i] - next;
+    for (size_t k = 0; k < sizeof(Gap); ++k) {
+      planes[k * n + i] = static_cast<uint8_t>(gap >> (kBitsPerByte * k));
+    }
+    next = locations[i] + 1;
   }
+}
+
+/// Gap `index` of `count` planar gaps of type Gap at `planes`.
+template <typename Gap>
+inline uint64_t LoadPlanarGap(const uint8_t* planes, uint64_t count, uint64_t index) {
+  uint64_t gap = planes[index];
+  for (size_t k = 1; k < sizeof(Gap); ++k) {
+    gap |= static_cast<uint64_t>(planes[k * count + index]) << (kBitsPerByte * k);
+  }
+  return gap;
 }
 
 // `range_bytes` is the exact size from AnalyzeLocations, so the output is sized once.
@@ -253,13 +295,14 @@ void AppendBitmask(std::span<const uint64_t> locations, uint64_t span_begin, uin
   }
 }
 
-/// Decode `out.size()` gaps of type Gap starting at `gap_bytes` (bounds were checked by the
-/// caller). `*next` is the smallest value the next location may take; it advances only on
-/// success, so a failed batch fails again if retried. `first_index` numbers the first location
-/// of the batch, for messages.
+/// Decode `out.size()` gaps of type Gap, numbers first_index, first_index + 1, …, of the `count`
+/// planar gaps at `planes` (bounds were checked by the caller). `*next` is the smallest value the
+/// next location may take; it advances only on success, so a failed batch fails again if
+/// retried.
 template <typename Gap>
-Status DecodeGapBatch(LocationEncoding encoding, const uint8_t* gap_bytes, uint64_t first_index,
-                      uint64_t span_end, uint64_t* next, std::span<uint64_t> out) {
+Status DecodeGapBatch(LocationEncoding encoding, const uint8_t* planes, uint64_t count,
+                      uint64_t first_index, uint64_t span_end, uint64_t* next,
+                      std::span<uint64_t> out) {
   const size_t n = out.size();
   uint64_t cursor = *next;
   if constexpr (sizeof(Gap) < sizeof(uint64_t)) {
@@ -269,7 +312,7 @@ Status DecodeGapBatch(LocationEncoding encoding, const uint8_t* gap_bytes, uint6
     constexpr uint64_t kMaxStep = uint64_t{std::numeric_limits<Gap>::max()} + 1;
     if ((std::numeric_limits<uint64_t>::max() - cursor) / kMaxStep >= n) {
       for (size_t i = 0; i < n; ++i) {
-        const uint64_t location = cursor + LoadLittleEndian<Gap>(gap_bytes + i * sizeof(Gap));
+        const uint64_t location = cursor + LoadPlanarGap<Gap>(planes, count, first_index + i);
         out[i] = location;
         cursor = location + 1;
       }
@@ -279,23 +322,20 @@ Status DecodeGapBatch(LocationEncoding encoding, const uint8_t* gap_bytes, uint6
       }
       size_t bad = 0;
       while (out[bad] < span_end) ++bad;
-      return DataLoss("{} locations: location #{} (byte offset {}) is {} >= span end {}",
-                      LocationEncodingName(encoding), first_index + bad,
-                      (first_index + bad) * sizeof(Gap), out[bad], span_end);
+      return DataLoss("{} locations: location #{} is {} >= span end {}",
+                      LocationEncodingName(encoding), first_index + bad, out[bad], span_end);
     }
   }
   for (size_t i = 0; i < n; ++i) {
-    const uint64_t gap = LoadLittleEndian<Gap>(gap_bytes + i * sizeof(Gap));
+    const uint64_t gap = LoadPlanarGap<Gap>(planes, count, first_index + i);
     uint64_t location;
     if (__builtin_add_overflow(cursor, gap, &location)) {
-      return DataLoss("{} locations: location #{} (byte offset {}): gap {} after {} overflows 2^64",
-                      LocationEncodingName(encoding), first_index + i,
-                      (first_index + i) * sizeof(Gap), gap, cursor);
+      return DataLoss("{} locations: location #{}: gap {} after {} overflows 2^64",
+                      LocationEncodingName(encoding), first_index + i, gap, cursor);
     }
     if (location >= span_end) {
-      return DataLoss("{} locations: location #{} (byte offset {}) is {} >= span end {}",
-                      LocationEncodingName(encoding), first_index + i,
-                      (first_index + i) * sizeof(Gap), location, span_end);
+      return DataLoss("{} locations: location #{} is {} >= span end {}",
+                      LocationEncodingName(encoding), first_index + i, location, span_end);
     }
     out[i] = location;
     cursor = location + 1;
@@ -438,7 +478,7 @@ Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locati
   for (uint8_t code = static_cast<uint8_t>(LocationEncoding::kAll);
        code <= static_cast<uint8_t>(LocationEncoding::kBitmask); ++code) {
     const auto encoding = static_cast<LocationEncoding>(code);
-    const uint64_t bytes = EstimateFromStats(encoding, stats, locations.size(), span_length);
+    const uint64_t bytes = CostFromStats(encoding, stats, locations.size(), span_length);
     if (bytes < best_bytes) {  // Strict: ties keep the lower wire code.
       best = encoding;
       best_bytes = bytes;
@@ -578,19 +618,19 @@ Result<size_t> LocationDecoder::Next(std::span<uint64_t> out) {
       break;
     }
     case LocationEncoding::kGap16:
-      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint16_t>(encoding_, bytes_.data() + byte_pos_, emitted_,
+      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint16_t>(encoding_, bytes_.data(), count_, emitted_,
                                                    span_end_, &cursor_, out));
       byte_pos_ += n * sizeof(uint16_t);
       emitted_ += n;
       break;
     case LocationEncoding::kGap32:
-      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint32_t>(encoding_, bytes_.data() + byte_pos_, emitted_,
+      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint32_t>(encoding_, bytes_.data(), count_, emitted_,
                                                    span_end_, &cursor_, out));
       byte_pos_ += n * sizeof(uint32_t);
       emitted_ += n;
       break;
     case LocationEncoding::kGap64:
-      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint64_t>(encoding_, bytes_.data() + byte_pos_, emitted_,
+      REFIT_RETURN_NOT_OK(DecodeGapBatch<uint64_t>(encoding_, bytes_.data(), count_, emitted_,
                                                    span_end_, &cursor_, out));
       byte_pos_ += n * sizeof(uint64_t);
       emitted_ += n;

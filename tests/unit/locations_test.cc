@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@ namespace {
 
 constexpr uint64_t kMax64 = std::numeric_limits<uint64_t>::max();
 constexpr uint64_t kTwoPow32 = uint64_t{1} << 32;
+constexpr uint64_t kBitsPerByte = 8;
 /// Round trips skip encodings larger than this (a bitmask over a 2^33-element span): the test is
 /// about the numbers, not about allocating gigabytes.
 constexpr uint64_t kMaxRoundTripBytes = uint64_t{1} << 20;
@@ -119,14 +121,79 @@ ItemView MakeView(LocationEncoding encoding, std::span<const uint8_t> bytes, uin
   return item;
 }
 
-// Encode `locations` with `encoding`, check the estimate is exact, and decode them back in several
-// ways; every path must reproduce them.
+bool IsGapEncoding(LocationEncoding encoding) {
+  return encoding == LocationEncoding::kGap16 || encoding == LocationEncoding::kGap32 ||
+         encoding == LocationEncoding::kGap64;
+}
+
+/// Bytes per gap of a gap encoding (docs/format/payload.md: 2 / 4 / 8).
+uint64_t GapWidth(LocationEncoding encoding) {
+  switch (encoding) {
+    case LocationEncoding::kGap16:
+      return 2;
+    case LocationEncoding::kGap32:
+      return 4;
+    default:
+      return 8;
+  }
+}
+
+/// The gaps the gap encodings store: g0 = L0 - span_begin, gi = Li - L(i-1) - 1.
+std::vector<uint64_t> GapsOf(const std::vector<uint64_t>& locations, uint64_t span_begin) {
+  std::vector<uint64_t> gaps;
+  uint64_t next = span_begin;
+  for (const uint64_t location : locations) {
+    gaps.push_back(location - next);
+    next = location + 1;
+  }
+  return gaps;
+}
+
+/// The bytes of `gap` up to its most significant non-zero one, at least one.
+uint64_t SignificantBytes(uint64_t gap) {
+  uint64_t bytes = 1;
+  while (bytes < sizeof(uint64_t) && (gap >> (kBitsPerByte * bytes)) != 0) ++bytes;
+  return bytes;
+}
+
+/// The chooser's cost model (src/codec/locations.cc, "Choosing"), restated here: a gap encoding
+/// costs the significant bytes of its gaps whatever its width (zstd squeezes the all-zero parts
+/// of the planes to nearly nothing); every other encoding costs its exact size; kMax64 when the
+/// encoding cannot represent the locations.
+uint64_t ChooserCost(LocationEncoding encoding, const std::vector<uint64_t>& locations,
+                     uint64_t span_begin, uint64_t span_end) {
+  const uint64_t bytes = EstimateLocationBytes(encoding, locations, span_begin, span_end);
+  if (bytes == kMax64 || !IsGapEncoding(encoding)) return bytes;
+  uint64_t cost = 0;
+  for (const uint64_t gap : GapsOf(locations, span_begin)) cost += SignificantBytes(gap);
+  return cost;
+}
+
+// Check that gap-encoded `bytes` are the planes of the gaps of `locations`: byte k of gap i at
+// offset k·n + i, n × width bytes in all.
+void ExpectPlanarGaps(LocationEncoding encoding, std::span<const uint8_t> bytes,
+                      const std::vector<uint64_t>& locations, uint64_t span_begin) {
+  const std::vector<uint64_t> gaps = GapsOf(locations, span_begin);
+  const uint64_t width = GapWidth(encoding);
+  const size_t n = gaps.size();
+  ASSERT_EQ(bytes.size(), n * width);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < width; ++k) {
+      ASSERT_EQ(bytes[k * n + i], static_cast<uint8_t>(gaps[i] >> (kBitsPerByte * k)))
+          << "byte " << k << " of gap #" << i << " = " << gaps[i];
+    }
+  }
+}
+
+// Encode `locations` with `encoding`, check the estimate is exact (and, for the gap encodings,
+// the planar layout), and decode them back in several ways; every path must reproduce them.
 void ExpectRoundTrip(LocationEncoding encoding, const std::vector<uint64_t>& locations,
                      uint64_t span_begin, uint64_t span_end) {
   SCOPED_TRACE(fmt::format("{} n={} span=[{}, {})", LocationEncodingName(encoding),
                            locations.size(), span_begin, span_end));
   const std::vector<uint8_t> bytes = Encode(encoding, locations, span_begin, span_end);
   EXPECT_EQ(EstimateLocationBytes(encoding, locations, span_begin, span_end), bytes.size());
+  if (IsGapEncoding(encoding)) ExpectPlanarGaps(encoding, bytes, locations, span_begin);
   for (const size_t batch : {size_t{1}, size_t{3}, size_t{64}, size_t{100000}}) {
     ASSERT_OK_AND_ASSIGN(
         std::vector<uint64_t> decoded,
@@ -145,14 +212,17 @@ void ExpectRoundTrip(LocationEncoding encoding, const std::vector<uint64_t>& loc
 }
 
 // Round-trip through every encoding that can represent `locations`, and through the chooser;
-// check the chosen encoding is the smallest, ties going to the lower wire code.
+// check the chosen encoding has the lowest ChooserCost, ties going to the lower wire code, and
+// that a chosen gap encoding is the narrowest that can represent the locations.
 void ExpectRoundTripEverywhere(const std::vector<uint64_t>& locations, uint64_t span_begin,
                                uint64_t span_end) {
-  uint64_t best_bytes = kMax64;
+  uint64_t best_cost = kMax64;
   LocationEncoding best = LocationEncoding::kRange;
-  for (const LocationEncoding encoding : kAllEncodings) {
+  std::optional<LocationEncoding> narrowest_gap;
+  for (const LocationEncoding encoding : kAllEncodings) {  // In wire-code order.
     const uint64_t estimate = EstimateLocationBytes(encoding, locations, span_begin, span_end);
     if (estimate == kMax64) {
+      EXPECT_EQ(ChooserCost(encoding, locations, span_begin, span_end), kMax64);
       EXPECT_STATUS(InvalidArgument,
                     ChooseLocationEncoding(locations, span_begin, span_end, encoding));
       std::vector<uint8_t> bytes;
@@ -160,8 +230,13 @@ void ExpectRoundTripEverywhere(const std::vector<uint64_t>& locations, uint64_t 
                     EncodeLocations(encoding, locations, span_begin, span_end, &bytes));
       continue;
     }
-    if (estimate < best_bytes) {
-      best_bytes = estimate;
+    if (IsGapEncoding(encoding)) {
+      EXPECT_EQ(estimate, locations.size() * GapWidth(encoding));
+      if (!narrowest_gap.has_value()) narrowest_gap = encoding;
+    }
+    const uint64_t cost = ChooserCost(encoding, locations, span_begin, span_end);
+    if (cost < best_cost) {
+      best_cost = cost;
       best = encoding;
     }
     ASSERT_OK_AND_ASSIGN(LocationEncoding forced,
@@ -172,6 +247,9 @@ void ExpectRoundTripEverywhere(const std::vector<uint64_t>& locations, uint64_t 
   ASSERT_OK_AND_ASSIGN(LocationEncoding chosen,
                        ChooseLocationEncoding(locations, span_begin, span_end));
   EXPECT_EQ(chosen, best);
+  if (IsGapEncoding(chosen)) {
+    EXPECT_EQ(chosen, narrowest_gap);
+  }
 }
 
 std::vector<uint64_t> RandomLocations(std::mt19937_64& rng, uint64_t span_begin,
@@ -195,7 +273,7 @@ TEST(LocationsTest, EmptyLocationsInAnEmptySpanAreAll) {
 
 TEST(LocationsTest, EmptyLocationsInASpanAreAnEmptyRangeList) {
   ExpectRoundTripEverywhere({}, 0, 1000);
-  // kRange and the gap encodings all take 0 bytes: the tie goes to the lowest code.
+  // kRange and the gap encodings all cost 0 bytes: the tie goes to the lowest code.
   ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({}, 0, 1000));
   EXPECT_EQ(chosen, LocationEncoding::kRange);
   EXPECT_TRUE(Encode(LocationEncoding::kRange, {}, 0, 1000).empty());
@@ -204,6 +282,9 @@ TEST(LocationsTest, EmptyLocationsInASpanAreAnEmptyRangeList) {
 TEST(LocationsTest, SingleLocation) {
   for (const uint64_t location : {uint64_t{0}, uint64_t{1}, uint64_t{63}, uint64_t{999}}) {
     ExpectRoundTripEverywhere({location}, 0, 1000);
+    // One gap of 1 or 2 significant bytes beats a (gap, length) pair of 2 or 3 varint bytes.
+    ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({{location}}, 0, 1000));
+    EXPECT_EQ(chosen, LocationEncoding::kGap16) << location;
   }
   ExpectRoundTripEverywhere({10}, 10, 11);  // The whole span: kAll.
   ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({{10}}, 10, 11));
@@ -240,12 +321,45 @@ TEST(LocationsTest, RangeBytesAreTheDocumentedVarintPairs) {
             (std::vector<uint8_t>{0x00, 0x02}));
 }
 
-TEST(LocationsTest, GapBytesAreLittleEndianGapsMinusOne) {
-  // g0 = 5 - 2 = 3, g1 = 6 - 5 - 1 = 0, g2 = 0x10007 - 6 - 1 = 0x10000.
-  EXPECT_EQ(Encode(LocationEncoding::kGap16, {5, 6}, 2, 100),
-            (std::vector<uint8_t>{0x03, 0x00, 0x00, 0x00}));
-  EXPECT_EQ(Encode(LocationEncoding::kGap32, {5, 6, 0x10007}, 2, 0x20000),
-            (std::vector<uint8_t>{3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0}));
+// Check that `locations` encode under `encoding` to exactly `expected` (worked out by hand), and
+// that the decoder reads those bytes back to `locations` in batches of every size.
+void ExpectGapBytes(LocationEncoding encoding, const std::vector<uint64_t>& locations,
+                    uint64_t span_begin, uint64_t span_end, const std::vector<uint8_t>& expected) {
+  SCOPED_TRACE(fmt::format("{} {}", LocationEncodingName(encoding), fmt::join(locations, ", ")));
+  EXPECT_EQ(Encode(encoding, locations, span_begin, span_end), expected);
+  for (const size_t batch : {size_t{1}, size_t{2}, size_t{64}}) {
+    ASSERT_OK_AND_ASSIGN(
+        std::vector<uint64_t> decoded,
+        DecodeInBatches(encoding, expected, locations.size(), span_begin, span_end, batch));
+    EXPECT_EQ(decoded, locations) << "batch " << batch;
+  }
+}
+
+TEST(LocationsTest, GapBytesArePlanesOfGapsMinusOne) {
+  // g0 = 5 - 2 = 3, g1 = 6 - 5 - 1 = 0: plane 0 = 03 00, plane 1 = 00 00.
+  ExpectGapBytes(LocationEncoding::kGap16, {5, 6}, 2, 100, {0x03, 0x00, 0x00, 0x00});
+  // g0 = 268 - 10 = 0x0102, g1 = 1041 - 268 - 1 = 0x0304, g2 = 1047 - 1041 - 1 = 0x0005:
+  // plane 0 = 02 04 05, plane 1 = 01 03 00 (interleaved words would be 02 01 04 03 05 00).
+  ExpectGapBytes(LocationEncoding::kGap16, {268, 1041, 1047}, 10, 2000,
+                 {0x02, 0x04, 0x05, 0x01, 0x03, 0x00});
+  // The same gaps forced to 32 bits: planes 2 and 3 are all zero.
+  ExpectGapBytes(LocationEncoding::kGap32, {268, 1041, 1047}, 10, 2000,
+                 {0x02, 0x04, 0x05, 0x01, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00});
+  // g0 = 3, g1 = 0, g2 = 0x10007 - 6 - 1 = 0x10000: only plane 2 holds a bit of g2.
+  ExpectGapBytes(LocationEncoding::kGap32, {5, 6, 0x10007}, 2, 0x20000,
+                 {0x03, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00});
+  // g0 = 0x04030201, g1 = 0x04030207 - 0x04030201 - 1 = 5: planes 01 05 | 02 00 | 03 00 | 04 00.
+  ExpectGapBytes(LocationEncoding::kGap32, {0x04030201, 0x04030207}, 0, 0x04030208,
+                 {0x01, 0x05, 0x02, 0x00, 0x03, 0x00, 0x04, 0x00});
+  // g0 = 0x0807060504030301 - 0x100 = 0x0807060504030201, g1 = 0x11: plane k = byte k of g0,
+  // then byte k of g1.
+  constexpr uint64_t kFirst = 0x0807060504030301;
+  ExpectGapBytes(LocationEncoding::kGap64, {kFirst, kFirst + 0x12}, 0x100, kFirst + 0x13,
+                 {0x01, 0x11, 0x02, 0x00, 0x03, 0x00, 0x04, 0x00, 0x05, 0x00, 0x06, 0x00, 0x07,
+                  0x00, 0x08, 0x00});
+  // One gap: a single plane byte per width, so the layout equals a little-endian word.
+  ExpectGapBytes(LocationEncoding::kGap64, {0x0102 + 7}, 7, 0x10000,
+                 {0x02, 0x01, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00});
 }
 
 TEST(LocationsTest, BitmaskBytesAreLsbFirst) {
@@ -263,6 +377,7 @@ TEST(LocationsTest, DenseScatteredPrefersBitmask) {
 }
 
 TEST(LocationsTest, SparseScatteredPrefersGap16) {
+  // Gaps of 19999: 2 significant bytes against a 3-byte gap varint and a length byte.
   std::vector<uint64_t> locations;
   for (uint64_t i = 0; i < 200; ++i) locations.push_back(i * 20000 + 17);
   ExpectRoundTripEverywhere(locations, 0, 200 * 20000);
@@ -311,32 +426,132 @@ TEST(LocationsTest, GapWidthBoundaries) {
       }
     }
     EXPECT_EQ(narrowest, c.narrowest);
-    const uint64_t width = c.narrowest == LocationEncoding::kGap16   ? 2
-                           : c.narrowest == LocationEncoding::kGap32 ? 4
-                                                                     : 8;
     EXPECT_EQ(EstimateLocationBytes(c.narrowest, locations, span_begin, span_end),
-              locations.size() * width);
+              locations.size() * GapWidth(c.narrowest));
+    // Every width that fits costs the same, so the tie goes to the narrowest, and gaps 1 and 0
+    // (1 byte each) plus the large one beat range's (1, 2) and (max_gap, 1) pairs.
+    EXPECT_EQ(ChooserCost(c.narrowest, locations, span_begin, span_end),
+              ChooserCost(LocationEncoding::kGap64, locations, span_begin, span_end));
+    ASSERT_OK_AND_ASSIGN(LocationEncoding chosen,
+                         ChooseLocationEncoding(locations, span_begin, span_end));
+    EXPECT_EQ(chosen, c.narrowest);
     ExpectRoundTripEverywhere(locations, span_begin, span_end);
   }
 }
 
 TEST(LocationsTest, ChooserPicksTheNarrowestGapWidthWhenGapsWin) {
-  // Every gap is 0xFFFF: gap16 (2 bytes each) beats range (3 + 1 bytes each).
+  // Every gap is 0xFFFF: gap16 (2 significant bytes each) beats range (3 + 1 bytes each).
   std::vector<uint64_t> gap16;
   for (uint64_t i = 0; i < 100; ++i) gap16.push_back(i * 0x10000 + 0xFFFF);
   ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(gap16, 0, gap16.back() + 1));
   EXPECT_EQ(chosen, LocationEncoding::kGap16);
-  // Every gap is 0xFFFFFFFF: gap32 (4) beats range (5 + 1) and gap64 (8).
+  // Every gap is 0xFFFFFFFF: gap32 (4) beats range (5 + 1) and ties gap64 (4), a lower code.
   std::vector<uint64_t> gap32;
   for (uint64_t i = 0; i < 100; ++i) gap32.push_back(i * kTwoPow32 + 0xFFFFFFFF);
   ASSERT_OK_AND_ASSIGN(chosen, ChooseLocationEncoding(gap32, 0, gap32.back() + 1));
   EXPECT_EQ(chosen, LocationEncoding::kGap32);
-  // Gaps of 2^60 need 9 varint bytes: gap64 (8) wins.
+  // Gaps of 2^60 - 1 need 9 varint bytes: gap64 (8 significant bytes) wins.
   std::vector<uint64_t> gap64;
   for (uint64_t i = 0; i < 10; ++i) gap64.push_back(i * (uint64_t{1} << 60) + 5);
   ASSERT_OK_AND_ASSIGN(chosen, ChooseLocationEncoding(gap64, 0, kMax64));
   EXPECT_EQ(chosen, LocationEncoding::kGap64);
   ExpectRoundTripEverywhere(gap64, 0, kMax64);
+}
+
+// Isolated changes every `stride` elements from `first`, `count` of them, each a run of `length`.
+std::vector<uint64_t> Runs(uint64_t first, uint64_t stride, uint64_t count, uint64_t length) {
+  std::vector<uint64_t> locations;
+  for (uint64_t run = 0; run < count; ++run) {
+    for (uint64_t i = 0; i < length; ++i) locations.push_back(first + run * stride + i);
+  }
+  return locations;
+}
+
+TEST(LocationsTest, ChooserPrefersGap16ForIsolatedChanges) {
+  // 100 changes every 10th element: gaps 5, 9, 9, … cost 1 significant byte each (100); range
+  // takes a 1-byte gap and a 1-byte length per change (200); the bitmask 125 bytes.
+  const std::vector<uint64_t> locations = Runs(5, 10, 100, 1);
+  ExpectRoundTripEverywhere(locations, 0, 1000);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kGap16, locations, 0, 1000), 100u);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kRange, locations, 0, 1000), 200u);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kBitmask, locations, 0, 1000), 125u);
+  // Raw sizes tie at 200 bytes; the cost after compression is what decides.
+  EXPECT_EQ(EstimateLocationBytes(LocationEncoding::kGap16, locations, 0, 1000), 200u);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 1000));
+  EXPECT_EQ(chosen, LocationEncoding::kGap16);
+}
+
+TEST(LocationsTest, ChooserPrefersRangeForRunsOfTwoOrMore) {
+  // 100 runs, one every 100 elements of a 10000-element span (bitmask: 1250 bytes). A run of
+  // length L costs the gaps L bytes (a 1-byte gap, then L - 1 zero gaps) and range 2 bytes.
+  struct Case {
+    uint64_t length;
+    LocationEncoding chosen;
+  };
+  const Case cases[] = {
+      {1, LocationEncoding::kGap16},  // 1 against 2.
+      {2, LocationEncoding::kRange},  // 2 against 2: the tie goes to the lower code.
+      {3, LocationEncoding::kRange},  // 3 against 2.
+      {40, LocationEncoding::kRange},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("runs of length {}", c.length));
+    const std::vector<uint64_t> locations = Runs(7, 100, 100, c.length);
+    EXPECT_EQ(ChooserCost(LocationEncoding::kGap16, locations, 0, 10000), 100 * c.length);
+    EXPECT_EQ(ChooserCost(LocationEncoding::kRange, locations, 0, 10000), 200u);
+    ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 10000));
+    EXPECT_EQ(chosen, c.chosen);
+    ExpectRoundTripEverywhere(locations, 0, 10000);
+  }
+}
+
+TEST(LocationsTest, ChooserPrefersBitmaskOnceGapsCostMore) {
+  // Every 8th element of [0, 800): 100 one-byte gaps tie the 100-byte bitmask; gap16 has the
+  // lower code.
+  std::vector<uint64_t> locations = Runs(0, 8, 100, 1);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kGap16, locations, 0, 800), 100u);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kBitmask, locations, 0, 800), 100u);
+  ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding(locations, 0, 800));
+  EXPECT_EQ(chosen, LocationEncoding::kGap16);
+  ExpectRoundTripEverywhere(locations, 0, 800);
+  // One location more costs the gaps 101 bytes and leaves the bitmask at 100.
+  locations.insert(locations.begin() + 1, 3);
+  EXPECT_EQ(ChooserCost(LocationEncoding::kGap16, locations, 0, 800), 101u);
+  ASSERT_OK_AND_ASSIGN(chosen, ChooseLocationEncoding(locations, 0, 800));
+  EXPECT_EQ(chosen, LocationEncoding::kBitmask);
+  ExpectRoundTripEverywhere(locations, 0, 800);
+}
+
+TEST(LocationsTest, ChooserPicksEachGapWidthForIsolatedChangesWithOneLargeGap) {
+  // 200 isolated changes 10 apart with one gap of `max_gap` in the middle: one significant byte
+  // per small gap against range's two, so a gap encoding wins even where its raw size (4 or 8
+  // bytes a gap) is twice range's or more; the narrowest width holding max_gap is chosen.
+  struct Case {
+    uint64_t max_gap;
+    LocationEncoding chosen;
+  };
+  const Case cases[] = {
+      {0xFFFF, LocationEncoding::kGap16},
+      {0x10000, LocationEncoding::kGap32},
+      {0xFFFFFFFF, LocationEncoding::kGap32},
+      {kTwoPow32, LocationEncoding::kGap64},
+  };
+  const uint64_t span_begin = 1000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("max gap {:#x}", c.max_gap));
+    std::vector<uint64_t> locations = Runs(span_begin + 3, 10, 100, 1);
+    const std::vector<uint64_t> after = Runs(locations.back() + 1 + c.max_gap, 10, 100, 1);
+    locations.insert(locations.end(), after.begin(), after.end());
+    const uint64_t span_end = locations.back() + 6;
+    EXPECT_EQ(ChooserCost(c.chosen, locations, span_begin, span_end),
+              199 + SignificantBytes(c.max_gap));
+    ASSERT_OK_AND_ASSIGN(LocationEncoding chosen,
+                         ChooseLocationEncoding(locations, span_begin, span_end));
+    EXPECT_EQ(chosen, c.chosen);
+    EXPECT_EQ(EstimateLocationBytes(chosen, locations, span_begin, span_end),
+              locations.size() * GapWidth(c.chosen));
+    ExpectRoundTripEverywhere(locations, span_begin, span_end);
+  }
 }
 
 TEST(LocationsTest, ForcedEncodingThatCannotRepresentIsInvalidArgument) {
@@ -379,6 +594,9 @@ TEST(LocationsTest, EncodeAppendsToExistingBytes) {
   ASSERT_OK(EncodeLocations(LocationEncoding::kGap16, {{1}}, 0, 10, &bytes));
   ASSERT_OK(EncodeLocations(LocationEncoding::kBitmask, {{1}}, 0, 10, &bytes));
   EXPECT_EQ(bytes, (std::vector<uint8_t>{0xAA, 0x01, 0x00, 0x02, 0x00}));
+  // The planes of several gaps are laid out from where the appended bytes begin: gaps 1, 3.
+  ASSERT_OK(EncodeLocations(LocationEncoding::kGap16, {{1, 5}}, 0, 10, &bytes));
+  EXPECT_EQ(bytes, (std::vector<uint8_t>{0xAA, 0x01, 0x00, 0x02, 0x00, 0x01, 0x03, 0x00, 0x00}));
 }
 
 TEST(LocationsTest, RandomRoundTripsAcrossDensitiesAndSeeds) {
@@ -499,9 +717,10 @@ TEST(LocationDecoderTest, GapLengthMustMatchCount) {
 }
 
 TEST(LocationDecoderTest, GapOutOfSpanNamesTheLocation) {
-  // Gaps 2, 3, 4 from span begin 100: locations 102, 106, 111 — the last is outside [100, 110).
-  const std::vector<uint8_t> bytes = {2, 0, 3, 0, 4, 0};
-  EXPECT_STATUS_MSG(DataLoss, "gap16 locations: location #2 (byte offset 4) is 111 >= span end 110",
+  // Gaps 2, 3, 4 from span begin 100 (planes 02 03 04 | 00 00 00): locations 102, 106, 111 —
+  // the last is outside [100, 110).
+  const std::vector<uint8_t> bytes = {2, 3, 4, 0, 0, 0};
+  EXPECT_STATUS_MSG(DataLoss, "gap16 locations: location #2 is 111 >= span end 110",
                     DecodeStatus(LocationEncoding::kGap16, bytes, 3, 100, 110));
   EXPECT_OK(DecodeStatus(LocationEncoding::kGap16, bytes, 3, 100, 112));
   // In batches of one the error is found by the same check.
@@ -509,17 +728,50 @@ TEST(LocationDecoderTest, GapOutOfSpanNamesTheLocation) {
                     DecodeInBatches(LocationEncoding::kGap16, bytes, 3, 100, 110, 1));
 }
 
+TEST(LocationDecoderTest, GapDecoderReadsPlanesNotWords) {
+  // Read as planes 02 00 03 | 00 04 00, these bytes are gaps 2, 0x400, 3 (as little-endian words
+  // they would be 2, 3, 4): locations 102, 102 + 1 + 1024 = 1127, 1127 + 1 + 3 = 1131.
+  const std::vector<uint8_t> bytes = {2, 0, 3, 0, 4, 0};
+  for (const size_t batch : {size_t{1}, size_t{2}, size_t{3}}) {
+    ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
+                         DecodeInBatches(LocationEncoding::kGap16, bytes, 3, 100, 2000, batch));
+    EXPECT_EQ(decoded, (std::vector<uint64_t>{102, 1127, 1131})) << "batch " << batch;
+  }
+  EXPECT_STATUS_MSG(DataLoss, "gap16 locations: location #1 is 1127 >= span end 1000",
+                    DecodeStatus(LocationEncoding::kGap16, bytes, 3, 100, 1000));
+}
+
+TEST(LocationDecoderTest, GapInALaterBatchReadsItsHighPlaneAtTheCountStride) {
+  // Gaps 1, 2, 3, 0x100, 4 in [0, 100): planes 01 02 03 00 04 | 00 00 00 01 00. Locations 1, 4,
+  // 8, then 8 + 1 + 256 = 265, outside the span; whatever the batch size, location #3 is named.
+  const std::vector<uint8_t> bytes = {1, 2, 3, 0, 4, 0, 0, 0, 1, 0};
+  for (const size_t batch : {size_t{1}, size_t{2}, size_t{3}, size_t{7}}) {
+    SCOPED_TRACE(fmt::format("batch {}", batch));
+    EXPECT_STATUS_MSG(DataLoss, "gap16 locations: location #3 is 265 >= span end 100",
+                      DecodeInBatches(LocationEncoding::kGap16, bytes, 5, 0, 100, batch));
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
+                       DecodeInBatches(LocationEncoding::kGap16, bytes, 5, 0, 300, 2));
+  EXPECT_EQ(decoded, (std::vector<uint64_t>{1, 4, 8, 265, 270}));
+}
+
 TEST(LocationDecoderTest, Gap64OverflowIsDataLoss) {
-  std::vector<uint8_t> bytes = Encode(LocationEncoding::kGap64, {5}, 0, 10);
-  const std::vector<uint8_t> huge(8, 0xFF);
-  bytes.insert(bytes.end(), huge.begin(), huge.end());  // 6 + (2^64 - 1) overflows.
-  EXPECT_STATUS_MSG(DataLoss, "overflows",
-                    DecodeStatus(LocationEncoding::kGap64, bytes, 2, 0, kMax64));
-  // A large but valid gap lands outside a small span.
-  std::vector<uint8_t> far = Encode(LocationEncoding::kGap64, {5}, 0, 10);
-  const std::vector<uint8_t> gap = {0, 0, 0, 0, 1, 0, 0, 0};  // 2^32
-  far.insert(far.end(), gap.begin(), gap.end());
-  EXPECT_STATUS_MSG(DataLoss, "gap64", DecodeStatus(LocationEncoding::kGap64, far, 2, 0, 1000));
+  // Gaps 5 and 2^64 - 1 (planes 05 FF | 00 FF | … | 00 FF): 6 + (2^64 - 1) overflows.
+  const std::vector<uint8_t> huge = {0x05, 0xFF, 0x00, 0xFF, 0x00, 0xFF, 0x00, 0xFF,
+                                     0x00, 0xFF, 0x00, 0xFF, 0x00, 0xFF, 0x00, 0xFF};
+  EXPECT_STATUS_MSG(DataLoss,
+                    "gap64 locations: location #1: gap 18446744073709551615 after 6 overflows",
+                    DecodeStatus(LocationEncoding::kGap64, huge, 2, 0, kMax64));
+  // Gaps 5 and 2^32 (byte 4 of gap #1, plane 4, at offset 4 × 2 + 1): a large but valid gap
+  // lands outside a small span.
+  std::vector<uint8_t> far(16, 0);
+  far[0] = 0x05;
+  far[9] = 0x01;
+  EXPECT_STATUS_MSG(DataLoss, "gap64 locations: location #1 is 4294967302 >= span end 1000",
+                    DecodeStatus(LocationEncoding::kGap64, far, 2, 0, 1000));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
+                       DecodeInBatches(LocationEncoding::kGap64, far, 2, 0, kMax64, 1));
+  EXPECT_EQ(decoded, (std::vector<uint64_t>{5, 6 + kTwoPow32}));
 }
 
 TEST(LocationDecoderTest, Gap16NearTheTopOfUint64UsesCheckedDecoding) {
@@ -527,7 +779,7 @@ TEST(LocationDecoderTest, Gap16NearTheTopOfUint64UsesCheckedDecoding) {
   const uint64_t span_begin = kMax64 - 10;
   const std::vector<uint8_t> wrap = {0xFF, 0xFF, 0xFF, 0xFF};
   EXPECT_STATUS(DataLoss, DecodeStatus(LocationEncoding::kGap16, wrap, 2, span_begin, kMax64));
-  const std::vector<uint8_t> valid = {1, 0, 2, 0};
+  const std::vector<uint8_t> valid = {1, 2, 0, 0};  // Gaps 1, 2.
   ASSERT_OK_AND_ASSIGN(std::vector<uint64_t> decoded,
                        DecodeInBatches(LocationEncoding::kGap16, valid, 2, span_begin, kMax64, 8));
   EXPECT_EQ(decoded, (std::vector<uint64_t>{span_begin + 1, span_begin + 4}));
@@ -633,7 +885,7 @@ TEST(LocationDecoderTest, ErrorsRepeatWhenNextIsCalledAgain) {
   EXPECT_STATUS(DataLoss, decoder.Next(out));
   EXPECT_STATUS(DataLoss, decoder.ValidateAll());
 
-  const std::vector<uint8_t> gaps = {2, 0, 200, 0};
+  const std::vector<uint8_t> gaps = {2, 200, 0, 0};  // Gaps 2, 200: location #1 is 203.
   ASSERT_OK_AND_ASSIGN(LocationDecoder gap_decoder,
                        LocationDecoder::Make(LocationEncoding::kGap16, gaps, 2, 0, 100));
   EXPECT_STATUS(DataLoss, gap_decoder.Next(out));
