@@ -634,7 +634,8 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
         "prepare of transfer {}: it is based on version {} but the receiver is at version {}", id,
         request.base_version, s.version);
   }
-  Impl::Transfer& transfer = s.transfer.emplace();
+  s.transfer = Impl::Transfer{};
+  Impl::Transfer& transfer = *s.transfer;
   transfer.id = request.transfer_id;
   transfer.base_version = request.base_version;
   transfer.target_version = request.base_version + 1;
