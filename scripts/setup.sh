@@ -8,9 +8,10 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libzstd-dev libxxhash-dev libhwy-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev
+  libzmq3-dev cppzmq-dev libsodium-dev libcpp-httplib-dev libssl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-14 libclang-rt-14-dev clang-format
-  python3-numpy
+  python3-numpy python3-zmq python3-prometheus-client
 )
 
 missing=()

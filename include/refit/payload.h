@@ -96,6 +96,12 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
 Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
                                             const PayloadLimits& limits = {});
 
+/// Return the total size (header + compressed body) of the payload at the start of `stream`, after
+/// checking its header exactly as ValidatePayloadHeader does — for payloads stored back to back,
+/// as `.rfp` files do. Unlike ValidatePayloadHeader, bytes may follow the payload.
+/// Errors: as ValidatePayloadHeader; DataLoss when the declared body runs past the stream.
+Result<uint64_t> PayloadSizeAt(std::span<const std::byte> stream, const PayloadLimits& limits = {});
+
 /// A fully validated payload. Owns the decompressed body; items view into it.
 ///
 /// Thread-safety: immutable after DecodePayload; safe to read from many threads.

@@ -136,23 +136,10 @@ Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const
   std::vector<std::span<const std::byte>> payloads;
   size_t offset = 0;
   while (offset < file.size()) {
-    const auto rest = file.subspan(offset);
-    if (rest.size() < kPayloadHeaderSize) {
-      return DataLoss("payload at byte {}: {} bytes left, a header needs {}", offset, rest.size(),
-                      kPayloadHeaderSize);
-    }
-    // The header's own length fields say where the payload ends; validate exactly that slice.
-    uint64_t compressed = 0;
-    std::memcpy(&compressed, rest.data() + 64, sizeof(compressed));
-    if (compressed > rest.size() - kPayloadHeaderSize) {
-      return DataLoss("payload at byte {}: declares {} body bytes, only {} remain", offset,
-                      compressed, rest.size() - kPayloadHeaderSize);
-    }
-    const auto payload = rest.first(kPayloadHeaderSize + compressed);
-    auto header = ValidatePayloadHeader(payload, limits);
-    if (!header.ok()) return header.status().WithContext(fmt::format("payload at byte {}", offset));
-    payloads.push_back(payload);
-    offset += payload.size();
+    auto size = PayloadSizeAt(file.subspan(offset), limits);
+    if (!size.ok()) return size.status().WithContext(fmt::format("payload at byte {}", offset));
+    payloads.push_back(file.subspan(offset, *size));
+    offset += *size;
   }
   return payloads;
 }

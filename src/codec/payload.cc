@@ -638,6 +638,23 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
 
 // ---- ValidatePayloadHeader. --------------------------------------------------------------------
 
+Result<uint64_t> PayloadSizeAt(std::span<const std::byte> stream, const PayloadLimits& limits) {
+  if (stream.size() < kPayloadHeaderSize) {
+    return DataLoss("{} bytes left, shorter than the {}-byte payload header", stream.size(),
+                    kPayloadHeaderSize);
+  }
+  // The length field is only trusted for slicing; ValidatePayloadHeader then checks the header
+  // checksum that covers it and every limit.
+  const uint64_t compressed = LoadLE<uint64_t>(stream.data() + kOffsetCompressedBytes);
+  if (compressed > stream.size() - kPayloadHeaderSize) {
+    return DataLoss("payload declares {} body bytes but only {} follow its header", compressed,
+                    stream.size() - kPayloadHeaderSize);
+  }
+  const uint64_t size = kPayloadHeaderSize + compressed;
+  REFIT_RETURN_NOT_OK(ValidatePayloadHeader(stream.first(size), limits));
+  return size;
+}
+
 Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
                                             const PayloadLimits& limits) {
   if (payload.size() < kPayloadHeaderSize) {

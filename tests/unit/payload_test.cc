@@ -1125,3 +1125,28 @@ TEST(ZstdFrameTest, CorruptFrameWithValidChecksum) {
 
 }  // namespace
 }  // namespace refit
+
+namespace refit {
+namespace {
+
+TEST(PayloadSizeAtTest, SplitsPayloadsStoredBackToBack) {
+  PayloadIds ids{TransferId::Random(), 1, 0, 4, 5};
+  auto first = EncodePayload(ids, {});
+  ids.payload_id = 1;
+  auto second = EncodePayload(ids, {});
+  ASSERT_TRUE(first.ok() && second.ok());
+  std::vector<std::byte> stream = *first;
+  stream.insert(stream.end(), second->begin(), second->end());
+  ASSERT_OK_AND_ASSIGN(uint64_t size, PayloadSizeAt(stream));
+  EXPECT_EQ(size, first->size());
+  ASSERT_OK_AND_ASSIGN(uint64_t next, PayloadSizeAt(std::span(stream).subspan(size)));
+  EXPECT_EQ(next, second->size());
+  // Truncated inside the second payload, and a corrupted header: both refused.
+  EXPECT_STATUS(DataLoss, PayloadSizeAt(std::span(stream).subspan(size, next - 1)));
+  stream[size + 30] ^= std::byte{1};
+  EXPECT_STATUS(DataLoss, PayloadSizeAt(std::span(stream).subspan(size)));
+  EXPECT_STATUS(DataLoss, PayloadSizeAt(std::span(stream).first(10)));
+}
+
+}  // namespace
+}  // namespace refit
