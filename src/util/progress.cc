@@ -87,7 +87,8 @@ std::string FormatRate(double bytes_per_second) {
 
 std::string FormatDuration(double seconds) {
   if (!std::isfinite(seconds)) return "?";
-  if (seconds < 0) return "-" + FormatDuration(-seconds);
+  // fmt rather than "-" + string: GCC 12 -O3 warns falsely (-Wrestrict) on the latter.
+  if (seconds < 0) return fmt::format("-{}", FormatDuration(-seconds));
   if (seconds == 0) return "0 s";
   // Each threshold is where the smaller unit would round to 1000.
   if (seconds < 999.5e-9) return FormatSubSecond(seconds * 1e9, "ns");
