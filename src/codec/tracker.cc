@@ -83,6 +83,47 @@ uint64_t DigestDelta(std::span<const std::byte> old_tensor, std::span<const std:
   return delta;
 }
 
+template <typename Word>
+uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_tensor,
+                              std::span<const uint64_t> locations, std::byte* xor_out,
+                              std::byte* new_out) {
+  uint64_t delta = 0;
+  for (size_t k = 0; k < locations.size(); ++k) {
+    const uint64_t i = locations[k];
+    Word old_word, new_word;
+    std::memcpy(&old_word, old_tensor + i * sizeof(Word), sizeof(Word));
+    std::memcpy(&new_word, new_tensor + i * sizeof(Word), sizeof(Word));
+    std::memcpy(new_out + k * sizeof(Word), &new_word, sizeof(Word));
+    if (xor_out != nullptr) {
+      const Word x = static_cast<Word>(old_word ^ new_word);
+      std::memcpy(xor_out + k * sizeof(Word), &x, sizeof(Word));
+    }
+    delta += ElementHash(i, new_word) - ElementHash(i, old_word);
+  }
+  return delta;
+}
+
+/// Copy the new bits at `locations` to `new_out`, their XOR with the old bits to `xor_out` (if
+/// non-null), and return the digest change Σ h(i, new) − h(i, old).
+uint64_t GatherChanges(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
+                       uint32_t width, std::span<const uint64_t> locations, std::byte* xor_out,
+                       std::byte* new_out) {
+  switch (width) {
+    case 1:
+      return GatherChangesOfWidth<uint8_t>(old_tensor.data(), new_tensor.data(), locations,
+                                           xor_out, new_out);
+    case 2:
+      return GatherChangesOfWidth<uint16_t>(old_tensor.data(), new_tensor.data(), locations,
+                                            xor_out, new_out);
+    case 4:
+      return GatherChangesOfWidth<uint32_t>(old_tensor.data(), new_tensor.data(), locations,
+                                            xor_out, new_out);
+    default:
+      return GatherChangesOfWidth<uint64_t>(old_tensor.data(), new_tensor.data(), locations,
+                                            xor_out, new_out);
+  }
+}
+
 /// Scatter new bits into the baseline. A contiguous run of locations is one memcpy.
 void ScatterBits(std::span<std::byte> baseline, uint32_t width, std::span<const uint64_t> locations,
                  std::span<const std::byte> bits) {
@@ -291,10 +332,6 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   result.changed_elements = changed.size();
   if (changed.empty()) return result;
 
-  // Record the exact new bits first: whatever op travels, commit installs these.
-  std::vector<std::byte> new_bits(changed.size() * width);
-  GatherBits(current.bytes, width, changed, new_bits.data());
-
   Op op = options.op;
   if (overwrite_names.contains(current.name)) op = Op::kOverwrite;
   DType value_dtype = current.dtype;
@@ -306,26 +343,26 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     }
   }
 
-  uint64_t digest_total = 0;
-  {
-    std::lock_guard lock(entry.pending_mutex);
-    entry.pending.locations.insert(entry.pending.locations.end(), changed.begin(), changed.end());
-    entry.pending.new_bits.insert(entry.pending.new_bits.end(), new_bits.begin(), new_bits.end());
-    entry.pending.changed += changed.size();
-  }
-
-  if (op == Op::kOverwrite) {
-    const uint64_t digest = DigestDelta(baseline, current.bytes, width, changed);
-    digest_total = digest;
+  // One pass over the changes gathers the exact new bits (what commit installs, whatever op
+  // travels), the XOR values when XOR travels, and the digest change.
+  std::vector<std::byte> new_bits(changed.size() * width);
+  std::vector<std::byte> xor_values(op == Op::kXor ? changed.size() * width : 0);
+  const uint64_t digest_total = GatherChanges(baseline, current.bytes, width, changed,
+                                              op == Op::kXor ? xor_values.data() : nullptr,
+                                              new_bits.data());
+  if (op == Op::kXor) {
     REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
-                                               std::move(new_bits), digest));
+                                               std::move(xor_values), digest_total));
+    result.items.push_back(std::move(item));
+  } else if (op == Op::kOverwrite) {
+    REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
+                                               new_bits, digest_total));
     result.items.push_back(std::move(item));
   } else {
     REFIT_ASSIGN_OR_RETURN(OpValues values, MakeOpValues(op, current.dtype, value_dtype, baseline,
-                                                         current.bytes, std::move(changed)));
+                                                         current.bytes, changed));
     if (!values.locations.empty()) {
       const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.locations);
-      digest_total += digest;
       REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end,
                                                  values.locations, std::move(values.values),
                                                  digest));
@@ -333,7 +370,6 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     }
     if (!values.demoted_locations.empty()) {
       const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.demoted_locations);
-      digest_total += digest;
       REFIT_ASSIGN_OR_RETURN(Item item,
                              MakeItem(current, Op::kOverwrite, current.dtype, begin, end,
                                       values.demoted_locations, std::move(values.demoted_values),
@@ -341,8 +377,18 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
       result.items.push_back(std::move(item));
     }
   }
+
   std::lock_guard lock(entry.pending_mutex);
-  entry.pending.digest_delta += digest_total;
+  PendingChanges& pending = entry.pending;
+  if (pending.locations.empty()) {  // The common case, one span per tensor: no copy.
+    pending.locations = std::move(changed);
+    pending.new_bits = std::move(new_bits);
+  } else {
+    pending.locations.insert(pending.locations.end(), changed.begin(), changed.end());
+    pending.new_bits.insert(pending.new_bits.end(), new_bits.begin(), new_bits.end());
+  }
+  pending.changed += result.changed_elements;
+  pending.digest_delta += digest_total;
   return result;
 }
 
