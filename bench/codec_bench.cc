@@ -43,6 +43,7 @@ struct Args {
   int repetitions = 3;
   std::string json_path;
   bool skip_rss = false;
+  bool only_rss = false;
 };
 
 double Now() {
@@ -407,17 +408,21 @@ int Main(int argc, char** argv) {
       args.model_bytes = std::stoull(next()) << 20;
     } else if (arg == "--skip-rss") {
       args.skip_rss = true;
+    } else if (arg == "--only-rss") {
+      args.only_rss = true;
     } else {
       std::cerr << "usage: codec_bench [--quick] [--json PATH] [--model-mib N] "
-                   "[--rss-model-mib N] [--skip-rss]\n";
+                   "[--rss-model-mib N] [--skip-rss | --only-rss]\n";
       return 2;
     }
   }
   nlohmann::json report;
   report["machine"] = {{"hardware_threads", std::thread::hardware_concurrency()},
                        {"compare_target", BestCompareTarget()}};
-  report["compare"] = BenchCompare(args);
-  report["encode_apply"] = BenchEncodeApply(args);
+  if (!args.only_rss) {
+    report["compare"] = BenchCompare(args);
+    report["encode_apply"] = BenchEncodeApply(args);
+  }
   if (!args.skip_rss) report["memory"] = BenchMemory(args);
   if (!args.json_path.empty()) {
     std::ofstream(args.json_path) << report.dump(2) << "\n";
