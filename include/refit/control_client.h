@@ -1,0 +1,107 @@
+// ControlClient: calls a receiver's HTTP control plane (ControlServer) — what a coordinator uses
+// to prepare, flush, commit and abort transfers, and the simple HTTP data path for payloads.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "refit/payload.h"
+#include "refit/receiver_session.h"
+#include "refit/status.h"
+#include "refit/tensor.h"
+
+namespace refit {
+
+/// Options of ControlClient::Make.
+struct ControlClientOptions {
+  /// "http://host:port" or "https://host:port", optionally followed by a path prefix that every
+  /// route is appended to (a receiver behind a reverse proxy). A trailing '/' is ignored.
+  std::string base_url;
+  /// Sent as "Authorization: Bearer <key>" when not empty.
+  std::string api_key;
+  /// Limit of connecting, and of each read and write of a request. A Flush waits its own timeout
+  /// on top of this.
+  std::chrono::milliseconds timeout{std::chrono::seconds(30)};
+  /// Extra attempts after a connection error or an HTTP 502/503/504, with exponential backoff
+  /// from retry_backoff, capped at max_retry_backoff. Every control call is safe to repeat:
+  /// Prepare, Commit, Abort and Flush are idempotent and a re-sent payload is deduplicated.
+  /// Other HTTP errors are application errors and are never retried (upstream: 500 is not
+  /// retried), nor is a 504 whose body reports DeadlineExceeded: that is the caller's own Flush
+  /// timeout, and retrying would silently multiply it.
+  int max_retries = 3;
+  std::chrono::milliseconds retry_backoff{std::chrono::milliseconds(50)};
+  std::chrono::milliseconds max_retry_backoff{std::chrono::seconds(1)};
+  /// HTTPS: a PEM file of the certificates to trust (e.g. the server's self-signed certificate);
+  /// empty uses the system's trust store.
+  std::string tls_ca_cert_path;
+  /// HTTPS: verify the server's certificate and host name. Turn off only for tests.
+  bool tls_verify = true;
+};
+
+/// What GET /v1/status reports.
+struct ControlStatus {
+  /// The session's state and counters.
+  ReceiverStatus receiver;
+  /// Tensors in the receiver's store.
+  uint64_t tensors = 0;
+  /// One fingerprint of every tensor's state digest (equal on two receivers that hold the same
+  /// weights); absent while a transfer is receiving, when the store cannot be read.
+  std::optional<uint64_t> state_fingerprint;
+};
+
+/// A client of one receiver's control plane.
+///
+/// Every call maps an HTTP error back to a Status with the server's code and message; a body that
+/// is not the server's JSON error (a proxy's page) gives the code of the HTTP status and the first
+/// 512 characters of the body. Connection failures after the last retry give Unavailable.
+///
+/// Thread-safety: every member function may be called concurrently from any thread. Idle
+/// connections are kept for reuse (keep-alive); each call uses one connection exclusively.
+class ControlClient {
+ public:
+  /// Validate the options; connects nothing yet.
+  /// Errors: InvalidArgument (a base URL that is not http(s)://host:port[/prefix]; a negative
+  /// retry count or timeout).
+  static Result<std::unique_ptr<ControlClient>> Make(const ControlClientOptions& options);
+
+  ~ControlClient();
+  ControlClient(const ControlClient&) = delete;
+  ControlClient& operator=(const ControlClient&) = delete;
+
+  /// POST /v1/prepare. Errors: as ReceiverSession::Prepare.
+  Result<PrepareResult> Prepare(const PrepareRequest& request);
+  /// POST /v1/flush; waits up to options.timeout on the server (plus the client timeout).
+  /// Errors: as ReceiverSession::Flush.
+  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {});
+  /// POST /v1/commit. Errors: as ReceiverSession::Commit.
+  Status Commit(const TransferId& id);
+  /// POST /v1/abort. Errors: as ReceiverSession::Abort.
+  Status Abort(const TransferId& id);
+  /// POST /v1/payload with the payload's bytes (not copied). Errors: as ReceiverSession::Stage,
+  /// ResourceExhausted beyond the server's body limit, Unavailable while it stops.
+  Result<StageResult> SendPayload(std::span<const std::byte> payload);
+  /// GET /v1/status.
+  Result<ControlStatus> GetStatus();
+  /// GET /v1/tensors/{name}: download one tensor and check its bytes against the digest the
+  /// server sent. Errors: NotFound naming it; FailedPrecondition while a transfer is receiving;
+  /// DataLoss when the bytes, shape or digest disagree.
+  Result<OwnedTensor> GetTensor(std::string_view name);
+  /// GET /healthz (no key needed). Errors: Unavailable when the server cannot be reached.
+  Status CheckHealth();
+
+  /// The base URL the client calls, without a trailing '/'.
+  const std::string& base_url() const;
+
+ private:
+  struct Impl;
+  explicit ControlClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit

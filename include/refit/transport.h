@@ -1,0 +1,390 @@
+// Transports: move opaque payload bytes from producers to receivers, chosen by URI scheme.
+//
+//   producer process                                      receiver process
+//   ProducerStream ──PayloadSender──▶ TransportSender ══▶ Listener ──Deliver──▶ PayloadSink
+//     (send threads)   (AsPayloadSender)  Send            Start/Stop              (SessionSink →
+//                                         CleanupThread    [Poll]                  ReceiverSession)
+//                                         Finish(count) ══════════EndOfStream──▶
+//
+// A Transport is made from a URI by a registry keyed by scheme, in the shape of Arrow Flight's
+// transport registry: `MakeTransport("file:///mnt/drop?poll_ms=50")`. Each transport declares
+// TransportCapabilities so the coordinator can adapt (call a relay flush, post manifests, skip
+// declaring payload counts that the stream end already carries).
+//
+// The built-ins, as their URIs configure them (unknown parameters are refused):
+//
+//   inproc://<hub>
+//     Listeners bind endpoint names in a process-wide hub; Send delivers a copy to each endpoint's
+//     sink on the sending thread and returns the sink's verdict (staged ACK). No parameters.
+//
+//   file://<dir>[?poll_ms=100]
+//     <dir> is everything after "//" (file:///abs for an absolute path) and must exist: it is
+//     the shared mount. Each endpoint is an inbox, a sub-directory the listener creates ("" is
+//     <dir> itself). Send writes <inbox>/<transfer hex>/<producer %06u>/<payload %06u>.rfpl via a
+//     `.tmp` name, fsync and rename (names from ids only, never tensor names), and returns once it
+//     is durable; Finish writes `done` holding the payload count. The listener reads each payload
+//     (header checked, ids matched to the path), delivers it, removes it once staged, keeps and
+//     reports it when refused (retrying refusals that may pass, e.g. before Prepare), delivers
+//     the stream end once `done` is the last of the stream, and removes what the stream left.
+//     It polls every poll_ms on its own thread ("refit-file-poll"); poll_ms=0 leaves polling to
+//     Listener::Poll.
+//     A vanished <dir> or inbox is Unavailable, on both sides.
+//
+//   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
+//                            &corrupt=p&disconnect_after=N[&<inner parameters>]
+//     The transport of <scheme>, whose senders inject faults, each decided by a hash of (seed,
+//     producer id, payload id, attempt number of that id, fault kind): reproducible for a seed
+//     and a sequence of payload ids, whatever the thread timing. drop: Send delivers nothing and
+//     returns Unavailable (drop_mode=error, the default: a failed network send) or OK
+//     (drop_mode=silent: a message lost after its ACK, seen only at the receiver's Flush).
+//     delay_ms: every Send waits first. duplicate: delivered twice. corrupt: one byte of a copy,
+//     inside the body, is flipped — the header check passes and the body checksum fails at
+//     apply, as with in-flight corruption. disconnect_after=N: every Send after the first N
+//     fails with Unavailable without delivering. Listeners are the inner transport's.
+//
+// A relay tree (DESIGN.md's zmq://) fits the same interface: capabilities staged_ack and
+// fan_out_tree; SenderContext::endpoints lists the relays and a sender talks to its root,
+// endpoints[producer_id % n]; each relay's Listener gets the whole relay list as
+// ListenerContext::peers, delivers to its own sink and forwards to its children when the sink
+// reports kAccepted (not kDuplicate); Finish is the relay flush with the producer's expected
+// count.
+//
+// Transports move opaque bytes (STYLE.md rule 2): a sender may read the ids of a payload from its
+// header with ValidatePayloadHeader — to name files, or to check that the payload belongs to the
+// sender's transfer — but never decodes the body; the codec never knows which transport carries
+// it. Receiving is transport-independent too: a Listener hands each payload to a PayloadSink, and
+// SessionSink adapts a ReceiverSession to that interface.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "refit/payload.h"
+#include "refit/pipeline.h"
+#include "refit/receiver_session.h"
+#include "refit/status.h"
+
+namespace refit {
+
+// ---- URIs -------------------------------------------------------------------------------------
+
+/// A parsed transport URI: `<scheme>://<target>[?<key>=<value>[&…]]`.
+///
+/// The scheme follows RFC 3986 (a letter, then letters, digits, '+', '-', '.') and is stored in
+/// lower case. The target is everything between "://" and "?", interpreted by the transport (a
+/// hub name, a directory, host:port). Target and parameters are percent-decoded. Fragments ('#')
+/// are refused: nothing would use them, and a '#' in a path is more likely a typo than intent.
+struct TransportUri {
+  std::string scheme;
+  std::string target;
+  /// Parameters in the order given; keys are unique and non-empty.
+  std::vector<std::pair<std::string, std::string>> params;
+
+  /// Parse `text`. Errors: InvalidArgument naming the URI and the problem (no "://", empty or
+  /// malformed scheme, '#', a bad percent escape, a parameter without '=', an empty or repeated
+  /// key).
+  static Result<TransportUri> Parse(std::string_view text);
+
+  /// Return the value of parameter `key`, or null when absent.
+  const std::string* Param(std::string_view key) const;
+
+  /// Return the URI as text, percent-encoding what Parse would otherwise misread; Parse of the
+  /// result gives back an equal TransportUri.
+  std::string ToString() const;
+
+  friend bool operator==(const TransportUri&, const TransportUri&) = default;
+};
+
+// ---- What a transport guarantees --------------------------------------------------------------
+
+/// What a transport guarantees and needs, so the coordinator can adapt its protocol.
+struct TransportCapabilities {
+  /// Send returns only once every receiver endpoint has staged the payload, and a receiver's
+  /// refusal (a NACK) is Send's result. When false, Send returns once the transport holds the
+  /// payload durably on the receiving side, and a refusal surfaces only at the receiver's Flush.
+  bool staged_ack = false;
+  /// A sender reaches one root endpoint, and listeners forward to each other (a relay tree, see
+  /// ListenerContext::peers). TransportSender::Finish is then the relay flush, and must return
+  /// before the coordinator flushes the receivers.
+  bool fan_out_tree = false;
+  /// Each payload must be announced to receivers through the control plane (a manifest, as for
+  /// object stores) before they can fetch it.
+  bool needs_manifest = false;
+  /// Senders and listeners share a filesystem (both must see the same directory).
+  bool shared_filesystem = false;
+  /// Payload bytes are encrypted in flight.
+  bool encrypted = false;
+  /// Senders and listeners must live in one process.
+  bool in_process = false;
+  /// Finish carries each producer's payload count to every listener's sink (PayloadSink::
+  /// EndOfStream), so receivers learn the expectation without the control plane.
+  bool reports_stream_end = false;
+
+  friend bool operator==(const TransportCapabilities&, const TransportCapabilities&) = default;
+};
+
+/// Options common to every transport; transport-specific settings travel as URI parameters.
+struct TransportOptions {
+  /// Limits for untrusted payloads: senders check each payload's header before sending it;
+  /// listeners check a payload's size before reading it and its header before delivering it.
+  PayloadLimits limits;
+};
+
+// ---- Producer side ----------------------------------------------------------------------------
+
+/// Who is sending what to whom: one producer's share of one transfer.
+struct SenderContext {
+  TransferId transfer_id;
+  uint32_t producer_id = 0;
+  /// The version step of every payload of the transfer (the tracker's TransferPlan).
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  /// Where the receivers listen, each in the transport's syntax (the ListenerContext::endpoint
+  /// of each receiver). Transports without fan_out_tree deliver to every one; a relay tree sends
+  /// to one root and lets the relays forward. At least one.
+  std::vector<std::string> endpoints;
+};
+
+/// Sends the payloads of one producer's share of one transfer.
+///
+/// Lifecycle: any number of Send calls, concurrently from many threads; CleanupThread once on
+/// each sending thread after its last Send; then, once every Send has returned and the stream
+/// succeeded, Finish once. A failed stream is not finished: the coordinator aborts the transfer,
+/// and destroying the sender releases everything.
+///
+/// Thread-safety: Send and CleanupThread may be called concurrently from any thread; Finish must
+/// not run concurrently with Send.
+class TransportSender {
+ public:
+  virtual ~TransportSender() = default;
+
+  /// Send payload `payload_id`; the bytes are borrowed for the call only. Return once the
+  /// transport's delivery guarantee holds (TransportCapabilities::staged_ack). The payload's
+  /// header must name this sender's transfer, producer, version step and `payload_id`.
+  /// Sending the same payload again is safe: receivers deduplicate it.
+  /// Errors: InvalidArgument (a payload of another transfer, producer, version step or id);
+  /// the header errors of ValidatePayloadHeader; FailedPrecondition after Finish; Unavailable
+  /// (no receiver at an endpoint, a vanished directory: retrying may succeed); IoError; and a
+  /// receiver's refusal where the transport reports it (staged_ack).
+  virtual Status Send(uint32_t payload_id, std::span<const std::byte> payload) = 0;
+
+  /// Release the calling thread's per-thread resources (sockets, clients). Transports without
+  /// per-thread resources do nothing.
+  virtual void CleanupThread() {}
+
+  /// Mark the end of this producer's stream: `payloads` were sent, with ids 0 … payloads − 1.
+  /// Transports that report the stream end (reports_stream_end) hand it to every receiver. A
+  /// Finish that failed may be called again (receivers accept a repeated, equal stream end).
+  /// Errors: FailedPrecondition after a successful Finish; InvalidArgument when a sent payload id
+  /// is not below `payloads` or `payloads` exceeds the 32-bit id space; as Send for delivery
+  /// failures.
+  virtual Status Finish(uint64_t payloads) = 0;
+
+  /// Return Send as the callback of ProducerStream::Run. This sender must outlive the callback.
+  PayloadSender AsPayloadSender();
+  /// Return CleanupThread as the cleanup callback of ProducerStream::Run. This sender must
+  /// outlive the callback.
+  SenderCleanup AsSenderCleanup();
+};
+
+// ---- Receiver side ----------------------------------------------------------------------------
+
+/// The end of one producer's stream, as Finish announced it.
+struct StreamEnd {
+  TransferId transfer_id;
+  uint32_t producer_id = 0;
+  /// The producer sent payload ids 0 … payloads − 1.
+  uint32_t payloads = 0;
+
+  friend bool operator==(const StreamEnd&, const StreamEnd&) = default;
+};
+
+/// Where a listener puts what it receives.
+///
+/// Thread-safety: implementations must accept concurrent calls from any thread (a listener may
+/// deliver on several threads, and an in-process sender delivers on its own threads).
+class PayloadSink {
+ public:
+  virtual ~PayloadSink() = default;
+
+  /// Take one received payload (ownership of its bytes). The bytes are untrusted: a listener
+  /// has checked at most the header. Return how it was staged; an error is the receiver's
+  /// refusal (a NACK) and leaves the payload with the transport (a file stays in the drop). May
+  /// block (a full apply queue); must return Cancelled soon after `stop` is requested.
+  virtual Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) = 0;
+
+  /// Learn that a producer's stream ended. A listener calls this only after delivering every
+  /// payload of that stream it received. The default ignores it.
+  /// Errors: InvalidArgument when it contradicts an earlier end of the same stream.
+  virtual Status EndOfStream(const StreamEnd& end);
+};
+
+/// A PayloadSink that stages payloads into a ReceiverSession (Stage, blocking while the apply
+/// queue is full) and remembers the stream ends it is told about, so that a receiver learns
+/// per-producer payload counts from transports that carry them.
+///
+/// Thread-safety: every member function may be called concurrently. The session must outlive
+/// the sink.
+class SessionSink final : public PayloadSink {
+ public:
+  /// Stream ends remembered per transfer, for this many most recent transfers. Transfers run one
+  /// at a time per receiver; a few more cover stream ends that arrive after a retry began.
+  static constexpr size_t kRememberedTransfers = 16;
+
+  explicit SessionSink(ReceiverSession& session) : session_(session) {}
+
+  /// Stage into the session. Errors: as ReceiverSession::Stage.
+  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) override;
+
+  /// Record `end`. Errors: InvalidArgument when the same producer of the same transfer ended
+  /// before with another payload count.
+  Status EndOfStream(const StreamEnd& end) override;
+
+  /// Return the payload count of each producer whose stream end was reported for `transfer_id`
+  /// (empty when none), in the form of TransferExpectation::payloads_per_producer.
+  std::map<uint32_t, uint32_t> DeclaredPayloads(const TransferId& transfer_id) const;
+
+ private:
+  ReceiverSession& session_;
+  mutable std::mutex mutex_;
+  // Most recent last; at most kRememberedTransfers entries.
+  std::vector<std::pair<TransferId, std::map<uint32_t, uint32_t>>> declared_;
+};
+
+/// Where and how a receiver listens.
+struct ListenerContext {
+  /// The endpoint in the transport's syntax: an endpoint name in an inproc hub; an inbox (a
+  /// sub-directory name, or "" for the drop directory itself) of a file drop; a bind address for
+  /// network transports. Senders list it in SenderContext::endpoints.
+  std::string endpoint;
+  /// For transports with fan_out_tree: every relay's endpoint, in tree order, the same list on
+  /// every relay (this one included). Other transports refuse a non-empty list.
+  std::vector<std::string> peers;
+};
+
+/// A failed delivery, kept by the transport for a later attempt or for an operator.
+struct DeliveryFailure {
+  /// What failed, e.g. the path of a payload file.
+  std::string source;
+  Status status;
+};
+
+/// What one Poll did.
+struct PollReport {
+  /// Payloads the sink staged, and those it reported as duplicates.
+  uint64_t delivered = 0;
+  uint64_t duplicates = 0;
+  /// Failures of this round. The payloads stay with the transport.
+  std::vector<DeliveryFailure> failures;
+  /// Stream ends handed to the sink.
+  std::vector<StreamEnd> ended;
+};
+
+/// Counters over a listener's life.
+struct ListenerStats {
+  uint64_t delivered = 0;
+  uint64_t duplicates = 0;
+  /// Failed delivery attempts (each PollReport failure, each refused in-process delivery).
+  uint64_t failures = 0;
+  uint64_t streams_ended = 0;
+  /// The most recent failure, or OK.
+  Status last_error;
+};
+
+/// Receives payloads on one endpoint and delivers them to a PayloadSink.
+///
+/// Lifecycle: Start once; Stop (idempotent, also run by the destructor) is final. After Stop
+/// returns, the sink is never called again. Transports that push (inproc) deliver on the
+/// sender's threads; transports that pull (file) deliver on the listener's own named thread,
+/// or on the caller's thread in Poll.
+///
+/// Thread-safety: every member function may be called concurrently from any thread.
+class Listener {
+ public:
+  virtual ~Listener() = default;
+
+  /// Begin receiving. Errors: FailedPrecondition when started before (or stopped); AlreadyExists
+  /// (the endpoint is taken); Unavailable (the medium is gone, e.g. the drop directory);
+  /// IoError; ResourceExhausted when the OS refuses a thread.
+  virtual Status Start() = 0;
+
+  /// Stop receiving: cancel a delivery blocked in the sink and wait for running ones.
+  virtual void Stop() = 0;
+
+  /// Do one round of receiving on the calling thread, for transports that pull (file): deliver
+  /// what has arrived, report what failed. Transports that push return an empty report.
+  /// Errors (pulling transports): FailedPrecondition when not started or stopped; Unavailable
+  /// when the medium is gone.
+  virtual Result<PollReport> Poll();
+
+  virtual ListenerStats stats() const = 0;
+  virtual const std::string& endpoint() const = 0;
+};
+
+// ---- Transports and their registry ------------------------------------------------------------
+
+/// One configured transport: a factory of senders and listeners.
+///
+/// Thread-safety: immutable after creation; MakeSender and MakeListener may be called
+/// concurrently. Senders and listeners may outlive the Transport that made them.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  const TransportUri& uri() const { return uri_; }
+  virtual TransportCapabilities capabilities() const = 0;
+
+  /// Make a sender for one producer's share of one transfer.
+  /// Errors: InvalidArgument (no endpoints, a malformed endpoint, target_version ≤ base).
+  virtual Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) = 0;
+
+  /// Make a listener (not started) that delivers to `sink`, which must outlive it.
+  /// Errors: InvalidArgument (a malformed endpoint, peers for a transport without relays).
+  virtual Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
+                                                         PayloadSink& sink) = 0;
+
+ protected:
+  explicit Transport(TransportUri uri) : uri_(std::move(uri)) {}
+
+ private:
+  TransportUri uri_;
+};
+
+/// Make a transport from a parsed URI. A factory validates the URI's target and parameters
+/// (refusing unknown parameters, so typos are reported) and does no I/O.
+using TransportFactory = std::function<Result<std::unique_ptr<Transport>>(
+    const TransportUri& uri, const TransportOptions& options)>;
+
+/// Register `factory` for URIs of scheme `scheme` (case-insensitive).
+/// Errors: InvalidArgument (a malformed scheme, a null factory); AlreadyExists (the scheme, or a
+/// built-in, is registered).
+Status RegisterTransport(std::string_view scheme, TransportFactory factory);
+
+/// Register `factory` for every scheme `<prefix>+<inner>` not registered as a whole: the factory
+/// gets the whole URI and makes the inner transport itself (see `fault+`).
+/// Errors: as RegisterTransport; InvalidArgument for a prefix containing '+'.
+Status RegisterTransportWrapper(std::string_view prefix, TransportFactory factory);
+
+/// Return the registered schemes, sorted, with each wrapper as "<prefix>+<scheme>".
+std::vector<std::string> RegisteredTransportSchemes();
+
+/// Make the transport that `uri` names. The built-ins (inproc, file, fault+) are always
+/// registered; no static initialisation order is involved.
+/// Errors: InvalidArgument for a malformed URI or an unknown scheme (listing the registered
+/// ones), and whatever the factory returns (a bad target or parameter, naming the URI).
+Result<std::unique_ptr<Transport>> MakeTransport(std::string_view uri,
+                                                 const TransportOptions& options = {});
+Result<std::unique_ptr<Transport>> MakeTransport(const TransportUri& uri,
+                                                 const TransportOptions& options = {});
+
+}  // namespace refit

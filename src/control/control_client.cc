@@ -1,0 +1,462 @@
+#include "refit/control_client.h"
+
+#include <algorithm>
+#include <charconv>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <httplib.h>
+
+#include "control/protocol.h"
+#include "refit/digest.h"
+
+namespace refit {
+namespace {
+
+using internal::Json;
+using internal::JsonFields;
+
+// Characters of a non-JSON error body quoted in a Status message (the upstream client's cut).
+constexpr size_t kMaxQuotedBodyChars = 512;
+// Bytes of an error body kept while downloading a tensor: a JSON error is far smaller, and a
+// proxy's HTML page is quoted only up to kMaxQuotedBodyChars anyway.
+constexpr size_t kMaxErrorBodyBytes = 64 << 10;
+// Idle keep-alive connections kept for reuse; more concurrent callers just open more.
+constexpr size_t kMaxIdleConnections = 16;
+
+constexpr int kHttpOk = 200;
+constexpr int kHttpBadGateway = 502;
+constexpr int kHttpServiceUnavailable = 503;
+constexpr int kHttpGatewayTimeout = 504;
+
+constexpr uint16_t kDefaultHttpPort = 80;
+constexpr uint16_t kDefaultHttpsPort = 443;
+
+// The parts of a base URL.
+struct ParsedUrl {
+  // "scheme://host:port", what httplib::Client takes.
+  std::string origin;
+  // "" or "/prefix" without a trailing '/'.
+  std::string prefix;
+};
+
+Result<ParsedUrl> ParseBaseUrl(std::string_view url) {
+  std::string_view rest = url;
+  bool https = false;
+  if (rest.starts_with("http://")) {
+    rest.remove_prefix(std::string_view("http://").size());
+  } else if (rest.starts_with("https://")) {
+    rest.remove_prefix(std::string_view("https://").size());
+    https = true;
+  } else {
+    return InvalidArgument("control client base URL '{}' must start with http:// or https://", url);
+  }
+  const size_t slash = rest.find('/');
+  std::string_view authority = rest.substr(0, slash);
+  std::string_view prefix = slash == std::string_view::npos ? "" : rest.substr(slash);
+  while (prefix.ends_with('/')) prefix.remove_suffix(1);
+  if (prefix.find_first_of("?#") != std::string_view::npos) {
+    return InvalidArgument("control client base URL '{}' may not have a query or fragment", url);
+  }
+  // The host is a name, an IPv4 address or a bracketed IPv6 address; the port is optional.
+  std::string_view host = authority;
+  std::string_view port_text;
+  if (authority.starts_with('[')) {
+    const size_t close = authority.find(']');
+    if (close == std::string_view::npos) {
+      return InvalidArgument("control client base URL '{}': unterminated IPv6 address", url);
+    }
+    host = authority.substr(0, close + 1);
+    std::string_view after = authority.substr(close + 1);
+    if (!after.empty()) {
+      if (!after.starts_with(':')) {
+        return InvalidArgument("control client base URL '{}': junk after the IPv6 address", url);
+      }
+      port_text = after.substr(1);
+    }
+  } else if (const size_t colon = authority.rfind(':'); colon != std::string_view::npos) {
+    host = authority.substr(0, colon);
+    port_text = authority.substr(colon + 1);
+  }
+  if (host.empty() || host == "[]") {
+    return InvalidArgument("control client base URL '{}' has no host", url);
+  }
+  uint16_t port = https ? kDefaultHttpsPort : kDefaultHttpPort;
+  if (!port_text.empty() || authority.ends_with(':')) {
+    const auto [end, error] =
+        std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
+    if (error != std::errc() || end != port_text.data() + port_text.size() || port == 0) {
+      return InvalidArgument("control client base URL '{}': port '{}' is not in [1, 65535]", url,
+                             port_text);
+    }
+  }
+  return ParsedUrl{fmt::format("{}://{}:{}", https ? "https" : "http", host, port),
+                   std::string(prefix)};
+}
+
+bool IsRetryableHttpStatus(int status) {
+  return status == kHttpBadGateway || status == kHttpServiceUnavailable ||
+         status == kHttpGatewayTimeout;
+}
+
+// Return the server's JSON error envelope as a Status, or nullopt when `body` is not one.
+std::optional<Status> EnvelopeStatus(std::string_view body) {
+  Json value = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded() || !value.is_object()) return std::nullopt;
+  const JsonFields fields(value, "error response");
+  Result<bool> ok = fields.Bool("ok");
+  Result<std::string> code_name = fields.String("code");
+  Result<std::string> message = fields.String("message");
+  if (!ok.ok() || *ok || !code_name.ok() || !message.ok()) return std::nullopt;
+  const std::optional<StatusCode> code = internal::StatusCodeFromName(*code_name);
+  if (!code.has_value() || *code == StatusCode::kOk) return std::nullopt;
+  return Status(*code, *message);
+}
+
+// Return the error an HTTP error response reports: the server's own code and message, or the
+// HTTP status's code with the start of whatever body came back (e.g. a proxy's page).
+Status ErrorFromResponse(int http_status, std::string_view body, std::string_view what) {
+  if (std::optional<Status> status = EnvelopeStatus(body)) return *status;
+  return Status(internal::StatusCodeForHttp(http_status),
+                fmt::format("{}: HTTP {}: {}", what, http_status,
+                            body.substr(0, std::min(body.size(), kMaxQuotedBodyChars))));
+}
+
+// Whether a failed attempt may be repeated: 502/503/504, except the server's own
+// DeadlineExceeded (the caller's Flush timeout; repeating would multiply it).
+bool ShouldRetry(int http_status, std::string_view body) {
+  if (!IsRetryableHttpStatus(http_status)) return false;
+  const std::optional<Status> status = EnvelopeStatus(body);
+  return !status.has_value() || status->code() != StatusCode::kDeadlineExceeded;
+}
+
+Result<Json> ParseSuccessBody(std::string_view body, std::string_view what) {
+  Result<Json> value = internal::ParseJson(body, fmt::format("{} reply", what));
+  if (!value.ok()) return DataLoss("{}", value.status().message());
+  const JsonFields fields(*value, fmt::format("{} reply", what));
+  Result<bool> ok = fields.Bool("ok");
+  if (!ok.ok() || !*ok) {
+    return DataLoss("{} reply lacks \"ok\": true: {}", what,
+                    body.substr(0, std::min(body.size(), kMaxQuotedBodyChars)));
+  }
+  return value;
+}
+
+// A parsed reply field error is the server's fault, not the caller's: report it as DataLoss.
+Status ReplyFieldError(const Status& status) {
+  return Status(StatusCode::kDataLoss, status.message());
+}
+
+Json TransferBody(const TransferId& id) { return Json{{"transfer_id", id.ToHex()}}; }
+
+}  // namespace
+
+struct ControlClient::Impl {
+  ControlClientOptions options;
+  ParsedUrl url;
+  std::string base_url;
+
+  std::mutex idle_mutex;
+  std::vector<std::unique_ptr<httplib::Client>> idle;
+
+  // One request, made on a borrowed connection; called once per attempt.
+  using Request =
+      std::function<httplib::Result(httplib::Client& client, const httplib::Headers& headers)>;
+  // The status and body of a completed exchange.
+  struct Reply {
+    int status = 0;
+    std::string body;
+    httplib::Headers headers;
+  };
+
+  std::unique_ptr<httplib::Client> Borrow(std::chrono::milliseconds extra_read_timeout);
+  void Return(std::unique_ptr<httplib::Client> client);
+  // Run `request` with retries; return the last reply, whatever its status (only connection
+  // failures become an error here).
+  Result<Reply> Call(std::string_view what, const Request& request,
+                     std::chrono::milliseconds extra_read_timeout = {});
+  // POST a JSON body and return the parsed success reply, or the error the server reported.
+  Result<Json> PostJson(std::string_view path, const Json& body,
+                        std::chrono::milliseconds extra_read_timeout = {});
+  Result<Json> GetJson(std::string_view path);
+  std::string Path(std::string_view route) const { return url.prefix + std::string(route); }
+};
+
+std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
+    std::chrono::milliseconds extra_read_timeout) {
+  std::unique_ptr<httplib::Client> client;
+  {
+    std::lock_guard lock(idle_mutex);
+    if (!idle.empty()) {
+      client = std::move(idle.back());
+      idle.pop_back();
+    }
+  }
+  if (client == nullptr) {
+    client = std::make_unique<httplib::Client>(url.origin);
+    client->set_keep_alive(true);
+    // Paths are percent-encoded here (PercentEncode), so httplib must not encode them again.
+    client->set_url_encode(false);
+    client->set_tcp_nodelay(true);
+    if (!options.tls_ca_cert_path.empty()) client->set_ca_cert_path(options.tls_ca_cert_path);
+    client->enable_server_certificate_verification(options.tls_verify);
+  }
+  client->set_connection_timeout(options.timeout);
+  client->set_read_timeout(options.timeout + extra_read_timeout);
+  client->set_write_timeout(options.timeout);
+  return client;
+}
+
+void ControlClient::Impl::Return(std::unique_ptr<httplib::Client> client) {
+  std::lock_guard lock(idle_mutex);
+  if (idle.size() < kMaxIdleConnections) idle.push_back(std::move(client));
+}
+
+Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
+    std::string_view what, const Request& request, std::chrono::milliseconds extra_read_timeout) {
+  httplib::Headers headers;
+  if (!options.api_key.empty()) headers.emplace("Authorization", "Bearer " + options.api_key);
+  const std::string description = fmt::format("{}{}", base_url, what);
+  Status last_error;
+  std::chrono::milliseconds backoff = options.retry_backoff;
+  for (int attempt = 0; attempt <= options.max_retries; ++attempt) {
+    if (attempt > 0) {
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, options.max_retry_backoff);
+    }
+    // httplib and the allocator report failures by throwing; no exception may leave the library.
+    try {
+      std::unique_ptr<httplib::Client> client = Borrow(extra_read_timeout);
+      httplib::Result result = request(*client, headers);
+      if (!result) {
+        // The connection is in an unknown state: drop it rather than return it to the pool.
+        last_error =
+            Unavailable("{}: {} (attempt {} of {})", description,
+                        httplib::to_string(result.error()), attempt + 1, options.max_retries + 1);
+        continue;
+      }
+      Reply reply{result->status, std::move(result->body), std::move(result->headers)};
+      Return(std::move(client));
+      if (ShouldRetry(reply.status, reply.body) && attempt < options.max_retries) {
+        last_error = ErrorFromResponse(reply.status, reply.body, description);
+        continue;
+      }
+      return reply;
+    } catch (const std::bad_alloc&) {
+      return ResourceExhausted("{}: out of memory", description);
+    } catch (const std::exception& error) {
+      return Internal("{}: unexpected exception: {}", description, error.what());
+    }
+  }
+  return last_error;
+}
+
+Result<Json> ControlClient::Impl::PostJson(std::string_view path, const Json& body,
+                                           std::chrono::milliseconds extra_read_timeout) {
+  const std::string text = internal::DumpJson(body);
+  const std::string full_path = Path(path);
+  REFIT_ASSIGN_OR_RETURN(const Reply reply,
+                         Call(
+                             fmt::format("POST {}", path),
+                             [&](httplib::Client& client, const httplib::Headers& headers) {
+                               return client.Post(full_path, headers, text,
+                                                  std::string(internal::kJsonContentType));
+                             },
+                             extra_read_timeout));
+  if (reply.status != kHttpOk) {
+    return ErrorFromResponse(reply.status, reply.body, fmt::format("{}POST {}", base_url, path));
+  }
+  return ParseSuccessBody(reply.body, fmt::format("POST {}", path));
+}
+
+Result<Json> ControlClient::Impl::GetJson(std::string_view path) {
+  const std::string full_path = Path(path);
+  REFIT_ASSIGN_OR_RETURN(const Reply reply,
+                         Call(fmt::format("GET {}", path),
+                              [&](httplib::Client& client, const httplib::Headers& headers) {
+                                return client.Get(full_path, headers);
+                              }));
+  if (reply.status != kHttpOk) {
+    return ErrorFromResponse(reply.status, reply.body, fmt::format("{}GET {}", base_url, path));
+  }
+  return ParseSuccessBody(reply.body, fmt::format("GET {}", path));
+}
+
+ControlClient::ControlClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ControlClient::~ControlClient() = default;
+
+Result<std::unique_ptr<ControlClient>> ControlClient::Make(const ControlClientOptions& options) {
+  if (options.max_retries < 0) {
+    return InvalidArgument("control client max_retries {} is negative", options.max_retries);
+  }
+  if (options.timeout.count() <= 0 || options.retry_backoff.count() < 0 ||
+      options.max_retry_backoff < options.retry_backoff) {
+    return InvalidArgument(
+        "control client timeouts must satisfy timeout > 0 and 0 <= retry_backoff <= "
+        "max_retry_backoff (got {} ms, {} ms, {} ms)",
+        options.timeout.count(), options.retry_backoff.count(), options.max_retry_backoff.count());
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  REFIT_ASSIGN_OR_RETURN(impl->url, ParseBaseUrl(options.base_url));
+  impl->base_url = impl->url.origin + impl->url.prefix;
+  return std::unique_ptr<ControlClient>(new ControlClient(std::move(impl)));
+}
+
+const std::string& ControlClient::base_url() const { return impl_->base_url; }
+
+Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
+  Json body = TransferBody(request.transfer_id);
+  body["base_version"] = request.base_version;
+  internal::PutExpectation(request.expected, body);
+  REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));
+  const JsonFields fields(reply, "prepare reply");
+  PrepareResult result;
+  Result<bool> repeated = fields.Bool("repeated");
+  if (!repeated.ok()) return ReplyFieldError(repeated.status());
+  result.repeated = *repeated;
+  Result<std::optional<TransferId>> implied = fields.OptionalTransfer("implied_commit");
+  if (!implied.ok()) return ReplyFieldError(implied.status());
+  result.implied_commit = *implied;
+  return result;
+}
+
+Result<FlushReport> ControlClient::Flush(const TransferId& id, const FlushOptions& options) {
+  if (options.timeout.count() < 0) {
+    return InvalidArgument("flush timeout {} ms is negative", options.timeout.count());
+  }
+  Json body = TransferBody(id);
+  body["timeout_ms"] = static_cast<uint64_t>(options.timeout.count());
+  internal::PutExpectation(options.expected, body);
+  // The server holds the request for up to the flush timeout before it answers.
+  REFIT_ASSIGN_OR_RETURN(const Json reply,
+                         impl_->PostJson(internal::kFlushPath, body, options.timeout));
+  Result<FlushReport> report = internal::FlushReportFromJson(reply);
+  if (!report.ok()) return ReplyFieldError(report.status());
+  return report;
+}
+
+Status ControlClient::Commit(const TransferId& id) {
+  return impl_->PostJson(internal::kCommitPath, TransferBody(id)).status();
+}
+
+Status ControlClient::Abort(const TransferId& id) {
+  return impl_->PostJson(internal::kAbortPath, TransferBody(id)).status();
+}
+
+Result<StageResult> ControlClient::SendPayload(std::span<const std::byte> payload) {
+  const std::string path = impl_->Path(internal::kPayloadPath);
+  const std::string what = fmt::format("POST {}", internal::kPayloadPath);
+  REFIT_ASSIGN_OR_RETURN(
+      const Impl::Reply reply,
+      impl_->Call(what, [&](httplib::Client& client, const httplib::Headers& headers) {
+        // A content provider streams the caller's bytes without copying them into the request.
+        return client.Post(
+            path, headers, payload.size(),
+            [payload](size_t offset, size_t length, httplib::DataSink& sink) {
+              return sink.write(reinterpret_cast<const char*>(payload.data() + offset), length);
+            },
+            std::string(internal::kOctetStreamContentType));
+      }));
+  if (reply.status != kHttpOk) {
+    return ErrorFromResponse(reply.status, reply.body, impl_->base_url + what);
+  }
+  REFIT_ASSIGN_OR_RETURN(const Json body, ParseSuccessBody(reply.body, what));
+  const JsonFields fields(body, "payload reply");
+  Result<std::string> result = fields.String("result");
+  if (!result.ok()) return ReplyFieldError(result.status());
+  if (*result == "accepted") return StageResult::kAccepted;
+  if (*result == "duplicate") return StageResult::kDuplicate;
+  return DataLoss("payload reply: unknown result '{}'", *result);
+}
+
+Result<ControlStatus> ControlClient::GetStatus() {
+  REFIT_ASSIGN_OR_RETURN(const Json body, impl_->GetJson(internal::kStatusPath));
+  Result<internal::ControlStatusFields> fields = internal::StatusFromJson(body);
+  if (!fields.ok()) return ReplyFieldError(fields.status());
+  return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint};
+}
+
+Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
+
+Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
+  const std::string route =
+      std::string(internal::kTensorsPathPrefix) + internal::PercentEncode(name);
+  const std::string path = impl_->Path(route);
+  const std::string what = fmt::format("GET {}", route);
+  std::vector<std::byte> bytes;
+  int http_status = 0;
+  REFIT_ASSIGN_OR_RETURN(
+      const Impl::Reply reply,
+      impl_->Call(what, [&](httplib::Client& client, const httplib::Headers& headers) {
+        bytes.clear();
+        return client.Get(
+            path, headers,
+            [&](const httplib::Response& response) {
+              http_status = response.status;
+              if (http_status == kHttpOk) {
+                bytes.reserve(response.get_header_value<uint64_t>("Content-Length"));
+              }
+              return true;
+            },
+            [&](const char* data, size_t length) {
+              // An error body is kept only as far as it can be quoted.
+              const size_t keep =
+                  http_status == kHttpOk
+                      ? length
+                      : std::min(length,
+                                 kMaxErrorBodyBytes - std::min(bytes.size(), kMaxErrorBodyBytes));
+              const auto* begin = reinterpret_cast<const std::byte*>(data);
+              bytes.insert(bytes.end(), begin, begin + keep);
+              return true;
+            });
+      }));
+  if (reply.status != kHttpOk) {
+    const std::string_view body(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    return ErrorFromResponse(reply.status, body, impl_->base_url + what);
+  }
+  auto header = [&](std::string_view key) -> Result<std::string> {
+    const auto it = reply.headers.find(std::string(key));
+    if (it == reply.headers.end()) {
+      return DataLoss("{}: reply lacks the {} header", what, key);
+    }
+    return it->second;
+  };
+  OwnedTensor tensor{std::string(name), DType::kUInt8, {}, {}};
+  REFIT_ASSIGN_OR_RETURN(const std::string dtype_name, header(internal::kDtypeHeader));
+  Result<DType> dtype = ParseDType(dtype_name);
+  if (!dtype.ok()) return DataLoss("{}: {}", what, dtype.status().message());
+  tensor.dtype = *dtype;
+  REFIT_ASSIGN_OR_RETURN(const std::string shape_text, header(internal::kShapeHeader));
+  const Json shape = Json::parse(shape_text, nullptr, /*allow_exceptions=*/false);
+  if (shape.is_discarded() || !shape.is_array()) {
+    return DataLoss("{}: {} '{}' is not a JSON array", what, internal::kShapeHeader, shape_text);
+  }
+  for (const Json& extent : shape) {
+    if (!extent.is_number_unsigned()) {
+      return DataLoss("{}: {} '{}' has a non-integer extent", what, internal::kShapeHeader,
+                      shape_text);
+    }
+    tensor.shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
+  }
+  REFIT_ASSIGN_OR_RETURN(const std::string digest_hex, header(internal::kDigestHeader));
+  Result<uint64_t> digest = internal::DigestFromHex(digest_hex, internal::kDigestHeader);
+  if (!digest.ok()) return DataLoss("{}: {}", what, digest.status().message());
+  tensor.bytes = std::move(bytes);
+  Status size = CheckTensorSize(tensor.view());
+  if (!size.ok()) return DataLoss("{}: {}", what, size.message());
+  const uint64_t actual = TensorDigest(tensor.view());
+  if (actual != *digest) {
+    return DataLoss("{}: tensor '{}' digest {} != {} sent by the server", what, tensor.name,
+                    internal::DigestToHex(actual), digest_hex);
+  }
+  return tensor;
+}
+
+}  // namespace refit

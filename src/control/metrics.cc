@@ -1,0 +1,130 @@
+#include "control/metrics.h"
+
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+namespace refit::internal {
+namespace {
+
+// Bucket bounds (seconds) of the prepare-to-flush histogram: a factor of ~3 per bucket from a
+// small delta of a test model (milliseconds) to a full anchor of a large model (minutes).
+const std::vector<double>& ApplySecondsBuckets() {
+  static const std::vector<double> kBuckets = {0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300};
+  return kBuckets;
+}
+
+prometheus::Counter& AddCounter(prometheus::Registry& registry, const std::string& name,
+                                const std::string& help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry).Add({});
+}
+
+prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& name,
+                            const std::string& help) {
+  return prometheus::BuildGauge().Name(name).Help(help).Register(registry).Add({});
+}
+
+}  // namespace
+
+ControlMetrics::ControlMetrics() = default;
+ControlMetrics::~ControlMetrics() = default;
+
+Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make() {
+  // Not make_unique: the constructor is private.
+  std::unique_ptr<ControlMetrics> metrics(new ControlMetrics());
+  // prometheus-cpp reports invalid names and labels by throwing; none can occur with the fixed
+  // names below, but no exception may leave the library, so turn one into a Status.
+  try {
+    metrics->registry_ = std::make_shared<prometheus::Registry>();
+    prometheus::Registry& registry = *metrics->registry_;
+    metrics->requests_ = &prometheus::BuildCounter()
+                              .Name("refit_control_requests_total")
+                              .Help("HTTP requests to the control plane by route and status code")
+                              .Register(registry);
+    metrics->transfers_committed_ =
+        &AddCounter(registry, "refit_transfers_committed_total",
+                    "Transfers committed through the control plane (including implied commits)");
+    metrics->transfers_aborted_ = &AddCounter(registry, "refit_transfers_aborted_total",
+                                              "Open transfers aborted through the control plane");
+    metrics->payloads_accepted_ = &AddCounter(registry, "refit_payloads_staged_total",
+                                              "Payloads POSTed and queued for apply");
+    metrics->payloads_duplicate_ =
+        &AddCounter(registry, "refit_payloads_duplicate_total",
+                    "Payloads POSTed again with the same checksum (ACKed, not re-applied)");
+    metrics->payloads_rejected_ = &AddCounter(registry, "refit_payloads_rejected_total",
+                                              "Payloads POSTed and refused (NACK)");
+    metrics->payload_bytes_ = &AddCounter(registry, "refit_payload_bytes_received_total",
+                                          "Bytes of every payload POSTed, refused ones included");
+    metrics->apply_seconds_ =
+        &prometheus::BuildHistogram()
+             .Name("refit_transfer_apply_seconds")
+             .Help(
+                 "Seconds from Prepare to the first successful Flush of a transfer (staged, "
+                 "applied and verified)")
+             .Register(registry)
+             .Add({}, ApplySecondsBuckets());
+    metrics->version_ = &AddGauge(registry, "refit_weight_version",
+                                  "The committed weight version the receiver holds");
+    metrics->undo_bytes_ =
+        &AddGauge(registry, "refit_undo_bytes", "Bytes held by the undo log of the open transfer");
+    metrics->queued_payloads_ = &AddGauge(registry, "refit_queued_payloads",
+                                          "Payloads staged and waiting for the apply thread");
+    metrics->transfer_open_ = &AddGauge(registry, "refit_transfer_open",
+                                        "1 while a transfer is open (receiving or prepared)");
+  } catch (const std::exception& error) {
+    return Internal("cannot create the control plane metrics: {}", error.what());
+  }
+  return metrics;
+}
+
+void ControlMetrics::RecordRequest(std::string_view route, int http_status) {
+  requests_->Add({{"route", std::string(route)}, {"code", std::to_string(http_status)}})
+      .Increment();
+}
+
+void ControlMetrics::RecordPayload(uint64_t bytes, const Result<StageResult>& staged) {
+  payload_bytes_->Increment(static_cast<double>(bytes));
+  if (!staged.ok()) {
+    payloads_rejected_->Increment();
+  } else if (*staged == StageResult::kDuplicate) {
+    payloads_duplicate_->Increment();
+  } else {
+    payloads_accepted_->Increment();
+  }
+}
+
+void ControlMetrics::RecordPrepared(const TransferId& id) {
+  std::lock_guard lock(timer_mutex_);
+  timed_transfer_ = id;
+  prepared_at_ = std::chrono::steady_clock::now();
+}
+
+void ControlMetrics::RecordFlushed(const TransferId& id) {
+  std::lock_guard lock(timer_mutex_);
+  if (timed_transfer_ != id) return;
+  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - prepared_at_;
+  apply_seconds_->Observe(elapsed.count());
+  timed_transfer_.reset();
+}
+
+void ControlMetrics::RecordCommitted() { transfers_committed_->Increment(); }
+
+void ControlMetrics::RecordAborted() { transfers_aborted_->Increment(); }
+
+std::string ControlMetrics::Render(const ReceiverStatus& status) {
+  version_->Set(static_cast<double>(status.version));
+  undo_bytes_->Set(static_cast<double>(status.undo_bytes));
+  queued_payloads_->Set(static_cast<double>(status.queued_payloads));
+  transfer_open_->Set(status.transfer_id.has_value() ? 1 : 0);
+  return prometheus::TextSerializer().Serialize(registry_->Collect());
+}
+
+}  // namespace refit::internal

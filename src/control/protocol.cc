@@ -1,0 +1,418 @@
+#include "control/protocol.h"
+
+#include <array>
+#include <charconv>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+namespace refit::internal {
+namespace {
+
+// HTTP status codes used by the control plane (RFC 9110).
+constexpr int kHttpOk = 200;
+constexpr int kHttpBadRequest = 400;
+constexpr int kHttpUnauthorized = 401;
+constexpr int kHttpForbidden = 403;
+constexpr int kHttpNotFound = 404;
+constexpr int kHttpConflict = 409;
+constexpr int kHttpPayloadTooLarge = 413;
+constexpr int kHttpUnprocessable = 422;
+constexpr int kHttpTooManyRequests = 429;
+constexpr int kHttpInternalError = 500;
+constexpr int kHttpBadGateway = 502;
+constexpr int kHttpServiceUnavailable = 503;
+constexpr int kHttpGatewayTimeout = 504;
+
+// Hex digits of a 64-bit digest.
+constexpr size_t kDigestHexDigits = 16;
+
+// The last StatusCode enumerator, to iterate over every code.
+constexpr StatusCode kLastStatusCode = StatusCode::kInternal;
+
+std::string_view JsonTypeName(const Json& value) { return value.type_name(); }
+
+Result<ReceiverState> ParseReceiverState(std::string_view name) {
+  for (ReceiverState state :
+       {ReceiverState::kIdle, ReceiverState::kReceiving, ReceiverState::kPrepared}) {
+    if (ReceiverStateName(state) == name) return state;
+  }
+  return InvalidArgument("status field 'state': unknown receiver state '{}'", name);
+}
+
+Result<uint32_t> ParseProducerId(std::string_view key, std::string_view where) {
+  uint32_t id = 0;
+  const auto [end, error] = std::from_chars(key.data(), key.data() + key.size(), id);
+  if (key.empty() || error != std::errc() || end != key.data() + key.size()) {
+    return InvalidArgument("{}: producer id '{}' is not a decimal integer in [0, {}]", where, key,
+                           std::numeric_limits<uint32_t>::max());
+  }
+  return id;
+}
+
+}  // namespace
+
+int HttpStatusFor(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk:
+      return kHttpOk;
+    case StatusCode::kInvalidArgument:
+      return kHttpBadRequest;
+    case StatusCode::kPermissionDenied:
+      return kHttpForbidden;
+    case StatusCode::kNotFound:
+      return kHttpNotFound;
+    case StatusCode::kFailedPrecondition:
+    case StatusCode::kAlreadyExists:
+      return kHttpConflict;
+    case StatusCode::kDataLoss:
+      return kHttpUnprocessable;
+    // Every ResourceExhausted the control plane can return is a size or count limit of the
+    // request itself (the session's Stage blocks rather than report a full queue), so 413.
+    case StatusCode::kResourceExhausted:
+      return kHttpPayloadTooLarge;
+    case StatusCode::kDeadlineExceeded:
+      return kHttpGatewayTimeout;
+    case StatusCode::kUnavailable:
+      return kHttpServiceUnavailable;
+    case StatusCode::kCancelled:
+    case StatusCode::kIoError:
+    case StatusCode::kInternal:
+      return kHttpInternalError;
+  }
+  return kHttpInternalError;
+}
+
+StatusCode StatusCodeForHttp(int http_status) {
+  switch (http_status) {
+    case kHttpBadRequest:
+      return StatusCode::kInvalidArgument;
+    case kHttpUnauthorized:
+    case kHttpForbidden:
+      return StatusCode::kPermissionDenied;
+    case kHttpNotFound:
+      return StatusCode::kNotFound;
+    case kHttpConflict:
+      return StatusCode::kFailedPrecondition;
+    case kHttpPayloadTooLarge:
+    case kHttpTooManyRequests:
+      return StatusCode::kResourceExhausted;
+    case kHttpUnprocessable:
+      return StatusCode::kDataLoss;
+    case kHttpBadGateway:
+    case kHttpServiceUnavailable:
+      return StatusCode::kUnavailable;
+    case kHttpGatewayTimeout:
+      return StatusCode::kDeadlineExceeded;
+    default:
+      return http_status >= kHttpBadRequest && http_status < kHttpInternalError
+                 ? StatusCode::kInvalidArgument
+                 : StatusCode::kInternal;
+  }
+}
+
+std::optional<StatusCode> StatusCodeFromName(std::string_view name) {
+  for (auto raw = static_cast<uint8_t>(StatusCode::kOk);
+       raw <= static_cast<uint8_t>(kLastStatusCode); ++raw) {
+    const auto code = static_cast<StatusCode>(raw);
+    if (StatusCodeName(code) == name) return code;
+  }
+  return std::nullopt;
+}
+
+std::string DumpJson(const Json& value) {
+  return value.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+Result<Json> ParseJson(std::string_view text, std::string_view what) {
+  Json value = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (value.is_discarded()) {
+    // The non-throwing parser does not report where it failed; say what was given instead.
+    return InvalidArgument("{} is not valid JSON ({} bytes)", what, text.size());
+  }
+  return value;
+}
+
+Json ErrorBody(const Status& status) {
+  return Json{{"ok", false},
+              {"code", std::string(StatusCodeName(status.code()))},
+              {"message", status.message()}};
+}
+
+std::string DigestToHex(uint64_t digest) { return fmt::format("{:016x}", digest); }
+
+Result<uint64_t> DigestFromHex(std::string_view hex, std::string_view what) {
+  uint64_t digest = 0;
+  const auto [end, error] = std::from_chars(hex.data(), hex.data() + hex.size(), digest, 16);
+  if (hex.size() != kDigestHexDigits || error != std::errc() || end != hex.data() + hex.size()) {
+    return InvalidArgument("{}: digest '{}' is not {} hex digits", what, hex, kDigestHexDigits);
+  }
+  return digest;
+}
+
+std::string JsonFields::Name(std::string_view field) const {
+  return fmt::format("{}.{}", where_, field);
+}
+
+Status JsonFields::CheckObject(std::span<const std::string_view> known) const {
+  if (!object_.is_object()) {
+    return InvalidArgument("{} must be a JSON object, got {}", where_, JsonTypeName(object_));
+  }
+  for (const auto& [key, value] : object_.items()) {
+    bool is_known = false;
+    for (std::string_view name : known) is_known = is_known || name == key;
+    if (!is_known) return InvalidArgument("{}: unknown field '{}'", where_, key);
+  }
+  return Status::OK();
+}
+
+bool JsonFields::Has(std::string_view field) const { return Find(field) != nullptr; }
+
+const Json* JsonFields::Find(std::string_view field) const {
+  if (!object_.is_object()) return nullptr;
+  const auto it = object_.find(field);
+  return it == object_.end() || it->is_null() ? nullptr : &*it;
+}
+
+Result<const Json*> JsonFields::Require(std::string_view field) const {
+  const Json* value = Find(field);
+  if (value == nullptr) return InvalidArgument("{} is missing", Name(field));
+  return value;
+}
+
+Result<std::string> JsonFields::String(std::string_view field) const {
+  REFIT_ASSIGN_OR_RETURN(const Json* value, Require(field));
+  if (!value->is_string()) {
+    return InvalidArgument("{} must be a string, got {}", Name(field), JsonTypeName(*value));
+  }
+  return value->get<std::string>();
+}
+
+Result<uint64_t> JsonFields::Uint(std::string_view field) const {
+  REFIT_ASSIGN_OR_RETURN(const Json* value, Require(field));
+  if (!value->is_number_unsigned()) {
+    return InvalidArgument("{} must be a non-negative integer, got {} {}", Name(field),
+                           JsonTypeName(*value), DumpJson(*value));
+  }
+  return value->get<uint64_t>();
+}
+
+Result<std::optional<uint64_t>> JsonFields::OptionalUint(std::string_view field) const {
+  if (!Has(field)) return std::optional<uint64_t>();
+  REFIT_ASSIGN_OR_RETURN(uint64_t value, Uint(field));
+  return std::optional<uint64_t>(value);
+}
+
+Result<bool> JsonFields::Bool(std::string_view field) const {
+  REFIT_ASSIGN_OR_RETURN(const Json* value, Require(field));
+  if (!value->is_boolean()) {
+    return InvalidArgument("{} must be true or false, got {}", Name(field), JsonTypeName(*value));
+  }
+  return value->get<bool>();
+}
+
+Result<TransferId> JsonFields::Transfer(std::string_view field) const {
+  REFIT_ASSIGN_OR_RETURN(std::string hex, String(field));
+  Result<TransferId> id = TransferId::FromHex(hex);
+  if (!id.ok()) return id.status().WithContext(Name(field));
+  return id;
+}
+
+Result<std::optional<TransferId>> JsonFields::OptionalTransfer(std::string_view field) const {
+  if (!Has(field)) return std::optional<TransferId>();
+  REFIT_ASSIGN_OR_RETURN(TransferId id, Transfer(field));
+  return std::optional<TransferId>(id);
+}
+
+Result<std::map<std::string, uint64_t>> JsonFields::Digests(std::string_view field) const {
+  std::map<std::string, uint64_t> digests;
+  const Json* value = Find(field);
+  if (value == nullptr) return digests;
+  if (!value->is_object()) {
+    return InvalidArgument("{} must be an object of tensor name to hex digest, got {}", Name(field),
+                           JsonTypeName(*value));
+  }
+  for (const auto& [name, hex] : value->items()) {
+    const std::string where = fmt::format("{}['{}']", Name(field), name);
+    if (!hex.is_string()) {
+      return InvalidArgument("{} must be a hex string, got {}", where, JsonTypeName(hex));
+    }
+    REFIT_ASSIGN_OR_RETURN(digests[name], DigestFromHex(hex.get<std::string>(), where));
+  }
+  return digests;
+}
+
+void PutExpectation(const TransferExpectation& expected, Json& body) {
+  Json counts = Json::object();
+  if (!expected.payloads_per_producer.empty()) {
+    Json producers = Json::object();
+    for (const auto& [producer, count] : expected.payloads_per_producer) {
+      producers[std::to_string(producer)] = count;
+    }
+    counts["producers"] = std::move(producers);
+  }
+  if (expected.total_payloads.has_value()) counts["total"] = *expected.total_payloads;
+  if (!counts.empty()) body["expected"] = std::move(counts);
+  if (!expected.digests.empty()) {
+    Json digests = Json::object();
+    for (const auto& [name, digest] : expected.digests) digests[name] = DigestToHex(digest);
+    body["expected_digests"] = std::move(digests);
+  }
+}
+
+Result<TransferExpectation> GetExpectation(const JsonFields& body) {
+  TransferExpectation expected;
+  if (const Json* counts = body.Find("expected"); counts != nullptr) {
+    const JsonFields fields(*counts, body.Name("expected"));
+    constexpr std::array<std::string_view, 2> kCountFields = {"producers", "total"};
+    REFIT_RETURN_NOT_OK(fields.CheckObject(kCountFields));
+    REFIT_ASSIGN_OR_RETURN(expected.total_payloads, fields.OptionalUint("total"));
+    if (const Json* producers = fields.Find("producers"); producers != nullptr) {
+      const std::string where = fields.Name("producers");
+      if (!producers->is_object()) {
+        return InvalidArgument("{} must be an object of producer id to payload count, got {}",
+                               where, JsonTypeName(*producers));
+      }
+      for (const auto& [key, count] : producers->items()) {
+        REFIT_ASSIGN_OR_RETURN(const uint32_t producer, ParseProducerId(key, where));
+        if (!count.is_number_unsigned() ||
+            count.get<uint64_t>() > std::numeric_limits<uint32_t>::max()) {
+          return InvalidArgument("{}['{}'] must be a payload count in [0, {}], got {}", where, key,
+                                 std::numeric_limits<uint32_t>::max(), DumpJson(count));
+        }
+        expected.payloads_per_producer[producer] = count.get<uint32_t>();
+      }
+    }
+  }
+  REFIT_ASSIGN_OR_RETURN(expected.digests, body.Digests("expected_digests"));
+  return expected;
+}
+
+Json FlushReportToJson(const FlushReport& report) {
+  Json digests = Json::object();
+  for (const auto& [name, digest] : report.digests) digests[name] = DigestToHex(digest);
+  return Json{{"ok", true},
+              {"transfer_id", report.transfer_id.ToHex()},
+              {"target_version", report.target_version},
+              {"payloads", report.payloads},
+              {"items", report.items},
+              {"changed_elements", report.changed_elements},
+              {"duplicates", report.duplicates},
+              {"digests", std::move(digests)}};
+}
+
+Result<FlushReport> FlushReportFromJson(const Json& body) {
+  const JsonFields fields(body, "flush response");
+  FlushReport report;
+  REFIT_ASSIGN_OR_RETURN(report.transfer_id, fields.Transfer("transfer_id"));
+  REFIT_ASSIGN_OR_RETURN(report.target_version, fields.Uint("target_version"));
+  REFIT_ASSIGN_OR_RETURN(report.payloads, fields.Uint("payloads"));
+  REFIT_ASSIGN_OR_RETURN(report.items, fields.Uint("items"));
+  REFIT_ASSIGN_OR_RETURN(report.changed_elements, fields.Uint("changed_elements"));
+  REFIT_ASSIGN_OR_RETURN(report.duplicates, fields.Uint("duplicates"));
+  REFIT_ASSIGN_OR_RETURN(report.digests, fields.Digests("digests"));
+  return report;
+}
+
+Json StatusToJson(const ControlStatusFields& status) {
+  const ReceiverStatus& receiver = status.receiver;
+  Json body{{"ok", true},
+            {"state", std::string(ReceiverStateName(receiver.state))},
+            {"version", receiver.version},
+            {"transfer_id", nullptr},
+            {"base_version", receiver.base_version},
+            {"target_version", receiver.target_version},
+            {"sealed", receiver.sealed},
+            {"staged_payloads", receiver.staged_payloads},
+            {"applied_payloads", receiver.applied_payloads},
+            {"queued_payloads", receiver.queued_payloads},
+            {"duplicate_payloads", receiver.duplicate_payloads},
+            {"undo_bytes", receiver.undo_bytes},
+            {"last_error", nullptr},
+            {"tensors", status.tensors},
+            {"state_fingerprint", nullptr}};
+  if (receiver.transfer_id.has_value()) body["transfer_id"] = receiver.transfer_id->ToHex();
+  if (!receiver.last_error.ok()) {
+    body["last_error"] = Json{{"code", std::string(StatusCodeName(receiver.last_error.code()))},
+                              {"message", receiver.last_error.message()}};
+  }
+  if (status.state_fingerprint.has_value()) {
+    body["state_fingerprint"] = DigestToHex(*status.state_fingerprint);
+  }
+  return body;
+}
+
+Result<ControlStatusFields> StatusFromJson(const Json& body) {
+  const JsonFields fields(body, "status response");
+  ControlStatusFields status;
+  ReceiverStatus& receiver = status.receiver;
+  REFIT_ASSIGN_OR_RETURN(const std::string state, fields.String("state"));
+  REFIT_ASSIGN_OR_RETURN(receiver.state, ParseReceiverState(state));
+  REFIT_ASSIGN_OR_RETURN(receiver.version, fields.Uint("version"));
+  REFIT_ASSIGN_OR_RETURN(receiver.transfer_id, fields.OptionalTransfer("transfer_id"));
+  REFIT_ASSIGN_OR_RETURN(receiver.base_version, fields.Uint("base_version"));
+  REFIT_ASSIGN_OR_RETURN(receiver.target_version, fields.Uint("target_version"));
+  REFIT_ASSIGN_OR_RETURN(receiver.sealed, fields.Bool("sealed"));
+  REFIT_ASSIGN_OR_RETURN(receiver.staged_payloads, fields.Uint("staged_payloads"));
+  REFIT_ASSIGN_OR_RETURN(receiver.applied_payloads, fields.Uint("applied_payloads"));
+  REFIT_ASSIGN_OR_RETURN(receiver.queued_payloads, fields.Uint("queued_payloads"));
+  REFIT_ASSIGN_OR_RETURN(receiver.duplicate_payloads, fields.Uint("duplicate_payloads"));
+  REFIT_ASSIGN_OR_RETURN(receiver.undo_bytes, fields.Uint("undo_bytes"));
+  if (const Json* error = fields.Find("last_error"); error != nullptr) {
+    const JsonFields error_fields(*error, fields.Name("last_error"));
+    REFIT_ASSIGN_OR_RETURN(const std::string code_name, error_fields.String("code"));
+    REFIT_ASSIGN_OR_RETURN(std::string message, error_fields.String("message"));
+    const std::optional<StatusCode> code = StatusCodeFromName(code_name);
+    if (!code.has_value() || *code == StatusCode::kOk) {
+      return InvalidArgument("{}: unknown status code '{}'", error_fields.Name("code"), code_name);
+    }
+    receiver.last_error = Status(*code, std::move(message));
+  }
+  REFIT_ASSIGN_OR_RETURN(status.tensors, fields.Uint("tensors"));
+  if (fields.Has("state_fingerprint")) {
+    REFIT_ASSIGN_OR_RETURN(const std::string hex, fields.String("state_fingerprint"));
+    REFIT_ASSIGN_OR_RETURN(status.state_fingerprint,
+                           DigestFromHex(hex, fields.Name("state_fingerprint")));
+  }
+  return status;
+}
+
+uint64_t StateFingerprint(const std::map<std::string, uint64_t>& digests) {
+  // One buffer of every name and digest costs about as much as the names themselves (a few MB
+  // for the largest models), far less than the store. The NUL after each name keeps ("ab", "c…")
+  // and ("a", "bc…") apart; digests are written little-endian so the value is portable.
+  std::string record;
+  for (const auto& [name, digest] : digests) {
+    record.append(name);
+    record.push_back('\0');
+    for (size_t i = 0; i < sizeof(uint64_t); ++i) {
+      record.push_back(static_cast<char>(static_cast<uint8_t>(digest >> (8 * i))));
+    }
+  }
+  return XXH3_64bits(record.data(), record.size());
+}
+
+std::string PercentEncode(std::string_view text) {
+  static constexpr char kHexDigits[] = "0123456789ABCDEF";
+  std::string encoded;
+  encoded.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    const bool unreserved = (byte >= 'A' && byte <= 'Z') || (byte >= 'a' && byte <= 'z') ||
+                            (byte >= '0' && byte <= '9') || byte == '-' || byte == '.' ||
+                            byte == '_' || byte == '~';
+    if (unreserved) {
+      encoded.push_back(c);
+    } else {
+      encoded.push_back('%');
+      encoded.push_back(kHexDigits[byte >> 4]);
+      encoded.push_back(kHexDigits[byte & 0xF]);
+    }
+  }
+  return encoded;
+}
+
+}  // namespace refit::internal

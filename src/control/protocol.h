@@ -1,0 +1,144 @@
+// The wire contract of the HTTP control plane, shared by ControlServer and ControlClient: route
+// paths, header names, the JSON shape of every request and response, and the mapping between
+// StatusCode and HTTP status codes. Keeping both ends on one definition means a field renamed on
+// one side cannot silently go missing on the other.
+//
+// JSON conventions: transfer ids are 32 lower-case hex digits, state digests 16 (a uint64 does not
+// survive JSON numbers in every client), counts are non-negative integers. Every success body has
+// "ok": true; every error body is {"ok": false, "code": "<StatusCodeName>", "message": "…"}.
+// Parsing never throws: nlohmann is used with exceptions off at every access, and every field
+// error names the field.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "refit/receiver_session.h"
+#include "refit/status.h"
+
+namespace refit::internal {
+
+using Json = nlohmann::json;
+
+inline constexpr std::string_view kPreparePath = "/v1/prepare";
+inline constexpr std::string_view kFlushPath = "/v1/flush";
+inline constexpr std::string_view kCommitPath = "/v1/commit";
+inline constexpr std::string_view kAbortPath = "/v1/abort";
+inline constexpr std::string_view kPayloadPath = "/v1/payload";
+inline constexpr std::string_view kStatusPath = "/v1/status";
+/// Followed by the percent-encoded tensor name.
+inline constexpr std::string_view kTensorsPathPrefix = "/v1/tensors/";
+inline constexpr std::string_view kMetricsPath = "/metrics";
+inline constexpr std::string_view kHealthPath = "/healthz";
+
+/// The alternative to "Authorization: Bearer <key>", for clients that cannot set Authorization.
+inline constexpr std::string_view kApiKeyHeader = "X-Refit-Api-Key";
+/// Tensor download headers: canonical dtype name, shape as a JSON array, state digest (hex).
+inline constexpr std::string_view kDtypeHeader = "X-Refit-Dtype";
+inline constexpr std::string_view kShapeHeader = "X-Refit-Shape";
+inline constexpr std::string_view kDigestHeader = "X-Refit-Digest";
+/// The committed version the downloaded tensor belongs to.
+inline constexpr std::string_view kVersionHeader = "X-Refit-Version";
+
+inline constexpr std::string_view kJsonContentType = "application/json";
+inline constexpr std::string_view kOctetStreamContentType = "application/octet-stream";
+
+/// Return the HTTP status that reports `code` (OK → 200).
+int HttpStatusFor(StatusCode code);
+/// Return the StatusCode for an HTTP error status whose body carries no code (e.g. from a proxy).
+StatusCode StatusCodeForHttp(int http_status);
+/// Return the code whose StatusCodeName is `name`, or nullopt.
+std::optional<StatusCode> StatusCodeFromName(std::string_view name);
+
+/// Serialize `value` compactly. Strings that are not valid UTF-8 (a hostile tensor name echoed in
+/// an error message) are written with U+FFFD instead of throwing.
+std::string DumpJson(const Json& value);
+/// Parse `text` as one JSON value without throwing. Errors: InvalidArgument naming `what` and the
+/// parser's position.
+Result<Json> ParseJson(std::string_view text, std::string_view what);
+/// Return {"ok": false, "code": …, "message": …}.
+Json ErrorBody(const Status& status);
+
+/// Return `digest` as 16 lower-case hex digits.
+std::string DigestToHex(uint64_t digest);
+/// Parse exactly 16 hex digits. Errors: InvalidArgument naming `what` and the text.
+Result<uint64_t> DigestFromHex(std::string_view hex, std::string_view what);
+
+/// Field access of a JSON object with errors that name the field as "<where>.<field>".
+/// Every accessor returns InvalidArgument for a missing required field or a wrong JSON type.
+class JsonFields {
+ public:
+  /// `where` names the object in messages, e.g. "request body" or "expected".
+  JsonFields(const Json& object, std::string where) : object_(object), where_(std::move(where)) {}
+
+  /// Check that the value is an object whose keys are all in `known` (a misspelt optional field
+  /// would otherwise be ignored silently).
+  Status CheckObject(std::span<const std::string_view> known) const;
+
+  bool Has(std::string_view field) const;
+  /// The value of a present field, or nullptr. Precondition: CheckObject passed.
+  const Json* Find(std::string_view field) const;
+
+  Result<std::string> String(std::string_view field) const;
+  Result<uint64_t> Uint(std::string_view field) const;
+  Result<std::optional<uint64_t>> OptionalUint(std::string_view field) const;
+  Result<bool> Bool(std::string_view field) const;
+  Result<TransferId> Transfer(std::string_view field) const;
+  Result<std::optional<TransferId>> OptionalTransfer(std::string_view field) const;
+  /// An object of name → 16-hex-digit digest; absent or null → empty.
+  Result<std::map<std::string, uint64_t>> Digests(std::string_view field) const;
+  /// The name of `field` in messages: "<where>.<field>".
+  std::string Name(std::string_view field) const;
+
+ private:
+  Result<const Json*> Require(std::string_view field) const;
+
+  const Json& object_;
+  std::string where_;
+};
+
+/// Write the payload counts of `expected` as "expected": {"producers": {"<id>": n}, "total": n}
+/// and its digests as "expected_digests" into `body` (fields left empty are omitted).
+void PutExpectation(const TransferExpectation& expected, Json& body);
+/// Read what PutExpectation wrote. Errors: InvalidArgument naming the field.
+Result<TransferExpectation> GetExpectation(const JsonFields& body);
+
+/// The request fields of each route (what CheckObject accepts).
+inline constexpr std::array<std::string_view, 4> kPrepareFields = {"transfer_id", "base_version",
+                                                                   "expected", "expected_digests"};
+inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
+                                                                 "expected", "expected_digests"};
+inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};
+
+Json FlushReportToJson(const FlushReport& report);
+Result<FlushReport> FlushReportFromJson(const Json& body);
+
+/// The receiver's status plus what the control plane adds: the tensor count and the state
+/// fingerprint (absent while the store cannot be read).
+struct ControlStatusFields {
+  ReceiverStatus receiver;
+  uint64_t tensors = 0;
+  std::optional<uint64_t> state_fingerprint;
+};
+Json StatusToJson(const ControlStatusFields& status);
+Result<ControlStatusFields> StatusFromJson(const Json& body);
+
+/// Return one 64-bit fingerprint of a whole store's state: XXH3-64 over every (name, digest) pair
+/// in name order. Two stores with equal fingerprints hold the same tensors with the same digests
+/// (up to hash collisions), so a coordinator compares replicas with one number.
+uint64_t StateFingerprint(const std::map<std::string, uint64_t>& digests);
+
+/// Percent-encode `text` for one URL path segment: every byte except the RFC 3986 unreserved
+/// characters (A–Z a–z 0–9 - . _ ~) becomes %XX, so names with '/', '?', '#', '%' or spaces
+/// survive the trip.
+std::string PercentEncode(std::string_view text);
+
+}  // namespace refit::internal

@@ -1,0 +1,81 @@
+// Helpers shared by the built-in transports: URI parameters, sender checks, the built-in
+// factories the registry installs, thread naming.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "refit/payload.h"
+#include "refit/status.h"
+#include "refit/transport.h"
+
+namespace refit::internal {
+
+/// Return `text` with bytes outside printable ASCII written as \xNN, for error messages that
+/// name untrusted or configured text.
+std::string Printable(std::string_view text);
+
+/// Refuse parameters of `uri` other than `known`, naming the first unknown one and the URI.
+Status CheckKnownParams(const TransportUri& uri, std::initializer_list<std::string_view> known);
+
+/// Return parameter `key` as a decimal integer in [0, max], or `fallback` when absent.
+/// Errors: InvalidArgument naming the URI, the key and the value.
+Result<uint64_t> UintParam(const TransportUri& uri, std::string_view key, uint64_t fallback,
+                           uint64_t max);
+
+/// Return parameter `key` as a probability in [0, 1], or 0 when absent.
+/// Errors: InvalidArgument naming the URI, the key and the value.
+Result<double> ProbabilityParam(const TransportUri& uri, std::string_view key);
+
+/// Check what every sender needs: at least one endpoint, a forward version step.
+/// Errors: InvalidArgument naming the URI.
+Status CheckSenderContext(const TransportUri& uri, const SenderContext& context);
+
+/// Check the header of a payload handed to Send: valid under `limits`, and naming the context's
+/// transfer, producer and version step and `payload_id`. Reads the header only.
+/// Errors: as ValidatePayloadHeader; InvalidArgument for a payload of another transfer.
+Result<PayloadHeader> CheckOutgoingPayload(const SenderContext& context, uint32_t payload_id,
+                                           std::span<const std::byte> payload,
+                                           const PayloadLimits& limits);
+
+/// The bookkeeping every sender shares: whether Finish succeeded, and the highest id sent (to
+/// check Finish's count).
+///
+/// Thread-safety: every member function may be called concurrently.
+class SenderProgress {
+ public:
+  /// Errors: FailedPrecondition naming the producer once Finish succeeded.
+  Status CheckOpen(const SenderContext& context) const;
+  /// Record that payload `payload_id` was handed to the transport.
+  void RecordSent(uint32_t payload_id);
+  /// Check Finish's payload count against the 32-bit id space and the highest id sent.
+  /// Errors: FailedPrecondition after a successful Finish; InvalidArgument naming the counts.
+  Status CheckFinish(const SenderContext& context, uint64_t payloads) const;
+  /// Record a successful Finish.
+  void MarkFinished() { finished_.store(true); }
+
+ private:
+  std::atomic<bool> finished_{false};
+  // -1 while nothing was sent.
+  std::atomic<int64_t> max_sent_id_{-1};
+};
+
+/// Name the calling thread (top, gdb); Linux keeps 15 bytes. A debugging aid: failure is
+/// ignored.
+void NameCurrentThread(const char* name);
+
+/// The built-in factories, installed by the registry on first use.
+Result<std::unique_ptr<Transport>> MakeInprocTransport(const TransportUri& uri,
+                                                       const TransportOptions& options);
+Result<std::unique_ptr<Transport>> MakeFileTransport(const TransportUri& uri,
+                                                     const TransportOptions& options);
+/// For `fault+<scheme>://…`: makes the inner transport with MakeTransport.
+Result<std::unique_ptr<Transport>> MakeFaultTransport(const TransportUri& uri,
+                                                      const TransportOptions& options);
+
+}  // namespace refit::internal
