@@ -47,8 +47,7 @@ struct Args {
 };
 
 double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 /// Median of `repetitions` timings of fn().
@@ -87,7 +86,8 @@ uint64_t TwoStreamReadThreads(const std::byte* a, const std::byte* b, size_t byt
   for (int t = 0; t < threads; ++t) {
     const size_t begin = share * t;
     const size_t length = t + 1 == threads ? bytes - begin : share;
-    workers.emplace_back([&, t, begin, length] { partial[t] = TwoStreamRead(a + begin, b + begin, length); });
+    workers.emplace_back(
+        [&, t, begin, length] { partial[t] = TwoStreamRead(a + begin, b + begin, length); });
   }
   workers.clear();
   uint64_t out = 0;
@@ -106,8 +106,8 @@ void FlipLowBits(std::vector<std::byte>& bytes, double density, uint64_t seed) {
 }
 
 nlohmann::json BenchCompare(const Args& args) {
-  std::cout << "== compare: bf16, " << FormatBytes(args.compare_bytes)
-            << " per array, kernel " << BestCompareTarget() << "\n";
+  std::cout << "== compare: bf16, " << FormatBytes(args.compare_bytes) << " per array, kernel "
+            << BestCompareTarget() << "\n";
   std::vector<std::byte> old_bytes(args.compare_bytes), new_bytes;
   std::mt19937_64 rng(1);
   for (size_t i = 0; i < old_bytes.size(); i += 8) {
@@ -115,8 +115,8 @@ nlohmann::json BenchCompare(const Args& args) {
     std::memcpy(old_bytes.data() + i, &r, std::min<size_t>(8, old_bytes.size() - i));
   }
   nlohmann::json out = nlohmann::json::array();
-  Table table({"entry point", "threads", "density", "read GB/s", "compare GB/s", "ratio",
-               "target"});
+  Table table(
+      {"entry point", "threads", "density", "read GB/s", "compare GB/s", "ratio", "target"});
   const uint64_t numel = args.compare_bytes / 2;
   // "kernel": AppendChangedLocations into an output vector reused across runs (what the SIMD
   // kernel costs); "find": FindChangedLocations, which returns a fresh vector each call, so it
@@ -126,11 +126,12 @@ nlohmann::json BenchCompare(const Args& args) {
   for (double density : {0.01, 0.03, 0.05}) {
     new_bytes = old_bytes;
     FlipLowBits(new_bytes, density, 2);
-    for (auto [entry, threads] : {std::pair{Entry::kKernel, 1}, std::pair{Entry::kFind, 1},
-                                  std::pair{Entry::kFind, 2}}) {
+    for (auto [entry, threads] :
+         {std::pair{Entry::kKernel, 1}, std::pair{Entry::kFind, 1}, std::pair{Entry::kFind, 2}}) {
       volatile uint64_t sink = 0;
       const double read_s = MedianSeconds(args.repetitions, [&] {
-        sink = sink ^ TwoStreamReadThreads(old_bytes.data(), new_bytes.data(), old_bytes.size(), threads);
+        sink = sink ^
+               TwoStreamReadThreads(old_bytes.data(), new_bytes.data(), old_bytes.size(), threads);
       });
       CompareOptions options;
       options.threads = threads;
@@ -149,13 +150,16 @@ nlohmann::json BenchCompare(const Args& args) {
       const double read_gbs = bytes / read_s / 1e9, compare_gbs = bytes / compare_s / 1e9;
       const double ratio = compare_gbs / read_gbs;
       const char* name = entry == Entry::kKernel ? "kernel" : "find";
-      out.push_back({{"entry_point", name}, {"threads", threads}, {"density", density},
-                     {"changed", changed}, {"read_gb_per_s", read_gbs},
-                     {"compare_gb_per_s", compare_gbs}, {"ratio_vs_read", ratio}});
+      out.push_back({{"entry_point", name},
+                     {"threads", threads},
+                     {"density", density},
+                     {"changed", changed},
+                     {"read_gb_per_s", read_gbs},
+                     {"compare_gb_per_s", compare_gbs},
+                     {"ratio_vs_read", ratio}});
       table.AddRow({name, std::to_string(threads), fmt::format("{:.0f}%", density * 100),
                     fmt::format("{:.2f}", read_gbs), fmt::format("{:.2f}", compare_gbs),
-                    fmt::format("{:.2f}", ratio),
-                    entry == Entry::kKernel ? ">= 0.70" : "-"});
+                    fmt::format("{:.2f}", ratio), entry == Entry::kKernel ? ">= 0.70" : "-"});
     }
   }
   table.Print(std::cout);
@@ -268,32 +272,34 @@ nlohmann::json BenchEncodeApply(const Args& args) {
     const double per_changed = static_cast<double>(payload.size()) / static_cast<double>(changed);
     const double encode_gbs = static_cast<double>(sim.exported_bytes()) / encode_s / 1e9;
     const double apply_rate = static_cast<double>(changed) / apply_s;
-    out.push_back({{"target_density", density},
-                   {"density", static_cast<double>(changed) * 2 / static_cast<double>(sim.exported_bytes())},
-                   {"changed", changed},
-                   {"model_bytes", sim.exported_bytes()},
-                   {"encode_s", encode_s},
-                   {"compare_only_s", compare_s},
-                   {"tracker_encode_s", tracker_s},
-                   {"payload_serialize_compress_s", encode_s - tracker_s},
-                   {"encode_model_gb_per_s_per_core", encode_gbs},
-                   {"wire_bytes", payload.size()},
-                   {"wire_bytes_per_changed", per_changed},
-                   {"entropy_position_bytes_per_changed", entropy.position_bytes},
-                   {"entropy_value_bytes_per_changed", entropy.value_bytes},
-                   {"full_over_wire", static_cast<double>(sim.exported_bytes()) / payload.size()},
-                   {"apply_s", apply_s},
-                   {"apply_changed_per_s_per_core", apply_rate},
-                   {"verified", applied.ok() && store->Digests() == tracker->Digests()}});
-    table.AddRow({fmt::format("{:.2f}%", 100.0 * static_cast<double>(changed) * 2 /
-                                             static_cast<double>(sim.exported_bytes())),
-                  std::to_string(changed), fmt::format("{:.2f}", encode_gbs),
-                  FormatDuration(compare_s), FormatDuration(tracker_s),
-                  FormatDuration(encode_s - tracker_s), FormatBytes(payload.size()), fmt::format("{:.3f}", per_changed),
-                  fmt::format("{:.3f} ({:.3f}+{:.3f})", entropy.position_bytes + entropy.value_bytes,
-                              entropy.position_bytes, entropy.value_bytes),
-                  fmt::format("{:.1f}", static_cast<double>(sim.exported_bytes()) / payload.size()),
-                  fmt::format("{:.1f}", apply_rate / 1e6)});
+    out.push_back(
+        {{"target_density", density},
+         {"density", static_cast<double>(changed) * 2 / static_cast<double>(sim.exported_bytes())},
+         {"changed", changed},
+         {"model_bytes", sim.exported_bytes()},
+         {"encode_s", encode_s},
+         {"compare_only_s", compare_s},
+         {"tracker_encode_s", tracker_s},
+         {"payload_serialize_compress_s", encode_s - tracker_s},
+         {"encode_model_gb_per_s_per_core", encode_gbs},
+         {"wire_bytes", payload.size()},
+         {"wire_bytes_per_changed", per_changed},
+         {"entropy_position_bytes_per_changed", entropy.position_bytes},
+         {"entropy_value_bytes_per_changed", entropy.value_bytes},
+         {"full_over_wire", static_cast<double>(sim.exported_bytes()) / payload.size()},
+         {"apply_s", apply_s},
+         {"apply_changed_per_s_per_core", apply_rate},
+         {"verified", applied.ok() && store->Digests() == tracker->Digests()}});
+    table.AddRow(
+        {fmt::format("{:.2f}%", 100.0 * static_cast<double>(changed) * 2 /
+                                    static_cast<double>(sim.exported_bytes())),
+         std::to_string(changed), fmt::format("{:.2f}", encode_gbs), FormatDuration(compare_s),
+         FormatDuration(tracker_s), FormatDuration(encode_s - tracker_s),
+         FormatBytes(payload.size()), fmt::format("{:.3f}", per_changed),
+         fmt::format("{:.3f} ({:.3f}+{:.3f})", entropy.position_bytes + entropy.value_bytes,
+                     entropy.position_bytes, entropy.value_bytes),
+         fmt::format("{:.1f}", static_cast<double>(sim.exported_bytes()) / payload.size()),
+         fmt::format("{:.1f}", apply_rate / 1e6)});
   }
   table.Print(std::cout);
   std::cout << "encode = tracker (compare + locations + values + digests) + payload "
@@ -323,8 +329,10 @@ nlohmann::json BenchTrackerRss(const Args& args, BaselineStorage storage) {
     std::vector<OwnedTensor> model(tensors);
     std::mt19937_64 rng(3);
     for (uint64_t t = 0; t < tensors; ++t) {
-      model[t] = OwnedTensor{fmt::format("model.layers.{}.mlp.weight", t), DType::kBFloat16,
-                             {static_cast<int64_t>(kTensorBytes / 2)}, {}};
+      model[t] = OwnedTensor{fmt::format("model.layers.{}.mlp.weight", t),
+                             DType::kBFloat16,
+                             {static_cast<int64_t>(kTensorBytes / 2)},
+                             {}};
       model[t].bytes.resize(kTensorBytes);
       for (size_t i = 0; i < kTensorBytes; i += 8) {
         const uint64_t r = rng();
@@ -393,10 +401,11 @@ nlohmann::json BenchMemory(const Args& args) {
                              static_cast<int64_t>(r["model_bytes"].get<uint64_t>()) -
                              static_cast<int64_t>(r["baseline_bytes"].get<uint64_t>());
     out.back()["overhead_bytes"] = overhead;
-    table.AddRow({r["storage"], FormatBytes(r["model_bytes"]), FormatBytes(r["baseline_bytes"]),
-                  std::to_string(r["changed"].get<uint64_t>()), FormatBytes(r["pending_bytes"]),
-                  FormatBytes(r["item_bytes"]), FormatBytes(r["peak_rss"]),
-                  overhead < 0 ? fmt::format("-{}", FormatBytes(-overhead)) : FormatBytes(overhead)});
+    table.AddRow(
+        {r["storage"], FormatBytes(r["model_bytes"]), FormatBytes(r["baseline_bytes"]),
+         std::to_string(r["changed"].get<uint64_t>()), FormatBytes(r["pending_bytes"]),
+         FormatBytes(r["item_bytes"]), FormatBytes(r["peak_rss"]),
+         overhead < 0 ? fmt::format("-{}", FormatBytes(-overhead)) : FormatBytes(overhead)});
   }
   table.Print(std::cout);
   std::cout << "target: peak RSS = model + baseline + O(changes) (pending bits + encoded items); "

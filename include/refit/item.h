@@ -91,8 +91,9 @@ struct Item {
   uint64_t digest = 0;
 
   ItemView view() const {
-    return ItemView{name,       dtype,    shape, op,        value_dtype, span_begin, span_end,
-                    count,      location_encoding, locations, values,      digest};
+    return ItemView{
+        name,      dtype,  shape, op, value_dtype, span_begin, span_end, count, location_encoding,
+        locations, values, digest};
   }
 };
 

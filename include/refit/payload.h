@@ -76,8 +76,8 @@ struct PayloadHeader {
   uint16_t flags = 0;
   PayloadIds ids;
   uint32_t item_count = 0;
-  uint64_t body_bytes = 0;        ///< Decompressed body length.
-  uint64_t compressed_bytes = 0;  ///< Compressed body length (the payload is header + this).
+  uint64_t body_bytes = 0;             ///< Decompressed body length.
+  uint64_t compressed_bytes = 0;       ///< Compressed body length (the payload is header + this).
   std::array<uint8_t, 16> checksum{};  ///< XXH3-128 of the compressed body.
 };
 

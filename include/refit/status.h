@@ -84,9 +84,9 @@ class [[nodiscard]] Status {
   std::shared_ptr<const State> state_;
 };
 
-#define REFIT_STATUS_FACTORY(Name)                                               \
-  template <typename... Args>                                                    \
-  Status Name(fmt::format_string<Args...> format, Args&&... args) {              \
+#define REFIT_STATUS_FACTORY(Name)                                                        \
+  template <typename... Args>                                                             \
+  Status Name(fmt::format_string<Args...> format, Args&&... args) {                       \
     return Status(StatusCode::k##Name, fmt::format(format, std::forward<Args>(args)...)); \
   }
 
@@ -114,7 +114,7 @@ Status IoErrorFromErrno(int errnum, std::string_view what);
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : storage_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : storage_(std::move(value)) {}        // NOLINT(google-explicit-constructor)
   Result(Status status) : storage_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (std::get<Status>(storage_).ok()) {
       storage_ = Status(StatusCode::kInternal, "Result constructed from an OK Status");
@@ -154,10 +154,10 @@ Status ToStatus(const Result<T>& r) {
 #define REFIT_CONCAT(a, b) REFIT_CONCAT_IMPL(a, b)
 
 /// Return the error of `expr` (a Status or Result) from the current function.
-#define REFIT_RETURN_NOT_OK(expr)                                     \
-  do {                                                                \
+#define REFIT_RETURN_NOT_OK(expr)                                      \
+  do {                                                                 \
     ::refit::Status _refit_status = ::refit::internal::ToStatus(expr); \
-    if (!_refit_status.ok()) return _refit_status;                    \
+    if (!_refit_status.ok()) return _refit_status;                     \
   } while (false)
 
 #define REFIT_ASSIGN_OR_RETURN_IMPL(result_name, lhs, rexpr) \

@@ -64,7 +64,8 @@ void ApplyOpValues(Op op, DType dtype, DType value_dtype, std::span<std::byte> t
 
 /// Rearrange `count` little-endian values of `width` bytes into `width` planes: all byte 0s, then
 /// all byte 1s, … Appends count × width bytes to `out`.
-void SplitBytePlanes(std::span<const std::byte> values, uint32_t width, std::vector<std::byte>* out);
+void SplitBytePlanes(std::span<const std::byte> values, uint32_t width,
+                     std::vector<std::byte>* out);
 /// Inverse of SplitBytePlanes. `planes.size()` must be a multiple of `width`; writes to `out`
 /// which must have the same size.
 void JoinBytePlanes(std::span<const std::byte> planes, uint32_t width, std::span<std::byte> out);

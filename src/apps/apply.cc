@@ -19,8 +19,9 @@ Status RunApply(const ApplyArgs& args) {
   REFIT_ASSIGN_OR_RETURN(auto base_file, SafetensorsFile::Open(args.base_path));
   const uint64_t base_version = VersionOf(*base_file);
   base_file.reset();
-  REFIT_ASSIGN_OR_RETURN(auto store, WeightStore::Open(args.base_path, args.mmap ? StoreMode::kMmap
-                                                                                 : StoreMode::kMemory));
+  REFIT_ASSIGN_OR_RETURN(
+      auto store,
+      WeightStore::Open(args.base_path, args.mmap ? StoreMode::kMmap : StoreMode::kMemory));
   store->set_version(base_version);
   REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> file, ReadFile(args.payload_path));
   REFIT_ASSIGN_OR_RETURN(auto payloads, SplitPayloadFile(file, PayloadLimits{}));

@@ -17,9 +17,9 @@ Result<uint64_t> ParseByteSize(const std::string& text) {
   };
   // Longest suffixes first so "KiB" is not read as "B".
   static constexpr Unit kUnits[] = {
-      {"KiB", 1024.0},       {"MiB", 1048576.0},   {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3},           {"MB", 1e6},          {"GB", 1e9},           {"TB", 1e12},
-      {"K", 1024.0},         {"M", 1048576.0},     {"G", 1073741824.0},   {"B", 1.0},
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
+      {"K", 1024.0},   {"M", 1048576.0},   {"G", 1073741824.0},   {"B", 1.0},
   };
   double factor = 1.0;
   std::string number = text;
@@ -49,7 +49,8 @@ Result<std::vector<std::byte>> ReadFile(const std::string& path) {
   if (size > 0) bytes.resize(static_cast<size_t>(size));
   size_t done = 0;
   while (done < bytes.size()) {
-    const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    const ssize_t n =
+        ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int err = n < 0 ? errno : EIO;

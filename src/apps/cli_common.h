@@ -27,7 +27,8 @@ Result<uint64_t> ParseByteSize(const std::string& text);
 /// Read a whole file. Errors: IoError naming the path.
 Result<std::vector<std::byte>> ReadFile(const std::string& path);
 /// Write bytes to `path` atomically (temp file + rename). Errors: IoError naming the path.
-Status WriteFileAtomically(const std::string& path, const std::vector<std::vector<std::byte>>& parts);
+Status WriteFileAtomically(const std::string& path,
+                           const std::vector<std::vector<std::byte>>& parts);
 
 /// Return whether stdout is a terminal (tables get colour-free alignment either way).
 bool StdoutIsTty();

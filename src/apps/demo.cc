@@ -186,7 +186,8 @@ void RegisterDemo(CLI::App& app, Status* result) {
       "demo", "Simulate an RL run and refit a receiver after every step, verifying each");
   cmd->add_option("--model-bytes", args->model_bytes, "Size of the simulated model")
       ->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "Export dtype: bfloat16 or float16")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "Export dtype: bfloat16 or float16")
+      ->capture_default_str();
   cmd->add_option("--op", args->op, "Value op: xor, overwrite or add")->capture_default_str();
   cmd->add_option("--steps", args->steps, "Optimizer steps after the initial anchor")
       ->capture_default_str();

@@ -41,8 +41,8 @@ Status RunDiff(const DiffArgs& args) {
   std::map<std::string, uint64_t> by_encoding;
   uint64_t changed = 0, total = 0, value_bytes = 0, chosen_location_bytes = 0;
   std::vector<Item> items;
-  Table table({"tensor", "dtype", "elements", "changed", "density", "encoding", "locations",
-               "values"});
+  Table table(
+      {"tensor", "dtype", "elements", "changed", "density", "encoding", "locations", "values"});
   for (const TensorView& tensor : new_file->tensors()) {
     REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker->Encode(id, tensor));
     changed += r.changed_elements;
@@ -87,15 +87,16 @@ Status RunDiff(const DiffArgs& args) {
   uint64_t full_bytes = 0;
   for (const TensorView& tensor : new_file->tensors()) full_bytes += tensor.bytes.size();
 
-  report["total"] = {{"elements", total},
-                     {"changed", changed},
-                     {"density", total ? static_cast<double>(changed) / static_cast<double>(total) : 0.0},
-                     {"location_bytes", chosen_location_bytes},
-                     {"value_bytes", value_bytes},
-                     {"payload_bytes", payload_bytes},
-                     {"full_bytes", full_bytes},
-                     {"bytes_per_changed_element",
-                      changed ? static_cast<double>(payload_bytes) / static_cast<double>(changed) : 0.0}};
+  report["total"] = {
+      {"elements", total},
+      {"changed", changed},
+      {"density", total ? static_cast<double>(changed) / static_cast<double>(total) : 0.0},
+      {"location_bytes", chosen_location_bytes},
+      {"value_bytes", value_bytes},
+      {"payload_bytes", payload_bytes},
+      {"full_bytes", full_bytes},
+      {"bytes_per_changed_element",
+       changed ? static_cast<double>(payload_bytes) / static_cast<double>(changed) : 0.0}};
   report["location_bytes_by_encoding"] = by_encoding;
   report["location_bytes_by_encoding"]["chosen"] = chosen_location_bytes;
   if (args.json) {

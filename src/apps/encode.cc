@@ -66,14 +66,15 @@ Status RunEncode(const EncodeArgs& args) {
   REFIT_RETURN_NOT_OK(WriteFileAtomically(args.output, payloads));
   uint64_t wire = 0;
   for (const auto& p : payloads) wire += p.size();
-  std::printf("%s: %s transfer %s v%llu -> v%llu, %llu of %llu elements changed (%.4f%%), "
-              "%zu items in %zu payloads, %llu bytes\n",
-              args.output.c_str(), plan.anchor ? "FULL" : "delta", id.ToHex().c_str(),
-              static_cast<unsigned long long>(plan.base_version),
-              static_cast<unsigned long long>(plan.target_version),
-              static_cast<unsigned long long>(changed), static_cast<unsigned long long>(total),
-              total ? 100.0 * static_cast<double>(changed) / static_cast<double>(total) : 0.0,
-              items.size(), payloads.size(), static_cast<unsigned long long>(wire));
+  std::printf(
+      "%s: %s transfer %s v%llu -> v%llu, %llu of %llu elements changed (%.4f%%), "
+      "%zu items in %zu payloads, %llu bytes\n",
+      args.output.c_str(), plan.anchor ? "FULL" : "delta", id.ToHex().c_str(),
+      static_cast<unsigned long long>(plan.base_version),
+      static_cast<unsigned long long>(plan.target_version),
+      static_cast<unsigned long long>(changed), static_cast<unsigned long long>(total),
+      total ? 100.0 * static_cast<double>(changed) / static_cast<double>(total) : 0.0, items.size(),
+      payloads.size(), static_cast<unsigned long long>(wire));
   return Status::OK();
 }
 

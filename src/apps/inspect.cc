@@ -65,10 +65,12 @@ Status RunInspect(const InspectArgs& args) {
       std::cout << fmt::format(
           "payload {} of producer {} (format v{}, flags {:#x})\n  transfer {}  version {} -> {}\n"
           "  {} items, body {} -> {} compressed ({:.2f}x), checksum {}\n",
-          h.ids.payload_id, h.ids.producer_id, h.format_version, h.flags,
-          h.ids.transfer_id.ToHex(), h.ids.base_version, h.ids.target_version, h.item_count,
-          FormatBytes(h.body_bytes), FormatBytes(h.compressed_bytes),
-          h.compressed_bytes ? static_cast<double>(h.body_bytes) / static_cast<double>(h.compressed_bytes) : 0.0,
+          h.ids.payload_id, h.ids.producer_id, h.format_version, h.flags, h.ids.transfer_id.ToHex(),
+          h.ids.base_version, h.ids.target_version, h.item_count, FormatBytes(h.body_bytes),
+          FormatBytes(h.compressed_bytes),
+          h.compressed_bytes
+              ? static_cast<double>(h.body_bytes) / static_cast<double>(h.compressed_bytes)
+              : 0.0,
           ChecksumHex(h.checksum));
       table.Print(std::cout);
       std::cout << "\n";

@@ -7,8 +7,9 @@
 #include "refit/logging.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"refit: keep inference workers bit-identical to an RL trainer by sending only the "
-               "weights that changed"};
+  CLI::App app{
+      "refit: keep inference workers bit-identical to an RL trainer by sending only the "
+      "weights that changed"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("refit 0.1.0"));
   std::string log_level = "warn";

@@ -24,7 +24,8 @@ struct SimulateArgs {
 };
 
 Status RunSimulate(const SimulateArgs& args) {
-  if (args.checkpoints < 1) return InvalidArgument("--checkpoints {} must be >= 1", args.checkpoints);
+  if (args.checkpoints < 1)
+    return InvalidArgument("--checkpoints {} must be >= 1", args.checkpoints);
   SimulatorOptions options;
   REFIT_ASSIGN_OR_RETURN(options.export_dtype, ParseDType(args.dtype));
   REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, ParseByteSize(args.model_bytes));
@@ -60,16 +61,16 @@ Status RunSimulate(const SimulateArgs& args) {
       const uint32_t width = DTypeSize(tensors[t].dtype);
       total += tensors[t].numel();
       if (k > 0) {
-        REFIT_ASSIGN_OR_RETURN(auto locations,
-                               FindChangedLocations(previous[t], tensors[t].bytes, width, 0,
-                                                    tensors[t].numel()));
+        REFIT_ASSIGN_OR_RETURN(auto locations, FindChangedLocations(previous[t], tensors[t].bytes,
+                                                                    width, 0, tensors[t].numel()));
         changed += locations.size();
       }
     }
     previous.clear();
     for (const TensorView& t : tensors) previous.emplace_back(t.bytes.begin(), t.bytes.end());
     const std::string path = fmt::format("{}/step_{:04d}.safetensors", args.out_dir, k);
-    REFIT_RETURN_NOT_OK(WriteSafetensors(path, tensors, {{kVersionMetadataKey, std::to_string(k)}}));
+    REFIT_RETURN_NOT_OK(
+        WriteSafetensors(path, tensors, {{kVersionMetadataKey, std::to_string(k)}}));
     table.AddRow({std::to_string(k), path, fmt::format("{:.3g}", simulator->learning_rate()),
                   k > 0 ? std::to_string(changed) : "-",
                   k > 0 ? fmt::format("{:.4f}%", 100.0 * static_cast<double>(changed) /
@@ -89,8 +90,10 @@ void RegisterSimulate(CLI::App& app, Status* result) {
   CLI::App* cmd = app.add_subcommand(
       "simulate", "Write consecutive checkpoints of a simulated RL run (Adam, bf16 export)");
   cmd->add_option("-o,--out", args->out_dir, "Output directory")->required();
-  cmd->add_option("--checkpoints", args->checkpoints, "Checkpoints to write (the first is the "
-                  "initial model)")->capture_default_str();
+  cmd->add_option("--checkpoints", args->checkpoints,
+                  "Checkpoints to write (the first is the "
+                  "initial model)")
+      ->capture_default_str();
   cmd->add_option("--model-bytes", args->model_bytes, "Size of the synthetic model")
       ->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "Export dtype: bfloat16, float16 or float32")

@@ -88,8 +88,8 @@ void AppendChangedLocationsReserved(std::span<const std::byte> old_bytes,
   if (sample_end == end) return;
   const double density =
       static_cast<double>(out->size() - before) / static_cast<double>(sample_end - begin);
-  out->reserve(out->size() +
-               static_cast<size_t>(density * kReserveHeadroom * static_cast<double>(end - sample_end)));
+  out->reserve(out->size() + static_cast<size_t>(density * kReserveHeadroom *
+                                                 static_cast<double>(end - sample_end)));
   AppendChangedLocations(old_bytes, new_bytes, width, sample_end, end, out, kernel);
 }
 

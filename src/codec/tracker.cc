@@ -110,8 +110,8 @@ uint64_t GatherChanges(std::span<const std::byte> old_tensor, std::span<const st
                        std::byte* new_out) {
   switch (width) {
     case 1:
-      return GatherChangesOfWidth<uint8_t>(old_tensor.data(), new_tensor.data(), locations,
-                                           xor_out, new_out);
+      return GatherChangesOfWidth<uint8_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
+                                           new_out);
     case 2:
       return GatherChangesOfWidth<uint16_t>(old_tensor.data(), new_tensor.data(), locations,
                                             xor_out, new_out);
@@ -256,9 +256,9 @@ Result<Item> DeltaTracker::State::MakeItem(const TensorView& current, Op op, DTy
     return item;
   }
   item.count = locations.size();
-  REFIT_ASSIGN_OR_RETURN(item.location_encoding,
-                         ChooseLocationEncoding(locations, begin, end,
-                                                options.force_location_encoding));
+  REFIT_ASSIGN_OR_RETURN(
+      item.location_encoding,
+      ChooseLocationEncoding(locations, begin, end, options.force_location_encoding));
   REFIT_RETURN_NOT_OK(
       EncodeLocations(item.location_encoding, locations, begin, end, &item.locations));
   return item;
@@ -280,9 +280,9 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
   if (same_layout && !pending.replacement) {
     // Keep the pending state O(changes) even though the payload carries every element.
     const auto baseline = entry->buffer->bytes();
-    REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> changed,
-                           FindChangedLocations(baseline, current.bytes, width, begin, end,
-                                                options.compare));
+    REFIT_ASSIGN_OR_RETURN(
+        std::vector<uint64_t> changed,
+        FindChangedLocations(baseline, current.bytes, width, begin, end, options.compare));
     pending.digest_delta += DigestDelta(baseline, current.bytes, width, changed);
     const size_t old_bits = pending.new_bits.size();
     pending.new_bits.resize(old_bits + changed.size() * width);
@@ -300,10 +300,10 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
       pending.digest_delta = 0;
     } else if (pending.replacement_dtype != current.dtype ||
                pending.replacement_shape != current.shape) {
-      return InvalidArgument("tensor '{}': span [{}, {}) has dtype {} shape {}, earlier spans {} {}",
-                             current.name, begin, end, DTypeName(current.dtype),
-                             ShapeToString(current.shape), DTypeName(pending.replacement_dtype),
-                             ShapeToString(pending.replacement_shape));
+      return InvalidArgument(
+          "tensor '{}': span [{}, {}) has dtype {} shape {}, earlier spans {} {}", current.name,
+          begin, end, DTypeName(current.dtype), ShapeToString(current.shape),
+          DTypeName(pending.replacement_dtype), ShapeToString(pending.replacement_shape));
     }
     std::memcpy(pending.replacement->bytes().data() + begin * width, span_bytes.data(),
                 span_bytes.size());
@@ -326,9 +326,9 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   const auto baseline = entry.buffer->bytes();
   EncodeResult result;
   result.total_elements = end - begin;
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> changed,
-                         FindChangedLocations(baseline, current.bytes, width, begin, end,
-                                              options.compare));
+  REFIT_ASSIGN_OR_RETURN(
+      std::vector<uint64_t> changed,
+      FindChangedLocations(baseline, current.bytes, width, begin, end, options.compare));
   result.changed_elements = changed.size();
   if (changed.empty()) return result;
 
@@ -347,33 +347,32 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   // travels), the XOR values when XOR travels, and the digest change.
   std::vector<std::byte> new_bits(changed.size() * width);
   std::vector<std::byte> xor_values(op == Op::kXor ? changed.size() * width : 0);
-  const uint64_t digest_total = GatherChanges(baseline, current.bytes, width, changed,
-                                              op == Op::kXor ? xor_values.data() : nullptr,
-                                              new_bits.data());
+  const uint64_t digest_total =
+      GatherChanges(baseline, current.bytes, width, changed,
+                    op == Op::kXor ? xor_values.data() : nullptr, new_bits.data());
   if (op == Op::kXor) {
     REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
                                                std::move(xor_values), digest_total));
     result.items.push_back(std::move(item));
   } else if (op == Op::kOverwrite) {
-    REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
-                                               new_bits, digest_total));
+    REFIT_ASSIGN_OR_RETURN(
+        Item item, MakeItem(current, op, value_dtype, begin, end, changed, new_bits, digest_total));
     result.items.push_back(std::move(item));
   } else {
     REFIT_ASSIGN_OR_RETURN(OpValues values, MakeOpValues(op, current.dtype, value_dtype, baseline,
                                                          current.bytes, changed));
     if (!values.locations.empty()) {
       const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.locations);
-      REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end,
-                                                 values.locations, std::move(values.values),
-                                                 digest));
+      REFIT_ASSIGN_OR_RETURN(Item item,
+                             MakeItem(current, op, value_dtype, begin, end, values.locations,
+                                      std::move(values.values), digest));
       result.items.push_back(std::move(item));
     }
     if (!values.demoted_locations.empty()) {
       const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.demoted_locations);
-      REFIT_ASSIGN_OR_RETURN(Item item,
-                             MakeItem(current, Op::kOverwrite, current.dtype, begin, end,
-                                      values.demoted_locations, std::move(values.demoted_values),
-                                      digest));
+      REFIT_ASSIGN_OR_RETURN(
+          Item item, MakeItem(current, Op::kOverwrite, current.dtype, begin, end,
+                              values.demoted_locations, std::move(values.demoted_values), digest));
       result.items.push_back(std::move(item));
     }
   }

@@ -21,10 +21,14 @@ uint64_t DigestWords(const std::byte* data, uint64_t begin, uint64_t end) {
 uint64_t DigestRange(std::span<const std::byte> bytes, uint32_t width, uint64_t begin,
                      uint64_t end) {
   switch (width) {
-    case 1: return DigestWords<uint8_t>(bytes.data(), begin, end);
-    case 2: return DigestWords<uint16_t>(bytes.data(), begin, end);
-    case 4: return DigestWords<uint32_t>(bytes.data(), begin, end);
-    default: return DigestWords<uint64_t>(bytes.data(), begin, end);
+    case 1:
+      return DigestWords<uint8_t>(bytes.data(), begin, end);
+    case 2:
+      return DigestWords<uint16_t>(bytes.data(), begin, end);
+    case 4:
+      return DigestWords<uint32_t>(bytes.data(), begin, end);
+    default:
+      return DigestWords<uint64_t>(bytes.data(), begin, end);
   }
 }
 

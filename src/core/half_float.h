@@ -76,7 +76,9 @@ inline uint16_t DoubleToBFloat16(double value) {
 }
 
 /// Narrow a float to bfloat16 bits with round-to-nearest-even.
-inline uint16_t FloatToBFloat16(float value) { return DoubleToBFloat16(static_cast<double>(value)); }
+inline uint16_t FloatToBFloat16(float value) {
+  return DoubleToBFloat16(static_cast<double>(value));
+}
 
 /// Narrow a double to binary16 bits with round-to-nearest-even (subnormals and overflow to ±Inf
 /// handled as IEEE 754 prescribes; NaN becomes a quiet NaN with the sign kept).
@@ -95,7 +97,7 @@ inline uint16_t DoubleToHalf(double value) {
   int unbiased = exponent - 1;
   if (unbiased < -14) unbiased = -14;  // Subnormal range shares the minimum normal's ulp.
   const double ulp = std::ldexp(1.0, unbiased - 10);
-  const double scaled = magnitude / ulp;  // Exact: division by a power of two.
+  const double scaled = magnitude / ulp;    // Exact: division by a power of two.
   double rounded = std::nearbyint(scaled);  // Default rounding mode: nearest-even.
   uint32_t units = static_cast<uint32_t>(rounded);
   // units ∈ [0, 2048]; 2048 means the value rounded up into the next binade.

@@ -19,8 +19,8 @@ Status CheckApplicable(const PayloadHeader& header, size_t index, const ItemView
   auto tensor = store.Find(item.name);
   if (!tensor.ok()) {
     return tensor.status().WithContext(fmt::format("payload {} of producer {}, item {}",
-                                                   header.ids.payload_id,
-                                                   header.ids.producer_id, index));
+                                                   header.ids.payload_id, header.ids.producer_id,
+                                                   index));
   }
   if (tensor->dtype != item.dtype || tensor->shape != item.shape) {
     return InvalidArgument(
@@ -56,7 +56,8 @@ size_t UndoLog::records() const { return records_.size(); }
 
 uint64_t UndoLog::bytes() const {
   uint64_t total = 0;
-  for (const Record& r : records_) total += r.locations.size() * sizeof(uint64_t) + r.old_bits.size();
+  for (const Record& r : records_)
+    total += r.locations.size() * sizeof(uint64_t) + r.old_bits.size();
   return total;
 }
 
@@ -73,7 +74,8 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint) {
     Record& r = records_[i - 1];
     MutableTensorView tensor = *store.Find(r.tensor);
     if (r.full) {
-      std::memcpy(tensor.bytes.data() + r.span_begin * r.width, r.old_bits.data(), r.old_bits.size());
+      std::memcpy(tensor.bytes.data() + r.span_begin * r.width, r.old_bits.data(),
+                  r.old_bits.size());
     } else {
       for (size_t k = 0; k < r.locations.size(); ++k) {
         std::memcpy(tensor.bytes.data() + r.locations[k] * r.width, r.old_bits.data() + k * r.width,
@@ -107,8 +109,13 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     MutableTensorView tensor = *store.Find(item.name);
     const uint32_t width = DTypeSize(item.dtype);
     const uint32_t value_width = DTypeSize(item.value_dtype);
-    undo->records_.push_back(UndoLog::Record{std::string(item.name), width, item.op == Op::kFull,
-                                             item.span_begin, {}, {}, *store.Digest(item.name)});
+    undo->records_.push_back(UndoLog::Record{std::string(item.name),
+                                             width,
+                                             item.op == Op::kFull,
+                                             item.span_begin,
+                                             {},
+                                             {},
+                                             *store.Digest(item.name)});
     UndoLog::Record& record = undo->records_.back();
 
     if (item.op == Op::kFull) {
@@ -153,11 +160,11 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       applied += n;
     }
     if (digest_delta != item.digest) {
-      return fail(DataLoss(
-          "payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
-          "producer's {:#018x}: the receiver's tensor is not at base version {}",
-          header.ids.payload_id, header.ids.producer_id, i, item.name, digest_delta, item.digest,
-          header.ids.base_version));
+      return fail(
+          DataLoss("payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
+                   "producer's {:#018x}: the receiver's tensor is not at base version {}",
+                   header.ids.payload_id, header.ids.producer_id, i, item.name, digest_delta,
+                   item.digest, header.ids.base_version));
     }
     REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, digest_delta));
   }

@@ -45,10 +45,12 @@ Result<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& path, 
 
 Status WeightStore::AddCopy(const TensorView& tensor) {
   REFIT_RETURN_NOT_OK(CheckTensorSize(tensor));
-  if (by_name_.contains(tensor.name)) return AlreadyExists("tensor '{}' is already in the store", tensor.name);
+  if (by_name_.contains(tensor.name))
+    return AlreadyExists("tensor '{}' is already in the store", tensor.name);
   auto entry = std::make_unique<Entry>();
   entry->owned = std::make_unique_for_overwrite<std::byte[]>(tensor.bytes.size());
-  if (!tensor.bytes.empty()) std::memcpy(entry->owned.get(), tensor.bytes.data(), tensor.bytes.size());
+  if (!tensor.bytes.empty())
+    std::memcpy(entry->owned.get(), tensor.bytes.data(), tensor.bytes.size());
   entry->view = MutableTensorView{tensor.name, tensor.dtype, tensor.shape,
                                   std::span<std::byte>(entry->owned.get(), tensor.bytes.size())};
   entry->digest = TensorDigest(entry->view.AsConst());
@@ -59,7 +61,8 @@ Status WeightStore::AddCopy(const TensorView& tensor) {
 
 Status WeightStore::AddExternal(const MutableTensorView& tensor) {
   REFIT_RETURN_NOT_OK(CheckTensorSize(tensor.AsConst()));
-  if (by_name_.contains(tensor.name)) return AlreadyExists("tensor '{}' is already in the store", tensor.name);
+  if (by_name_.contains(tensor.name))
+    return AlreadyExists("tensor '{}' is already in the store", tensor.name);
   auto entry = std::make_unique<Entry>();
   entry->view = tensor;
   entry->digest = TensorDigest(tensor.AsConst());
@@ -75,13 +78,15 @@ WeightStore::Entry* WeightStore::FindEntry(std::string_view name) const {
 
 Result<MutableTensorView> WeightStore::Find(std::string_view name) {
   Entry* entry = FindEntry(name);
-  if (entry == nullptr) return NotFound("unknown tensor '{}': the receiver's model has no such tensor", name);
+  if (entry == nullptr)
+    return NotFound("unknown tensor '{}': the receiver's model has no such tensor", name);
   return entry->view;
 }
 
 Result<TensorView> WeightStore::Find(std::string_view name) const {
   const Entry* entry = FindEntry(name);
-  if (entry == nullptr) return NotFound("unknown tensor '{}': the receiver's model has no such tensor", name);
+  if (entry == nullptr)
+    return NotFound("unknown tensor '{}': the receiver's model has no such tensor", name);
   return entry->view.AsConst();
 }
 
@@ -126,6 +131,8 @@ std::map<std::string, uint64_t> WeightStore::RecomputeDigests() const {
   return out;
 }
 
-Status WeightStore::Save(const std::string& path) const { return WriteSafetensors(path, tensors()); }
+Status WeightStore::Save(const std::string& path) const {
+  return WriteSafetensors(path, tensors());
+}
 
 }  // namespace refit

@@ -6,13 +6,13 @@
 #include <cstdlib>
 
 #ifndef NDEBUG
-#define REFIT_DCHECK(condition, message)                                                  \
-  do {                                                                                    \
-    if (!(condition)) {                                                                   \
-      std::fprintf(stderr, "%s:%d: REFIT_DCHECK(%s) failed: %s\n", __FILE__, __LINE__,    \
-                   #condition, message);                                                  \
-      std::abort();                                                                       \
-    }                                                                                     \
+#define REFIT_DCHECK(condition, message)                                                           \
+  do {                                                                                             \
+    if (!(condition)) {                                                                            \
+      std::fprintf(stderr, "%s:%d: REFIT_DCHECK(%s) failed: %s\n", __FILE__, __LINE__, #condition, \
+                   message);                                                                       \
+      std::abort();                                                                                \
+    }                                                                                              \
   } while (false)
 #else
 #define REFIT_DCHECK(condition, message) \

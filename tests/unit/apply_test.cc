@@ -21,7 +21,8 @@ struct Snapshot {
 
 Snapshot Take(const WeightStore& store) {
   Snapshot s;
-  for (const TensorView& t : store.tensors()) s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
+  for (const TensorView& t : store.tensors())
+    s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
   s.digests = store.Digests();
   return s;
 }
@@ -113,15 +114,15 @@ TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
   ASSERT_OK(tracker_->Abort(id));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    DTypesAndOps, ApplyTest,
-    ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32,
-                                         DType::kFloat8E4M3FN, DType::kFloat8E5M2, DType::kInt64),
-                       ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),
-    [](const auto& param_info) {
-      return std::string(DTypeName(std::get<0>(param_info.param))) + "_" +
-             std::string(OpName(std::get<1>(param_info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(DTypesAndOps, ApplyTest,
+                         ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16,
+                                                              DType::kFloat32, DType::kFloat8E4M3FN,
+                                                              DType::kFloat8E5M2, DType::kInt64),
+                                            ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),
+                         [](const auto& param_info) {
+                           return std::string(DTypeName(std::get<0>(param_info.param))) + "_" +
+                                  std::string(OpName(std::get<1>(param_info.param)));
+                         });
 
 class ApplyRejectionTest : public ::testing::Test {
  protected:
