@@ -30,6 +30,13 @@
 //     Listener::Poll.
 //     A vanished <dir> or inbox is Unavailable, on both sides.
 //
+//   zmq://?timeout_ms=10000&retries=3[&api_key=K | &api_key_env=NAME]
+//     Endpoints and peers are host:port relays. A sender's DEALER (one per sending thread)
+//     connects to its root relay endpoints[producer_id % n]; each relay's ROUTER stages the
+//     payload, forwards it along the binary heap rooted at that relay, and ACKs once its whole
+//     subtree has staged it; duplicates are ACKed and not forwarded again. Finish sends FLUSH
+//     with the payload count down the same tree. Frames: src/transport/zmq_transport.cc.
+//
 //   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
 //                            &corrupt=p&disconnect_after=N[&<inner parameters>]
 //     The transport of <scheme>, whose senders inject faults, each decided by a hash of (seed,
@@ -378,7 +385,7 @@ Status RegisterTransportWrapper(std::string_view prefix, TransportFactory factor
 /// Return the registered schemes, sorted, with each wrapper as "<prefix>+<scheme>".
 std::vector<std::string> RegisteredTransportSchemes();
 
-/// Make the transport that `uri` names. The built-ins (inproc, file, fault+) are always
+/// Make the transport that `uri` names. The built-ins (inproc, file, zmq, fault+) are always
 /// registered; no static initialisation order is involved.
 /// Errors: InvalidArgument for a malformed URI or an unknown scheme (listing the registered
 /// ones), and whatever the factory returns (a bad target or parameter, naming the URI).

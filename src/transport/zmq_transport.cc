@@ -1,0 +1,807 @@
+// zmq://[?timeout_ms=10000&retries=3&api_key=K|api_key_env=NAME]: a ZeroMQ relay tree.
+//
+// Endpoints are "host:port" (TCP). A sender holds one DEALER per sending thread, connected to its
+// producer's root relay endpoints[producer_id % n]. Each relay's listener binds a ROUTER on its
+// endpoint and, given the relay list as ListenerContext::peers, forwards what its sink accepted
+// to its children in a binary heap rooted at the producer's root: with relays r0 … r(n−1) and
+// root R, relay i sits at heap position (i − R + n) % n, and position p's children are 2p+1 and
+// 2p+2, i.e. relays (2p+1 + R) % n and (2p+2 + R) % n. Each payload thus crosses into the fleet
+// once, and each relay sends it at most twice.
+//
+// Frames (integers are u32 little-endian):
+//   DATA  request  [ "refit-zmq/1", "DATA",  api key (may be empty), root index, payload ]
+//   FLUSH request  [ "refit-zmq/1", "FLUSH", api key, root index, transfer id (16 raw bytes),
+//                    producer id, payload count ]
+//   reply          [ "refit-zmq/1", "ACK"|"NACK", transfer id hex, producer id,
+//                    payload id (empty for FLUSH), status code (0 for ACK), message ]
+// (A ROUTER sees the DEALER's identity frame before these.)
+//
+// ACK means staged on the whole subtree: a relay replies once its own sink staged the payload
+// and its children ACKed it. A duplicate (kDuplicate) is ACKed without forwarding again. The
+// listener's I/O thread never waits for children, so trees of different roots that cross each
+// other cannot deadlock: a forwarding thread per relay sends to the children, waits for their
+// ACKs, and hands the upstream reply back to the I/O thread over an inproc socket. FLUSH
+// travels the same path behind the producer's payloads: every relay hands the stream end to
+// its sink and forwards it, and the FLUSH ACK means the whole tree has it.
+//
+// Every request is untrusted: frame count, protocol, kind, sizes and the payload header are
+// checked before anything is delivered. A request that does not speak the protocol is dropped
+// (counted as a failure); one that does but is malformed or refused is NACKed with the reason.
+// The api key is compared in constant time. Requests beyond the payload size limit are dropped by
+// ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer.
+#include <zmq.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "refit/transport.h"
+#include "transport/transport_internal.h"
+
+namespace refit::internal {
+namespace {
+
+constexpr TransportCapabilities kZmqCapabilities{
+    .staged_ack = true, .fan_out_tree = true, .reports_stream_end = true};
+
+constexpr std::string_view kProtocol = "refit-zmq/1";
+constexpr std::string_view kKindData = "DATA";
+constexpr std::string_view kKindFlush = "FLUSH";
+constexpr std::string_view kKindAck = "ACK";
+constexpr std::string_view kKindNack = "NACK";
+
+// Frame counts of each message, without the ROUTER's identity frame.
+constexpr size_t kDataFrames = 5;
+constexpr size_t kFlushFrames = 7;
+constexpr size_t kReplyFrames = 7;
+// A ROUTER reads the identity frame plus the longest request; anything longer is malformed.
+constexpr size_t kMaxRequestFrames = 1 + kFlushFrames;
+constexpr size_t kU32Bytes = 4;
+constexpr size_t kTransferIdBytes = 16;
+// An api key longer than this is a misconfiguration, not a key.
+constexpr size_t kMaxApiKeyBytes = 1024;
+// Non-payload frames (protocol, kind, key, root) fit well inside this; it is added to the payload
+// limit for ZMQ_MAXMSGSIZE, which ZeroMQ applies per frame.
+constexpr int64_t kFrameSlackBytes = 4096;
+
+// Per-attempt reply wait and retry count when the URI sets none: a relay's ACK waits for its
+// subtree, and applying a full apply queue may take seconds under load.
+constexpr uint64_t kDefaultTimeoutMs = 10'000;
+constexpr uint64_t kMaxTimeoutMs = 3'600'000;
+constexpr uint64_t kDefaultRetries = 3;
+constexpr uint64_t kMaxRetries = 100;
+// Backoff between attempts doubles from the first value up to the cap.
+constexpr int kFirstBackoffMs = 50;
+constexpr int kMaxBackoffMs = 500;
+// How often a listener's threads check for Stop while waiting.
+constexpr int kStopCheckMs = 50;
+constexpr uint16_t kMaxPort = 65535;
+
+const char* const kReplyInbox = "inproc://refit-zmq-replies";
+
+struct ZmqConfig {
+  int timeout_ms = 0;
+  int retries = 0;
+  // Empty: no key sent, none required.
+  std::string api_key;
+};
+
+struct ContextCloser {
+  void operator()(void* context) const { zmq_ctx_term(context); }
+};
+struct SocketCloser {
+  void operator()(void* socket) const { zmq_close(socket); }
+};
+using ZmqContext = std::unique_ptr<void, ContextCloser>;
+using ZmqSocket = std::unique_ptr<void, SocketCloser>;
+
+std::string ZmqError() { return zmq_strerror(zmq_errno()); }
+
+std::string TcpAddress(const std::string& endpoint) { return "tcp://" + endpoint; }
+
+std::string U32Bytes(uint32_t value) {
+  std::string out(kU32Bytes, '\0');
+  for (size_t i = 0; i < kU32Bytes; ++i) out[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+  return out;
+}
+
+std::optional<uint32_t> ReadU32(std::string_view bytes) {
+  if (bytes.size() != kU32Bytes) return std::nullopt;
+  uint32_t value = 0;
+  for (size_t i = 0; i < kU32Bytes; ++i) {
+    value |= uint32_t{static_cast<unsigned char>(bytes[i])} << (8 * i);
+  }
+  return value;
+}
+
+std::string_view AsText(std::span<const std::byte> bytes) {
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
+}
+
+// Compare without an early exit, so the time taken does not reveal how much of a guessed key
+// was right. The length is not secret.
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  volatile unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = diff | static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+// "host:port" with a printable host and a port in [1, 65535].
+Status CheckEndpoint(const std::string& endpoint) {
+  const size_t colon = endpoint.rfind(':');
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgument("zmq endpoint '{}': {} (expected host:port)", Printable(endpoint), why);
+  };
+  if (colon == std::string::npos || colon == 0) return bad("no host");
+  for (const char c : endpoint) {
+    if (c < 0x21 || c > 0x7e || c == '/') return bad("a space, '/' or non-printable byte");
+  }
+  const std::string_view port = std::string_view(endpoint).substr(colon + 1);
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return bad("the port is not a number");
+  }
+  const int value = std::stoi(std::string(port));
+  if (value < 1 || value > kMaxPort) return bad("the port is outside [1, 65535]");
+  return Status::OK();
+}
+
+// Send `frames` as one multipart message.
+Status SendFrames(void* socket, const std::vector<std::string_view>& frames,
+                  const std::string& where) {
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const int flags = i + 1 < frames.size() ? ZMQ_SNDMORE : 0;
+    if (zmq_send(socket, frames[i].data(), frames[i].size(), flags) < 0) {
+      return Unavailable("zmq send to {}: {}", where, ZmqError());
+    }
+  }
+  return Status::OK();
+}
+
+Status SendFrames(void* socket, const std::vector<std::string>& frames, const std::string& where) {
+  return SendFrames(socket, std::vector<std::string_view>(frames.begin(), frames.end()), where);
+}
+
+// Receive one whole multipart message (non-blocking: call when the socket is readable).
+// Errors: InvalidArgument when it has more than `max_frames` parts (all are drained);
+// Unavailable when nothing could be read.
+Result<std::vector<std::string>> ReceiveFrames(void* socket, size_t max_frames) {
+  std::vector<std::string> frames;
+  bool too_many = false;
+  int more = 1;
+  while (more != 0) {
+    zmq_msg_t message;
+    zmq_msg_init(&message);
+    if (zmq_msg_recv(&message, socket, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&message);
+      return Unavailable("zmq receive: {}", ZmqError());
+    }
+    if (frames.size() < max_frames) {
+      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&message)), zmq_msg_size(&message));
+    } else {
+      too_many = true;
+    }
+    more = zmq_msg_more(&message);
+    zmq_msg_close(&message);
+  }
+  if (too_many) return InvalidArgument("zmq message with more than {} frames", max_frames);
+  return frames;
+}
+
+// The reply a request waits for: transfer hex, producer id and payload id frames.
+struct ReplyKey {
+  std::string transfer_hex;
+  std::string producer;
+  std::string payload;
+};
+
+std::vector<std::string> MakeReply(const ReplyKey& key, const Status& status) {
+  return {std::string(kProtocol),
+          std::string(status.ok() ? kKindAck : kKindNack),
+          key.transfer_hex,
+          key.producer,
+          key.payload,
+          U32Bytes(static_cast<uint32_t>(status.code())),
+          status.message()};
+}
+
+// One DEALER connected to one endpoint, used by one thread at a time.
+class Connection {
+ public:
+  Connection(void* context, std::string endpoint, const ZmqConfig& config)
+      : context_(context), endpoint_(std::move(endpoint)), config_(config) {}
+
+  // Send `frames` and wait for the reply that matches `key`, retrying with backoff.
+  // Errors: the receiver's NACK; DeadlineExceeded when no attempt got a reply; Unavailable;
+  // Cancelled soon after `stop` is requested.
+  Status Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
+                 const std::stop_token& stop = {}) {
+    Status last;
+    int backoff_ms = kFirstBackoffMs;
+    for (int attempt = 0; attempt <= config_.retries; ++attempt) {
+      if (attempt > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+        backoff_ms = std::min(2 * backoff_ms, kMaxBackoffMs);
+      }
+      if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
+      Result<std::optional<Status>> reply = Attempt(frames, key, stop);
+      if (!reply.ok()) {
+        last = reply.status();
+        // A fresh socket drops what the old one queued and any reply still on its way.
+        socket_.reset();
+        continue;
+      }
+      if (reply->has_value()) return **reply;
+      last = DeadlineExceeded("no reply from zmq endpoint {} within {} ms", endpoint_,
+                              config_.timeout_ms);
+      socket_.reset();
+    }
+    return last.WithContext(
+        fmt::format("zmq endpoint {}, {} attempts", endpoint_, config_.retries + 1));
+  }
+
+ private:
+  Status Connect() {
+    if (socket_ != nullptr) return Status::OK();
+    ZmqSocket socket(zmq_socket(context_, ZMQ_DEALER));
+    if (socket == nullptr) return Unavailable("zmq DEALER for {}: {}", endpoint_, ZmqError());
+    const int linger = 0;
+    zmq_setsockopt(socket.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_connect(socket.get(), TcpAddress(endpoint_).c_str()) != 0) {
+      return Unavailable("zmq connect to {}: {}", endpoint_, ZmqError());
+    }
+    socket_ = std::move(socket);
+    return Status::OK();
+  }
+
+  // One attempt: the reply's verdict, or nullopt on timeout.
+  Result<std::optional<Status>> Attempt(const std::vector<std::string_view>& frames,
+                                        const ReplyKey& key, const std::stop_token& stop) {
+    REFIT_RETURN_NOT_OK(Connect());
+    REFIT_RETURN_NOT_OK(SendFrames(socket_.get(), frames, endpoint_));
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.timeout_ms);
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::optional<Status>();
+      if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
+      zmq_pollitem_t item{socket_.get(), 0, ZMQ_POLLIN, 0};
+      // Wake up at least every kStopCheckMs to notice a stop request.
+      const int ready =
+          zmq_poll(&item, 1, static_cast<long>(std::min<int64_t>(left.count(), kStopCheckMs)));
+      if (ready < 0) {
+        if (zmq_errno() == EINTR) continue;
+        return Unavailable("zmq poll on {}: {}", endpoint_, ZmqError());
+      }
+      if (ready == 0) continue;
+      REFIT_ASSIGN_OR_RETURN(std::vector<std::string> reply,
+                             ReceiveFrames(socket_.get(), kReplyFrames));
+      // A reply to an earlier attempt or another request, or not ours: keep waiting.
+      if (reply.size() != kReplyFrames || reply[0] != kProtocol || reply[2] != key.transfer_hex ||
+          reply[3] != key.producer || reply[4] != key.payload) {
+        continue;
+      }
+      if (reply[1] == kKindAck) return std::optional<Status>(Status::OK());
+      const std::optional<uint32_t> code = ReadU32(reply[5]);
+      if (reply[1] != kKindNack || !code.has_value() || *code == 0 ||
+          *code > static_cast<uint32_t>(StatusCode::kInternal)) {
+        return std::optional<Status>(DataLoss("zmq endpoint {}: malformed reply (kind '{}')",
+                                              endpoint_, Printable(reply[1])));
+      }
+      return std::optional<Status>(
+          Status(static_cast<StatusCode>(*code),
+                 fmt::format("refused by zmq endpoint {}: {}", endpoint_, Printable(reply[6]))));
+    }
+  }
+
+  void* const context_;
+  const std::string endpoint_;
+  const ZmqConfig config_;
+  ZmqSocket socket_;
+};
+
+class ZmqSender final : public TransportSender {
+ public:
+  ZmqSender(ZmqContext context, ZmqConfig config, SenderContext sender, PayloadLimits limits)
+      : context_(std::move(context)),
+        config_(std::move(config)),
+        sender_(std::move(sender)),
+        limits_(limits),
+        root_index_(sender_.producer_id % sender_.endpoints.size()),
+        root_(sender_.endpoints[root_index_]) {}
+
+  ~ZmqSender() override {
+    // Sockets close before the context terminates (zmq_ctx_term waits for them).
+    connections_.clear();
+  }
+
+  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckOpen(sender_));
+    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(sender_, payload_id, payload, limits_).status());
+    progress_.RecordSent(payload_id);
+    const std::string root = U32Bytes(root_index_);
+    const ReplyKey key{sender_.transfer_id.ToHex(), U32Bytes(sender_.producer_id),
+                       U32Bytes(payload_id)};
+    return ThreadConnection()
+        .Request({kProtocol, kKindData, config_.api_key, root, AsText(payload)}, key)
+        .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
+                                 sender_.producer_id, root_));
+  }
+
+  void CleanupThread() override {
+    std::lock_guard lock(mutex_);
+    connections_.erase(std::this_thread::get_id());
+  }
+
+  Status Finish(uint64_t payloads) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckFinish(sender_, payloads));
+    const std::string root = U32Bytes(root_index_);
+    const auto& id = sender_.transfer_id.bytes;
+    const std::string transfer(reinterpret_cast<const char*>(id.data()), id.size());
+    const std::string producer = U32Bytes(sender_.producer_id);
+    const std::string count = U32Bytes(static_cast<uint32_t>(payloads));
+    const ReplyKey key{sender_.transfer_id.ToHex(), producer, ""};
+    REFIT_RETURN_NOT_OK(
+        ThreadConnection()
+            .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key)
+            .WithContext(fmt::format("finishing producer {} ({} payloads) at root relay {}",
+                                     sender_.producer_id, payloads, root_)));
+    progress_.MarkFinished();
+    return Status::OK();
+  }
+
+ private:
+  // The calling thread's connection to the root; only this thread uses it until CleanupThread.
+  Connection& ThreadConnection() {
+    std::lock_guard lock(mutex_);
+    std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
+    if (connection == nullptr) {
+      connection = std::make_unique<Connection>(context_.get(), root_, config_);
+    }
+    return *connection;
+  }
+
+  const ZmqContext context_;
+  const ZmqConfig config_;
+  const SenderContext sender_;
+  const PayloadLimits limits_;
+  const uint32_t root_index_;
+  const std::string root_;
+  SenderProgress progress_;
+  std::mutex mutex_;
+  std::map<std::thread::id, std::unique_ptr<Connection>> connections_;
+};
+
+// A request that must reach the children before its upstream reply.
+struct ForwardJob {
+  std::string identity;
+  std::vector<std::string> request;
+  ReplyKey key;
+  std::vector<size_t> children;
+};
+
+class ZmqListener final : public Listener {
+ public:
+  ZmqListener(ZmqConfig config, ListenerContext context, size_t self, PayloadSink& sink,
+              PayloadLimits limits)
+      : config_(std::move(config)),
+        endpoint_(std::move(context.endpoint)),
+        peers_(std::move(context.peers)),
+        self_(self),
+        sink_(sink),
+        limits_(limits) {}
+
+  ~ZmqListener() override { Stop(); }
+
+  Status Start() override {
+    std::lock_guard lock(lifecycle_mutex_);
+    if (started_ || stopped_) {
+      return FailedPrecondition("zmq listener at {} was started or stopped before", endpoint_);
+    }
+    started_ = true;
+    context_.reset(zmq_ctx_new());
+    if (context_ == nullptr) return Unavailable("zmq context for {}: {}", endpoint_, ZmqError());
+    router_.reset(zmq_socket(context_.get(), ZMQ_ROUTER));
+    replies_in_.reset(zmq_socket(context_.get(), ZMQ_PULL));
+    replies_out_.reset(zmq_socket(context_.get(), ZMQ_PUSH));
+    if (router_ == nullptr || replies_in_ == nullptr || replies_out_ == nullptr) {
+      return Unavailable("zmq sockets for {}: {}", endpoint_, ZmqError());
+    }
+    const int linger = 0;
+    const int64_t max_frame = static_cast<int64_t>(
+        std::min<uint64_t>(limits_.max_payload_bytes, INT64_MAX - kFrameSlackBytes) +
+        kFrameSlackBytes);
+    for (void* socket : {router_.get(), replies_in_.get(), replies_out_.get()}) {
+      zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof(linger));
+    }
+    zmq_setsockopt(router_.get(), ZMQ_MAXMSGSIZE, &max_frame, sizeof(max_frame));
+    if (zmq_bind(router_.get(), TcpAddress(endpoint_).c_str()) != 0) {
+      const bool taken = zmq_errno() == EADDRINUSE;
+      const std::string error = ZmqError();
+      if (taken) return AlreadyExists("zmq listener: endpoint {} is taken: {}", endpoint_, error);
+      return Unavailable("zmq listener: bind {}: {}", endpoint_, error);
+    }
+    if (zmq_bind(replies_in_.get(), kReplyInbox) != 0 ||
+        zmq_connect(replies_out_.get(), kReplyInbox) != 0) {
+      return Unavailable("zmq listener {}: reply channel: {}", endpoint_, ZmqError());
+    }
+    io_thread_ = std::jthread([this](std::stop_token stop) {
+      NameCurrentThread("refit-zmq-relay");
+      ServeLoop(stop);
+    });
+    if (!peers_.empty()) {
+      forward_thread_ = std::jthread([this](std::stop_token stop) {
+        NameCurrentThread("refit-zmq-fwd");
+        ForwardLoop(stop);
+      });
+    }
+    return Status::OK();
+  }
+
+  void Stop() override {
+    std::lock_guard lock(lifecycle_mutex_);
+    if (stopped_) return;
+    stopped_ = true;
+    // Request both stops before joining either: the I/O thread's sink call and the forwarder's
+    // queue wait and requests all watch their own stop tokens.
+    io_thread_.request_stop();
+    forward_thread_.request_stop();
+    if (io_thread_.joinable()) io_thread_.join();
+    if (forward_thread_.joinable()) forward_thread_.join();
+    router_.reset();
+    replies_in_.reset();
+    replies_out_.reset();
+    context_.reset();
+  }
+
+  ListenerStats stats() const override {
+    std::lock_guard lock(stats_mutex_);
+    return stats_;
+  }
+
+  const std::string& endpoint() const override { return endpoint_; }
+
+ private:
+  void RecordFailure(const Status& status) {
+    std::lock_guard lock(stats_mutex_);
+    ++stats_.failures;
+    stats_.last_error = status;
+  }
+
+  void ServeLoop(std::stop_token stop) {
+    while (!stop.stop_requested()) {
+      std::array<zmq_pollitem_t, 2> items{
+          {{router_.get(), 0, ZMQ_POLLIN, 0}, {replies_in_.get(), 0, ZMQ_POLLIN, 0}}};
+      if (zmq_poll(items.data(), items.size(), kStopCheckMs) < 0) {
+        if (zmq_errno() != EINTR) RecordFailure(Unavailable("zmq poll: {}", ZmqError()));
+        continue;
+      }
+      if ((items[1].revents & ZMQ_POLLIN) != 0) {
+        // A forwarded request's reply, identity first: pass it upstream as it is.
+        Result<std::vector<std::string>> reply = ReceiveFrames(replies_in_.get(), 1 + kReplyFrames);
+        if (reply.ok()) {
+          Status sent = SendFrames(router_.get(), *reply, "upstream");
+          if (!sent.ok()) RecordFailure(sent);
+        }
+      }
+      if ((items[0].revents & ZMQ_POLLIN) != 0) {
+        Result<std::vector<std::string>> request = ReceiveFrames(router_.get(), kMaxRequestFrames);
+        if (!request.ok()) {
+          RecordFailure(request.status().WithContext(endpoint_));
+          continue;
+        }
+        HandleRequest(std::move(request).ValueOrDie(), stop);
+      }
+    }
+  }
+
+  void Reply(const std::string& identity, const ReplyKey& key, const Status& status) {
+    if (!status.ok()) RecordFailure(status);
+    std::vector<std::string> frames = MakeReply(key, status);
+    frames.insert(frames.begin(), identity);
+    Status sent = SendFrames(router_.get(), frames, "upstream");
+    if (!sent.ok()) RecordFailure(sent);
+  }
+
+  // The relays below this one in the heap rooted at `root`.
+  std::vector<size_t> Children(size_t root) const {
+    const size_t n = peers_.size();
+    const size_t position = (self_ + n - root) % n;
+    std::vector<size_t> children;
+    for (const size_t child : {2 * position + 1, 2 * position + 2}) {
+      if (child < n) children.push_back((child + root) % n);
+    }
+    return children;
+  }
+
+  void HandleRequest(std::vector<std::string> frames, const std::stop_token& stop) {
+    // frames[0] is the identity the ROUTER added.
+    if (frames.size() < 3 || frames[1] != kProtocol) {
+      RecordFailure(
+          InvalidArgument("zmq listener {}: dropped a request of {} frames that does "
+                          "not speak {}",
+                          endpoint_, frames.size() - 1, kProtocol));
+      return;
+    }
+    const std::string identity = frames[0];
+    const std::string_view kind = frames[2];
+    const size_t expected_frames = kind == kKindData ? kDataFrames : kFlushFrames;
+    if ((kind != kKindData && kind != kKindFlush) || frames.size() != 1 + expected_frames) {
+      Reply(identity, {},
+            InvalidArgument("zmq listener {}: malformed request: kind '{}' with {} "
+                            "frames",
+                            endpoint_, Printable(kind), frames.size() - 1));
+      return;
+    }
+    const std::optional<uint32_t> root = ReadU32(frames[4]);
+    const size_t relays = std::max<size_t>(peers_.size(), 1);
+    if (kind == kKindData) {
+      HandleData(identity, std::move(frames), root, relays, stop);
+    } else {
+      HandleFlush(identity, std::move(frames), root, relays);
+    }
+  }
+
+  // Check the key and the root index. Errors: PermissionDenied; InvalidArgument.
+  Status CheckAccess(const std::string& key, std::optional<uint32_t> root, size_t relays) const {
+    if (!config_.api_key.empty() && !ConstantTimeEqual(key, config_.api_key)) {
+      return PermissionDenied("zmq listener {}: wrong api key", endpoint_);
+    }
+    if (!root.has_value() || *root >= relays) {
+      return InvalidArgument("zmq listener {}: root relay index is not one of {} relays", endpoint_,
+                             relays);
+    }
+    return Status::OK();
+  }
+
+  void HandleData(const std::string& identity, std::vector<std::string> frames,
+                  std::optional<uint32_t> root, size_t relays, const std::stop_token& stop) {
+    const std::string& payload = frames[5];
+    const auto bytes = std::as_bytes(std::span(payload.data(), payload.size()));
+    Result<PayloadHeader> header = ValidatePayloadHeader(bytes, limits_);
+    if (!header.ok()) {
+      Reply(identity, {}, header.status().WithContext(fmt::format("zmq listener {}", endpoint_)));
+      return;
+    }
+    const PayloadIds& ids = header->ids;
+    const ReplyKey key{ids.transfer_id.ToHex(), U32Bytes(ids.producer_id),
+                       U32Bytes(ids.payload_id)};
+    if (Status access = CheckAccess(frames[3], root, relays); !access.ok()) {
+      Reply(identity, key, access);
+      return;
+    }
+    Result<StageResult> staged =
+        sink_.Deliver(std::vector<std::byte>(bytes.begin(), bytes.end()), stop);
+    if (!staged.ok()) {
+      Reply(identity, key, staged.status());
+      return;
+    }
+    {
+      std::lock_guard lock(stats_mutex_);
+      ++(*staged == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
+    }
+    if (*staged == StageResult::kDuplicate || peers_.empty()) {
+      Reply(identity, key, Status::OK());
+      return;
+    }
+    Forward(identity, std::move(frames), key, *root);
+  }
+
+  void HandleFlush(const std::string& identity, std::vector<std::string> frames,
+                   std::optional<uint32_t> root, size_t relays) {
+    const std::optional<uint32_t> producer = ReadU32(frames[6]);
+    const std::optional<uint32_t> count = ReadU32(frames[7]);
+    if (frames[5].size() != kTransferIdBytes || !producer.has_value() || !count.has_value()) {
+      Reply(identity, {}, InvalidArgument("zmq listener {}: malformed FLUSH", endpoint_));
+      return;
+    }
+    StreamEnd end;
+    std::memcpy(end.transfer_id.bytes.data(), frames[5].data(), kTransferIdBytes);
+    end.producer_id = *producer;
+    end.payloads = *count;
+    const ReplyKey key{end.transfer_id.ToHex(), frames[6], ""};
+    if (Status access = CheckAccess(frames[3], root, relays); !access.ok()) {
+      Reply(identity, key, access);
+      return;
+    }
+    if (Status ended = sink_.EndOfStream(end); !ended.ok()) {
+      Reply(identity, key, ended);
+      return;
+    }
+    {
+      std::lock_guard lock(stats_mutex_);
+      ++stats_.streams_ended;
+    }
+    if (peers_.empty()) {
+      Reply(identity, key, Status::OK());
+      return;
+    }
+    Forward(identity, std::move(frames), key, *root);
+  }
+
+  // Hand the request to the forwarding thread, or reply now when this relay is a leaf.
+  void Forward(const std::string& identity, std::vector<std::string> frames, const ReplyKey& key,
+               uint32_t root) {
+    std::vector<size_t> children = Children(root);
+    if (children.empty()) {
+      Reply(identity, key, Status::OK());
+      return;
+    }
+    frames.erase(frames.begin());
+    {
+      std::lock_guard lock(jobs_mutex_);
+      jobs_.push_back(ForwardJob{identity, std::move(frames), key, std::move(children)});
+    }
+    jobs_changed_.notify_one();
+  }
+
+  void ForwardLoop(std::stop_token stop) {
+    std::map<size_t, std::unique_ptr<Connection>> connections;
+    while (true) {
+      ForwardJob job;
+      {
+        std::unique_lock lock(jobs_mutex_);
+        if (!jobs_changed_.wait(lock, stop, [&] { return !jobs_.empty(); })) break;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      Status status;
+      const std::vector<std::string_view> request(job.request.begin(), job.request.end());
+      for (const size_t child : job.children) {
+        std::unique_ptr<Connection>& connection = connections[child];
+        if (connection == nullptr) {
+          connection = std::make_unique<Connection>(context_.get(), peers_[child], config_);
+        }
+        status = connection->Request(request, job.key, stop)
+                     .WithContext(fmt::format("relay {} forwarding", endpoint_));
+        if (!status.ok()) break;
+      }
+      if (!status.ok()) RecordFailure(status);
+      std::vector<std::string> reply = MakeReply(job.key, status);
+      reply.insert(reply.begin(), job.identity);
+      if (Status sent = SendFrames(replies_out_.get(), reply, kReplyInbox); !sent.ok()) {
+        RecordFailure(sent);
+      }
+    }
+  }
+
+  const ZmqConfig config_;
+  const std::string endpoint_;
+  const std::vector<std::string> peers_;
+  // This relay's index in peers_ (0 without peers).
+  const size_t self_;
+  PayloadSink& sink_;
+  const PayloadLimits limits_;
+
+  std::mutex lifecycle_mutex_;
+  bool started_ = false;
+  bool stopped_ = false;
+  // Declared before the sockets: they close first. The router and replies_in_ belong to the
+  // I/O thread, replies_out_ to the forwarding thread, once started.
+  ZmqContext context_;
+  ZmqSocket router_;
+  ZmqSocket replies_in_;
+  ZmqSocket replies_out_;
+  std::jthread io_thread_;
+  std::jthread forward_thread_;
+
+  std::mutex jobs_mutex_;
+  // Waits with the forwarding thread's stop token, so Stop needs no notification.
+  std::condition_variable_any jobs_changed_;
+  std::deque<ForwardJob> jobs_;
+
+  mutable std::mutex stats_mutex_;
+  ListenerStats stats_;
+};
+
+class ZmqTransport final : public Transport {
+ public:
+  ZmqTransport(TransportUri uri, ZmqConfig config, TransportOptions options)
+      : Transport(std::move(uri)), config_(std::move(config)), options_(options) {}
+
+  TransportCapabilities capabilities() const override { return kZmqCapabilities; }
+
+  Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) override {
+    REFIT_RETURN_NOT_OK(CheckSenderContext(uri(), context));
+    for (const std::string& endpoint : context.endpoints) {
+      REFIT_RETURN_NOT_OK(CheckEndpoint(endpoint));
+    }
+    ZmqContext zmq_context(zmq_ctx_new());
+    if (zmq_context == nullptr) return Unavailable("zmq context: {}", ZmqError());
+    return std::unique_ptr<TransportSender>(
+        std::make_unique<ZmqSender>(std::move(zmq_context), config_, context, options_.limits));
+  }
+
+  Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
+                                                 PayloadSink& sink) override {
+    REFIT_RETURN_NOT_OK(CheckEndpoint(context.endpoint));
+    size_t self = 0;
+    if (!context.peers.empty()) {
+      for (const std::string& peer : context.peers) REFIT_RETURN_NOT_OK(CheckEndpoint(peer));
+      const auto found = std::find(context.peers.begin(), context.peers.end(), context.endpoint);
+      if (found == context.peers.end() ||
+          std::count(context.peers.begin(), context.peers.end(), context.endpoint) != 1) {
+        return InvalidArgument("zmq listener {}: must appear once among its {} relay peers",
+                               context.endpoint, context.peers.size());
+      }
+      self = static_cast<size_t>(found - context.peers.begin());
+    }
+    return std::unique_ptr<Listener>(
+        std::make_unique<ZmqListener>(config_, context, self, sink, options_.limits));
+  }
+
+ private:
+  const ZmqConfig config_;
+  const TransportOptions options_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
+                                                    const TransportOptions& options) {
+  // Error messages name the URI; never with the key in it.
+  TransportUri shown = uri;
+  for (auto& [name, value] : shown.params) {
+    if (name == "api_key") value = "<redacted>";
+  }
+  REFIT_RETURN_NOT_OK(CheckKnownParams(shown, {"timeout_ms", "retries", "api_key", "api_key_env"}));
+  if (!uri.target.empty()) {
+    return InvalidArgument(
+        "transport URI '{}': zmq takes no target; each endpoint names its host:port",
+        Printable(shown.ToString()));
+  }
+  ZmqConfig config;
+  REFIT_ASSIGN_OR_RETURN(const uint64_t timeout_ms,
+                         UintParam(shown, "timeout_ms", kDefaultTimeoutMs, kMaxTimeoutMs));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t retries,
+                         UintParam(shown, "retries", kDefaultRetries, kMaxRetries));
+  if (timeout_ms == 0) {
+    return InvalidArgument("transport URI '{}': timeout_ms must be positive",
+                           Printable(shown.ToString()));
+  }
+  config.timeout_ms = static_cast<int>(timeout_ms);
+  config.retries = static_cast<int>(retries);
+  const std::string* key = uri.Param("api_key");
+  const std::string* key_env = uri.Param("api_key_env");
+  if (key != nullptr && key_env != nullptr) {
+    return InvalidArgument("transport URI '{}': give api_key or api_key_env, not both",
+                           Printable(shown.ToString()));
+  }
+  if (key != nullptr) config.api_key = *key;
+  if (key_env != nullptr) {
+    const char* value = std::getenv(key_env->c_str());
+    if (value == nullptr || *value == '\0') {
+      return InvalidArgument("transport URI '{}': environment variable {} is unset or empty",
+                             Printable(shown.ToString()), Printable(*key_env));
+    }
+    config.api_key = value;
+  }
+  if (config.api_key.size() > kMaxApiKeyBytes) {
+    return InvalidArgument("transport URI '{}': api key of {} bytes exceeds {}",
+                           Printable(shown.ToString()), config.api_key.size(), kMaxApiKeyBytes);
+  }
+  return std::unique_ptr<Transport>(std::make_unique<ZmqTransport>(uri, config, options));
+}
+
+}  // namespace refit::internal

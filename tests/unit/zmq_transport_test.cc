@@ -1,0 +1,486 @@
+// zmq:// — the ZeroMQ relay tree on loopback: fan-out, dedupe, api key, malformed frames, retries.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "refit/receiver_session.h"
+#include "refit/tracker.h"
+#include "refit/transport.h"
+#include "refit/weight_store.h"
+#include "test_data.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+using testing::Perturb;
+using testing::RandomTensor;
+
+// A flush timeout no correct run reaches, even on a loaded 2-core machine.
+constexpr auto kGenerousTimeout = std::chrono::seconds(60);
+// How long a raw test client waits for a reply that must come.
+constexpr int kReplyWaitMs = 20'000;
+// How long a raw test client waits to conclude that a dropped request got no reply.
+constexpr int kSilenceWaitMs = 300;
+constexpr double kDensity = 0.05;
+// Small enough that a test can send a frame beyond it cheaply, large enough for every payload.
+constexpr uint64_t kTestMaxPayloadBytes = 64 << 10;
+
+std::vector<OwnedTensor> MakeModel(uint64_t seed) {
+  return {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, seed + 1),
+          RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, seed + 2),
+          RandomTensor("model.norm.weight", DType::kBFloat16, {257}, seed + 3)};
+}
+
+// A loopback port nobody listens on now: bind port 0, read it, release it.
+std::string FreeEndpoint() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ::close(fd);
+  return fmt::format("127.0.0.1:{}", ntohs(address.sin_port));
+}
+
+std::string U32(uint32_t value) {
+  std::string out(4, '\0');
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+  return out;
+}
+
+struct Step {
+  TransferPlan plan;
+  uint32_t producer = 0;
+  std::vector<std::vector<std::byte>> payloads;
+  // The payload count of each producer, as the stream ends declare it.
+  std::map<uint32_t, uint32_t> declared;
+  std::map<std::string, uint64_t> digests;
+  std::vector<OwnedTensor> model;
+};
+
+struct Receiver {
+  std::unique_ptr<WeightStore> store;
+  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<SessionSink> sink;
+  std::unique_ptr<Listener> listener;
+};
+
+// A raw DEALER speaking (or not) the protocol, to send what no correct sender would.
+class RawClient {
+ public:
+  explicit RawClient(const std::string& endpoint)
+      : context_(zmq_ctx_new()), socket_(zmq_socket(context_, ZMQ_DEALER)) {
+    const int linger = 0;
+    zmq_setsockopt(socket_, ZMQ_LINGER, &linger, sizeof(linger));
+    EXPECT_EQ(zmq_connect(socket_, ("tcp://" + endpoint).c_str()), 0);
+  }
+  ~RawClient() {
+    zmq_close(socket_);
+    zmq_ctx_term(context_);
+  }
+
+  void Send(const std::vector<std::string>& frames) {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      EXPECT_GE(zmq_send(socket_, frames[i].data(), frames[i].size(),
+                         i + 1 < frames.size() ? ZMQ_SNDMORE : 0),
+                0);
+    }
+  }
+
+  // The next reply's frames, or empty after `wait_ms` without one.
+  std::vector<std::string> Receive(int wait_ms) {
+    zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, wait_ms) <= 0) return {};
+    std::vector<std::string> frames;
+    int more = 1;
+    while (more != 0) {
+      zmq_msg_t message;
+      zmq_msg_init(&message);
+      EXPECT_GE(zmq_msg_recv(&message, socket_, 0), 0);
+      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&message)), zmq_msg_size(&message));
+      more = zmq_msg_more(&message);
+      zmq_msg_close(&message);
+    }
+    return frames;
+  }
+
+ private:
+  void* context_;
+  void* socket_;
+};
+
+class ZmqTransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(transport_, MakeTransport("zmq://"));
+    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    model_ = MakeModel(1);
+    for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
+  }
+
+  // A started receiver holding model_, listening at `endpoint` among `peers`.
+  Receiver MakeReceiver(const std::string& endpoint, const std::vector<std::string>& peers,
+                        Transport* transport = nullptr) {
+    Receiver receiver;
+    receiver.store = WeightStore::Make();
+    for (const OwnedTensor& t : model_) EXPECT_OK(receiver.store->AddCopy(t.view()));
+    auto session = ReceiverSession::Make({}, *receiver.store);
+    EXPECT_TRUE(session.ok()) << session.status().ToString();
+    if (!session.ok()) return receiver;
+    receiver.session = std::move(session).ValueOrDie();
+    receiver.sink = std::make_unique<SessionSink>(*receiver.session);
+    auto listener = (transport ? transport : transport_.get())
+                        ->MakeListener(ListenerContext{endpoint, peers}, *receiver.sink);
+    EXPECT_TRUE(listener.ok()) << listener.status().ToString();
+    if (!listener.ok()) return receiver;
+    receiver.listener = std::move(listener).ValueOrDie();
+    EXPECT_OK(receiver.listener->Start());
+    return receiver;
+  }
+
+  std::vector<Receiver> MakeRelays(size_t n, std::vector<std::string>& endpoints,
+                                   Transport* transport = nullptr) {
+    endpoints.clear();
+    for (size_t i = 0; i < n; ++i) endpoints.push_back(FreeEndpoint());
+    std::vector<Receiver> relays;
+    for (const std::string& endpoint : endpoints) {
+      relays.push_back(MakeReceiver(endpoint, endpoints, transport));
+    }
+    return relays;
+  }
+
+  // The next training step of producer `producer`, one payload per tensor; or, with
+  // `producer_per_tensor`, tensor t as payload 0 of producer t.
+  Step EncodeStep(uint64_t seed, uint32_t producer, bool producer_per_tensor = false) {
+    Step step;
+    step.producer = producer;
+    auto plan = tracker_->Begin(TransferId::Random());
+    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+    if (!plan.ok()) return step;
+    step.plan = *plan;
+    for (size_t t = 0; t < model_.size(); ++t) {
+      step.model.push_back(Perturb(model_[t], kDensity, seed * 100 + t));
+      auto encoded = tracker_->Encode(step.plan.transfer_id, step.model.back().view());
+      EXPECT_TRUE(encoded.ok()) << encoded.status().ToString();
+      if (!encoded.ok() || encoded->items.empty()) continue;
+      std::vector<ItemView> views;
+      for (const Item& item : encoded->items) views.push_back(item.view());
+      const uint32_t payload_producer =
+          producer_per_tensor ? static_cast<uint32_t>(step.payloads.size()) : producer;
+      const uint32_t payload_id =
+          producer_per_tensor ? 0 : static_cast<uint32_t>(step.payloads.size());
+      const PayloadIds ids{step.plan.transfer_id, payload_producer, payload_id,
+                           step.plan.base_version, step.plan.target_version};
+      ++step.declared[payload_producer];
+      auto payload = EncodePayload(ids, views);
+      EXPECT_TRUE(payload.ok()) << payload.status().ToString();
+      if (payload.ok()) step.payloads.push_back(std::move(payload).ValueOrDie());
+    }
+    step.digests = tracker_->PendingDigests();
+    return step;
+  }
+
+  std::unique_ptr<TransportSender> SenderFor(const Step& step,
+                                             const std::vector<std::string>& endpoints,
+                                             Transport* transport = nullptr) {
+    auto sender =
+        (transport ? transport : transport_.get())
+            ->MakeSender(SenderContext{step.plan.transfer_id, step.producer, step.plan.base_version,
+                                       step.plan.target_version, endpoints});
+    EXPECT_TRUE(sender.ok()) << sender.status().ToString();
+    return sender.ok() ? std::move(sender).ValueOrDie() : nullptr;
+  }
+
+  static void Prepare(Receiver& receiver, const Step& step) {
+    ASSERT_OK(
+        receiver.session->Prepare(PrepareRequest{step.plan.transfer_id, step.plan.base_version, {}})
+            .status());
+  }
+
+  // Flush with the counts the relay flush declared and the producer's digests, commit, compare.
+  static void FlushCommitAndCheck(Receiver& receiver, const Step& step) {
+    FlushOptions flush;
+    flush.timeout = kGenerousTimeout;
+    flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(step.plan.transfer_id);
+    EXPECT_EQ(flush.expected.payloads_per_producer, step.declared);
+    flush.expected.digests = step.digests;
+    ASSERT_OK(receiver.session->Flush(step.plan.transfer_id, flush));
+    ASSERT_OK(receiver.session->Commit(step.plan.transfer_id));
+    for (const OwnedTensor& t : step.model) {
+      ASSERT_OK_AND_ASSIGN(auto got, receiver.store->Find(t.name));
+      EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin(), t.bytes.end()))
+          << t.name;
+    }
+  }
+
+  // Send all of `step` through the tree of `endpoints`, flush every relay, advance model_.
+  void RunStep(std::vector<Receiver>& relays, const std::vector<std::string>& endpoints,
+               const Step& step) {
+    for (Receiver& relay : relays) Prepare(relay, step);
+    auto sender = SenderFor(step, endpoints);
+    ASSERT_NE(sender, nullptr);
+    for (uint32_t id = 0; id < step.payloads.size(); ++id) {
+      ASSERT_OK(sender->Send(id, step.payloads[id]));
+    }
+    sender->CleanupThread();
+    ASSERT_OK(sender->Finish(step.payloads.size()));
+    for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
+    ASSERT_OK(tracker_->Commit(step.plan.transfer_id));
+    model_ = step.model;
+  }
+
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<DeltaTracker> tracker_;
+  std::vector<OwnedTensor> model_;
+};
+
+TEST_F(ZmqTransportTest, EveryRelayOfEveryTreeSizeReceivesBitExactlyFromEveryRoot) {
+  EXPECT_EQ(transport_->capabilities(),
+            (TransportCapabilities{
+                .staged_ack = true, .fan_out_tree = true, .reports_stream_end = true}));
+  uint64_t seed = 1;
+  for (size_t n = 1; n <= 5; ++n) {
+    // Fresh relays start at version 0: restart the producer there, from the current model.
+    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
+    std::vector<std::string> endpoints;
+    std::vector<Receiver> relays = MakeRelays(n, endpoints);
+    for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+    for (uint32_t root = 0; root < n; ++root) {
+      SCOPED_TRACE(fmt::format("{} relays, root {}", n, root));
+      // Producer `root + n` has root relay `root` too (producer_id % n).
+      const Step step = EncodeStep(seed++, root + static_cast<uint32_t>(n));
+      ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, step));
+    }
+    for (const Receiver& relay : relays) {
+      EXPECT_EQ(relay.listener->stats().streams_ended, n);
+      EXPECT_EQ(relay.listener->stats().duplicates, 0u);
+      EXPECT_EQ(relay.listener->stats().failures, 0u)
+          << relay.listener->stats().last_error.ToString();
+    }
+  }
+}
+
+TEST_F(ZmqTransportTest, ADuplicateIsStagedOnceAndNotForwardedAgain) {
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints);
+  const Step step = EncodeStep(1, 0);
+  for (Receiver& relay : relays) Prepare(relay, step);
+  auto sender = SenderFor(step, endpoints);
+  ASSERT_NE(sender, nullptr);
+  for (uint32_t id = 0; id < step.payloads.size(); ++id) {
+    ASSERT_OK(sender->Send(id, step.payloads[id]));
+  }
+  ASSERT_OK(sender->Send(0, step.payloads[0]));
+  ASSERT_OK(sender->Finish(step.payloads.size()));
+  // Producer 0's root is relay 0; relays 1 and 2 are its children.
+  EXPECT_EQ(relays[0].listener->stats().delivered, step.payloads.size());
+  EXPECT_EQ(relays[0].listener->stats().duplicates, 1u);
+  for (size_t i = 1; i < relays.size(); ++i) {
+    EXPECT_EQ(relays[i].listener->stats().delivered, step.payloads.size());
+    EXPECT_EQ(relays[i].listener->stats().duplicates, 0u);
+  }
+  for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
+}
+
+TEST_F(ZmqTransportTest, ConcurrentProducersWithCrossingTreesAllArrive) {
+  // Three producers with roots 0, 1 and 2 send at once: each relay is a parent in one tree and a
+  // child in another, the case where relays waiting on each other would deadlock.
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints);
+  const Step step = EncodeStep(1, 0, /*producer_per_tensor=*/true);
+  ASSERT_EQ(step.declared.size(), 3u);
+  for (Receiver& relay : relays) Prepare(relay, step);
+  std::vector<Status> results(step.payloads.size());
+  {
+    std::vector<std::jthread> producers;
+    for (uint32_t p = 0; p < step.payloads.size(); ++p) {
+      producers.emplace_back([&, p] {
+        auto sender = transport_->MakeSender(SenderContext{
+            step.plan.transfer_id, p, step.plan.base_version, step.plan.target_version, endpoints});
+        if (!sender.ok()) {
+          results[p] = sender.status();
+          return;
+        }
+        results[p] = (*sender)->Send(0, step.payloads[p]);
+        (*sender)->CleanupThread();
+        if (results[p].ok()) results[p] = (*sender)->Finish(1);
+      });
+    }
+  }
+  for (const Status& result : results) EXPECT_OK(result);
+  for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
+}
+
+TEST_F(ZmqTransportTest, AWrongApiKeyIsPermissionDeniedAndStagesNothing) {
+  ::setenv("REFIT_ZMQ_TEST_KEY", "open sesame", 1);
+  ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key_env=REFIT_ZMQ_TEST_KEY"));
+  ASSERT_OK_AND_ASSIGN(auto wrong, MakeTransport("zmq://?api_key=open%20sesamE&retries=0"));
+  ASSERT_OK_AND_ASSIGN(auto right, MakeTransport("zmq://?api_key=open%20sesame"));
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(2, endpoints, keyed.get());
+  const Step step = EncodeStep(1, 0);
+  for (Receiver& relay : relays) Prepare(relay, step);
+
+  auto refused = SenderFor(step, endpoints, wrong.get());
+  ASSERT_NE(refused, nullptr);
+  EXPECT_STATUS(PermissionDenied, refused->Send(0, step.payloads[0]));
+  EXPECT_STATUS(PermissionDenied, refused->Finish(step.payloads.size()));
+  auto unkeyed = SenderFor(step, endpoints);
+  ASSERT_NE(unkeyed, nullptr);
+  EXPECT_STATUS(PermissionDenied, unkeyed->Send(0, step.payloads[0]));
+  for (const Receiver& relay : relays) {
+    EXPECT_EQ(relay.listener->stats().delivered, 0u);
+    EXPECT_EQ(relay.listener->stats().streams_ended, 0u);
+    EXPECT_EQ(relay.sink->DeclaredPayloads(step.plan.transfer_id).size(), 0u);
+  }
+
+  auto accepted = SenderFor(step, endpoints, right.get());
+  ASSERT_NE(accepted, nullptr);
+  for (uint32_t id = 0; id < step.payloads.size(); ++id) {
+    ASSERT_OK(accepted->Send(id, step.payloads[id]));
+  }
+  ASSERT_OK(accepted->Finish(step.payloads.size()));
+  for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
+}
+
+TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
+  TransportOptions options;
+  options.limits.max_payload_bytes = kTestMaxPayloadBytes;
+  ASSERT_OK_AND_ASSIGN(auto limited, MakeTransport("zmq://", options));
+  const std::string endpoint = FreeEndpoint();
+  Receiver receiver = MakeReceiver(endpoint, {endpoint}, limited.get());
+  ASSERT_NE(receiver.listener, nullptr);
+  const Step step = EncodeStep(1, 0);
+  Prepare(receiver, step);
+  const std::string payload0(reinterpret_cast<const char*>(step.payloads[0].data()),
+                             step.payloads[0].size());
+
+  RawClient client(endpoint);
+  // Speaks the protocol, wrong frame count: NACK.
+  client.Send({"refit-zmq/1", "DATA"});
+  std::vector<std::string> reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[0], "refit-zmq/1");
+  EXPECT_EQ(reply[1], "NACK");
+  EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kInvalidArgument)));
+  // Unknown kind: NACK.
+  client.Send({"refit-zmq/1", "DELETE", "", U32(0), payload0});
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  // Garbage payload: NACK from the header check.
+  client.Send({"refit-zmq/1", "DATA", "", U32(0), "not a payload at all"});
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  // A root index outside the relay list: NACK naming the payload.
+  client.Send({"refit-zmq/1", "DATA", "", U32(7), payload0});
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  EXPECT_EQ(reply[2], step.plan.transfer_id.ToHex());
+  EXPECT_EQ(reply[4], U32(0));
+  // A short root index frame in a FLUSH: NACK.
+  client.Send({"refit-zmq/1", "FLUSH", "", "x", std::string(16, '\0'), U32(0), U32(1)});
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  // Another protocol: dropped without a reply.
+  client.Send({"http/1.1", "DATA", "", U32(0), payload0});
+  EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
+  // Too many frames: dropped.
+  client.Send(std::vector<std::string>(20, "refit-zmq/1"));
+  EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
+  EXPECT_EQ(receiver.listener->stats().delivered, 0u);
+
+  // A frame beyond the size limit: ZeroMQ drops it and the connection.
+  {
+    RawClient huge(endpoint);
+    huge.Send({"refit-zmq/1", "DATA", "", U32(0), std::string(4 * kTestMaxPayloadBytes, 'x')});
+    EXPECT_TRUE(huge.Receive(kSilenceWaitMs).empty());
+  }
+  EXPECT_GE(receiver.listener->stats().failures, 5u);
+
+  // The listener still serves a correct sender.
+  auto sender = SenderFor(step, {endpoint}, limited.get());
+  ASSERT_NE(sender, nullptr);
+  for (uint32_t id = 0; id < step.payloads.size(); ++id) {
+    ASSERT_OK(sender->Send(id, step.payloads[id]));
+  }
+  ASSERT_OK(sender->Finish(step.payloads.size()));
+  ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(receiver, step));
+}
+
+TEST_F(ZmqTransportTest, ASenderToADeadEndpointFailsAfterItsRetries) {
+  ASSERT_OK_AND_ASSIGN(auto impatient, MakeTransport("zmq://?timeout_ms=100&retries=2"));
+  const Step step = EncodeStep(1, 0);
+  auto sender = SenderFor(step, {FreeEndpoint()}, impatient.get());
+  ASSERT_NE(sender, nullptr);
+  const Status status = sender->Send(0, step.payloads[0]);
+  EXPECT_STATUS(DeadlineExceeded, status);
+  EXPECT_NE(status.message().find("3 attempts"), std::string::npos) << status.ToString();
+  EXPECT_STATUS(DeadlineExceeded, sender->Finish(step.payloads.size()));
+}
+
+TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
+  EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://host:1").status());
+  EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://?color=blue").status());
+  // The key never appears in an error message.
+  const Status typo = MakeTransport("zmq://?api_key=hunter2&colour=blue").status();
+  EXPECT_STATUS(InvalidArgument, typo);
+  EXPECT_EQ(typo.message().find("hunter2"), std::string::npos) << typo.ToString();
+  EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://?timeout_ms=0").status());
+  EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://?api_key=a&api_key_env=B").status());
+  ::unsetenv("REFIT_ZMQ_TEST_UNSET_KEY");
+  EXPECT_STATUS(InvalidArgument,
+                MakeTransport("zmq://?api_key_env=REFIT_ZMQ_TEST_UNSET_KEY").status());
+
+  const Step step = EncodeStep(1, 0);
+  for (const std::string bad : {"localhost", ":80", "host:0", "host:65536", "host:http", "a/b:1"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_STATUS(
+        InvalidArgument,
+        transport_
+            ->MakeSender(SenderContext{
+                step.plan.transfer_id, 0, step.plan.base_version, step.plan.target_version, {bad}})
+            .status());
+  }
+  Receiver receiver = MakeReceiver(FreeEndpoint(), {});
+  ASSERT_NE(receiver.listener, nullptr);
+  EXPECT_STATUS(FailedPrecondition, receiver.listener->Start());
+  EXPECT_STATUS(
+      InvalidArgument,
+      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:2"}}, *receiver.sink).status());
+  EXPECT_STATUS(
+      InvalidArgument,
+      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:1", "127.0.0.1:1"}}, *receiver.sink)
+          .status());
+  // The same endpoint cannot be bound twice.
+  auto second = transport_->MakeListener({receiver.listener->endpoint(), {}}, *receiver.sink);
+  ASSERT_OK(second.status());
+  EXPECT_STATUS(AlreadyExists, (*second)->Start());
+}
+
+}  // namespace
+}  // namespace refit
