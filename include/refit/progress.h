@@ -126,8 +126,8 @@ class ProgressReporter {
 ///     ----  ------------  -------  --------
 ///        1  embed.weight    1.20%  1.50 MiB
 ///
-/// A column is right-aligned when every non-empty cell in it (other than "-", the usual
-/// placeholder) starts like a number: an optional sign, then a digit or '.' followed by a digit.
+/// A column is right-aligned when every non-empty cell in it (other than "-", which marks a
+/// missing value) starts like a number: an optional sign, then a digit or '.' followed by a digit.
 /// Widths count bytes, so cells should be ASCII. Columns are separated by two spaces and
 /// trailing spaces are trimmed.
 ///
