@@ -4,28 +4,18 @@
 
 #include "refit/digest.h"
 #include "refit/tracker.h"
+#include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
 
 namespace refit {
 namespace {
 
+using testing::StoreSnapshot;
+using testing::TakeSnapshot;
+
 using testing::Perturb;
 using testing::RandomTensor;
-
-struct Snapshot {
-  std::map<std::string, std::vector<std::byte>> bytes;
-  std::map<std::string, uint64_t> digests;
-  friend bool operator==(const Snapshot&, const Snapshot&) = default;
-};
-
-Snapshot Take(const WeightStore& store) {
-  Snapshot s;
-  for (const TensorView& t : store.tensors())
-    s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
-  s.digests = store.Digests();
-  return s;
-}
 
 /// A producer and a receiver that start from the same weights, like a trainer and one replica.
 class ApplyTest : public ::testing::TestWithParam<std::tuple<DType, Op>> {
@@ -97,7 +87,7 @@ TEST_P(ApplyTest, StepsReproduceTheTrainerBitExactlyAndDigestsMatch) {
 }
 
 TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   std::vector<OwnedTensor> next;
   for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.3, 99));
   const TransferId id = TransferId::Random();
@@ -106,10 +96,10 @@ TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
     ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
   }
-  EXPECT_NE(Take(*store_), before);
+  EXPECT_NE(TakeSnapshot(*store_), before);
   EXPECT_GT(undo.bytes(), 0u);
   ASSERT_OK(undo.Rollback(*store_));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(undo.records(), 0u);
   ASSERT_OK(tracker_->Abort(id));
 }
@@ -174,25 +164,25 @@ Item OverwriteItem(std::string name, DType dtype, Shape shape) {
 }
 
 TEST_F(ApplyRejectionTest, UnknownTensorAppliesNothing) {
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   // The valid item for 'w' comes first: it must not be applied either.
   auto payload = MakePayload({OverwriteItem("model.missing", DType::kBFloat16, {4})});
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
   UndoLog undo;
   EXPECT_STATUS_MSG(NotFound, "model.missing", ApplyPayload(decoded, *store_, &undo));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(undo.records(), 0u);
 }
 
 TEST_F(ApplyRejectionTest, DtypeOrShapeMismatchAppliesNothing) {
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   UndoLog undo;
   for (Item bad : {OverwriteItem("other", DType::kBFloat16, {10}),
                    OverwriteItem("other", DType::kFloat32, {2, 5})}) {
     auto payload = MakePayload({bad});
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
     EXPECT_STATUS_MSG(InvalidArgument, "'other'", ApplyPayload(decoded, *store_, &undo));
-    EXPECT_EQ(Take(*store_), before);
+    EXPECT_EQ(TakeSnapshot(*store_), before);
   }
 }
 
@@ -205,10 +195,10 @@ TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
   ASSERT_OK_AND_ASSIGN(MutableTensorView w, store_->Find("w"));
   w.bytes[changed_byte] ^= std::byte{0x40};
   ASSERT_OK(store_->SetDigest("w", TensorDigest(w.AsConst())));
-  const Snapshot diverged = Take(*store_);
+  const StoreSnapshot diverged = TakeSnapshot(*store_);
   UndoLog undo;
   EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(decoded, *store_, &undo));
-  EXPECT_EQ(Take(*store_), diverged);
+  EXPECT_EQ(TakeSnapshot(*store_), diverged);
   EXPECT_EQ(undo.records(), 0u);
 }
 
@@ -229,14 +219,14 @@ TEST_F(ApplyRejectionTest, DivergenceOutsideTheChangesShowsInTheTensorDigest) {
 }
 
 TEST_F(ApplyRejectionTest, UndoLogSpansPayloadsAndRollsBackAll) {
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   UndoLog undo;
   auto payload = MakePayload();
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
   ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
   EXPECT_STATUS(InvalidArgument, ApplyPayload(decoded, *store_, nullptr));
   ASSERT_OK(undo.Rollback(*store_));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
 }
 
 }  // namespace

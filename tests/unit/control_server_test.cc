@@ -31,11 +31,15 @@
 #include "refit/control_client.h"
 #include "refit/digest.h"
 #include "refit/tracker.h"
+#include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
 
 namespace refit {
 namespace {
+
+using testing::StoreSnapshot;
+using testing::TakeSnapshot;
 
 using nlohmann::json;
 using testing::Perturb;
@@ -50,22 +54,6 @@ constexpr auto kShortTimeout = std::chrono::milliseconds(100);
 constexpr auto kSettleTime = std::chrono::milliseconds(100);
 // Fraction of elements each training step changes.
 constexpr double kDensity = 0.05;
-
-struct Snapshot {
-  std::map<std::string, std::vector<std::byte>> bytes;
-  std::map<std::string, uint64_t> digests;
-  uint64_t version = 0;
-  friend bool operator==(const Snapshot&, const Snapshot&) = default;
-};
-
-Snapshot Take(const WeightStore& store) {
-  Snapshot s;
-  for (const TensorView& t : store.tensors())
-    s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
-  s.digests = store.Digests();
-  s.version = store.version();
-  return s;
-}
 
 /// One training step encoded as one transfer: one payload per tensor, round-robin over producers.
 struct Step {
@@ -296,15 +284,15 @@ TEST_F(ControlServerTest, ResentPayloadIsADuplicateAndAppliedOnce) {
 
 TEST_F(ControlServerTest, AbortRestoresTheBaseAndARetrySucceeds) {
   StartServer();
-  const Snapshot base = Take(*store_);
+  const StoreSnapshot base = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   ASSERT_OK(client_->Prepare(Request(step)));
   for (const auto& payload : step.payloads) ASSERT_OK(client_->SendPayload(payload));
   ASSERT_OK(client_->Flush(step.id, Generous()));
-  EXPECT_NE(Take(*store_), base);  // Applied, not committed.
+  EXPECT_NE(TakeSnapshot(*store_), base);  // Applied, not committed.
   ASSERT_OK(client_->Abort(step.id));
   ASSERT_OK(client_->Abort(step.id));  // Idempotent.
-  EXPECT_EQ(Take(*store_), base);
+  EXPECT_EQ(TakeSnapshot(*store_), base);
   ASSERT_OK(tracker_->Abort(step.id));
   EXPECT_EQ(Sample("refit_transfers_aborted_total"), 1);
   // The aborted id is finished: its payloads are refused, so an XOR can never apply twice.
@@ -330,19 +318,19 @@ TEST_F(ControlServerTest, MissingOrWrongKeyIsRefusedAndChangesNothing) {
     EXPECT_STATUS(PermissionDenied, client.GetStatus());
     EXPECT_STATUS(PermissionDenied, client.GetTensor(current_[0].name));
   };
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   expect_refused_everywhere(*no_key, step);
   expect_refused_everywhere(*wrong_key, step);
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(session_->GetStatus().state, ReceiverState::kIdle);
 
   // With a transfer prepared by the right key, the wrong one can neither abort nor commit it.
   ASSERT_OK(client_->Prepare(Request(step)));
   for (const auto& payload : step.payloads) ASSERT_OK(client_->SendPayload(payload));
   ASSERT_OK(client_->Flush(step.id, Generous()));
-  const Snapshot prepared = Take(*store_);
+  const StoreSnapshot prepared = TakeSnapshot(*store_);
   expect_refused_everywhere(*wrong_key, step);
-  EXPECT_EQ(Take(*store_), prepared);
+  EXPECT_EQ(TakeSnapshot(*store_), prepared);
   EXPECT_EQ(session_->GetStatus().state, ReceiverState::kPrepared);
   EXPECT_EQ(session_->GetStatus().version, 0u);
 
@@ -372,7 +360,7 @@ TEST_F(ControlServerTest, MissingOrWrongKeyIsRefusedAndChangesNothing) {
                             json{{"transfer_id", step.id.ToHex()}}.dump(), "application/json");
   ASSERT_TRUE(raw_abort);
   EXPECT_EQ(raw_abort->status, 403);
-  EXPECT_EQ(Take(*store_), prepared);
+  EXPECT_EQ(TakeSnapshot(*store_), prepared);
   // An unknown path without a key is refused before routing: it does not reveal what exists.
   auto probe = raw.Get("/v1/secret-admin");
   ASSERT_TRUE(probe);

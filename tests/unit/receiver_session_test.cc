@@ -14,11 +14,15 @@
 #include <vector>
 
 #include "refit/tracker.h"
+#include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
 
 namespace refit {
 namespace {
+
+using testing::StoreSnapshot;
+using testing::TakeSnapshot;
 
 using testing::Perturb;
 using testing::RandomTensor;
@@ -32,22 +36,6 @@ constexpr auto kShortTimeout = std::chrono::milliseconds(100);
 constexpr auto kSettleTime = std::chrono::milliseconds(50);
 // Fraction of elements each training step changes: every tensor gets some changes.
 constexpr double kDensity = 0.05;
-
-struct Snapshot {
-  std::map<std::string, std::vector<std::byte>> bytes;
-  std::map<std::string, uint64_t> digests;
-  uint64_t version = 0;
-  friend bool operator==(const Snapshot&, const Snapshot&) = default;
-};
-
-Snapshot Take(const WeightStore& store) {
-  Snapshot s;
-  for (const TensorView& t : store.tensors())
-    s.bytes[t.name].assign(t.bytes.begin(), t.bytes.end());
-  s.digests = store.Digests();
-  s.version = store.version();
-  return s;
-}
 
 /// One training step encoded as one transfer.
 struct Step {
@@ -406,18 +394,18 @@ TEST_F(ReceiverSessionTest, PrepareOnTheTargetOfAPreparedTransferImpliesItsCommi
 TEST_F(ReceiverSessionTest, AbortMidTransferRestoresTheBaseBitExactly) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1, /*producers=*/2, /*spans=*/2);
   ASSERT_GE(step.payloads.size(), 4u);
   ASSERT_OK(session->Prepare(Request(step)));
   const size_t half = step.payloads.size() / 2;
   for (size_t i = 0; i < half; ++i) ASSERT_OK(session->Stage(step.payloads[i]));
   WaitForApplied(*session, half);
-  EXPECT_NE(Take(*store_), before);
+  EXPECT_NE(TakeSnapshot(*store_), before);
   EXPECT_GT(session->GetStatus().undo_bytes, 0u);
 
   ASSERT_OK(session->Abort(step.id));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
   const ReceiverStatus status = session->GetStatus();
   EXPECT_EQ(status.state, ReceiverState::kIdle);
@@ -443,7 +431,7 @@ TEST_F(ReceiverSessionTest, AbortMidTransferRestoresTheBaseBitExactly) {
 TEST_F(ReceiverSessionTest, CorruptPayloadFailsTheFlushAndAbortRestores) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   ASSERT_GE(step.payloads.size(), 3u);
   const size_t last = step.payloads.size() - 1;
@@ -462,10 +450,10 @@ TEST_F(ReceiverSessionTest, CorruptPayloadFailsTheFlushAndAbortRestores) {
   EXPECT_EQ(status.state, ReceiverState::kReceiving);
   EXPECT_EQ(status.last_error.code(), StatusCode::kDataLoss);
   EXPECT_EQ(status.applied_payloads, last);
-  EXPECT_NE(Take(*store_), before);
+  EXPECT_NE(TakeSnapshot(*store_), before);
 
   ASSERT_OK(session->Abort(step.id));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(session->GetStatus().last_error.code(), StatusCode::kDataLoss);
   ASSERT_OK(tracker_->Abort(step.id));
 
@@ -625,7 +613,7 @@ TEST_F(ReceiverSessionTest, ConcurrentStageFromFourThreads) {
 TEST_F(ReceiverSessionTest, ExpectedDigestMismatchFailsTheFlushAndAbortRestores) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   PrepareRequest request = Request(step);
   const std::string victim = "model.layers.0.mlp.up.weight";
@@ -640,7 +628,7 @@ TEST_F(ReceiverSessionTest, ExpectedDigestMismatchFailsTheFlushAndAbortRestores)
   EXPECT_STATUS_MSG(FailedPrecondition, "already flushed", session->Stage(step.payloads[0]));
   EXPECT_STATUS(FailedPrecondition, session->Commit(step.id));
   ASSERT_OK(session->Abort(step.id));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
   ASSERT_OK(tracker_->Abort(step.id));
 
   // A digest for a tensor the receiver does not hold fails too.
@@ -651,7 +639,7 @@ TEST_F(ReceiverSessionTest, ExpectedDigestMismatchFailsTheFlushAndAbortRestores)
   for (const auto& payload : retry.payloads) ASSERT_OK(session->Stage(payload));
   EXPECT_STATUS_MSG(NotFound, "model.not.here", session->Flush(retry.id, Generous()));
   ASSERT_OK(session->Abort(retry.id));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
 }
 
 /// A gate the apply thread waits at before each payload, so a test controls when it drains.
@@ -748,7 +736,7 @@ TEST_F(ReceiverSessionTest, PayloadsQueuedBehindAnApplyErrorAreNotApplied) {
     ApplyGate& gate;
     ~GateOpener() { gate.Open(); }
   } opener{gate};
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   std::vector<std::byte> corrupt = step.payloads[0];
   corrupt.back() ^= std::byte{0x01};
@@ -761,15 +749,15 @@ TEST_F(ReceiverSessionTest, PayloadsQueuedBehindAnApplyErrorAreNotApplied) {
   EXPECT_STATUS_MSG(DataLoss, "checksum", session->Flush(step.id, Generous()));
   EXPECT_EQ(session->GetStatus().applied_payloads, 0u);
   EXPECT_EQ(session->GetStatus().queued_payloads, 0u);
-  EXPECT_EQ(Take(*store_), before);  // Nothing applied, even before the Abort.
+  EXPECT_EQ(TakeSnapshot(*store_), before);  // Nothing applied, even before the Abort.
   ASSERT_OK(session->Abort(step.id));
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
 }
 
 TEST_F(ReceiverSessionTest, AbortEndsAWaitingFlush) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   ASSERT_OK(session->Prepare(Request(step)));
   ASSERT_OK(session->Stage(step.payloads[0]));
@@ -783,26 +771,26 @@ TEST_F(ReceiverSessionTest, AbortEndsAWaitingFlush) {
   EXPECT_TRUE(flushed.status().code() == StatusCode::kCancelled ||
               flushed.status().code() == StatusCode::kFailedPrecondition)
       << flushed.status().ToString();
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
 }
 
 TEST_F(ReceiverSessionTest, DestroyingTheSessionRollsBackAnOpenTransfer) {
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
   const Step step = EncodeStep(1);
   ASSERT_OK(session->Prepare(Request(step)));
   for (const auto& payload : step.payloads) ASSERT_OK(session->Stage(payload));
   WaitForApplied(*session, step.payloads.size());
-  EXPECT_NE(Take(*store_), before);
+  EXPECT_NE(TakeSnapshot(*store_), before);
   session.reset();
-  EXPECT_EQ(Take(*store_), before);
+  EXPECT_EQ(TakeSnapshot(*store_), before);
 }
 
 TEST_F(ReceiverSessionTest, EmptyTransferCommits) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);
-  const Snapshot before = Take(*store_);
+  const StoreSnapshot before = TakeSnapshot(*store_);
   const TransferId id = TransferId::Random();
   TransferExpectation nothing;
   nothing.total_payloads = 0;
