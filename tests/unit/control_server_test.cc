@@ -34,10 +34,13 @@
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "trainer_step.h"
 
 namespace refit {
 namespace {
 
+using Step = testing::TrainerStep;
+using testing::EncodeTrainerStep;
 using testing::StoreSnapshot;
 using testing::TakeSnapshot;
 
@@ -54,17 +57,6 @@ constexpr auto kShortTimeout = std::chrono::milliseconds(100);
 constexpr auto kSettleTime = std::chrono::milliseconds(100);
 // Fraction of elements each training step changes.
 constexpr double kDensity = 0.05;
-
-/// One training step encoded as one transfer: one payload per tensor, round-robin over producers.
-struct Step {
-  TransferId id;
-  uint64_t base_version = 0;
-  std::vector<std::vector<std::byte>> payloads;
-  std::vector<PayloadIds> ids;
-  std::vector<std::vector<Item>> items;
-  TransferExpectation expected;
-  std::vector<OwnedTensor> next;
-};
 
 json ParseBody(const httplib::Result& result) {
   return json::parse(result->body, nullptr, /*allow_exceptions=*/false);
@@ -134,32 +126,7 @@ class ControlServerTest : public ::testing::Test {
   }
 
   Step EncodeStep(uint64_t seed, uint32_t producers = 2) {
-    Step step;
-    step.id = TransferId::Random();
-    auto plan = tracker_->Begin(step.id);
-    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
-    if (!plan.ok()) return step;
-    step.base_version = plan->base_version;
-    std::map<uint32_t, uint32_t> next_payload_id;
-    for (size_t t = 0; t < current_.size(); ++t) {
-      step.next.push_back(Perturb(current_[t], kDensity, seed * 100 + t));
-      auto encoded = tracker_->Encode(step.id, step.next.back().view());
-      EXPECT_TRUE(encoded.ok()) << encoded.status().ToString();
-      if (!encoded.ok() || encoded->items.empty()) continue;
-      const auto producer = static_cast<uint32_t>(t % producers);
-      PayloadIds ids{step.id, producer, next_payload_id[producer]++, plan->base_version,
-                     plan->target_version};
-      std::vector<ItemView> views;
-      for (const Item& item : encoded->items) views.push_back(item.view());
-      auto bytes = EncodePayload(ids, views);
-      EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-      step.payloads.push_back(std::move(bytes).ValueOrDie());
-      step.ids.push_back(ids);
-      step.items.push_back(std::move(encoded->items));
-    }
-    step.expected.payloads_per_producer = std::move(next_payload_id);
-    step.expected.digests = tracker_->PendingDigests();
-    return step;
+    return EncodeTrainerStep(*tracker_, current_, seed, kDensity, producers);
   }
 
   static PrepareRequest Request(const Step& step) {

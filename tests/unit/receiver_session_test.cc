@@ -17,10 +17,13 @@
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "trainer_step.h"
 
 namespace refit {
 namespace {
 
+using Step = testing::TrainerStep;
+using testing::EncodeTrainerStep;
 using testing::StoreSnapshot;
 using testing::TakeSnapshot;
 
@@ -36,23 +39,6 @@ constexpr auto kShortTimeout = std::chrono::milliseconds(100);
 constexpr auto kSettleTime = std::chrono::milliseconds(50);
 // Fraction of elements each training step changes: every tensor gets some changes.
 constexpr double kDensity = 0.05;
-
-/// One training step encoded as one transfer.
-struct Step {
-  TransferId id;
-  uint64_t base_version = 0;
-  uint64_t target_version = 0;
-  std::vector<std::vector<std::byte>> payloads;
-  std::vector<PayloadIds> ids;
-  /// The items of each payload (to re-encode them differently).
-  std::vector<std::vector<Item>> items;
-  /// Per-producer counts and the producers' pending digests.
-  TransferExpectation expected;
-  uint64_t items_total = 0;
-  uint64_t changed_elements = 0;
-  /// The trainer's weights after the step.
-  std::vector<OwnedTensor> next;
-};
 
 /// A trainer (DeltaTracker over W producers) and one receiver store that start from the same
 /// weights.
@@ -83,43 +69,7 @@ class ReceiverSessionTest : public ::testing::Test {
   /// per range; range k of all tensors goes to producer k % producers, as the upstream
   /// `chunk % W` ownership does.
   Step EncodeStep(uint64_t seed, uint32_t producers = 2, uint64_t spans = 1) {
-    Step step;
-    step.id = TransferId::Random();
-    auto plan = tracker_->Begin(step.id);
-    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
-    if (!plan.ok()) return step;
-    step.base_version = plan->base_version;
-    step.target_version = plan->target_version;
-    std::map<uint32_t, uint32_t> next_payload_id;
-    uint64_t chunk = 0;
-    for (size_t t = 0; t < current_.size(); ++t) {
-      step.next.push_back(Perturb(current_[t], kDensity, seed * 100 + t));
-      const OwnedTensor& next = step.next.back();
-      const uint64_t numel = next.view().numel();
-      for (uint64_t s = 0; s < spans; ++s, ++chunk) {
-        auto encoded =
-            tracker_->Encode(step.id, next.view(), numel * s / spans, numel * (s + 1) / spans);
-        EXPECT_TRUE(encoded.ok()) << encoded.status().ToString();
-        if (!encoded.ok() || encoded->items.empty()) continue;
-        const auto producer = static_cast<uint32_t>(chunk % producers);
-        PayloadIds ids{step.id, producer, next_payload_id[producer]++, plan->base_version,
-                       plan->target_version};
-        std::vector<ItemView> views;
-        for (const Item& item : encoded->items) {
-          views.push_back(item.view());
-          step.changed_elements += item.count;
-        }
-        step.items_total += views.size();
-        auto bytes = EncodePayload(ids, views);
-        EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-        step.payloads.push_back(std::move(bytes).ValueOrDie());
-        step.ids.push_back(ids);
-        step.items.push_back(std::move(encoded->items));
-      }
-    }
-    step.expected.payloads_per_producer = std::move(next_payload_id);
-    step.expected.digests = tracker_->PendingDigests();
-    return step;
+    return EncodeTrainerStep(*tracker_, current_, seed, kDensity, producers, spans);
   }
 
   static PrepareRequest Request(const Step& step) {
