@@ -63,7 +63,7 @@ struct ControlStatus {
 ///
 /// Thread-safety: every member function may be called concurrently from any thread. Idle
 /// connections are kept for reuse (keep-alive); each call uses one connection exclusively.
-class ControlClient {
+class ControlClient final : public ReceiverControl {
  public:
   /// Validate the options; connects nothing yet.
   /// Errors: InvalidArgument (a base URL that is not http(s)://host:port[/prefix]; a negative
@@ -75,14 +75,14 @@ class ControlClient {
   ControlClient& operator=(const ControlClient&) = delete;
 
   /// POST /v1/prepare. Errors: as ReceiverSession::Prepare.
-  Result<PrepareResult> Prepare(const PrepareRequest& request);
+  Result<PrepareResult> Prepare(const PrepareRequest& request) override;
   /// POST /v1/flush; waits up to options.timeout on the server (plus the client timeout).
   /// Errors: as ReceiverSession::Flush.
-  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {});
+  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {}) override;
   /// POST /v1/commit. Errors: as ReceiverSession::Commit.
-  Status Commit(const TransferId& id);
+  Status Commit(const TransferId& id) override;
   /// POST /v1/abort. Errors: as ReceiverSession::Abort.
-  Status Abort(const TransferId& id);
+  Status Abort(const TransferId& id) override;
   /// POST /v1/payload with the payload's bytes (not copied). Errors: as ReceiverSession::Stage,
   /// ResourceExhausted beyond the server's body limit, Unavailable while it stops.
   Result<StageResult> SendPayload(std::span<const std::byte> payload);

@@ -112,6 +112,31 @@ using PayloadSender =
 /// sender thread that was started, on that thread, after its last send, on success and failure.
 using SenderCleanup = std::function<void()>;
 
+/// Where one producer's payloads of one transfer go: the producer side of a transport, as the
+/// Coordinator drives it. TransportSender (transport.h) is the implementation for every
+/// registered transport; tests may implement it in process.
+///
+/// Lifecycle: Send any number of times, concurrently; CleanupThread once on each sending thread
+/// after its last Send; then, when the stream succeeded, Finish once with the payload count.
+class PayloadChannel {
+ public:
+  virtual ~PayloadChannel() = default;
+
+  /// Send payload `payload_id` (bytes borrowed for the call). Sending the same payload again is
+  /// safe: receivers deduplicate it.
+  virtual Status Send(uint32_t payload_id, std::span<const std::byte> payload) = 0;
+  /// Release the calling thread's per-thread resources (sockets, clients).
+  virtual void CleanupThread() {}
+  /// Mark the end of the stream: payload ids 0 … payloads − 1 were sent.
+  virtual Status Finish(uint64_t payloads) = 0;
+
+  /// Return Send as the callback of ProducerStream::Run. This channel must outlive the callback.
+  PayloadSender AsPayloadSender();
+  /// Return CleanupThread as the cleanup callback of ProducerStream::Run. This channel must
+  /// outlive the callback.
+  SenderCleanup AsSenderCleanup();
+};
+
 /// Options of ProducerStream::Make.
 struct ProducerStreamOptions {
   /// This producer's rank p and the number of producers W; p owns chunk k iff k % W == p.

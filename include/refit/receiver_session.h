@@ -165,6 +165,21 @@ struct ReceiverSessionOptions {
   std::function<void(const PayloadIds&)> before_apply;
 };
 
+/// One receiver's transfer control as a coordinator drives it — Prepare → Flush → Commit, or
+/// Abort — whether the receiver lives in this process (ReceiverSession) or behind its HTTP
+/// control plane (ControlClient). Every call is idempotent for the same transfer id (see the
+/// table of ReceiverSession), so a coordinator may repeat any of them after a lost reply.
+/// Implementations accept concurrent calls from any thread.
+class ReceiverControl {
+ public:
+  virtual ~ReceiverControl() = default;
+
+  virtual Result<PrepareResult> Prepare(const PrepareRequest& request) = 0;
+  virtual Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options) = 0;
+  virtual Status Commit(const TransferId& id) = 0;
+  virtual Status Abort(const TransferId& id) = 0;
+};
+
 /// The receiver's transactional transfer state over one WeightStore.
 ///
 /// What each call does by state (T = the open transfer, U = any other id):
@@ -194,7 +209,7 @@ struct ReceiverSessionOptions {
 /// The store must outlive the session, and while the session exists it is the only writer of
 /// the store's bytes, digests and version. Reading the store is safe while no transfer is open,
 /// or while one is kPrepared and no Commit or Abort runs concurrently.
-class ReceiverSession {
+class ReceiverSession final : public ReceiverControl {
  public:
   /// Bounds on Options::apply_queue_depth and remembered_transfers: far above any sensible
   /// value, low enough that a mistyped one (e.g. a byte count) is reported.
@@ -218,7 +233,7 @@ class ReceiverSession {
   /// Errors: InvalidArgument (inconsistent expectation; base version at the maximum);
   /// FailedPrecondition (base_version is not the receiver's version; another transfer is open;
   /// the id is open with a different request; the id belongs to a finished transfer).
-  Result<PrepareResult> Prepare(const PrepareRequest& request);
+  Result<PrepareResult> Prepare(const PrepareRequest& request) override;
 
   /// Stage one payload of the open transfer, taking ownership of its bytes; block while the
   /// apply queue is full. Only the header is checked here (cheap); the checksum and body are
@@ -253,13 +268,13 @@ class ReceiverSession {
   /// first apply error (e.g. DataLoss for a corrupt payload); NotFound / DataLoss naming the
   /// first expected tensor that the store lacks / whose digest differs; Cancelled when the
   /// transfer is aborted while waiting.
-  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {});
+  Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options = {}) override;
 
   /// Commit prepared transfer `id`: the store's version becomes its target and the undo log is
   /// dropped. Committing an already committed id is OK (idempotent).
   /// Errors: FailedPrecondition naming the state (`id` not flushed yet, aborted, unknown, or not
   /// the open transfer).
-  Status Commit(const TransferId& id);
+  Status Commit(const TransferId& id) override;
 
   /// Abort transfer `id`: discard queued payloads, wait for the one being applied, and roll the
   /// store back to the base version bit-exactly (bytes and digests). Aborting an already aborted
@@ -268,7 +283,7 @@ class ReceiverSession {
   /// so its late payloads and a late Prepare are refused.
   /// Errors: FailedPrecondition (`id` is committed, or another transfer is open); NotFound if the
   /// rollback cannot find a tensor (the transfer then stays open).
-  Status Abort(const TransferId& id);
+  Status Abort(const TransferId& id) override;
 
   /// Return a snapshot of the state and counters. Cheap (no store access).
   ReceiverStatus GetStatus() const;

@@ -171,10 +171,8 @@ struct SenderContext {
 ///
 /// Thread-safety: Send and CleanupThread may be called concurrently from any thread; Finish must
 /// not run concurrently with Send.
-class TransportSender {
+class TransportSender : public PayloadChannel {
  public:
-  virtual ~TransportSender() = default;
-
   /// Send payload `payload_id`; the bytes are borrowed for the call only. Return once the
   /// transport's delivery guarantee holds (TransportCapabilities::staged_ack). The payload's
   /// header must name this sender's transfer, producer, version step and `payload_id`.
@@ -183,11 +181,11 @@ class TransportSender {
   /// the header errors of ValidatePayloadHeader; FailedPrecondition after Finish; Unavailable
   /// (no receiver at an endpoint, a vanished directory: retrying may succeed); IoError; and a
   /// receiver's refusal where the transport reports it (staged_ack).
-  virtual Status Send(uint32_t payload_id, std::span<const std::byte> payload) = 0;
+  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override = 0;
 
   /// Release the calling thread's per-thread resources (sockets, clients). Transports without
   /// per-thread resources do nothing.
-  virtual void CleanupThread() {}
+  void CleanupThread() override {}
 
   /// Mark the end of this producer's stream: `payloads` were sent, with ids 0 … payloads − 1.
   /// Transports that report the stream end (reports_stream_end) hand it to every receiver. A
@@ -195,13 +193,7 @@ class TransportSender {
   /// Errors: FailedPrecondition after a successful Finish; InvalidArgument when a sent payload id
   /// is not below `payloads` or `payloads` exceeds the 32-bit id space; as Send for delivery
   /// failures.
-  virtual Status Finish(uint64_t payloads) = 0;
-
-  /// Return Send as the callback of ProducerStream::Run. This sender must outlive the callback.
-  PayloadSender AsPayloadSender();
-  /// Return CleanupThread as the cleanup callback of ProducerStream::Run. This sender must
-  /// outlive the callback.
-  SenderCleanup AsSenderCleanup();
+  Status Finish(uint64_t payloads) override = 0;
 };
 
 // ---- Receiver side ----------------------------------------------------------------------------

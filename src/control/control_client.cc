@@ -222,7 +222,7 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
     std::string_view what, const Request& request, std::chrono::milliseconds extra_read_timeout) {
   httplib::Headers headers;
   if (!options.api_key.empty()) headers.emplace("Authorization", "Bearer " + options.api_key);
-  const std::string description = fmt::format("{}{}", base_url, what);
+  const std::string description = fmt::format("{} {}", base_url, what);
   Status last_error;
   std::chrono::milliseconds backoff = options.retry_backoff;
   for (int attempt = 0; attempt <= options.max_retries; ++attempt) {
@@ -270,7 +270,7 @@ Result<Json> ControlClient::Impl::PostJson(std::string_view path, const Json& bo
                              },
                              extra_read_timeout));
   if (reply.status != kHttpOk) {
-    return ErrorFromResponse(reply.status, reply.body, fmt::format("{}POST {}", base_url, path));
+    return ErrorFromResponse(reply.status, reply.body, fmt::format("{} POST {}", base_url, path));
   }
   return ParseSuccessBody(reply.body, fmt::format("POST {}", path));
 }
@@ -283,7 +283,7 @@ Result<Json> ControlClient::Impl::GetJson(std::string_view path) {
                                 return client.Get(full_path, headers);
                               }));
   if (reply.status != kHttpOk) {
-    return ErrorFromResponse(reply.status, reply.body, fmt::format("{}GET {}", base_url, path));
+    return ErrorFromResponse(reply.status, reply.body, fmt::format("{} GET {}", base_url, path));
   }
   return ParseSuccessBody(reply.body, fmt::format("GET {}", path));
 }

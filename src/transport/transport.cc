@@ -244,16 +244,6 @@ std::string TransportUri::ToString() const {
 
 // ---- Senders, sinks, listeners ---------------------------------------------------------------
 
-PayloadSender TransportSender::AsPayloadSender() {
-  return [this](uint32_t payload_id, std::span<const std::byte> payload) {
-    return Send(payload_id, payload);
-  };
-}
-
-SenderCleanup TransportSender::AsSenderCleanup() {
-  return [this] { CleanupThread(); };
-}
-
 Status PayloadSink::EndOfStream(const StreamEnd& /*end*/) { return Status::OK(); }
 
 Result<PollReport> Listener::Poll() { return PollReport{}; }

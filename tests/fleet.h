@@ -1,0 +1,282 @@
+// An in-process fleet for coordinator tests: W producers (trackers over one simulated trainer
+// model) and N receivers (WeightStore + ReceiverSession + a transport listener, controlled
+// directly or through a real HTTP control plane), wired by a transport URI. With "zmq://" and
+// HTTP control every byte crosses real loopback sockets, as between processes.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "refit/control_client.h"
+#include "refit/control_server.h"
+#include "refit/coordinator.h"
+#include "refit/pipeline.h"
+#include "refit/receiver_session.h"
+#include "refit/tracker.h"
+#include "refit/transport.h"
+#include "refit/weight_store.h"
+#include "store_snapshot.h"
+#include "test_data.h"
+#include "test_util.h"
+
+namespace refit::testing {
+
+/// A loopback "127.0.0.1:port" nobody listens on now: bind port 0, read it, release it.
+inline std::string FreeLoopbackEndpoint() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  EXPECT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t length = sizeof(address);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  ::close(fd);
+  return fmt::format("127.0.0.1:{}", ntohs(address.sin_port));
+}
+
+/// A small model of mixed dtypes and sizes that spans several export chunks of kFleetChunkBytes.
+inline std::vector<OwnedTensor> FleetModel(uint64_t seed) {
+  return {RandomTensor("model.embed_tokens.weight", DType::kBFloat16, {96, 64}, seed + 1),
+          RandomTensor("model.layers.0.self_attn.qkv_proj.weight", DType::kBFloat16, {48, 64},
+                       seed + 2),
+          RandomTensor("model.layers.0.mlp.up_proj.weight", DType::kFloat32, {40, 33}, seed + 3),
+          RandomTensor("model.layers.0.input_layernorm.weight", DType::kBFloat16, {64}, seed + 4),
+          RandomTensor("model.layers.1.mlp.down_proj.weight", DType::kFloat16, {33, 70}, seed + 5),
+          RandomTensor("model.norm.weight", DType::kFloat32, {64}, seed + 6),
+          RandomTensor("lm_head.weight", DType::kBFloat16, {80, 64}, seed + 7)};
+}
+/// Export chunk target: the model above splits into 5 chunks.
+inline constexpr uint64_t kFleetChunkBytes = 8 << 10;
+
+struct FleetOptions {
+  size_t receivers = 3;
+  uint32_t producers = 2;
+  /// "zmq://…" (endpoints are loopback ports) or "inproc://<hub>" (endpoints are names).
+  std::string transport = "zmq://";
+  /// Drive receivers through ControlServer/ControlClient over HTTP instead of directly.
+  bool http_control = true;
+  std::chrono::milliseconds transfer_timeout{std::chrono::seconds(60)};
+  uint64_t seed = 7;
+};
+
+/// One receiver: what `refit serve` holds.
+struct FleetReceiver {
+  std::string endpoint;
+  std::unique_ptr<WeightStore> store;
+  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<SessionSink> sink;
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<ControlServer> server;
+  std::unique_ptr<ControlClient> client;
+  /// Called on the apply thread before each payload (see ReceiverSessionOptions::before_apply).
+  std::function<void(const PayloadIds&)> before_apply;
+
+  /// What the coordinator calls: the HTTP client, or the session itself.
+  ReceiverControl* control() {
+    return client != nullptr ? static_cast<ReceiverControl*>(client.get()) : session.get();
+  }
+};
+
+class Fleet {
+ public:
+  explicit Fleet(FleetOptions options) : options_(std::move(options)) {}
+
+  /// Build trackers (adopting the model as their baseline), receivers (holding the model at
+  /// version 0) and the coordinator.
+  void Start() {
+    model_ = FleetModel(options_.seed);
+    ASSERT_OK_AND_ASSIGN(transport_, MakeTransport(options_.transport));
+    sender_transport_uri_ = options_.transport;
+    const bool tree = transport_->capabilities().fan_out_tree;
+    for (size_t r = 0; r < options_.receivers; ++r) {
+      endpoints_.push_back(tree ? FreeLoopbackEndpoint() : fmt::format("r{}", r));
+    }
+    receivers_.resize(options_.receivers);
+    for (size_t r = 0; r < options_.receivers; ++r) {
+      ASSERT_NO_FATAL_FAILURE(StartReceiver(r, /*version=*/0, model_));
+    }
+    std::vector<uint64_t> sizes;
+    for (const OwnedTensor& t : model_) sizes.push_back(t.bytes.size());
+    const std::vector<ChunkRange> chunks = PlanChunks(sizes, kFleetChunkBytes);
+    for (uint32_t p = 0; p < options_.producers; ++p) {
+      ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+      for (size_t k = 0; k < chunks.size(); ++k) {
+        if (!OwnsChunk(k, p, options_.producers)) continue;
+        for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
+          ASSERT_OK(tracker->AdoptBaseline(model_[t].view()));
+        }
+      }
+      trackers_.push_back(std::move(tracker));
+    }
+    ASSERT_NO_FATAL_FAILURE(MakeCoordinator());
+  }
+
+  /// (Re)start receiver r holding `tensors` at `version`, on its endpoint.
+  void StartReceiver(size_t r, uint64_t version, const std::vector<OwnedTensor>& tensors) {
+    FleetReceiver& node = receivers_[r];
+    node.endpoint = endpoints_[r];
+    node.store = WeightStore::Make();
+    for (const OwnedTensor& t : tensors) ASSERT_OK(node.store->AddCopy(t.view()));
+    node.store->set_version(version);
+    ReceiverSessionOptions session_options;
+    session_options.before_apply = [&node](const PayloadIds& ids) {
+      if (node.before_apply) node.before_apply(ids);
+    };
+    ASSERT_OK_AND_ASSIGN(node.session, ReceiverSession::Make(session_options, *node.store));
+    node.sink = std::make_unique<SessionSink>(*node.session);
+    ListenerContext context;
+    context.endpoint = node.endpoint;
+    if (transport_->capabilities().fan_out_tree) context.peers = endpoints_;
+    ASSERT_OK_AND_ASSIGN(node.listener, transport_->MakeListener(context, *node.sink));
+    ASSERT_OK(node.listener->Start());
+    if (options_.http_control) {
+      ASSERT_OK_AND_ASSIGN(node.server, ControlServer::Make({}, *node.session, *node.store));
+      ASSERT_OK(node.server->Start());
+      ControlClientOptions client_options;
+      client_options.base_url = node.server->base_url();
+      // A dead receiver must fail fast: the coordinator's own budget bounds the transfer.
+      client_options.timeout = std::chrono::seconds(5);
+      client_options.max_retries = 1;
+      ASSERT_OK_AND_ASSIGN(node.client, ControlClient::Make(client_options));
+    }
+  }
+
+  /// Take receiver r off the network as a crashed process would be: its ports close. Its session
+  /// and store stay until RestartReceiver (a dead process's memory would be gone).
+  void KillReceiver(size_t r) {
+    FleetReceiver& node = receivers_[r];
+    if (node.server != nullptr) node.server->Stop();
+    if (node.listener != nullptr) node.listener->Stop();
+  }
+
+  /// Replace receiver r by a fresh process loaded from `tensors` at `version`.
+  void RestartReceiver(size_t r, uint64_t version, const std::vector<OwnedTensor>& tensors) {
+    FleetReceiver& node = receivers_[r];
+    node.client.reset();
+    node.server.reset();
+    node.listener.reset();
+    node.sink.reset();
+    node.session.reset();
+    node.store.reset();
+    node.before_apply = nullptr;
+    ASSERT_NO_FATAL_FAILURE(StartReceiver(r, version, tensors));
+    ASSERT_NO_FATAL_FAILURE(MakeCoordinator());
+  }
+
+  /// Senders use this transport from now on (e.g. "fault+zmq://?seed=3&corrupt=1"); listeners
+  /// stay those of the fleet's transport.
+  void SetSenderTransport(const std::string& uri) {
+    sender_transport_uri_ = uri;
+    ASSERT_NO_FATAL_FAILURE(MakeCoordinator());
+  }
+
+  /// The trainer takes a step: each element changes with probability `density`.
+  void TrainStep(double density, uint64_t seed) {
+    for (size_t t = 0; t < model_.size(); ++t) {
+      model_[t] = Perturb(model_[t], density, seed * 1000 + t);
+    }
+  }
+
+  Result<RefitReport> Refit() { return coordinator_->Refit(); }
+
+  /// Every receiver holds `expected` bit-exactly at `version`, with digests that match the bytes.
+  void ExpectReceiversHold(const StoreSnapshot& expected) const {
+    for (size_t r = 0; r < receivers_.size(); ++r) {
+      SCOPED_TRACE(fmt::format("receiver {}", r));
+      const WeightStore& store = *receivers_[r].store;
+      EXPECT_EQ(TakeSnapshot(store), expected);
+      EXPECT_EQ(store.RecomputeDigests(), store.Digests());
+      EXPECT_EQ(receivers_[r].session->GetStatus().state, ReceiverState::kIdle);
+    }
+  }
+
+  /// The trainer's model as a receiver should hold it at `version`.
+  StoreSnapshot ModelSnapshot(uint64_t version) const {
+    std::unique_ptr<WeightStore> store = WeightStore::Make();
+    for (const OwnedTensor& t : model_) EXPECT_TRUE(store->AddCopy(t.view()).ok());
+    store->set_version(version);
+    return TakeSnapshot(*store);
+  }
+
+  /// No tracker has an open transfer, and each is at `version`.
+  void ExpectTrackersAt(uint64_t version) const {
+    for (size_t p = 0; p < trackers_.size(); ++p) {
+      SCOPED_TRACE(fmt::format("producer {}", p));
+      EXPECT_FALSE(trackers_[p]->open_transfer().has_value());
+      EXPECT_EQ(trackers_[p]->version(), version);
+    }
+  }
+
+  std::vector<FleetReceiver>& receivers() { return receivers_; }
+  std::vector<std::unique_ptr<DeltaTracker>>& trackers() { return trackers_; }
+  const std::vector<OwnedTensor>& model() const { return model_; }
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  FleetOptions& options() { return options_; }
+  Coordinator& coordinator() { return *coordinator_; }
+
+  /// Called when a producer opens its channel: every receiver is prepared, nothing is sent yet.
+  std::function<void(const ChannelRequest&)> on_channel_open;
+
+ private:
+  void MakeCoordinator() {
+    ASSERT_OK_AND_ASSIGN(sender_transport_, MakeTransport(sender_transport_uri_));
+    std::vector<CoordinatedProducer> producers;
+    for (const std::unique_ptr<DeltaTracker>& tracker : trackers_) {
+      producers.push_back({tracker.get(), [this](const TransferPlan&) -> Result<ChunkSource> {
+                             std::vector<TensorView> views;
+                             for (const OwnedTensor& t : model_) views.push_back(t.view());
+                             return TensorListSource(std::move(views), kFleetChunkBytes);
+                           }});
+    }
+    std::vector<CoordinatedReceiver> receivers;
+    for (size_t r = 0; r < receivers_.size(); ++r) {
+      receivers.push_back({fmt::format("receiver {}", r), receivers_[r].control()});
+    }
+    CoordinatorOptions options;
+    options.stream.chunk_bytes = kFleetChunkBytes;
+    options.stream.bucket_bytes = 4 << 10;
+    options.stream.encode_threads = 2;
+    options.stream.serialize_threads = 1;
+    options.stream.send_threads = 2;
+    options.transfer_timeout = options_.transfer_timeout;
+    ChannelFactory channels =
+        [this](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+      if (on_channel_open) on_channel_open(request);
+      REFIT_ASSIGN_OR_RETURN(
+          std::unique_ptr<TransportSender> sender,
+          sender_transport_->MakeSender(SenderContext{.transfer_id = request.transfer_id,
+                                                      .producer_id = request.producer_id,
+                                                      .base_version = request.base_version,
+                                                      .target_version = request.target_version,
+                                                      .endpoints = endpoints_}));
+      return std::unique_ptr<PayloadChannel>(std::move(sender));
+    };
+    ASSERT_OK_AND_ASSIGN(coordinator_, Coordinator::Make(options, std::move(producers),
+                                                         std::move(receivers), channels));
+  }
+
+  FleetOptions options_;
+  std::vector<OwnedTensor> model_;
+  std::unique_ptr<Transport> transport_;
+  std::string sender_transport_uri_;
+  std::unique_ptr<Transport> sender_transport_;
+  std::vector<std::string> endpoints_;
+  std::vector<FleetReceiver> receivers_;
+  std::vector<std::unique_ptr<DeltaTracker>> trackers_;
+  std::unique_ptr<Coordinator> coordinator_;
+};
+
+}  // namespace refit::testing
