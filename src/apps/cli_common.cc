@@ -5,41 +5,8 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cmath>
-#include <cstring>
 
 namespace refit::cli {
-
-Result<uint64_t> ParseByteSize(const std::string& text) {
-  struct Unit {
-    const char* suffix;
-    double factor;
-  };
-  // Longest suffixes first so "KiB" is not read as "B".
-  static constexpr Unit kUnits[] = {
-      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
-      {"K", 1024.0},   {"M", 1048576.0},   {"G", 1073741824.0},   {"B", 1.0},
-  };
-  double factor = 1.0;
-  std::string number = text;
-  for (const Unit& unit : kUnits) {
-    const size_t n = std::strlen(unit.suffix);
-    if (number.size() > n && number.compare(number.size() - n, n, unit.suffix) == 0) {
-      number.resize(number.size() - n);
-      factor = unit.factor;
-      break;
-    }
-  }
-  char* end = nullptr;
-  errno = 0;
-  const double value = std::strtod(number.c_str(), &end);
-  if (number.empty() || end != number.c_str() + number.size() || errno != 0 || value < 0 ||
-      !std::isfinite(value * factor) || value * factor > 1.8e19) {
-    return InvalidArgument("'{}' is not a byte size (examples: 4096, 64MiB, 1.5GiB, 2GB)", text);
-  }
-  return static_cast<uint64_t>(std::llround(value * factor));
-}
 
 Result<std::vector<std::byte>> ReadFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -20,6 +20,10 @@ void RegisterApply(CLI::App& app, Status* result);
 void RegisterInspect(CLI::App& app, Status* result);
 void RegisterSimulate(CLI::App& app, Status* result);
 void RegisterDemo(CLI::App& app, Status* result);
+void RegisterServe(CLI::App& app, Status* result);
+void RegisterPush(CLI::App& app, Status* result);
+void RegisterStatus(CLI::App& app, Status* result);
+void RegisterKeygen(CLI::App& app, Status* result);
 
 /// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes. Errors: InvalidArgument naming the text.
 Result<uint64_t> ParseByteSize(const std::string& text);

@@ -1,100 +1,103 @@
 // refit demo: the main job on an embedded default. A simulated trainer (fp32 master + Adam,
-// bf16 export) runs K steps; after each, its tracker encodes the changes into payloads, a
-// receiver decodes and applies them, and both sides' state digests and bytes are compared.
+// bf16 export) with W producers refits N `refit serve` daemons on loopback after every
+// optimizer step: deltas stream through the zmq:// relay tree, the coordinator drives each
+// daemon's HTTP control plane through prepare → flush (state digests compared with the
+// producers') → commit. A FULL transfer of the same model through the same fleet, measured first,
+// is the yardstick for bytes and time. At the end every tensor is downloaded from every daemon
+// and compared with the trainer's bytes.
+#include <stdlib.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <random>
 
 #include "cli_common.h"
-#include "refit/apply.h"
+#include "config.h"
+#include "fleet_coordinator.h"
+#include "local_fleet.h"
 #include "refit/progress.h"
+#include "refit/safetensors.h"
 #include "refit/simulator.h"
-#include "refit/weight_store.h"
 
 namespace refit::cli {
 namespace {
 
+// The environment variable through which the demo hands its generated api key to the daemons
+// and to its own zmq senders (never on a command line, where `ps` would show it).
+constexpr const char* kDemoApiKeyEnv = "REFIT_DEMO_API_KEY";
+
 struct DemoArgs {
+  std::string config;
   std::string model_bytes = "64MiB";
   std::string dtype = "bfloat16";
   std::string op = "xor";
   int steps = 5;
   std::vector<double> densities = {0.01, 0.03, 0.05};
+  size_t receivers = 2;
+  uint32_t producers = 2;
   uint64_t seed = 42;
   int threads = 2;
+  std::string work_dir;
   bool json = false;
 };
 
-struct StepReport {
-  int step = 0;
-  bool anchor = false;
-  double density = 0;
-  uint64_t changed = 0;
-  uint64_t full_bytes = 0;
-  uint64_t wire_bytes = 0;
-  size_t payloads = 0;
-  double encode_s = 0;
-  double apply_s = 0;
-  bool verified = false;
-};
+// A random api key for this run: the daemons listen on loopback only, but a key costs nothing
+// and exercises the authenticated path.
+std::string RandomApiKey() {
+  std::random_device device;
+  return fmt::format("{:016x}{:016x}", (uint64_t{device()} << 32) | device(),
+                     (uint64_t{device()} << 32) | device());
+}
 
-/// One refit of `exported` into `store`: encode, decode, apply, verify, commit.
-Result<StepReport> Refit(DeltaTracker& tracker, WeightStore& store,
-                         const std::vector<TensorView>& exported, uint32_t producer_id) {
-  StepReport report;
-  const double t0 = NowSeconds();
-  const TransferId id = TransferId::Random();
-  REFIT_ASSIGN_OR_RETURN(TransferPlan plan, tracker.Begin(id));
-  report.anchor = plan.anchor;
-  std::vector<Item> items;
-  uint64_t total = 0;
-  for (const TensorView& tensor : exported) {
-    REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker.Encode(id, tensor));
-    report.changed += r.changed_elements;
-    total += r.total_elements;
-    report.full_bytes += tensor.bytes.size();
-    for (Item& item : r.items) items.push_back(std::move(item));
-  }
-  const PayloadIds ids{id, producer_id, 0, plan.base_version, plan.target_version};
-  constexpr uint64_t kBucketBytes = uint64_t{64} << 20;  // Bounded payloads, as on the wire.
-  REFIT_ASSIGN_OR_RETURN(auto payloads, PackPayloads(ids, items, kBucketBytes, {}));
-  const double t1 = NowSeconds();
-
-  UndoLog undo;
-  for (const auto& payload : payloads) {
-    report.wire_bytes += payload.size();
-    auto decoded = DecodePayload(payload);
-    Status status = decoded.ok() ? ApplyPayload(*decoded, store, &undo) : decoded.status();
-    if (!status.ok()) {
-      REFIT_RETURN_NOT_OK(undo.Rollback(store));
-      REFIT_RETURN_NOT_OK(tracker.Abort(id));
-      return status;
+// Download every tensor from every daemon and compare it with the trainer's bytes.
+Status CheckEveryTensor(const FleetCoordinator& fleet, const std::vector<TensorView>& model) {
+  for (const std::unique_ptr<ControlClient>& client : fleet.clients()) {
+    for (const TensorView& tensor : model) {
+      REFIT_ASSIGN_OR_RETURN(OwnedTensor held, client->GetTensor(tensor.name));
+      if (held.bytes.size() != tensor.bytes.size() ||
+          std::memcmp(held.bytes.data(), tensor.bytes.data(), tensor.bytes.size()) != 0) {
+        return DataLoss("{}: tensor '{}' differs from the trainer's", client->base_url(),
+                        tensor.name);
+      }
     }
   }
-  const double t2 = NowSeconds();
-  report.payloads = payloads.size();
-  report.density = total ? static_cast<double>(report.changed) / static_cast<double>(total) : 0;
-  report.encode_s = t1 - t0;
-  report.apply_s = t2 - t1;
+  return Status::OK();
+}
 
-  // Verify: digests kept in O(changes) on both sides agree, and so do the bytes themselves.
-  bool same = store.Digests() == tracker.PendingDigests();
-  for (const TensorView& tensor : exported) {
-    auto held = std::as_const(store).Find(tensor.name);
-    same = same && held.ok() &&
-           std::memcmp(held->bytes.data(), tensor.bytes.data(), tensor.bytes.size()) == 0;
-  }
-  if (!same) {
-    REFIT_RETURN_NOT_OK(undo.Rollback(store));
-    REFIT_RETURN_NOT_OK(tracker.Abort(id));
-    return DataLoss("step verification failed: receiver differs from trainer after transfer {}",
-                    id.ToHex());
-  }
-  report.verified = true;
-  REFIT_RETURN_NOT_OK(tracker.Commit(id));
-  store.set_version(plan.target_version);
-  return report;
+struct StepRow {
+  int step = 0;
+  bool anchor = false;
+  double learning_rate = 0;
+  RefitReport report;
+};
+
+nlohmann::json StepJson(const StepRow& row, const RefitReport& full) {
+  const RefitReport& r = row.report;
+  const double density =
+      r.total_elements ? static_cast<double>(r.changed_elements) / r.total_elements : 0;
+  return {{"step", row.step},
+          {"kind", row.anchor ? "full" : "delta"},
+          {"transfer_id", r.plan.transfer_id.ToHex()},
+          {"version", r.plan.target_version},
+          {"learning_rate", row.learning_rate},
+          {"density", density},
+          {"changed", r.changed_elements},
+          {"payloads", r.payloads},
+          {"wire_bytes", r.wire_bytes},
+          {"full_wire_bytes", full.wire_bytes},
+          {"bytes_saved", 1.0 - static_cast<double>(r.wire_bytes) /
+                                    static_cast<double>(std::max<uint64_t>(full.wire_bytes, 1))},
+          {"time_s", r.total_s},
+          {"stream_s", r.stream_s},
+          {"flush_s", r.flush_s},
+          {"commit_s", r.commit_s},
+          {"speedup_vs_full", full.total_s / std::max(r.total_s, 1e-9)},
+          {"receivers", r.receivers.size()},
+          {"digests_verified", true}};
 }
 
 Status RunDemo(const DemoArgs& args) {
@@ -105,76 +108,118 @@ Status RunDemo(const DemoArgs& args) {
   sim_options.seed = args.seed;
   sim_options.threads = args.threads;
   REFIT_ASSIGN_OR_RETURN(auto simulator, TrainingSimulator::Make(sim_options));
+  const std::vector<TensorView> model = simulator->Exported();
 
-  TrackerOptions tracker_options;
-  REFIT_ASSIGN_OR_RETURN(tracker_options.op, ParseOp(args.op));
-  tracker_options.compare.threads = args.threads;
-  REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(tracker_options));
-  // The receiver starts empty-handed but holds the model's tensors (zeros) — the anchor fills it.
-  auto store = WeightStore::Make();
-  for (const TensorView& tensor : simulator->Exported()) {
-    OwnedTensor zeros{tensor.name, tensor.dtype, tensor.shape,
-                      std::vector<std::byte>(tensor.bytes.size())};
-    REFIT_RETURN_NOT_OK(store->AddCopy(zeros.view()));
+  // The daemons load the trainer's initial export, as a fleet loads the run's checkpoint.
+  std::string work_dir = args.work_dir;
+  std::optional<std::filesystem::path> scratch;
+  if (work_dir.empty()) {
+    std::string pattern = (std::filesystem::temp_directory_path() / "refit-demo-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
+    work_dir = pattern;
+    scratch = work_dir;
   }
+  std::error_code made_dir;
+  std::filesystem::create_directories(work_dir, made_dir);
+  if (made_dir) return IoError("--work-dir {}: {}", work_dir, made_dir.message());
+  const std::string model_path = work_dir + "/model.safetensors";
+  REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kVersionMetadataKey, "0"}}));
+
+  ::setenv(kDemoApiKeyEnv, RandomApiKey().c_str(), /*overwrite=*/1);
+  LocalFleetOptions fleet_options;
+  fleet_options.model_path = model_path;
+  fleet_options.receivers = args.receivers;
+  fleet_options.api_key_env = kDemoApiKeyEnv;
+  fleet_options.work_dir = work_dir;
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<LocalFleet> daemons, LocalFleet::Start(fleet_options));
+
+  FleetAddress address;
+  for (const LocalReceiver& receiver : daemons->receivers()) {
+    address.control_urls.push_back(receiver.control_url);
+    address.data_endpoints.push_back(receiver.data_endpoint);
+  }
+  address.api_key = ::getenv(kDemoApiKeyEnv);
+  TrackerOptions tracker_options;
+  CoordinatorOptions options;
+  if (args.config.empty()) {
+    address.transport_uri = fmt::format("zmq://?api_key_env={}", kDemoApiKeyEnv);
+    REFIT_ASSIGN_OR_RETURN(tracker_options.op, ParseOp(args.op));
+    tracker_options.compare.threads = args.threads;
+    options.stream.encode_threads = args.threads;
+    options.stream.serialize_threads = args.threads;
+    options.stream.send_threads = args.threads;
+    // Chunks of a few MiB so that every producer owns some of even a small model.
+    options.stream.chunk_bytes = std::min<uint64_t>(options.stream.chunk_bytes,
+                                                    std::max<uint64_t>(model_bytes / 16, 1 << 20));
+  } else {
+    // The file sets the codec, pipeline and transport settings; the fleet is the demo's own.
+    REFIT_ASSIGN_OR_RETURN(RefitConfig config, LoadConfigFile(args.config));
+    config.http_refit_api_key_env_var = kDemoApiKeyEnv;
+    REFIT_ASSIGN_OR_RETURN(address.transport_uri, ToTransportUri(config));
+    tracker_options = ToTrackerOptions(config);
+    options.stream = ToProducerStreamOptions(config);
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<FleetCoordinator> fleet,
+                         FleetCoordinator::Make(address, &model, args.producers, tracker_options,
+                                                options, /*baseline=*/&model));
 
   if (!args.json) {
     std::cout << fmt::format(
-        "refit demo: simulated {} model ({}, {} tensors), {} steps, 1 producer -> 1 receiver\n\n",
-        FormatBytes(simulator->exported_bytes()), DTypeName(sim_options.export_dtype),
-        simulator->Exported().size(), args.steps);
+        "refit demo: simulated {} model ({}, {} tensors), {} producer(s) -> {} `refit serve` "
+        "daemon(s) on loopback over zmq:// + HTTP control, {} steps\n",
+        FormatBytes(simulator->exported_bytes()), DTypeName(sim_options.export_dtype), model.size(),
+        args.producers, args.receivers, args.steps);
+    std::cout << fmt::format("daemon logs and the model file: {}\n\n", work_dir);
   }
   ProgressReporter::Options progress_options;
   progress_options.label = "demo";
   progress_options.total = static_cast<uint64_t>(args.steps) + 1;
   progress_options.unit = "steps";
   REFIT_ASSIGN_OR_RETURN(auto progress, ProgressReporter::Make(progress_options));
-  Table table({"step", "kind", "lr", "density", "changed", "full", "wire", "saved", "x smaller",
-               "B/changed", "encode", "apply", "verified"});
-  for (int step = 0; step <= args.steps; ++step) {
-    if (step > 0) {
-      if (!args.densities.empty()) {
-        const double target = args.densities[(step - 1) % args.densities.size()];
-        REFIT_RETURN_NOT_OK(simulator->CalibrateLearningRate(target));
-      }
-      REFIT_RETURN_NOT_OK(simulator->Step());
+
+  // Step 0: a FULL transfer of the unchanged model — what refitting costs without deltas.
+  std::vector<StepRow> rows;
+  REFIT_ASSIGN_OR_RETURN(RefitReport full, fleet->Refit(/*force_anchor=*/true));
+  rows.push_back({0, true, 0.0, full});
+  progress->Advance(1);
+  if (args.json) std::cout << StepJson(rows.back(), full).dump() << std::endl;
+  for (int step = 1; step <= args.steps; ++step) {
+    if (!args.densities.empty()) {
+      const double target = args.densities[(step - 1) % args.densities.size()];
+      REFIT_RETURN_NOT_OK(simulator->CalibrateLearningRate(target));
     }
-    REFIT_ASSIGN_OR_RETURN(StepReport r, Refit(*tracker, *store, simulator->Exported(), 0));
-    r.step = step;
+    REFIT_RETURN_NOT_OK(simulator->Step());
+    REFIT_ASSIGN_OR_RETURN(RefitReport report, fleet->Refit());
+    rows.push_back({step, report.plan.anchor, simulator->learning_rate(), std::move(report)});
     progress->Advance(1);
-    const double ratio = r.wire_bytes ? static_cast<double>(r.full_bytes) / r.wire_bytes : 0;
-    const double per_changed = r.changed ? static_cast<double>(r.wire_bytes) / r.changed : 0;
-    if (args.json) {
-      nlohmann::json line = {{"step", step},
-                             {"kind", r.anchor ? "full" : "delta"},
-                             {"learning_rate", simulator->learning_rate()},
-                             {"density", r.density},
-                             {"changed", r.changed},
-                             {"full_bytes", r.full_bytes},
-                             {"wire_bytes", r.wire_bytes},
-                             {"payloads", r.payloads},
-                             {"compression_ratio", ratio},
-                             {"bytes_per_changed", per_changed},
-                             {"encode_s", r.encode_s},
-                             {"apply_s", r.apply_s},
-                             {"verified", r.verified}};
-      std::cout << line.dump() << std::endl;
-      continue;
-    }
-    table.AddRow({std::to_string(step), r.anchor ? "FULL" : "delta",
-                  step == 0 ? "-" : fmt::format("{:.3g}", simulator->learning_rate()),
-                  fmt::format("{:.3f}%", 100 * r.density), std::to_string(r.changed),
-                  FormatBytes(r.full_bytes), FormatBytes(r.wire_bytes),
-                  fmt::format("{:.1f}%", 100.0 * (1.0 - 1.0 / std::max(ratio, 1e-9))),
-                  fmt::format("{:.1f}", ratio), fmt::format("{:.3f}", per_changed),
-                  FormatDuration(r.encode_s), FormatDuration(r.apply_s),
-                  r.verified ? "yes" : "NO"});
+    if (args.json) std::cout << StepJson(rows.back(), full).dump() << std::endl;
   }
   progress->Finish();
-  if (!args.json) {
-    table.Print(std::cout);
-    std::cout << "\nevery step verified: receiver bytes and state digests equal the trainer's\n";
+  REFIT_RETURN_NOT_OK(CheckEveryTensor(*fleet, model));
+  REFIT_RETURN_NOT_OK(daemons->Stop());
+  if (scratch.has_value()) std::filesystem::remove_all(*scratch);
+  if (args.json) return Status::OK();
+
+  Table table({"step", "kind", "version", "density", "changed", "payloads", "wire", "saved", "time",
+               "stream", "flush", "commit", "speedup", "digests"});
+  for (const StepRow& row : rows) {
+    const nlohmann::json j = StepJson(row, full);
+    const RefitReport& r = row.report;
+    table.AddRow(
+        {std::to_string(row.step), row.anchor ? "FULL" : "delta",
+         std::to_string(r.plan.target_version),
+         fmt::format("{:.3f}%", 100 * j["density"].get<double>()),
+         std::to_string(r.changed_elements), std::to_string(r.payloads), FormatBytes(r.wire_bytes),
+         fmt::format("{:.1f}%", 100 * j["bytes_saved"].get<double>()), FormatDuration(r.total_s),
+         FormatDuration(r.stream_s), FormatDuration(r.flush_s), FormatDuration(r.commit_s),
+         fmt::format("{:.1f}x", j["speedup_vs_full"].get<double>()),
+         fmt::format("ok x{}", r.receivers.size())});
   }
+  table.Print(std::cout);
+  std::cout << fmt::format(
+      "\nevery step committed on all {} daemons with state digests equal to the producers'; "
+      "every tensor downloaded from every daemon equals the trainer's bytes\n",
+      args.receivers);
   return Status::OK();
 }
 
@@ -183,20 +228,35 @@ Status RunDemo(const DemoArgs& args) {
 void RegisterDemo(CLI::App& app, Status* result) {
   auto args = std::make_shared<DemoArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "demo", "Simulate an RL run and refit a receiver after every step, verifying each");
+      "demo",
+      "Simulate an RL run and refit a fleet of local `refit serve` daemons after every step");
+  cmd->add_option("--config", args->config,
+                  "A refit YAML file for the codec, pipeline and transport settings (the fleet "
+                  "is the demo's own; --op and --threads are then ignored)")
+      ->check(CLI::ExistingFile);
   cmd->add_option("--model-bytes", args->model_bytes, "Size of the simulated model")
       ->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "Export dtype: bfloat16 or float16")
       ->capture_default_str();
   cmd->add_option("--op", args->op, "Value op: xor, overwrite or add")->capture_default_str();
-  cmd->add_option("--steps", args->steps, "Optimizer steps after the initial anchor")
-      ->capture_default_str();
+  cmd->add_option("--steps", args->steps, "Optimizer steps after the FULL transfer")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
   cmd->add_option("--density", args->densities,
                   "Target changed fractions, cycled over the steps (empty: the natural density "
                   "of lr 1e-6)")
       ->capture_default_str();
+  cmd->add_option("--receivers", args->receivers, "`refit serve` daemons to start")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--producers", args->producers, "Producers (trainer ranks) W")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--seed", args->seed, "Random seed")->capture_default_str();
-  cmd->add_option("--threads", args->threads, "Worker threads")->capture_default_str();
+  cmd->add_option("--threads", args->threads, "Worker threads per stage")->capture_default_str();
+  cmd->add_option("--work-dir", args->work_dir,
+                  "Keep the model file and daemon logs here (default: a temporary directory, "
+                  "removed on success)");
   cmd->add_flag("--json", args->json, "One JSON metrics line per step instead of the table");
   cmd->callback([args, result] { *result = RunDemo(*args); });
 }

@@ -22,6 +22,10 @@ int main(int argc, char** argv) {
 
   refit::Status result;
   refit::cli::RegisterDemo(app, &result);
+  refit::cli::RegisterServe(app, &result);
+  refit::cli::RegisterPush(app, &result);
+  refit::cli::RegisterStatus(app, &result);
+  refit::cli::RegisterKeygen(app, &result);
   refit::cli::RegisterDiff(app, &result);
   refit::cli::RegisterEncode(app, &result);
   refit::cli::RegisterApply(app, &result);

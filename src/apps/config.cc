@@ -1,0 +1,826 @@
+#include "config.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <span>
+#include <system_error>
+#include <utility>
+
+#include "cli_common.h"
+#include "refit/transport.h"
+#include "refit/values.h"
+
+namespace refit::cli {
+
+Result<uint64_t> ParseByteSize(const std::string& text) {
+  struct Unit {
+    std::string_view suffix;
+    uint64_t factor;
+  };
+  // Longest suffixes first so "KiB" is not read as "B".
+  static constexpr Unit kUnits[] = {
+      {"KiB", uint64_t{1} << 10},
+      {"MiB", uint64_t{1} << 20},
+      {"GiB", uint64_t{1} << 30},
+      {"TiB", uint64_t{1} << 40},
+      {"KB", 1'000},
+      {"MB", 1'000'000},
+      {"GB", 1'000'000'000},
+      {"TB", 1'000'000'000'000},
+      {"K", uint64_t{1} << 10},
+      {"M", uint64_t{1} << 20},
+      {"G", uint64_t{1} << 30},
+      {"B", 1},
+  };
+  // 2^64: the first byte count a uint64_t cannot hold (exact as a double).
+  constexpr double kByteCountLimit = 18446744073709551616.0;
+  std::string_view number = text;
+  uint64_t factor = 1;
+  for (const Unit& unit : kUnits) {
+    if (number.size() > unit.suffix.size() && number.ends_with(unit.suffix)) {
+      number.remove_suffix(unit.suffix.size());
+      factor = unit.factor;
+      break;
+    }
+  }
+  const char* const begin = number.data();
+  const char* const end = number.data() + number.size();
+  // Whole numbers are parsed exactly: a double holds only 53 bits.
+  uint64_t whole = 0;
+  auto [whole_end, whole_error] = std::from_chars(begin, end, whole);
+  if (whole_error == std::errc() && whole_end == end) {
+    if (whole > std::numeric_limits<uint64_t>::max() / factor) {
+      return InvalidArgument("byte size '{}' exceeds 2^64 - 1 bytes", text);
+    }
+    return whole * factor;
+  }
+  double value = 0;
+  auto [value_end, value_error] = std::from_chars(begin, end, value);
+  if (number.empty() || value_error != std::errc() || value_end != end || !std::isfinite(value) ||
+      value < 0) {
+    return InvalidArgument("'{}' is not a byte size (examples: 4096, 64MiB, 1.5GiB, 2GB)", text);
+  }
+  const double bytes = std::round(value * static_cast<double>(factor));
+  if (bytes >= kByteCountLimit) {
+    return InvalidArgument("byte size '{}' exceeds 2^64 - 1 bytes", text);
+  }
+  return static_cast<uint64_t>(bytes);
+}
+
+namespace {
+
+// Upstream's `refit_transport` values and the schemes they select.
+constexpr std::pair<std::string_view, std::string_view> kUpstreamTransports[] = {
+    {"vllm_zmq_sparse", "zmq://"},
+    {"vllm_s3_sparse", "s3://"},
+};
+
+// The zmq transport's bound on `retries` (src/transport/zmq_transport.cc): beyond it a value is
+// a mistake, and reporting it here names the key and line.
+constexpr int64_t kMaxZmqRetries = 100;
+
+// A day: longer than any control request may sensibly take, so that a value in milliseconds
+// typed as seconds is reported instead of obeyed.
+constexpr double kMaxRequestTimeoutSeconds = 24.0 * 3600.0;
+
+// A configuration is a few kilobytes; 16 MiB leaves room for a fleet of 100k receivers (about
+// 80 bytes each) while bounding what a wrong path (a model file) makes us read.
+constexpr size_t kMaxConfigFileBytes = size_t{16} << 20;
+
+constexpr uint16_t kMaxPort = 65535;
+
+// Keys of NeMo RL's configuration that refit has no use for, with the reason shown to a user
+// who copies them over. Everything else unknown is reported as a plain unknown key.
+constexpr std::pair<std::string_view, std::string_view> kUpstreamOnlyKeys[] = {
+    {"storage",
+     "refit takes no S3 storage group; name the bucket and prefix in the transport URI "
+     "(s3://<bucket>/<prefix>?endpoint=...)"},
+    {"verify_samples_per_payload",
+     "refit verifies the whole model state by digests at every flush, so sampled checks have no "
+     "counterpart"},
+    {"delta_compression.enabled", "refit always sends deltas after the first anchor"},
+    {"delta_compression.delta_load_batch_size_bytes",
+     "a refit receiver applies each payload in place, with no dense delta batches to size"},
+    {"tuning.apply_batch_size",
+     "a refit receiver applies payloads one at a time in its own process (no RPC batches); "
+     "tuning.apply_queue_depth bounds the queue"},
+    {"tuning.partition_workers",
+     "a refit receiver applies into one weight store, with no payload partitioning"},
+    {"tuning.zmq_relay_payload_workers", "refit's zmq relay has no such thread pool"},
+    {"tuning.zmq_relay_forward_workers", "refit's zmq relay has no such thread pool"},
+};
+
+std::string_view NodeKind(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Scalar:
+      return "a scalar";
+    case YAML::NodeType::Sequence:
+      return "a sequence";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Undefined:
+      break;
+  }
+  return "nothing";
+}
+
+bool IsZmqScheme(std::string_view scheme) { return scheme == "zmq" || scheme.ends_with("+zmq"); }
+
+// Parse a whole unsigned decimal number; nullopt for anything else.
+std::optional<uint64_t> ParseUnsigned(std::string_view text) {
+  uint64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+// Return an empty string when `text` is host:port with a non-empty host and a port in
+// [1, 65535]; otherwise what is wrong with it.
+std::string HostPortProblem(std::string_view text) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string_view::npos) return "has no :port";
+  if (colon == 0) return "has no host";
+  const std::optional<uint64_t> port = ParseUnsigned(text.substr(colon + 1));
+  if (!port || *port == 0 || *port > kMaxPort) return "has no port in [1, 65535]";
+  return "";
+}
+
+// Whether `name` is a portable environment variable name (POSIX: letters, digits, '_', not
+// starting with a digit).
+bool IsEnvVarName(std::string_view name) {
+  if (name.empty() || (name[0] >= '0' && name[0] <= '9')) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_';
+  });
+}
+
+// Where a value sits: its key path ("tuning.encode_workers", "receivers[2].data") and the
+// position of its key in the file.
+struct Where {
+  std::string path;
+  YAML::Mark mark;
+};
+
+class ConfigReader;
+
+// A key of a mapping and how to read its (non-null) value.
+struct KeySpec {
+  std::string_view name;
+  std::function<Status(ConfigReader&, const YAML::Node&, const Where&)> read;
+};
+
+// Walks a loaded YAML document into a RefitConfig, producing errors that name the source, line,
+// column and key path. yaml-cpp is only asked for node types, scalars and marks here, none of
+// which throw on loaded nodes.
+class ConfigReader {
+ public:
+  explicit ConfigReader(std::string_view source) : source_(source) {}
+
+  Status Error(const Where& where, std::string_view message) const {
+    if (where.mark.is_null()) return InvalidArgument("{}: {}: {}", source_, where.path, message);
+    return InvalidArgument("{}:{}:{}: {}: {}", source_, where.mark.line + 1, where.mark.column + 1,
+                           where.path, message);
+  }
+
+  // Read the keys of mapping `node` (null: no keys). Unknown and repeated keys are errors;
+  // null values keep their defaults. Every key read is remembered with its position.
+  Status ReadMap(const YAML::Node& node, const Where& where, std::span<const KeySpec> keys) {
+    if (node.IsNull()) return Status::OK();
+    if (!node.IsMap()) {
+      return Error(where, fmt::format("expected a mapping of keys, got {}", NodeKind(node)));
+    }
+    std::map<std::string, YAML::Mark, std::less<>> seen;
+    for (const auto& entry : node) {
+      // Copies: yaml-cpp's iterator yields a temporary pair, and nodes are handles.
+      const YAML::Node key = entry.first;
+      const YAML::Node value = entry.second;
+      const Where here{where.path, key.Mark()};
+      if (!key.IsScalar()) {
+        return Error(here, fmt::format("keys must be scalars, got {}", NodeKind(key)));
+      }
+      const std::string& name = key.Scalar();
+      const Where child{where.path.empty() ? name : fmt::format("{}.{}", where.path, name),
+                        key.Mark()};
+      const auto [previous, inserted] = seen.emplace(name, key.Mark());
+      if (!inserted) {
+        return Error(child,
+                     fmt::format("duplicate key (first at line {})", previous->second.line + 1));
+      }
+      const auto spec =
+          std::find_if(keys.begin(), keys.end(), [&](const KeySpec& k) { return k.name == name; });
+      if (spec == keys.end()) return UnknownKey(child, keys);
+      if (value.IsNull()) continue;
+      present_.emplace(child.path, key.Mark());
+      REFIT_RETURN_NOT_OK(spec->read(*this, value, child));
+    }
+    return Status::OK();
+  }
+
+  // The position of the key at `path` when the file gave it a non-null value.
+  std::optional<YAML::Mark> Present(std::string_view path) const {
+    const auto it = present_.find(path);
+    if (it == present_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  Result<std::string> ReadScalar(const YAML::Node& node, const Where& where) const {
+    if (!node.IsScalar()) {
+      return Error(where, fmt::format("expected a scalar value, got {}", NodeKind(node)));
+    }
+    return node.Scalar();
+  }
+
+  Status ReadString(const YAML::Node& node, const Where& where, std::string* out) const {
+    REFIT_ASSIGN_OR_RETURN(*out, ReadScalar(node, where));
+    return Status::OK();
+  }
+
+  Status ReadNonEmptyString(const YAML::Node& node, const Where& where, std::string* out) const {
+    REFIT_ASSIGN_OR_RETURN(std::string text, ReadScalar(node, where));
+    if (text.empty()) return Error(where, "must not be empty");
+    *out = std::move(text);
+    return Status::OK();
+  }
+
+  template <typename Int>
+  Status ReadInteger(const YAML::Node& node, const Where& where, int64_t min, int64_t max,
+                     Int* out) const {
+    REFIT_ASSIGN_OR_RETURN(const std::string text, ReadScalar(node, where));
+    // YAML allows an explicit '+'; from_chars does not.
+    const std::string_view digits =
+        text.starts_with('+') ? std::string_view(text).substr(1) : std::string_view(text);
+    int64_t value = 0;
+    auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    const bool whole = !digits.empty() && end == digits.data() + digits.size();
+    if (whole && error == std::errc::result_out_of_range) {
+      return Error(where, fmt::format("{} is outside [{}, {}]", text, min, max));
+    }
+    if (!whole || error != std::errc()) {
+      return Error(where, fmt::format("expected an integer, got '{}'", text));
+    }
+    if (value < min || value > max) {
+      return Error(where, fmt::format("{} is outside [{}, {}]", text, min, max));
+    }
+    *out = static_cast<Int>(value);
+    return Status::OK();
+  }
+
+  Status ReadPositiveByteSize(const YAML::Node& node, const Where& where, uint64_t* out) const {
+    REFIT_ASSIGN_OR_RETURN(const std::string text, ReadScalar(node, where));
+    Result<uint64_t> bytes = ParseByteSize(text);
+    if (!bytes.ok()) return Error(where, bytes.status().message());
+    if (*bytes == 0) return Error(where, fmt::format("'{}' must be a positive byte size", text));
+    *out = *bytes;
+    return Status::OK();
+  }
+
+  Status ReadBool(const YAML::Node& node, const Where& where, bool* out) const {
+    REFIT_ASSIGN_OR_RETURN(const std::string text, ReadScalar(node, where));
+    // yaml-cpp's own spelling rules (true/false, yes/no, on/off, y/n in three cases), as a
+    // NeMo RL file written for PyYAML may use any of them; decode does not throw.
+    if (!YAML::convert<bool>::decode(node, *out)) {
+      return Error(where, fmt::format("expected true or false, got '{}'", text));
+    }
+    return Status::OK();
+  }
+
+  Status ReadStringList(const YAML::Node& node, const Where& where,
+                        std::vector<std::string>* out) const {
+    if (!node.IsSequence()) {
+      return Error(where, fmt::format("expected a sequence, got {}", NodeKind(node)));
+    }
+    out->clear();
+    for (const YAML::Node& element : node) {
+      const Where at{fmt::format("{}[{}]", where.path, out->size()), element.Mark()};
+      std::string text;
+      REFIT_RETURN_NOT_OK(ReadNonEmptyString(element, at, &text));
+      out->push_back(std::move(text));
+    }
+    return Status::OK();
+  }
+
+ private:
+  Status UnknownKey(const Where& where, std::span<const KeySpec> keys) const {
+    for (const auto& [path, reason] : kUpstreamOnlyKeys) {
+      if (path == where.path) {
+        return Error(where, fmt::format("upstream key not used by refit: {}", reason));
+      }
+    }
+    std::string known;
+    for (const KeySpec& key : keys) {
+      if (!known.empty()) known += ", ";
+      known += key.name;
+    }
+    return Error(where, fmt::format("unknown key; known keys: {}", known));
+  }
+
+  std::string_view source_;
+  std::map<std::string, YAML::Mark, std::less<>> present_;
+};
+
+// ---- The schema: one KeySpec table per mapping ----------------------------------------------
+
+Status ReadTransport(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                     std::string* out) {
+  REFIT_ASSIGN_OR_RETURN(std::string text, reader.ReadScalar(node, where));
+  for (const auto& [upstream, uri] : kUpstreamTransports) {
+    if (text == upstream) text = uri;
+  }
+  Result<TransportUri> uri = TransportUri::Parse(text);
+  if (!uri.ok()) return reader.Error(where, uri.status().message());
+  *out = std::move(text);
+  return Status::OK();
+}
+
+Status ReadEncoding(ConfigReader& reader, const YAML::Node& node, const Where& where, Op* out) {
+  REFIT_ASSIGN_OR_RETURN(const std::string text, reader.ReadScalar(node, where));
+  constexpr Op kDeltaOps[] = {Op::kXor, Op::kOverwrite, Op::kAdd};
+  for (const Op op : kDeltaOps) {
+    if (OpName(op) == text) {
+      *out = op;
+      return Status::OK();
+    }
+  }
+  return reader.Error(where, fmt::format("'{}' is not one of xor, overwrite, add", text));
+}
+
+Status ReadDeltaDType(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                      DType* out) {
+  REFIT_ASSIGN_OR_RETURN(const std::string text, reader.ReadScalar(node, where));
+  Result<DType> dtype = ParseDType(text);
+  // The tracker's own test: a float32 tensor must be able to carry deltas of this dtype.
+  if (!dtype.ok() || !AddSupported(DType::kFloat32, *dtype)) {
+    return reader.Error(where, fmt::format("'{}' cannot carry add deltas; allowed: float16, "
+                                           "bfloat16, float32, float64 (or fp16, bf16, fp32)",
+                                           text));
+  }
+  *out = *dtype;
+  return Status::OK();
+}
+
+Status ReadZstdThreads(ConfigReader& reader, const YAML::Node& node, const Where& where) {
+  int threads = 0;
+  REFIT_RETURN_NOT_OK(
+      reader.ReadInteger(node, where, 0, std::numeric_limits<int>::max(), &threads));
+  if (threads != 0) {
+    return reader.Error(where, fmt::format("{} is not supported: refit compresses each payload on "
+                                           "one thread (upstream's default, 0) and runs "
+                                           "tuning.serialize_workers payloads in parallel",
+                                           threads));
+  }
+  return Status::OK();
+}
+
+Status ReadSeconds(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                   std::chrono::milliseconds* out) {
+  REFIT_ASSIGN_OR_RETURN(const std::string text, reader.ReadScalar(node, where));
+  double seconds = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), seconds);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size() ||
+      !std::isfinite(seconds)) {
+    return reader.Error(where, fmt::format("expected a number of seconds, got '{}'", text));
+  }
+  if (seconds <= 0 || seconds > kMaxRequestTimeoutSeconds) {
+    return reader.Error(
+        where, fmt::format("{} is outside (0, {}] seconds", text, kMaxRequestTimeoutSeconds));
+  }
+  *out = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
+  return Status::OK();
+}
+
+Status ReadControlUrl(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                      std::string* out) {
+  REFIT_ASSIGN_OR_RETURN(std::string text, reader.ReadScalar(node, where));
+  std::string_view rest = text;
+  if (rest.starts_with("http://")) {
+    rest.remove_prefix(std::string_view("http://").size());
+  } else if (rest.starts_with("https://")) {
+    rest.remove_prefix(std::string_view("https://").size());
+  } else {
+    return reader.Error(where, fmt::format("'{}' is not an http:// or https:// URL", text));
+  }
+  const std::string problem = HostPortProblem(rest.substr(0, rest.find('/')));
+  if (!problem.empty()) {
+    return reader.Error(
+        where, fmt::format("'{}' {} (expected http(s)://host:port[/prefix])", text, problem));
+  }
+  *out = std::move(text);
+  return Status::OK();
+}
+
+Status ReadReceivers(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                     std::vector<ReceiverConfig>* out, std::vector<YAML::Mark>* marks) {
+  if (!node.IsSequence()) {
+    return reader.Error(where, fmt::format("expected a sequence of {{control, data}} entries, "
+                                           "got {}",
+                                           NodeKind(node)));
+  }
+  out->clear();
+  marks->clear();
+  for (const YAML::Node& entry : node) {
+    const Where at{fmt::format("{}[{}]", where.path, out->size()), entry.Mark()};
+    ReceiverConfig receiver;
+    const KeySpec keys[] = {
+        {"control", [&](ConfigReader& r, const YAML::Node& v,
+                        const Where& w) { return ReadControlUrl(r, v, w, &receiver.control); }},
+        {"data", [&](ConfigReader& r, const YAML::Node& v,
+                     const Where& w) { return r.ReadNonEmptyString(v, w, &receiver.data); }},
+    };
+    if (!entry.IsMap()) {
+      return reader.Error(
+          at, fmt::format("expected a {{control, data}} mapping, got {}", NodeKind(entry)));
+    }
+    REFIT_RETURN_NOT_OK(reader.ReadMap(entry, at, keys));
+    if (receiver.control.empty() || receiver.data.empty()) {
+      return reader.Error(at, fmt::format("missing {}: each receiver needs control (its "
+                                          "http(s)://host:port) and data (its data endpoint)",
+                                          receiver.control.empty() ? "control" : "data"));
+    }
+    out->push_back(std::move(receiver));
+    marks->push_back(entry.Mark());
+  }
+  return Status::OK();
+}
+
+// Checks that need the whole file: settings given twice, and values whose syntax depends on
+// another key.
+class CrossChecks {
+ public:
+  CrossChecks(ConfigReader& reader, RefitConfig& config, std::vector<YAML::Mark> receiver_marks)
+      : reader_(reader), config_(config), receiver_marks_(std::move(receiver_marks)) {}
+
+  Status Run() {
+    REFIT_RETURN_NOT_OK(CheckTransportGivenOnce());
+    REFIT_RETURN_NOT_OK(AdoptUriRetries());
+    REFIT_RETURN_NOT_OK(CheckTls());
+    return CheckReceivers();
+  }
+
+ private:
+  Where At(std::string path) const {
+    const std::optional<YAML::Mark> mark = reader_.Present(path);
+    return Where{std::move(path), mark.value_or(YAML::Mark::null_mark())};
+  }
+
+  Status CheckTransportGivenOnce() const {
+    if (reader_.Present("transport") && reader_.Present("refit_transport")) {
+      return reader_.Error(At("refit_transport"),
+                           "give transport or upstream's refit_transport, not both");
+    }
+    return Status::OK();
+  }
+
+  // A zmq URI's `retries` and tuning.zmq_retries are one setting: take it from the URI when the
+  // file gives it there, refuse two different values.
+  Status AdoptUriRetries() {
+    const Where transport =
+        At(reader_.Present("refit_transport") ? "refit_transport" : "transport");
+    REFIT_ASSIGN_OR_RETURN(const TransportUri uri, TransportUri::Parse(config_.transport));
+    const std::string* text = uri.Param("retries");
+    if (!IsZmqScheme(uri.scheme) || text == nullptr) return Status::OK();
+    const std::optional<uint64_t> retries = ParseUnsigned(*text);
+    if (!retries || *retries > static_cast<uint64_t>(kMaxZmqRetries)) {
+      return reader_.Error(transport,
+                           fmt::format("retries={} is outside [0, {}]", *text, kMaxZmqRetries));
+    }
+    if (reader_.Present("tuning.zmq_retries") &&
+        *retries != static_cast<uint64_t>(config_.tuning.zmq_retries)) {
+      return reader_.Error(At("tuning.zmq_retries"),
+                           fmt::format("{} contradicts retries={} in the transport URI; set one "
+                                       "of them",
+                                       config_.tuning.zmq_retries, *text));
+    }
+    config_.tuning.zmq_retries = static_cast<int>(*retries);
+    return Status::OK();
+  }
+
+  Status CheckTls() const {
+    const ServerConfig& server = config_.server;
+    if (server.tls_cert.empty() != server.tls_key.empty()) {
+      return reader_.Error(At(server.tls_cert.empty() ? "server.tls_key" : "server.tls_cert"),
+                           "set both server.tls_cert and server.tls_key for HTTPS, or neither");
+    }
+    return Status::OK();
+  }
+
+  Status CheckReceivers() const {
+    REFIT_ASSIGN_OR_RETURN(const TransportUri uri, TransportUri::Parse(config_.transport));
+    // The index of the first receiver with each control URL and each data endpoint.
+    std::map<std::string_view, size_t> controls;
+    std::map<std::string_view, size_t> endpoints;
+    const auto& receivers = config_.receivers;
+    for (size_t i = 0; i < receivers.size(); ++i) {
+      const ReceiverConfig& receiver = receivers[i];
+      const Where control{fmt::format("receivers[{}].control", i), receiver_marks_[i]};
+      const Where data{fmt::format("receivers[{}].data", i), receiver_marks_[i]};
+      if (IsZmqScheme(uri.scheme)) {
+        const std::string problem = HostPortProblem(receiver.data);
+        if (!problem.empty()) {
+          return reader_.Error(data, fmt::format("'{}' {} (the zmq transport needs host:port)",
+                                                 receiver.data, problem));
+        }
+      }
+      if (const auto [first, inserted] = controls.emplace(receiver.control, i); !inserted) {
+        return reader_.Error(
+            control, fmt::format("'{}' repeats receivers[{}]", receiver.control, first->second));
+      }
+      if (const auto [first, inserted] = endpoints.emplace(receiver.data, i); !inserted) {
+        return reader_.Error(
+            data, fmt::format("'{}' repeats receivers[{}]", receiver.data, first->second));
+      }
+    }
+    return Status::OK();
+  }
+
+  ConfigReader& reader_;
+  RefitConfig& config_;
+  std::vector<YAML::Mark> receiver_marks_;
+};
+
+Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& config) {
+  using R = ConfigReader;
+  using N = YAML::Node;
+  using W = Where;
+  DeltaCompressionConfig& delta = config.delta_compression;
+  BaselineConfig& baseline = config.baseline;
+  TuningConfig& tuning = config.tuning;
+  ServerConfig& server = config.server;
+  const int max_threads = ProducerStream::kMaxThreads;
+
+  const KeySpec delta_keys[] = {
+      {"encoding",
+       [&](R& r, const N& v, const W& w) { return ReadEncoding(r, v, w, &delta.encoding); }},
+      {"dtype",
+       [&](R& r, const N& v, const W& w) { return ReadDeltaDType(r, v, w, &delta.dtype); }},
+      {"sparse_bucket_size_bytes",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadPositiveByteSize(v, w, &delta.sparse_bucket_size_bytes);
+       }},
+      {"export_chunk_bytes",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadPositiveByteSize(v, w, &delta.export_chunk_bytes);
+       }},
+      {"full_sync_interval",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 0, std::numeric_limits<int64_t>::max(),
+                              &delta.full_sync_interval);
+       }},
+      {"zstd_level",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, ZSTD_minCLevel(), ZSTD_maxCLevel(), &delta.zstd_level);
+       }},
+      {"zstd_threads", [](R& r, const N& v, const W& w) { return ReadZstdThreads(r, v, w); }},
+      {"overwrite_names",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadStringList(v, w, &delta.overwrite_names);
+       }},
+  };
+  const KeySpec baseline_keys[] = {
+      {"in_memory",
+       [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &baseline.in_memory); }},
+      {"mmap_dir", [&](R& r, const N& v,
+                       const W& w) { return r.ReadNonEmptyString(v, w, &baseline.mmap_dir); }},
+  };
+  const KeySpec tuning_keys[] = {
+      {"encode_workers",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 1, max_threads, &tuning.encode_workers);
+       }},
+      {"serialize_workers",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 1, max_threads, &tuning.serialize_workers);
+       }},
+      {"transfer_workers",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 1, max_threads, &tuning.transfer_workers);
+       }},
+      {"zmq_retries",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 0, kMaxZmqRetries, &tuning.zmq_retries);
+       }},
+      {"apply_queue_depth",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 1, static_cast<int64_t>(ReceiverSession::kMaxApplyQueueDepth),
+                              &tuning.apply_queue_depth);
+       }},
+  };
+  const KeySpec server_keys[] = {
+      {"bind",
+       [&](R& r, const N& v, const W& w) { return r.ReadNonEmptyString(v, w, &server.bind); }},
+      {"model", [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.model); }},
+      {"mmap", [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &server.mmap); }},
+      {"tls_cert",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.tls_cert); }},
+      {"tls_key",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.tls_key); }},
+      {"ready_file",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.ready_file); }},
+      {"curve_secret_key",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_secret_key); }},
+      {"curve_server_key",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_server_key); }},
+      {"curve_authorized_keys",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadString(v, w, &server.curve_authorized_keys);
+       }},
+  };
+  std::vector<YAML::Mark> receiver_marks;
+  const KeySpec top_keys[] = {
+      {"transport",
+       [&](R& r, const N& v, const W& w) { return ReadTransport(r, v, w, &config.transport); }},
+      {"refit_transport",
+       [&](R& r, const N& v, const W& w) { return ReadTransport(r, v, w, &config.transport); }},
+      {"delta_compression",
+       [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, delta_keys); }},
+      {"baseline", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, baseline_keys); }},
+      {"tuning", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, tuning_keys); }},
+      {"request_timeout_s",
+       [&](R& r, const N& v, const W& w) { return ReadSeconds(r, v, w, &config.request_timeout); }},
+      {"receivers",
+       [&](R& r, const N& v, const W& w) {
+         return ReadReceivers(r, v, w, &config.receivers, &receiver_marks);
+       }},
+      {"http_refit_api_key_env_var",
+       [&](R& r, const N& v, const W& w) -> Status {
+         REFIT_ASSIGN_OR_RETURN(std::string name, r.ReadScalar(v, w));
+         if (!IsEnvVarName(name)) {
+           return r.Error(w, fmt::format("'{}' is not an environment variable name (letters, "
+                                         "digits and '_', not starting with a digit)",
+                                         name));
+         }
+         config.http_refit_api_key_env_var = std::move(name);
+         return Status::OK();
+       }},
+      {"http_refit_server_port",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 0, kMaxPort, &config.http_refit_server_port);
+       }},
+      {"zmq_refit_server_port",
+       [&](R& r, const N& v, const W& w) {
+         // Not 0: push must know every relay's port, so the data port cannot be ephemeral.
+         return r.ReadInteger(v, w, 1, kMaxPort, &config.zmq_refit_server_port);
+       }},
+      {"server", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, server_keys); }},
+  };
+  if (!root.IsNull() && !root.IsMap()) {
+    return reader.Error(Where{"(top level)", root.Mark()},
+                        fmt::format("expected a mapping of keys, got {}", NodeKind(root)));
+  }
+  REFIT_RETURN_NOT_OK(reader.ReadMap(root, Where{"", YAML::Mark::null_mark()}, top_keys));
+  return CrossChecks(reader, config, std::move(receiver_marks)).Run();
+}
+
+Result<std::string> ResolveApiKey(const RefitConfig& config) {
+  const std::string& name = config.http_refit_api_key_env_var;
+  if (name.empty()) return std::string();
+  const char* value = std::getenv(name.c_str());
+  if (value == nullptr || *value == '\0') {
+    return InvalidArgument(
+        "http_refit_api_key_env_var names environment variable {}, which is unset or empty", name);
+  }
+  return std::string(value);
+}
+
+}  // namespace
+
+Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name) {
+  RefitConfig config;
+  ConfigReader reader(source_name);
+  // yaml-cpp reports errors by exception; they stop here, as the project uses none.
+  try {
+    const std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml_text));
+    if (documents.size() > 1) {
+      return InvalidArgument("{}: holds {} YAML documents; a configuration is one", source_name,
+                             documents.size());
+    }
+    REFIT_RETURN_NOT_OK(
+        ReadDocument(reader, documents.empty() ? YAML::Node() : documents[0], config));
+  } catch (const YAML::Exception& e) {
+    if (e.mark.is_null()) return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
+    return InvalidArgument("{}:{}:{}: YAML syntax error: {}", source_name, e.mark.line + 1,
+                           e.mark.column + 1, e.msg);
+  }
+  return config;
+}
+
+Result<RefitConfig> LoadConfigFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return NotFound("configuration file '{}' does not exist", path);
+    return IoErrorFromErrno(errno, fmt::format("open configuration file '{}'", path));
+  }
+  // Read in blocks until end of file, stopping one block past the limit: the size of a file
+  // that is not regular (a pipe) is not known in advance.
+  constexpr size_t kBlockBytes = size_t{64} << 10;
+  std::string text;
+  size_t done = 0;
+  while (done <= kMaxConfigFileBytes) {
+    text.resize(done + kBlockBytes);
+    const ssize_t n = ::read(fd, text.data() + done, kBlockBytes);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      ::close(fd);
+      return IoErrorFromErrno(error, fmt::format("read configuration file '{}'", path));
+    }
+    if (n == 0) break;
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (done > kMaxConfigFileBytes) {
+    return InvalidArgument("configuration file '{}' exceeds {} bytes; is it a configuration?", path,
+                           kMaxConfigFileBytes);
+  }
+  text.resize(done);
+  return ParseConfig(text, path);
+}
+
+TrackerOptions ToTrackerOptions(const RefitConfig& config) {
+  const DeltaCompressionConfig& delta = config.delta_compression;
+  TrackerOptions options;
+  options.baseline_storage =
+      config.baseline.in_memory ? BaselineStorage::kMemory : BaselineStorage::kFile;
+  options.baseline_dir = config.baseline.mmap_dir;
+  options.full_sync_interval = delta.full_sync_interval;
+  options.op = delta.encoding;
+  options.add_delta_dtype = delta.dtype;
+  options.overwrite_names = delta.overwrite_names;
+  return options;
+}
+
+ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
+  ProducerStreamOptions options;
+  options.chunk_bytes = config.delta_compression.export_chunk_bytes;
+  options.bucket_bytes = config.delta_compression.sparse_bucket_size_bytes;
+  options.encode_threads = config.tuning.encode_workers;
+  options.serialize_threads = config.tuning.serialize_workers;
+  options.send_threads = config.tuning.transfer_workers;
+  options.payload.zstd_level = config.delta_compression.zstd_level;
+  return options;
+}
+
+ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
+  ReceiverSessionOptions options;
+  options.apply_queue_depth = config.tuning.apply_queue_depth;
+  return options;
+}
+
+Result<ControlServerOptions> ToControlServerOptions(const RefitConfig& config) {
+  ControlServerOptions options;
+  REFIT_ASSIGN_OR_RETURN(options.api_key, ResolveApiKey(config));
+  options.bind_address = config.server.bind;
+  options.port = config.http_refit_server_port;
+  options.tls_cert_path = config.server.tls_cert;
+  options.tls_key_path = config.server.tls_key;
+  return options;
+}
+
+Result<ControlClientOptions> ToControlClientOptions(const RefitConfig& config,
+                                                    const ReceiverConfig& receiver) {
+  ControlClientOptions options;
+  REFIT_ASSIGN_OR_RETURN(options.api_key, ResolveApiKey(config));
+  options.base_url = receiver.control;
+  options.timeout = config.request_timeout;
+  return options;
+}
+
+Result<std::string> ToTransportUri(const RefitConfig& config) {
+  REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(config.transport));
+  if (!IsZmqScheme(uri.scheme)) return config.transport;
+  const std::string retries = std::to_string(config.tuning.zmq_retries);
+  if (const std::string* given = uri.Param("retries")) {
+    if (ParseUnsigned(*given) != ParseUnsigned(retries)) {
+      // The URI is not echoed: it may hold an api_key.
+      return InvalidArgument(
+          "the {} transport URI sets retries={} but tuning.zmq_retries is {}; "
+          "set one of them",
+          uri.scheme, *given, retries);
+    }
+  } else {
+    uri.params.emplace_back("retries", retries);
+  }
+  const std::string& key_env = config.http_refit_api_key_env_var;
+  if (!key_env.empty() && uri.Param("api_key") == nullptr && uri.Param("api_key_env") == nullptr) {
+    uri.params.emplace_back("api_key_env", key_env);
+  }
+  return uri.ToString();
+}
+
+}  // namespace refit::cli

@@ -1,0 +1,98 @@
+#include "fleet_coordinator.h"
+
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "refit/pipeline.h"
+
+namespace refit::cli {
+
+Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
+    const FleetAddress& address, const std::vector<TensorView>* model, uint32_t producers,
+    const TrackerOptions& tracker_options, const CoordinatorOptions& options,
+    const std::vector<TensorView>* baseline) {
+  if (address.control_urls.empty()) return InvalidArgument("no receivers to refit");
+  if (address.control_urls.size() != address.data_endpoints.size()) {
+    return InvalidArgument("{} control URLs but {} data endpoints: give one of each per receiver",
+                           address.control_urls.size(), address.data_endpoints.size());
+  }
+  if (producers == 0) return InvalidArgument("producers must be at least 1");
+  if (baseline != nullptr && baseline->size() != model->size()) {
+    return InvalidArgument("the baseline has {} tensors but the model {}", baseline->size(),
+                           model->size());
+  }
+  std::unique_ptr<FleetCoordinator> fleet(new FleetCoordinator());
+  REFIT_ASSIGN_OR_RETURN(fleet->transport_, MakeTransport(address.transport_uri));
+  fleet->endpoints_ = address.data_endpoints;
+  for (const std::string& url : address.control_urls) {
+    ControlClientOptions client_options = address.client;
+    client_options.base_url = url;
+    client_options.api_key = address.api_key;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                           ControlClient::Make(client_options));
+    fleet->clients_.push_back(std::move(client));
+  }
+
+  // Each producer tracks the chunks it owns; with a baseline it starts from them.
+  std::vector<uint64_t> sizes;
+  for (const TensorView& tensor : *model) sizes.push_back(tensor.bytes.size());
+  const std::vector<ChunkRange> chunks = PlanChunks(sizes, options.stream.chunk_bytes);
+  for (uint32_t p = 0; p < producers; ++p) {
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker,
+                           DeltaTracker::Make(tracker_options));
+    if (baseline != nullptr) {
+      for (size_t k = 0; k < chunks.size(); ++k) {
+        if (!OwnsChunk(k, p, producers)) continue;
+        for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
+          const TensorView& held = (*baseline)[t];
+          const TensorView& current = (*model)[t];
+          if (held.name != current.name || held.dtype != current.dtype ||
+              held.shape != current.shape) {
+            return InvalidArgument(
+                "baseline tensor {} is '{}' {} {} but the model's is '{}' {} {}: a delta needs "
+                "the same tensors in the same order",
+                t, held.name, DTypeName(held.dtype), fmt::format("{}", fmt::join(held.shape, "x")),
+                current.name, DTypeName(current.dtype),
+                fmt::format("{}", fmt::join(current.shape, "x")));
+          }
+          REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(held));
+        }
+      }
+    }
+    fleet->trackers_.push_back(std::move(tracker));
+  }
+
+  std::vector<CoordinatedProducer> coordinated;
+  const uint64_t chunk_bytes = options.stream.chunk_bytes;
+  for (const std::unique_ptr<DeltaTracker>& tracker : fleet->trackers_) {
+    coordinated.push_back(
+        {tracker.get(), [model, chunk_bytes](const TransferPlan&) -> Result<ChunkSource> {
+           return TensorListSource(*model, chunk_bytes);
+         }});
+  }
+  std::vector<CoordinatedReceiver> receivers;
+  for (const std::unique_ptr<ControlClient>& client : fleet->clients_) {
+    receivers.push_back({client->base_url(), client.get()});
+  }
+  FleetCoordinator* self = fleet.get();
+  ChannelFactory channels =
+      [self](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+    SenderContext context;
+    context.transfer_id = request.transfer_id;
+    context.producer_id = request.producer_id;
+    context.base_version = request.base_version;
+    context.target_version = request.target_version;
+    context.endpoints = self->endpoints_;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender,
+                           self->transport_->MakeSender(context));
+    return std::unique_ptr<PayloadChannel>(std::move(sender));
+  };
+  REFIT_ASSIGN_OR_RETURN(fleet->coordinator_,
+                         Coordinator::Make(options, std::move(coordinated), std::move(receivers),
+                                           std::move(channels)));
+  return fleet;
+}
+
+}  // namespace refit::cli

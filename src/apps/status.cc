@@ -1,0 +1,127 @@
+// refit status URL: ask a receiver's control plane (GET /v1/status) where it stands, as a table
+// or as JSON.
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_common.h"
+#include "refit/control_client.h"
+#include "refit/progress.h"
+
+namespace refit::cli {
+namespace {
+
+struct StatusArgs {
+  std::string url;
+  std::string api_key_env;
+  bool json = false;
+};
+
+// What a table cell shows for a value that does not apply (no open transfer, no error).
+constexpr const char* kNone = "-";
+
+std::string FingerprintHex(uint64_t fingerprint) { return fmt::format("{:016x}", fingerprint); }
+
+// The keys and values of GET /v1/status, without the "ok" envelope.
+nlohmann::json StatusJson(const ControlStatus& status) {
+  const ReceiverStatus& receiver = status.receiver;
+  nlohmann::json body = {{"state", std::string(ReceiverStateName(receiver.state))},
+                         {"version", receiver.version},
+                         {"transfer_id", nullptr},
+                         {"base_version", receiver.base_version},
+                         {"target_version", receiver.target_version},
+                         {"sealed", receiver.sealed},
+                         {"staged_payloads", receiver.staged_payloads},
+                         {"applied_payloads", receiver.applied_payloads},
+                         {"queued_payloads", receiver.queued_payloads},
+                         {"duplicate_payloads", receiver.duplicate_payloads},
+                         {"undo_bytes", receiver.undo_bytes},
+                         {"last_error", nullptr},
+                         {"tensors", status.tensors},
+                         {"state_fingerprint", nullptr}};
+  if (receiver.transfer_id.has_value()) body["transfer_id"] = receiver.transfer_id->ToHex();
+  if (!receiver.last_error.ok()) {
+    body["last_error"] = {{"code", std::string(StatusCodeName(receiver.last_error.code()))},
+                          {"message", receiver.last_error.message()}};
+  }
+  if (status.state_fingerprint.has_value()) {
+    body["state_fingerprint"] = FingerprintHex(*status.state_fingerprint);
+  }
+  return body;
+}
+
+Table StatusTable(const std::string& url, const ControlStatus& status) {
+  const ReceiverStatus& receiver = status.receiver;
+  Table table({"receiver", url});
+  std::string state(ReceiverStateName(receiver.state));
+  if (receiver.sealed) state += " (sealed)";
+  table.AddRow({"state", state});
+  table.AddRow({"version", std::to_string(receiver.version)});
+  table.AddRow({"transfer", receiver.transfer_id.has_value()
+                                ? fmt::format("{} ({} -> {})", receiver.transfer_id->ToHex(),
+                                              receiver.base_version, receiver.target_version)
+                                : kNone});
+  table.AddRow({"staged", std::to_string(receiver.staged_payloads)});
+  table.AddRow({"applied", std::to_string(receiver.applied_payloads)});
+  table.AddRow({"queued", std::to_string(receiver.queued_payloads)});
+  table.AddRow({"duplicates", std::to_string(receiver.duplicate_payloads)});
+  table.AddRow({"undo log", FormatBytes(receiver.undo_bytes)});
+  table.AddRow({"last error", receiver.last_error.ok() ? kNone : receiver.last_error.ToString()});
+  table.AddRow({"tensors", std::to_string(status.tensors)});
+  table.AddRow({"state fingerprint", status.state_fingerprint.has_value()
+                                         ? FingerprintHex(*status.state_fingerprint)
+                                         : "- (unavailable while receiving)"});
+  return table;
+}
+
+Status RunStatus(const StatusArgs& args) {
+  ControlClientOptions options;
+  options.base_url = args.url;
+  if (!args.api_key_env.empty()) {
+    const char* key = std::getenv(args.api_key_env.c_str());
+    if (key == nullptr || *key == '\0') {
+      return InvalidArgument("status: environment variable {} (--api-key-env) is unset or empty",
+                             args.api_key_env);
+    }
+    options.api_key = key;
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
+  Result<ControlStatus> status = client->GetStatus();
+  if (!status.ok()) {
+    const Status& error = status.status();
+    if (error.code() == StatusCode::kPermissionDenied) {
+      return PermissionDenied("status: unauthorized by {}: {}; {}", args.url, error.message(),
+                              args.api_key_env.empty() ? "give the key with --api-key-env NAME"
+                                                       : "check the key in " + args.api_key_env);
+    }
+    if (error.code() == StatusCode::kUnavailable) {
+      return error.WithContext(fmt::format("status: receiver {} is unreachable", args.url));
+    }
+    return error.WithContext(fmt::format("status: {}", args.url));
+  }
+  if (args.json) {
+    std::cout << StatusJson(*status).dump() << std::endl;
+  } else {
+    StatusTable(client->base_url(), *status).Print(std::cout);
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+void RegisterStatus(CLI::App& app, Status* result) {
+  auto args = std::make_shared<StatusArgs>();
+  CLI::App* cmd =
+      app.add_subcommand("status", "Show a receiver's state, version, transfer and fingerprint");
+  cmd->add_option("URL", args->url, "The receiver's control URL, e.g. http://127.0.0.1:8470")
+      ->required();
+  cmd->add_option("--api-key-env", args->api_key_env,
+                  "Environment variable holding the receiver's api key");
+  cmd->add_flag("--json", args->json, "Print the status as one JSON object");
+  cmd->callback([args, result] { *result = RunStatus(*args); });
+}
+
+}  // namespace refit::cli

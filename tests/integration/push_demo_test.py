@@ -1,0 +1,213 @@
+#!/usr/bin/python3
+"""The trainer-side commands against real daemons: `refit push` and `refit demo`.
+
+Two `refit serve` daemons load the same checkpoint and form one relay tree. Then:
+  * `refit push NEW --base OLD` commits a delta on both; every tensor served over HTTP equals
+    NEW's bytes (read with numpy from the file, independently of the C++ reader);
+  * a second push (--json, through a --config file) moves both to the next version;
+  * a push against the wrong base is refused with DataLoss naming the tensor, and both daemons
+    stay at their version with unchanged bytes;
+  * a push without the key is refused, and so is a push to a fleet with a receiver down;
+  * an anchor push (no --base) sends every element;
+  * `refit demo --json` runs a multi-producer, multi-daemon demo whose every step is verified.
+Run with Debian's /usr/bin/python3 (python3-numpy).
+"""
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+KEY_ENV = "REFIT_PUSH_TEST_KEY"
+API_KEY = "push-" + secrets.token_hex(12)
+TIMEOUT_S = 120
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+    print(f"ok: {message}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd, env=None):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+
+
+def read_safetensors(path):
+    """name -> raw bytes of every tensor, parsed here from the format's definition."""
+    with open(path, "rb") as f:
+        data = f.read()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    base = 8 + header_len
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = data[base + begin:base + end]
+    return out
+
+
+class Daemon:
+    def __init__(self, refit, workdir, index, model, data_port, peers, env):
+        self.ready = os.path.join(workdir, f"d{index}.ready")
+        self.log = open(os.path.join(workdir, f"d{index}.log"), "w")
+        self.control_port = free_port()
+        self.data = f"127.0.0.1:{data_port}"
+        self.proc = subprocess.Popen(
+            [refit, "serve", "--model", model, "--data-port", str(data_port), "--control-port",
+             str(self.control_port), "--peers", ",".join(peers), "--api-key-env", KEY_ENV,
+             "--ready-file", self.ready], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + TIMEOUT_S
+        while not os.path.exists(self.ready):
+            check(self.proc.poll() is None, f"daemon {index} is running")
+            if time.time() > deadline:
+                raise AssertionError(f"daemon {index} not ready")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.control_port}"
+
+    def get(self, path):
+        request = urllib.request.Request(self.url + path,
+                                         headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+            return reply.read(), reply.headers
+
+    def status(self):
+        return json.loads(self.get("/v1/status")[0])
+
+    def tensors(self, names):
+        return {name: self.get(f"/v1/tensors/{name}")[0] for name in names}
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        check(self.proc.wait(timeout=30) == 0, f"daemon on {self.data} exits 0 on SIGTERM")
+        self.log.close()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--refit", required=True)
+    parser.add_argument("--workdir", required=True)
+    args = parser.parse_args()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    env = dict(os.environ, **{KEY_ENV: API_KEY})
+
+    ck = os.path.join(args.workdir, "ck")
+    result = run([args.refit, "simulate", "-o", ck, "--checkpoints", "4", "--model-bytes", "4MiB",
+                  "--density", "0.03"])
+    check(result.returncode == 0, f"simulate wrote checkpoints: {result.stderr}")
+    steps = sorted(os.path.join(ck, f) for f in os.listdir(ck))
+    files = [read_safetensors(p) for p in steps]
+    names = sorted(files[0])
+
+    ports = [free_port(), free_port()]
+    peers = [f"127.0.0.1:{p}" for p in ports]
+    daemons = [Daemon(args.refit, args.workdir, i, steps[0], ports[i], peers, env)
+               for i in range(2)]
+    receivers = []
+    for d in daemons:
+        receivers += ["--receiver", f"{d.url}={d.data}"]
+    try:
+        push = [args.refit, "push", "--api-key-env", KEY_ENV] + receivers
+        result = run(push + [steps[1], "--base", steps[0]], env=env)
+        check(result.returncode == 0, f"delta push of step 1: {result.stdout}{result.stderr}")
+        check("as a delta v0 -> v1 to 2 receiver(s)" in result.stdout, "push reports the delta")
+        for d in daemons:
+            check(d.status()["version"] == 1, "daemon at version 1")
+            check(d.tensors(names) == files[1], "every served tensor equals step 1's bytes")
+
+        config = os.path.join(args.workdir, "fleet.yaml")
+        with open(config, "w") as f:
+            f.write(f"http_refit_api_key_env_var: {KEY_ENV}\nreceivers:\n")
+            for d in daemons:
+                f.write(f"  - {{control: {d.url}, data: {d.data}}}\n")
+        result = run([args.refit, "push", steps[2], "--base", steps[1], "--config", config,
+                      "--json"], env=env)
+        check(result.returncode == 0, f"push through --config: {result.stderr}")
+        line = json.loads(result.stdout)
+        check(line["kind"] == "delta" and line["version"] == 2 and line["receivers"] == 2,
+              f"JSON line reports the delta to version 2: {line}")
+        check(0 < line["changed"] < line["elements"] // 10, "a 3 % step changes a few elements")
+        check(all(c["committed"] for c in line["commits"]), "every receiver confirmed the commit")
+        before = [d.tensors(names) for d in daemons]
+        check(all(b == files[2] for b in before), "every served tensor equals step 2's bytes")
+
+        result = run(push + [steps[3], "--base", steps[1]], env=env)
+        check(result.returncode != 0 and "DataLoss" in result.stderr
+              and "not at base version" in result.stderr,
+              f"a push against the wrong base is DataLoss: {result.stderr[:300]}")
+        for d, b in zip(daemons, before):
+            status = d.status()
+            check(status["version"] == 2 and status["state"] == "idle",
+                  "the daemon stayed idle at version 2")
+            check(d.tensors(names) == b, "and its bytes did not change")
+
+        no_key = dict(os.environ)
+        no_key.pop(KEY_ENV, None)
+        result = run([args.refit, "push", steps[3], "--base", steps[2]] + receivers, env=no_key)
+        check(result.returncode != 0 and "PermissionDenied" in result.stderr,
+              f"a push without the key is refused: {result.stderr[:200]}")
+
+        result = run(push + [steps[3]], env=env)
+        check(result.returncode == 0 and "a FULL anchor v2 -> v3" in result.stdout,
+              f"an anchor push: {result.stdout}{result.stderr}")
+        for d in daemons:
+            check(d.tensors(names) == files[3], "every served tensor equals step 3's bytes")
+    finally:
+        for d in daemons:
+            d.stop()
+
+    # A fleet with a receiver down: push fails before any transfer starts.
+    ports = [free_port(), free_port()]
+    peers = [f"127.0.0.1:{p}" for p in ports]
+    odd = [Daemon(args.refit, args.workdir, 10 + i, steps[0], ports[i], peers, env)
+           for i in range(1)]
+    try:
+        result = run([args.refit, "push", steps[1], "--base", steps[0], "--api-key-env", KEY_ENV,
+                      "--receiver", f"{odd[0].url}={odd[0].data}",
+                      "--receiver", f"http://127.0.0.1:{free_port()}={peers[1]}"], env=env)
+        check(result.returncode != 0 and "Unavailable" in result.stderr,
+              f"a push to a receiver that is down fails before anything starts: "
+              f"{result.stderr[:200]}")
+        check(odd[0].status()["version"] == 0, "the live daemon is untouched")
+    finally:
+        for d in odd:
+            d.stop()
+
+    result = run([args.refit, "demo", "--model-bytes", "4MiB", "--steps", "3", "--receivers", "3",
+                  "--producers", "2", "--json", "--work-dir",
+                  os.path.join(args.workdir, "demo")])
+    check(result.returncode == 0, f"demo ran: {result.stderr[-2000:]}")
+    lines = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+    check(len(lines) == 4, "demo printed one JSON line per step (FULL + 3)")
+    check(lines[0]["kind"] == "full" and all(l["kind"] == "delta" for l in lines[1:]),
+          "step 0 is the FULL yardstick, then deltas")
+    check(all(l["digests_verified"] and l["receivers"] == 3 for l in lines),
+          "every step verified on 3 daemons")
+    check(all(l["wire_bytes"] < lines[0]["wire_bytes"] for l in lines[1:]),
+          "every delta is smaller than the FULL transfer")
+    print("push_demo: all checks passed")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as error:
+        print(f"FAILED: {error}", file=sys.stderr)
+        sys.exit(1)
