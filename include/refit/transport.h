@@ -30,12 +30,27 @@
 //     Listener::Poll.
 //     A vanished <dir> or inbox is Unavailable, on both sides.
 //
-//   zmq://?timeout_ms=10000&retries=3[&api_key=K | &api_key_env=NAME]
+//   zmq://?timeout_ms=10000&retries=3[&api_key=K | &api_key_env=NAME][&curve_secret_key=FILE]
+//         [&curve_server_key=FILE][&curve_authorized_keys=FILE]
 //     Endpoints and peers are host:port relays. A sender's DEALER (one per sending thread)
 //     connects to its root relay endpoints[producer_id % n]; each relay's ROUTER stages the
 //     payload, forwards it along the binary heap rooted at that relay, and ACKs once its whole
 //     subtree has staged it; duplicates are ACKed and not forwarded again. Finish sends FLUSH
-//     with the payload count down the same tree. Frames: src/transport/zmq_transport.cc.
+//     with the payload count down the same tree; from then on each relay refuses that
+//     producer's payloads of that transfer (FailedPrecondition, "sealed"), except an exact copy
+//     of one it staged (ACKed as a duplicate). Frames: src/transport/zmq_transport.cc.
+//     CURVE (optional; capabilities().encrypted): key files hold one Z85 key (40 characters, as
+//     `refit keygen` writes them) and are read by MakeSender/MakeListener, whose errors
+//     (InvalidArgument) name the parameter and the file. Every relay of a fleet holds the same
+//     key pair. curve_secret_key: on a listener, the fleet's secret key (the ROUTER becomes a
+//     CURVE server; it forwards as a client with the same pair); on a sender, its own key pair
+//     (absent: an ephemeral one). It must be mode 0600 or stricter. curve_server_key: the
+//     fleet's public key; a sender needs it, and on a listener it must match the secret key.
+//     curve_authorized_keys (listener, needs curve_secret_key): one client public key per line,
+//     blank lines and '#' comments skipped, not writable by group or others; a ZAP handler
+//     admits only those keys and the fleet's own. A refused client key is PermissionDenied; a
+//     failed handshake (a wrong server key, CURVE on one side only) is Unavailable after the
+//     retries; either way nothing is staged. The api key, if set, is checked as well.
 //
 //   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
 //                            &corrupt=p&disconnect_after=N[&<inner parameters>]

@@ -1,4 +1,5 @@
-// zmq://[?timeout_ms=10000&retries=3&api_key=K|api_key_env=NAME]: a ZeroMQ relay tree.
+// zmq://[?timeout_ms=10000&retries=3&api_key=K|api_key_env=NAME&curve_…=FILE]: a ZeroMQ relay
+// tree.
 //
 // Endpoints are "host:port" (TCP). A sender holds one DEALER per sending thread, connected to its
 // producer's root relay endpoints[producer_id % n]. Each relay's listener binds a ROUTER on its
@@ -24,15 +25,37 @@
 // travels the same path behind the producer's payloads: every relay hands the stream end to
 // its sink and forwards it, and the FLUSH ACK means the whole tree has it.
 //
+// Seal: once a relay's sink took the stream end of (transfer, producer), that stream is sealed
+// on the relay: a later DATA of it is NACKed FailedPrecondition and neither delivered nor
+// forwarded, except an exact duplicate (same payload id and checksum) of a payload the relay
+// staged, which is ACKed as a duplicate (a late copy of a retried request is harmless). The
+// ReceiverSession seals only at its own Flush, so without this a payload arriving between the
+// relay flush and the receiver flush would be staged behind the declared count.
+//
 // Every request is untrusted: frame count, protocol, kind, sizes and the payload header are
 // checked before anything is delivered. A request that does not speak the protocol is dropped
 // (counted as a failure); one that does but is malformed or refused is NACKed with the reason.
 // The api key is compared in constant time. Requests beyond the payload size limit are dropped by
 // ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer.
+//
+// CURVE (ZeroMQ RFC 26, optional): every relay of a fleet holds the same server key pair. A
+// listener with curve_secret_key makes its ROUTER a CURVE server; with curve_authorized_keys it
+// also binds a ZAP handler (RFC 27) in its own context that admits only the listed client keys
+// and the fleet's own public key, which relays present as clients when they forward. Senders
+// connect with curve_server_key and their own key pair (curve_secret_key, or an ephemeral one).
+// Every DEALER watches its handshake through a socket monitor, so a refused client key is
+// PermissionDenied at once and a failed handshake (wrong server key, CURVE on one side only) is
+// Unavailable after the retries, instead of a silent timeout. Key files are read when a sender or
+// listener is made, not by the factory (which does no I/O).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -42,6 +65,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -95,12 +119,86 @@ constexpr int kStopCheckMs = 50;
 constexpr uint16_t kMaxPort = 65535;
 
 const char* const kReplyInbox = "inproc://refit-zmq-replies";
+// Each DEALER's handshake monitor gets its own name: "<prefix><counter>".
+constexpr std::string_view kMonitorPrefix = "inproc://refit-zmq-monitor-";
+// A monitor event is two frames: event id (u16) and value (u32), then the endpoint.
+constexpr size_t kMonitorEventFrames = 2;
+constexpr size_t kMonitorEventBytes = 6;
+
+// The URI parameters of CURVE.
+constexpr std::string_view kSecretKeyParam = "curve_secret_key";
+constexpr std::string_view kServerKeyParam = "curve_server_key";
+constexpr std::string_view kAuthorizedKeysParam = "curve_authorized_keys";
+// A CURVE key is 32 bytes, written as 40 Z85 characters (ZeroMQ RFC 32); libzmq's Z85 text
+// buffers hold a terminating NUL too.
+constexpr size_t kCurveKeyBytes = 32;
+constexpr size_t kCurveKeyZ85Chars = 40;
+constexpr size_t kCurveKeyZ85Buffer = kCurveKeyZ85Chars + 1;
+// A key file holds one key and a line end; anything much longer is not a key file.
+constexpr size_t kMaxKeyFileBytes = 256;
+// About 24,000 keys of 41 bytes: far more clients than a fleet has producers.
+constexpr size_t kMaxAuthorizedKeysBytes = size_t{1} << 20;
+// Like ssh, a secret key file must give group and others no access at all, and a file that
+// lists who may connect must not be writable by them.
+constexpr mode_t kSecretKeyForbiddenMode = S_IRWXG | S_IRWXO;
+constexpr mode_t kAuthorizedKeysForbiddenMode = S_IWGRP | S_IWOTH;
+// A public key file is public.
+constexpr mode_t kPublicKeyForbiddenMode = 0;
+
+// ZAP (ZeroMQ RFC 27): libzmq asks the handler bound at this name in the socket's context.
+const char* const kZapEndpoint = "inproc://zeromq.zap.01";
+constexpr std::string_view kZapVersion = "1.0";
+constexpr std::string_view kZapCurve = "CURVE";
+// version, request id, domain, address, identity, mechanism, and CURVE's one credential.
+constexpr size_t kZapCurveRequestFrames = 7;
+// Read at most this many frames of a ZAP request; anything beyond CURVE's 7 is refused.
+constexpr size_t kMaxZapRequestFrames = kZapCurveRequestFrames + 1;
+constexpr std::string_view kZapAllowed = "200";
+constexpr std::string_view kZapDenied = "400";
+constexpr std::string_view kZapInternalError = "500";
+
+// How many transfers a relay remembers stream seals and staged checksums for. Transfers run one
+// at a time per receiver; older ones are refused by the session itself, which remembers its
+// finished transfers.
+constexpr size_t kSealedTransfers = SessionSink::kRememberedTransfers;
+
+// A CURVE key in binary.
+using CurveKey = std::array<uint8_t, kCurveKeyBytes>;
+
+struct CurveKeyPair {
+  CurveKey public_key{};
+  CurveKey secret_key{};
+};
+
+// The files the URI names (empty: not set); read by MakeSender and MakeListener.
+struct CurveFiles {
+  std::string secret_key;
+  std::string server_key;
+  std::string authorized_keys;
+
+  bool configured() const { return !secret_key.empty() || !server_key.empty(); }
+};
+
+// What a DEALER presents: the server's public key and its own key pair.
+struct CurveClientKeys {
+  CurveKey server_key{};
+  CurveKeyPair own;
+};
+
+// What a relay's ROUTER holds, and whom it admits.
+struct CurveServerKeys {
+  CurveKeyPair fleet;
+  // Set (with the fleet key) when curve_authorized_keys is: only these clients pass the ZAP
+  // handler. Unset: every client that knows the server key is admitted.
+  std::optional<std::set<CurveKey>> authorized;
+};
 
 struct ZmqConfig {
   int timeout_ms = 0;
   int retries = 0;
   // Empty: no key sent, none required.
   std::string api_key;
+  CurveFiles curve;
 };
 
 struct ContextCloser {
@@ -225,14 +323,224 @@ std::vector<std::string> MakeReply(const ReplyKey& key, const Status& status) {
           status.message()};
 }
 
+// ---- CURVE keys ---------------------------------------------------------------------------------
+
+std::string_view TrimSpace(std::string_view text) {
+  constexpr std::string_view kSpace = " \t\r\n";
+  const size_t first = text.find_first_not_of(kSpace);
+  if (first == std::string_view::npos) return {};
+  return text.substr(first, text.find_last_not_of(kSpace) - first + 1);
+}
+
+std::string Z85Text(const CurveKey& key) {
+  std::array<char, kCurveKeyZ85Buffer> text{};
+  zmq_z85_encode(text.data(), key.data(), key.size());
+  return std::string(text.data(), kCurveKeyZ85Chars);
+}
+
+// Read the file that URI parameter `param` names: a regular file of at most `max_bytes`, none of
+// whose `forbidden_mode` bits is set (`mend` says how to fix that). Every error is
+// InvalidArgument naming the parameter and the path: the file is configuration.
+Result<std::string> ReadConfigFile(std::string_view param, const std::string& path,
+                                   size_t max_bytes, mode_t forbidden_mode, std::string_view mend) {
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgument("zmq {} '{}': {}", param, Printable(path), why);
+  };
+  // fstat the open descriptor, so the mode checked is that of the file read.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return bad(std::strerror(errno));
+  std::string text;
+  Status status = [&]() -> Status {
+    struct stat info {};
+    if (::fstat(fd, &info) != 0) return bad(std::strerror(errno));
+    if (!S_ISREG(info.st_mode)) return bad("not a regular file");
+    if ((info.st_mode & forbidden_mode) != 0) {
+      return bad(fmt::format("mode {:04o} is too open; {}", info.st_mode & 07777, mend));
+    }
+    if (static_cast<uint64_t>(info.st_size) > max_bytes) {
+      return bad(
+          fmt::format("{} bytes, more than the {} such a file may hold", info.st_size, max_bytes));
+    }
+    text.resize(static_cast<size_t>(info.st_size));
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t got = ::read(fd, text.data() + done, text.size() - done);
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) return bad(std::strerror(errno));
+      if (got == 0) return bad("shorter than its size (truncated while reading?)");
+      done += static_cast<size_t>(got);
+    }
+    return Status::OK();
+  }();
+  ::close(fd);
+  if (!status.ok()) return status;
+  return text;
+}
+
+// Decode one Z85 key; `what` names it for errors (never its text, which may be a secret).
+Result<CurveKey> DecodeZ85Key(std::string_view z85, std::string_view what) {
+  if (z85.size() != kCurveKeyZ85Chars) {
+    return InvalidArgument("{}: {} characters, expected a {}-character Z85 key", what, z85.size(),
+                           kCurveKeyZ85Chars);
+  }
+  const std::string terminated(z85);
+  CurveKey key{};
+  if (zmq_z85_decode(key.data(), terminated.c_str()) == nullptr) {
+    return InvalidArgument("{}: not a Z85 key (a character outside the Z85 alphabet)", what);
+  }
+  return key;
+}
+
+// The public key of the relays, or a listed client key.
+Result<CurveKey> ReadPublicKey(std::string_view param, const std::string& path) {
+  REFIT_ASSIGN_OR_RETURN(const std::string text, ReadConfigFile(param, path, kMaxKeyFileBytes,
+                                                                kPublicKeyForbiddenMode, ""));
+  return DecodeZ85Key(TrimSpace(text), fmt::format("zmq {} '{}'", param, Printable(path)));
+}
+
+// This side's key pair from its secret key file; the public key is derived.
+Result<CurveKeyPair> ReadSecretKey(const std::string& path) {
+  REFIT_ASSIGN_OR_RETURN(
+      const std::string text,
+      ReadConfigFile(kSecretKeyParam, path, kMaxKeyFileBytes, kSecretKeyForbiddenMode,
+                     fmt::format("chmod 600 '{}'", Printable(path))));
+  const std::string what = fmt::format("zmq {} '{}'", kSecretKeyParam, Printable(path));
+  const std::string z85(TrimSpace(text));
+  CurveKeyPair pair;
+  REFIT_ASSIGN_OR_RETURN(pair.secret_key, DecodeZ85Key(z85, what));
+  std::array<char, kCurveKeyZ85Buffer> public_z85{};
+  if (zmq_curve_public(public_z85.data(), z85.c_str()) != 0) {
+    return InvalidArgument("{}: cannot derive its public key: {}", what, ZmqError());
+  }
+  REFIT_ASSIGN_OR_RETURN(pair.public_key, DecodeZ85Key(public_z85.data(), what));
+  return pair;
+}
+
+// The client keys listed in curve_authorized_keys: one Z85 key per line; blank lines and lines
+// starting with '#' are skipped.
+Result<std::set<CurveKey>> ReadAuthorizedKeys(const std::string& path) {
+  REFIT_ASSIGN_OR_RETURN(const std::string text,
+                         ReadConfigFile(kAuthorizedKeysParam, path, kMaxAuthorizedKeysBytes,
+                                        kAuthorizedKeysForbiddenMode,
+                                        fmt::format("chmod go-w '{}'", Printable(path))));
+  std::set<CurveKey> keys;
+  size_t line_number = 0;
+  for (size_t begin = 0; begin < text.size();) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    ++line_number;
+    const std::string_view line = TrimSpace(std::string_view(text).substr(begin, end - begin));
+    begin = end + 1;
+    if (line.empty() || line.front() == '#') continue;
+    REFIT_ASSIGN_OR_RETURN(
+        const CurveKey key,
+        DecodeZ85Key(line, fmt::format("zmq {} '{}' line {}", kAuthorizedKeysParam, Printable(path),
+                                       line_number)));
+    keys.insert(key);
+  }
+  return keys;
+}
+
+// A sender's CURVE keys, or nullopt without CURVE. Without curve_secret_key the sender gets an
+// ephemeral key pair: enough where the relays admit every client (no curve_authorized_keys).
+Result<std::optional<CurveClientKeys>> LoadSenderKeys(const CurveFiles& files) {
+  if (!files.configured()) return std::optional<CurveClientKeys>();
+  if (files.server_key.empty()) {
+    return InvalidArgument(
+        "zmq sender: {} needs {}, the relays' public key, to connect to CURVE relays",
+        kSecretKeyParam, kServerKeyParam);
+  }
+  CurveClientKeys keys;
+  REFIT_ASSIGN_OR_RETURN(keys.server_key, ReadPublicKey(kServerKeyParam, files.server_key));
+  if (!files.secret_key.empty()) {
+    REFIT_ASSIGN_OR_RETURN(keys.own, ReadSecretKey(files.secret_key));
+    return std::optional<CurveClientKeys>(keys);
+  }
+  std::array<char, kCurveKeyZ85Buffer> public_z85{};
+  std::array<char, kCurveKeyZ85Buffer> secret_z85{};
+  if (zmq_curve_keypair(public_z85.data(), secret_z85.data()) != 0) {
+    return Unavailable("zmq sender: ephemeral CURVE key pair: {}", ZmqError());
+  }
+  REFIT_ASSIGN_OR_RETURN(keys.own.secret_key,
+                         DecodeZ85Key(secret_z85.data(), "ephemeral secret key"));
+  REFIT_ASSIGN_OR_RETURN(keys.own.public_key,
+                         DecodeZ85Key(public_z85.data(), "ephemeral public key"));
+  return std::optional<CurveClientKeys>(keys);
+}
+
+// A relay's CURVE keys, or nullopt without CURVE.
+Result<std::optional<CurveServerKeys>> LoadListenerKeys(const CurveFiles& files) {
+  if (!files.configured()) return std::optional<CurveServerKeys>();
+  if (files.secret_key.empty()) {
+    return InvalidArgument(
+        "zmq listener: {} needs {}: a CURVE relay holds the fleet's secret key (it would "
+        "otherwise serve in plain text)",
+        kServerKeyParam, kSecretKeyParam);
+  }
+  CurveServerKeys keys;
+  REFIT_ASSIGN_OR_RETURN(keys.fleet, ReadSecretKey(files.secret_key));
+  if (!files.server_key.empty()) {
+    REFIT_ASSIGN_OR_RETURN(const CurveKey server_key,
+                           ReadPublicKey(kServerKeyParam, files.server_key));
+    if (server_key != keys.fleet.public_key) {
+      return InvalidArgument(
+          "zmq listener: {} '{}' is not the public key of {} '{}': every relay of a fleet holds "
+          "the one server key pair that senders connect to",
+          kServerKeyParam, Printable(files.server_key), kSecretKeyParam,
+          Printable(files.secret_key));
+    }
+  }
+  if (!files.authorized_keys.empty()) {
+    REFIT_ASSIGN_OR_RETURN(keys.authorized, ReadAuthorizedKeys(files.authorized_keys));
+    // Relays forward to each other as clients holding the fleet key pair.
+    keys.authorized->insert(keys.fleet.public_key);
+  }
+  return std::optional<CurveServerKeys>(std::move(keys));
+}
+
+Status SetCurveKey(void* socket, int option, const CurveKey& key) {
+  if (zmq_setsockopt(socket, option, key.data(), key.size()) != 0) {
+    return Unavailable("zmq CURVE key option {}: {}", option, ZmqError());
+  }
+  return Status::OK();
+}
+
+// Why a handshake failed, from a monitor event: PermissionDenied when the relay refused this
+// client's key (final), Unavailable otherwise (the next attempt may reach a relay that is ready).
+Status HandshakeFailure(uint16_t event, uint32_t value, const std::string& endpoint) {
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+    return PermissionDenied(
+        "zmq endpoint {} refused this client's CURVE key (ZAP status {}): list its public key in "
+        "the relays' {}",
+        endpoint, value, kAuthorizedKeysParam);
+  }
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
+    if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+      return Unavailable(
+          "zmq endpoint {}: security mechanism mismatch in the handshake (CURVE is configured "
+          "on one side only)",
+          endpoint);
+    }
+    return Unavailable("zmq endpoint {}: handshake failed with ZMTP protocol error {:#x}", endpoint,
+                       value);
+  }
+  return Unavailable(
+      "zmq endpoint {} closed the connection during the handshake ({} is not the relays' public "
+      "key, or CURVE is configured on one side only?)",
+      endpoint, kServerKeyParam);
+}
+
 // One DEALER connected to one endpoint, used by one thread at a time.
 class Connection {
  public:
-  Connection(void* context, std::string endpoint, const ZmqConfig& config)
-      : context_(context), endpoint_(std::move(endpoint)), config_(config) {}
+  // `curve`: the keys to present, or nullopt for a plain connection.
+  Connection(void* context, std::string endpoint, const ZmqConfig& config,
+             const std::optional<CurveClientKeys>& curve)
+      : context_(context), endpoint_(std::move(endpoint)), config_(config), curve_(curve) {}
 
   // Send `frames` and wait for the reply that matches `key`, retrying with backoff.
-  // Errors: the receiver's NACK; DeadlineExceeded when no attempt got a reply; Unavailable;
+  // Errors: the receiver's NACK; PermissionDenied when the relay refuses this client's CURVE key;
+  // DeadlineExceeded when no attempt got a reply; Unavailable (a failed handshake among them);
   // Cancelled soon after `stop` is requested.
   Status Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
                  const std::stop_token& stop = {}) {
@@ -248,13 +556,13 @@ class Connection {
       if (!reply.ok()) {
         last = reply.status();
         // A fresh socket drops what the old one queued and any reply still on its way.
-        socket_.reset();
+        Disconnect();
         continue;
       }
       if (reply->has_value()) return **reply;
       last = DeadlineExceeded("no reply from zmq endpoint {} within {} ms", endpoint_,
                               config_.timeout_ms);
-      socket_.reset();
+      Disconnect();
     }
     return last.WithContext(
         fmt::format("zmq endpoint {}, {} attempts", endpoint_, config_.retries + 1));
@@ -264,14 +572,55 @@ class Connection {
   Status Connect() {
     if (socket_ != nullptr) return Status::OK();
     ZmqSocket socket(zmq_socket(context_, ZMQ_DEALER));
-    if (socket == nullptr) return Unavailable("zmq DEALER for {}: {}", endpoint_, ZmqError());
+    ZmqSocket monitor(zmq_socket(context_, ZMQ_PAIR));
+    if (socket == nullptr || monitor == nullptr) {
+      return Unavailable("zmq DEALER for {}: {}", endpoint_, ZmqError());
+    }
     const int linger = 0;
-    zmq_setsockopt(socket.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    for (void* s : {socket.get(), monitor.get()}) {
+      zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    }
+    if (curve_.has_value()) {
+      REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SERVERKEY, curve_->server_key));
+      REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_PUBLICKEY, curve_->own.public_key));
+      REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SECRETKEY, curve_->own.secret_key));
+    }
+    // Watch the handshake: a refused key or a mechanism mismatch would otherwise look like a
+    // silent relay until the timeout. The monitor is connected before the DEALER, so it sees
+    // every event.
+    static std::atomic<uint64_t> next_monitor{0};
+    const std::string monitor_endpoint = fmt::format("{}{}", kMonitorPrefix, next_monitor++);
+    if (zmq_socket_monitor(socket.get(), monitor_endpoint.c_str(),
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+        zmq_connect(monitor.get(), monitor_endpoint.c_str()) != 0) {
+      return Unavailable("zmq handshake monitor for {}: {}", endpoint_, ZmqError());
+    }
     if (zmq_connect(socket.get(), TcpAddress(endpoint_).c_str()) != 0) {
       return Unavailable("zmq connect to {}: {}", endpoint_, ZmqError());
     }
     socket_ = std::move(socket);
+    monitor_ = std::move(monitor);
     return Status::OK();
+  }
+
+  void Disconnect() {
+    socket_.reset();
+    monitor_.reset();
+  }
+
+  // The failure a monitor event reports (the monitor is readable).
+  Status ReadHandshakeFailure() {
+    REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> event,
+                           ReceiveFrames(monitor_.get(), kMonitorEventFrames));
+    if (event.empty() || event[0].size() != kMonitorEventBytes) {
+      return Unavailable("zmq endpoint {}: malformed handshake monitor event", endpoint_);
+    }
+    uint16_t id = 0;
+    std::memcpy(&id, event[0].data(), sizeof(id));
+    const std::optional<uint32_t> value = ReadU32(std::string_view(event[0]).substr(sizeof(id)));
+    return HandshakeFailure(id, value.value_or(0), endpoint_);
   }
 
   // One attempt: the reply's verdict, or nullopt on timeout.
@@ -286,15 +635,24 @@ class Connection {
           deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::optional<Status>();
       if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
-      zmq_pollitem_t item{socket_.get(), 0, ZMQ_POLLIN, 0};
+      std::array<zmq_pollitem_t, 2> items{
+          {{socket_.get(), 0, ZMQ_POLLIN, 0}, {monitor_.get(), 0, ZMQ_POLLIN, 0}}};
       // Wake up at least every kStopCheckMs to notice a stop request.
-      const int ready =
-          zmq_poll(&item, 1, static_cast<long>(std::min<int64_t>(left.count(), kStopCheckMs)));
+      const int ready = zmq_poll(items.data(), items.size(),
+                                 static_cast<long>(std::min<int64_t>(left.count(), kStopCheckMs)));
       if (ready < 0) {
         if (zmq_errno() == EINTR) continue;
         return Unavailable("zmq poll on {}: {}", endpoint_, ZmqError());
       }
-      if (ready == 0) continue;
+      if ((items[1].revents & ZMQ_POLLIN) != 0) {
+        const Status failure = ReadHandshakeFailure();
+        // The connection is dead either way (libzmq does not retry a refused key).
+        Disconnect();
+        // A refused key stays refused: final, like a NACK. Anything else is this attempt's.
+        if (failure.code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
+        return failure;
+      }
+      if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
       REFIT_ASSIGN_OR_RETURN(std::vector<std::string> reply,
                              ReceiveFrames(socket_.get(), kReplyFrames));
       // A reply to an earlier attempt or another request, or not ours: keep waiting.
@@ -318,14 +676,19 @@ class Connection {
   void* const context_;
   const std::string endpoint_;
   const ZmqConfig config_;
+  const std::optional<CurveClientKeys> curve_;
+  // The DEALER and the PAIR that receives its handshake failures; both set or both null.
   ZmqSocket socket_;
+  ZmqSocket monitor_;
 };
 
 class ZmqSender final : public TransportSender {
  public:
-  ZmqSender(ZmqContext context, ZmqConfig config, SenderContext sender, PayloadLimits limits)
+  ZmqSender(ZmqContext context, ZmqConfig config, std::optional<CurveClientKeys> curve,
+            SenderContext sender, PayloadLimits limits)
       : context_(std::move(context)),
         config_(std::move(config)),
+        curve_(std::move(curve)),
         sender_(std::move(sender)),
         limits_(limits),
         root_index_(sender_.producer_id % sender_.endpoints.size()),
@@ -377,13 +740,14 @@ class ZmqSender final : public TransportSender {
     std::lock_guard lock(mutex_);
     std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
     if (connection == nullptr) {
-      connection = std::make_unique<Connection>(context_.get(), root_, config_);
+      connection = std::make_unique<Connection>(context_.get(), root_, config_, curve_);
     }
     return *connection;
   }
 
   const ZmqContext context_;
   const ZmqConfig config_;
+  const std::optional<CurveClientKeys> curve_;
   const SenderContext sender_;
   const PayloadLimits limits_;
   const uint32_t root_index_;
@@ -401,11 +765,21 @@ struct ForwardJob {
   std::vector<size_t> children;
 };
 
+// What a relay staged of one producer's stream in one transfer, and whether the stream ended.
+struct StreamRecord {
+  // The stream end was handed to the sink: later payloads are refused (see "Seal" above).
+  bool sealed = false;
+  // The header checksum of each payload id the sink staged (accepted or duplicate).
+  std::map<uint32_t, std::array<uint8_t, 16>> staged;
+};
+
 class ZmqListener final : public Listener {
  public:
-  ZmqListener(ZmqConfig config, ListenerContext context, size_t self, PayloadSink& sink,
-              PayloadLimits limits)
+  // `curve`: the relay's CURVE keys, or nullopt for a plain relay.
+  ZmqListener(ZmqConfig config, std::optional<CurveServerKeys> curve, ListenerContext context,
+              size_t self, PayloadSink& sink, PayloadLimits limits)
       : config_(std::move(config)),
+        curve_(std::move(curve)),
         endpoint_(std::move(context.endpoint)),
         peers_(std::move(context.peers)),
         self_(self),
@@ -436,6 +810,7 @@ class ZmqListener final : public Listener {
       zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof(linger));
     }
     zmq_setsockopt(router_.get(), ZMQ_MAXMSGSIZE, &max_frame, sizeof(max_frame));
+    REFIT_RETURN_NOT_OK(SetUpCurve());
     if (zmq_bind(router_.get(), TcpAddress(endpoint_).c_str()) != 0) {
       const bool taken = zmq_errno() == EADDRINUSE;
       const std::string error = ZmqError();
@@ -456,6 +831,12 @@ class ZmqListener final : public Listener {
         ForwardLoop(stop);
       });
     }
+    if (zap_ != nullptr) {
+      zap_thread_ = std::jthread([this](std::stop_token stop) {
+        NameCurrentThread("refit-zmq-zap");
+        ZapLoop(stop);
+      });
+    }
     return Status::OK();
   }
 
@@ -463,15 +844,18 @@ class ZmqListener final : public Listener {
     std::lock_guard lock(lifecycle_mutex_);
     if (stopped_) return;
     stopped_ = true;
-    // Request both stops before joining either: the I/O thread's sink call and the forwarder's
-    // queue wait and requests all watch their own stop tokens.
+    // Request every stop before joining any: the I/O thread's sink call, the forwarder's queue
+    // wait and requests, and the ZAP handler's poll all watch their own stop tokens.
     io_thread_.request_stop();
     forward_thread_.request_stop();
-    if (io_thread_.joinable()) io_thread_.join();
-    if (forward_thread_.joinable()) forward_thread_.join();
+    zap_thread_.request_stop();
+    for (std::jthread* thread : {&io_thread_, &forward_thread_, &zap_thread_}) {
+      if (thread->joinable()) thread->join();
+    }
     router_.reset();
     replies_in_.reset();
     replies_out_.reset();
+    zap_.reset();
     context_.reset();
   }
 
@@ -487,6 +871,93 @@ class ZmqListener final : public Listener {
     std::lock_guard lock(stats_mutex_);
     ++stats_.failures;
     stats_.last_error = status;
+  }
+
+  // Make the ROUTER a CURVE server, and bind the ZAP handler before the ROUTER accepts anyone:
+  // libzmq admits every client while no handler is bound.
+  Status SetUpCurve() {
+    if (!curve_.has_value()) return Status::OK();
+    const int server = 1;
+    if (zmq_setsockopt(router_.get(), ZMQ_CURVE_SERVER, &server, sizeof(server)) != 0) {
+      return Unavailable("zmq listener {}: CURVE server: {}", endpoint_, ZmqError());
+    }
+    REFIT_RETURN_NOT_OK(SetCurveKey(router_.get(), ZMQ_CURVE_SECRETKEY, curve_->fleet.secret_key)
+                            .WithContext(fmt::format("zmq listener {}", endpoint_)));
+    if (!curve_->authorized.has_value()) return Status::OK();
+    zap_.reset(zmq_socket(context_.get(), ZMQ_REP));
+    if (zap_ == nullptr) {
+      return Unavailable("zmq listener {}: ZAP socket: {}", endpoint_, ZmqError());
+    }
+    const int linger = 0;
+    zmq_setsockopt(zap_.get(), ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_bind(zap_.get(), kZapEndpoint) != 0) {
+      return Unavailable("zmq listener {}: bind the ZAP handler: {}", endpoint_, ZmqError());
+    }
+    return Status::OK();
+  }
+
+  // Answer libzmq's ZAP requests: admit the authorized client keys, refuse the others.
+  void ZapLoop(std::stop_token stop) {
+    while (!stop.stop_requested()) {
+      zmq_pollitem_t item{zap_.get(), 0, ZMQ_POLLIN, 0};
+      const int ready = zmq_poll(&item, 1, kStopCheckMs);
+      if (ready < 0 && zmq_errno() != EINTR) {
+        RecordFailure(Unavailable("zmq listener {}: ZAP poll: {}", endpoint_, ZmqError()));
+      }
+      if (ready <= 0) continue;
+      Result<std::vector<std::string>> request = ReceiveFrames(zap_.get(), kMaxZapRequestFrames);
+      if (!request.ok() && request.status().code() == StatusCode::kUnavailable) continue;
+      std::string_view verdict = kZapDenied;
+      std::string request_id;
+      if (!request.ok() || request->size() != kZapCurveRequestFrames ||
+          (*request)[0] != kZapVersion || (*request)[5] != kZapCurve ||
+          (*request)[6].size() != kCurveKeyBytes) {
+        // libzmq asks only well-formed CURVE questions; anything else is refused, and answered
+        // all the same: a REP socket must reply before it reads the next request.
+        verdict = kZapInternalError;
+        RecordFailure(Internal("zmq listener {}: malformed ZAP request", endpoint_));
+        if (request.ok() && request->size() > 1) request_id = (*request)[1];
+      } else {
+        request_id = (*request)[1];
+        CurveKey client{};
+        std::memcpy(client.data(), (*request)[6].data(), client.size());
+        if (curve_->authorized->count(client) != 0) {
+          verdict = kZapAllowed;
+        } else {
+          RecordFailure(PermissionDenied("zmq listener {}: refused CURVE client key {} from {}",
+                                         endpoint_, Z85Text(client), Printable((*request)[3])));
+        }
+      }
+      const std::vector<std::string> reply{
+          std::string(kZapVersion), request_id, std::string(verdict), "", "", ""};
+      if (Status sent = SendFrames(zap_.get(), reply, kZapEndpoint); !sent.ok()) {
+        RecordFailure(sent);
+      }
+    }
+  }
+
+  // The record of (transfer, producer), or null when this relay staged nothing of it and saw
+  // no stream end.
+  StreamRecord* FindStream(const TransferId& transfer, uint32_t producer) {
+    for (auto& [id, producers] : streams_) {
+      if (id != transfer) continue;
+      const auto found = producers.find(producer);
+      return found == producers.end() ? nullptr : &found->second;
+    }
+    return nullptr;
+  }
+
+  // The record of (transfer, producer), made if needed; the oldest transfer is forgotten beyond
+  // kSealedTransfers.
+  StreamRecord& Stream(const TransferId& transfer, uint32_t producer) {
+    auto it = std::find_if(streams_.begin(), streams_.end(),
+                           [&](const auto& entry) { return entry.first == transfer; });
+    if (it == streams_.end()) {
+      if (streams_.size() == kSealedTransfers) streams_.erase(streams_.begin());
+      streams_.emplace_back(transfer, std::map<uint32_t, StreamRecord>{});
+      it = streams_.end() - 1;
+    }
+    return it->second[producer];
   }
 
   void ServeLoop(std::stop_token stop) {
@@ -591,12 +1062,33 @@ class ZmqListener final : public Listener {
       Reply(identity, key, access);
       return;
     }
+    if (const StreamRecord* stream = FindStream(ids.transfer_id, ids.producer_id);
+        stream != nullptr && stream->sealed) {
+      const auto staged = stream->staged.find(ids.payload_id);
+      if (staged == stream->staged.end() || staged->second != header->checksum) {
+        Reply(identity, key,
+              FailedPrecondition("zmq relay {}: payload {} of producer {} (transfer {}) came "
+                                 "after the producer's stream end: the stream is sealed",
+                                 endpoint_, ids.payload_id, ids.producer_id,
+                                 ids.transfer_id.ToHex()));
+        return;
+      }
+      // A late copy of a staged payload (a retried request): staged here already, and like any
+      // duplicate not forwarded again.
+      {
+        std::lock_guard lock(stats_mutex_);
+        ++stats_.duplicates;
+      }
+      Reply(identity, key, Status::OK());
+      return;
+    }
     Result<StageResult> staged =
         sink_.Deliver(std::vector<std::byte>(bytes.begin(), bytes.end()), stop);
     if (!staged.ok()) {
       Reply(identity, key, staged.status());
       return;
     }
+    Stream(ids.transfer_id, ids.producer_id).staged.emplace(ids.payload_id, header->checksum);
     {
       std::lock_guard lock(stats_mutex_);
       ++(*staged == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
@@ -629,6 +1121,7 @@ class ZmqListener final : public Listener {
       Reply(identity, key, ended);
       return;
     }
+    Stream(end.transfer_id, end.producer_id).sealed = true;
     {
       std::lock_guard lock(stats_mutex_);
       ++stats_.streams_ended;
@@ -656,6 +1149,12 @@ class ZmqListener final : public Listener {
     jobs_changed_.notify_one();
   }
 
+  // A relay forwards as a CURVE client holding the fleet key pair, which every relay admits.
+  std::optional<CurveClientKeys> ForwardKeys() const {
+    if (!curve_.has_value()) return std::nullopt;
+    return CurveClientKeys{curve_->fleet.public_key, curve_->fleet};
+  }
+
   void ForwardLoop(std::stop_token stop) {
     std::map<size_t, std::unique_ptr<Connection>> connections;
     while (true) {
@@ -671,7 +1170,8 @@ class ZmqListener final : public Listener {
       for (const size_t child : job.children) {
         std::unique_ptr<Connection>& connection = connections[child];
         if (connection == nullptr) {
-          connection = std::make_unique<Connection>(context_.get(), peers_[child], config_);
+          connection =
+              std::make_unique<Connection>(context_.get(), peers_[child], config_, ForwardKeys());
         }
         status = connection->Request(request, job.key, stop)
                      .WithContext(fmt::format("relay {} forwarding", endpoint_));
@@ -687,6 +1187,7 @@ class ZmqListener final : public Listener {
   }
 
   const ZmqConfig config_;
+  const std::optional<CurveServerKeys> curve_;
   const std::string endpoint_;
   const std::vector<std::string> peers_;
   // This relay's index in peers_ (0 without peers).
@@ -703,8 +1204,15 @@ class ZmqListener final : public Listener {
   ZmqSocket router_;
   ZmqSocket replies_in_;
   ZmqSocket replies_out_;
+  // The ZAP handler's socket (with curve_authorized_keys only), owned by the ZAP thread.
+  ZmqSocket zap_;
   std::jthread io_thread_;
   std::jthread forward_thread_;
+  std::jthread zap_thread_;
+
+  // The streams this relay staged payloads of, per transfer, most recent last; at most
+  // kSealedTransfers. The I/O thread's alone.
+  std::vector<std::pair<TransferId, std::map<uint32_t, StreamRecord>>> streams_;
 
   std::mutex jobs_mutex_;
   // Waits with the forwarding thread's stop token, so Stop needs no notification.
@@ -720,17 +1228,22 @@ class ZmqTransport final : public Transport {
   ZmqTransport(TransportUri uri, ZmqConfig config, TransportOptions options)
       : Transport(std::move(uri)), config_(std::move(config)), options_(options) {}
 
-  TransportCapabilities capabilities() const override { return kZmqCapabilities; }
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities capabilities = kZmqCapabilities;
+    capabilities.encrypted = config_.curve.configured();
+    return capabilities;
+  }
 
   Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) override {
     REFIT_RETURN_NOT_OK(CheckSenderContext(uri(), context));
     for (const std::string& endpoint : context.endpoints) {
       REFIT_RETURN_NOT_OK(CheckEndpoint(endpoint));
     }
+    REFIT_ASSIGN_OR_RETURN(std::optional<CurveClientKeys> curve, LoadSenderKeys(config_.curve));
     ZmqContext zmq_context(zmq_ctx_new());
     if (zmq_context == nullptr) return Unavailable("zmq context: {}", ZmqError());
-    return std::unique_ptr<TransportSender>(
-        std::make_unique<ZmqSender>(std::move(zmq_context), config_, context, options_.limits));
+    return std::unique_ptr<TransportSender>(std::make_unique<ZmqSender>(
+        std::move(zmq_context), config_, std::move(curve), context, options_.limits));
   }
 
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
@@ -747,14 +1260,41 @@ class ZmqTransport final : public Transport {
       }
       self = static_cast<size_t>(found - context.peers.begin());
     }
-    return std::unique_ptr<Listener>(
-        std::make_unique<ZmqListener>(config_, context, self, sink, options_.limits));
+    REFIT_ASSIGN_OR_RETURN(std::optional<CurveServerKeys> curve, LoadListenerKeys(config_.curve));
+    return std::unique_ptr<Listener>(std::make_unique<ZmqListener>(
+        config_, std::move(curve), context, self, sink, options_.limits));
   }
 
  private:
   const ZmqConfig config_;
   const TransportOptions options_;
 };
+
+// The CURVE key files the URI names, checked for what needs no I/O.
+Result<CurveFiles> CurveParams(const TransportUri& shown) {
+  CurveFiles files;
+  for (const auto& [param, path] : {std::pair{kSecretKeyParam, &files.secret_key},
+                                    std::pair{kServerKeyParam, &files.server_key},
+                                    std::pair{kAuthorizedKeysParam, &files.authorized_keys}}) {
+    const std::string* value = shown.Param(param);
+    if (value == nullptr) continue;
+    if (value->empty()) {
+      return InvalidArgument("transport URI '{}': {} must name a key file",
+                             Printable(shown.ToString()), param);
+    }
+    *path = *value;
+  }
+  if (!files.authorized_keys.empty() && files.secret_key.empty()) {
+    return InvalidArgument(
+        "transport URI '{}': {} needs {}: only a CURVE relay (a server) admits clients",
+        Printable(shown.ToString()), kAuthorizedKeysParam, kSecretKeyParam);
+  }
+  if (files.configured() && zmq_has("curve") == 0) {
+    return InvalidArgument("transport URI '{}': this libzmq was built without CURVE",
+                           Printable(shown.ToString()));
+  }
+  return files;
+}
 
 }  // namespace
 
@@ -765,7 +1305,9 @@ Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
   for (auto& [name, value] : shown.params) {
     if (name == "api_key") value = "<redacted>";
   }
-  REFIT_RETURN_NOT_OK(CheckKnownParams(shown, {"timeout_ms", "retries", "api_key", "api_key_env"}));
+  REFIT_RETURN_NOT_OK(
+      CheckKnownParams(shown, {"timeout_ms", "retries", "api_key", "api_key_env", kSecretKeyParam,
+                               kServerKeyParam, kAuthorizedKeysParam}));
   if (!uri.target.empty()) {
     return InvalidArgument(
         "transport URI '{}': zmq takes no target; each endpoint names its host:port",
@@ -801,6 +1343,7 @@ Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
     return InvalidArgument("transport URI '{}': api key of {} bytes exceeds {}",
                            Printable(shown.ToString()), config.api_key.size(), kMaxApiKeyBytes);
   }
+  REFIT_ASSIGN_OR_RETURN(config.curve, CurveParams(shown));
   return std::unique_ptr<Transport>(std::make_unique<ZmqTransport>(uri, config, options));
 }
 

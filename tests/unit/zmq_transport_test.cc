@@ -1,14 +1,20 @@
-// zmq:// — the ZeroMQ relay tree on loopback: fan-out, dedupe, api key, malformed frames, retries.
+// zmq:// — the ZeroMQ relay tree on loopback: fan-out, dedupe, seal after flush, api key, CURVE
+// (encryption, server key, authorized client keys, key files), malformed frames, retries.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -40,6 +46,13 @@ constexpr int kSilenceWaitMs = 300;
 constexpr double kDensity = 0.05;
 // Small enough that a test can send a frame beyond it cheaply, large enough for every payload.
 constexpr uint64_t kTestMaxPayloadBytes = 64 << 10;
+// Every relay count of the tree test: a single relay, full and partial heap levels, depth 3.
+constexpr size_t kMaxTreeRelays = 9;
+// How long a flush waits in a test where a payload is known to be missing.
+constexpr auto kMissingPayloadTimeout = std::chrono::milliseconds(300);
+// Z85 text of a CURVE key (ZeroMQ RFC 32), and libzmq's buffer for it with the NUL.
+constexpr size_t kZ85KeyChars = 40;
+constexpr size_t kZ85KeyBuffer = kZ85KeyChars + 1;
 
 std::vector<OwnedTensor> MakeModel(uint64_t seed) {
   return {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, seed + 1),
@@ -47,20 +60,29 @@ std::vector<OwnedTensor> MakeModel(uint64_t seed) {
           RandomTensor("model.norm.weight", DType::kBFloat16, {257}, seed + 3)};
 }
 
-// A loopback port nobody listens on now: bind port 0, read it, release it.
-std::string FreeEndpoint() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  EXPECT_GE(fd, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  socklen_t length = sizeof(address);
-  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-  ::close(fd);
-  return fmt::format("127.0.0.1:{}", ntohs(address.sin_port));
+// `n` distinct loopback ports nobody listens on now: bind port 0 `n` times, all at once (so the
+// kernel cannot hand out one port twice), read the ports, release them.
+std::vector<std::string> FreeEndpoints(size_t n) {
+  std::vector<int> fds;
+  std::vector<std::string> endpoints;
+  for (size_t i = 0; i < n; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    EXPECT_GE(fd, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = 0;
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+    socklen_t length = sizeof(address);
+    EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+    fds.push_back(fd);
+    endpoints.push_back(fmt::format("127.0.0.1:{}", ntohs(address.sin_port)));
+  }
+  for (const int fd : fds) ::close(fd);
+  return endpoints;
 }
+
+std::string FreeEndpoint() { return FreeEndpoints(1)[0]; }
 
 std::string U32(uint32_t value) {
   std::string out(4, '\0');
@@ -83,6 +105,63 @@ struct Receiver {
   std::unique_ptr<ReceiverSession> session;
   std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
+};
+
+// A CURVE key pair written as files, as `refit keygen` writes them.
+struct KeyFiles {
+  std::string secret_path;
+  std::string public_path;
+  std::string public_z85;
+};
+
+// A directory for key files, removed with them at the end of the test.
+class KeyDir {
+ public:
+  KeyDir() {
+    std::string pattern = ::testing::TempDir() + "refit-zmq-keys-XXXXXX";
+    EXPECT_NE(::mkdtemp(pattern.data()), nullptr);
+    path_ = pattern;
+  }
+  ~KeyDir() { std::filesystem::remove_all(path_); }
+
+  // Write `text` to file `name` with `mode` (whatever the umask); return its path.
+  std::string Write(const std::string& name, const std::string& text, mode_t mode = 0600) {
+    const std::string path = path_ + "/" + name;
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+    EXPECT_EQ(::chmod(path.c_str(), mode), 0) << path;
+    return path;
+  }
+
+  // A fresh key pair: <name>.key (mode 0600) and <name>.pub, each a Z85 line.
+  KeyFiles NewKeyPair(const std::string& name) {
+    std::array<char, kZ85KeyBuffer> public_z85{};
+    std::array<char, kZ85KeyBuffer> secret_z85{};
+    EXPECT_EQ(zmq_curve_keypair(public_z85.data(), secret_z85.data()), 0);
+    KeyFiles files;
+    files.public_z85 = public_z85.data();
+    files.secret_path = Write(name + ".key", std::string(secret_z85.data()) + "\n");
+    files.public_path = Write(name + ".pub", files.public_z85 + "\n", 0644);
+    return files;
+  }
+
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A zmq:// transport with these parameters (percent-encoded as needed).
+Result<std::unique_ptr<Transport>> MakeZmq(
+    std::vector<std::pair<std::string, std::string>> params) {
+  return MakeTransport(TransportUri{"zmq", "", std::move(params)});
+}
+
+// A sink for listeners that must fail before delivering anything.
+class RefusingSink final : public PayloadSink {
+ public:
+  Result<StageResult> Deliver(std::vector<std::byte>, std::stop_token) override {
+    return FailedPrecondition("this test delivers nothing");
+  }
 };
 
 // A raw DEALER speaking (or not) the protocol, to send what no correct sender would.
@@ -160,8 +239,7 @@ class ZmqTransportTest : public ::testing::Test {
 
   std::vector<Receiver> MakeRelays(size_t n, std::vector<std::string>& endpoints,
                                    Transport* transport = nullptr) {
-    endpoints.clear();
-    for (size_t i = 0; i < n; ++i) endpoints.push_back(FreeEndpoint());
+    endpoints = FreeEndpoints(n);
     std::vector<Receiver> relays;
     for (const std::string& endpoint : endpoints) {
       relays.push_back(MakeReceiver(endpoint, endpoints, transport));
@@ -233,11 +311,12 @@ class ZmqTransportTest : public ::testing::Test {
     }
   }
 
-  // Send all of `step` through the tree of `endpoints`, flush every relay, advance model_.
+  // Send all of `step` through the tree of `endpoints` (with `transport`'s sender), flush every
+  // relay, advance model_.
   void RunStep(std::vector<Receiver>& relays, const std::vector<std::string>& endpoints,
-               const Step& step) {
+               const Step& step, Transport* transport = nullptr) {
     for (Receiver& relay : relays) Prepare(relay, step);
-    auto sender = SenderFor(step, endpoints);
+    auto sender = SenderFor(step, endpoints, transport);
     ASSERT_NE(sender, nullptr);
     for (uint32_t id = 0; id < step.payloads.size(); ++id) {
       ASSERT_OK(sender->Send(id, step.payloads[id]));
@@ -247,6 +326,21 @@ class ZmqTransportTest : public ::testing::Test {
     for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
     ASSERT_OK(tracker_->Commit(step.plan.transfer_id));
     model_ = step.model;
+  }
+
+  // Check that no relay staged or ended anything of `step`: each is still receiving it, empty.
+  static void ExpectNothingStaged(const std::vector<Receiver>& relays, const Step& step) {
+    for (size_t i = 0; i < relays.size(); ++i) {
+      SCOPED_TRACE(fmt::format("relay {}", i));
+      EXPECT_EQ(relays[i].listener->stats().delivered, 0u);
+      EXPECT_EQ(relays[i].listener->stats().streams_ended, 0u);
+      EXPECT_TRUE(relays[i].sink->DeclaredPayloads(step.plan.transfer_id).empty());
+      const ReceiverStatus status = relays[i].session->GetStatus();
+      EXPECT_EQ(status.state, ReceiverState::kReceiving);
+      EXPECT_EQ(status.transfer_id, step.plan.transfer_id);
+      EXPECT_EQ(status.staged_payloads, 0u);
+      EXPECT_EQ(status.duplicate_payloads, 0u);
+    }
   }
 
   std::unique_ptr<Transport> transport_;
@@ -259,20 +353,24 @@ TEST_F(ZmqTransportTest, EveryRelayOfEveryTreeSizeReceivesBitExactlyFromEveryRoo
             (TransportCapabilities{
                 .staged_ack = true, .fan_out_tree = true, .reports_stream_end = true}));
   uint64_t seed = 1;
-  for (size_t n = 1; n <= 5; ++n) {
+  for (size_t n = 1; n <= kMaxTreeRelays; ++n) {
     // Fresh relays start at version 0: restart the producer there, from the current model.
     ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     std::vector<std::string> endpoints;
     std::vector<Receiver> relays = MakeRelays(n, endpoints);
     for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+    uint64_t payloads = 0;
     for (uint32_t root = 0; root < n; ++root) {
       SCOPED_TRACE(fmt::format("{} relays, root {}", n, root));
       // Producer `root + n` has root relay `root` too (producer_id % n).
       const Step step = EncodeStep(seed++, root + static_cast<uint32_t>(n));
       ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, step));
+      payloads += step.payloads.size();
     }
     for (const Receiver& relay : relays) {
+      // Every relay staged every payload exactly once, from every root.
+      EXPECT_EQ(relay.listener->stats().delivered, payloads);
       EXPECT_EQ(relay.listener->stats().streams_ended, n);
       EXPECT_EQ(relay.listener->stats().duplicates, 0u);
       EXPECT_EQ(relay.listener->stats().failures, 0u)
@@ -480,6 +578,280 @@ TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
   auto second = transport_->MakeListener({receiver.listener->endpoint(), {}}, *receiver.sink);
   ASSERT_OK(second.status());
   EXPECT_STATUS(AlreadyExists, (*second)->Start());
+}
+
+TEST_F(ZmqTransportTest, ARelaySealsAProducersStreamAtItsFlush) {
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints);
+  const Step step = EncodeStep(1, 0);
+  ASSERT_EQ(step.payloads.size(), 3u);
+  for (Receiver& relay : relays) Prepare(relay, step);
+  // The producer declares 3 payloads but sent only 2 before its stream end.
+  auto sender = SenderFor(step, endpoints);
+  ASSERT_NE(sender, nullptr);
+  ASSERT_OK(sender->Send(0, step.payloads[0]));
+  ASSERT_OK(sender->Send(1, step.payloads[1]));
+  ASSERT_OK(sender->Finish(step.payloads.size()));
+  std::vector<ReceiverStatus> before;
+  for (const Receiver& relay : relays) before.push_back(relay.session->GetStatus());
+
+  // A late payload, at the root and straight at a child: refused, neither staged nor forwarded.
+  auto late = SenderFor(step, endpoints);
+  ASSERT_NE(late, nullptr);
+  EXPECT_STATUS_MSG(FailedPrecondition, "sealed", late->Send(2, step.payloads[2]));
+  RawClient child(endpoints[2]);
+  child.Send({"refit-zmq/1", "DATA", "", U32(0),
+              std::string(reinterpret_cast<const char*>(step.payloads[2].data()),
+                          step.payloads[2].size())});
+  const std::vector<std::string> reply = child.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kFailedPrecondition)));
+  // Another payload under a staged id: refused too.
+  ASSERT_OK_AND_ASSIGN(const std::vector<std::byte> impostor,
+                       EncodePayload(PayloadIds{step.plan.transfer_id, 0, 0, step.plan.base_version,
+                                                step.plan.target_version},
+                                     {}));
+  EXPECT_STATUS_MSG(FailedPrecondition, "sealed", late->Send(0, impostor));
+  // An exact copy of a staged payload is a harmless duplicate: ACKed at the root, not forwarded.
+  ASSERT_OK(late->Send(0, step.payloads[0]));
+  EXPECT_EQ(relays[0].listener->stats().duplicates, 1u);
+
+  for (size_t i = 0; i < relays.size(); ++i) {
+    SCOPED_TRACE(fmt::format("relay {}", i));
+    EXPECT_EQ(relays[i].listener->stats().delivered, 2u);
+    // Only the root saw the copy.
+    EXPECT_EQ(relays[i].listener->stats().duplicates, i == 0 ? 1u : 0u);
+    const ReceiverStatus after = relays[i].session->GetStatus();
+    EXPECT_EQ(after.state, before[i].state);
+    EXPECT_EQ(after.staged_payloads, 2u);
+    EXPECT_EQ(after.staged_payloads, before[i].staged_payloads);
+    EXPECT_EQ(after.duplicate_payloads, before[i].duplicate_payloads);
+    // Payload 2 never arrived: the receiver's flush says so, and the transfer rolls back.
+    FlushOptions flush;
+    flush.timeout = kMissingPayloadTimeout;
+    flush.expected.payloads_per_producer = relays[i].sink->DeclaredPayloads(step.plan.transfer_id);
+    EXPECT_STATUS(DeadlineExceeded, relays[i].session->Flush(step.plan.transfer_id, flush));
+    ASSERT_OK(relays[i].session->Abort(step.plan.transfer_id));
+  }
+}
+
+TEST_F(ZmqTransportTest, CurveEncryptsEveryHopOfAThreeRelayTreeBitExactly) {
+  KeyDir keys;
+  const KeyFiles fleet = keys.NewKeyPair("fleet");
+  ASSERT_OK_AND_ASSIGN(auto relay_transport, MakeZmq({{"curve_secret_key", fleet.secret_path},
+                                                      {"curve_server_key", fleet.public_path},
+                                                      {"api_key", "open sesame"}}));
+  // An ephemeral client key pair: these relays admit any client that knows their key.
+  ASSERT_OK_AND_ASSIGN(auto sender_transport, MakeZmq({{"curve_server_key", fleet.public_path},
+                                                       {"api_key", "open sesame"}}));
+  ASSERT_OK_AND_ASSIGN(auto wrong_api_key, MakeZmq({{"curve_server_key", fleet.public_path},
+                                                    {"api_key", "open sesamE"}}));
+  for (const Transport* transport : {relay_transport.get(), sender_transport.get()}) {
+    EXPECT_EQ(transport->capabilities(), (TransportCapabilities{.staged_ack = true,
+                                                                .fan_out_tree = true,
+                                                                .encrypted = true,
+                                                                .reports_stream_end = true}));
+  }
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints, relay_transport.get());
+  for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+
+  // CURVE does not replace the api key: both are checked.
+  const Step refused = EncodeStep(1, 0);
+  for (Receiver& relay : relays) Prepare(relay, refused);
+  auto sender = SenderFor(refused, endpoints, wrong_api_key.get());
+  ASSERT_NE(sender, nullptr);
+  EXPECT_STATUS(PermissionDenied, sender->Send(0, refused.payloads[0]));
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingStaged(relays, refused));
+  for (Receiver& relay : relays) ASSERT_OK(relay.session->Abort(refused.plan.transfer_id));
+  ASSERT_OK(tracker_->Abort(refused.plan.transfer_id));
+
+  // A relay forwards as a CURVE client to CURVE children, so every hop is encrypted (a plain
+  // hop would fail its handshake).
+  for (uint32_t root = 0; root < relays.size(); ++root) {
+    SCOPED_TRACE(fmt::format("root {}", root));
+    ASSERT_NO_FATAL_FAILURE(
+        RunStep(relays, endpoints, EncodeStep(2 + root, root), sender_transport.get()));
+  }
+  for (const Receiver& relay : relays) {
+    EXPECT_EQ(relay.listener->stats().streams_ended, relays.size());
+  }
+}
+
+TEST_F(ZmqTransportTest, AWrongServerKeyOrAPlainSenderCannotHandshakeAndStagesNothing) {
+  KeyDir keys;
+  const KeyFiles fleet = keys.NewKeyPair("fleet");
+  const KeyFiles other = keys.NewKeyPair("other");
+  ASSERT_OK_AND_ASSIGN(auto relay_transport, MakeZmq({{"curve_secret_key", fleet.secret_path}}));
+  ASSERT_OK_AND_ASSIGN(auto wrong_server_key,
+                       MakeZmq({{"curve_server_key", other.public_path}, {"retries", "1"}}));
+  ASSERT_OK_AND_ASSIGN(auto plain, MakeZmq({{"retries", "1"}}));
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints, relay_transport.get());
+  const Step step = EncodeStep(1, 0);
+  for (Receiver& relay : relays) Prepare(relay, step);
+
+  auto impostor = SenderFor(step, endpoints, wrong_server_key.get());
+  ASSERT_NE(impostor, nullptr);
+  const Status refused = impostor->Send(0, step.payloads[0]);
+  EXPECT_STATUS_MSG(Unavailable, "curve_server_key", refused);
+  EXPECT_NE(refused.message().find("2 attempts"), std::string::npos) << refused.ToString();
+  EXPECT_STATUS(Unavailable, impostor->Finish(step.payloads.size()));
+  auto unencrypted = SenderFor(step, endpoints, plain.get());
+  ASSERT_NE(unencrypted, nullptr);
+  // The client reports a mechanism mismatch, or the relay's hang-up if it noticed first.
+  EXPECT_STATUS(Unavailable, unencrypted->Send(0, step.payloads[0]));
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingStaged(relays, step));
+}
+
+TEST_F(ZmqTransportTest, CurveAuthorizedKeysAdmitTheListedClientsAndTheRelaysOnly) {
+  KeyDir keys;
+  const KeyFiles fleet = keys.NewKeyPair("fleet");
+  const KeyFiles trainer = keys.NewKeyPair("trainer");
+  const KeyFiles stranger = keys.NewKeyPair("stranger");
+  // The fleet's own key is not listed: relays are admitted implicitly.
+  const std::string authorized =
+      keys.Write("authorized", "# trainer ranks\n\n  " + trainer.public_z85 + "  \n# end\n", 0644);
+  ASSERT_OK_AND_ASSIGN(auto relay_transport, MakeZmq({{"curve_secret_key", fleet.secret_path},
+                                                      {"curve_authorized_keys", authorized}}));
+  ASSERT_OK_AND_ASSIGN(auto trainer_transport,
+                       MakeZmq({{"curve_server_key", fleet.public_path},
+                                {"curve_secret_key", trainer.secret_path}}));
+  ASSERT_OK_AND_ASSIGN(auto stranger_transport,
+                       MakeZmq({{"curve_server_key", fleet.public_path},
+                                {"curve_secret_key", stranger.secret_path}}));
+  ASSERT_OK_AND_ASSIGN(auto ephemeral_transport,
+                       MakeZmq({{"curve_server_key", fleet.public_path}}));
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints, relay_transport.get());
+  for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+
+  const Step refused = EncodeStep(1, 0);
+  for (Receiver& relay : relays) Prepare(relay, refused);
+  for (Transport* transport : {stranger_transport.get(), ephemeral_transport.get()}) {
+    auto sender = SenderFor(refused, endpoints, transport);
+    ASSERT_NE(sender, nullptr);
+    EXPECT_STATUS_MSG(PermissionDenied, "curve_authorized_keys",
+                      sender->Send(0, refused.payloads[0]));
+    EXPECT_STATUS(PermissionDenied, sender->Finish(refused.payloads.size()));
+  }
+  ASSERT_NO_FATAL_FAILURE(ExpectNothingStaged(relays, refused));
+  // The root relay (producer 0's) reports whom it refused.
+  EXPECT_GE(relays[0].listener->stats().failures, 2u);
+  EXPECT_STATUS_MSG(PermissionDenied, "refused CURVE client key",
+                    relays[0].listener->stats().last_error);
+  for (Receiver& relay : relays) ASSERT_OK(relay.session->Abort(refused.plan.transfer_id));
+  ASSERT_OK(tracker_->Abort(refused.plan.transfer_id));
+
+  for (uint32_t root = 0; root < relays.size(); ++root) {
+    SCOPED_TRACE(fmt::format("root {}", root));
+    ASSERT_NO_FATAL_FAILURE(
+        RunStep(relays, endpoints, EncodeStep(2 + root, root), trainer_transport.get()));
+  }
+}
+
+TEST_F(ZmqTransportTest, BadCurveKeyFilesAreInvalidArgumentNamingTheParameterAndFile) {
+  KeyDir keys;
+  const KeyFiles fleet = keys.NewKeyPair("fleet");
+  const KeyFiles other = keys.NewKeyPair("other");
+  // 39 Z85 characters: one short of a key. Key text must never appear in a message.
+  const std::string secret_text = "0123456789abcdefghijABCDEFGHIJ.-:+=^!/*";
+  const std::string missing = keys.path() + "/missing.key";
+  const std::string short_key = keys.Write("short.key", secret_text + "\n");
+  const std::string not_z85 = keys.Write("tilde.key", std::string(kZ85KeyChars, '~') + "\n");
+  // A correct secret key whose mode alone is wrong.
+  std::ifstream fleet_secret(fleet.secret_path);
+  const std::string open_secret =
+      keys.Write("open.key", std::string(std::istreambuf_iterator<char>(fleet_secret), {}), 0640);
+  const std::string bad_line =
+      keys.Write("bad_authorized", "# ok\n" + other.public_z85 + "\n" + secret_text + "\n", 0644);
+  const std::string writable = keys.Write("writable_authorized", other.public_z85 + "\n", 0664);
+  RefusingSink sink;
+
+  struct Case {
+    const char* what;
+    std::vector<std::pair<std::string, std::string>> params;
+    bool listener;  // made as a listener (else a sender)
+    std::vector<std::string> message_parts;
+  };
+  const std::vector<Case> cases = {
+      {"a missing secret key",
+       {{"curve_secret_key", missing}},
+       true,
+       {"curve_secret_key", missing}},
+      {"a secret key of 39 characters",
+       {{"curve_secret_key", short_key}},
+       true,
+       {"curve_secret_key", short_key, "39 characters"}},
+      {"a secret key outside Z85",
+       {{"curve_secret_key", not_z85}},
+       true,
+       {"curve_secret_key", not_z85, "Z85"}},
+      {"a secret key others may read",
+       {{"curve_secret_key", open_secret}},
+       true,
+       {"curve_secret_key", open_secret, "chmod 600"}},
+      {"a directory as server key",
+       {{"curve_server_key", keys.path()}},
+       false,
+       {"curve_server_key", keys.path(), "not a regular file"}},
+      {"a server key of 39 characters",
+       {{"curve_server_key", short_key}},
+       false,
+       {"curve_server_key", short_key}},
+      {"a sender's secret key outside Z85",
+       {{"curve_server_key", fleet.public_path}, {"curve_secret_key", not_z85}},
+       false,
+       {"curve_secret_key", not_z85}},
+      {"a relay whose server key is not its own public key",
+       {{"curve_secret_key", fleet.secret_path}, {"curve_server_key", other.public_path}},
+       true,
+       {"curve_server_key", other.public_path, fleet.secret_path}},
+      {"a bad authorized key on line 3",
+       {{"curve_secret_key", fleet.secret_path}, {"curve_authorized_keys", bad_line}},
+       true,
+       {"curve_authorized_keys", bad_line, "line 3"}},
+      {"an authorized keys file others may write",
+       {{"curve_secret_key", fleet.secret_path}, {"curve_authorized_keys", writable}},
+       true,
+       {"curve_authorized_keys", writable, "chmod go-w"}},
+      {"a relay with a server key and no secret key",
+       {{"curve_server_key", fleet.public_path}},
+       true,
+       {"curve_secret_key"}},
+      {"a sender with a secret key and no server key",
+       {{"curve_secret_key", fleet.secret_path}},
+       false,
+       {"curve_server_key"}},
+  };
+  const Step step = EncodeStep(1, 0);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ASSERT_OK_AND_ASSIGN(auto transport, MakeZmq(c.params));
+    const Status status =
+        c.listener ? transport->MakeListener(ListenerContext{FreeEndpoint(), {}}, sink).status()
+                   : transport
+                         ->MakeSender(SenderContext{step.plan.transfer_id,
+                                                    0,
+                                                    step.plan.base_version,
+                                                    step.plan.target_version,
+                                                    {FreeEndpoint()}})
+                         .status();
+    EXPECT_STATUS(InvalidArgument, status);
+    for (const std::string& part : c.message_parts) {
+      EXPECT_NE(status.message().find(part), std::string::npos)
+          << "'" << status.message() << "' lacks '" << part << "'";
+    }
+    // A key's text never appears in a message.
+    EXPECT_EQ(status.message().find(secret_text), std::string::npos) << status.ToString();
+  }
+
+  // What the URI alone shows wrong is refused by the factory.
+  EXPECT_STATUS_MSG(InvalidArgument, "curve_secret_key",
+                    MakeZmq({{"curve_authorized_keys", writable}}).status());
+  EXPECT_STATUS_MSG(InvalidArgument, "curve_server_key",
+                    MakeZmq({{"curve_server_key", ""}}).status());
 }
 
 }  // namespace
