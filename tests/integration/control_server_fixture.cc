@@ -6,6 +6,7 @@
 //
 // The tensors: "model.layers.0.weight", float32 [2, 3], holding 0, 1, …, 5; and
 // "model.norm.weight", bfloat16 [4], every element 1.0 (bits 0x3f80). Public API only.
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -62,6 +63,8 @@ refit::Status Run(const std::string& api_key) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // cpp-httplib writes without MSG_NOSIGNAL: a client hanging up mid-response must not kill us.
+  std::signal(SIGPIPE, SIG_IGN);
   std::string api_key;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
