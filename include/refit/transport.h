@@ -35,10 +35,16 @@
 //     Endpoints and peers are host:port relays. A sender's DEALER (one per sending thread)
 //     connects to its root relay endpoints[producer_id % n]; each relay's ROUTER stages the
 //     payload, forwards it along the binary heap rooted at that relay, and ACKs once its whole
-//     subtree has staged it; duplicates are ACKed and not forwarded again. Finish sends FLUSH
-//     with the payload count down the same tree; from then on each relay refuses that
-//     producer's payloads of that transfer (FailedPrecondition, "sealed"), except an exact copy
-//     of one it staged (ACKed as a duplicate). Frames: src/transport/zmq_transport.cc.
+//     subtree has staged it. A duplicate is ACKed at once when the relay's earlier forward of it
+//     was ACKed, and otherwise only once its subtree has it (forwarded again, or the forward in
+//     flight awaited). Finish sends FLUSH with the payload count down the same tree; a relay
+//     refuses it (FailedPrecondition) unless its receiver has the transfer open, and from then on
+//     refuses that producer's payloads of that transfer ("sealed"), except an exact copy of one
+//     it staged (a duplicate). A relay refuses more than 65,536 producers per transfer
+//     (ResourceExhausted). Every refusal reaches the sender as Send's or Finish's error, also
+//     one made before the relay could read the request's ids (a wrong api key, a payload over
+//     the relay's limits). A listener binds its endpoint, or ListenerContext::bind_address with
+//     the endpoint's port. Frames: src/transport/zmq_transport.cc.
 //     CURVE (optional; capabilities().encrypted): key files hold one Z85 key (40 characters, as
 //     `refit keygen` writes them) and are read by MakeSender/MakeListener, whose errors
 //     (InvalidArgument) name the parameter and the file. Every relay of a fleet holds the same
@@ -67,9 +73,9 @@
 // A relay tree (DESIGN.md's zmq://) fits the same interface: capabilities staged_ack and
 // fan_out_tree; SenderContext::endpoints lists the relays and a sender talks to its root,
 // endpoints[producer_id % n]; each relay's Listener gets the whole relay list as
-// ListenerContext::peers, delivers to its own sink and forwards to its children when the sink
-// reports kAccepted (not kDuplicate); Finish is the relay flush with the producer's expected
-// count.
+// ListenerContext::peers, delivers to its own sink and forwards what the sink staged to its
+// children until they ACK it (a kDuplicate whose subtree already ACKed is not forwarded again);
+// Finish is the relay flush with the producer's expected count.
 //
 // Transports move opaque bytes (STYLE.md rule 2): a sender may read the ids of a payload from its
 // header with ValidatePayloadHeader — to name files, or to check that the payload belongs to the
@@ -241,6 +247,14 @@ class PayloadSink {
   /// payload of that stream it received. The default ignores it.
   /// Errors: InvalidArgument when it contradicts an earlier end of the same stream.
   virtual Status EndOfStream(const StreamEnd& end);
+
+  /// Return whether the receiver has transfer `transfer_id` open (prepared, and neither committed
+  /// nor aborted). A relay asks before it takes a stream end: the coordinator prepares every
+  /// receiver before any producer streams, so a stream end of a transfer that is not open is a
+  /// coordinator bug or a forgery, and the relay refuses it instead of sealing that stream.
+  /// (EndOfStream itself does not ask: a file drop may deliver a stream end after the transfer
+  /// committed.) The default, for sinks without a session, says yes.
+  virtual bool IsTransferOpen(const TransferId& /*transfer_id*/) const { return true; }
 };
 
 /// A PayloadSink that stages payloads into a ReceiverSession (Stage, blocking while the apply
@@ -264,6 +278,11 @@ class SessionSink final : public PayloadSink {
   /// before with another payload count.
   Status EndOfStream(const StreamEnd& end) override;
 
+  /// Whether `transfer_id` is the session's open transfer (ReceiverSession::GetStatus).
+  bool IsTransferOpen(const TransferId& transfer_id) const override {
+    return session_.GetStatus().transfer_id == transfer_id;
+  }
+
   /// Return the payload count of each producer whose stream end was reported for `transfer_id`
   /// (empty when none), in the form of TransferExpectation::payloads_per_producer.
   std::map<uint32_t, uint32_t> DeclaredPayloads(const TransferId& transfer_id) const;
@@ -278,12 +297,20 @@ class SessionSink final : public PayloadSink {
 /// Where and how a receiver listens.
 struct ListenerContext {
   /// The endpoint in the transport's syntax: an endpoint name in an inproc hub; an inbox (a
-  /// sub-directory name, or "" for the drop directory itself) of a file drop; a bind address for
-  /// network transports. Senders list it in SenderContext::endpoints.
+  /// sub-directory name, or "" for the drop directory itself) of a file drop; the address of a
+  /// network transport, which it binds unless bind_address is set. Senders list it in
+  /// SenderContext::endpoints.
   std::string endpoint;
   /// For transports with fan_out_tree: every relay's endpoint, in tree order, the same list on
   /// every relay (this one included). Other transports refuse a non-empty list.
   std::vector<std::string> peers;
+  /// Where to bind instead of `endpoint`, for a receiver whose name in `endpoint` and `peers` is
+  /// not an address it can bind, or that must listen on every interface. Empty: bind the
+  /// endpoint itself. zmq: the host part to bind (e.g. "0.0.0.0" or "*" for every interface, or
+  /// one interface's address), with the endpoint's port; `endpoint` stays the name senders and
+  /// relays use. Transports that do not bind (inproc, file) refuse a non-empty value.
+  /// (Last, with an initializer, so that `ListenerContext{endpoint, peers}` stays valid.)
+  std::string bind_address = {};
 };
 
 /// A failed delivery, kept by the transport for a later attempt or for an operator.

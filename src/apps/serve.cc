@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -47,10 +48,13 @@ struct ServeSettings {
   bool mmap = false;
   /// The address both planes bind.
   std::string bind_address = "127.0.0.1";
+  /// The host other relays and producers reach this receiver by. Empty: bind_address, which
+  /// must then not be a wildcard (kWildcardAddresses).
+  std::string advertise_address;
   /// The HTTP control port; 0 picks a free one (reported on stdout and in the ready file).
   uint16_t control_port = 0;
-  /// The data port (required): its endpoint "<bind_address>:<data_port>" is this receiver's name
-  /// in `peers`, so it cannot be ephemeral.
+  /// The data port (required): its endpoint "<advertised host>:<data_port>" is this receiver's
+  /// name in `peers` and in the ready file, so it cannot be ephemeral.
   uint16_t data_port = 0;
   /// Every relay's data endpoint in tree order, the same list on every receiver of the fleet,
   /// this one's included. Empty: this receiver is the only relay.
@@ -77,6 +81,9 @@ struct ServeSettings {
 // The URI parameters that carry the data plane's key (zmq://).
 constexpr std::string_view kUriKeyParam = "api_key";
 constexpr std::string_view kUriKeyEnvParam = "api_key_env";
+// Bind addresses that mean "every interface" (IPv4, ZeroMQ's and IPv6's spellings): nobody can
+// reach a receiver by them, so a receiver bound there needs --advertise.
+constexpr std::string_view kWildcardAddresses[] = {"0.0.0.0", "*", "::", "[::]"};
 
 // The CLI's own logger, on stderr like the library's and at the library's level (--log-level):
 // the library's logger is internal, and serve's lifecycle events belong with its messages.
@@ -100,7 +107,20 @@ Status CheckSettings(const ServeSettings& settings) {
         "receiver by it");
   }
   if (settings.bind_address.empty()) return InvalidArgument("serve: --bind is empty");
+  const bool wildcard = std::find(std::begin(kWildcardAddresses), std::end(kWildcardAddresses),
+                                  settings.bind_address) != std::end(kWildcardAddresses);
+  if (wildcard && settings.advertise_address.empty()) {
+    return InvalidArgument(
+        "serve: --bind {} listens on every interface, which names no receiver: give --advertise "
+        "HOST, the address other relays and producers reach this receiver by",
+        settings.bind_address);
+  }
   return Status::OK();
+}
+
+// The host other relays and producers reach this receiver by (--advertise, else --bind).
+const std::string& AdvertisedHost(const ServeSettings& settings) {
+  return settings.advertise_address.empty() ? settings.bind_address : settings.advertise_address;
 }
 
 // Return the value of environment variable `name`. Errors: InvalidArgument when unset or empty.
@@ -211,13 +231,16 @@ Status RunServe(const ServeSettings& settings) {
         uri.scheme);
   }
   ListenerContext listener_context;
-  listener_context.endpoint = fmt::format("{}:{}", settings.bind_address, settings.data_port);
+  listener_context.endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
   listener_context.peers = settings.peers;
+  if (AdvertisedHost(settings) != settings.bind_address) {
+    listener_context.bind_address = settings.bind_address;
+  }
   Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(listener_context, sink);
   if (!listener_made.ok()) {
     return listener_made.status().WithContext(
-        "serve: --bind/--data-port and --peers (the peers must list this receiver's endpoint "
-        "exactly as --bind:--data-port)");
+        "serve: --bind/--advertise/--data-port and --peers (the peers must list this receiver's "
+        "endpoint exactly as --advertise:--data-port, --advertise defaulting to --bind)");
   }
   std::unique_ptr<Listener> listener = std::move(listener_made).ValueOrDie();
   REFIT_RETURN_NOT_OK(listener->Start().WithContext("serve: data plane"));
@@ -348,6 +371,10 @@ void RegisterServe(CLI::App& app, Status* result) {
                 "Map the model copy-on-write instead of reading it into memory");
   cmd->add_option("--bind", settings->bind_address, "Address both planes bind")
       ->capture_default_str();
+  cmd->add_option("--advertise", settings->advertise_address,
+                  "Host other relays and producers reach this receiver by: its data endpoint is "
+                  "HOST:--data-port in --peers and the ready file (default: --bind; required "
+                  "when --bind is a wildcard such as 0.0.0.0)");
   cmd->add_option("--control-port", settings->control_port, "HTTP control port (0: any free one)")
       ->capture_default_str();
   cmd->add_option("--data-port", settings->data_port, "Data port (required)");
@@ -397,6 +424,7 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--model")) merged.model_path = flags.model_path;
     if (given("--mmap")) merged.mmap = flags.mmap;
     if (given("--bind")) merged.bind_address = flags.bind_address;
+    if (given("--advertise")) merged.advertise_address = flags.advertise_address;
     if (given("--control-port")) merged.control_port = flags.control_port;
     if (given("--data-port")) merged.data_port = flags.data_port;
     if (given("--peers")) merged.peers = flags.peers;

@@ -769,6 +769,11 @@ class FileTransport final : public Transport {
       return InvalidArgument("file://{}: listener '{}' given {} relay peers; file does not relay",
                              root_, context.endpoint, context.peers.size());
     }
+    if (!context.bind_address.empty()) {
+      return InvalidArgument(
+          "file://{}: listener '{}' given bind address '{}'; file binds no address", root_,
+          context.endpoint, Printable(context.bind_address));
+    }
     return std::unique_ptr<Listener>(std::make_unique<FileListener>(
         root_, context.endpoint, poll_interval_, options_.limits, sink));
   }

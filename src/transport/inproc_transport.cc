@@ -270,6 +270,11 @@ class InprocTransport final : public Transport {
           "inproc://{}: listener '{}' given {} relay peers; inproc does not relay", uri().target,
           context.endpoint, context.peers.size());
     }
+    if (!context.bind_address.empty()) {
+      return InvalidArgument(
+          "inproc://{}: listener '{}' given bind address '{}'; inproc binds no address",
+          uri().target, context.endpoint, Printable(context.bind_address));
+    }
     return std::unique_ptr<Listener>(
         std::make_unique<InprocListener>(uri().target, context.endpoint, sink));
   }

@@ -3,11 +3,12 @@
 //
 // Endpoints are "host:port" (TCP). A sender holds one DEALER per sending thread, connected to its
 // producer's root relay endpoints[producer_id % n]. Each relay's listener binds a ROUTER on its
-// endpoint and, given the relay list as ListenerContext::peers, forwards what its sink accepted
-// to its children in a binary heap rooted at the producer's root: with relays r0 … r(n−1) and
-// root R, relay i sits at heap position (i − R + n) % n, and position p's children are 2p+1 and
-// 2p+2, i.e. relays (2p+1 + R) % n and (2p+2 + R) % n. Each payload thus crosses into the fleet
-// once, and each relay sends it at most twice.
+// endpoint (or on ListenerContext::bind_address with the endpoint's port: the endpoint stays its
+// name among the peers) and, given the relay list as ListenerContext::peers, forwards what its
+// sink staged to its children in a binary heap rooted at the producer's root: with relays r0 …
+// r(n−1) and root R, relay i sits at heap position (i − R + n) % n, and position p's children are
+// 2p+1 and 2p+2, i.e. relays (2p+1 + R) % n and (2p+2 + R) % n. Each payload thus crosses into the
+// fleet once, and each relay sends it at most twice.
 //
 // Frames (integers are u32 little-endian):
 //   DATA  request  [ "refit-zmq/1", "DATA",  api key (may be empty), root index, payload ]
@@ -17,8 +18,18 @@
 //                    payload id (empty for FLUSH), status code (0 for ACK), message ]
 // (A ROUTER sees the DEALER's identity frame before these.)
 //
+// A NACK names no ids (all three frames empty) when the relay refused the request before it
+// read them: a wrong api key or root index, a malformed request or FLUSH, or a payload whose
+// header fails the check (its ids cannot be trusted). A sender takes such a NACK as the answer
+// to its request: a DEALER has one request outstanding, and a sender replaces its socket after
+// every attempt that ended without the answer (a timeout, a failed handshake), so no reply of an
+// earlier attempt can arrive on it. A reply that names other ids is ignored.
+//
 // ACK means staged on the whole subtree: a relay replies once its own sink staged the payload
-// and its children ACKed it. A duplicate (kDuplicate) is ACKed without forwarding again. The
+// and its children ACKed it. The relay remembers, per payload it staged, whether its subtree
+// ACKed it: a duplicate (kDuplicate, or a late copy in a sealed stream) is ACKed at once when
+// the subtree did, waits for the forward in flight when there is one (and gets its verdict), and
+// is forwarded again otherwise (its earlier forward failed; the children deduplicate). The
 // listener's I/O thread never waits for children, so trees of different roots that cross each
 // other cannot deadlock: a forwarding thread per relay sends to the children, waits for their
 // ACKs, and hands the upstream reply back to the I/O thread over an inproc socket. FLUSH
@@ -28,15 +39,20 @@
 // Seal: once a relay's sink took the stream end of (transfer, producer), that stream is sealed
 // on the relay: a later DATA of it is NACKed FailedPrecondition and neither delivered nor
 // forwarded, except an exact duplicate (same payload id and checksum) of a payload the relay
-// staged, which is ACKed as a duplicate (a late copy of a retried request is harmless). The
-// ReceiverSession seals only at its own Flush, so without this a payload arriving between the
-// relay flush and the receiver flush would be staged behind the declared count.
+// staged, which is not delivered again and is ACKed like any duplicate (a late copy of a retried
+// request is harmless). The ReceiverSession seals only at its own Flush, so without this a
+// payload arriving between the relay flush and the receiver flush would be staged behind the
+// declared count. A FLUSH is refused (FailedPrecondition) unless the relay's receiver has the
+// transfer open (PayloadSink::IsTransferOpen): the coordinator prepares every receiver before
+// any producer streams, so a FLUSH before Prepare is a coordinator bug or a forgery, and it must
+// not seal a stream. A relay remembers at most kMaxStreamsPerTransfer producers per transfer.
 //
-// Every request is untrusted: frame count, protocol, kind, sizes and the payload header are
-// checked before anything is delivered. A request that does not speak the protocol is dropped
-// (counted as a failure); one that does but is malformed or refused is NACKed with the reason.
-// The api key is compared in constant time. Requests beyond the payload size limit are dropped by
-// ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer.
+// Every request is untrusted. Frame count, protocol and kind are checked first; then the api
+// key (in constant time) and the root index, so an unauthenticated client's payload is never
+// parsed; then the FLUSH frames or the payload header; only then is anything delivered. A
+// request that does not speak the protocol is dropped (counted as a failure); one that does but
+// is malformed or refused is NACKed with the reason. Requests beyond the payload size limit are
+// dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer.
 //
 // CURVE (ZeroMQ RFC 26, optional): every relay of a fleet holds the same server key pair. A
 // listener with curve_secret_key makes its ROUTER a CURVE server; with curve_authorized_keys it
@@ -61,6 +77,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -161,6 +178,15 @@ constexpr std::string_view kZapInternalError = "500";
 // at a time per receiver; older ones are refused by the session itself, which remembers its
 // finished transfers.
 constexpr size_t kSealedTransfers = SessionSink::kRememberedTransfers;
+// Producers per transfer whose streams a relay remembers (and whose stream ends it hands to its
+// sink): far more than a fleet has trainer ranks, few enough that forged producer ids cannot
+// grow a relay's memory without bound (about 100 bytes per stream, a few MiB per transfer).
+constexpr size_t kMaxStreamsPerTransfer = size_t{1} << 16;
+// Requests for one payload that may wait for its forward in flight. It reaches a relay from one
+// upstream (its sender or parent relay), which makes at most kMaxRetries + 1 attempts.
+constexpr size_t kMaxWaitingDuplicates = kMaxRetries + 1;
+// A forward's job id, which travels with its reply from the forwarding thread to the I/O thread.
+constexpr size_t kJobIdBytes = sizeof(uint64_t);
 
 // A CURVE key in binary.
 using CurveKey = std::array<uint8_t, kCurveKeyBytes>;
@@ -261,6 +287,26 @@ Status CheckEndpoint(const std::string& endpoint) {
   }
   const int value = std::stoi(std::string(port));
   if (value < 1 || value > kMaxPort) return bad("the port is outside [1, 65535]");
+  return Status::OK();
+}
+
+// The port of a checked endpoint.
+std::string_view EndpointPort(const std::string& endpoint) {
+  return std::string_view(endpoint).substr(endpoint.rfind(':') + 1);
+}
+
+// ListenerContext::bind_address: a host to bind with the endpoint's port, such as 0.0.0.0, *
+// (every interface) or one interface's address.
+Status CheckBindAddress(const std::string& host) {
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgument(
+        "zmq bind address '{}': {} (expected a host without a port, e.g. 0.0.0.0 or *)",
+        Printable(host), why);
+  };
+  for (const char c : host) {
+    if (c < 0x21 || c > 0x7e || c == '/') return bad("a space, '/' or non-printable byte");
+  }
+  if (host.find(':') != std::string::npos) return bad("a ':' (the port is the endpoint's)");
   return Status::OK();
 }
 
@@ -655,11 +701,15 @@ class Connection {
       if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
       REFIT_ASSIGN_OR_RETURN(std::vector<std::string> reply,
                              ReceiveFrames(socket_.get(), kReplyFrames));
-      // A reply to an earlier attempt or another request, or not ours: keep waiting.
-      if (reply.size() != kReplyFrames || reply[0] != kProtocol || reply[2] != key.transfer_hex ||
-          reply[3] != key.producer || reply[4] != key.payload) {
-        continue;
-      }
+      if (reply.size() != kReplyFrames || reply[0] != kProtocol) continue;
+      const bool names_this_request =
+          reply[2] == key.transfer_hex && reply[3] == key.producer && reply[4] == key.payload;
+      // A refusal issued before the relay read any ids answers the one request outstanding on
+      // this socket (see "A NACK names no ids" above).
+      const bool names_nothing =
+          reply[1] == kKindNack && reply[2].empty() && reply[3].empty() && reply[4].empty();
+      // Not ours (a reply naming another request): keep waiting.
+      if (!names_this_request && !names_nothing) continue;
       if (reply[1] == kKindAck) return std::optional<Status>(Status::OK());
       const std::optional<uint32_t> code = ReadU32(reply[5]);
       if (reply[1] != kKindNack || !code.has_value() || *code == 0 ||
@@ -759,18 +809,39 @@ class ZmqSender final : public TransportSender {
 
 // A request that must reach the children before its upstream reply.
 struct ForwardJob {
+  // Numbers the forward, so that its outcome finds the payload and the requests waiting on it.
+  uint64_t id = 0;
   std::string identity;
   std::vector<std::string> request;
   ReplyKey key;
   std::vector<size_t> children;
 };
 
+// A payload a relay's sink staged (accepted or duplicate), and how far its subtree has it.
+struct StagedPayload {
+  // The header checksum: a copy with another one is not this payload.
+  std::array<uint8_t, 16> checksum{};
+  // The root of the tree whose subtree below this relay ACKed the payload (or in which this
+  // relay is a leaf), if any: a duplicate of that tree is ACKed at once.
+  std::optional<uint32_t> acked_root = std::nullopt;
+  // The forward in flight (its job id and the root of its tree), if any.
+  std::optional<std::pair<uint64_t, uint32_t>> forwarding = std::nullopt;
+};
+
 // What a relay staged of one producer's stream in one transfer, and whether the stream ended.
 struct StreamRecord {
   // The stream end was handed to the sink: later payloads are refused (see "Seal" above).
   bool sealed = false;
-  // The header checksum of each payload id the sink staged (accepted or duplicate).
-  std::map<uint32_t, std::array<uint8_t, 16>> staged;
+  // Each payload id the sink staged.
+  std::map<uint32_t, StagedPayload> staged;
+};
+
+// A payload's forward in flight, and the identities of the duplicates waiting for its verdict.
+struct PendingForward {
+  TransferId transfer_id;
+  uint32_t producer_id = 0;
+  uint32_t payload_id = 0;
+  std::vector<std::string> waiting;
 };
 
 class ZmqListener final : public Listener {
@@ -780,6 +851,9 @@ class ZmqListener final : public Listener {
               size_t self, PayloadSink& sink, PayloadLimits limits)
       : config_(std::move(config)),
         curve_(std::move(curve)),
+        bind_(context.bind_address.empty()
+                  ? context.endpoint
+                  : fmt::format("{}:{}", context.bind_address, EndpointPort(context.endpoint))),
         endpoint_(std::move(context.endpoint)),
         peers_(std::move(context.peers)),
         self_(self),
@@ -811,11 +885,13 @@ class ZmqListener final : public Listener {
     }
     zmq_setsockopt(router_.get(), ZMQ_MAXMSGSIZE, &max_frame, sizeof(max_frame));
     REFIT_RETURN_NOT_OK(SetUpCurve());
-    if (zmq_bind(router_.get(), TcpAddress(endpoint_).c_str()) != 0) {
+    if (zmq_bind(router_.get(), TcpAddress(bind_).c_str()) != 0) {
       const bool taken = zmq_errno() == EADDRINUSE;
       const std::string error = ZmqError();
-      if (taken) return AlreadyExists("zmq listener: endpoint {} is taken: {}", endpoint_, error);
-      return Unavailable("zmq listener: bind {}: {}", endpoint_, error);
+      const std::string where =
+          bind_ == endpoint_ ? endpoint_ : fmt::format("{} (endpoint {})", bind_, endpoint_);
+      if (taken) return AlreadyExists("zmq listener: endpoint {} is taken: {}", where, error);
+      return Unavailable("zmq listener: bind {}: {}", where, error);
     }
     if (zmq_bind(replies_in_.get(), kReplyInbox) != 0 ||
         zmq_connect(replies_out_.get(), kReplyInbox) != 0) {
@@ -969,12 +1045,9 @@ class ZmqListener final : public Listener {
         continue;
       }
       if ((items[1].revents & ZMQ_POLLIN) != 0) {
-        // A forwarded request's reply, identity first: pass it upstream as it is.
-        Result<std::vector<std::string>> reply = ReceiveFrames(replies_in_.get(), 1 + kReplyFrames);
-        if (reply.ok()) {
-          Status sent = SendFrames(router_.get(), *reply, "upstream");
-          if (!sent.ok()) RecordFailure(sent);
-        }
+        Result<std::vector<std::string>> outcome =
+            ReceiveFrames(replies_in_.get(), 2 + kReplyFrames);
+        if (outcome.ok()) FinishForward(std::move(outcome).ValueOrDie());
       }
       if ((items[0].revents & ZMQ_POLLIN) != 0) {
         Result<std::vector<std::string>> request = ReceiveFrames(router_.get(), kMaxRequestFrames);
@@ -991,13 +1064,19 @@ class ZmqListener final : public Listener {
     if (!status.ok()) RecordFailure(status);
     std::vector<std::string> frames = MakeReply(key, status);
     frames.insert(frames.begin(), identity);
+    SendUpstream(frames);
+  }
+
+  // Send a reply, identity first, through the ROUTER.
+  void SendUpstream(const std::vector<std::string>& frames) {
     Status sent = SendFrames(router_.get(), frames, "upstream");
     if (!sent.ok()) RecordFailure(sent);
   }
 
-  // The relays below this one in the heap rooted at `root`.
+  // The relays below this one in the heap rooted at `root` (none without peers).
   std::vector<size_t> Children(size_t root) const {
     const size_t n = peers_.size();
+    if (n == 0) return {};
     const size_t position = (self_ + n - root) % n;
     std::vector<size_t> children;
     for (const size_t child : {2 * position + 1, 2 * position + 2}) {
@@ -1027,14 +1106,21 @@ class ZmqListener final : public Listener {
     }
     const std::optional<uint32_t> root = ReadU32(frames[4]);
     const size_t relays = std::max<size_t>(peers_.size(), 1);
+    // Authenticate before reading anything else of the request: a client without the key gets
+    // no diagnostics about its payload, and its bytes are never parsed. Such refusals name no
+    // ids (see "A NACK names no ids").
+    if (Status access = CheckAccess(frames[3], root, relays); !access.ok()) {
+      Reply(identity, {}, access);
+      return;
+    }
     if (kind == kKindData) {
-      HandleData(identity, std::move(frames), root, relays, stop);
+      HandleData(identity, std::move(frames), *root, stop);
     } else {
-      HandleFlush(identity, std::move(frames), root, relays);
+      HandleFlush(identity, std::move(frames), *root);
     }
   }
 
-  // Check the key and the root index. Errors: PermissionDenied; InvalidArgument.
+  // Check the key, then the root index. Errors: PermissionDenied; InvalidArgument.
   Status CheckAccess(const std::string& key, std::optional<uint32_t> root, size_t relays) const {
     if (!config_.api_key.empty() && !ConstantTimeEqual(key, config_.api_key)) {
       return PermissionDenied("zmq listener {}: wrong api key", endpoint_);
@@ -1046,8 +1132,26 @@ class ZmqListener final : public Listener {
     return Status::OK();
   }
 
-  void HandleData(const std::string& identity, std::vector<std::string> frames,
-                  std::optional<uint32_t> root, size_t relays, const std::stop_token& stop) {
+  // Refuse a stream of a producer this relay has no record of in `transfer` once the transfer
+  // has kMaxStreamsPerTransfer of them. Errors: ResourceExhausted.
+  Status CheckStreamRoom(const TransferId& transfer, uint32_t producer) const {
+    for (const auto& [id, producers] : streams_) {
+      if (id != transfer || producers.size() < kMaxStreamsPerTransfer) continue;
+      return ResourceExhausted(
+          "zmq relay {}: producer {} of transfer {}: the transfer has streams of {} producers "
+          "already, the most a relay takes",
+          endpoint_, producer, transfer.ToHex(), kMaxStreamsPerTransfer);
+    }
+    return Status::OK();
+  }
+
+  void CountStaged(StageResult result) {
+    std::lock_guard lock(stats_mutex_);
+    ++(result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
+  }
+
+  void HandleData(const std::string& identity, std::vector<std::string> frames, uint32_t root,
+                  const std::stop_token& stop) {
     const std::string& payload = frames[5];
     const auto bytes = std::as_bytes(std::span(payload.data(), payload.size()));
     Result<PayloadHeader> header = ValidatePayloadHeader(bytes, limits_);
@@ -1058,14 +1162,10 @@ class ZmqListener final : public Listener {
     const PayloadIds& ids = header->ids;
     const ReplyKey key{ids.transfer_id.ToHex(), U32Bytes(ids.producer_id),
                        U32Bytes(ids.payload_id)};
-    if (Status access = CheckAccess(frames[3], root, relays); !access.ok()) {
-      Reply(identity, key, access);
-      return;
-    }
-    if (const StreamRecord* stream = FindStream(ids.transfer_id, ids.producer_id);
-        stream != nullptr && stream->sealed) {
+    StreamRecord* stream = FindStream(ids.transfer_id, ids.producer_id);
+    if (stream != nullptr && stream->sealed) {
       const auto staged = stream->staged.find(ids.payload_id);
-      if (staged == stream->staged.end() || staged->second != header->checksum) {
+      if (staged == stream->staged.end() || staged->second.checksum != header->checksum) {
         Reply(identity, key,
               FailedPrecondition("zmq relay {}: payload {} of producer {} (transfer {}) came "
                                  "after the producer's stream end: the stream is sealed",
@@ -1073,14 +1173,17 @@ class ZmqListener final : public Listener {
                                  ids.transfer_id.ToHex()));
         return;
       }
-      // A late copy of a staged payload (a retried request): staged here already, and like any
-      // duplicate not forwarded again.
-      {
-        std::lock_guard lock(stats_mutex_);
-        ++stats_.duplicates;
-      }
-      Reply(identity, key, Status::OK());
+      // A late copy of a staged payload (a retried request): staged here already, so not
+      // delivered again, and answered like any duplicate.
+      CountStaged(StageResult::kDuplicate);
+      ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, staged->second, root);
       return;
+    }
+    if (stream == nullptr) {
+      if (Status room = CheckStreamRoom(ids.transfer_id, ids.producer_id); !room.ok()) {
+        Reply(identity, key, room);
+        return;
+      }
     }
     Result<StageResult> staged =
         sink_.Deliver(std::vector<std::byte>(bytes.begin(), bytes.end()), stop);
@@ -1088,20 +1191,52 @@ class ZmqListener final : public Listener {
       Reply(identity, key, staged.status());
       return;
     }
-    Stream(ids.transfer_id, ids.producer_id).staged.emplace(ids.payload_id, header->checksum);
-    {
-      std::lock_guard lock(stats_mutex_);
-      ++(*staged == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
-    }
-    if (*staged == StageResult::kDuplicate || peers_.empty()) {
+    CountStaged(*staged);
+    // The record is made only now, so refused payloads (of transfers never prepared, say) cannot
+    // push the streams of real transfers out of streams_.
+    StagedPayload& record =
+        Stream(ids.transfer_id, ids.producer_id)
+            .staged.try_emplace(ids.payload_id, StagedPayload{.checksum = header->checksum})
+            .first->second;
+    ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, record, root);
+  }
+
+  // Answer a request for `staged` once the subtree below this relay in the tree of `root` has
+  // it: at once when this relay is a leaf there or an earlier forward was ACKed; with the
+  // verdict of the forward in flight; else after forwarding it now (again, if an earlier
+  // forward failed: the children deduplicate). An ACK thus always means "staged on the whole
+  // subtree", for a retry too.
+  void ReplyOnceSubtreeHas(const std::string& identity, std::vector<std::string> frames,
+                           const ReplyKey& key, const PayloadIds& ids, StagedPayload& staged,
+                           uint32_t root) {
+    std::vector<size_t> children = Children(root);
+    if (children.empty()) staged.acked_root = root;
+    if (staged.acked_root == root) {
       Reply(identity, key, Status::OK());
       return;
     }
-    Forward(identity, std::move(frames), key, *root);
+    if (staged.forwarding.has_value() && staged.forwarding->second == root) {
+      const auto pending = pending_.find(staged.forwarding->first);
+      if (pending != pending_.end()) {
+        if (pending->second.waiting.size() >= kMaxWaitingDuplicates) {
+          Reply(identity, key,
+                ResourceExhausted("zmq relay {}: payload {} of producer {} (transfer {}): {} "
+                                  "copies wait for its forward already",
+                                  endpoint_, ids.payload_id, ids.producer_id,
+                                  ids.transfer_id.ToHex(), kMaxWaitingDuplicates));
+          return;
+        }
+        pending->second.waiting.push_back(identity);
+        return;
+      }
+    }
+    const uint64_t job = next_job_++;
+    staged.forwarding.emplace(job, root);
+    pending_.emplace(job, PendingForward{ids.transfer_id, ids.producer_id, ids.payload_id, {}});
+    Forward(job, identity, std::move(frames), key, std::move(children));
   }
 
-  void HandleFlush(const std::string& identity, std::vector<std::string> frames,
-                   std::optional<uint32_t> root, size_t relays) {
+  void HandleFlush(const std::string& identity, std::vector<std::string> frames, uint32_t root) {
     const std::optional<uint32_t> producer = ReadU32(frames[6]);
     const std::optional<uint32_t> count = ReadU32(frames[7]);
     if (frames[5].size() != kTransferIdBytes || !producer.has_value() || !count.has_value()) {
@@ -1113,9 +1248,19 @@ class ZmqListener final : public Listener {
     end.producer_id = *producer;
     end.payloads = *count;
     const ReplyKey key{end.transfer_id.ToHex(), frames[6], ""};
-    if (Status access = CheckAccess(frames[3], root, relays); !access.ok()) {
-      Reply(identity, key, access);
+    if (!sink_.IsTransferOpen(end.transfer_id)) {
+      Reply(identity, key,
+            FailedPrecondition("zmq relay {}: stream end of producer {} for transfer {}, which "
+                               "this receiver does not have open: the coordinator prepares "
+                               "every receiver before producers stream",
+                               endpoint_, end.producer_id, end.transfer_id.ToHex()));
       return;
+    }
+    if (FindStream(end.transfer_id, end.producer_id) == nullptr) {
+      if (Status room = CheckStreamRoom(end.transfer_id, end.producer_id); !room.ok()) {
+        Reply(identity, key, room);
+        return;
+      }
     }
     if (Status ended = sink_.EndOfStream(end); !ended.ok()) {
       Reply(identity, key, ended);
@@ -1126,27 +1271,58 @@ class ZmqListener final : public Listener {
       std::lock_guard lock(stats_mutex_);
       ++stats_.streams_ended;
     }
-    if (peers_.empty()) {
-      Reply(identity, key, Status::OK());
-      return;
-    }
-    Forward(identity, std::move(frames), key, *root);
-  }
-
-  // Hand the request to the forwarding thread, or reply now when this relay is a leaf.
-  void Forward(const std::string& identity, std::vector<std::string> frames, const ReplyKey& key,
-               uint32_t root) {
     std::vector<size_t> children = Children(root);
     if (children.empty()) {
       Reply(identity, key, Status::OK());
       return;
     }
+    // A repeated FLUSH is forwarded again: the children take an equal stream end again.
+    Forward(next_job_++, identity, std::move(frames), key, std::move(children));
+  }
+
+  // Hand the request to the forwarding thread, which replies once `children` answered.
+  void Forward(uint64_t job, const std::string& identity, std::vector<std::string> frames,
+               const ReplyKey& key, std::vector<size_t> children) {
     frames.erase(frames.begin());
     {
       std::lock_guard lock(jobs_mutex_);
-      jobs_.push_back(ForwardJob{identity, std::move(frames), key, std::move(children)});
+      jobs_.push_back(ForwardJob{job, identity, std::move(frames), key, std::move(children)});
     }
     jobs_changed_.notify_one();
+  }
+
+  // A forward ended ([job id, identity, reply…] from the forwarding thread): pass the reply
+  // upstream and to the duplicates that waited for it, and remember whether the subtree ACKed.
+  void FinishForward(std::vector<std::string> outcome) {
+    if (outcome.size() != 2 + kReplyFrames || outcome[0].size() != kJobIdBytes) {
+      RecordFailure(Internal("zmq listener {}: malformed forward outcome of {} frames", endpoint_,
+                             outcome.size()));
+      return;
+    }
+    uint64_t job = 0;
+    std::memcpy(&job, outcome[0].data(), kJobIdBytes);
+    std::vector<std::string> reply(std::make_move_iterator(outcome.begin() + 1),
+                                   std::make_move_iterator(outcome.end()));
+    SendUpstream(reply);
+    const auto pending = pending_.find(job);
+    // A FLUSH: nobody waits for it.
+    if (pending == pending_.end()) return;
+    const PendingForward& forward = pending->second;
+    if (StreamRecord* stream = FindStream(forward.transfer_id, forward.producer_id);
+        stream != nullptr) {
+      const auto staged = stream->staged.find(forward.payload_id);
+      if (staged != stream->staged.end() && staged->second.forwarding.has_value() &&
+          staged->second.forwarding->first == job) {
+        // reply[2] is the kind (after the identity and the protocol).
+        if (reply[2] == kKindAck) staged->second.acked_root = staged->second.forwarding->second;
+        staged->second.forwarding.reset();
+      }
+    }
+    for (const std::string& waiting : forward.waiting) {
+      reply[0] = waiting;
+      SendUpstream(reply);
+    }
+    pending_.erase(pending);
   }
 
   // A relay forwards as a CURVE client holding the fleet key pair, which every relay admits.
@@ -1178,9 +1354,11 @@ class ZmqListener final : public Listener {
         if (!status.ok()) break;
       }
       if (!status.ok()) RecordFailure(status);
-      std::vector<std::string> reply = MakeReply(job.key, status);
-      reply.insert(reply.begin(), job.identity);
-      if (Status sent = SendFrames(replies_out_.get(), reply, kReplyInbox); !sent.ok()) {
+      std::string job_id(kJobIdBytes, '\0');
+      std::memcpy(job_id.data(), &job.id, kJobIdBytes);
+      std::vector<std::string> outcome = MakeReply(job.key, status);
+      outcome.insert(outcome.begin(), {std::move(job_id), job.identity});
+      if (Status sent = SendFrames(replies_out_.get(), outcome, kReplyInbox); !sent.ok()) {
         RecordFailure(sent);
       }
     }
@@ -1188,6 +1366,8 @@ class ZmqListener final : public Listener {
 
   const ZmqConfig config_;
   const std::optional<CurveServerKeys> curve_;
+  // The host:port the ROUTER binds; the endpoint unless ListenerContext::bind_address is set.
+  const std::string bind_;
   const std::string endpoint_;
   const std::vector<std::string> peers_;
   // This relay's index in peers_ (0 without peers).
@@ -1211,8 +1391,11 @@ class ZmqListener final : public Listener {
   std::jthread zap_thread_;
 
   // The streams this relay staged payloads of, per transfer, most recent last; at most
-  // kSealedTransfers. The I/O thread's alone.
+  // kSealedTransfers, each of at most kMaxStreamsPerTransfer producers. The I/O thread's alone.
   std::vector<std::pair<TransferId, std::map<uint32_t, StreamRecord>>> streams_;
+  // The payload forwards in flight by job id, and the next job id. The I/O thread's alone.
+  std::map<uint64_t, PendingForward> pending_;
+  uint64_t next_job_ = 0;
 
   std::mutex jobs_mutex_;
   // Waits with the forwarding thread's stop token, so Stop needs no notification.
@@ -1249,6 +1432,10 @@ class ZmqTransport final : public Transport {
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
                                                  PayloadSink& sink) override {
     REFIT_RETURN_NOT_OK(CheckEndpoint(context.endpoint));
+    if (!context.bind_address.empty()) {
+      REFIT_RETURN_NOT_OK(CheckBindAddress(context.bind_address)
+                              .WithContext(fmt::format("zmq listener {}", context.endpoint)));
+    }
     size_t self = 0;
     if (!context.peers.empty()) {
       for (const std::string& peer : context.peers) REFIT_RETURN_NOT_OK(CheckEndpoint(peer));

@@ -7,17 +7,19 @@ src/transport/zmq_transport.cc), and checks that:
   * the ready file and the ready line report the pid, control URL, data endpoint, the version from
     the model's "refit.version" metadata and the tensor count;
   * `refit status` prints the table and --json, and fails clearly when unauthorized or unreachable;
-  * a second daemon on a taken port, a corrupt model or a peer list without itself fails to start,
-    naming what is wrong;
+  * a second daemon on a taken port, a corrupt model, a peer list without itself or a wildcard
+    --bind without --advertise fails to start, naming what is wrong; one bound on 0.0.0.0 with
+    --advertise 127.0.0.1 reports the advertised data endpoint and answers on 127.0.0.2 too;
   * a real transfer (payloads from `refit encode`, sent over zmq, flushed and committed over HTTP)
     changes the served bytes to the new checkpoint's; a re-sent payload is a duplicate, and after
     the stream end a late copy is ACKed without being applied again while any other payload of
     the sealed stream or the committed transfer is refused;
   * every malformed request is NACKed with its reason or dropped, exactly as the protocol says:
-    wrong frame counts, protocols and kinds, missing and wrong keys, bad root indices, garbage and
-    forged payload headers (bad checksum, unknown version, huge sizes), payloads of transfers that
-    were never prepared, with the wrong version, outside the declared counts or with a corrupt
-    body, malformed and contradicting FLUSHes, and a frame beyond the size limit;
+    wrong frame counts, protocols and kinds, missing and wrong keys (refused before the payload is
+    read, so with no ids in the NACK), bad root indices, garbage and forged payload headers (bad
+    checksum, unknown version, huge sizes), payloads of transfers that were never prepared, with
+    the wrong version, outside the declared counts or with a corrupt body, malformed and
+    contradicting FLUSHes, FLUSHes of transfers not open, and a frame beyond the size limit;
   * after each, the daemon still answers /healthz and a well-formed request, and at the end the
     state fingerprint and every tensor's bytes are unchanged;
   * SIGTERM with a transfer open rolls it back, exits 0 and removes the ready file.
@@ -407,6 +409,40 @@ def test_start_failures(refit, workdir, model, data_port, control_port):
                          ["--model", model, "--data-port", str(own), "--peers",
                           f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"],
                          f"127.0.0.1:{own}", "--peers")
+    expect_start_failure(refit, workdir, "wildcard-bind-without-advertise",
+                         ["--model", model, "--data-port", str(free_port()), "--bind", "0.0.0.0"],
+                         "0.0.0.0", "--advertise")
+
+
+def test_advertise(refit, workdir, model, context):
+    """--bind 0.0.0.0 --advertise 127.0.0.1: the advertised data endpoint, served everywhere."""
+    data_port = free_port()
+    ready_file = os.path.join(workdir, "advertise.ready")
+    daemon = Daemon(refit, workdir, "advertise",
+                    ["--model", model, "--bind", "0.0.0.0", "--advertise", "127.0.0.1",
+                     "--data-port", str(data_port), "--api-key-env", KEY_ENV, "--ready-file",
+                     ready_file, "--peers", f"127.0.0.1:{data_port}"])
+    data = None
+    try:
+        ready = daemon.wait_ready(ready_file)
+        check(ready["data_endpoint"] == f"127.0.0.1:{data_port}", f"advertise ready file: {ready}")
+        # 127.0.0.2 is loopback too, but only a wildcard bind answers there.
+        for host in ("127.0.0.1", "127.0.0.2"):
+            data = DataPlane(context, f"{host}:{data_port}")
+            payload = forge_payload(secrets.token_bytes(16), base_version=MODEL_VERSION,
+                                    target_version=MODEL_VERSION + 1)
+            data.send(data_request(payload))
+            check_reply(data.receive(), b"NACK", FAILED_PRECONDITION, reply_key(payload),
+                        "not the open transfer", f"advertise: probe at {host}")
+            data.close()
+            data = None
+        daemon.process.send_signal(signal.SIGTERM)
+        code = daemon.wait_exit()
+        check(code == 0, f"advertise: serve exited with {code}: {daemon.output()}")
+    finally:
+        if data is not None:
+            data.close()
+        daemon.kill()
 
 
 def test_status_cli(refit, base, fingerprint):
@@ -523,21 +559,26 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("reply kind as a request", [PROTOCOL, b"ACK", key, root, good()],
                       INVALID_ARGUMENT, "kind 'ACK'")
 
-    # Access: key and root index, checked on a well-formed payload.
+    # Access: the key, then the root index, checked before a byte of the payload is read. So the
+    # refusal names no ids (the sender takes it as the answer to its one outstanding request),
+    # and a payload that would fail the header check gets the access error, not the header's.
     for name, wrong in [("missing api key", b""), ("wrong api key", b"x" * len(key)),
                         ("api key prefix", key[:-1]), ("api key with a suffix", key + b"\0")]:
-        payload = good()
-        receiver.expect_nack(name, data_request(payload, key=wrong), PERMISSION_DENIED,
-                          "wrong api key", reply_key(payload))
-    payload = good()
-    receiver.expect_nack("root index out of range", data_request(payload, root=1), INVALID_ARGUMENT,
-                      "root relay index", reply_key(payload))
-    payload = good()
-    receiver.expect_nack("root index of 2^32-1", data_request(payload, root=0xFFFFFFFF),
-                      INVALID_ARGUMENT, "root relay index", reply_key(payload))
+        receiver.expect_nack(name, data_request(good(), key=wrong), PERMISSION_DENIED,
+                          "wrong api key")
+    receiver.expect_nack("garbage payload without the api key",
+                      data_request(secrets.token_bytes(300), key=b""), PERMISSION_DENIED,
+                      "wrong api key")
+    receiver.expect_nack("root index out of range", data_request(good(), root=1), INVALID_ARGUMENT,
+                      "root relay index")
+    receiver.expect_nack("root index of 2^32-1", data_request(good(), root=0xFFFFFFFF),
+                      INVALID_ARGUMENT, "root relay index")
     payload = good()
     receiver.expect_nack("root index of 3 bytes", data_request(payload)[:3] + [b"\0\0\0", payload],
-                      INVALID_ARGUMENT, "root relay index", reply_key(payload))
+                      INVALID_ARGUMENT, "root relay index")
+    receiver.expect_nack("garbage payload with a bad root index",
+                      data_request(secrets.token_bytes(300), root=1), INVALID_ARGUMENT,
+                      "root relay index")
 
     # Payloads that fail the header check: NACKed without ids (the header cannot be trusted).
     tid = secrets.token_bytes(16)
@@ -598,18 +639,18 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("FLUSH with a 3-byte count",
                       [PROTOCOL, b"FLUSH", key, root, tid, root, b"\xff\xff\xff"],
                       INVALID_ARGUMENT, "malformed FLUSH")
-    flush_key = (tid.hex().encode(), struct.pack("<I", 0), b"")
     receiver.expect_nack("FLUSH without the api key", flush_request(tid, 0, 1, key=b""),
-                      PERMISSION_DENIED, "wrong api key", flush_key)
+                      PERMISSION_DENIED, "wrong api key")
+    receiver.expect_nack("malformed FLUSH without the api key",
+                      [PROTOCOL, b"FLUSH", b"", root, bytes(15), root, root], PERMISSION_DENIED,
+                      "wrong api key")
     receiver.expect_nack("FLUSH with a bad root", flush_request(tid, 0, 1, root=7), INVALID_ARGUMENT,
-                      "root relay index", flush_key)
-    # A stream end is recorded (and seals the stream at the relay) whether or not the transfer was
-    # prepared: the coordinator's flush decides what the receiver expects. So a huge count is
-    # ACKed, the same stream end again too, and a contradicting one is refused.
-    receiver.expect_ack("FLUSH with a huge count", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
-    receiver.expect_ack("the same FLUSH again", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
-    receiver.expect_nack("FLUSH contradicting the count", flush_request(tid, 0, 1),
-                      INVALID_ARGUMENT, "", flush_key)
+                      "root relay index")
+    # The coordinator prepares every receiver before producers stream: a stream end of a transfer
+    # the receiver does not have open is refused, and seals nothing (see test_open_transfer).
+    flush_key = (tid.hex().encode(), struct.pack("<I", 0), b"")
+    receiver.expect_nack("FLUSH of a transfer never prepared", flush_request(tid, 0, 1),
+                      FAILED_PRECONDITION, "does not have open", flush_key)
 
 
 def test_open_transfer(receiver):
@@ -643,9 +684,23 @@ def test_open_transfer(receiver):
           f"the corrupt body was not reported: {status}")
     receiver.expect_nack("payload after a failed apply", data_request(second), DATA_LOSS,
                       "failed earlier", reply_key(second))
+    # A stream end of the open transfer is recorded (and seals the stream at the relay) whatever
+    # its count: the coordinator's flush decides what the receiver expects. So a huge count is
+    # ACKed, the same stream end again too, and a contradicting one is refused.
+    flush_key = (hex_id.encode(), struct.pack("<I", 0), b"")
+    receiver.expect_ack("FLUSH with a huge count", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
+    receiver.expect_ack("the same FLUSH again", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
+    receiver.expect_nack("FLUSH contradicting the count", flush_request(tid, 0, 1),
+                      INVALID_ARGUMENT, "", flush_key)
+    receiver.expect_nack("payload of a sealed stream", data_request(second), FAILED_PRECONDITION,
+                      "sealed", reply_key(second))
     receiver.control.json("POST", "/v1/abort", {"transfer_id": hex_id})
-    receiver.expect_nack("payload of an aborted transfer", data_request(second), FAILED_PRECONDITION,
-                      "already aborted", reply_key(second))
+    other = forge_payload(tid, producer_id=1, **version)
+    receiver.expect_nack("payload of an aborted transfer", data_request(other), FAILED_PRECONDITION,
+                      "already aborted", reply_key(other))
+    receiver.expect_nack("FLUSH of an aborted transfer", flush_request(tid, 1, 1),
+                      FAILED_PRECONDITION, "does not have open",
+                      (hex_id.encode(), struct.pack("<I", 1), b""))
 
 
 def test_oversized_frame(receiver, context, endpoint):
@@ -705,6 +760,7 @@ def main():
 
         test_status_cli(args.refit, base, fingerprint)
         test_start_failures(args.refit, args.workdir, model, data_port, control_port)
+        test_advertise(args.refit, args.workdir, model, context)
 
         data = DataPlane(context, endpoint)
         receiver = Receiver(control, data, MODEL_VERSION)

@@ -1,5 +1,8 @@
-// zmq:// — the ZeroMQ relay tree on loopback: fan-out, dedupe, seal after flush, api key, CURVE
-// (encryption, server key, authorized client keys, key files), malformed frames, retries.
+// zmq:// — the ZeroMQ relay tree on loopback: fan-out, dedupe (also after a failed or while an
+// unfinished forward), seal after flush, stream ends only of open transfers and of a bounded
+// number of producers, api key checked before the payload is read, refusals that reach the
+// sender, CURVE (encryption, server key, authorized client keys, key files), malformed frames,
+// retries, binding another address than the advertised endpoint.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -12,11 +15,15 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>
@@ -217,9 +224,8 @@ class ZmqTransportTest : public ::testing::Test {
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
   }
 
-  // A started receiver holding model_, listening at `endpoint` among `peers`.
-  Receiver MakeReceiver(const std::string& endpoint, const std::vector<std::string>& peers,
-                        Transport* transport = nullptr) {
+  // A receiver holding model_, without a listener.
+  Receiver MakeSession() {
     Receiver receiver;
     receiver.store = WeightStore::Make();
     for (const OwnedTensor& t : model_) EXPECT_OK(receiver.store->AddCopy(t.view()));
@@ -228,8 +234,18 @@ class ZmqTransportTest : public ::testing::Test {
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
     receiver.sink = std::make_unique<SessionSink>(*receiver.session);
-    auto listener = (transport ? transport : transport_.get())
-                        ->MakeListener(ListenerContext{endpoint, peers}, *receiver.sink);
+    return receiver;
+  }
+
+  // A started receiver holding model_, listening at `endpoint` among `peers` (bound at
+  // `bind_address` when set).
+  Receiver MakeReceiver(const std::string& endpoint, const std::vector<std::string>& peers,
+                        Transport* transport = nullptr, const std::string& bind_address = "") {
+    Receiver receiver = MakeSession();
+    if (receiver.sink == nullptr) return receiver;
+    auto listener =
+        (transport ? transport : transport_.get())
+            ->MakeListener(ListenerContext{endpoint, peers, bind_address}, *receiver.sink);
     EXPECT_TRUE(listener.ok()) << listener.status().ToString();
     if (!listener.ok()) return receiver;
     receiver.listener = std::move(listener).ValueOrDie();
@@ -492,13 +508,16 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
-  // A root index outside the relay list: NACK naming the payload.
+  // A root index outside the relay list: NACK, checked before the payload is read, so it names
+  // no ids (the sender takes it as the answer to its request all the same).
   client.Send({"refit-zmq/1", "DATA", "", U32(7), payload0});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
-  EXPECT_EQ(reply[2], step.plan.transfer_id.ToHex());
-  EXPECT_EQ(reply[4], U32(0));
+  EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kInvalidArgument)));
+  EXPECT_EQ(reply[2], "");
+  EXPECT_EQ(reply[3], "");
+  EXPECT_EQ(reply[4], "");
   // A short root index frame in a FLUSH: NACK.
   client.Send({"refit-zmq/1", "FLUSH", "", "x", std::string(16, '\0'), U32(0), U32(1)});
   reply = client.Receive(kReplyWaitMs);
@@ -852,6 +871,329 @@ TEST_F(ZmqTransportTest, BadCurveKeyFilesAreInvalidArgumentNamingTheParameterAnd
                     MakeZmq({{"curve_authorized_keys", writable}}).status());
   EXPECT_STATUS_MSG(InvalidArgument, "curve_server_key",
                     MakeZmq({{"curve_server_key", ""}}).status());
+}
+
+TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead) {
+  ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
+  const std::string endpoint = FreeEndpoint();
+  Receiver receiver = MakeReceiver(endpoint, {}, keyed.get());
+  ASSERT_NE(receiver.listener, nullptr);
+  const Step step = EncodeStep(1, 0);
+  Prepare(receiver, step);
+  const std::string payload0(reinterpret_cast<const char*>(step.payloads[0].data()),
+                             step.payloads[0].size());
+  RawClient client(endpoint);
+  const auto expect_nack = [&](const std::vector<std::string>& request, StatusCode code,
+                               const std::string& what) {
+    SCOPED_TRACE(what);
+    client.Send(request);
+    const std::vector<std::string> reply = client.Receive(kReplyWaitMs);
+    ASSERT_EQ(reply.size(), 7u);
+    EXPECT_EQ(reply[1], "NACK");
+    EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(code))) << reply[6];
+    // Nothing of the request was read, so the refusal names no ids.
+    EXPECT_EQ(reply[2] + reply[3] + reply[4], "");
+  };
+  // Without the key (or with a wrong one) the answer is PermissionDenied, whatever the payload
+  // or FLUSH holds: no header or frame diagnostics for an unauthenticated client.
+  expect_nack({"refit-zmq/1", "DATA", "", U32(0), "not a payload at all"},
+              StatusCode::kPermissionDenied, "garbage without the key");
+  expect_nack({"refit-zmq/1", "DATA", "open sesamE", U32(0), payload0},
+              StatusCode::kPermissionDenied, "a payload with a wrong key");
+  expect_nack({"refit-zmq/1", "FLUSH", "", U32(0), "short", U32(0), U32(1)},
+              StatusCode::kPermissionDenied, "a malformed FLUSH without the key");
+  // With the key, the root index comes next, and only then the payload header.
+  expect_nack({"refit-zmq/1", "DATA", "open sesame", U32(7), "not a payload at all"},
+              StatusCode::kInvalidArgument, "garbage with the key and a bad root");
+  expect_nack({"refit-zmq/1", "DATA", "open sesame", U32(0), "not a payload at all"},
+              StatusCode::kDataLoss, "garbage with the key");
+  EXPECT_EQ(receiver.listener->stats().delivered, 0u);
+  EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
+}
+
+TEST_F(ZmqTransportTest, ARefusalMadeBeforeTheIdsAreReadReachesTheSender) {
+  // Two attempts of 2 s everywhere: a refusal the sender could not match would end as
+  // DeadlineExceeded instead.
+  const std::string uri = "zmq://?timeout_ms=2000&retries=1";
+  // Tensor t is payload 0 of producer t: producer 1's root is relay 1, producer 0's relay 0.
+  const Step step = EncodeStep(1, 0, /*producer_per_tensor=*/true);
+  ASSERT_GE(step.payloads.size(), 2u);
+  size_t smallest = step.payloads[0].size();
+  for (const auto& payload : step.payloads) smallest = std::min(smallest, payload.size());
+  // Relay 1 takes less than every payload; the frame still fits ZeroMQ's limit (limit + slack),
+  // so the refusal is the header check's, with a reply.
+  TransportOptions cramped_options;
+  cramped_options.limits.max_payload_bytes = smallest - 1;
+  ASSERT_OK_AND_ASSIGN(auto roomy, MakeTransport(uri));
+  ASSERT_OK_AND_ASSIGN(auto cramped, MakeTransport(uri, cramped_options));
+  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  Receiver relay0 = MakeReceiver(endpoints[0], endpoints, roomy.get());
+  Receiver relay1 = MakeReceiver(endpoints[1], endpoints, cramped.get());
+  ASSERT_NE(relay0.listener, nullptr);
+  ASSERT_NE(relay1.listener, nullptr);
+  Prepare(relay0, step);
+  Prepare(relay1, step);
+  // Producer 1 sends straight to relay 1; producer 0's root relay forwards to relay 1 and
+  // passes its refusal up.
+  for (const uint32_t producer : {1u, 0u}) {
+    SCOPED_TRACE(fmt::format("producer {}", producer));
+    ASSERT_OK_AND_ASSIGN(auto sender, roomy->MakeSender(SenderContext{
+                                          step.plan.transfer_id, producer, step.plan.base_version,
+                                          step.plan.target_version, endpoints}));
+    const Status refused = sender->Send(0, step.payloads[producer]);
+    EXPECT_STATUS_MSG(ResourceExhausted, endpoints[1], refused);
+    // The first attempt's answer, not the retries' end.
+    EXPECT_EQ(refused.message().find("attempts"), std::string::npos) << refused.ToString();
+  }
+  EXPECT_EQ(relay1.listener->stats().delivered, 0u);
+  EXPECT_EQ(relay1.session->GetStatus().staged_payloads, 0u);
+}
+
+TEST_F(ZmqTransportTest, ARetryAfterAFailedForwardReachesTheChildThatWasDown) {
+  // Relays give up on a silent child after one attempt of 300 ms.
+  ASSERT_OK_AND_ASSIGN(auto impatient, MakeTransport("zmq://?timeout_ms=300&retries=0"));
+  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const Step step = EncodeStep(1, 0);
+  Receiver root = MakeReceiver(endpoints[0], endpoints, impatient.get());
+  ASSERT_NE(root.listener, nullptr);
+  Prepare(root, step);
+  auto sender = SenderFor(step, endpoints);
+  ASSERT_NE(sender, nullptr);
+  // Producer 0's root is relay 0, whose child, relay 1, is not up yet: the forward fails, and
+  // with it the Send, although the root staged the payload.
+  EXPECT_STATUS(DeadlineExceeded, sender->Send(0, step.payloads[0]));
+  EXPECT_EQ(root.listener->stats().delivered, 1u);
+
+  Receiver child = MakeReceiver(endpoints[1], endpoints, impatient.get());
+  ASSERT_NE(child.listener, nullptr);
+  Prepare(child, step);
+  // The retry is a duplicate at the root, whose subtree never ACKed the payload: it is forwarded
+  // again, and ACKed once the child staged it.
+  ASSERT_OK(sender->Send(0, step.payloads[0]));
+  EXPECT_EQ(root.listener->stats().duplicates, 1u);
+  ASSERT_EQ(child.listener->stats().delivered, 1u);
+  ASSERT_EQ(child.session->GetStatus().staged_payloads, 1u);
+  // Once the subtree ACKed, a copy is ACKed at the root without reaching the child.
+  ASSERT_OK(sender->Send(0, step.payloads[0]));
+  EXPECT_EQ(root.listener->stats().duplicates, 2u);
+  EXPECT_EQ(child.listener->stats().delivered, 1u);
+  EXPECT_EQ(child.listener->stats().duplicates, 0u);
+
+  for (uint32_t id = 1; id < step.payloads.size(); ++id) {
+    ASSERT_OK(sender->Send(id, step.payloads[id]));
+  }
+  ASSERT_OK(sender->Finish(step.payloads.size()));
+  ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(root, step));
+  ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(child, step));
+}
+
+// A sink that holds every delivery until Open(), so that a test can keep a forward in flight.
+class GatedSink final : public PayloadSink {
+ public:
+  explicit GatedSink(PayloadSink& inner) : inner_(inner) {}
+
+  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) override {
+    {
+      std::unique_lock lock(mutex_);
+      ++entered_;
+      changed_.notify_all();
+      if (!changed_.wait(lock, stop, [&] { return open_; })) return Cancelled("gate stopped");
+    }
+    return inner_.Deliver(std::move(payload), stop);
+  }
+  Status EndOfStream(const StreamEnd& end) override { return inner_.EndOfStream(end); }
+  bool IsTransferOpen(const TransferId& id) const override { return inner_.IsTransferOpen(id); }
+
+  // Whether `n` deliveries reached the gate within `wait_ms`.
+  bool WaitEntered(size_t n, int wait_ms) {
+    std::unique_lock lock(mutex_);
+    return changed_.wait_for(lock, std::chrono::milliseconds(wait_ms),
+                             [&] { return entered_ >= n; });
+  }
+
+  void Open() {
+    std::lock_guard lock(mutex_);
+    open_ = true;
+    changed_.notify_all();
+  }
+
+ private:
+  PayloadSink& inner_;
+  std::mutex mutex_;
+  std::condition_variable_any changed_;
+  size_t entered_ = 0;
+  bool open_ = false;
+};
+
+TEST_F(ZmqTransportTest, ADuplicateOfAPayloadBeingForwardedWaitsForTheSubtree) {
+  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const Step step = EncodeStep(1, 0);
+  Receiver root = MakeReceiver(endpoints[0], endpoints);
+  ASSERT_NE(root.listener, nullptr);
+  // The child relay stages behind a gate. (Declared in this order so that its listener stops
+  // before the gate and the session go.)
+  Receiver child = MakeSession();
+  ASSERT_NE(child.sink, nullptr);
+  GatedSink gate(*child.sink);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Listener> child_listener,
+                       transport_->MakeListener(ListenerContext{endpoints[1], endpoints}, gate));
+  ASSERT_OK(child_listener->Start());
+  Prepare(root, step);
+  Prepare(child, step);
+
+  auto first = SenderFor(step, endpoints);
+  auto second = SenderFor(step, endpoints);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(second, nullptr);
+  const auto send_on_own_thread = [&](TransportSender& sender) {
+    return std::async(std::launch::async, [&] {
+      Status sent = sender.Send(0, step.payloads[0]);
+      sender.CleanupThread();
+      return sent;
+    });
+  };
+  std::future<Status> first_sent = send_on_own_thread(*first);
+  // The root staged the payload and forwards it; the child holds it.
+  ASSERT_TRUE(gate.WaitEntered(1, kReplyWaitMs));
+  std::future<Status> second_sent = send_on_own_thread(*second);
+  // The copy reaches the root (a duplicate there), which must not ACK it before the subtree has
+  // the payload.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReplyWaitMs);
+  while (root.listener->stats().duplicates == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(root.listener->stats().duplicates, 1u);
+  EXPECT_EQ(second_sent.wait_for(std::chrono::milliseconds(kSilenceWaitMs)),
+            std::future_status::timeout)
+      << "the copy was ACKed while the forward of its payload was still in flight";
+  gate.Open();
+  EXPECT_OK(first_sent.get());
+  EXPECT_OK(second_sent.get());
+  // The copy got the forward's verdict without being forwarded itself.
+  EXPECT_EQ(child_listener->stats().delivered, 1u);
+  EXPECT_EQ(child_listener->stats().duplicates, 0u);
+  EXPECT_EQ(child.session->GetStatus().staged_payloads, 1u);
+
+  for (uint32_t id = 1; id < step.payloads.size(); ++id) {
+    ASSERT_OK(first->Send(id, step.payloads[id]));
+  }
+  ASSERT_OK(first->Finish(step.payloads.size()));
+  ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(root, step));
+  ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(child, step));
+}
+
+TEST_F(ZmqTransportTest, AStreamEndOfATransferNotOpenIsRefusedAndSealsNothing) {
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays = MakeRelays(3, endpoints);
+  for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+  const Step step = EncodeStep(1, 0);
+  // The coordinator prepares every receiver before any producer streams: a stream end before
+  // Prepare is refused, and neither seals the stream nor is recorded.
+  auto early = SenderFor(step, endpoints);
+  ASSERT_NE(early, nullptr);
+  EXPECT_STATUS_MSG(FailedPrecondition, "does not have open", early->Finish(step.payloads.size()));
+  for (const Receiver& relay : relays) {
+    EXPECT_EQ(relay.listener->stats().streams_ended, 0u);
+    EXPECT_TRUE(relay.sink->DeclaredPayloads(step.plan.transfer_id).empty());
+  }
+  // Once prepared, the same stream flows and ends.
+  ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, step));
+  // Committed, the transfer is no longer open: a late stream end is refused as well.
+  auto late = SenderFor(step, endpoints);
+  ASSERT_NE(late, nullptr);
+  EXPECT_STATUS(FailedPrecondition, late->Finish(step.payloads.size()));
+}
+
+TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
+  // kMaxStreamsPerTransfer of zmq_transport.cc.
+  constexpr uint32_t kMaxProducers = 1u << 16;
+  // Requests in flight at once: well below ZeroMQ's default high-water mark (1000 messages),
+  // beyond which a ROUTER drops replies.
+  constexpr uint32_t kBatch = 500;
+  const std::string endpoint = FreeEndpoint();
+  Receiver receiver = MakeReceiver(endpoint, {});
+  ASSERT_NE(receiver.listener, nullptr);
+  const Step step = EncodeStep(1, 0);
+  Prepare(receiver, step);
+  const auto& id = step.plan.transfer_id.bytes;
+  const std::string transfer(reinterpret_cast<const char*>(id.data()), id.size());
+  const auto flush = [&](uint32_t producer) {
+    return std::vector<std::string>{"refit-zmq/1", "FLUSH",       "",    U32(0),
+                                    transfer,      U32(producer), U32(0)};
+  };
+  RawClient client(endpoint);
+  uint32_t acked = 0;
+  for (uint32_t first = 0; first < kMaxProducers; first += kBatch) {
+    const uint32_t end = std::min(first + kBatch, kMaxProducers);
+    for (uint32_t producer = first; producer < end; ++producer) client.Send(flush(producer));
+    for (uint32_t producer = first; producer < end; ++producer) {
+      const std::vector<std::string> reply = client.Receive(kReplyWaitMs);
+      ASSERT_EQ(reply.size(), 7u);
+      acked += reply[1] == "ACK" ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(acked, kMaxProducers);
+
+  // One producer more: its stream end, and a payload of another new one, are refused before
+  // the sink sees them.
+  client.Send(flush(kMaxProducers));
+  std::vector<std::string> reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kResourceExhausted))) << reply[6];
+  ASSERT_OK_AND_ASSIGN(const std::vector<std::byte> newcomer,
+                       EncodePayload(PayloadIds{step.plan.transfer_id, kMaxProducers + 1, 0,
+                                                step.plan.base_version, step.plan.target_version},
+                                     {}));
+  client.Send({"refit-zmq/1", "DATA", "", U32(0),
+               std::string(reinterpret_cast<const char*>(newcomer.data()), newcomer.size())});
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "NACK");
+  EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kResourceExhausted))) << reply[6];
+  // A producer the relay knows may still repeat its stream end.
+  client.Send(flush(7));
+  reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "ACK") << reply[6];
+  EXPECT_EQ(receiver.sink->DeclaredPayloads(step.plan.transfer_id).size(), kMaxProducers);
+  EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
+}
+
+TEST_F(ZmqTransportTest, ARelayBoundOnEveryInterfaceIsReachedAtItsAdvertisedEndpoint) {
+  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  std::vector<Receiver> relays;
+  relays.push_back(MakeReceiver(endpoints[0], endpoints, nullptr, "0.0.0.0"));
+  relays.push_back(MakeReceiver(endpoints[1], endpoints));
+  for (const Receiver& relay : relays) ASSERT_NE(relay.listener, nullptr);
+  EXPECT_EQ(relays[0].listener->endpoint(), endpoints[0]);
+  // Producer 1's root, relay 1, forwards to relay 0 at its advertised endpoint.
+  ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, EncodeStep(1, 1)));
+  // Relay 0 listens on every interface: 127.0.0.2 (loopback too, on Linux) reaches it, where a
+  // bind of 127.0.0.1 would refuse the connection; it forwards to relay 1.
+  const std::string port = endpoints[0].substr(endpoints[0].rfind(':'));
+  ASSERT_NO_FATAL_FAILURE(RunStep(relays, {"127.0.0.2" + port}, EncodeStep(2, 0)));
+  for (const Receiver& relay : relays) {
+    EXPECT_EQ(relay.listener->stats().streams_ended, 2u);
+    EXPECT_EQ(relay.listener->stats().failures, 0u)
+        << relay.listener->stats().last_error.ToString();
+  }
+}
+
+TEST_F(ZmqTransportTest, BindAddressesAreCheckedAndOnlyZmqTakesOne) {
+  RefusingSink sink;
+  for (const std::string bad : {"0.0.0.0:5555", "every interface", "host/24", "[::]"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_STATUS_MSG(
+        InvalidArgument, "bind address",
+        transport_->MakeListener(ListenerContext{FreeEndpoint(), {}, bad}, sink).status());
+  }
+  ASSERT_OK_AND_ASSIGN(auto inproc, MakeTransport("inproc://zmq-bind-test"));
+  EXPECT_STATUS_MSG(InvalidArgument, "bind address",
+                    inproc->MakeListener(ListenerContext{"r0", {}, "0.0.0.0"}, sink).status());
+  ASSERT_OK_AND_ASSIGN(auto file, MakeTransport("file://" + ::testing::TempDir()));
+  EXPECT_STATUS_MSG(InvalidArgument, "bind address",
+                    file->MakeListener(ListenerContext{"", {}, "0.0.0.0"}, sink).status());
 }
 
 }  // namespace
