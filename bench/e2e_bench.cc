@@ -24,6 +24,7 @@
 #include <array>
 #include <atomic>
 #include <bit>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -385,7 +386,6 @@ class SyntheticModel {
 
   const std::vector<TensorView>& views() const { return views_; }
   uint64_t bytes() const { return bytes_; }
-  uint64_t elements() const { return bytes_ / sizeof(uint16_t); }
 
  private:
   SyntheticModel() = default;
@@ -405,8 +405,9 @@ Status ResetPeakRss(const std::string& pid) {
   const std::string path = fmt::format("/proc/{}/clear_refs", pid);
   std::ofstream out(path);
   if (out) out << kResetPeakRss;
-  if (!out)
+  if (!out) {
     return IoError("cannot write '{}' to {} (needs root or own process)", kResetPeakRss, path);
+  }
   out.close();
   if (!out) return IoError("cannot write '{}' to {}", kResetPeakRss, path);
   return Status::OK();
@@ -438,9 +439,9 @@ Status CheckRoom(const std::string& dir, uint64_t bytes, uint64_t memory) {
   REFIT_ASSIGN_OR_RETURN(uint64_t available, AvailableMemoryBytes());
   if (available < memory) {
     return ResourceExhausted(
-        "the run needs about {} of memory (the model in this process, the producer's baseline "
-        "and one copy per daemon) but MemAvailable is {}: use a smaller --model-mib or "
-        "--fanout-model-mib",
+        "the run needs about {} of memory (the model and the tracker's baseline in this process; "
+        "per daemon its model and, during the FULL, an undo log as large) but MemAvailable is "
+        "{}: use a smaller --model-mib or --fanout-model-mib",
         FormatBytes(memory), FormatBytes(available));
   }
   return Status::OK();
@@ -956,15 +957,6 @@ void PrintFanOut(const nlohmann::json& fanout) {
 // --- Main -------------------------------------------------------------------------------------
 
 Status Run(const Args& args) {
-  std::string work_dir = args.work_dir;
-  bool scratch = false;
-  if (work_dir.empty()) {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "refit-e2e-bench-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
-    work_dir = pattern;
-    scratch = true;
-  }
   // One model file at a time is on disk. Memory, at the FULL refit: this process holds the model
   // and the tracker's baseline; each daemon its copy (read into memory, or every page written
   // copy-on-write by the FULL) and the FULL's undo log, the old bits of every element until
@@ -975,8 +967,17 @@ Status Run(const Args& args) {
   const uint64_t fanout_bytes = args.skip_fanout ? 0 : args.fanout_model_bytes;
   const uint64_t memory = kMemoryMarginBytes + std::max((2 + 2 * kEndToEndReceivers) * e2e_bytes,
                                                         (2 + 2 * largest_fanout) * fanout_bytes);
-  REFIT_RETURN_NOT_OK(
-      CheckRoom(work_dir, std::max(e2e_bytes, fanout_bytes) + kDiskMarginBytes, memory));
+  const std::string temp_dir = std::filesystem::temp_directory_path().string();
+  REFIT_RETURN_NOT_OK(CheckRoom(args.work_dir.empty() ? temp_dir : args.work_dir,
+                                std::max(e2e_bytes, fanout_bytes) + kDiskMarginBytes, memory));
+  std::string work_dir = args.work_dir;
+  bool scratch = false;
+  if (work_dir.empty()) {
+    std::string pattern = temp_dir + "/refit-e2e-bench-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
+    work_dir = pattern;
+    scratch = true;
+  }
   ::setenv(kApiKeyEnv, RandomApiKey().c_str(), /*overwrite=*/1);
 
   nlohmann::json report;
