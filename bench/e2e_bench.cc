@@ -29,14 +29,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <optional>
-#include <random>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -447,13 +445,6 @@ Status CheckRoom(const std::string& dir, uint64_t bytes, uint64_t memory) {
   return Status::OK();
 }
 
-// A random api key for the run: loopback only, but the authenticated path is the real one.
-std::string RandomApiKey() {
-  std::random_device device;
-  return fmt::format("{:016x}{:016x}", (uint64_t{device()} << 32) | device(),
-                     (uint64_t{device()} << 32) | device());
-}
-
 // A fleet of daemons over one model file and a coordinator with the model as baseline.
 struct Fleet {
   std::unique_ptr<cli::LocalFleet> daemons;
@@ -548,15 +539,8 @@ Status VerifyFleet(const cli::FleetCoordinator& fleet, const std::vector<TensorV
     producer_digests.merge(tracker->Digests());
   }
   const uint64_t fingerprint = internal::StateFingerprint(producer_digests);
+  REFIT_RETURN_NOT_OK(fleet.CheckReceiversHold(model));
   for (const std::unique_ptr<ControlClient>& client : fleet.clients()) {
-    for (const TensorView& tensor : model) {
-      REFIT_ASSIGN_OR_RETURN(OwnedTensor held, client->GetTensor(tensor.name));
-      if (held.bytes.size() != tensor.bytes.size() ||
-          std::memcmp(held.bytes.data(), tensor.bytes.data(), tensor.bytes.size()) != 0) {
-        return DataLoss("{}: tensor '{}' differs from the producer's bytes", client->base_url(),
-                        tensor.name);
-      }
-    }
     REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());
     if (status.state_fingerprint != fingerprint) {
       return DataLoss("{}: state fingerprint {} but the producers' is {:016x}", client->base_url(),
@@ -978,7 +962,7 @@ Status Run(const Args& args) {
     work_dir = pattern;
     scratch = true;
   }
-  ::setenv(kApiKeyEnv, RandomApiKey().c_str(), /*overwrite=*/1);
+  ::setenv(kApiKeyEnv, cli::GenerateApiKey().c_str(), /*overwrite=*/1);
 
   nlohmann::json report;
   report["machine"] = {{"hardware_threads", std::thread::hardware_concurrency()}};

@@ -108,17 +108,11 @@ class Fleet {
     for (size_t r = 0; r < options_.receivers; ++r) {
       ASSERT_NO_FATAL_FAILURE(StartReceiver(r, /*version=*/0, model_));
     }
-    std::vector<uint64_t> sizes;
-    for (const OwnedTensor& t : model_) sizes.push_back(t.bytes.size());
-    const std::vector<ChunkRange> chunks = PlanChunks(sizes, kFleetChunkBytes);
+    std::vector<TensorView> views;
+    for (const OwnedTensor& t : model_) views.push_back(t.view());
     for (uint32_t p = 0; p < options_.producers; ++p) {
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
-      for (size_t k = 0; k < chunks.size(); ++k) {
-        if (!OwnsChunk(k, p, options_.producers)) continue;
-        for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
-          ASSERT_OK(tracker->AdoptBaseline(model_[t].view()));
-        }
-      }
+      ASSERT_OK(AdoptOwnedBaseline(*tracker, views, kFleetChunkBytes, p, options_.producers));
       trackers_.push_back(std::move(tracker));
     }
     ASSERT_NO_FATAL_FAILURE(MakeCoordinator());

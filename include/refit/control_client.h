@@ -55,6 +55,10 @@ struct ControlStatus {
   std::optional<uint64_t> state_fingerprint;
 };
 
+/// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the
+/// one place that layout is written, for tools that print a status.
+std::string ControlStatusToJson(const ControlStatus& status);
+
 /// A client of one receiver's control plane.
 ///
 /// Every call maps an HTTP error back to a Status with the server's code and message; a body that

@@ -80,6 +80,13 @@ constexpr bool OwnsChunk(uint64_t chunk_index, uint32_t producer_id, uint32_t nu
   return chunk_index % num_producers == producer_id;
 }
 
+/// Adopt as `tracker`'s committed baseline the tensors of `model` (canonical order) that producer
+/// `producer_id` of `num_producers` owns under PlanChunks(…, chunk_bytes): what a producer does
+/// when its receivers already hold `model` (they loaded that checkpoint), so that its first
+/// transfer is a delta. Errors: as DeltaTracker::AdoptBaseline.
+Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
+                          uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers);
+
 /// One export chunk as a source yields it: consecutive canonical tensors.
 struct ExportChunk {
   /// Borrowed views; the bytes must stay valid until the stream releases the chunk (it drops

@@ -10,10 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include <cstring>
 #include <filesystem>
 #include <iostream>
-#include <random>
 
 #include "cli_common.h"
 #include "config.h"
@@ -44,29 +42,6 @@ struct DemoArgs {
   std::string work_dir;
   bool json = false;
 };
-
-// A random api key for this run: the daemons listen on loopback only, but a key costs nothing
-// and exercises the authenticated path.
-std::string RandomApiKey() {
-  std::random_device device;
-  return fmt::format("{:016x}{:016x}", (uint64_t{device()} << 32) | device(),
-                     (uint64_t{device()} << 32) | device());
-}
-
-// Download every tensor from every daemon and compare it with the trainer's bytes.
-Status CheckEveryTensor(const FleetCoordinator& fleet, const std::vector<TensorView>& model) {
-  for (const std::unique_ptr<ControlClient>& client : fleet.clients()) {
-    for (const TensorView& tensor : model) {
-      REFIT_ASSIGN_OR_RETURN(OwnedTensor held, client->GetTensor(tensor.name));
-      if (held.bytes.size() != tensor.bytes.size() ||
-          std::memcmp(held.bytes.data(), tensor.bytes.data(), tensor.bytes.size()) != 0) {
-        return DataLoss("{}: tensor '{}' differs from the trainer's", client->base_url(),
-                        tensor.name);
-      }
-    }
-  }
-  return Status::OK();
-}
 
 struct StepRow {
   int step = 0;
@@ -125,7 +100,7 @@ Status RunDemo(const DemoArgs& args) {
   const std::string model_path = work_dir + "/model.safetensors";
   REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kVersionMetadataKey, "0"}}));
 
-  ::setenv(kDemoApiKeyEnv, RandomApiKey().c_str(), /*overwrite=*/1);
+  ::setenv(kDemoApiKeyEnv, GenerateApiKey().c_str(), /*overwrite=*/1);
   LocalFleetOptions fleet_options;
   fleet_options.model_path = model_path;
   fleet_options.receivers = args.receivers;
@@ -195,7 +170,7 @@ Status RunDemo(const DemoArgs& args) {
     if (args.json) std::cout << StepJson(rows.back(), full).dump() << std::endl;
   }
   progress->Finish();
-  REFIT_RETURN_NOT_OK(CheckEveryTensor(*fleet, model));
+  REFIT_RETURN_NOT_OK(fleet->CheckReceiversHold(model));
   REFIT_RETURN_NOT_OK(daemons->Stop());
   if (scratch.has_value()) std::filesystem::remove_all(*scratch);
   if (args.json) return Status::OK();

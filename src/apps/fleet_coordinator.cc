@@ -1,5 +1,6 @@
 #include "fleet_coordinator.h"
 
+#include <cstring>
 #include <utility>
 
 #include <fmt/format.h>
@@ -36,30 +37,26 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
   }
 
   // Each producer tracks the chunks it owns; with a baseline it starts from them.
-  std::vector<uint64_t> sizes;
-  for (const TensorView& tensor : *model) sizes.push_back(tensor.bytes.size());
-  const std::vector<ChunkRange> chunks = PlanChunks(sizes, options.stream.chunk_bytes);
+  if (baseline != nullptr) {
+    for (size_t t = 0; t < model->size(); ++t) {
+      const TensorView& held = (*baseline)[t];
+      const TensorView& current = (*model)[t];
+      if (held.name != current.name || held.dtype != current.dtype || held.shape != current.shape) {
+        return InvalidArgument(
+            "baseline tensor {} is '{}' {} {} but the model's is '{}' {} {}: a delta needs the "
+            "same tensors in the same order",
+            t, held.name, DTypeName(held.dtype), fmt::format("{}", fmt::join(held.shape, "x")),
+            current.name, DTypeName(current.dtype),
+            fmt::format("{}", fmt::join(current.shape, "x")));
+      }
+    }
+  }
   for (uint32_t p = 0; p < producers; ++p) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker,
                            DeltaTracker::Make(tracker_options));
     if (baseline != nullptr) {
-      for (size_t k = 0; k < chunks.size(); ++k) {
-        if (!OwnsChunk(k, p, producers)) continue;
-        for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
-          const TensorView& held = (*baseline)[t];
-          const TensorView& current = (*model)[t];
-          if (held.name != current.name || held.dtype != current.dtype ||
-              held.shape != current.shape) {
-            return InvalidArgument(
-                "baseline tensor {} is '{}' {} {} but the model's is '{}' {} {}: a delta needs "
-                "the same tensors in the same order",
-                t, held.name, DTypeName(held.dtype), fmt::format("{}", fmt::join(held.shape, "x")),
-                current.name, DTypeName(current.dtype),
-                fmt::format("{}", fmt::join(current.shape, "x")));
-          }
-          REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(held));
-        }
-      }
+      REFIT_RETURN_NOT_OK(
+          AdoptOwnedBaseline(*tracker, *baseline, options.stream.chunk_bytes, p, producers));
     }
     fleet->trackers_.push_back(std::move(tracker));
   }
@@ -93,6 +90,20 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
                          Coordinator::Make(options, std::move(coordinated), std::move(receivers),
                                            std::move(channels)));
   return fleet;
+}
+
+Status FleetCoordinator::CheckReceiversHold(const std::vector<TensorView>& model) const {
+  for (const std::unique_ptr<ControlClient>& client : clients_) {
+    for (const TensorView& tensor : model) {
+      REFIT_ASSIGN_OR_RETURN(OwnedTensor held, client->GetTensor(tensor.name));
+      if (held.bytes.size() != tensor.bytes.size() ||
+          std::memcmp(held.bytes.data(), tensor.bytes.data(), tensor.bytes.size()) != 0) {
+        return DataLoss("{}: tensor '{}' differs from the producer's bytes", client->base_url(),
+                        tensor.name);
+      }
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace refit::cli

@@ -53,6 +53,11 @@ class FleetCoordinator {
   /// One transfer of the model's current bytes to every receiver.
   Result<RefitReport> Refit(bool force_anchor = false) { return coordinator_->Refit(force_anchor); }
 
+  /// Download every tensor of `model` from every receiver and compare it with `model`'s bytes.
+  /// Errors: DataLoss naming the receiver and the first tensor that differs; the errors of
+  /// ControlClient::GetTensor.
+  Status CheckReceiversHold(const std::vector<TensorView>& model) const;
+
   const std::vector<std::unique_ptr<ControlClient>>& clients() const { return clients_; }
   const std::vector<std::unique_ptr<DeltaTracker>>& trackers() const { return trackers_; }
 

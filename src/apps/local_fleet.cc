@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -247,6 +248,12 @@ Result<uint64_t> LocalFleet::PeakRssBytes(size_t i) const {
     return NotFound("receiver {} is not running", i);
   }
   return PeakRssOf(fmt::format("/proc/{}/status", receivers_[i].pid));
+}
+
+std::string GenerateApiKey() {
+  std::random_device device;
+  return fmt::format("{:016x}{:016x}", (uint64_t{device()} << 32) | device(),
+                     (uint64_t{device()} << 32) | device());
 }
 
 Result<uint64_t> SelfPeakRssBytes() { return PeakRssOf("/proc/self/status"); }

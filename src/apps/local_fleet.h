@@ -72,6 +72,9 @@ class LocalFleet {
   bool stopped_ = false;
 };
 
+/// Return a random api key (32 hex digits) for a fleet that lives only as long as this process.
+std::string GenerateApiKey();
+
 /// Return the peak resident memory (VmHWM) of this process.
 Result<uint64_t> SelfPeakRssBytes();
 

@@ -5,8 +5,6 @@
 #include <memory>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include "cli_common.h"
 #include "refit/control_client.h"
 #include "refit/progress.h"
@@ -24,34 +22,6 @@ struct StatusArgs {
 constexpr const char* kNone = "-";
 
 std::string FingerprintHex(uint64_t fingerprint) { return fmt::format("{:016x}", fingerprint); }
-
-// The keys and values of GET /v1/status, without the "ok" envelope.
-nlohmann::json StatusJson(const ControlStatus& status) {
-  const ReceiverStatus& receiver = status.receiver;
-  nlohmann::json body = {{"state", std::string(ReceiverStateName(receiver.state))},
-                         {"version", receiver.version},
-                         {"transfer_id", nullptr},
-                         {"base_version", receiver.base_version},
-                         {"target_version", receiver.target_version},
-                         {"sealed", receiver.sealed},
-                         {"staged_payloads", receiver.staged_payloads},
-                         {"applied_payloads", receiver.applied_payloads},
-                         {"queued_payloads", receiver.queued_payloads},
-                         {"duplicate_payloads", receiver.duplicate_payloads},
-                         {"undo_bytes", receiver.undo_bytes},
-                         {"last_error", nullptr},
-                         {"tensors", status.tensors},
-                         {"state_fingerprint", nullptr}};
-  if (receiver.transfer_id.has_value()) body["transfer_id"] = receiver.transfer_id->ToHex();
-  if (!receiver.last_error.ok()) {
-    body["last_error"] = {{"code", std::string(StatusCodeName(receiver.last_error.code()))},
-                          {"message", receiver.last_error.message()}};
-  }
-  if (status.state_fingerprint.has_value()) {
-    body["state_fingerprint"] = FingerprintHex(*status.state_fingerprint);
-  }
-  return body;
-}
 
 Table StatusTable(const std::string& url, const ControlStatus& status) {
   const ReceiverStatus& receiver = status.receiver;
@@ -103,7 +73,7 @@ Status RunStatus(const StatusArgs& args) {
     return error.WithContext(fmt::format("status: {}", args.url));
   }
   if (args.json) {
-    std::cout << StatusJson(*status).dump() << std::endl;
+    std::cout << ControlStatusToJson(*status) << std::endl;
   } else {
     StatusTable(client->base_url(), *status).Print(std::cout);
   }

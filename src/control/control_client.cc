@@ -459,4 +459,11 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
   return tensor;
 }
 
+std::string ControlStatusToJson(const ControlStatus& status) {
+  internal::Json body = internal::StatusToJson(
+      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint});
+  body.erase("ok");
+  return internal::DumpJson(body);
+}
+
 }  // namespace refit

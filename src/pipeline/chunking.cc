@@ -60,4 +60,19 @@ ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_byt
   };
 }
 
+Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
+                          uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers) {
+  std::vector<uint64_t> sizes;
+  sizes.reserve(model.size());
+  for (const TensorView& tensor : model) sizes.push_back(tensor.bytes.size());
+  const std::vector<ChunkRange> chunks = PlanChunks(sizes, chunk_bytes);
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    if (!OwnsChunk(k, producer_id, num_producers)) continue;
+    for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
+      REFIT_RETURN_NOT_OK(tracker.AdoptBaseline(model[t]));
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace refit
