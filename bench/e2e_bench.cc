@@ -45,6 +45,7 @@
 #include "core/half_float.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
+#include "refit/digest.h"
 #include "refit/progress.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
@@ -538,7 +539,7 @@ Status VerifyFleet(const cli::FleetCoordinator& fleet, const std::vector<TensorV
   for (const std::unique_ptr<DeltaTracker>& tracker : fleet.trackers()) {
     producer_digests.merge(tracker->Digests());
   }
-  const uint64_t fingerprint = internal::StateFingerprint(producer_digests);
+  const uint64_t fingerprint = StateFingerprint(producer_digests);
   REFIT_RETURN_NOT_OK(fleet.CheckReceiversHold(model));
   for (const std::unique_ptr<ControlClient>& client : fleet.clients()) {
     REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());

@@ -12,6 +12,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-14 libclang-rt-14-dev clang-format
   python3-numpy python3-zmq python3-prometheus-client
+  # S3 transport: libcurl for the client; boto3 and xxhash for the independent S3 test peer.
+  libcurl4-openssl-dev python3-boto3 python3-xxhash
 )
 
 missing=()

@@ -1,7 +1,9 @@
 // An in-process fleet for coordinator tests: W producers (trackers over one simulated trainer
 // model) and N receivers (WeightStore + ReceiverSession + a transport listener, controlled
 // directly or through a real HTTP control plane), wired by a transport URI. With "zmq://" and
-// HTTP control every byte crosses real loopback sockets, as between processes.
+// HTTP control every byte crosses real loopback sockets, as between processes. With "s3://…"
+// (HTTP control required) payloads go through the bucket and manifests to each control plane,
+// and the senders' transport is the coordinator's TransferObserver, as in `refit push`.
 #pragma once
 
 #include <arpa/inet.h>
@@ -11,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -64,12 +67,18 @@ inline constexpr uint64_t kFleetChunkBytes = 8 << 10;
 struct FleetOptions {
   size_t receivers = 3;
   uint32_t producers = 2;
-  /// "zmq://…" (endpoints are loopback ports) or "inproc://<hub>" (endpoints are names).
+  /// "zmq://…" (endpoints are loopback ports), "inproc://<hub>" (endpoints are names) or
+  /// "s3://…" (endpoints are the control planes' URLs).
   std::string transport = "zmq://";
   /// Drive receivers through ControlServer/ControlClient over HTTP instead of directly.
   bool http_control = true;
   std::chrono::milliseconds transfer_timeout{std::chrono::seconds(60)};
   uint64_t seed = 7;
+  /// The trainer's model; empty: FleetModel(seed).
+  std::vector<OwnedTensor> model = {};
+  /// Export chunk and payload bucket targets.
+  uint64_t chunk_bytes = kFleetChunkBytes;
+  uint64_t bucket_bytes = 4 << 10;
 };
 
 /// One receiver: what `refit serve` holds.
@@ -97,11 +106,12 @@ class Fleet {
   /// Build trackers (adopting the model as their baseline), receivers (holding the model at
   /// version 0) and the coordinator.
   void Start() {
-    model_ = FleetModel(options_.seed);
+    model_ = options_.model.empty() ? FleetModel(options_.seed) : options_.model;
     ASSERT_OK_AND_ASSIGN(transport_, MakeTransport(options_.transport));
     sender_transport_uri_ = options_.transport;
     const bool tree = transport_->capabilities().fan_out_tree;
     for (size_t r = 0; r < options_.receivers; ++r) {
+      // A manifest transport's endpoint is the control URL, known once the server listens.
       endpoints_.push_back(tree ? FreeLoopbackEndpoint() : fmt::format("r{}", r));
     }
     receivers_.resize(options_.receivers);
@@ -112,7 +122,7 @@ class Fleet {
     for (const OwnedTensor& t : model_) views.push_back(t.view());
     for (uint32_t p = 0; p < options_.producers; ++p) {
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
-      ASSERT_OK(AdoptOwnedBaseline(*tracker, views, kFleetChunkBytes, p, options_.producers));
+      ASSERT_OK(AdoptOwnedBaseline(*tracker, views, options_.chunk_bytes, p, options_.producers));
       trackers_.push_back(std::move(tracker));
     }
     ASSERT_NO_FATAL_FAILURE(MakeCoordinator());
@@ -121,7 +131,9 @@ class Fleet {
   /// (Re)start receiver r holding `tensors` at `version`, on its endpoint.
   void StartReceiver(size_t r, uint64_t version, const std::vector<OwnedTensor>& tensors) {
     FleetReceiver& node = receivers_[r];
-    node.endpoint = endpoints_[r];
+    const bool manifests = transport_->capabilities().needs_manifest;
+    ASSERT_TRUE(!manifests || options_.http_control) << "manifests need HTTP control planes";
+    node.endpoint = manifests ? fmt::format("r{}", r) : endpoints_[r];
     node.store = WeightStore::Make();
     for (const OwnedTensor& t : tensors) ASSERT_OK(node.store->AddCopy(t.view()));
     node.store->set_version(version);
@@ -137,8 +149,20 @@ class Fleet {
     ASSERT_OK_AND_ASSIGN(node.listener, transport_->MakeListener(context, *node.sink));
     ASSERT_OK(node.listener->Start());
     if (options_.http_control) {
-      ASSERT_OK_AND_ASSIGN(node.server, ControlServer::Make({}, *node.session, *node.store));
+      ControlServerOptions server_options;
+      if (manifests) {
+        server_options.manifest_handler = [&node](std::string_view manifest,
+                                                  std::stop_token stop) -> Result<StagedManifest> {
+          REFIT_ASSIGN_OR_RETURN(const ManifestDelivery delivered,
+                                 node.listener->AcceptManifest(manifest, std::move(stop)));
+          return StagedManifest{.result = delivered.result,
+                                .payload_bytes = delivered.payload_bytes};
+        };
+      }
+      ASSERT_OK_AND_ASSIGN(node.server,
+                           ControlServer::Make(server_options, *node.session, *node.store));
       ASSERT_OK(node.server->Start());
+      if (manifests) endpoints_[r] = node.server->base_url();
       ControlClientOptions client_options;
       client_options.base_url = node.server->base_url();
       // A dead receiver must fail fast: the coordinator's own budget bounds the transfer.
@@ -146,6 +170,19 @@ class Fleet {
       client_options.max_retries = 1;
       ASSERT_OK_AND_ASSIGN(node.client, ControlClient::Make(client_options));
     }
+  }
+
+  /// Add a receiver (a late joiner) holding `tensors` at `version`; the coordinator refits it
+  /// from the next transfer on. Returns its index.
+  size_t AddReceiver(uint64_t version, const std::vector<OwnedTensor>& tensors) {
+    const size_t r = receivers_.size();
+    const bool tree = transport_->capabilities().fan_out_tree;
+    EXPECT_FALSE(tree) << "a relay tree's peer list is fixed at start";
+    endpoints_.push_back(fmt::format("r{}", r));
+    receivers_.emplace_back();
+    EXPECT_NO_FATAL_FAILURE(StartReceiver(r, version, tensors));
+    EXPECT_NO_FATAL_FAILURE(MakeCoordinator());
+    return r;
   }
 
   /// Take receiver r off the network as a crashed process would be: its ports close. Its session
@@ -214,7 +251,7 @@ class Fleet {
     }
   }
 
-  std::vector<FleetReceiver>& receivers() { return receivers_; }
+  std::deque<FleetReceiver>& receivers() { return receivers_; }
   std::vector<std::unique_ptr<DeltaTracker>>& trackers() { return trackers_; }
   const std::vector<OwnedTensor>& model() const { return model_; }
   const std::vector<std::string>& endpoints() const { return endpoints_; }
@@ -232,7 +269,7 @@ class Fleet {
       producers.push_back({tracker.get(), [this](const TransferPlan&) -> Result<ChunkSource> {
                              std::vector<TensorView> views;
                              for (const OwnedTensor& t : model_) views.push_back(t.view());
-                             return TensorListSource(std::move(views), kFleetChunkBytes);
+                             return TensorListSource(std::move(views), options_.chunk_bytes);
                            }});
     }
     std::vector<CoordinatedReceiver> receivers;
@@ -240,8 +277,9 @@ class Fleet {
       receivers.push_back({fmt::format("receiver {}", r), receivers_[r].control()});
     }
     CoordinatorOptions options;
-    options.stream.chunk_bytes = kFleetChunkBytes;
-    options.stream.bucket_bytes = 4 << 10;
+    options.observer = sender_transport_.get();
+    options.stream.chunk_bytes = options_.chunk_bytes;
+    options.stream.bucket_bytes = options_.bucket_bytes;
     options.stream.encode_threads = 2;
     options.stream.serialize_threads = 1;
     options.stream.send_threads = 2;
@@ -268,7 +306,8 @@ class Fleet {
   std::string sender_transport_uri_;
   std::unique_ptr<Transport> sender_transport_;
   std::vector<std::string> endpoints_;
-  std::vector<FleetReceiver> receivers_;
+  // A deque: AddReceiver must not move the nodes the handlers and hooks capture.
+  std::deque<FleetReceiver> receivers_;
   std::vector<std::unique_ptr<DeltaTracker>> trackers_;
   std::unique_ptr<Coordinator> coordinator_;
 };

@@ -15,6 +15,9 @@
 //   POST /v1/abort     {"transfer_id"} → {"version": n}
 //   POST /v1/payload   raw payload bytes (Content-Type: application/octet-stream)
 //                      → ReceiverSession::Stage → {"result": "accepted" | "duplicate", "bytes": n}
+//   POST /v1/manifest  a manifest of the data-plane transport (s3://: which object to fetch)
+//                      → Options::manifest_handler (fetch, verify, Stage)
+//                      → {"result": "accepted" | "duplicate", "bytes": n}; 409 without a handler
 //   GET  /v1/status    → the session's ReceiverStatus, "tensors", and "state_fingerprint" (hex16
 //                        over every tensor's digest; null while a transfer is receiving)
 //   GET  /v1/tensors/{name}  (name percent-encoded) → the tensor's little-endian bytes, with
@@ -32,14 +35,29 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <stop_token>
 #include <string>
+#include <string_view>
 
 #include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/weight_store.h"
 
 namespace refit {
+
+/// What a manifest handler staged (see ControlServerOptions::manifest_handler).
+struct StagedManifest {
+  StageResult result = StageResult::kAccepted;
+  /// The size of the payload the manifest named.
+  uint64_t payload_bytes = 0;
+};
+
+/// Fetch, verify and stage the payload a manifest names (the request body, untrusted), or cancel
+/// soon after `stop` is requested.
+using ManifestHandler =
+    std::function<Result<StagedManifest>(std::string_view manifest, std::stop_token stop)>;
 
 /// Options of ControlServer::Make.
 struct ControlServerOptions {
@@ -68,6 +86,10 @@ struct ControlServerOptions {
   /// The longest timeout_ms a Flush request may ask for (400 beyond it): a worker thread is held
   /// that long, and Stop waits for it.
   std::chrono::milliseconds max_flush_timeout{std::chrono::minutes(10)};
+  /// Where POST /v1/manifest goes: the data-plane listener of a transport that announces its
+  /// payloads through the control plane (s3://; Listener::AcceptManifest). Null: the route
+  /// answers 409, naming the reason. Each call holds a worker thread while it downloads.
+  ManifestHandler manifest_handler;
 };
 
 /// Serves the control plane of one receiver over HTTP(S), on its own threads.

@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,6 +67,31 @@ struct ChannelRequest {
 using ChannelFactory =
     std::function<Result<std::unique_ptr<PayloadChannel>>(const ChannelRequest& request)>;
 
+/// Told what becomes of each transfer, by the coordinator that ran it: for a transport that keeps
+/// state beyond delivering payloads (an object store publishing committed versions to a chain a
+/// late receiver can replay, or deleting the objects of an aborted transfer).
+///
+/// Thread-safety: called from the thread that runs Coordinator::Refit, never concurrently.
+class TransferObserver {
+ public:
+  virtual ~TransferObserver() = default;
+
+  /// Whether the next transfer, from `base_version`, must be an anchor (FULL): e.g. the chain a
+  /// late receiver replays does not hold `base_version`, so a delta from it would be useless.
+  virtual bool NeedsAnchor(uint64_t /*base_version*/) { return false; }
+
+  /// Transfer `plan` committed on every receiver and tracker; `digests` are the fleet's state
+  /// digests at plan.target_version. Called after every channel of the transfer is destroyed.
+  /// An error is logged and does not undo the transfer: the fleet holds the new version.
+  virtual Status TransferCommitted(const TransferPlan& /*plan*/,
+                                   const std::map<std::string, uint64_t>& /*digests*/) {
+    return Status::OK();
+  }
+
+  /// Transfer `id` was aborted everywhere. Called after every channel of it is destroyed.
+  virtual void TransferAborted(const TransferId& /*id*/) {}
+};
+
 /// Options of Coordinator::Make.
 struct CoordinatorOptions {
   /// The producers' stream options; producer_id and num_producers are set per producer.
@@ -73,6 +99,9 @@ struct CoordinatorOptions {
   /// The budget of one transfer from Begin to the end of Flush. Past it, sends fail with
   /// DeadlineExceeded and the transfer is aborted.
   std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+  /// Told of each transfer's outcome, and asked whether a transfer must be an anchor; borrowed,
+  /// it must outlive the Coordinator. Null: nobody is told.
+  TransferObserver* observer = nullptr;
 };
 
 /// What one receiver reported.

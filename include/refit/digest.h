@@ -7,7 +7,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <span>
+#include <string>
 
 #include "refit/tensor.h"
 
@@ -39,5 +41,10 @@ inline uint64_t TensorDigest(const TensorView& tensor) {
   const uint32_t width = DTypeSize(tensor.dtype);
   return DigestRange(tensor.bytes, width, 0, tensor.bytes.size() / width);
 }
+
+/// Return one 64-bit fingerprint of a whole store's state: XXH3-64 over every (name, digest) pair
+/// in name order. Two stores with equal fingerprints hold the same tensors with the same digests
+/// (up to hash collisions), so replicas, and a chain's recorded versions, compare with one number.
+uint64_t StateFingerprint(const std::map<std::string, uint64_t>& digests);
 
 }  // namespace refit

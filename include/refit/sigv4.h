@@ -78,6 +78,11 @@ Result<SigV4Signature> SignV4(const SigV4Request& request, const SigV4Credential
                               std::string_view region, std::string_view service,
                               std::string_view amz_date, bool double_encode_path);
 
+/// Return the canonical query string of `query` (decoded name/value pairs): each name and value
+/// percent-encoded (RFC 3986 unreserved characters kept), sorted by name then value, joined with
+/// '&'. A client that sends its query in exactly this form signs what it sends.
+std::string SigV4CanonicalQuery(const std::vector<std::pair<std::string, std::string>>& query);
+
 /// Return the lower-case hex SHA-256 of `bytes`, the form `x-amz-content-sha256` takes.
 std::string Sha256Hex(std::span<const std::byte> bytes);
 

@@ -58,6 +58,32 @@
 //     failed handshake (a wrong server key, CURVE on one side only) is Unavailable after the
 //     retries; either way nothing is staged. The api key, if set, is checked as well.
 //
+//   s3://<bucket>[/<prefix>]?endpoint=URL&region=R[&addressing=path|virtual][&part_size=B]
+//       [&parts_in_flight=N][&chain=1[&retain=N]][&mac_key_env=NAME][&api_key_env=NAME]
+//       [&access_key_env=NAME&secret_key_env=NAME&session_token_env=NAME][&timeout_ms=T]
+//       [&retries=N][&control_ca_cert=FILE]
+//     Through an object store, for receivers that share no network path with the trainer
+//     (capabilities needs_manifest and staged_ack). Endpoints are the receivers' control-plane
+//     URLs. Send uploads the payload to <prefix>/live/<transfer hex>/<producer %06u>/
+//     <payload %06u>.rfpl (multipart beyond part_size, default 64 MiB, ≥ 5 MiB; parts_in_flight
+//     at once, default 8), POSTs a manifest {ids, key, size, XXH3-128 checksum, MAC} to every
+//     receiver's /v1/manifest, and returns once each downloaded it, verified size, checksum and
+//     MAC before anything decodes it, and staged it; then DELETEs it (a failed DELETE is retried
+//     at Finish and when the transfer ends). A listener (Listener::AcceptManifest) takes only
+//     keys derived from the manifest's ids under its own bucket and prefix, so a manifest cannot
+//     point a receiver at other objects. As the coordinator's TransferObserver, an aborted
+//     transfer's objects and unfinished multipart uploads are deleted; with chain=1 committed
+//     payloads are kept under <prefix>/chain/ and each committed version is added to the chain
+//     index last (refit/s3_chain.h; `refit serve --bootstrap`), a transfer that cannot extend the
+//     chain is made an anchor (NeedsAnchor), and versions older than the active chain and the
+//     newest `retain` are pruned. mac_key_env: HMAC-SHA256 under that shared secret over each
+//     payload and the chain index; receivers then refuse anything without a valid MAC
+//     (PermissionDenied). Credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+//     AWS_SESSION_TOKEN (or the variables named), region AWS_REGION or us-east-1; an endpoint
+//     (e.g. a local server) defaults to path addressing, AWS to virtual-host. api_key_env: the
+//     control planes' key, sent with each manifest. timeout_ms bounds one manifest POST (default
+//     120000); retries applies to S3 requests and manifest POSTs (default 5).
+//
 //   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
 //                            &corrupt=p&disconnect_after=N[&<inner parameters>]
 //     The transport of <scheme>, whose senders inject faults, each decided by a hash of (seed,
@@ -97,6 +123,7 @@
 #include <utility>
 #include <vector>
 
+#include "refit/coordinator.h"
 #include "refit/payload.h"
 #include "refit/pipeline.h"
 #include "refit/receiver_session.h"
@@ -145,8 +172,10 @@ struct TransportCapabilities {
   /// ListenerContext::peers). TransportSender::Finish is then the relay flush, and must return
   /// before the coordinator flushes the receivers.
   bool fan_out_tree = false;
-  /// Each payload must be announced to receivers through the control plane (a manifest, as for
-  /// object stores) before they can fetch it.
+  /// Each payload must be announced to receivers through their control plane (a manifest, as
+  /// for object stores) before they can fetch it: SenderContext::endpoints are then the
+  /// receivers' control-plane base URLs, and each receiver's control plane hands the manifests
+  /// it gets to its Listener (AcceptManifest).
   bool needs_manifest = false;
   /// Senders and listeners share a filesystem (both must see the same directory).
   bool shared_filesystem = false;
@@ -331,6 +360,13 @@ struct PollReport {
   std::vector<StreamEnd> ended;
 };
 
+/// What a listener did with one manifest (Listener::AcceptManifest).
+struct ManifestDelivery {
+  StageResult result = StageResult::kAccepted;
+  /// The size of the payload the manifest named.
+  uint64_t payload_bytes = 0;
+};
+
 /// Counters over a listener's life.
 struct ListenerStats {
   uint64_t delivered = 0;
@@ -368,17 +404,27 @@ class Listener {
   /// when the medium is gone.
   virtual Result<PollReport> Poll();
 
+  /// Take a manifest (transports with needs_manifest; the body of a control-plane request, as
+  /// the sender wrote it): fetch the payload it names, verify it, and deliver it to the sink.
+  /// Return how the sink staged it and the payload's size. Errors: FailedPrecondition for
+  /// transports without manifests; the transport's for a malformed or forged manifest or
+  /// payload; the sink's refusal.
+  virtual Result<ManifestDelivery> AcceptManifest(std::string_view manifest, std::stop_token stop);
+
   virtual ListenerStats stats() const = 0;
   virtual const std::string& endpoint() const = 0;
 };
 
 // ---- Transports and their registry ------------------------------------------------------------
 
-/// One configured transport: a factory of senders and listeners.
+/// One configured transport: a factory of senders and listeners. As a TransferObserver (the
+/// coordinator's CoordinatorOptions::observer), it learns what became of the transfers it
+/// carried; the built-ins other than s3:// keep nothing per transfer and ignore it.
 ///
-/// Thread-safety: immutable after creation; MakeSender and MakeListener may be called
-/// concurrently. Senders and listeners may outlive the Transport that made them.
-class Transport {
+/// Thread-safety: MakeSender and MakeListener may be called concurrently; the TransferObserver
+/// calls come from the coordinator's thread. Senders and listeners may outlive the Transport
+/// that made them.
+class Transport : public TransferObserver {
  public:
   virtual ~Transport() = default;
 
@@ -419,7 +465,7 @@ Status RegisterTransportWrapper(std::string_view prefix, TransportFactory factor
 /// Return the registered schemes, sorted, with each wrapper as "<prefix>+<scheme>".
 std::vector<std::string> RegisteredTransportSchemes();
 
-/// Make the transport that `uri` names. The built-ins (inproc, file, zmq, fault+) are always
+/// Make the transport that `uri` names. The built-ins (inproc, file, zmq, s3, fault+) are always
 /// registered; no static initialisation order is involved.
 /// Errors: InvalidArgument for a malformed URI or an unknown scheme (listing the registered
 /// ones), and whatever the factory returns (a bad target or parameter, naming the URI).

@@ -1,6 +1,7 @@
 // refit demo: the main job on an embedded default. A simulated trainer (fp32 master + Adam,
 // bf16 export) with W producers refits N `refit serve` daemons on loopback after every
-// optimizer step: deltas stream through the zmq:// relay tree, the coordinator drives each
+// optimizer step: deltas stream through the zmq:// relay tree (or, with --transport s3://…,
+// through an object store, announced on each daemon's control plane), the coordinator drives each
 // daemon's HTTP control plane through prepare → flush (state digests compared with the
 // producers') → commit. A FULL transfer of the same model through the same fleet, measured first,
 // is the yardstick for bytes and time. At the end every tensor is downloaded from every daemon
@@ -41,7 +42,19 @@ struct DemoArgs {
   int threads = 2;
   std::string work_dir;
   bool json = false;
+  /// Empty: the zmq:// relay tree. Otherwise an s3:// URI (payloads through that bucket).
+  std::string transport;
 };
+
+// The URI the demo's producers send through: `uri` with the demo's api key variable, which
+// authenticates the data plane (zmq://) or the manifests on the control plane (s3://).
+Result<std::string> WithDemoApiKey(std::string_view uri) {
+  REFIT_ASSIGN_OR_RETURN(TransportUri parsed, TransportUri::Parse(uri));
+  if (parsed.Param("api_key_env") == nullptr && parsed.Param("api_key") == nullptr) {
+    parsed.params.emplace_back("api_key_env", kDemoApiKeyEnv);
+  }
+  return parsed.ToString();
+}
 
 struct StepRow {
   int step = 0;
@@ -106,6 +119,7 @@ Status RunDemo(const DemoArgs& args) {
   fleet_options.receivers = args.receivers;
   fleet_options.api_key_env = kDemoApiKeyEnv;
   fleet_options.work_dir = work_dir;
+  fleet_options.transport_uri = args.transport;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<LocalFleet> daemons, LocalFleet::Start(fleet_options));
 
   FleetAddress address;
@@ -117,7 +131,8 @@ Status RunDemo(const DemoArgs& args) {
   TrackerOptions tracker_options;
   CoordinatorOptions options;
   if (args.config.empty()) {
-    address.transport_uri = fmt::format("zmq://?api_key_env={}", kDemoApiKeyEnv);
+    REFIT_ASSIGN_OR_RETURN(address.transport_uri,
+                           WithDemoApiKey(args.transport.empty() ? "zmq://" : args.transport));
     REFIT_ASSIGN_OR_RETURN(tracker_options.op, ParseOp(args.op));
     tracker_options.compare.threads = args.threads;
     options.stream.encode_threads = args.threads;
@@ -131,6 +146,9 @@ Status RunDemo(const DemoArgs& args) {
     REFIT_ASSIGN_OR_RETURN(RefitConfig config, LoadConfigFile(args.config));
     config.http_refit_api_key_env_var = kDemoApiKeyEnv;
     REFIT_ASSIGN_OR_RETURN(address.transport_uri, ToTransportUri(config));
+    if (!args.transport.empty()) {
+      REFIT_ASSIGN_OR_RETURN(address.transport_uri, WithDemoApiKey(args.transport));
+    }
     tracker_options = ToTrackerOptions(config);
     options.stream = ToProducerStreamOptions(config);
   }
@@ -141,9 +159,11 @@ Status RunDemo(const DemoArgs& args) {
   if (!args.json) {
     std::cout << fmt::format(
         "refit demo: simulated {} model ({}, {} tensors), {} producer(s) -> {} `refit serve` "
-        "daemon(s) on loopback over zmq:// + HTTP control, {} steps\n",
+        "daemon(s) on loopback over {} + HTTP control, {} steps\n",
         FormatBytes(simulator->exported_bytes()), DTypeName(sim_options.export_dtype), model.size(),
-        args.producers, args.receivers, args.steps);
+        args.producers, args.receivers,
+        args.transport.empty() ? "zmq://" : TransportUri::Parse(args.transport)->scheme + "://",
+        args.steps);
     std::cout << fmt::format("daemon logs and the model file: {}\n\n", work_dir);
   }
   ProgressReporter::Options progress_options;
@@ -233,6 +253,11 @@ void RegisterDemo(CLI::App& app, Status* result) {
                   "Keep the model file and daemon logs here (default: a temporary directory, "
                   "removed on success)");
   cmd->add_flag("--json", args->json, "One JSON metrics line per step instead of the table");
+  cmd->add_option("--transport", args->transport,
+                  "Send through this s3:// URI instead of the zmq:// relay tree, e.g. "
+                  "'s3://bucket/run?endpoint=http://127.0.0.1:7480' (credentials from "
+                  "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; add chain=1 to keep a chain that "
+                  "`refit serve --bootstrap` replays)");
   cmd->callback([args, result] { *result = RunDemo(*args); });
 }
 

@@ -15,18 +15,28 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     const TrackerOptions& tracker_options, const CoordinatorOptions& options,
     const std::vector<TensorView>* baseline) {
   if (address.control_urls.empty()) return InvalidArgument("no receivers to refit");
-  if (address.control_urls.size() != address.data_endpoints.size()) {
+  std::unique_ptr<FleetCoordinator> fleet(new FleetCoordinator());
+  REFIT_ASSIGN_OR_RETURN(fleet->transport_, MakeTransport(address.transport_uri));
+  // An object store's payloads are announced on each receiver's control plane.
+  const bool manifests = fleet->transport_->capabilities().needs_manifest;
+  fleet->endpoints_ = manifests ? address.control_urls : address.data_endpoints;
+  if (!manifests && address.control_urls.size() != address.data_endpoints.size()) {
     return InvalidArgument("{} control URLs but {} data endpoints: give one of each per receiver",
                            address.control_urls.size(), address.data_endpoints.size());
+  }
+  for (size_t r = 0; !manifests && r < address.data_endpoints.size(); ++r) {
+    if (address.data_endpoints[r].empty()) {
+      return InvalidArgument(
+          "receiver {} ({}) has no data endpoint: transport '{}' sends to data endpoints "
+          "(CONTROL_URL=DATA_ENDPOINT); only s3:// announces payloads on the control URL",
+          r, address.control_urls[r], address.transport_uri);
+    }
   }
   if (producers == 0) return InvalidArgument("producers must be at least 1");
   if (baseline != nullptr && baseline->size() != model->size()) {
     return InvalidArgument("the baseline has {} tensors but the model {}", baseline->size(),
                            model->size());
   }
-  std::unique_ptr<FleetCoordinator> fleet(new FleetCoordinator());
-  REFIT_ASSIGN_OR_RETURN(fleet->transport_, MakeTransport(address.transport_uri));
-  fleet->endpoints_ = address.data_endpoints;
   for (const std::string& url : address.control_urls) {
     ControlClientOptions client_options = address.client;
     client_options.base_url = url;
@@ -86,8 +96,11 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
                            self->transport_->MakeSender(context));
     return std::unique_ptr<PayloadChannel>(std::move(sender));
   };
+  // The transport learns each transfer's outcome (an s3:// chain records committed versions).
+  CoordinatorOptions observed = options;
+  observed.observer = fleet->transport_.get();
   REFIT_ASSIGN_OR_RETURN(fleet->coordinator_,
-                         Coordinator::Make(options, std::move(coordinated), std::move(receivers),
+                         Coordinator::Make(observed, std::move(coordinated), std::move(receivers),
                                            std::move(channels)));
   return fleet;
 }

@@ -21,8 +21,11 @@ struct FleetAddress {
   /// Control plane base URLs, one per receiver.
   std::vector<std::string> control_urls;
   /// Data endpoints in the transport's syntax, in tree order (for zmq://, host:port relays).
+  /// Ignored for transports that announce payloads through the control plane (s3://): their
+  /// endpoints are the control URLs.
   std::vector<std::string> data_endpoints;
-  /// The transport URI producers send through (zmq://…, fault+zmq://…).
+  /// The transport URI producers send through (zmq://…, fault+zmq://…, s3://…). The transport
+  /// is the coordinator's TransferObserver (an s3:// chain records each committed version).
   std::string transport_uri = "zmq://";
   /// The api key the control planes require (empty: none). The data plane's key travels in the
   /// transport URI (api_key_env=…).

@@ -126,13 +126,15 @@ Result<std::unique_ptr<LocalFleet>> LocalFleet::Start(const LocalFleetOptions& o
     receiver.log_path = fmt::format("{}/receiver-{}.log", options.work_dir, r);
     ready_files.push_back(fmt::format("{}/receiver-{}.ready", options.work_dir, r));
     ::unlink(ready_files.back().c_str());
-    std::vector<std::string> argv = {binary,           "serve",
-                                     "--model",        options.model_path,
-                                     "--bind",         "127.0.0.1",
-                                     "--data-port",    std::to_string(ports[2 * r]),
-                                     "--control-port", std::to_string(ports[2 * r + 1]),
-                                     "--peers",        peer_list,
-                                     "--ready-file",   ready_files.back()};
+    std::vector<std::string> argv = {
+        binary,         "serve",           "--model",        options.model_path,
+        "--bind",       "127.0.0.1",       "--control-port", std::to_string(ports[2 * r + 1]),
+        "--ready-file", ready_files.back()};
+    if (options.transport_uri.empty()) {
+      argv.insert(argv.end(), {"--data-port", std::to_string(ports[2 * r]), "--peers", peer_list});
+    } else {
+      argv.insert(argv.end(), {"--transport", options.transport_uri});
+    }
     if (!options.api_key_env.empty()) {
       argv.insert(argv.end(), {"--api-key-env", options.api_key_env});
     }

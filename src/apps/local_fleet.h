@@ -27,6 +27,10 @@ struct LocalFleetOptions {
   std::string api_key_env;
   /// Where ready files and each daemon's log go (must exist).
   std::string work_dir;
+  /// The daemons' data-plane transport: empty for the zmq:// relay tree (a data port each, the
+  /// relay list in receiver order), or an s3:// URI (no data port: manifests arrive on the
+  /// control plane).
+  std::string transport_uri;
   /// More `refit serve` arguments for every daemon (e.g. "--mmap").
   std::vector<std::string> extra_args;
   /// How long a daemon may take to load the model and bind its ports.
@@ -37,7 +41,7 @@ struct LocalFleetOptions {
 struct LocalReceiver {
   pid_t pid = -1;
   std::string control_url;
-  /// The ZeroMQ relay endpoint, host:port.
+  /// What producers send to: the ZeroMQ relay endpoint host:port, or for s3:// the control URL.
   std::string data_endpoint;
   std::string log_path;
 };

@@ -44,11 +44,16 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args) {
   if (!args.receivers.empty()) {
     config.receivers.clear();
     for (const std::string& spec : args.receivers) {
+      // A control URL alone serves transports that announce payloads on it (s3://).
       const size_t equals = spec.find('=');
-      if (equals == std::string::npos || equals == 0 || equals + 1 == spec.size()) {
+      if (equals == std::string::npos) {
+        config.receivers.push_back({spec, ""});
+        continue;
+      }
+      if (equals == 0 || equals + 1 == spec.size()) {
         return InvalidArgument(
             "--receiver '{}': expected CONTROL_URL=DATA_ENDPOINT, e.g. "
-            "http://10.0.0.5:8081=10.0.0.5:5555",
+            "http://10.0.0.5:8081=10.0.0.5:5555 (or CONTROL_URL alone for s3://)",
             spec);
       }
       config.receivers.push_back({spec.substr(0, equals), spec.substr(equals + 1)});

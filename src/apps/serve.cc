@@ -1,10 +1,12 @@
 // refit serve: the receiver daemon. It holds one model (a safetensors file read into memory or
-// mapped copy-on-write), listens for payloads on a relay-tree data port (zmq://) and for the
-// coordinator on an HTTP control plane, and serves until SIGTERM or SIGINT.
+// mapped copy-on-write), takes payloads from its data plane — a relay-tree data port (zmq://), or
+// an object store whose payloads the producers announce through the control plane (s3://) — and
+// the coordinator on an HTTP control plane, and serves until SIGTERM or SIGINT. With
+// --bootstrap s3://… it first catches up from a versioned chain (refit/s3_chain.h).
 //
-//   model ─▶ WeightStore ─▶ ReceiverSession ◀─ SessionSink ◀─ Listener (data port, relay tree)
-//                                 ▲
-//                                 └──────────── ControlServer (control port: prepare, flush, …)
+//   model ─▶ WeightStore ─▶ ReceiverSession ◀─ SessionSink ◀─ Listener (zmq: data port, relay tree)
+//                                 ▲                              ▲ (s3: AcceptManifest)
+//                                 └──────────── ControlServer ───┘ (control port: prepare, …)
 //
 // Shutdown stops the control plane first (no new transfer can start), then the data plane (no
 // payload arrives any more), then the session, whose destructor rolls an open transfer back to
@@ -33,6 +35,7 @@
 #include "refit/control_server.h"
 #include "refit/logging.h"
 #include "refit/receiver_session.h"
+#include "refit/s3_chain.h"
 #include "refit/safetensors.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
@@ -76,6 +79,8 @@ struct ServeSettings {
   std::optional<uint64_t> version;
   /// Written atomically once both planes listen; removed at a clean shutdown.
   std::string ready_file;
+  /// An s3:// chain to catch up from before serving (empty: serve the model as loaded).
+  std::string bootstrap_uri;
 };
 
 // The URI parameters that carry the data plane's key (zmq://).
@@ -99,9 +104,17 @@ spdlog::logger& ServeLogger() {
   return *logger;
 }
 
-Status CheckSettings(const ServeSettings& settings) {
+// `relay`: the data plane is a relay tree (zmq://), which needs a data port; an object store
+// (s3://) binds nothing and takes its manifests on the control plane.
+Status CheckSettings(const ServeSettings& settings, bool relay) {
   if (settings.model_path.empty()) return InvalidArgument("serve: --model is required");
-  if (settings.data_port == 0) {
+  if (!relay) {
+    if (settings.data_port != 0 || !settings.peers.empty()) {
+      return InvalidArgument(
+          "serve: --data-port and --peers are for relay-tree transports (zmq://); an object-store "
+          "transport announces payloads through the control plane");
+    }
+  } else if (settings.data_port == 0) {
     return InvalidArgument(
         "serve: --data-port is required (1-65535): other relays and producers address this "
         "receiver by it");
@@ -184,7 +197,6 @@ Status RunServe(const ServeSettings& settings) {
   // A client that disconnects while the control plane writes to it must cost that request, not
   // the daemon: the HTTP library writes without MSG_NOSIGNAL.
   std::signal(SIGPIPE, SIG_IGN);
-  REFIT_RETURN_NOT_OK(CheckSettings(settings));
   // A ready file left by an earlier run must not announce this one before it listens.
   if (!settings.ready_file.empty()) std::remove(settings.ready_file.c_str());
 
@@ -193,6 +205,19 @@ Status RunServe(const ServeSettings& settings) {
     REFIT_ASSIGN_OR_RETURN(api_key, ApiKeyFromEnv(settings.api_key_env));
   }
   REFIT_ASSIGN_OR_RETURN(const TransportUri uri, DataPlaneUri(settings));
+  PayloadLimits limits;
+  limits.max_payload_bytes = settings.max_payload_bytes;
+  TransportOptions transport_options;
+  transport_options.limits = limits;
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport,
+                         MakeTransport(uri, transport_options));
+  const TransportCapabilities caps = transport->capabilities();
+  if (!caps.fan_out_tree && !caps.needs_manifest) {
+    return InvalidArgument(
+        "serve: --transport '{}' is neither a relay tree (zmq://) nor an object store (s3://)",
+        uri.scheme);
+  }
+  REFIT_RETURN_NOT_OK(CheckSettings(settings, caps.fan_out_tree));
 
   // The model.
   uint64_t version = 0;
@@ -209,32 +234,43 @@ Status RunServe(const ServeSettings& settings) {
   std::unique_ptr<WeightStore> store = std::move(opened).ValueOrDie();
   store->set_version(version);
 
-  PayloadLimits limits;
-  limits.max_payload_bytes = settings.max_payload_bytes;
   ReceiverSessionOptions session_options;
   session_options.apply_queue_depth = settings.apply_queue_depth;
   session_options.limits = limits;
+  if (!settings.bootstrap_uri.empty()) {
+    ChainBootstrapOptions bootstrap;
+    bootstrap.session = session_options;
+    bootstrap.on_version = [](const ChainVersion& replayed) {
+      ServeLogger().info("serve: bootstrap: replayed {} {} ({} payloads)",
+                         replayed.anchor ? "anchor" : "delta", replayed.version,
+                         replayed.payloads.size());
+    };
+    Result<ChainBootstrapReport> caught_up =
+        BootstrapFromChain(settings.bootstrap_uri, *store, bootstrap);
+    if (!caught_up.ok()) return caught_up.status().WithContext("serve: --bootstrap");
+    ServeLogger().info(
+        "serve: bootstrap: version {} → {}: {} version(s){}, {} payloads, {:.1f} MiB in {:.2f} s",
+        caught_up->start_version, caught_up->final_version, caught_up->versions_replayed,
+        caught_up->replayed_anchor ? " from the anchor" : "", caught_up->payloads,
+        static_cast<double>(caught_up->bytes) / (1 << 20), caught_up->seconds);
+    version = store->version();
+  }
   Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(session_options, *store);
   if (!made.ok()) return made.status().WithContext("serve: --apply-queue-depth");
   std::unique_ptr<ReceiverSession> session = std::move(made).ValueOrDie();
   SessionSink sink(*session);
 
-  // The data plane.
-  TransportOptions transport_options;
-  transport_options.limits = limits;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport,
-                         MakeTransport(uri, transport_options));
-  if (!transport->capabilities().fan_out_tree) {
-    return InvalidArgument(
-        "serve: --transport '{}' is not a relay-tree transport (zmq://): serve listens on "
-        "host:port endpoints",
-        uri.scheme);
-  }
+  // The data plane. An object store's listener binds nothing; it is named by the control plane
+  // that hands it the manifests.
   ListenerContext listener_context;
-  listener_context.endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
-  listener_context.peers = settings.peers;
-  if (AdvertisedHost(settings) != settings.bind_address) {
-    listener_context.bind_address = settings.bind_address;
+  if (caps.fan_out_tree) {
+    listener_context.endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
+    listener_context.peers = settings.peers;
+    if (AdvertisedHost(settings) != settings.bind_address) {
+      listener_context.bind_address = settings.bind_address;
+    }
+  } else {
+    listener_context.endpoint = fmt::format("{}://{}", uri.scheme, uri.target);
   }
   Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(listener_context, sink);
   if (!listener_made.ok()) {
@@ -253,6 +289,14 @@ Status RunServe(const ServeSettings& settings) {
   control_options.tls_cert_path = settings.tls_cert_path;
   control_options.tls_key_path = settings.tls_key_path;
   control_options.max_request_bytes = settings.max_payload_bytes;
+  if (caps.needs_manifest) {
+    control_options.manifest_handler = [&listener](std::string_view manifest,
+                                                   std::stop_token stop) -> Result<StagedManifest> {
+      REFIT_ASSIGN_OR_RETURN(const ManifestDelivery delivered,
+                             listener->AcceptManifest(manifest, std::move(stop)));
+      return StagedManifest{.result = delivered.result, .payload_bytes = delivered.payload_bytes};
+    };
+  }
   Result<std::unique_ptr<ControlServer>> server_made =
       ControlServer::Make(control_options, *session, *store);
   if (!server_made.ok()) return server_made.status().WithContext("serve: control plane");
@@ -272,15 +316,21 @@ Status RunServe(const ServeSettings& settings) {
   }
 
   const std::string control_url = server->base_url();
-  const size_t relays = std::max<size_t>(settings.peers.size(), 1);
+  // Producers address an object-store receiver by its control plane, where manifests go.
+  const std::string data_endpoint = caps.fan_out_tree ? listener_context.endpoint : control_url;
   if (!settings.ready_file.empty()) {
     REFIT_RETURN_NOT_OK(WriteReadyFile(
-        settings.ready_file,
-        ReadyFileText(control_url, listener_context.endpoint, version, store->size())));
+        settings.ready_file, ReadyFileText(control_url, data_endpoint, version, store->size())));
   }
-  std::printf("refit serve: ready: control %s, data %s (%zu relay%s), version %llu, %zu tensors\n",
-              control_url.c_str(), listener_context.endpoint.c_str(), relays,
-              relays == 1 ? "" : "s", static_cast<unsigned long long>(version), store->size());
+  const std::string data_plane =
+      caps.fan_out_tree
+          ? fmt::format("{} ({} relay{})", listener_context.endpoint,
+                        std::max<size_t>(settings.peers.size(), 1),
+                        settings.peers.size() > 1 ? "s" : "")
+          : fmt::format("{} (manifests on the control plane)", listener_context.endpoint);
+  std::printf("refit serve: ready: control %s, data %s, version %llu, %zu tensors\n",
+              control_url.c_str(), data_plane.c_str(), static_cast<unsigned long long>(version),
+              store->size());
   std::fflush(stdout);
 
   int signal_number = 0;
@@ -404,6 +454,10 @@ void RegisterServe(CLI::App& app, Status* result) {
   cmd->add_option_function<uint64_t>(
       "--version", [settings](const uint64_t& version) { settings->version = version; },
       "Weight version of the model (default: its refit.version metadata, else 0)");
+  cmd->add_option("--bootstrap", settings->bootstrap_uri,
+                  "Before serving, catch up from the versioned chain at this s3:// URI (the "
+                  "trainer's transport URI with chain=1): replay its newest anchor and deltas, "
+                  "verifying each version's state fingerprint");
   cmd->add_option("--ready-file", settings->ready_file,
                   "Write {pid, control_url, data_endpoint, version, tensors} as JSON here once "
                   "both planes listen; removed at a clean shutdown");
@@ -436,6 +490,7 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--max-payload-bytes")) merged.max_payload_bytes = flags.max_payload_bytes;
     if (given("--version")) merged.version = flags.version;
     if (given("--ready-file")) merged.ready_file = flags.ready_file;
+    if (given("--bootstrap")) merged.bootstrap_uri = flags.bootstrap_uri;
     *result = RunServe(merged);
   });
 }

@@ -25,6 +25,7 @@
 #include "control/auth.h"
 #include "control/metrics.h"
 #include "control/protocol.h"
+#include "refit/digest.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 
@@ -138,7 +139,7 @@ std::string_view RouteLabel(const httplib::Request& request) {
   } else if (request.method == "POST") {
     for (std::string_view route :
          {internal::kPreparePath, internal::kFlushPath, internal::kCommitPath, internal::kAbortPath,
-          internal::kPayloadPath}) {
+          internal::kPayloadPath, internal::kManifestPath}) {
       if (path == route) return route;
     }
   }
@@ -265,6 +266,10 @@ struct ControlServer::Impl {
   Result<Json> Abort(const JsonFields& body);
   void StagePayload(const httplib::Request& request, httplib::Response& response,
                     const httplib::ContentReader& reader);
+  // POST /v1/manifest: hand the manifest to the data plane's listener, which fetches and
+  // stages the payload it names.
+  void StageManifest(const httplib::Request& request, httplib::Response& response,
+                     const httplib::ContentReader& reader);
   Json StatusBody();
   void SendTensor(const httplib::Request& request, httplib::Response& response);
 };
@@ -392,13 +397,43 @@ void ControlServer::Impl::StagePayload(const httplib::Request& request, httplib:
                  {"bytes", received}});
 }
 
+void ControlServer::Impl::StageManifest(const httplib::Request& request,
+                                        httplib::Response& response,
+                                        const httplib::ContentReader& reader) {
+  auto stage = [&]() -> Result<StagedManifest> {
+    if (!options.manifest_handler) {
+      DrainBody(reader);
+      return FailedPrecondition(
+          "this receiver takes no manifests: its data plane delivers payloads itself (manifests "
+          "are for s3://)");
+    }
+    std::string manifest;
+    REFIT_RETURN_NOT_OK(ReadBody(request, reader, options.max_json_bytes, manifest));
+    Result<StagedManifest> staged = options.manifest_handler(manifest, stopping.get_token());
+    if (!staged.ok() && stopping.stop_requested() &&
+        staged.status().code() == StatusCode::kCancelled) {
+      return Unavailable("control server is stopping; manifest not staged");
+    }
+    return staged;
+  };
+  const Result<StagedManifest> staged = stage();
+  metrics->RecordPayload(
+      staged.ok() ? staged->payload_bytes : 0,
+      staged.ok() ? Result<StageResult>(staged->result) : Result<StageResult>(staged.status()));
+  if (!staged.ok()) return ReplyError(response, staged.status());
+  ReplyJson(response, kHttpOk,
+            Json{{"ok", true},
+                 {"result", staged->result == StageResult::kAccepted ? "accepted" : "duplicate"},
+                 {"bytes", staged->payload_bytes}});
+}
+
 Json ControlServer::Impl::StatusBody() {
   internal::ControlStatusFields status;
   std::shared_lock lock(store_access);
   status.receiver = session.GetStatus();
   status.tensors = store.size();
   if (status.receiver.state != ReceiverState::kReceiving) {
-    status.state_fingerprint = internal::StateFingerprint(std::as_const(store).Digests());
+    status.state_fingerprint = StateFingerprint(std::as_const(store).Digests());
   }
   return internal::StatusToJson(status);
 }
@@ -507,6 +542,11 @@ void ControlServer::Impl::InstallRoutes() {
              BodyRoute([this](const httplib::Request& request, httplib::Response& response,
                               const httplib::ContentReader& reader) {
                StagePayload(request, response, reader);
+             }));
+  http->Post(std::string(internal::kManifestPath),
+             BodyRoute([this](const httplib::Request& request, httplib::Response& response,
+                              const httplib::ContentReader& reader) {
+               StageManifest(request, response, reader);
              }));
   // Every other request with a body: authenticate and drain it, then 404. (httplib would read
   // the body of an unmatched route into memory, up to max_request_bytes, before answering.)

@@ -33,6 +33,7 @@ inline constexpr std::string_view kFlushPath = "/v1/flush";
 inline constexpr std::string_view kCommitPath = "/v1/commit";
 inline constexpr std::string_view kAbortPath = "/v1/abort";
 inline constexpr std::string_view kPayloadPath = "/v1/payload";
+inline constexpr std::string_view kManifestPath = "/v1/manifest";
 inline constexpr std::string_view kStatusPath = "/v1/status";
 /// Followed by the percent-encoded tensor name.
 inline constexpr std::string_view kTensorsPathPrefix = "/v1/tensors/";
@@ -130,11 +131,6 @@ struct ControlStatusFields {
 };
 Json StatusToJson(const ControlStatusFields& status);
 Result<ControlStatusFields> StatusFromJson(const Json& body);
-
-/// Return one 64-bit fingerprint of a whole store's state: XXH3-64 over every (name, digest) pair
-/// in name order. Two stores with equal fingerprints hold the same tensors with the same digests
-/// (up to hash collisions), so a coordinator compares replicas with one number.
-uint64_t StateFingerprint(const std::map<std::string, uint64_t>& digests);
 
 /// Percent-encode `text` for one URL path segment: every byte except the RFC 3986 unreserved
 /// characters (A–Z a–z 0–9 - . _ ~) becomes %XX, so names with '/', '?', '#', '%' or spaces

@@ -163,6 +163,7 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
     }
   }
   REFIT_LOG_WARN("{}", message);
+  if (options.observer != nullptr) options.observer->TransferAborted(id);
   return Status(first.status.code(), std::move(message));
 }
 
@@ -170,6 +171,11 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   const Clock::time_point start = Clock::now();
   const Clock::time_point deadline = start + options.transfer_timeout;
   RefitReport report;
+  if (options.observer != nullptr && !force_anchor &&
+      options.observer->NeedsAnchor(producers.front().tracker->version())) {
+    REFIT_LOG_INFO("transfer {}: an anchor, as the transport asks", id.ToHex());
+    force_anchor = true;
+  }
   REFIT_ASSIGN_OR_RETURN(report.plan, BeginEverywhere(id, force_anchor));
   const TransferPlan& plan = report.plan;
 
@@ -296,6 +302,13 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
           "transfer {}: receivers committed but producer {}'s tracker could not: {}; "
           "the next transfer must be an anchor",
           id.ToHex(), p, committed.ToString());
+    }
+  }
+  if (options.observer != nullptr) {
+    Status observed = options.observer->TransferCommitted(plan, flush.expected.digests);
+    if (!observed.ok()) {
+      REFIT_LOG_WARN("transfer {}: committed, but the transport could not record it: {}",
+                     id.ToHex(), observed.ToString());
     }
   }
   report.commit_s = SecondsSince(commit_start);

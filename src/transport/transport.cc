@@ -26,6 +26,9 @@ namespace internal {
 // transport adds no edit to the shared internal header.
 Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
                                                     const TransportOptions& options);
+// s3://, defined in s3/s3_transport.cc.
+Result<std::unique_ptr<Transport>> MakeS3Transport(const TransportUri& uri,
+                                                   const TransportOptions& options);
 }  // namespace internal
 
 namespace {
@@ -111,6 +114,7 @@ class Registry {
     schemes_.emplace("inproc", internal::MakeInprocTransport);
     schemes_.emplace("file", internal::MakeFileTransport);
     schemes_.emplace("zmq", internal::MakeZmqTransport);
+    schemes_.emplace("s3", internal::MakeS3Transport);
     wrappers_.emplace("fault", internal::MakeFaultTransport);
   }
 
@@ -247,6 +251,14 @@ std::string TransportUri::ToString() const {
 Status PayloadSink::EndOfStream(const StreamEnd& /*end*/) { return Status::OK(); }
 
 Result<PollReport> Listener::Poll() { return PollReport{}; }
+
+Result<ManifestDelivery> Listener::AcceptManifest(std::string_view /*manifest*/,
+                                                  std::stop_token /*stop*/) {
+  return FailedPrecondition(
+      "listener at '{}' takes no manifests: its transport delivers payloads "
+      "itself (only s3:// announces payloads through the control plane)",
+      Printable(endpoint()));
+}
 
 Result<StageResult> SessionSink::Deliver(std::vector<std::byte> payload, std::stop_token stop) {
   return session_.Stage(std::move(payload), std::move(stop));

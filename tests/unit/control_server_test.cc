@@ -223,7 +223,7 @@ TEST_F(ControlServerTest, FullTransfersThroughTheClientAreBitExact) {
     EXPECT_TRUE(status.receiver.last_error.ok());
     EXPECT_EQ(status.tensors, current_.size());
     ASSERT_TRUE(status.state_fingerprint.has_value());
-    EXPECT_EQ(*status.state_fingerprint, internal::StateFingerprint(tracker_->Digests()));
+    EXPECT_EQ(*status.state_fingerprint, StateFingerprint(tracker_->Digests()));
   }
   EXPECT_EQ(Sample("refit_transfers_committed_total"), 3);
   EXPECT_EQ(Sample("refit_weight_version"), 3);
@@ -460,7 +460,7 @@ TEST_F(ControlServerTest, StoreReadsAreRefusedWhileATransferIsReceiving) {
   EXPECT_EQ(got.bytes, step.next[0].bytes);
   ASSERT_OK_AND_ASSIGN(ControlStatus prepared, client_->GetStatus());
   ASSERT_TRUE(prepared.state_fingerprint.has_value());
-  EXPECT_EQ(*prepared.state_fingerprint, internal::StateFingerprint(step.expected.digests));
+  EXPECT_EQ(*prepared.state_fingerprint, StateFingerprint(step.expected.digests));
 }
 
 TEST_F(ControlServerTest, EveryStatusCodeMapsToItsHttpCodeAndBack) {

@@ -213,22 +213,6 @@ std::string CanonicalNormalizedPath(std::string_view path) {
   return out;
 }
 
-std::string CanonicalQuery(const std::vector<std::pair<std::string, std::string>>& query) {
-  std::vector<std::pair<std::string, std::string>> encoded;
-  encoded.reserve(query.size());
-  for (const auto& [name, value] : query) encoded.emplace_back(UriEncode(name), UriEncode(value));
-  // Sorted by encoded name, then encoded value (byte order), as the canonical form requires.
-  std::sort(encoded.begin(), encoded.end());
-  std::string out;
-  for (const auto& [name, value] : encoded) {
-    if (!out.empty()) out.push_back('&');
-    out += name;
-    out.push_back('=');
-    out += value;
-  }
-  return out;
-}
-
 // Trim leading and trailing blanks and collapse inner runs of blanks to one space.
 std::string CanonicalHeaderValue(std::string_view value) {
   std::string out;
@@ -348,7 +332,7 @@ Result<SigV4Signature> SignV4(const SigV4Request& request, const SigV4Credential
   out.canonical_request +=
       double_encode_path ? CanonicalNormalizedPath(path) : CanonicalS3Path(path);
   out.canonical_request.push_back('\n');
-  out.canonical_request += CanonicalQuery(request.query);
+  out.canonical_request += SigV4CanonicalQuery(request.query);
   out.canonical_request.push_back('\n');
   out.canonical_request += headers.block;
   out.canonical_request.push_back('\n');
@@ -373,6 +357,22 @@ Result<SigV4Signature> SignV4(const SigV4Request& request, const SigV4Credential
   out.authorization =
       fmt::format("{} Credential={}/{}, SignedHeaders={}, Signature={}", kAlgorithm,
                   credentials.access_key_id, scope, headers.signed_names, out.signature_hex);
+  return out;
+}
+
+std::string SigV4CanonicalQuery(const std::vector<std::pair<std::string, std::string>>& query) {
+  std::vector<std::pair<std::string, std::string>> encoded;
+  encoded.reserve(query.size());
+  for (const auto& [name, value] : query) encoded.emplace_back(UriEncode(name), UriEncode(value));
+  // Sorted by encoded name, then encoded value (byte order), as the canonical form requires.
+  std::sort(encoded.begin(), encoded.end());
+  std::string out;
+  for (const auto& [name, value] : encoded) {
+    if (!out.empty()) out.push_back('&');
+    out += name;
+    out.push_back('=');
+    out += value;
+  }
   return out;
 }
 

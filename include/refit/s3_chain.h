@@ -1,0 +1,142 @@
+// Versioned delta chains in an object store, for receivers that join late or fall behind.
+//
+// With `chain=1` on an s3:// URI, the trainer keeps each committed transfer's payloads instead of
+// deleting them, under <prefix>/chain/, and records it in one small index object,
+// <prefix>/chain/index.json, written after every payload of the version is stored and the fleet
+// has committed it — so a reader never sees a half-written version:
+//
+//   {"format": "refit-chain/1",
+//    "versions": [{"version": 7, "base_version": 6, "anchor": true, "transfer_id": hex32,
+//                  "state_fingerprint": hex16,
+//                  "payloads": [{"key", "producer_id", "payload_id", "size", "checksum": hex32,
+//                                "mac": hex64 (with a MAC key)}, …]},
+//                 {"version": 8, "base_version": 7, "anchor": false, …}, …],
+//    "mac": hex64 (with a MAC key: HMAC-SHA256 over the index without this field)}
+//
+// Versions are contiguous from the first anchor: each delta's base is the version before it.
+// The *active chain* is the newest anchor and every delta after it; older versions are pruned
+// past a retention, whole chains at a time (a delta is useless without its anchor), never the
+// active one. A receiver bootstraps by replaying the active chain (or only the deltas after the
+// version it holds, when its state fingerprint matches that version's) through a ReceiverSession,
+// so every payload is verified, applied atomically and rolled back on failure, and the final
+// state fingerprint is checked against the index.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "refit/payload.h"
+#include "refit/receiver_session.h"
+#include "refit/status.h"
+#include "refit/weight_store.h"
+
+namespace refit {
+
+/// One payload object of a chain version.
+struct ChainPayload {
+  std::string key;
+  uint32_t producer_id = 0;
+  uint32_t payload_id = 0;
+  uint64_t size = 0;
+  /// XXH3-128 of the whole object.
+  std::array<uint8_t, 16> checksum{};
+  /// HMAC-SHA256 of the whole object under the chain's MAC key, as 64 hex digits; empty
+  /// without a key.
+  std::string mac;
+
+  friend bool operator==(const ChainPayload&, const ChainPayload&) = default;
+};
+
+/// One committed version of a chain.
+struct ChainVersion {
+  uint64_t version = 0;
+  uint64_t base_version = 0;
+  bool anchor = false;
+  TransferId transfer_id;
+  /// StateFingerprint of every tensor's state digest at `version`.
+  uint64_t state_fingerprint = 0;
+  /// In (producer_id, payload_id) order.
+  std::vector<ChainPayload> payloads;
+
+  friend bool operator==(const ChainVersion&, const ChainVersion&) = default;
+};
+
+/// The index object of a chain: its versions, oldest first.
+struct ChainIndex {
+  std::vector<ChainVersion> versions;
+
+  /// The newest anchor's position in `versions`, or versions.size() when there is none.
+  size_t ActiveAnchor() const;
+
+  friend bool operator==(const ChainIndex&, const ChainIndex&) = default;
+};
+
+/// Serialize `index` as the index object's JSON; with a non-empty `mac_key`, append its MAC.
+std::string SerializeChainIndex(const ChainIndex& index, std::string_view mac_key);
+
+/// Parse an index object (untrusted). With a non-empty `mac_key` the index must carry a MAC that
+/// verifies (constant-time compare). `where` names the object in errors.
+/// Errors: DataLoss (malformed JSON, missing or mistyped fields, versions out of order or not
+/// contiguous, a delta before any anchor); PermissionDenied (a missing or wrong MAC).
+Result<ChainIndex> ParseChainIndex(std::string_view text, std::string_view mac_key,
+                                   std::string_view where);
+
+/// Append `version` to `index`. An anchor may follow anything (it restarts the chain); a delta
+/// must be based on the newest version. Errors: FailedPrecondition for a delta that is not.
+Status AppendChainVersion(ChainIndex& index, ChainVersion version);
+
+/// Remove from `index` the versions that retention no longer needs and return them (their
+/// objects are then deleted): every version older than the anchor at or before the
+/// `retain_versions`-th newest version. The active chain is always kept; retain_versions = 0
+/// keeps only it.
+std::vector<ChainVersion> PruneChain(ChainIndex& index, uint64_t retain_versions);
+
+/// Read the index of the chain an s3:// URI names (the same URI the trainer and receivers
+/// use). Errors: NotFound when the chain has no index yet; those of ParseChainIndex and of the
+/// S3 requests; InvalidArgument for a URI that is not s3:// or not valid.
+Result<ChainIndex> ReadChainIndex(std::string_view s3_uri);
+
+/// Options of BootstrapFromChain.
+struct ChainBootstrapOptions {
+  /// The session that replays the chain (its limits bound what a payload may be).
+  ReceiverSessionOptions session;
+  /// How long one version's payloads may take to apply after they are staged.
+  std::chrono::milliseconds version_timeout{std::chrono::minutes(10)};
+  /// Called after each version is committed (for progress reports), with that version.
+  std::function<void(const ChainVersion&)> on_version;
+};
+
+/// What BootstrapFromChain did.
+struct ChainBootstrapReport {
+  /// The store's version before and after.
+  uint64_t start_version = 0;
+  uint64_t final_version = 0;
+  /// The versions replayed (0 when the store already held the newest version), starting with
+  /// an anchor unless the store held a version of the active chain.
+  uint64_t versions_replayed = 0;
+  bool replayed_anchor = false;
+  uint64_t payloads = 0;
+  uint64_t bytes = 0;
+  double seconds = 0;
+};
+
+/// Bring `store` to the newest committed version of the chain `s3_uri` names: replay the active
+/// chain from its anchor, or only the deltas after the store's version when the store holds a
+/// version of the active chain with the recorded state fingerprint. Each payload is downloaded,
+/// its checksum (and MAC, with a key) verified before anything decodes it, then staged, applied
+/// and verified by a ReceiverSession made for the replay; each version's state fingerprint must
+/// match the index. The store must not be in use by another session.
+/// Errors: NotFound (no index, an empty chain, a missing payload object); DataLoss (a checksum,
+/// size or state fingerprint mismatch: the version is rolled back and the store stays at the
+/// last version that verified); PermissionDenied (a missing or wrong MAC); FailedPrecondition
+/// (the store's tensors do not match the chain's, as the session reports); those of the S3
+/// requests.
+Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightStore& store,
+                                                const ChainBootstrapOptions& options = {});
+
+}  // namespace refit

@@ -1,0 +1,568 @@
+// s3://<bucket>[/<prefix>]?endpoint=…: payloads through an object store (upstream's
+// vllm_s3_sparse), for receivers that share no network path with the trainer.
+//
+//   Send:    upload (multipart beyond part_size, bounded parts in flight) → POST the manifest
+//            to every receiver's /v1/manifest (each downloads, verifies the checksum and MAC
+//            before anything decodes it, stages, then answers) → DELETE once all ACKed
+//            (chain=1: keep it for the chain). A failed DELETE is retried at Finish and again
+//            when the transfer ends.
+//   Abort:   every object the transfer stored is deleted, and its unfinished multipart
+//            uploads aborted (TransferAborted); an unfinished sender deletes its own on
+//            destruction.
+//   Commit:  chain=1 appends the version to <prefix>/chain/index.json, written last, then
+//            prunes past the retention (TransferCommitted; see refit/s3_chain.h).
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "refit/digest.h"
+#include "refit/s3_chain.h"
+#include "refit/s3_client.h"
+#include "refit/transport.h"
+#include "transport/s3/s3_layout.h"
+#include "transport/transport_internal.h"
+#include "util/logging.h"
+
+namespace refit::internal {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr long kHttpOk = 200;
+constexpr auto kManifestBackoff = std::chrono::milliseconds(50);
+constexpr auto kMaxManifestBackoff = std::chrono::seconds(1);
+// Error bodies are JSON of a few hundred bytes; a proxy's page is cut to this much.
+constexpr size_t kMaxErrorBodyShown = 512;
+constexpr std::string_view kManifestRoute = "/v1/manifest";
+
+// ---- What a transport instance uploaded, per transfer ----------------------------------------
+
+// Shared by the transport and its senders (which may outlive it): every object stored per
+// transfer (what a chain version lists, what an abort deletes), the live objects whose DELETE
+// failed (retried when the transfer ends), and objects that could not be deleted even then
+// (retried whenever a later transfer ends, e.g. once a store that vanished is back).
+struct UploadLog {
+  std::mutex mutex;
+  std::map<std::string, std::vector<ChainPayload>> uploads;
+  std::map<std::string, std::vector<std::string>> undeleted;
+  std::vector<std::string> orphans;
+
+  void Record(const TransferId& id, ChainPayload payload) {
+    std::lock_guard lock(mutex);
+    std::vector<ChainPayload>& list = uploads[id.ToHex()];
+    // A re-sent payload overwrote the same key with the same bytes.
+    for (const ChainPayload& held : list) {
+      if (held.key == payload.key) return;
+    }
+    list.push_back(std::move(payload));
+  }
+  void RecordUndeleted(const TransferId& id, std::vector<std::string> keys) {
+    if (keys.empty()) return;
+    std::lock_guard lock(mutex);
+    std::vector<std::string>& list = undeleted[id.ToHex()];
+    list.insert(list.end(), keys.begin(), keys.end());
+  }
+  std::vector<ChainPayload> TakeUploads(const TransferId& id) {
+    std::lock_guard lock(mutex);
+    auto node = uploads.extract(id.ToHex());
+    return node.empty() ? std::vector<ChainPayload>{} : std::move(node.mapped());
+  }
+  // The undeleted objects of `id` and every orphan.
+  std::vector<std::string> TakeUndeleted(const TransferId& id) {
+    std::lock_guard lock(mutex);
+    auto node = undeleted.extract(id.ToHex());
+    std::vector<std::string> keys = std::move(orphans);
+    orphans.clear();
+    if (!node.empty()) keys.insert(keys.end(), node.mapped().begin(), node.mapped().end());
+    return keys;
+  }
+  void AddOrphans(const std::vector<std::string>& keys) {
+    std::lock_guard lock(mutex);
+    orphans.insert(orphans.end(), keys.begin(), keys.end());
+  }
+};
+
+// Delete `keys`; return those whose DELETE failed (each logged).
+std::vector<std::string> DeleteObjects(S3Client& client, const std::vector<std::string>& keys) {
+  std::vector<std::string> failed;
+  for (const std::string& key : keys) {
+    Status deleted = client.DeleteObject(key);
+    if (!deleted.ok()) {
+      REFIT_LOG_WARN("s3: could not delete {}: {}", key, deleted.ToString());
+      failed.push_back(key);
+    }
+  }
+  return failed;
+}
+
+// ---- The manifest POST ---------------------------------------------------------------------
+
+Status StatusFromErrorBody(long http_status, const std::string& body, std::string_view url) {
+  Json reply = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (reply.is_object() && reply.contains("code") && reply["code"].is_string() &&
+      reply.contains("message") && reply["message"].is_string()) {
+    const std::string name = reply["code"].get<std::string>();
+    for (int c = static_cast<int>(StatusCode::kInvalidArgument);
+         c <= static_cast<int>(StatusCode::kInternal); ++c) {
+      const auto code = static_cast<StatusCode>(c);
+      if (StatusCodeName(code) == name) {
+        return Status(code,
+                      fmt::format("receiver {}: {}", url, reply["message"].get<std::string>()));
+      }
+    }
+  }
+  const StatusCode code = http_status == 401 || http_status == 403 ? StatusCode::kPermissionDenied
+                          : http_status >= 500                     ? StatusCode::kUnavailable
+                                                                   : StatusCode::kInvalidArgument;
+  return Status(code, fmt::format("receiver {}: HTTP {}: {}", url, http_status,
+                                  Printable(body.substr(0, kMaxErrorBodyShown))));
+}
+
+size_t AppendToString(char* data, size_t size, size_t count, void* out) {
+  static_cast<std::string*>(out)->append(data, size * count);
+  return size * count;
+}
+
+struct CurlEasyDeleter {
+  void operator()(CURL* curl) const { curl_easy_cleanup(curl); }
+};
+using CurlEasy = std::unique_ptr<CURL, CurlEasyDeleter>;
+
+struct CurlListDeleter {
+  void operator()(curl_slist* list) const { curl_slist_free_all(list); }
+};
+
+// POST `manifest` to one receiver's control plane; retry connection errors and 502/503/504 (the
+// receiver deduplicates a repeated payload, so a retry is safe).
+Result<StageResult> PostManifest(const S3TransportConfig& config, const std::string& base_url,
+                                 const std::string& manifest) {
+  std::string url = base_url;
+  while (!url.empty() && url.back() == '/') url.pop_back();
+  url += kManifestRoute;
+  CurlEasy curl(curl_easy_init());
+  if (curl == nullptr) return Internal("curl_easy_init failed");
+  std::unique_ptr<curl_slist, CurlListDeleter> headers;
+  auto add_header = [&headers](const std::string& line) {
+    headers.reset(curl_slist_append(headers.release(), line.c_str()));
+  };
+  add_header("Content-Type: application/json");
+  add_header("Expect:");
+  if (!config.api_key.empty()) add_header("Authorization: Bearer " + config.api_key);
+  std::string body;
+  curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
+  curl_easy_setopt(curl.get(), CURLOPT_POST, 1L);
+  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDS, manifest.data());
+  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE_LARGE,
+                   static_cast<curl_off_t>(manifest.size()));
+  curl_easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers.get());
+  curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
+  curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &body);
+  curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS,
+                   static_cast<long>(config.manifest_timeout.count()));
+  curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+  if (!config.control_ca_cert.empty()) {
+    curl_easy_setopt(curl.get(), CURLOPT_CAINFO, config.control_ca_cert.c_str());
+  }
+  std::chrono::milliseconds backoff = kManifestBackoff;
+  for (int attempt = 0;; ++attempt) {
+    body.clear();
+    const CURLcode code = curl_easy_perform(curl.get());
+    long http_status = 0;
+    curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http_status);
+    Status failure;
+    bool retryable = false;
+    if (code != CURLE_OK) {
+      failure = code == CURLE_OPERATION_TIMEDOUT
+                    ? DeadlineExceeded("receiver {}: no answer to the manifest within {} ms", url,
+                                       config.manifest_timeout.count())
+                    : Unavailable("receiver {}: {}", url, curl_easy_strerror(code));
+      retryable = code != CURLE_OPERATION_TIMEDOUT;
+    } else if (http_status == kHttpOk) {
+      Json reply = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+      if (!reply.is_object() || !reply.contains("result") || !reply["result"].is_string()) {
+        return DataLoss("receiver {}: manifest reply is not the control plane's JSON: {}", url,
+                        Printable(body.substr(0, kMaxErrorBodyShown)));
+      }
+      return reply["result"] == "duplicate" ? StageResult::kDuplicate : StageResult::kAccepted;
+    } else {
+      failure = StatusFromErrorBody(http_status, body, url);
+      retryable = http_status == 502 || http_status == 503 || http_status == 504;
+    }
+    if (!retryable || attempt >= config.manifest_retries) return failure;
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2,
+                       std::chrono::duration_cast<std::chrono::milliseconds>(kMaxManifestBackoff));
+  }
+}
+
+// ---- Sender --------------------------------------------------------------------------------
+
+class S3Sender final : public TransportSender {
+ public:
+  S3Sender(SenderContext context, std::shared_ptr<const S3TransportConfig> config,
+           std::shared_ptr<S3Client> client, std::shared_ptr<UploadLog> log, PayloadLimits limits)
+      : context_(std::move(context)),
+        config_(std::move(config)),
+        client_(std::move(client)),
+        log_(std::move(log)),
+        limits_(limits) {}
+
+  // A stream that failed is not finished: delete what it stored, so an aborted transfer leaves
+  // nothing behind even without a coordinator to tell the transport.
+  ~S3Sender() override {
+    std::lock_guard lock(mutex_);
+    if (finished_) return;
+    std::vector<std::string> keys = std::move(kept_);
+    keys.insert(keys.end(), undeleted_.begin(), undeleted_.end());
+    DeleteObjects(*client_, keys);
+  }
+
+  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
+    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
+    progress_.RecordSent(payload_id);
+    PayloadManifest manifest;
+    manifest.transfer_id = context_.transfer_id;
+    manifest.producer_id = context_.producer_id;
+    manifest.payload_id = payload_id;
+    manifest.key = PayloadObjectKey(*config_, config_->chain, context_.transfer_id,
+                                    context_.producer_id, payload_id);
+    manifest.size = payload.size();
+    manifest.checksum = ObjectChecksum(payload);
+    if (!config_->mac_key.empty()) manifest.mac = MacHex(config_->mac_key, payload);
+
+    REFIT_RETURN_NOT_OK(client_->Upload(manifest.key, payload, config_->transfer));
+    {
+      std::lock_guard lock(mutex_);
+      kept_.push_back(manifest.key);
+    }
+    log_->Record(context_.transfer_id, ChainPayload{.key = manifest.key,
+                                                    .producer_id = manifest.producer_id,
+                                                    .payload_id = manifest.payload_id,
+                                                    .size = manifest.size,
+                                                    .checksum = manifest.checksum,
+                                                    .mac = manifest.mac});
+    REFIT_RETURN_NOT_OK(Announce(manifest));
+    if (!config_->chain) {
+      Status deleted = client_->DeleteObject(manifest.key);
+      std::lock_guard lock(mutex_);
+      std::erase(kept_, manifest.key);
+      if (!deleted.ok()) {
+        REFIT_LOG_WARN(
+            "s3: could not delete {} after every receiver staged it ({}); retrying at "
+            "the end of the stream",
+            manifest.key, deleted.ToString());
+        undeleted_.push_back(manifest.key);
+      }
+    }
+    return Status::OK();
+  }
+
+  Status Finish(uint64_t payloads) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
+    std::lock_guard lock(mutex_);
+    undeleted_ = DeleteObjects(*client_, undeleted_);
+    // Still failing: the transport retries once the transfer is decided.
+    log_->RecordUndeleted(context_.transfer_id, std::move(undeleted_));
+    undeleted_.clear();
+    finished_ = true;
+    progress_.MarkFinished();
+    return Status::OK();
+  }
+
+ private:
+  // POST the manifest to every receiver concurrently; the first failure is Send's error.
+  Status Announce(const PayloadManifest& manifest) {
+    const std::string text = ManifestToJson(manifest);
+    const size_t n = context_.endpoints.size();
+    std::vector<Status> results(n);
+    auto post = [&](size_t r) {
+      Result<StageResult> staged = PostManifest(*config_, context_.endpoints[r], text);
+      results[r] = staged.status();
+    };
+    {
+      std::vector<std::jthread> threads;
+      for (size_t r = 1; r < n; ++r) threads.emplace_back(post, r);
+      post(0);
+    }
+    for (const Status& result : results) REFIT_RETURN_NOT_OK(result);
+    return Status::OK();
+  }
+
+  const SenderContext context_;
+  const std::shared_ptr<const S3TransportConfig> config_;
+  const std::shared_ptr<S3Client> client_;
+  const std::shared_ptr<UploadLog> log_;
+  const PayloadLimits limits_;
+  SenderProgress progress_;
+  std::mutex mutex_;
+  // Objects stored and not deleted (chain objects, or live ones awaiting their ACKs).
+  std::vector<std::string> kept_;
+  // Live objects whose DELETE failed.
+  std::vector<std::string> undeleted_;
+  bool finished_ = false;
+};
+
+// ---- Listener ------------------------------------------------------------------------------
+
+class S3Listener final : public Listener {
+ public:
+  S3Listener(std::string endpoint, std::shared_ptr<const S3TransportConfig> config,
+             std::shared_ptr<S3Client> client, PayloadSink& sink, PayloadLimits limits)
+      : endpoint_(std::move(endpoint)),
+        config_(std::move(config)),
+        client_(std::move(client)),
+        sink_(sink),
+        limits_(limits) {}
+
+  Status Start() override {
+    std::lock_guard lock(mutex_);
+    if (started_ || stopped_) {
+      return FailedPrecondition("s3 listener '{}' was started before", Printable(endpoint_));
+    }
+    started_ = true;
+    return Status::OK();
+  }
+
+  void Stop() override {
+    std::lock_guard lock(mutex_);
+    stopped_ = true;
+  }
+
+  Result<ManifestDelivery> AcceptManifest(std::string_view text, std::stop_token stop) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (!started_ || stopped_) {
+        return Unavailable("s3 listener '{}' is not running", Printable(endpoint_));
+      }
+    }
+    Result<ManifestDelivery> delivered = Deliver(text, std::move(stop));
+    std::lock_guard lock(mutex_);
+    if (delivered.ok()) {
+      ++(delivered->result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
+    } else {
+      ++stats_.failures;
+      stats_.last_error = delivered.status();
+    }
+    return delivered;
+  }
+
+  ListenerStats stats() const override {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+  const std::string& endpoint() const override { return endpoint_; }
+
+ private:
+  Result<ManifestDelivery> Deliver(std::string_view text, std::stop_token stop) {
+    REFIT_ASSIGN_OR_RETURN(const PayloadManifest manifest, ManifestFromJson(text));
+    // Keys derive from ids; a manifest naming any other object (another prefix, another
+    // bucket's layout) is refused before any request is made.
+    bool known_key = false;
+    for (bool chain : {false, true}) {
+      known_key |= manifest.key == PayloadObjectKey(*config_, chain, manifest.transfer_id,
+                                                    manifest.producer_id, manifest.payload_id);
+    }
+    if (!known_key) {
+      return InvalidArgument(
+          "manifest key '{}' is not the object of transfer {} producer {} payload {} under "
+          "s3://{}/{}",
+          Printable(manifest.key), manifest.transfer_id.ToHex(), manifest.producer_id,
+          manifest.payload_id, config_->client.bucket, config_->prefix);
+    }
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload,
+                           FetchVerifiedPayload(*client_, *config_, manifest, limits_));
+    const uint64_t bytes = payload.size();
+    REFIT_ASSIGN_OR_RETURN(const StageResult staged,
+                           sink_.Deliver(std::move(payload), std::move(stop)));
+    return ManifestDelivery{.result = staged, .payload_bytes = bytes};
+  }
+
+  const std::string endpoint_;
+  const std::shared_ptr<const S3TransportConfig> config_;
+  const std::shared_ptr<S3Client> client_;
+  PayloadSink& sink_;
+  const PayloadLimits limits_;
+  mutable std::mutex mutex_;
+  bool started_ = false;
+  bool stopped_ = false;
+  ListenerStats stats_;
+};
+
+// ---- Transport -----------------------------------------------------------------------------
+
+class S3Transport final : public Transport {
+ public:
+  S3Transport(TransportUri uri, std::shared_ptr<const S3TransportConfig> config,
+              std::shared_ptr<S3Client> client, const TransportOptions& options)
+      : Transport(std::move(uri)),
+        config_(std::move(config)),
+        client_(std::move(client)),
+        options_(options),
+        log_(std::make_shared<UploadLog>()) {}
+
+  TransportCapabilities capabilities() const override {
+    TransportCapabilities caps;
+    // Send returns once every receiver downloaded and staged the payload.
+    caps.staged_ack = true;
+    caps.needs_manifest = true;
+    return caps;
+  }
+
+  Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) override {
+    REFIT_RETURN_NOT_OK(CheckSenderContext(uri(), context));
+    for (const std::string& endpoint : context.endpoints) {
+      if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://")) {
+        return InvalidArgument(
+            "transport URI '{}': endpoint '{}' is not a receiver's control-plane URL "
+            "(http(s)://host:port): s3:// announces payloads through the control plane",
+            config_->shown_uri, Printable(endpoint));
+      }
+    }
+    return std::unique_ptr<TransportSender>(
+        std::make_unique<S3Sender>(context, config_, client_, log_, options_.limits));
+  }
+
+  Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
+                                                 PayloadSink& sink) override {
+    if (!context.peers.empty() || !context.bind_address.empty()) {
+      return InvalidArgument(
+          "transport URI '{}': s3:// has no relays and binds nothing (peers and bind_address "
+          "must be empty); manifests arrive through the control plane",
+          config_->shown_uri);
+    }
+    return std::unique_ptr<Listener>(
+        std::make_unique<S3Listener>(context.endpoint, config_, client_, sink, options_.limits));
+  }
+
+  bool NeedsAnchor(uint64_t base_version) override {
+    if (!config_->chain) return false;
+    std::lock_guard lock(chain_mutex_);
+    Status loaded = LoadChainIndex();
+    if (!loaded.ok()) {
+      REFIT_LOG_WARN("s3 chain: cannot read its index ({}); the next transfer is an anchor",
+                     loaded.ToString());
+      return true;
+    }
+    // A delta extends the chain only from the version it holds last.
+    return chain_->versions.empty() || chain_->versions.back().version != base_version;
+  }
+
+  Status TransferCommitted(const TransferPlan& plan,
+                           const std::map<std::string, uint64_t>& digests) override {
+    std::vector<ChainPayload> uploads = log_->TakeUploads(plan.transfer_id);
+    log_->AddOrphans(DeleteObjects(*client_, log_->TakeUndeleted(plan.transfer_id)));
+    if (!config_->chain) return Status::OK();
+    std::sort(uploads.begin(), uploads.end(), [](const ChainPayload& a, const ChainPayload& b) {
+      return std::pair(a.producer_id, a.payload_id) < std::pair(b.producer_id, b.payload_id);
+    });
+    ChainVersion version{.version = plan.target_version,
+                         .base_version = plan.base_version,
+                         .anchor = plan.anchor,
+                         .transfer_id = plan.transfer_id,
+                         .state_fingerprint = StateFingerprint(digests),
+                         .payloads = std::move(uploads)};
+    std::lock_guard lock(chain_mutex_);
+    return PublishChainVersion(std::move(version));
+  }
+
+  void TransferAborted(const TransferId& id) override {
+    std::vector<std::string> keys = log_->TakeUndeleted(id);
+    for (const ChainPayload& payload : log_->TakeUploads(id)) keys.push_back(payload.key);
+    log_->AddOrphans(DeleteObjects(*client_, keys));
+    // Parts of an upload that was cut short (a crash between parts) are stored, invisible and
+    // billed, until aborted.
+    for (bool chain : {false, true}) {
+      Result<std::vector<S3MultipartUpload>> open =
+          client_->ListMultipartUploads(TransferObjectPrefix(*config_, chain, id));
+      if (!open.ok()) continue;
+      for (const S3MultipartUpload& upload : *open) {
+        client_->AbortMultipartUpload(upload.key, upload.upload_id).IgnoreError();
+      }
+    }
+  }
+
+ private:
+  Status LoadChainIndex() {
+    if (chain_.has_value()) return Status::OK();
+    Result<std::vector<std::byte>> text = client_->GetObject(ChainIndexKey(*config_));
+    if (!text.ok() && text.status().code() == StatusCode::kNotFound) {
+      chain_ = ChainIndex{};
+      return Status::OK();
+    }
+    REFIT_RETURN_NOT_OK(text.status());
+    REFIT_ASSIGN_OR_RETURN(
+        ChainIndex index,
+        ParseChainIndex(std::string_view(reinterpret_cast<const char*>(text->data()), text->size()),
+                        config_->mac_key, ChainIndexKey(*config_)));
+    chain_ = std::move(index);
+    return Status::OK();
+  }
+
+  // Append `version`, write the index (the version becomes visible), then prune.
+  Status PublishChainVersion(ChainVersion version) {
+    REFIT_RETURN_NOT_OK(LoadChainIndex());
+    ChainIndex next = *chain_;
+    const std::vector<std::string> keys = [&] {
+      std::vector<std::string> list;
+      for (const ChainPayload& p : version.payloads) list.push_back(p.key);
+      return list;
+    }();
+    Status appended = AppendChainVersion(next, std::move(version));
+    if (!appended.ok()) {
+      // A delta the chain cannot use: drop its objects; NeedsAnchor asks for an anchor next.
+      log_->AddOrphans(DeleteObjects(*client_, keys));
+      return appended;
+    }
+    std::vector<ChainVersion> pruned = PruneChain(next, config_->retain_versions);
+    const std::string text = SerializeChainIndex(next, config_->mac_key);
+    Status written =
+        client_->PutObject(ChainIndexKey(*config_),
+                           std::span(reinterpret_cast<const std::byte*>(text.data()), text.size()));
+    if (!written.ok()) {
+      // Unknown whether the index changed: read it again before the next append.
+      chain_.reset();
+      return written.WithContext("writing the chain index");
+    }
+    chain_ = std::move(next);
+    // Pruned objects go only after the index stops naming them.
+    for (const ChainVersion& old : pruned) {
+      std::vector<std::string> old_keys;
+      for (const ChainPayload& p : old.payloads) old_keys.push_back(p.key);
+      log_->AddOrphans(DeleteObjects(*client_, old_keys));
+    }
+    return Status::OK();
+  }
+
+  const std::shared_ptr<const S3TransportConfig> config_;
+  const std::shared_ptr<S3Client> client_;
+  const TransportOptions options_;
+  const std::shared_ptr<UploadLog> log_;
+  std::mutex chain_mutex_;
+  // The chain's index as last read or written; empty until needed, or after a failed write.
+  std::optional<ChainIndex> chain_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> MakeS3Transport(const TransportUri& uri,
+                                                   const TransportOptions& options) {
+  REFIT_ASSIGN_OR_RETURN(S3TransportConfig config, ParseS3TransportUri(uri));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<S3Client> client, S3Client::Make(config.client));
+  return std::unique_ptr<Transport>(std::make_unique<S3Transport>(
+      uri, std::make_shared<const S3TransportConfig>(std::move(config)),
+      std::shared_ptr<S3Client>(std::move(client)), options));
+}
+
+}  // namespace refit::internal
