@@ -79,6 +79,8 @@ struct FleetOptions {
   /// Export chunk and payload bucket targets.
   uint64_t chunk_bytes = kFleetChunkBytes;
   uint64_t bucket_bytes = 4 << 10;
+  /// Told of each transfer's outcome; null: the senders' transport, as in `refit push`.
+  TransferObserver* observer = nullptr;
 };
 
 /// One receiver: what `refit serve` holds.
@@ -277,7 +279,7 @@ class Fleet {
       receivers.push_back({fmt::format("receiver {}", r), receivers_[r].control()});
     }
     CoordinatorOptions options;
-    options.observer = sender_transport_.get();
+    options.observer = options_.observer != nullptr ? options_.observer : sender_transport_.get();
     options.stream.chunk_bytes = options_.chunk_bytes;
     options.stream.bucket_bytes = options_.bucket_bytes;
     options.stream.encode_threads = 2;

@@ -5,7 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "fleet.h"
 #include "test_util.h"
@@ -143,6 +146,65 @@ TEST(CoordinatorTest, ACorruptPayloadRollsEveryReceiverBackAndTheRetrySucceeds) 
   EXPECT_EQ(retry.plan.base_version, 1u);
   fleet.ExpectReceiversHold(fleet.ModelSnapshot(2));
   fleet.ExpectTrackersAt(2);
+}
+
+// Records what the coordinator tells it, and asks for an anchor from chosen base versions.
+class RecordingObserver final : public TransferObserver {
+ public:
+  bool NeedsAnchor(uint64_t base_version) override {
+    asked.push_back(base_version);
+    return anchor_from.count(base_version) > 0;
+  }
+  Status TransferCommitted(const TransferPlan& plan,
+                           const std::map<std::string, uint64_t>& digests) override {
+    committed.push_back(plan);
+    last_digests = digests;
+    return fail_commit ? IoError("the chain index could not be written") : Status::OK();
+  }
+  void TransferAborted(const TransferId& id) override { aborted.push_back(id); }
+
+  std::set<uint64_t> anchor_from;
+  bool fail_commit = false;
+  std::vector<uint64_t> asked;
+  std::vector<TransferPlan> committed;
+  std::vector<TransferId> aborted;
+  std::map<std::string, uint64_t> last_digests;
+};
+
+TEST(CoordinatorTest, TheObserverLearnsEveryOutcomeAndMayAskForAnAnchor) {
+  RecordingObserver observer;
+  observer.anchor_from = {1};
+  FleetOptions options = InprocOptions("observer");
+  options.observer = &observer;
+  Fleet fleet(options);
+  ASSERT_NO_FATAL_FAILURE(fleet.Start());
+
+  fleet.TrainStep(0.03, 1);
+  ASSERT_OK_AND_ASSIGN(RefitReport first, fleet.Refit());
+  EXPECT_FALSE(first.plan.anchor);
+  fleet.TrainStep(0.03, 2);
+  ASSERT_OK_AND_ASSIGN(RefitReport second, fleet.Refit());
+  EXPECT_TRUE(second.plan.anchor) << "the observer asked for an anchor from version 1";
+  EXPECT_EQ(observer.asked, (std::vector<uint64_t>{0, 1}));
+  ASSERT_EQ(observer.committed.size(), 2u);
+  EXPECT_EQ(observer.committed[1].transfer_id, second.plan.transfer_id);
+  EXPECT_TRUE(observer.committed[1].anchor);
+  // The digests it is given are the fleet's state at the target version.
+  EXPECT_EQ(observer.last_digests, second.receivers[0].flush.digests);
+  EXPECT_TRUE(observer.aborted.empty());
+
+  // A failure is reported as an abort; a failing TransferCommitted does not undo a commit.
+  fleet.TrainStep(0.03, 3);
+  ASSERT_NO_FATAL_FAILURE(fleet.SetSenderTransport("fault+inproc://observer?seed=1&corrupt=1"));
+  Result<RefitReport> failed = fleet.Refit();
+  ASSERT_FALSE(failed.ok());
+  ASSERT_EQ(observer.aborted.size(), 1u);
+  EXPECT_EQ(observer.committed.size(), 2u);
+  ASSERT_NO_FATAL_FAILURE(fleet.SetSenderTransport("inproc://observer"));
+  observer.fail_commit = true;
+  ASSERT_OK(fleet.Refit().status());
+  fleet.ExpectReceiversHold(fleet.ModelSnapshot(3));
+  fleet.ExpectTrackersAt(3);
 }
 
 TEST(CoordinatorTest, AFailingSourceAbortsAndNamesTheProducer) {
