@@ -75,14 +75,15 @@
 //     transfer's objects and unfinished multipart uploads are deleted; with chain=1 committed
 //     payloads are kept under <prefix>/chain/ and each committed version is added to the chain
 //     index last (refit/s3_chain.h; `refit serve --bootstrap`), a transfer that cannot extend the
-//     chain is made an anchor (NeedsAnchor), and versions older than the active chain and the
-//     newest `retain` are pruned. mac_key_env: HMAC-SHA256 under that shared secret over each
-//     payload and the chain index; receivers then refuse anything without a valid MAC
-//     (PermissionDenied). Credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-//     AWS_SESSION_TOKEN (or the variables named), region AWS_REGION or us-east-1; an endpoint
-//     (e.g. a local server) defaults to path addressing, AWS to virtual-host. api_key_env: the
-//     control planes' key, sent with each manifest. timeout_ms bounds one manifest POST (default
-//     120000); retries applies to S3 requests and manifest POSTs (default 5).
+//     chain is made an anchor (NeedsAnchor), an anchor not newer than the chain (a restarted run)
+//     replaces it, and versions older than the active chain and the newest `retain` are pruned.
+//     mac_key_env: HMAC-SHA256 under that shared secret over each payload and the chain index;
+//     receivers then refuse anything without a valid MAC (PermissionDenied). Credentials:
+//     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN (or the variables named), region
+//     AWS_REGION or us-east-1; an endpoint (e.g. a local server) defaults to path addressing, AWS
+//     to virtual-host. api_key_env: the control planes' key, sent with each manifest. timeout_ms
+//     bounds one manifest POST (default 120000); retries applies to S3 requests and manifest POSTs
+//     (default 5).
 //
 //   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
 //                            &corrupt=p&disconnect_after=N[&<inner parameters>]

@@ -248,11 +248,16 @@ Status RunServe(const ServeSettings& settings) {
     Result<ChainBootstrapReport> caught_up =
         BootstrapFromChain(settings.bootstrap_uri, *store, bootstrap);
     if (!caught_up.ok()) return caught_up.status().WithContext("serve: --bootstrap");
-    ServeLogger().info(
-        "serve: bootstrap: version {} → {}: {} version(s){}, {} payloads, {:.1f} MiB in {:.2f} s",
-        caught_up->start_version, caught_up->final_version, caught_up->versions_replayed,
-        caught_up->replayed_anchor ? " from the anchor" : "", caught_up->payloads,
+    std::printf(
+        "refit serve: bootstrap: version %llu -> %llu: %llu version(s) replayed%s, %llu payloads, "
+        "%.1f MiB in %.2f s\n",
+        static_cast<unsigned long long>(caught_up->start_version),
+        static_cast<unsigned long long>(caught_up->final_version),
+        static_cast<unsigned long long>(caught_up->versions_replayed),
+        caught_up->replayed_anchor ? " from the anchor" : "",
+        static_cast<unsigned long long>(caught_up->payloads),
         static_cast<double>(caught_up->bytes) / (1 << 20), caught_up->seconds);
+    std::fflush(stdout);
     version = store->version();
   }
   Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(session_options, *store);

@@ -460,6 +460,41 @@ TEST_F(S3TransportTest, PruningKeepsTheActiveChainOnly) {
   EXPECT_EQ(testing::TakeSnapshot(*late), fleet->ModelSnapshot(5));
 }
 
+TEST_F(S3TransportTest, ARestartedRunStartsANewChainUnderTheSamePrefix) {
+  const std::string uri = Uri("restart", "&chain=1");
+  {
+    std::unique_ptr<Fleet> first_run = StartFleet(uri, /*receivers=*/1);
+    for (uint64_t step = 1; step <= 3; ++step) {
+      first_run->TrainStep(0.03, step);
+      ASSERT_OK(first_run->Refit().status());
+    }
+  }
+  ASSERT_OK_AND_ASSIGN(const ChainIndex old_index, ReadChainIndex(uri));
+  ASSERT_EQ(old_index.versions.back().version, 3u);
+
+  // A new run from version 0 (another seed: other weights) under the same prefix.
+  auto second_run = std::make_unique<Fleet>(FleetOptions{
+      .receivers = 1, .producers = 2, .transport = uri, .http_control = true, .seed = 1234});
+  ASSERT_NO_FATAL_FAILURE(second_run->Start());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    second_run->TrainStep(0.03, step);
+    ASSERT_OK_AND_ASSIGN(RefitReport report, second_run->Refit());
+    EXPECT_EQ(report.plan.anchor, step == 1);
+  }
+  ASSERT_OK_AND_ASSIGN(const ChainIndex index, ReadChainIndex(uri));
+  ASSERT_EQ(index.versions.size(), 2u);
+  EXPECT_EQ(index.versions[0].version, 1u);
+  EXPECT_NE(index.versions[0].transfer_id, old_index.versions[0].transfer_id);
+  // The old run's objects are gone; only the new chain and its index remain.
+  size_t kept_objects = 1;
+  for (const ChainVersion& v : index.versions) kept_objects += v.payloads.size();
+  EXPECT_EQ(Keys("restart/").size(), kept_objects);
+  std::unique_ptr<WeightStore> late = WeightStore::Make();
+  for (const OwnedTensor& t : testing::FleetModel(5)) ASSERT_OK(late->AddCopy(t.view()));
+  ASSERT_OK(BootstrapFromChain(uri, *late).status());
+  EXPECT_EQ(testing::TakeSnapshot(*late), second_run->ModelSnapshot(2));
+}
+
 TEST_F(S3TransportTest, AForgedOrCorruptedChainIsRefusedAndTheStoreKept) {
   const std::string mac_key = "a shared secret of the trainer and the fleet";
   ::setenv("REFIT_TEST_MAC_KEY", mac_key.c_str(), 1);

@@ -14,6 +14,7 @@
 #include <curl/curl.h>
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -514,6 +515,18 @@ class S3Transport final : public Transport {
   Status PublishChainVersion(ChainVersion version) {
     REFIT_RETURN_NOT_OK(LoadChainIndex());
     ChainIndex next = *chain_;
+    std::vector<ChainVersion> replaced;
+    if (version.anchor && !next.versions.empty() &&
+        version.version <= next.versions.back().version) {
+      // The trainer went back (a restarted run under the same prefix): its anchor starts a new
+      // lineage, and the old one, whose versions collide with it, goes.
+      REFIT_LOG_WARN(
+          "s3 chain {}: anchor version {} is not newer than the chain's {}; a new "
+          "chain replaces the old one",
+          ChainIndexKey(*config_), version.version, next.versions.back().version);
+      replaced = std::move(next.versions);
+      next.versions.clear();
+    }
     const std::vector<std::string> keys = [&] {
       std::vector<std::string> list;
       for (const ChainPayload& p : version.payloads) list.push_back(p.key);
@@ -526,6 +539,8 @@ class S3Transport final : public Transport {
       return appended;
     }
     std::vector<ChainVersion> pruned = PruneChain(next, config_->retain_versions);
+    pruned.insert(pruned.end(), std::make_move_iterator(replaced.begin()),
+                  std::make_move_iterator(replaced.end()));
     const std::string text = SerializeChainIndex(next, config_->mac_key);
     Status written =
         client_->PutObject(ChainIndexKey(*config_),
