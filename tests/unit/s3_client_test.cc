@@ -29,7 +29,8 @@
 
 #include "refit/sigv4.h"
 #include "test_util.h"
-#include "transport/s3/s3_client_internal.h"
+#include "transport/s3/s3_request.h"
+#include "transport/s3/s3_xml.h"
 
 namespace refit {
 namespace {

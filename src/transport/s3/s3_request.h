@@ -1,10 +1,11 @@
-// The pure parts of S3Client, exposed for unit tests: endpoint parsing, URL and Host building,
-// S3's error classification, retry backoff, and the small XML reader the replies need.
-// Implemented in s3_client.cc.
+// The pure parts of an S3 request, apart from libcurl so that unit tests reach them directly:
+// where a request goes (endpoint parsing, bucket and key rules, percent-encoding, URL and Host
+// for path-style or virtual-host addressing) and what a failed reply means (S3's error codes as
+// StatusCodes, which failures are worth repeating, the backoff ceiling between tries).
+// S3Client (s3_client.cc) builds every request and judges every reply with these.
 #pragma once
 
 #include <chrono>
-#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -79,28 +80,5 @@ StatusCode S3ErrorStatusCode(long http_status, std::string_view s3_code);
 /// min(cap, base · 2^retry), without overflow.
 std::chrono::milliseconds BackoffCeiling(std::chrono::milliseconds base,
                                          std::chrono::milliseconds cap, int retry);
-
-/// One element of a parsed XML document. Names are local names (a "prefix:" is dropped);
-/// attributes are skipped: S3 replies carry nothing we need in them.
-struct XmlElement {
-  std::string name;
-  /// The character data directly inside the element (entities decoded, CDATA included).
-  std::string text;
-  std::vector<XmlElement> children;
-
-  /// The first child named `child_name`, or nullptr.
-  const XmlElement* Child(std::string_view child_name) const;
-  /// The text of the first child named `child_name`, or nullptr when there is none.
-  const std::string* ChildText(std::string_view child_name) const;
-};
-
-/// Parse a whole XML document (a small non-validating subset: declaration, comments,
-/// processing instructions, elements, attributes, character data, CDATA, the five predefined
-/// entities and numeric character references). Errors: DataLoss describing the first defect
-/// and its offset; a DOCTYPE is refused (S3 never sends one, and it could declare entities).
-Result<XmlElement> ParseXml(std::string_view document);
-
-/// Escape `text` for XML character data.
-std::string XmlEscape(std::string_view text);
 
 }  // namespace refit::internal
