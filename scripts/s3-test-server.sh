@@ -22,6 +22,9 @@
 #     130 MB RSS together. Past the cap the OSD marks itself full and, as Ceph is designed to,
 #     writes then block (the client sees a timeout, not an error): raise the cap for large
 #     benchmarks. Data does not survive stop.
+#   - RGW garbage collection every 5 s with no grace period: a deleted object's data is otherwise
+#     kept for 2 hours, and a benchmark that uploads and deletes a few GiB fills the memstore,
+#     after which every write blocks.
 #   - Pool size 1 and small PG counts: one OSD cannot hold replicas, and the default PG count
 #     would exceed the per-OSD limit once RGW creates its half-dozen pools.
 #   - "mon data avail crit = 0": otherwise the monitor shuts itself down when the disk holding
@@ -251,6 +254,9 @@ rgw frontends = beast endpoint=127.0.0.1:${PORT}
 rgw data = ${ROOT}/rgw
 rgw dns name = localhost
 rgw thread pool size = 64
+rgw gc obj min wait = 0
+rgw gc processor period = 5
+rgw gc processor max time = 5
 EOC
 }
 
