@@ -99,7 +99,8 @@ std::vector<std::string> DeleteObjects(S3Client& client, const std::vector<std::
   std::vector<std::string> failed;
   for (const std::string& key : keys) {
     Status deleted = client.DeleteObject(key);
-    if (!deleted.ok()) {
+    // A bucket deleted meanwhile holds the object no more either.
+    if (!deleted.ok() && deleted.code() != StatusCode::kNotFound) {
       REFIT_LOG_WARN("s3: could not delete {}: {}", key, deleted.ToString());
       failed.push_back(key);
     }
