@@ -27,6 +27,7 @@
 #include "refit/coordinator.h"
 #include "refit/pipeline.h"
 #include "refit/receiver_session.h"
+#include "refit/s3_chain.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
@@ -81,6 +82,9 @@ struct FleetOptions {
   uint64_t bucket_bytes = 4 << 10;
   /// Told of each transfer's outcome; null: the senders' transport, as in `refit push`.
   TransferObserver* observer = nullptr;
+  /// An s3:// chain receivers catch up from when a prepare finds them behind (as `refit serve
+  /// --bootstrap` does); empty: none.
+  std::string catch_up_chain = {};
 };
 
 /// One receiver: what `refit serve` holds.
@@ -159,6 +163,11 @@ class Fleet {
                                  node.listener->AcceptManifest(manifest, std::move(stop)));
           return StagedManifest{.result = delivered.result,
                                 .payload_bytes = delivered.payload_bytes};
+        };
+      }
+      if (!options_.catch_up_chain.empty()) {
+        server_options.catch_up = [&node, uri = options_.catch_up_chain](uint64_t base_version) {
+          return CatchUpFromChain(uri, *node.session, *node.store, base_version).status();
         };
       }
       ASSERT_OK_AND_ASSIGN(node.server,

@@ -90,6 +90,11 @@ struct ControlServerOptions {
   /// payloads through the control plane (s3://; Listener::AcceptManifest). Null: the route
   /// answers 409, naming the reason. Each call holds a worker thread while it downloads.
   ManifestHandler manifest_handler;
+  /// Called by POST /v1/prepare, before the session sees it, when the session is idle at a
+  /// version below the request's base: a receiver that fell behind catches up to `base_version`
+  /// (`refit serve --bootstrap`: CatchUpFromChain) and is then prepared like the others. An error
+  /// fails the prepare with it. Null: such a prepare is refused by version fencing.
+  std::function<Status(uint64_t base_version)> catch_up;
 };
 
 /// Serves the control plane of one receiver over HTTP(S), on its own threads.

@@ -19,7 +19,9 @@
 // active one. A receiver bootstraps by replaying the active chain (or only the deltas after the
 // version it holds, when its state fingerprint matches that version's) through a ReceiverSession,
 // so every payload is verified, applied atomically and rolled back on failure, and the final
-// state fingerprint is checked against the index.
+// state fingerprint is checked against the index. A live receiver that fell behind replays the
+// deltas it missed through its own session (CatchUpFromChain), as `refit serve --bootstrap` does
+// when a prepare finds it behind.
 #pragma once
 
 #include <array>
@@ -138,5 +140,17 @@ struct ChainBootstrapReport {
 /// requests.
 Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightStore& store,
                                                 const ChainBootstrapOptions& options = {});
+
+/// Bring a live receiver that fell behind to `target_version` by replaying, through its own
+/// `session`, the chain's deltas after the version it holds (which must be a version of the
+/// active chain with the recorded state fingerprint; `store` is the session's store, read for
+/// its digests). Every payload and version is verified as by BootstrapFromChain. The session
+/// must be idle, and nothing else may drive it meanwhile.
+/// Errors: FailedPrecondition (a transfer is open; the receiver's state is not a version of the
+/// active chain: restart it with --bootstrap); NotFound (the chain does not reach
+/// target_version yet); those of BootstrapFromChain.
+Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverSession& session,
+                                              const WeightStore& store, uint64_t target_version,
+                                              const ChainBootstrapOptions& options = {});
 
 }  // namespace refit

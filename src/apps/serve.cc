@@ -294,6 +294,22 @@ Status RunServe(const ServeSettings& settings) {
   control_options.tls_cert_path = settings.tls_cert_path;
   control_options.tls_key_path = settings.tls_key_path;
   control_options.max_request_bytes = settings.max_payload_bytes;
+  if (!settings.bootstrap_uri.empty()) {
+    // Fallen behind (the fleet moved on while this receiver was cut off): replay the chain's
+    // deltas through the live session, then take the prepare.
+    control_options.catch_up = [&settings, &session, &store,
+                                session_options](uint64_t base_version) -> Status {
+      ChainBootstrapOptions catch_up;
+      catch_up.session = session_options;
+      REFIT_ASSIGN_OR_RETURN(
+          const ChainBootstrapReport report,
+          CatchUpFromChain(settings.bootstrap_uri, *session, *store, base_version, catch_up));
+      ServeLogger().info("serve: caught up from version {} to {}: {} version(s), {} payloads",
+                         report.start_version, report.final_version, report.versions_replayed,
+                         report.payloads);
+      return Status::OK();
+    };
+  }
   if (caps.needs_manifest) {
     control_options.manifest_handler = [&listener](std::string_view manifest,
                                                    std::stop_token stop) -> Result<StagedManifest> {
@@ -462,7 +478,9 @@ void RegisterServe(CLI::App& app, Status* result) {
   cmd->add_option("--bootstrap", settings->bootstrap_uri,
                   "Before serving, catch up from the versioned chain at this s3:// URI (the "
                   "trainer's transport URI with chain=1): replay its newest anchor and deltas, "
-                  "verifying each version's state fingerprint");
+                  "verifying each version's state fingerprint; later, when a transfer is "
+                  "prepared from a newer version than this receiver holds, replay the deltas "
+                  "it missed first");
   cmd->add_option("--ready-file", settings->ready_file,
                   "Write {pid, control_url, data_endpoint, version, tensors} as JSON here once "
                   "both planes listen; removed at a clean shutdown");

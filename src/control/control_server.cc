@@ -311,6 +311,14 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
   REFIT_ASSIGN_OR_RETURN(request.base_version, body.Uint("base_version"));
   REFIT_ASSIGN_OR_RETURN(request.expected, internal::GetExpectation(body));
   std::unique_lock lock(store_access);
+  if (options.catch_up) {
+    const ReceiverStatus now = session.GetStatus();
+    if (now.state == ReceiverState::kIdle && request.base_version > now.version) {
+      REFIT_RETURN_NOT_OK(options.catch_up(request.base_version)
+                              .WithContext(fmt::format("catching up from version {} to {}",
+                                                       now.version, request.base_version)));
+    }
+  }
   REFIT_ASSIGN_OR_RETURN(const PrepareResult prepared, session.Prepare(request));
   if (prepared.implied_commit.has_value()) metrics->RecordCommitted();
   if (!prepared.repeated) metrics->RecordPrepared(request.transfer_id);

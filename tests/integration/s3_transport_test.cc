@@ -436,6 +436,37 @@ TEST_F(S3TransportTest, ALateReceiverBootstrapsFromTheChainAndJoins) {
   EXPECT_EQ(current.versions_replayed, 0u);
 }
 
+TEST_F(S3TransportTest, AReceiverThatFellBehindCatchesUpFromTheChainAtPrepare) {
+  const std::string uri = Uri("behind", "&chain=1");
+  auto fleet = std::make_unique<Fleet>(FleetOptions{.receivers = 2,
+                                                    .producers = 2,
+                                                    .transport = uri,
+                                                    .http_control = true,
+                                                    .catch_up_chain = uri});
+  ASSERT_NO_FATAL_FAILURE(fleet->Start());
+  fleet->TrainStep(0.03, 1);
+  ASSERT_OK(fleet->Refit().status());
+  const std::vector<OwnedTensor> at_one = fleet->model();
+  for (uint64_t step = 2; step <= 3; ++step) {
+    fleet->TrainStep(0.03, step);
+    ASSERT_OK(fleet->Refit().status());
+  }
+  // Receiver 1 comes back from version 1 (it was cut off for two transfers).
+  ASSERT_NO_FATAL_FAILURE(fleet->RestartReceiver(1, 1, at_one));
+  fleet->TrainStep(0.03, 4);
+  ASSERT_OK_AND_ASSIGN(RefitReport report, fleet->Refit());
+  EXPECT_FALSE(report.plan.anchor);
+  fleet->ExpectReceiversHold(fleet->ModelSnapshot(4));
+
+  // One that holds no version of the chain cannot catch up: the transfer aborts, naming why.
+  ASSERT_NO_FATAL_FAILURE(fleet->RestartReceiver(1, 1, testing::FleetModel(77)));
+  fleet->TrainStep(0.03, 5);
+  Result<RefitReport> refused = fleet->Refit();
+  EXPECT_STATUS(FailedPrecondition, refused);
+  EXPECT_NE(refused.status().message().find("--bootstrap"), std::string::npos)
+      << refused.status().ToString();
+}
+
 TEST_F(S3TransportTest, PruningKeepsTheActiveChainOnly) {
   const std::string uri = Uri("prune", "&chain=1");
   std::unique_ptr<Fleet> fleet = StartFleet(uri, /*receivers=*/1);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -380,6 +381,55 @@ Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightS
     }
   }
   report.final_version = store.version();
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
+Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverSession& session,
+                                              const WeightStore& store, uint64_t target_version,
+                                              const ChainBootstrapOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(auto chain, OpenChain(s3_uri));
+  const internal::S3TransportConfig& config = chain.first;
+  S3Client& client = *chain.second;
+  REFIT_ASSIGN_OR_RETURN(const ChainIndex index, ReadIndex(config, client));
+  const std::string where = fmt::format("chain s3://{}/{}", config.client.bucket, config.prefix);
+  const ReceiverStatus status = session.GetStatus();
+  if (status.state != ReceiverState::kIdle) {
+    return FailedPrecondition("{}: cannot catch up while transfer {} is {}", where,
+                              status.transfer_id.value_or(TransferId{}).ToHex(),
+                              ReceiverStateName(status.state));
+  }
+  // Only deltas can be replayed into a live session: it must provably hold a version of the
+  // active chain (an anchor would need the store reset, which only a bootstrap at start does).
+  const size_t anchor = index.ActiveAnchor();
+  const uint64_t fingerprint = StateFingerprint(store.Digests());
+  std::optional<size_t> held;
+  for (size_t i = anchor; i < index.versions.size(); ++i) {
+    if (index.versions[i].version == status.version &&
+        index.versions[i].state_fingerprint == fingerprint) {
+      held = i;
+    }
+  }
+  if (!held.has_value()) {
+    return FailedPrecondition(
+        "{}: this receiver's version {} (state fingerprint {}) is not a version of the active "
+        "chain; restart it with --bootstrap to replay from the anchor",
+        where, status.version, DigestHex(fingerprint));
+  }
+  if (index.versions.back().version < target_version) {
+    return NotFound("{}: its newest version is {}, not {} yet", where,
+                    index.versions.back().version, target_version);
+  }
+  ChainBootstrapReport report;
+  report.start_version = status.version;
+  for (size_t i = *held + 1; i < index.versions.size(); ++i) {
+    if (index.versions[i].version > target_version) break;
+    REFIT_RETURN_NOT_OK(ReplayVersion(index.versions[i], config, client, session, options, report));
+    ++report.versions_replayed;
+    if (options.on_version) options.on_version(index.versions[i]);
+  }
+  report.final_version = session.GetStatus().version;
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return report;
 }

@@ -6,9 +6,10 @@
 //            before anything decodes it, stages, then answers) → DELETE once all ACKed
 //            (chain=1: keep it for the chain). A failed DELETE is retried at Finish and again
 //            when the transfer ends.
-//   Abort:   every object the transfer stored is deleted, and its unfinished multipart
-//            uploads aborted (TransferAborted); an unfinished sender deletes its own on
-//            destruction.
+//   Abort:   every object under the transfer's key prefixes is deleted and its unfinished
+//            multipart uploads aborted (TransferAborted), also uploads the store completed after
+//            their sender gave up; what cannot be reached now is swept when a later transfer
+//            ends. An unfinished sender deletes what it stored on destruction.
 //   Commit:  chain=1 appends the version to <prefix>/chain/index.json, written last, then
 //            prunes past the retention (TransferCommitted; see refit/s3_chain.h).
 #include <curl/curl.h>
@@ -58,6 +59,8 @@ struct UploadLog {
   std::map<std::string, std::vector<ChainPayload>> uploads;
   std::map<std::string, std::vector<std::string>> undeleted;
   std::vector<std::string> orphans;
+  // Key prefixes of aborted transfers that could not be swept yet (the store was unreachable).
+  std::vector<std::string> unswept;
 
   void Record(const TransferId& id, ChainPayload payload) {
     std::lock_guard lock(mutex);
@@ -92,6 +95,14 @@ struct UploadLog {
     std::lock_guard lock(mutex);
     orphans.insert(orphans.end(), keys.begin(), keys.end());
   }
+  std::vector<std::string> TakeUnswept() {
+    std::lock_guard lock(mutex);
+    return std::exchange(unswept, {});
+  }
+  void AddUnswept(const std::vector<std::string>& prefixes) {
+    std::lock_guard lock(mutex);
+    unswept.insert(unswept.end(), prefixes.begin(), prefixes.end());
+  }
 };
 
 // Delete `keys`; return those whose DELETE failed (each logged).
@@ -104,6 +115,31 @@ std::vector<std::string> DeleteObjects(S3Client& client, const std::vector<std::
       REFIT_LOG_WARN("s3: could not delete {}: {}", key, deleted.ToString());
       failed.push_back(key);
     }
+  }
+  return failed;
+}
+
+// Delete every object and abort every unfinished multipart upload under each of `prefixes` (an
+// aborted transfer's): this also catches an upload the store completed after its client gave up,
+// which no sender recorded. Return the prefixes that could not be swept.
+std::vector<std::string> SweepPrefixes(S3Client& client, const std::vector<std::string>& prefixes) {
+  std::vector<std::string> failed;
+  for (const std::string& prefix : prefixes) {
+    Result<std::vector<S3ObjectInfo>> objects = client.ListObjects(prefix);
+    Result<std::vector<S3MultipartUpload>> uploads = client.ListMultipartUploads(prefix);
+    if (!objects.ok() || !uploads.ok()) {
+      failed.push_back(prefix);
+      continue;
+    }
+    std::vector<std::string> keys;
+    for (const S3ObjectInfo& object : *objects) keys.push_back(object.key);
+    bool swept = DeleteObjects(client, keys).empty();
+    // Parts of an upload cut short are stored, invisible and billed, until aborted.
+    for (const S3MultipartUpload& upload : *uploads) {
+      Status aborted = client.AbortMultipartUpload(upload.key, upload.upload_id);
+      swept &= aborted.ok() || aborted.code() == StatusCode::kNotFound;
+    }
+    if (!swept) failed.push_back(prefix);
   }
   return failed;
 }
@@ -465,6 +501,7 @@ class S3Transport final : public Transport {
                            const std::map<std::string, uint64_t>& digests) override {
     std::vector<ChainPayload> uploads = log_->TakeUploads(plan.transfer_id);
     log_->AddOrphans(DeleteObjects(*client_, log_->TakeUndeleted(plan.transfer_id)));
+    log_->AddUnswept(SweepPrefixes(*client_, log_->TakeUnswept()));
     if (!config_->chain) return Status::OK();
     std::sort(uploads.begin(), uploads.end(), [](const ChainPayload& a, const ChainPayload& b) {
       return std::pair(a.producer_id, a.payload_id) < std::pair(b.producer_id, b.payload_id);
@@ -483,16 +520,9 @@ class S3Transport final : public Transport {
     std::vector<std::string> keys = log_->TakeUndeleted(id);
     for (const ChainPayload& payload : log_->TakeUploads(id)) keys.push_back(payload.key);
     log_->AddOrphans(DeleteObjects(*client_, keys));
-    // Parts of an upload that was cut short (a crash between parts) are stored, invisible and
-    // billed, until aborted.
-    for (bool chain : {false, true}) {
-      Result<std::vector<S3MultipartUpload>> open =
-          client_->ListMultipartUploads(TransferObjectPrefix(*config_, chain, id));
-      if (!open.ok()) continue;
-      for (const S3MultipartUpload& upload : *open) {
-        client_->AbortMultipartUpload(upload.key, upload.upload_id).IgnoreError();
-      }
-    }
+    std::vector<std::string> prefixes = log_->TakeUnswept();
+    for (bool chain : {false, true}) prefixes.push_back(TransferObjectPrefix(*config_, chain, id));
+    log_->AddUnswept(SweepPrefixes(*client_, prefixes));
   }
 
  private:
