@@ -229,6 +229,32 @@ Result<ChainIndex> ReadIndex(const internal::S3TransportConfig& config, S3Client
       fmt::format("chain index s3://{}/{}", config.client.bucket, key));
 }
 
+// A chain's settings, a client of its bucket, and its index as read now.
+struct OpenedChain {
+  internal::S3TransportConfig config;
+  std::unique_ptr<S3Client> client;
+  ChainIndex index;
+};
+
+Result<OpenedChain> OpenAndReadChain(std::string_view s3_uri) {
+  REFIT_ASSIGN_OR_RETURN(auto chain, OpenChain(s3_uri));
+  REFIT_ASSIGN_OR_RETURN(ChainIndex index, ReadIndex(chain.first, *chain.second));
+  return OpenedChain{std::move(chain.first), std::move(chain.second), std::move(index)};
+}
+
+// The position of the newest version of the active chain that a store at `version` with
+// `fingerprint` provably holds, if any.
+std::optional<size_t> HeldVersion(const ChainIndex& index, uint64_t version, uint64_t fingerprint) {
+  std::optional<size_t> held;
+  for (size_t i = index.ActiveAnchor(); i < index.versions.size(); ++i) {
+    if (index.versions[i].version == version &&
+        index.versions[i].state_fingerprint == fingerprint) {
+      held = i;
+    }
+  }
+  return held;
+}
+
 }  // namespace
 
 size_t ChainIndex::ActiveAnchor() const {
@@ -326,17 +352,17 @@ std::vector<ChainVersion> PruneChain(ChainIndex& index, uint64_t retain_versions
 }
 
 Result<ChainIndex> ReadChainIndex(std::string_view s3_uri) {
-  REFIT_ASSIGN_OR_RETURN(auto chain, OpenChain(s3_uri));
-  return ReadIndex(chain.first, *chain.second);
+  REFIT_ASSIGN_OR_RETURN(OpenedChain chain, OpenAndReadChain(s3_uri));
+  return std::move(chain.index);
 }
 
 Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightStore& store,
                                                 const ChainBootstrapOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  REFIT_ASSIGN_OR_RETURN(auto chain, OpenChain(s3_uri));
-  const internal::S3TransportConfig& config = chain.first;
-  S3Client& client = *chain.second;
-  REFIT_ASSIGN_OR_RETURN(const ChainIndex index, ReadIndex(config, client));
+  REFIT_ASSIGN_OR_RETURN(const OpenedChain chain, OpenAndReadChain(s3_uri));
+  const internal::S3TransportConfig& config = chain.config;
+  S3Client& client = *chain.client;
+  const ChainIndex& index = chain.index;
   const size_t anchor = index.ActiveAnchor();
   if (anchor == index.versions.size()) {
     return NotFound("chain at s3://{}/{} has no committed version yet", config.client.bucket,
@@ -346,14 +372,9 @@ Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightS
   ChainBootstrapReport report;
   report.start_version = store.version();
   // Replay only the deltas after the store's version when it provably holds that version.
-  size_t first = anchor;
-  const uint64_t fingerprint = StateFingerprint(store.Digests());
-  for (size_t i = anchor; i < index.versions.size(); ++i) {
-    if (index.versions[i].version == store.version() &&
-        index.versions[i].state_fingerprint == fingerprint) {
-      first = i + 1;
-    }
-  }
+  const std::optional<size_t> held =
+      HeldVersion(index, store.version(), StateFingerprint(store.Digests()));
+  const size_t first = held.has_value() ? *held + 1 : anchor;
   if (first == anchor) {
     // The anchor overwrites every tensor, whatever version the store claims.
     store.set_version(index.versions[anchor].base_version);
@@ -389,10 +410,10 @@ Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverS
                                               const WeightStore& store, uint64_t target_version,
                                               const ChainBootstrapOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  REFIT_ASSIGN_OR_RETURN(auto chain, OpenChain(s3_uri));
-  const internal::S3TransportConfig& config = chain.first;
-  S3Client& client = *chain.second;
-  REFIT_ASSIGN_OR_RETURN(const ChainIndex index, ReadIndex(config, client));
+  REFIT_ASSIGN_OR_RETURN(const OpenedChain chain, OpenAndReadChain(s3_uri));
+  const internal::S3TransportConfig& config = chain.config;
+  S3Client& client = *chain.client;
+  const ChainIndex& index = chain.index;
   const std::string where = fmt::format("chain s3://{}/{}", config.client.bucket, config.prefix);
   const ReceiverStatus status = session.GetStatus();
   if (status.state != ReceiverState::kIdle) {
@@ -402,15 +423,8 @@ Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverS
   }
   // Only deltas can be replayed into a live session: it must provably hold a version of the
   // active chain (an anchor would need the store reset, which only a bootstrap at start does).
-  const size_t anchor = index.ActiveAnchor();
   const uint64_t fingerprint = StateFingerprint(store.Digests());
-  std::optional<size_t> held;
-  for (size_t i = anchor; i < index.versions.size(); ++i) {
-    if (index.versions[i].version == status.version &&
-        index.versions[i].state_fingerprint == fingerprint) {
-      held = i;
-    }
-  }
+  const std::optional<size_t> held = HeldVersion(index, status.version, fingerprint);
   if (!held.has_value()) {
     return FailedPrecondition(
         "{}: this receiver's version {} (state fingerprint {}) is not a version of the active "
