@@ -15,7 +15,6 @@
 // need 30 GiB); it is drawn cheaply with a realistic value distribution and stepped by 1-ulp
 // moves, see SyntheticModel. Prints two tables, or with --json one JSON document with every
 // figure. See docs/benchmarking.md.
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -25,7 +24,6 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -40,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "cli_common.h"
 #include "control/protocol.h"
 #include "core/half_float.h"
@@ -78,10 +77,6 @@ constexpr const char* kApiKeyEnv = "REFIT_E2E_BENCH_API_KEY";
 // RSS (proc(5), Linux 4.0+), so that a peak read afterwards belongs to what ran in between.
 constexpr std::string_view kResetPeakRss = "5";
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // --- Arguments ------------------------------------------------------------------------------
 
 struct Args {
@@ -117,35 +112,6 @@ constexpr std::string_view kUsage =
     "                 [--mmap] [--no-verify] [--skip-end-to-end] [--skip-fanout]\n"
     "                 [--work-dir DIR] [--refit-binary PATH] [--seed N]\n";
 
-Result<uint64_t> ParseUnsigned(std::string_view flag, std::string_view text) {
-  uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc() || end != text.data() + text.size()) {
-    return InvalidArgument("{}: '{}' is not a non-negative integer", flag, text);
-  }
-  return value;
-}
-
-Result<double> ParseDensity(std::string_view flag, std::string_view text) {
-  double value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc() || end != text.data() + text.size() || !(value > 0 && value <= 1)) {
-    return InvalidArgument("{}: '{}' is not a changed fraction in (0, 1]", flag, text);
-  }
-  return value;
-}
-
-std::vector<std::string_view> SplitCommas(std::string_view text) {
-  std::vector<std::string_view> parts;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    parts.push_back(text.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return parts;
-}
-
 Result<Args> ParseArgs(int argc, char** argv) {
   Args args;
   std::optional<uint64_t> model_mib, fanout_model_mib, chunk_mib;
@@ -179,7 +145,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       args.densities.clear();
       for (std::string_view part : SplitCommas(text)) {
-        REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part));
+        REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part, /*allow_one=*/true));
         args.densities.push_back(density);
       }
     } else if (flag == "--fanout") {
@@ -191,7 +157,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
       }
     } else if (flag == "--fanout-density") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.fanout_density, ParseDensity(flag, text));
+      REFIT_ASSIGN_OR_RETURN(args.fanout_density, ParseDensity(flag, text, /*allow_one=*/true));
     } else if (flag == "--threads") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseUnsigned(flag, text));
@@ -412,40 +378,6 @@ Status ResetPeakRss(const std::string& pid) {
   return Status::OK();
 }
 
-// Return MemAvailable from /proc/meminfo, in bytes.
-Result<uint64_t> AvailableMemoryBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return NotFound("/proc/meminfo has no MemAvailable line");
-}
-
-// Check that `dir` can take `bytes` more and that the machine has `memory` available.
-Status CheckRoom(const std::string& dir, uint64_t bytes, uint64_t memory) {
-  struct statvfs fs {};
-  if (::statvfs(dir.c_str(), &fs) != 0) return IoErrorFromErrno(errno, "statvfs " + dir);
-  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-  if (free_bytes < bytes) {
-    return ResourceExhausted(
-        "work dir {} has {} free but the model files need {}: free space, pass --work-dir on a "
-        "bigger filesystem, or use a smaller --model-mib",
-        dir, FormatBytes(free_bytes), FormatBytes(bytes));
-  }
-  REFIT_ASSIGN_OR_RETURN(uint64_t available, AvailableMemoryBytes());
-  if (available < memory) {
-    return ResourceExhausted(
-        "the run needs about {} of memory (the model and the tracker's baseline in this process; "
-        "per daemon its model and, during the FULL, an undo log as large) but MemAvailable is "
-        "{}: use a smaller --model-mib or --fanout-model-mib",
-        FormatBytes(memory), FormatBytes(available));
-  }
-  return Status::OK();
-}
-
 // A fleet of daemons over one model file and a coordinator with the model as baseline.
 struct Fleet {
   std::unique_ptr<cli::LocalFleet> daemons;
@@ -556,16 +488,6 @@ Status VerifyFleet(const cli::FleetCoordinator& fleet, const std::vector<TensorV
 std::string SignedBytes(int64_t bytes) {
   return bytes < 0 ? "-" + FormatBytes(static_cast<uint64_t>(-bytes))
                    : FormatBytes(static_cast<uint64_t>(bytes));
-}
-
-std::unique_ptr<ProgressReporter> Progress(const std::string& label, uint64_t total,
-                                           const std::string& unit) {
-  ProgressReporter::Options options;
-  options.label = label;
-  options.total = total;
-  options.unit = unit;
-  Result<std::unique_ptr<ProgressReporter>> made = ProgressReporter::Make(options);
-  return made.ok() ? std::move(made).ValueOrDie() : nullptr;
 }
 
 // The straight line over = fixed + per_changed · changed through (changed, over) points by least
@@ -954,13 +876,14 @@ Status Run(const Args& args) {
                                                         (2 + 2 * largest_fanout) * fanout_bytes);
   const std::string temp_dir = std::filesystem::temp_directory_path().string();
   REFIT_RETURN_NOT_OK(CheckRoom(args.work_dir.empty() ? temp_dir : args.work_dir,
-                                std::max(e2e_bytes, fanout_bytes) + kDiskMarginBytes, memory));
+                                std::max(e2e_bytes, fanout_bytes) + kDiskMarginBytes, memory,
+                                "the model and the tracker's baseline in this process; per daemon "
+                                "its model and, during the FULL, an undo log as large",
+                                "use a smaller --model-mib or --fanout-model-mib"));
   std::string work_dir = args.work_dir;
   bool scratch = false;
   if (work_dir.empty()) {
-    std::string pattern = temp_dir + "/refit-e2e-bench-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
-    work_dir = pattern;
+    REFIT_ASSIGN_OR_RETURN(work_dir, cli::MakeTemporaryDirectory("refit-e2e-bench"));
     scratch = true;
   }
   ::setenv(kApiKeyEnv, cli::GenerateApiKey().c_str(), /*overwrite=*/1);

@@ -18,7 +18,6 @@
 // ACKs, no unfinished multipart upload); after the last step every tensor of every daemon of
 // both fleets is compared with the trainer's bytes. Prints a table, and JSON with --json. See
 // docs/benchmarking.md.
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -26,7 +25,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -42,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_util.h"
 #include "cli_common.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
@@ -100,10 +99,6 @@ uint64_t ChunkBytes(uint64_t model_bytes) {
   return std::clamp(model_bytes / kChunksPerModel, kMinChunkBytes, kMaxChunkBytes);
 }
 
-double Now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // --- Arguments ------------------------------------------------------------------------------
 
 struct Args {
@@ -139,41 +134,12 @@ constexpr std::string_view kUsage =
     "The S3 server's credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; for the\n"
     "test server: eval \"$(bash scripts/s3-test-server.sh env)\"\n";
 
-Result<uint64_t> ParseUnsigned(std::string_view flag, std::string_view text) {
-  uint64_t value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc() || end != text.data() + text.size()) {
-    return InvalidArgument("{}: '{}' is not a non-negative integer", flag, text);
-  }
-  return value;
-}
-
 // A count in [1, max].
 Result<uint64_t> ParseCount(std::string_view flag, std::string_view text, uint64_t max) {
   REFIT_ASSIGN_OR_RETURN(uint64_t value, ParseUnsigned(flag, text));
   if (value < 1 || value > max)
     return InvalidArgument("{}: {} is not in [1, {}]", flag, value, max);
   return value;
-}
-
-Result<double> ParseDensity(std::string_view flag, std::string_view text) {
-  double value = 0;
-  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (error != std::errc() || end != text.data() + text.size() || !(value > 0 && value < 1)) {
-    return InvalidArgument("{}: '{}' is not a changed fraction in (0, 1)", flag, text);
-  }
-  return value;
-}
-
-std::vector<std::string_view> SplitCommas(std::string_view text) {
-  std::vector<std::string_view> parts;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    parts.push_back(text.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return parts;
 }
 
 // Bounds of the fleet flags: LocalFleet starts one process per receiver on this machine.
@@ -198,7 +164,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       args.densities.clear();
       for (std::string_view part : SplitCommas(text)) {
-        REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part));
+        REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part, /*allow_one=*/false));
         args.densities.push_back(density);
       }
     } else if (flag == "--receivers") {
@@ -280,56 +246,12 @@ Result<Args> ParseArgs(int argc, char** argv) {
 
 // --- Resources --------------------------------------------------------------------------------
 
-// Return MemAvailable from /proc/meminfo, in bytes.
-Result<uint64_t> AvailableMemoryBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return NotFound("/proc/meminfo has no MemAvailable line");
-}
-
-// Check that `dir` can take `bytes` more and that the machine has `memory` available.
-Status CheckRoom(const std::string& dir, uint64_t bytes, uint64_t memory) {
-  struct statvfs fs {};
-  if (::statvfs(dir.c_str(), &fs) != 0) return IoErrorFromErrno(errno, "statvfs " + dir);
-  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
-  if (free_bytes < bytes) {
-    return ResourceExhausted(
-        "work dir {} has {} free but the model file needs {}: pass --work-dir on a bigger "
-        "filesystem or use a smaller --model-bytes",
-        dir, FormatBytes(free_bytes), FormatBytes(bytes));
-  }
-  REFIT_ASSIGN_OR_RETURN(uint64_t available, AvailableMemoryBytes());
-  if (available < memory) {
-    return ResourceExhausted(
-        "the run needs about {} of memory (the simulator, two trackers' baselines, and per "
-        "daemon of both fleets its model and, during the FULL, an undo log as large) but "
-        "MemAvailable is {}: use a smaller --model-bytes or fewer --receivers",
-        FormatBytes(memory), FormatBytes(available));
-  }
-  return Status::OK();
-}
-
 // The 1, 5 and 15 minute load averages: other work on the machine skews every time measured.
 std::vector<double> LoadAverages() {
   std::ifstream in("/proc/loadavg");
   std::vector<double> loads(3, 0.0);
   for (double& load : loads) in >> load;
   return loads;
-}
-
-std::unique_ptr<ProgressReporter> Progress(const std::string& label, uint64_t total,
-                                           const std::string& unit) {
-  ProgressReporter::Options options;
-  options.label = label;
-  options.total = total;
-  options.unit = unit;
-  Result<std::unique_ptr<ProgressReporter>> made = ProgressReporter::Make(options);
-  return made.ok() ? std::move(made).ValueOrDie() : nullptr;
 }
 
 // --- The object store -------------------------------------------------------------------------
@@ -868,15 +790,16 @@ Status Run(const Args& args) {
     if (made_dir) return IoError("--work-dir {}: {}", args.work_dir, made_dir.message());
   }
   REFIT_RETURN_NOT_OK(CheckRoom(args.work_dir.empty() ? temp_dir : args.work_dir,
-                                args.model_bytes + kDiskMarginBytes, memory));
+                                args.model_bytes + kDiskMarginBytes, memory,
+                                "the simulator, two trackers' baselines, and per daemon of both "
+                                "fleets its model and, during the FULL, an undo log as large",
+                                "use a smaller --model-bytes or fewer --receivers"));
   REFIT_ASSIGN_OR_RETURN(Store store, OpenStore(args));
 
   std::string work_dir = args.work_dir;
   bool scratch = false;
   if (work_dir.empty()) {
-    std::string pattern = temp_dir + "/refit-s3-bench-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
-    work_dir = pattern;
+    REFIT_ASSIGN_OR_RETURN(work_dir, cli::MakeTemporaryDirectory("refit-s3-bench"));
     scratch = true;
   }
 

@@ -102,9 +102,7 @@ Status RunDemo(const DemoArgs& args) {
   std::string work_dir = args.work_dir;
   std::optional<std::filesystem::path> scratch;
   if (work_dir.empty()) {
-    std::string pattern = (std::filesystem::temp_directory_path() / "refit-demo-XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp");
-    work_dir = pattern;
+    REFIT_ASSIGN_OR_RETURN(work_dir, MakeTemporaryDirectory("refit-demo"));
     scratch = work_dir;
   }
   std::error_code made_dir;

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -250,6 +252,13 @@ Result<uint64_t> LocalFleet::PeakRssBytes(size_t i) const {
     return NotFound("receiver {} is not running", i);
   }
   return PeakRssOf(fmt::format("/proc/{}/status", receivers_[i].pid));
+}
+
+Result<std::string> MakeTemporaryDirectory(std::string_view stem) {
+  std::string pattern =
+      (std::filesystem::temp_directory_path() / fmt::format("{}-XXXXXX", stem)).string();
+  if (::mkdtemp(pattern.data()) == nullptr) return IoErrorFromErrno(errno, "mkdtemp " + pattern);
+  return pattern;
 }
 
 std::string GenerateApiKey() {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "refit/status.h"
@@ -75,6 +76,10 @@ class LocalFleet {
   std::vector<LocalReceiver> receivers_;
   bool stopped_ = false;
 };
+
+/// Create a fresh, private directory "<system temp dir>/<stem>-XXXXXX" (mkdtemp) for a fleet's
+/// model file, ready files and logs, and return its path. Errors: IoError.
+Result<std::string> MakeTemporaryDirectory(std::string_view stem);
 
 /// Return a random api key (32 hex digits) for a fleet that lives only as long as this process.
 std::string GenerateApiKey();
