@@ -1,10 +1,6 @@
 // S3Client against a real S3 server (Ceph RGW from scripts/s3-test-server.sh; see
 // tests/s3_test_env.h): every request is signed by our SigV4 signer and checked by the server,
 // and every reply is parsed from the server's own XML.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -13,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "loopback.h"
 #include "refit/s3_client.h"
 #include "s3_test_env.h"
 #include "test_util.h"
@@ -31,22 +28,6 @@ std::vector<std::byte> RandomBytes(size_t size, uint64_t seed) {
 
 std::span<const std::byte> AsBytes(std::string_view text) {
   return std::as_bytes(std::span(text.data(), text.size()));
-}
-
-// A loopback port nothing listens on: bound once by the kernel's choice, then released.
-int ClosedLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(address.sin_port);
 }
 
 class S3ClientIntegrationTest : public ::testing::Test {
@@ -331,9 +312,8 @@ TEST_F(S3ClientIntegrationTest, VirtualHostAddressing) {
 TEST(S3ClientUnreachableTest, ClosedPortIsUnavailableAfterRetries) {
   S3ClientOptions options;
   REFIT_REQUIRE_S3_SERVER(options, "refit-s3client");
-  const int port = ClosedLoopbackPort();
-  ASSERT_GT(port, 0);
-  options.endpoint = "http://127.0.0.1:" + std::to_string(port);
+  const std::string closed = "http://" + testing::FreeLoopbackEndpoint();
+  options.endpoint = closed;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<S3Client> client, S3Client::Make(options));
   const std::string attempts = "after " + std::to_string(options.max_retries + 1) + " attempts";
   EXPECT_STATUS_MSG(Unavailable, attempts, client->PutObject("key", AsBytes("x")));

@@ -5,10 +5,7 @@
 // tests/integration/s3_client_integration_test.cc.
 #include "refit/s3_client.h"
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +24,7 @@
 
 #include <httplib.h>
 
+#include "loopback.h"
 #include "refit/sigv4.h"
 #include "test_util.h"
 #include "transport/s3/s3_request.h"
@@ -227,22 +225,6 @@ std::unique_ptr<S3Client> MakeClient(const S3ClientOptions& options) {
   auto client = S3Client::Make(options);
   EXPECT_TRUE(client.ok()) << client.status().ToString();
   return client.ok() ? std::move(client).ValueOrDie() : nullptr;
-}
-
-// A loopback port nothing listens on: bound once by the kernel's choice, then released.
-int ClosedLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    if (fd >= 0) close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(address.sin_port);
 }
 
 // Counts concurrent requests in a handler and remembers the most seen at once.
@@ -791,9 +773,8 @@ TEST(S3ClientRetryTest, HeadErrorsUseTheStatusAlone) {
 }
 
 TEST(S3ClientRetryTest, ConnectionRefusedIsRetriedThenUnavailable) {
-  const int port = ClosedLoopbackPort();
-  ASSERT_GT(port, 0);
-  S3ClientOptions options = FastOptions("http://127.0.0.1:" + std::to_string(port));
+  const std::string closed = "http://" + testing::FreeLoopbackEndpoint();
+  S3ClientOptions options = FastOptions(closed);
   options.max_retries = 2;
   std::unique_ptr<S3Client> client = MakeClient(options);
   ASSERT_NE(client, nullptr);
