@@ -64,12 +64,7 @@ struct UploadLog {
 
   void Record(const TransferId& id, ChainPayload payload) {
     std::lock_guard lock(mutex);
-    std::vector<ChainPayload>& list = uploads[id.ToHex()];
-    // A re-sent payload overwrote the same key with the same bytes.
-    for (const ChainPayload& held : list) {
-      if (held.key == payload.key) return;
-    }
-    list.push_back(std::move(payload));
+    uploads[id.ToHex()].push_back(std::move(payload));
   }
   void RecordUndeleted(const TransferId& id, std::vector<std::string> keys) {
     if (keys.empty()) return;
@@ -77,10 +72,24 @@ struct UploadLog {
     std::vector<std::string>& list = undeleted[id.ToHex()];
     list.insert(list.end(), keys.begin(), keys.end());
   }
+  // The transfer's uploads in (producer, payload) order, each once: a re-sent payload overwrote
+  // the same key with the same bytes. (Deduplicated here, once, rather than at every Record:
+  // a large model's transfer has tens of thousands of payloads.)
   std::vector<ChainPayload> TakeUploads(const TransferId& id) {
-    std::lock_guard lock(mutex);
-    auto node = uploads.extract(id.ToHex());
-    return node.empty() ? std::vector<ChainPayload>{} : std::move(node.mapped());
+    std::vector<ChainPayload> list;
+    {
+      std::lock_guard lock(mutex);
+      auto node = uploads.extract(id.ToHex());
+      if (!node.empty()) list = std::move(node.mapped());
+    }
+    auto ids = [](const ChainPayload& p) { return std::pair(p.producer_id, p.payload_id); };
+    std::sort(list.begin(), list.end(),
+              [&](const ChainPayload& a, const ChainPayload& b) { return ids(a) < ids(b); });
+    list.erase(
+        std::unique(list.begin(), list.end(),
+                    [&](const ChainPayload& a, const ChainPayload& b) { return ids(a) == ids(b); }),
+        list.end());
+    return list;
   }
   // The undeleted objects of `id` and every orphan.
   std::vector<std::string> TakeUndeleted(const TransferId& id) {
@@ -503,9 +512,6 @@ class S3Transport final : public Transport {
     log_->AddOrphans(DeleteObjects(*client_, log_->TakeUndeleted(plan.transfer_id)));
     log_->AddUnswept(SweepPrefixes(*client_, log_->TakeUnswept()));
     if (!config_->chain) return Status::OK();
-    std::sort(uploads.begin(), uploads.end(), [](const ChainPayload& a, const ChainPayload& b) {
-      return std::pair(a.producer_id, a.payload_id) < std::pair(b.producer_id, b.payload_id);
-    });
     ChainVersion version{.version = plan.target_version,
                          .base_version = plan.base_version,
                          .anchor = plan.anchor,
