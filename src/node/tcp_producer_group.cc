@@ -1,0 +1,2 @@
+// Filled in by the producer-group work.
+#include "refit/producer_group.h"
