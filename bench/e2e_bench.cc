@@ -625,7 +625,7 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   out["generate_s"] = Now() - t0;
   t0 = Now();
   REFIT_RETURN_NOT_OK(
-      WriteSafetensors(model_path, model.views(), {{cli::kVersionMetadataKey, "0"}}));
+      WriteSafetensors(model_path, model.views(), {{cli::kWeightVersionMetadataKey, "0"}}));
   out["write_s"] = Now() - t0;
   REFIT_ASSIGN_OR_RETURN(Fleet fleet,
                          StartFleet(args, work_dir, model_path, kEndToEndReceivers, model.views()));
@@ -784,7 +784,7 @@ Result<nlohmann::json> RunFanOut(const Args& args, const std::string& work_dir) 
     out["model_bytes"] = model.bytes();
     out["tensors"] = model.views().size();
     REFIT_RETURN_NOT_OK(
-        WriteSafetensors(model_path, model.views(), {{cli::kVersionMetadataKey, "0"}}));
+        WriteSafetensors(model_path, model.views(), {{cli::kWeightVersionMetadataKey, "0"}}));
     REFIT_ASSIGN_OR_RETURN(Fleet fleet,
                            StartFleet(args, work_dir, model_path, receivers, model.views()));
     std::filesystem::remove(model_path);

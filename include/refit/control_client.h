@@ -53,6 +53,8 @@ struct ControlStatus {
   /// One fingerprint of every tensor's state digest (equal on two receivers that hold the same
   /// weights); absent while a transfer is receiving, when the store cannot be read.
   std::optional<uint64_t> state_fingerprint;
+  /// Its replica and shard (ControlServerOptions::place).
+  ReplicaPlace place;
 };
 
 /// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the

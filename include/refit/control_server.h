@@ -95,6 +95,8 @@ struct ControlServerOptions {
   /// (`refit serve --bootstrap`: CatchUpFromChain) and is then prepared like the others. An error
   /// fails the prepare with it. Null: such a prepare is refused by version fencing.
   std::function<Status(uint64_t base_version)> catch_up;
+  /// This receiver's replica and shard, reported by GET /v1/status and as /metrics labels.
+  ReplicaPlace place;
 };
 
 /// Serves the control plane of one receiver over HTTP(S), on its own threads.

@@ -1,13 +1,17 @@
 // Coordinator: one transfer across the whole fleet, with a two-phase commit. It moves no payload
 // bytes itself: producers stream through their PayloadChannels, receivers are driven through
-// their ReceiverControl.
+// their ReceiverControl. The producers are a ProducerSet: W trackers in this process
+// (MakeLocalProducers), or the W ranks of a trainer job, one per process (Publisher, node/).
 //
-//   1. Begin       every producer's tracker opens the transfer; their plans must agree
+//   1. Begin       every producer's tracker opens the transfer under one plan (an anchor if any
+//                  producer's cadence asks for one; their versions must agree)
 //   2. Prepare     every receiver opens it at the base version (version fencing)
 //   3. Stream      producers 0 … W−1 run their ProducerStream concurrently, each into its own
 //                  channel, then Finish (the relay flush with the producer's payload count)
 //   4. Flush       every receiver waits for the declared payload counts, applies, verifies its
-//                  state digests against the producers' pending digests → prepared
+//                  state digests against the producers' pending digests → prepared; each
+//                  replica is verified as a whole: the canonical digests of a shard group's
+//                  pieces must add up to the producers' (DESIGN.md "Receiver")
 //   5. Commit      every receiver commits (the decision point is the last successful Flush),
 //                  then every tracker commits its pending bits
 //
@@ -30,9 +34,9 @@
 
 #include "refit/payload.h"
 #include "refit/pipeline.h"
-#include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/tracker.h"
+#include "refit/transfer.h"
 
 namespace refit {
 
@@ -52,6 +56,12 @@ struct CoordinatedReceiver {
   std::string name;
   /// Borrowed; must outlive the Coordinator.
   ReceiverControl* control = nullptr;
+  /// The replica (one whole copy of the model) this receiver is part of, and its place in it:
+  /// shard `shard` of `shards`, e.g. one tensor-parallel rank of a generation engine. The
+  /// receivers of one replica are verified together. Empty: a replica of its own (shards = 1).
+  std::string replica;
+  uint32_t shard = 0;
+  uint32_t shards = 1;
 };
 
 /// What a producer's channel is opened for.
@@ -67,34 +77,56 @@ struct ChannelRequest {
 using ChannelFactory =
     std::function<Result<std::unique_ptr<PayloadChannel>>(const ChannelRequest& request)>;
 
-/// Told what becomes of each transfer, by the coordinator that ran it: for a transport that keeps
-/// state beyond delivering payloads (an object store publishing committed versions to a chain a
-/// late receiver can replay, or deleting the objects of an aborted transfer).
-///
-/// Thread-safety: called from the thread that runs Coordinator::Refit, never concurrently.
-class TransferObserver {
- public:
-  virtual ~TransferObserver() = default;
-
-  /// Whether the next transfer, from `base_version`, must be an anchor (FULL): e.g. the chain a
-  /// late receiver replays does not hold `base_version`, so a delta from it would be useless.
-  virtual bool NeedsAnchor(uint64_t /*base_version*/) { return false; }
-
-  /// Transfer `plan` committed on every receiver and tracker; `digests` are the fleet's state
-  /// digests at plan.target_version. Called after every channel of the transfer is destroyed.
-  /// An error is logged and does not undo the transfer: the fleet holds the new version.
-  virtual Status TransferCommitted(const TransferPlan& /*plan*/,
-                                   const std::map<std::string, uint64_t>& /*digests*/) {
-    return Status::OK();
-  }
-
-  /// Transfer `id` was aborted everywhere. Called after every channel of it is destroyed.
-  virtual void TransferAborted(const TransferId& /*id*/) {}
+/// What one producer reported of the stream phase.
+struct ProducerStreamed {
+  StreamReport report;
+  /// The state digest each tensor it tracks will have if the transfer commits
+  /// (DeltaTracker::PendingDigests).
+  std::map<std::string, uint64_t> digests;
 };
+
+/// The W producers of a fleet as a Coordinator drives them, whether they are trackers in this
+/// process (MakeLocalProducers) or the ranks of a trainer job in W processes (node/ Publisher).
+///
+/// Thread-safety: driven by one Coordinator::Refit at a time, from its thread.
+class ProducerSet {
+ public:
+  virtual ~ProducerSet() = default;
+
+  /// The number of producers W.
+  virtual uint32_t size() const = 0;
+  /// The committed version of the producers (producer 0's).
+  virtual uint64_t version() const = 0;
+  /// Open transfer `id` on every producer under one plan: an anchor when `force_anchor` or when
+  /// any producer's cadence asks for one (DeltaTracker::NextIsAnchor), so that a producer owning
+  /// nothing never disagrees with one that owns everything.
+  /// Errors: FailedPrecondition naming the producers when their versions differ or one has a
+  /// transfer open; whatever a producer fails with. Nothing stays open on error.
+  virtual Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) = 0;
+  /// Stream every producer's share of the open transfer, concurrently; no payload may be sent
+  /// after `deadline` (DeadlineExceeded). Return one entry per producer, in producer order.
+  /// Errors: the most telling failure first, naming its producer, then the others.
+  virtual Result<std::vector<ProducerStreamed>> Stream(
+      const TransferPlan& plan, std::chrono::steady_clock::time_point deadline) = 0;
+  /// Commit transfer `id` on every producer: every receiver is prepared, the transfer is decided.
+  /// Errors: a producer that could not commit (the fleet then needs an anchor).
+  virtual Status Commit(const TransferId& id) = 0;
+  /// Abort transfer `id` on every producer, best effort.
+  virtual void Abort(const TransferId& id) = 0;
+};
+
+/// Make the ProducerSet of W producers in this process, each streaming with a ProducerStream
+/// (`stream`, with producer_id and num_producers set per producer) into the channel `channels`
+/// opens for it. Errors: InvalidArgument (no producers, a null tracker or source, no channel
+/// factory, more than 2^32 producers, stream options ProducerStream refuses).
+Result<std::unique_ptr<ProducerSet>> MakeLocalProducers(const ProducerStreamOptions& stream,
+                                                        std::vector<CoordinatedProducer> producers,
+                                                        ChannelFactory channels);
 
 /// Options of Coordinator::Make.
 struct CoordinatorOptions {
-  /// The producers' stream options; producer_id and num_producers are set per producer.
+  /// The producers' stream options (for the Make that takes CoordinatedProducers);
+  /// producer_id and num_producers are set per producer.
   ProducerStreamOptions stream;
   /// The budget of one transfer from Begin to the end of Flush. Past it, sends fail with
   /// DeadlineExceeded and the transfer is aborted.
@@ -141,12 +173,16 @@ struct RefitReport {
 /// Coordinator runs each phase on its own threads and joins them before returning.
 class Coordinator {
  public:
-  /// Errors: InvalidArgument (no producers, a null tracker or source, a null receiver control,
-  /// a null channel factory, stream options that ProducerStream refuses, a non-positive timeout).
+  /// Errors: InvalidArgument (a null receiver control, a non-positive timeout, a replica whose
+  /// receivers do not form shards 0 … n − 1 exactly once, and those of MakeLocalProducers).
   static Result<std::unique_ptr<Coordinator>> Make(const CoordinatorOptions& options,
                                                    std::vector<CoordinatedProducer> producers,
                                                    std::vector<CoordinatedReceiver> receivers,
                                                    ChannelFactory channels);
+  /// As above over any ProducerSet (options.stream is not used).
+  static Result<std::unique_ptr<Coordinator>> Make(const CoordinatorOptions& options,
+                                                   std::unique_ptr<ProducerSet> producers,
+                                                   std::vector<CoordinatedReceiver> receivers);
 
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;

@@ -23,6 +23,7 @@
 #include "refit/status.h"
 #include "refit/tensor.h"
 #include "refit/tracker.h"
+#include "refit/transfer.h"
 
 namespace refit {
 
@@ -109,40 +110,6 @@ using ChunkSource = std::function<Result<std::optional<ExportChunk>>()>;
 /// Return a source that yields `tensors` (borrowed) in the chunks PlanChunks makes of them.
 /// Thread-safety: the source is a sequential iterator, like every ChunkSource.
 ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_bytes);
-
-/// Send one finished payload. Called concurrently from ProducerStreamOptions::send_threads
-/// threads; the bytes are valid only during the call. A non-OK result fails the stream.
-using PayloadSender =
-    std::function<Status(uint32_t payload_id, std::span<const std::byte> payload)>;
-
-/// Release a sender thread's resources (sockets, keys, clients). Called exactly once on every
-/// sender thread that was started, on that thread, after its last send, on success and failure.
-using SenderCleanup = std::function<void()>;
-
-/// Where one producer's payloads of one transfer go: the producer side of a transport, as the
-/// Coordinator drives it. TransportSender (transport.h) is the implementation for every
-/// registered transport; tests may implement it in process.
-///
-/// Lifecycle: Send any number of times, concurrently; CleanupThread once on each sending thread
-/// after its last Send; then, when the stream succeeded, Finish once with the payload count.
-class PayloadChannel {
- public:
-  virtual ~PayloadChannel() = default;
-
-  /// Send payload `payload_id` (bytes borrowed for the call). Sending the same payload again is
-  /// safe: receivers deduplicate it.
-  virtual Status Send(uint32_t payload_id, std::span<const std::byte> payload) = 0;
-  /// Release the calling thread's per-thread resources (sockets, clients).
-  virtual void CleanupThread() {}
-  /// Mark the end of the stream: payload ids 0 … payloads − 1 were sent.
-  virtual Status Finish(uint64_t payloads) = 0;
-
-  /// Return Send as the callback of ProducerStream::Run. This channel must outlive the callback.
-  PayloadSender AsPayloadSender();
-  /// Return CleanupThread as the cleanup callback of ProducerStream::Run. This channel must
-  /// outlive the callback.
-  SenderCleanup AsSenderCleanup();
-};
 
 /// Options of ProducerStream::Make.
 struct ProducerStreamOptions {

@@ -28,6 +28,7 @@
 
 #include "refit/payload.h"
 #include "refit/status.h"
+#include "refit/transfer.h"
 #include "refit/weight_store.h"
 
 namespace refit {
@@ -45,82 +46,6 @@ enum class ReceiverState : uint8_t {
 
 /// Return "idle", "receiving" or "prepared".
 std::string_view ReceiverStateName(ReceiverState state);
-
-/// What one transfer must deliver. The coordinator may declare it at Prepare, or only at Flush
-/// (payload counts and digests are known once every producer has streamed), or at both if the two
-/// agree.
-struct TransferExpectation {
-  /// Payloads per producer id: producer p sends payload ids 0 … n_p − 1 (upstream numbering).
-  /// Producers not listed send none. With these counts the session rejects unexpected payload
-  /// ids at Stage and names each missing payload when Flush times out.
-  std::map<uint32_t, uint32_t> payloads_per_producer;
-  /// The total number of payloads over all producers, for coordinators that only know the sum.
-  /// If payloads_per_producer is set too, this must equal its sum.
-  std::optional<uint64_t> total_payloads;
-  /// The per-tensor state digests the store must hold after the transfer (the producers'
-  /// DeltaTracker::PendingDigests, merged). Empty: Flush does not compare digests.
-  std::map<std::string, uint64_t> digests;
-
-  /// Whether a payload count is declared (an empty transfer declares total_payloads = 0).
-  bool has_payload_count() const {
-    return !payloads_per_producer.empty() || total_payloads.has_value();
-  }
-
-  friend bool operator==(const TransferExpectation&, const TransferExpectation&) = default;
-};
-
-/// The argument of Prepare.
-struct PrepareRequest {
-  TransferId transfer_id;
-  /// The version the transfer starts from; it must equal the receiver's committed version
-  /// (version fencing). The target is base_version + 1.
-  uint64_t base_version = 0;
-  TransferExpectation expected;
-};
-
-/// What Prepare did.
-struct PrepareResult {
-  /// True when the transfer was already open with the same request (a retried control call).
-  bool repeated = false;
-  /// The transfer committed implicitly because this one is based on its target version
-  /// (DESIGN.md "implied commit": a lost Commit message cannot wedge the receiver).
-  std::optional<TransferId> implied_commit;
-};
-
-/// How a payload was staged. Either way the sender gets an ACK.
-enum class StageResult : uint8_t {
-  /// Queued for apply.
-  kAccepted,
-  /// Already staged in this transfer with the same checksum: not queued again. (An XOR payload
-  /// applied twice would revert its changes, so dedupe is what makes sender retries safe.)
-  kDuplicate,
-};
-
-/// Options of Flush.
-struct FlushOptions {
-  /// How long to wait for the expected payloads to be staged and applied.
-  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
-  /// Expectations declared now (see TransferExpectation); fields left empty keep Prepare's.
-  TransferExpectation expected;
-};
-
-/// The result of a successful Flush.
-struct FlushReport {
-  TransferId transfer_id;
-  uint64_t target_version = 0;
-  /// Payloads applied (duplicates excluded), their items, and the elements those items changed
-  /// (the location count of each item; the span length of a FULL item).
-  uint64_t payloads = 0;
-  uint64_t items = 0;
-  uint64_t changed_elements = 0;
-  /// Payloads ACKed as duplicates.
-  uint64_t duplicates = 0;
-  /// The store's per-tensor state digests after the transfer, for the coordinator to compare
-  /// across receivers and with the producers.
-  std::map<std::string, uint64_t> digests;
-
-  friend bool operator==(const FlushReport&, const FlushReport&) = default;
-};
 
 /// A consistent snapshot of the session (GetStatus).
 struct ReceiverStatus {
@@ -163,21 +88,17 @@ struct ReceiverSessionOptions {
   /// A hook for tracing and tests: called on the apply thread, without the session lock, before
   /// each payload is decoded and applied. It must not call into the session.
   std::function<void(const PayloadIds&)> before_apply;
-};
 
-/// One receiver's transfer control as a coordinator drives it — Prepare → Flush → Commit, or
-/// Abort — whether the receiver lives in this process (ReceiverSession) or behind its HTTP
-/// control plane (ControlClient). Every call is idempotent for the same transfer id (see the
-/// table of ReceiverSession), so a coordinator may repeat any of them after a lost reply.
-/// Implementations accept concurrent calls from any thread.
-class ReceiverControl {
- public:
-  virtual ~ReceiverControl() = default;
-
-  virtual Result<PrepareResult> Prepare(const PrepareRequest& request) = 0;
-  virtual Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options) = 0;
-  virtual Status Commit(const TransferId& id) = 0;
-  virtual Status Abort(const TransferId& id) = 0;
+  /// Engine hooks (DESIGN.md "Embedding"), for a receiver whose store is the memory an inference
+  /// engine serves from. None may call into the session; each runs without the session lock.
+  /// Called on the apply thread before the first payload of a transfer is applied: from then on
+  /// until the transfer commits or aborts the weights are a mix of two versions, so an engine
+  /// pauses generation here. A transfer that applies nothing (an empty delta) never calls it.
+  std::function<void(const TransferId&)> before_first_apply;
+  /// Called once a transfer committed (also an implied commit), with the version now held.
+  std::function<void(const TransferId&, uint64_t version)> after_commit;
+  /// Called once an open transfer was aborted and rolled back, with the version held again.
+  std::function<void(const TransferId&, uint64_t version)> after_abort;
 };
 
 /// The receiver's transactional transfer state over one WeightStore.

@@ -74,4 +74,11 @@ Result<std::vector<TensorView>> ParseSafetensors(std::span<const std::byte> file
 Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& tensors,
                         const std::map<std::string, std::string>& metadata = {});
 
+/// The metadata key holding a checkpoint's weight version (written by refit's tools).
+inline constexpr const char* kWeightVersionMetadataKey = "refit.version";
+
+/// Return the weight version recorded in `file`'s metadata (kWeightVersionMetadataKey), or 0
+/// when absent or not a number.
+uint64_t WeightVersionOf(const SafetensorsFile& file);
+
 }  // namespace refit

@@ -21,6 +21,7 @@
 #include "refit/payload.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/transfer.h"
 
 namespace refit {
 
@@ -58,14 +59,6 @@ struct TrackerOptions {
   CompareOptions compare;
   /// The version the tracker starts at (the receivers' version before the first transfer).
   uint64_t initial_version = 0;
-};
-
-/// The plan of an open transfer.
-struct TransferPlan {
-  TransferId transfer_id;
-  bool anchor = false;
-  uint64_t base_version = 0;
-  uint64_t target_version = 0;
 };
 
 /// The result of encoding one tensor (or span).
@@ -110,6 +103,17 @@ class DeltaTracker {
   /// the next transfer is a delta. Errors: FailedPrecondition while a transfer is open,
   /// InvalidArgument (size mismatch).
   Status AdoptBaseline(const TensorView& tensor);
+
+  /// Record that the tracker's baseline (possibly empty) is what the receivers hold now, as
+  /// AdoptBaseline does for each tensor: the next transfer is a delta. For a producer that owns
+  /// no chunk of the model (more producers than chunks), whose empty baseline is complete.
+  /// Errors: FailedPrecondition while a transfer is open.
+  Status MarkBaselineAdopted();
+
+  /// Return whether the next Begin without force_anchor opens an anchor: the first transfer,
+  /// the full_sync_interval cadence, or the drift bound. A coordinator asks every producer and
+  /// opens an anchor on all of them if any says yes, so that their plans agree.
+  bool NextIsAnchor() const;
 
   /// Make the pending bits of the open transfer the new baseline and advance the version.
   /// Errors: FailedPrecondition (wrong id; a new tensor not fully covered — nothing changes).

@@ -124,11 +124,10 @@
 #include <utility>
 #include <vector>
 
-#include "refit/coordinator.h"
 #include "refit/payload.h"
-#include "refit/pipeline.h"
 #include "refit/receiver_session.h"
 #include "refit/status.h"
+#include "refit/transfer.h"
 
 namespace refit {
 
@@ -248,44 +247,6 @@ class TransportSender : public PayloadChannel {
 };
 
 // ---- Receiver side ----------------------------------------------------------------------------
-
-/// The end of one producer's stream, as Finish announced it.
-struct StreamEnd {
-  TransferId transfer_id;
-  uint32_t producer_id = 0;
-  /// The producer sent payload ids 0 … payloads − 1.
-  uint32_t payloads = 0;
-
-  friend bool operator==(const StreamEnd&, const StreamEnd&) = default;
-};
-
-/// Where a listener puts what it receives.
-///
-/// Thread-safety: implementations must accept concurrent calls from any thread (a listener may
-/// deliver on several threads, and an in-process sender delivers on its own threads).
-class PayloadSink {
- public:
-  virtual ~PayloadSink() = default;
-
-  /// Take one received payload (ownership of its bytes). The bytes are untrusted: a listener
-  /// has checked at most the header. Return how it was staged; an error is the receiver's
-  /// refusal (a NACK) and leaves the payload with the transport (a file stays in the drop). May
-  /// block (a full apply queue); must return Cancelled soon after `stop` is requested.
-  virtual Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) = 0;
-
-  /// Learn that a producer's stream ended. A listener calls this only after delivering every
-  /// payload of that stream it received. The default ignores it.
-  /// Errors: InvalidArgument when it contradicts an earlier end of the same stream.
-  virtual Status EndOfStream(const StreamEnd& end);
-
-  /// Return whether the receiver has transfer `transfer_id` open (prepared, and neither committed
-  /// nor aborted). A relay asks before it takes a stream end: the coordinator prepares every
-  /// receiver before any producer streams, so a stream end of a transfer that is not open is a
-  /// coordinator bug or a forgery, and the relay refuses it instead of sealing that stream.
-  /// (EndOfStream itself does not ask: a file drop may deliver a stream end after the transfer
-  /// committed.) The default, for sinks without a session, says yes.
-  virtual bool IsTransferOpen(const TransferId& /*transfer_id*/) const { return true; }
-};
 
 /// A PayloadSink that stages payloads into a ReceiverSession (Stage, blocking while the apply
 /// queue is full) and remembers the stream ends it is told about, so that a receiver learns

@@ -17,7 +17,7 @@ struct ApplyArgs {
 
 Status RunApply(const ApplyArgs& args) {
   REFIT_ASSIGN_OR_RETURN(auto base_file, SafetensorsFile::Open(args.base_path));
-  const uint64_t base_version = VersionOf(*base_file);
+  const uint64_t base_version = WeightVersionOf(*base_file);
   base_file.reset();
   REFIT_ASSIGN_OR_RETURN(
       auto store,
@@ -56,7 +56,7 @@ Status RunApply(const ApplyArgs& args) {
   store->set_version(target_version);
   std::vector<TensorView> tensors = store->tensors();
   REFIT_RETURN_NOT_OK(WriteSafetensors(args.output, tensors,
-                                       {{kVersionMetadataKey, std::to_string(target_version)}}));
+                                       {{kWeightVersionMetadataKey, std::to_string(target_version)}}));
   std::printf("%s: applied %zu payloads (%zu items), version %llu -> %llu, digests verified\n",
               args.output.c_str(), payloads.size(), items,
               static_cast<unsigned long long>(base_version),

@@ -112,10 +112,5 @@ Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const
   return payloads;
 }
 
-uint64_t VersionOf(const SafetensorsFile& file) {
-  auto it = file.metadata().find(kVersionMetadataKey);
-  if (it == file.metadata().end()) return 0;
-  return std::strtoull(it->second.c_str(), nullptr, 10);
-}
 
 }  // namespace refit::cli

@@ -61,9 +61,5 @@ Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
 Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,
                                                                  const PayloadLimits& limits);
 
-/// The weight version recorded in a safetensors file's metadata ("refit.version"), or 0.
-uint64_t VersionOf(const SafetensorsFile& file);
-/// The metadata key holding the weight version.
-inline constexpr const char* kVersionMetadataKey = "refit.version";
 
 }  // namespace refit::cli

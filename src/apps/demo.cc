@@ -109,7 +109,7 @@ Status RunDemo(const DemoArgs& args) {
   std::filesystem::create_directories(work_dir, made_dir);
   if (made_dir) return IoError("--work-dir {}: {}", work_dir, made_dir.message());
   const std::string model_path = work_dir + "/model.safetensors";
-  REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kVersionMetadataKey, "0"}}));
+  REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kWeightVersionMetadataKey, "0"}}));
 
   ::setenv(kDemoApiKeyEnv, GenerateApiKey().c_str(), /*overwrite=*/1);
   LocalFleetOptions fleet_options;

@@ -31,7 +31,7 @@ Status RunEncode(const EncodeArgs& args) {
                            ParseLocationEncoding(args.force_encoding));
   }
   options.compare.threads = args.threads;
-  options.initial_version = VersionOf(*old_file);
+  options.initial_version = WeightVersionOf(*old_file);
   REFIT_ASSIGN_OR_RETURN(uint64_t bucket_bytes, ParseByteSize(args.bucket));
   REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
 

@@ -1,15 +1,10 @@
-// refit serve: the receiver daemon. It holds one model (a safetensors file read into memory or
-// mapped copy-on-write), takes payloads from its data plane — a relay-tree data port (zmq://), or
-// an object store whose payloads the producers announce through the control plane (s3://) — and
-// the coordinator on an HTTP control plane, and serves until SIGTERM or SIGINT. With
-// --bootstrap s3://… it first catches up from a versioned chain (refit/s3_chain.h).
-//
-//   model ─▶ WeightStore ─▶ ReceiverSession ◀─ SessionSink ◀─ Listener (zmq: data port, relay tree)
-//                                 ▲                              ▲ (s3: AcceptManifest)
-//                                 └──────────── ControlServer ───┘ (control port: prepare, …)
-//
-// Shutdown stops the control plane first (no new transfer can start), then the data plane (no
-// payload arrives any more), then the session, whose destructor rolls an open transfer back to
+// refit serve: the receiver daemon, a thin CLI over ReceiverNode (refit/receiver_node.h). It holds
+// one model (a safetensors file read into memory or mapped copy-on-write, optionally mapped onto
+// its own layout by a loader: --loader, e.g. one tensor-parallel shard of --replica), takes
+// payloads from its data plane — a relay-tree data port (zmq://), or an object store whose payloads
+// the producers announce through the control plane (s3://) — and the coordinator on an HTTP
+// control plane, and serves until SIGTERM or SIGINT. With --bootstrap s3://… it first catches up
+// from a versioned chain (refit/s3_chain.h). At shutdown the node rolls an open transfer back to
 // the committed version bit-exactly.
 #include <pthread.h>
 #include <unistd.h>
@@ -32,13 +27,10 @@
 
 #include "cli_common.h"
 #include "config.h"
-#include "refit/control_server.h"
+#include "refit/loader.h"
 #include "refit/logging.h"
-#include "refit/receiver_session.h"
-#include "refit/s3_chain.h"
-#include "refit/safetensors.h"
+#include "refit/receiver_node.h"
 #include "refit/transport.h"
-#include "refit/weight_store.h"
 
 namespace refit::cli {
 namespace {
@@ -81,6 +73,10 @@ struct ServeSettings {
   std::string ready_file;
   /// An s3:// chain to catch up from before serving (empty: serve the model as loaded).
   std::string bootstrap_uri;
+  /// A loader spec (YAML) mapping canonical tensors onto this receiver's (e.g. one TP shard).
+  std::string loader_path;
+  /// The replica this receiver belongs to (required with a tensor-parallel loader).
+  std::string replica;
 };
 
 // The URI parameters that carry the data plane's key (zmq://).
@@ -205,49 +201,44 @@ Status RunServe(const ServeSettings& settings) {
     REFIT_ASSIGN_OR_RETURN(api_key, ApiKeyFromEnv(settings.api_key_env));
   }
   REFIT_ASSIGN_OR_RETURN(const TransportUri uri, DataPlaneUri(settings));
-  PayloadLimits limits;
-  limits.max_payload_bytes = settings.max_payload_bytes;
-  TransportOptions transport_options;
-  transport_options.limits = limits;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Transport> transport,
-                         MakeTransport(uri, transport_options));
-  const TransportCapabilities caps = transport->capabilities();
-  if (!caps.fan_out_tree && !caps.needs_manifest) {
-    return InvalidArgument(
-        "serve: --transport '{}' is neither a relay tree (zmq://) nor an object store (s3://)",
-        uri.scheme);
-  }
-  REFIT_RETURN_NOT_OK(CheckSettings(settings, caps.fan_out_tree));
+  // The flags a data plane needs depend on its kind (a relay tree binds a data port).
+  REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> kind, MakeTransport(uri));
+  const bool relay = kind->capabilities().fan_out_tree;
+  REFIT_RETURN_NOT_OK(CheckSettings(settings, relay));
 
-  // The model.
-  uint64_t version = 0;
-  if (settings.version.has_value()) {
-    version = *settings.version;
-  } else {
-    Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(settings.model_path);
-    if (!file.ok()) return file.status().WithContext("serve: --model");
-    version = VersionOf(**file);
+  ReceiverNodeOptions options;
+  options.model_path = settings.model_path;
+  options.store_mode = settings.mmap ? StoreMode::kMmap : StoreMode::kMemory;
+  options.version = settings.version;
+  if (!settings.loader_path.empty()) {
+    REFIT_ASSIGN_OR_RETURN(options.loader, LoaderSpecFromYamlFile(settings.loader_path));
   }
-  Result<std::unique_ptr<WeightStore>> opened =
-      WeightStore::Open(settings.model_path, settings.mmap ? StoreMode::kMmap : StoreMode::kMemory);
-  if (!opened.ok()) return opened.status().WithContext("serve: --model");
-  std::unique_ptr<WeightStore> store = std::move(opened).ValueOrDie();
-  store->set_version(version);
-
-  ReceiverSessionOptions session_options;
-  session_options.apply_queue_depth = settings.apply_queue_depth;
-  session_options.limits = limits;
-  if (!settings.bootstrap_uri.empty()) {
-    ChainBootstrapOptions bootstrap;
-    bootstrap.session = session_options;
-    bootstrap.on_version = [](const ChainVersion& replayed) {
-      ServeLogger().info("serve: bootstrap: replayed {} {} ({} payloads)",
-                         replayed.anchor ? "anchor" : "delta", replayed.version,
-                         replayed.payloads.size());
-    };
-    Result<ChainBootstrapReport> caught_up =
-        BootstrapFromChain(settings.bootstrap_uri, *store, bootstrap);
-    if (!caught_up.ok()) return caught_up.status().WithContext("serve: --bootstrap");
+  options.place.replica = settings.replica;
+  options.transport_uri = uri.ToString();
+  if (relay) {
+    options.data_endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
+    options.peers = settings.peers;
+    if (AdvertisedHost(settings) != settings.bind_address) {
+      options.data_bind_address = settings.bind_address;
+    }
+  }
+  options.control.bind_address = settings.bind_address;
+  options.control.port = settings.control_port;
+  options.control.api_key = api_key;
+  options.control.tls_cert_path = settings.tls_cert_path;
+  options.control.tls_key_path = settings.tls_key_path;
+  options.control.max_request_bytes = settings.max_payload_bytes;
+  options.session.apply_queue_depth = settings.apply_queue_depth;
+  options.session.limits.max_payload_bytes = settings.max_payload_bytes;
+  options.bootstrap_uri = settings.bootstrap_uri;
+  options.on_bootstrap_version = [](const ChainVersion& replayed) {
+    ServeLogger().info("serve: bootstrap: replayed {} {} ({} payloads)",
+                       replayed.anchor ? "anchor" : "delta", replayed.version,
+                       replayed.payloads.size());
+  };
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ReceiverNode> node, ReceiverNode::Make(options));
+  REFIT_RETURN_NOT_OK(node->Start().WithContext("serve"));
+  if (const std::optional<ChainBootstrapReport>& caught_up = node->bootstrap_report()) {
     std::printf(
         "refit serve: bootstrap: version %llu -> %llu: %llu version(s) replayed%s, %llu payloads, "
         "%.1f MiB in %.2f s\n",
@@ -258,100 +249,35 @@ Status RunServe(const ServeSettings& settings) {
         static_cast<unsigned long long>(caught_up->payloads),
         static_cast<double>(caught_up->bytes) / (1 << 20), caught_up->seconds);
     std::fflush(stdout);
-    version = store->version();
   }
-  Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(session_options, *store);
-  if (!made.ok()) return made.status().WithContext("serve: --apply-queue-depth");
-  std::unique_ptr<ReceiverSession> session = std::move(made).ValueOrDie();
-  SessionSink sink(*session);
-
-  // The data plane. An object store's listener binds nothing; it is named by the control plane
-  // that hands it the manifests.
-  ListenerContext listener_context;
-  if (caps.fan_out_tree) {
-    listener_context.endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
-    listener_context.peers = settings.peers;
-    if (AdvertisedHost(settings) != settings.bind_address) {
-      listener_context.bind_address = settings.bind_address;
-    }
-  } else {
-    listener_context.endpoint = fmt::format("{}://{}", uri.scheme, uri.target);
-  }
-  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(listener_context, sink);
-  if (!listener_made.ok()) {
-    return listener_made.status().WithContext(
-        "serve: --bind/--advertise/--data-port and --peers (the peers must list this receiver's "
-        "endpoint exactly as --advertise:--data-port, --advertise defaulting to --bind)");
-  }
-  std::unique_ptr<Listener> listener = std::move(listener_made).ValueOrDie();
-  REFIT_RETURN_NOT_OK(listener->Start().WithContext("serve: data plane"));
-
-  // The control plane.
-  ControlServerOptions control_options;
-  control_options.bind_address = settings.bind_address;
-  control_options.port = settings.control_port;
-  control_options.api_key = api_key;
-  control_options.tls_cert_path = settings.tls_cert_path;
-  control_options.tls_key_path = settings.tls_key_path;
-  control_options.max_request_bytes = settings.max_payload_bytes;
-  if (!settings.bootstrap_uri.empty()) {
-    // Fallen behind (the fleet moved on while this receiver was cut off): replay the chain's
-    // deltas through the live session, then take the prepare.
-    control_options.catch_up = [&settings, &session, &store,
-                                session_options](uint64_t base_version) -> Status {
-      ChainBootstrapOptions catch_up;
-      catch_up.session = session_options;
-      REFIT_ASSIGN_OR_RETURN(
-          const ChainBootstrapReport report,
-          CatchUpFromChain(settings.bootstrap_uri, *session, *store, base_version, catch_up));
-      ServeLogger().info("serve: caught up from version {} to {}: {} version(s), {} payloads",
-                         report.start_version, report.final_version, report.versions_replayed,
-                         report.payloads);
-      return Status::OK();
-    };
-  }
-  if (caps.needs_manifest) {
-    control_options.manifest_handler = [&listener](std::string_view manifest,
-                                                   std::stop_token stop) -> Result<StagedManifest> {
-      REFIT_ASSIGN_OR_RETURN(const ManifestDelivery delivered,
-                             listener->AcceptManifest(manifest, std::move(stop)));
-      return StagedManifest{.result = delivered.result, .payload_bytes = delivered.payload_bytes};
-    };
-  }
-  Result<std::unique_ptr<ControlServer>> server_made =
-      ControlServer::Make(control_options, *session, *store);
-  if (!server_made.ok()) return server_made.status().WithContext("serve: control plane");
-  std::unique_ptr<ControlServer> server = std::move(server_made).ValueOrDie();
-  REFIT_RETURN_NOT_OK(server->Start().WithContext("serve: control plane"));
-
-  const bool data_plane_keyed =
-      uri.Param(kUriKeyParam) != nullptr || uri.Param(kUriKeyEnvParam) != nullptr;
-  if (api_key.empty() || !data_plane_keyed) {
-    const std::string_view planes = api_key.empty() && !data_plane_keyed ? "control and data planes"
-                                    : api_key.empty()                    ? "control plane"
-                                                                         : "data plane";
+  if (api_key.empty()) {
     ServeLogger().warn(
-        "serve: no api key on the {} (--api-key-env): anyone who can reach {} can write this "
-        "receiver's weights",
-        planes, settings.bind_address);
+        "serve: no api key on the control plane (--api-key-env): anyone who can reach {} can "
+        "write this receiver's weights",
+        settings.bind_address);
   }
 
-  const std::string control_url = server->base_url();
-  // Producers address an object-store receiver by its control plane, where manifests go.
-  const std::string data_endpoint = caps.fan_out_tree ? listener_context.endpoint : control_url;
+  const uint64_t version = node->status().version;
+  const size_t tensors = node->store().size();
+  const std::string control_url = node->control_url();
   if (!settings.ready_file.empty()) {
     REFIT_RETURN_NOT_OK(WriteReadyFile(
-        settings.ready_file, ReadyFileText(control_url, data_endpoint, version, store->size())));
+        settings.ready_file,
+        ReadyFileText(control_url, node->producer_endpoint(), version, tensors)));
   }
   const std::string data_plane =
-      caps.fan_out_tree
-          ? fmt::format("{} ({} relay{})", listener_context.endpoint,
-                        std::max<size_t>(settings.peers.size(), 1),
-                        settings.peers.size() > 1 ? "s" : "")
-          : fmt::format("{} (manifests on the control plane)", listener_context.endpoint);
-  std::printf("refit serve: ready: control %s, data %s, version %llu, %zu tensors\n",
+      relay ? fmt::format("{} ({} relay{})", node->producer_endpoint(),
+                          std::max<size_t>(settings.peers.size(), 1),
+                          settings.peers.size() > 1 ? "s" : "")
+            : fmt::format("{}://{} (manifests on the control plane)", uri.scheme, uri.target);
+  const std::string place =
+      options.place.replica.empty() && !options.loader.has_value()
+          ? std::string()
+          : fmt::format(", replica '{}' shard {} of {}", node->options().place.replica,
+                        node->options().place.shard, node->options().place.shards);
+  std::printf("refit serve: ready: control %s, data %s, version %llu, %zu tensors%s\n",
               control_url.c_str(), data_plane.c_str(), static_cast<unsigned long long>(version),
-              store->size());
+              tensors, place.c_str());
   std::fflush(stdout);
 
   int signal_number = 0;
@@ -360,17 +286,7 @@ Status RunServe(const ServeSettings& settings) {
   }
   const std::string_view signal_name = signal_number == SIGTERM ? "SIGTERM" : "SIGINT";
   ServeLogger().info("serve: {} received; shutting down", signal_name);
-
-  server->Stop();
-  listener->Stop();
-  const ListenerStats stats = listener->stats();
-  ServeLogger().info("serve: data plane delivered {} payloads ({} duplicates), {} failures ({})",
-                     stats.delivered, stats.duplicates, stats.failures,
-                     stats.last_error.ok() ? "none" : "last: " + stats.last_error.ToString());
-  // Nothing may call into the session once it is gone.
-  server.reset();
-  listener.reset();
-  const ReceiverStatus open = session->GetStatus();
+  const ReceiverStatus open = node->status();
   if (open.state != ReceiverState::kIdle) {
     ServeLogger().warn(
         "serve: transfer {} is {} at shutdown ({} payloads applied): rolling it back to "
@@ -378,10 +294,11 @@ Status RunServe(const ServeSettings& settings) {
         open.transfer_id.value_or(TransferId{}).ToHex(), ReceiverStateName(open.state),
         open.applied_payloads, open.base_version);
   }
-  session.reset();
+  node->Stop();
   if (!settings.ready_file.empty()) std::remove(settings.ready_file.c_str());
   std::printf("refit serve: clean shutdown on %s at version %llu\n",
-              std::string(signal_name).c_str(), static_cast<unsigned long long>(store->version()));
+              std::string(signal_name).c_str(),
+              static_cast<unsigned long long>(node->store().version()));
   std::fflush(stdout);
   return Status::OK();
 }
@@ -481,6 +398,14 @@ void RegisterServe(CLI::App& app, Status* result) {
                   "verifying each version's state fingerprint; later, when a transfer is "
                   "prepared from a newer version than this receiver holds, replay the deltas "
                   "it missed first");
+  cmd->add_option("--loader", settings->loader_path,
+                  "A loader spec (YAML: tp_rank, tp_size, rules) mapping canonical tensors onto "
+                  "this receiver's tensors: rename, skip, row/column shards, fused qkv and "
+                  "gate_up, vocabulary-parallel embeddings (docs/configuration.md)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--replica", settings->replica,
+                  "The replica this receiver belongs to: the shards of a tensor-parallel group "
+                  "share it and are verified together");
   cmd->add_option("--ready-file", settings->ready_file,
                   "Write {pid, control_url, data_endpoint, version, tensors} as JSON here once "
                   "both planes listen; removed at a clean shutdown");
@@ -514,6 +439,8 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--version")) merged.version = flags.version;
     if (given("--ready-file")) merged.ready_file = flags.ready_file;
     if (given("--bootstrap")) merged.bootstrap_uri = flags.bootstrap_uri;
+    if (given("--loader")) merged.loader_path = flags.loader_path;
+    if (given("--replica")) merged.replica = flags.replica;
     *result = RunServe(merged);
   });
 }

@@ -70,7 +70,7 @@ Status RunSimulate(const SimulateArgs& args) {
     for (const TensorView& t : tensors) previous.emplace_back(t.bytes.begin(), t.bytes.end());
     const std::string path = fmt::format("{}/step_{:04d}.safetensors", args.out_dir, k);
     REFIT_RETURN_NOT_OK(
-        WriteSafetensors(path, tensors, {{kVersionMetadataKey, std::to_string(k)}}));
+        WriteSafetensors(path, tensors, {{kWeightVersionMetadataKey, std::to_string(k)}}));
     table.AddRow({std::to_string(k), path, fmt::format("{:.3g}", simulator->learning_rate()),
                   k > 0 ? std::to_string(changed) : "-",
                   k > 0 ? fmt::format("{:.4f}%", 100.0 * static_cast<double>(changed) /

@@ -222,18 +222,23 @@ Result<TransferPlan> DeltaTracker::Begin(const TransferId& id, bool force_anchor
     return FailedPrecondition("cannot begin transfer {}: transfer {} is still open", id.ToHex(),
                               s.open->transfer_id.ToHex());
   }
+  s.open = TransferPlan{id, force_anchor || NextIsAnchor(), s.version, s.version + 1};
+  return *s.open;
+}
+
+bool DeltaTracker::NextIsAnchor() const {
+  const State& s = *state_;
   const TrackerOptions& o = s.options;
-  bool anchor = force_anchor || s.committed_transfers == 0;
-  if (o.full_sync_interval > 0 && s.committed_transfers % o.full_sync_interval == 0) anchor = true;
+  if (s.committed_transfers == 0) return true;
+  if (o.full_sync_interval > 0 && s.committed_transfers % o.full_sync_interval == 0) return true;
   if (o.max_drift_fraction > 0.0) {
     const uint64_t total = s.TotalElements();
     if (total > 0 && static_cast<double>(s.changed_since_anchor) >
                          o.max_drift_fraction * static_cast<double>(total)) {
-      anchor = true;
+      return true;
     }
   }
-  s.open = TransferPlan{id, anchor, s.version, s.version + 1};
-  return *s.open;
+  return false;
 }
 
 Result<Item> DeltaTracker::State::MakeItem(const TensorView& current, Op op, DType value_dtype,
@@ -436,6 +441,15 @@ Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
   entry->shape = tensor.shape;
   entry->numel = tensor.numel();
   entry->digest = TensorDigest(tensor);
+  return MarkBaselineAdopted();
+}
+
+Status DeltaTracker::MarkBaselineAdopted() {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot adopt a baseline while transfer {} is open",
+                              s.open->transfer_id.ToHex());
+  }
   // The adopted state plays the role of a committed anchor.
   s.committed_transfers = std::max<uint64_t>(s.committed_transfers, 1);
   s.changed_since_anchor = 0;

@@ -380,7 +380,8 @@ Result<ControlStatus> ControlClient::GetStatus() {
   REFIT_ASSIGN_OR_RETURN(const Json body, impl_->GetJson(internal::kStatusPath));
   Result<internal::ControlStatusFields> fields = internal::StatusFromJson(body);
   if (!fields.ok()) return ReplyFieldError(fields.status());
-  return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint};
+  return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint,
+                       std::move(fields->place)};
 }
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
@@ -461,7 +462,8 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
 
 std::string ControlStatusToJson(const ControlStatus& status) {
   internal::Json body = internal::StatusToJson(
-      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint});
+      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint,
+                                    status.place});
   body.erase("ok");
   return internal::DumpJson(body);
 }

@@ -440,6 +440,7 @@ Json ControlServer::Impl::StatusBody() {
   std::shared_lock lock(store_access);
   status.receiver = session.GetStatus();
   status.tensors = store.size();
+  status.place = options.place;
   if (status.receiver.state != ReceiverState::kReceiving) {
     status.state_fingerprint = StateFingerprint(std::as_const(store).Digests());
   }
@@ -644,7 +645,7 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOp
                            options.max_flush_timeout.count());
   }
   auto impl = std::make_unique<Impl>(options, session, store);
-  REFIT_ASSIGN_OR_RETURN(impl->metrics, internal::ControlMetrics::Make());
+  REFIT_ASSIGN_OR_RETURN(impl->metrics, internal::ControlMetrics::Make(options.place));
   try {
     if (!options.tls_cert_path.empty()) {
       for (const std::string& path : {options.tls_cert_path, options.tls_key_path}) {

@@ -37,7 +37,7 @@ prometheus::Gauge& AddGauge(prometheus::Registry& registry, const std::string& n
 ControlMetrics::ControlMetrics() = default;
 ControlMetrics::~ControlMetrics() = default;
 
-Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make() {
+Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make(const ReplicaPlace& place) {
   // Not make_unique: the constructor is private.
   std::unique_ptr<ControlMetrics> metrics(new ControlMetrics());
   // prometheus-cpp reports invalid names and labels by throwing; none can occur with the fixed
@@ -79,6 +79,16 @@ Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make() {
                                           "Payloads staged and waiting for the apply thread");
     metrics->transfer_open_ = &AddGauge(registry, "refit_transfer_open",
                                         "1 while a transfer is open (receiving or prepared)");
+    // The info-metric idiom: a constant 1 whose labels say where the receiver sits, so a
+    // dashboard can group a shard group's receivers by replica.
+    prometheus::BuildGauge()
+        .Name("refit_receiver_info")
+        .Help("Where this receiver sits: its replica and its shard of the replica's group")
+        .Register(registry)
+        .Add({{"replica", place.replica},
+              {"shard", std::to_string(place.shard)},
+              {"shards", std::to_string(place.shards)}})
+        .Set(1);
   } catch (const std::exception& error) {
     return Internal("cannot create the control plane metrics: {}", error.what());
   }

@@ -39,9 +39,9 @@ class ControlMetrics {
   /// probing random paths cannot grow the label set without bound.
   static constexpr std::string_view kUnmatchedRoute = "unmatched";
 
-  /// Create the registry and every metric family.
+  /// Create the registry and every metric family; `place` labels refit_receiver_info.
   /// Errors: Internal if prometheus-cpp refuses a name (a programming error, reported not thrown).
-  static Result<std::unique_ptr<ControlMetrics>> Make();
+  static Result<std::unique_ptr<ControlMetrics>> Make(const ReplicaPlace& place = {});
   ~ControlMetrics();
   ControlMetrics(const ControlMetrics&) = delete;
   ControlMetrics& operator=(const ControlMetrics&) = delete;

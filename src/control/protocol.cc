@@ -293,14 +293,24 @@ Result<TransferExpectation> GetExpectation(const JsonFields& body) {
 Json FlushReportToJson(const FlushReport& report) {
   Json digests = Json::object();
   for (const auto& [name, digest] : report.digests) digests[name] = DigestToHex(digest);
-  return Json{{"ok", true},
-              {"transfer_id", report.transfer_id.ToHex()},
-              {"target_version", report.target_version},
-              {"payloads", report.payloads},
-              {"items", report.items},
-              {"changed_elements", report.changed_elements},
-              {"duplicates", report.duplicates},
-              {"digests", std::move(digests)}};
+  Json body{{"ok", true},
+            {"transfer_id", report.transfer_id.ToHex()},
+            {"target_version", report.target_version},
+            {"payloads", report.payloads},
+            {"items", report.items},
+            {"changed_elements", report.changed_elements},
+            {"duplicates", report.duplicates},
+            {"digests", std::move(digests)}};
+  if (!report.holdings.empty()) {
+    Json holdings = Json::object();
+    for (const auto& [name, holding] : report.holdings) {
+      Json pieces = Json::object();
+      for (const auto& [piece, digest] : holding.pieces) pieces[piece] = DigestToHex(digest);
+      holdings[name] = Json{{"skipped", holding.skipped}, {"pieces", std::move(pieces)}};
+    }
+    body["holdings"] = std::move(holdings);
+  }
+  return body;
 }
 
 Result<FlushReport> FlushReportFromJson(const Json& body) {
@@ -313,6 +323,17 @@ Result<FlushReport> FlushReportFromJson(const Json& body) {
   REFIT_ASSIGN_OR_RETURN(report.changed_elements, fields.Uint("changed_elements"));
   REFIT_ASSIGN_OR_RETURN(report.duplicates, fields.Uint("duplicates"));
   REFIT_ASSIGN_OR_RETURN(report.digests, fields.Digests("digests"));
+  if (const Json* holdings = fields.Find("holdings"); holdings != nullptr) {
+    if (!holdings->is_object()) {
+      return InvalidArgument("{}: expected an object", fields.Name("holdings"));
+    }
+    for (const auto& [name, holding] : holdings->items()) {
+      const JsonFields holding_fields(holding, fields.Name("holdings") + "." + name);
+      CanonicalHolding& held = report.holdings[name];
+      REFIT_ASSIGN_OR_RETURN(held.skipped, holding_fields.Bool("skipped"));
+      REFIT_ASSIGN_OR_RETURN(held.pieces, holding_fields.Digests("pieces"));
+    }
+  }
   return report;
 }
 
@@ -332,7 +353,10 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"undo_bytes", receiver.undo_bytes},
             {"last_error", nullptr},
             {"tensors", status.tensors},
-            {"state_fingerprint", nullptr}};
+            {"state_fingerprint", nullptr},
+            {"replica", status.place.replica},
+            {"shard", status.place.shard},
+            {"shards", status.place.shards}};
   if (receiver.transfer_id.has_value()) body["transfer_id"] = receiver.transfer_id->ToHex();
   if (!receiver.last_error.ok()) {
     body["last_error"] = Json{{"code", std::string(StatusCodeName(receiver.last_error.code()))},
@@ -371,6 +395,17 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
     receiver.last_error = Status(*code, std::move(message));
   }
   REFIT_ASSIGN_OR_RETURN(status.tensors, fields.Uint("tensors"));
+  // A receiver older than replica places is a replica of its own.
+  if (fields.Has("replica")) {
+    REFIT_ASSIGN_OR_RETURN(status.place.replica, fields.String("replica"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t shard, fields.Uint("shard"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t shards, fields.Uint("shards"));
+    if (shards == 0 || shards > UINT32_MAX || shard >= shards) {
+      return InvalidArgument("{}: shard {} of {}", fields.Name("shard"), shard, shards);
+    }
+    status.place.shard = static_cast<uint32_t>(shard);
+    status.place.shards = static_cast<uint32_t>(shards);
+  }
   if (fields.Has("state_fingerprint")) {
     REFIT_ASSIGN_OR_RETURN(const std::string hex, fields.String("state_fingerprint"));
     REFIT_ASSIGN_OR_RETURN(status.state_fingerprint,

@@ -128,6 +128,7 @@ struct ControlStatusFields {
   ReceiverStatus receiver;
   uint64_t tensors = 0;
   std::optional<uint64_t> state_fingerprint;
+  ReplicaPlace place;
 };
 Json StatusToJson(const ControlStatusFields& status);
 Result<ControlStatusFields> StatusFromJson(const Json& body);

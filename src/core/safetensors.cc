@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -598,6 +599,12 @@ Status WriteSafetensors(const std::string& path, const std::vector<TensorView>& 
     return status;
   }
   return SyncParentDirectory(path);
+}
+
+uint64_t WeightVersionOf(const SafetensorsFile& file) {
+  auto it = file.metadata().find(kWeightVersionMetadataKey);
+  if (it == file.metadata().end()) return 0;
+  return std::strtoull(it->second.c_str(), nullptr, 10);
 }
 
 }  // namespace refit

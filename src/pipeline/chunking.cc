@@ -72,7 +72,9 @@ Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> mod
       REFIT_RETURN_NOT_OK(tracker.AdoptBaseline(model[t]));
     }
   }
-  return Status::OK();
+  // Also for a producer that owns none of the chunks: its empty baseline is complete, and its
+  // next transfer must be a delta like everyone else's.
+  return tracker.MarkBaselineAdopted();
 }
 
 }  // namespace refit

@@ -60,88 +60,9 @@ void ForEachConcurrently(size_t n, const std::function<void(size_t)>& fn) {
   if (n > 0) fn(0);
 }
 
-// A channel's sender that refuses to send once the transfer has used up its budget, so a slow
-// transport cannot hold the fleet past the coordinator's timeout.
-PayloadSender DeadlineSender(PayloadChannel& channel, Clock::time_point deadline,
-                             std::chrono::milliseconds budget) {
-  return [&channel, deadline, budget](uint32_t payload_id, std::span<const std::byte> payload) {
-    if (Clock::now() > deadline) {
-      return DeadlineExceeded("payload {}: the transfer passed its {} ms budget", payload_id,
-                              budget.count());
-    }
-    return channel.Send(payload_id, payload);
-  };
-}
-
-}  // namespace
-
-struct Coordinator::Impl {
-  CoordinatorOptions options;
-  std::vector<CoordinatedProducer> producers;
-  std::vector<CoordinatedReceiver> receivers;
-  ChannelFactory channels;
-  // One stream per producer, with its producer id set.
-  std::vector<std::unique_ptr<ProducerStream>> streams;
-
-  Result<RefitReport> Refit(const TransferId& id, bool force_anchor);
-
-  // Begin on every tracker; on disagreement or failure, abort those that began.
-  Result<TransferPlan> BeginEverywhere(const TransferId& id, bool force_anchor);
-  void AbortTrackers(const TransferId& id);
-  // Abort on every receiver and tracker; return the receivers whose abort failed.
-  std::vector<Failure> AbortEverywhere(const TransferId& id);
-  // The error Refit returns: the first failure, then the rest and any failed aborts.
-  Status FailTransfer(const TransferId& id, std::string_view phase, std::vector<Failure> failures);
-};
-
-Result<TransferPlan> Coordinator::Impl::BeginEverywhere(const TransferId& id, bool force_anchor) {
-  std::optional<TransferPlan> agreed;
-  for (size_t p = 0; p < producers.size(); ++p) {
-    Result<TransferPlan> plan = producers[p].tracker->Begin(id, force_anchor);
-    Status problem;
-    if (!plan.ok()) {
-      problem = plan.status().WithContext(fmt::format("producer {}", p));
-    } else if (agreed.has_value() &&
-               (plan->anchor != agreed->anchor || plan->base_version != agreed->base_version ||
-                plan->target_version != agreed->target_version)) {
-      problem = FailedPrecondition(
-          "producer {} plans {} v{} -> v{} but producer 0 plans {} v{} -> v{}: the producers' "
-          "trackers are at different versions or anchor cadences",
-          p, plan->anchor ? "an anchor" : "a delta", plan->base_version, plan->target_version,
-          agreed->anchor ? "an anchor" : "a delta", agreed->base_version, agreed->target_version);
-      producers[p].tracker->Abort(id).IgnoreError();
-    }
-    if (!problem.ok()) {
-      for (size_t q = 0; q < p; ++q) producers[q].tracker->Abort(id).IgnoreError();
-      return problem.WithContext(fmt::format("transfer {}: begin", id.ToHex()));
-    }
-    if (!agreed.has_value()) agreed = *plan;
-  }
-  return *agreed;
-}
-
-void Coordinator::Impl::AbortTrackers(const TransferId& id) {
-  for (CoordinatedProducer& producer : producers) {
-    // Only fails for another open transfer id, which BeginEverywhere has ruled out.
-    producer.tracker->Abort(id).IgnoreError();
-  }
-}
-
-std::vector<Failure> Coordinator::Impl::AbortEverywhere(const TransferId& id) {
-  Failures failed_aborts;
-  ForEachConcurrently(receivers.size(), [&](size_t r) {
-    Status st = receivers[r].control->Abort(id);
-    if (!st.ok()) failed_aborts.Add(receivers[r].name, std::move(st));
-  });
-  AbortTrackers(id);
-  return failed_aborts.Take();
-}
-
-Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view phase,
-                                       std::vector<Failure> failures) {
-  std::vector<Failure> failed_aborts = AbortEverywhere(id);
-  // Report the most telling failure first: a refusal or a corrupt payload explains the
-  // cancellations and timeouts it caused elsewhere.
+// A Failure list as one Status: the most telling failure first (a refusal or a corrupt payload
+// explains the cancellations and timeouts it caused elsewhere), its message naming the place.
+Status CombineFailures(std::vector<Failure> failures) {
   std::stable_sort(failures.begin(), failures.end(), [](const Failure& a, const Failure& b) {
     auto rank = [](StatusCode code) {
       return code == StatusCode::kCancelled || code == StatusCode::kDeadlineExceeded ? 1 : 0;
@@ -149,14 +70,257 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
     return rank(a.status.code()) < rank(b.status.code());
   });
   const Failure& first = failures.front();
-  std::string message = fmt::format("transfer {}: {} failed at {}: {}", id.ToHex(), phase,
-                                    first.where, first.status.message());
+  std::string message = fmt::format("{}: {}", first.where, first.status.message());
   for (size_t i = 1; i < failures.size(); ++i) {
     message += fmt::format("; also at {}: {}", failures[i].where, failures[i].status.ToString());
   }
+  return Status(first.status.code(), std::move(message));
+}
+
+// W producers in this process, each with its own tracker, stream and channel.
+class LocalProducers final : public ProducerSet {
+ public:
+  LocalProducers(std::vector<CoordinatedProducer> producers,
+                 std::vector<std::unique_ptr<ProducerStream>> streams, ChannelFactory channels)
+      : producers_(std::move(producers)),
+        streams_(std::move(streams)),
+        channels_(std::move(channels)) {}
+
+  uint32_t size() const override { return static_cast<uint32_t>(producers_.size()); }
+  uint64_t version() const override { return producers_.front().tracker->version(); }
+
+  Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) override {
+    bool anchor = force_anchor;
+    for (const CoordinatedProducer& producer : producers_) {
+      anchor = anchor || producer.tracker->NextIsAnchor();
+    }
+    std::optional<TransferPlan> agreed;
+    for (size_t p = 0; p < producers_.size(); ++p) {
+      Result<TransferPlan> plan = producers_[p].tracker->Begin(id, anchor);
+      Status problem;
+      if (!plan.ok()) {
+        problem = plan.status().WithContext(fmt::format("producer {}", p));
+      } else if (agreed.has_value() && (plan->base_version != agreed->base_version ||
+                                        plan->target_version != agreed->target_version)) {
+        problem = FailedPrecondition(
+            "producer {} is at version {} but producer 0 at version {}: the producers' trackers "
+            "must start from the same version",
+            p, plan->base_version, agreed->base_version);
+        producers_[p].tracker->Abort(id).IgnoreError();
+      }
+      if (!problem.ok()) {
+        for (size_t q = 0; q < p; ++q) producers_[q].tracker->Abort(id).IgnoreError();
+        return problem;
+      }
+      if (!agreed.has_value()) agreed = *plan;
+    }
+    return *agreed;
+  }
+
+  Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               Clock::time_point deadline) override {
+    std::vector<ProducerStreamed> streamed(producers_.size());
+    Failures failures;
+    ForEachConcurrently(producers_.size(), [&](size_t p) {
+      const std::string where = fmt::format("producer {}", p);
+      Result<ChunkSource> source = producers_[p].source(plan);
+      if (!source.ok()) return failures.Add(where, source.status());
+      Result<std::unique_ptr<PayloadChannel>> channel =
+          channels_(ChannelRequest{.transfer_id = plan.transfer_id,
+                                   .producer_id = static_cast<uint32_t>(p),
+                                   .base_version = plan.base_version,
+                                   .target_version = plan.target_version});
+      if (!channel.ok()) return failures.Add(where, channel.status());
+      Result<StreamReport> report =
+          streams_[p]->Run(*producers_[p].tracker, *source, DeadlineSender(**channel, deadline),
+                           (*channel)->AsSenderCleanup());
+      if (!report.ok()) return failures.Add(where, report.status());
+      if (Clock::now() > deadline) {
+        return failures.Add(where, DeadlineExceeded("the transfer passed its deadline"));
+      }
+      Status finished = (*channel)->Finish(report->payloads);
+      if (!finished.ok()) return failures.Add(where, finished.WithContext("finish"));
+      streamed[p].report = *std::move(report);
+      streamed[p].digests = producers_[p].tracker->PendingDigests();
+    });
+    if (!failures.empty()) return CombineFailures(failures.Take());
+    return streamed;
+  }
+
+  Status Commit(const TransferId& id) override {
+    for (size_t p = 0; p < producers_.size(); ++p) {
+      REFIT_RETURN_NOT_OK(producers_[p].tracker->Commit(id).WithContext(
+          fmt::format("producer {}", p)));
+    }
+    return Status::OK();
+  }
+
+  void Abort(const TransferId& id) override {
+    for (CoordinatedProducer& producer : producers_) {
+      // Only fails for another open transfer id, which Begin has ruled out.
+      producer.tracker->Abort(id).IgnoreError();
+    }
+  }
+
+ private:
+  // A channel's sender that refuses to send once the transfer has used up its budget, so a slow
+  // transport cannot hold the fleet past the coordinator's timeout.
+  static PayloadSender DeadlineSender(PayloadChannel& channel, Clock::time_point deadline) {
+    return [&channel, deadline](uint32_t payload_id, std::span<const std::byte> payload) {
+      if (Clock::now() > deadline) {
+        return DeadlineExceeded("payload {}: the transfer passed its deadline", payload_id);
+      }
+      return channel.Send(payload_id, payload);
+    };
+  }
+
+  std::vector<CoordinatedProducer> producers_;
+  std::vector<std::unique_ptr<ProducerStream>> streams_;
+  ChannelFactory channels_;
+};
+
+// The receivers of one replica, by index into the coordinator's receiver list, in shard order.
+struct Replica {
+  std::string name;
+  std::vector<size_t> shards;
+};
+
+// Group receivers into replicas and check that each replica has shards 0 … n − 1 exactly once.
+Result<std::vector<Replica>> GroupReplicas(const std::vector<CoordinatedReceiver>& receivers) {
+  std::vector<Replica> replicas;
+  std::map<std::string, size_t> by_name;
+  for (size_t r = 0; r < receivers.size(); ++r) {
+    const CoordinatedReceiver& receiver = receivers[r];
+    if (receiver.shards == 0 || receiver.shard >= receiver.shards) {
+      return InvalidArgument("coordinator: receiver '{}' is shard {} of {}", receiver.name,
+                             receiver.shard, receiver.shards);
+    }
+    if (receiver.replica.empty()) {
+      if (receiver.shards != 1) {
+        return InvalidArgument(
+            "coordinator: receiver '{}' is shard {} of {} but names no replica: the shards of a "
+            "group must share a replica name",
+            receiver.name, receiver.shard, receiver.shards);
+      }
+      replicas.push_back({receiver.name, {r}});
+      continue;
+    }
+    auto [it, inserted] = by_name.emplace(receiver.replica, replicas.size());
+    if (inserted) {
+      replicas.push_back({receiver.replica, std::vector<size_t>(receiver.shards, SIZE_MAX)});
+    }
+    Replica& replica = replicas[it->second];
+    if (replica.shards.size() != receiver.shards) {
+      return InvalidArgument("coordinator: replica '{}': receiver '{}' says {} shards, another {}",
+                             receiver.replica, receiver.name, receiver.shards,
+                             replica.shards.size());
+    }
+    if (replica.shards[receiver.shard] != SIZE_MAX) {
+      return InvalidArgument("coordinator: replica '{}' has shard {} twice: '{}' and '{}'",
+                             receiver.replica, receiver.shard,
+                             receivers[replica.shards[receiver.shard]].name, receiver.name);
+    }
+    replica.shards[receiver.shard] = r;
+  }
+  for (const Replica& replica : replicas) {
+    for (size_t shard = 0; shard < replica.shards.size(); ++shard) {
+      if (replica.shards[shard] == SIZE_MAX) {
+        return InvalidArgument(
+            "coordinator: replica '{}' lacks shard {} of {}: a shard group is verified as a "
+            "whole, so every shard must take part",
+            replica.name, shard, replica.shards.size());
+      }
+    }
+  }
+  return replicas;
+}
+
+// Verify one replica after flush: each expected tensor's state, as its shards report it, must be
+// the producers'. A receiver without a loader reports whole-tensor digests; one with a loader
+// reports pieces in canonical coordinates, whose distinct ids add up to the whole tensor, and
+// whose copies (replicated pieces) must agree.
+Status VerifyReplica(const Replica& replica, const std::vector<CoordinatedReceiver>& receivers,
+                     const std::vector<ReceiverOutcome>& outcomes,
+                     const std::map<std::string, uint64_t>& expected) {
+  for (const auto& [name, want] : expected) {
+    std::map<std::string, std::pair<uint64_t, size_t>> pieces;  // id → (digest, shard)
+    size_t skipped = 0;
+    for (size_t shard = 0; shard < replica.shards.size(); ++shard) {
+      const FlushReport& flush = outcomes[replica.shards[shard]].flush;
+      const std::string& where = receivers[replica.shards[shard]].name;
+      CanonicalHolding whole;
+      const CanonicalHolding* holding = nullptr;
+      if (auto it = flush.holdings.find(name); it != flush.holdings.end()) {
+        holding = &it->second;
+      } else if (auto digest = flush.digests.find(name);
+                 flush.holdings.empty() && digest != flush.digests.end()) {
+        whole.pieces.emplace("", digest->second);
+        holding = &whole;
+      } else {
+        return DataLoss("receiver '{}' reports no state for tensor '{}'", where, name);
+      }
+      if (holding->skipped) {
+        ++skipped;
+        continue;
+      }
+      for (const auto& [piece, digest] : holding->pieces) {
+        auto [it, inserted] = pieces.emplace(piece, std::pair{digest, shard});
+        if (!inserted && it->second.first != digest) {
+          return DataLoss(
+              "replica '{}': tensor '{}' piece '{}' has state digest {:016x} on shard {} but "
+              "{:016x} on shard {}: the copies of a replicated piece differ",
+              replica.name, name, piece, it->second.first, it->second.second, digest, shard);
+        }
+      }
+    }
+    if (skipped == replica.shards.size()) continue;  // The replica's loader skips this tensor.
+    uint64_t sum = 0;
+    for (const auto& [piece, digest] : pieces) sum += digest.first;
+    if (sum != want) {
+      return DataLoss(
+          "replica '{}': tensor '{}' has state digest {:016x} over its {} shard(s) ({} piece(s)), "
+          "the producers expect {:016x}",
+          replica.name, name, sum, replica.shards.size(), pieces.size(), want);
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+struct Coordinator::Impl {
+  CoordinatorOptions options;
+  std::unique_ptr<ProducerSet> producers;
+  std::vector<CoordinatedReceiver> receivers;
+  std::vector<Replica> replicas;
+
+  Result<RefitReport> Refit(const TransferId& id, bool force_anchor);
+
+  // Abort on every receiver and producer; return the receivers whose abort failed.
+  std::vector<Failure> AbortEverywhere(const TransferId& id);
+  // The error Refit returns: the first failure, then the rest and any failed aborts.
+  Status FailTransfer(const TransferId& id, std::string_view phase, std::vector<Failure> failures);
+};
+
+std::vector<Failure> Coordinator::Impl::AbortEverywhere(const TransferId& id) {
+  Failures failed_aborts;
+  ForEachConcurrently(receivers.size(), [&](size_t r) {
+    Status st = receivers[r].control->Abort(id);
+    if (!st.ok()) failed_aborts.Add(receivers[r].name, std::move(st));
+  });
+  producers->Abort(id);
+  return failed_aborts.Take();
+}
+
+Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view phase,
+                                       std::vector<Failure> failures) {
+  std::vector<Failure> failed_aborts = AbortEverywhere(id);
+  const Status combined = CombineFailures(std::move(failures));
+  std::string message = fmt::format("transfer {}: {} failed at {}", id.ToHex(), phase,
+                                    combined.message());
   if (failed_aborts.empty()) {
     message += fmt::format("; aborted on {} receiver(s) and {} producer(s)", receivers.size(),
-                           producers.size());
+                           producers->size());
   } else {
     for (const Failure& f : failed_aborts) {
       message += fmt::format("; abort failed at {}: {}", f.where, f.status.ToString());
@@ -164,7 +328,7 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
   }
   REFIT_LOG_WARN("{}", message);
   if (options.observer != nullptr) options.observer->TransferAborted(id);
-  return Status(first.status.code(), std::move(message));
+  return Status(combined.code(), std::move(message));
 }
 
 Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_anchor) {
@@ -172,11 +336,15 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   const Clock::time_point deadline = start + options.transfer_timeout;
   RefitReport report;
   if (options.observer != nullptr && !force_anchor &&
-      options.observer->NeedsAnchor(producers.front().tracker->version())) {
+      options.observer->NeedsAnchor(producers->version())) {
     REFIT_LOG_INFO("transfer {}: an anchor, as the transport asks", id.ToHex());
     force_anchor = true;
   }
-  REFIT_ASSIGN_OR_RETURN(report.plan, BeginEverywhere(id, force_anchor));
+  {
+    Result<TransferPlan> plan = producers->Begin(id, force_anchor);
+    if (!plan.ok()) return plan.status().WithContext(fmt::format("transfer {}: begin", id.ToHex()));
+    report.plan = *plan;
+  }
   const TransferPlan& plan = report.plan;
 
   // 2. Prepare. Counts and digests are only known after streaming; they travel with Flush.
@@ -201,48 +369,25 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
 
   // 3. Stream: every producer concurrently, each through its own channel.
   const Clock::time_point stream_start = Clock::now();
-  report.producers.resize(producers.size());
+  std::vector<ProducerStreamed> streamed;
   {
-    Failures failures;
-    ForEachConcurrently(producers.size(), [&](size_t p) {
-      const std::string where = fmt::format("producer {}", p);
-      const uint32_t producer_id = static_cast<uint32_t>(p);
-      Result<ChunkSource> source = producers[p].source(plan);
-      if (!source.ok()) return failures.Add(where, source.status());
-      Result<std::unique_ptr<PayloadChannel>> channel =
-          channels(ChannelRequest{.transfer_id = id,
-                                  .producer_id = producer_id,
-                                  .base_version = plan.base_version,
-                                  .target_version = plan.target_version});
-      if (!channel.ok()) return failures.Add(where, channel.status());
-      Result<StreamReport> streamed =
-          streams[p]->Run(*producers[p].tracker, *source,
-                          DeadlineSender(**channel, deadline, options.transfer_timeout),
-                          (*channel)->AsSenderCleanup());
-      if (!streamed.ok()) return failures.Add(where, streamed.status());
-      if (Clock::now() > deadline) {
-        return failures.Add(where, DeadlineExceeded("the transfer passed its {} ms budget",
-                                                    options.transfer_timeout.count()));
-      }
-      Status finished = (*channel)->Finish(streamed->payloads);
-      if (!finished.ok()) return failures.Add(where, finished.WithContext("finish"));
-      report.producers[p] = *std::move(streamed);
-    });
-    if (!failures.empty()) return FailTransfer(id, "stream", failures.Take());
+    Result<std::vector<ProducerStreamed>> result = producers->Stream(plan, deadline);
+    if (!result.ok()) return FailTransfer(id, "stream", {{"the producers", result.status()}});
+    streamed = *std::move(result);
   }
   report.stream_s = SecondsSince(stream_start);
 
   // 4. Flush: declare what every producer sent and the state every tensor must reach.
   FlushOptions flush;
-  for (size_t p = 0; p < producers.size(); ++p) {
-    const StreamReport& streamed = report.producers[p];
+  for (size_t p = 0; p < streamed.size(); ++p) {
+    const StreamReport& sent = streamed[p].report;
     flush.expected.payloads_per_producer[static_cast<uint32_t>(p)] =
-        static_cast<uint32_t>(streamed.payloads);
-    report.payloads += streamed.payloads;
-    report.wire_bytes += streamed.wire_bytes;
-    report.changed_elements += streamed.changed_elements;
-    report.total_elements += streamed.total_elements;
-    for (const auto& [name, digest] : producers[p].tracker->PendingDigests()) {
+        static_cast<uint32_t>(sent.payloads);
+    report.payloads += sent.payloads;
+    report.wire_bytes += sent.wire_bytes;
+    report.changed_elements += sent.changed_elements;
+    report.total_elements += sent.total_elements;
+    for (const auto& [name, digest] : streamed[p].digests) {
       auto [it, inserted] = flush.expected.digests.emplace(name, digest);
       if (!inserted) {
         return FailTransfer(
@@ -251,6 +396,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
               FailedPrecondition("tensor '{}' is tracked by more than one producer", name)}});
       }
     }
+    report.producers.push_back(std::move(streamed[p].report));
   }
   const Clock::time_point flush_start = Clock::now();
   flush.timeout =
@@ -261,22 +407,16 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     ForEachConcurrently(receivers.size(), [&](size_t r) {
       Result<FlushReport> flushed = receivers[r].control->Flush(id, flush);
       if (!flushed.ok()) return failures.Add(receivers[r].name, flushed.status());
-      // A receiver checks the digests itself; checking its report here as well means a receiver
-      // that skipped the check (an older build, a bug) cannot commit a divergent state.
-      for (const auto& [name, expected] : flush.expected.digests) {
-        auto it = flushed->digests.find(name);
-        if (it == flushed->digests.end() || it->second != expected) {
-          return failures.Add(
-              receivers[r].name,
-              DataLoss("tensor '{}' has state digest {} after flush, the producers expect {:016x}",
-                       name,
-                       it == flushed->digests.end() ? std::string("(missing)")
-                                                    : fmt::format("{:016x}", it->second),
-                       expected));
-        }
-      }
       report.receivers[r].flush = *std::move(flushed);
     });
+    if (!failures.empty()) return FailTransfer(id, "flush", failures.Take());
+    // A receiver checks whole-tensor digests itself; checking its report here as well means a
+    // receiver that skipped the check (an older build, a bug) cannot commit a divergent state,
+    // and a shard group, whose shards cannot check alone, is verified as one replica.
+    for (const Replica& replica : replicas) {
+      Status verified = VerifyReplica(replica, receivers, report.receivers, flush.expected.digests);
+      if (!verified.ok()) failures.Add(fmt::format("replica '{}'", replica.name), verified);
+    }
     if (!failures.empty()) return FailTransfer(id, "flush", failures.Take());
   }
   report.flush_s = SecondsSince(flush_start);
@@ -293,16 +433,13 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     }
     report.receivers[r].commit_status = std::move(committed);
   });
-  for (size_t p = 0; p < producers.size(); ++p) {
-    Status committed = producers[p].tracker->Commit(id);
-    if (!committed.ok()) {
-      // The receivers hold the target version and this tracker does not: the fleet must be
-      // re-anchored. Say so rather than leave the next delta to fail at a digest check.
-      return Internal(
-          "transfer {}: receivers committed but producer {}'s tracker could not: {}; "
-          "the next transfer must be an anchor",
-          id.ToHex(), p, committed.ToString());
-    }
+  if (Status committed = producers->Commit(id); !committed.ok()) {
+    // The receivers hold the target version and a tracker does not: the fleet must be
+    // re-anchored. Say so rather than leave the next delta to fail at a digest check.
+    return Internal(
+        "transfer {}: receivers committed but a producer could not: {}; the next transfer must "
+        "be an anchor",
+        id.ToHex(), committed.ToString());
   }
   if (options.observer != nullptr) {
     Status observed = options.observer->TransferCommitted(plan, flush.expected.digests);
@@ -316,42 +453,62 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   return report;
 }
 
-Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions& options,
-                                                       std::vector<CoordinatedProducer> producers,
-                                                       std::vector<CoordinatedReceiver> receivers,
-                                                       ChannelFactory channels) {
+Result<std::unique_ptr<ProducerSet>> MakeLocalProducers(const ProducerStreamOptions& stream,
+                                                        std::vector<CoordinatedProducer> producers,
+                                                        ChannelFactory channels) {
   if (producers.empty()) return InvalidArgument("coordinator: no producers");
   if (!channels) return InvalidArgument("coordinator: no channel factory");
-  if (options.transfer_timeout.count() <= 0) {
-    return InvalidArgument("coordinator: transfer_timeout must be positive, got {} ms",
-                           options.transfer_timeout.count());
+  if (producers.size() > UINT32_MAX) {
+    return InvalidArgument("coordinator: {} producers exceed the 32-bit producer id space",
+                           producers.size());
   }
   for (size_t p = 0; p < producers.size(); ++p) {
     if (producers[p].tracker == nullptr || !producers[p].source) {
       return InvalidArgument("coordinator: producer {} has no tracker or no source", p);
     }
   }
+  std::vector<std::unique_ptr<ProducerStream>> streams;
+  for (size_t p = 0; p < producers.size(); ++p) {
+    ProducerStreamOptions options = stream;
+    options.producer_id = static_cast<uint32_t>(p);
+    options.num_producers = static_cast<uint32_t>(producers.size());
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerStream> made, ProducerStream::Make(options));
+    streams.push_back(std::move(made));
+  }
+  return std::unique_ptr<ProducerSet>(
+      new LocalProducers(std::move(producers), std::move(streams), std::move(channels)));
+}
+
+Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions& options,
+                                                       std::vector<CoordinatedProducer> producers,
+                                                       std::vector<CoordinatedReceiver> receivers,
+                                                       ChannelFactory channels) {
+  REFIT_ASSIGN_OR_RETURN(
+      std::unique_ptr<ProducerSet> local,
+      MakeLocalProducers(options.stream, std::move(producers), std::move(channels)));
+  return Make(options, std::move(local), std::move(receivers));
+}
+
+Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions& options,
+                                                       std::unique_ptr<ProducerSet> producers,
+                                                       std::vector<CoordinatedReceiver> receivers) {
+  if (producers == nullptr || producers->size() == 0) {
+    return InvalidArgument("coordinator: no producers");
+  }
+  if (options.transfer_timeout.count() <= 0) {
+    return InvalidArgument("coordinator: transfer_timeout must be positive, got {} ms",
+                           options.transfer_timeout.count());
+  }
   for (const CoordinatedReceiver& receiver : receivers) {
     if (receiver.control == nullptr) {
       return InvalidArgument("coordinator: receiver '{}' has no control", receiver.name);
     }
   }
-  if (producers.size() > UINT32_MAX) {
-    return InvalidArgument("coordinator: {} producers exceed the 32-bit producer id space",
-                           producers.size());
-  }
   auto impl = std::make_unique<Impl>();
-  for (size_t p = 0; p < producers.size(); ++p) {
-    ProducerStreamOptions stream = options.stream;
-    stream.producer_id = static_cast<uint32_t>(p);
-    stream.num_producers = static_cast<uint32_t>(producers.size());
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerStream> made, ProducerStream::Make(stream));
-    impl->streams.push_back(std::move(made));
-  }
+  REFIT_ASSIGN_OR_RETURN(impl->replicas, GroupReplicas(receivers));
   impl->options = options;
   impl->producers = std::move(producers);
   impl->receivers = std::move(receivers);
-  impl->channels = std::move(channels);
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
 }
 

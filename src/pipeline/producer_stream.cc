@@ -596,14 +596,4 @@ Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSourc
   return run->Run(source);
 }
 
-PayloadSender PayloadChannel::AsPayloadSender() {
-  return [this](uint32_t payload_id, std::span<const std::byte> payload) {
-    return Send(payload_id, payload);
-  };
-}
-
-SenderCleanup PayloadChannel::AsSenderCleanup() {
-  return [this] { CleanupThread(); };
-}
-
 }  // namespace refit

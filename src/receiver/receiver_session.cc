@@ -109,6 +109,8 @@ struct ReceiverSession::Impl {
     Status first_error;
     /// Set by a successful Flush: the transfer is kPrepared.
     std::optional<FlushReport> report;
+    /// Whether before_first_apply was called for this transfer.
+    bool apply_started = false;
   };
 
   Impl(const ReceiverSessionOptions& session_options, WeightStore& session_store)
@@ -278,7 +280,10 @@ struct ReceiverSession::Impl {
       progress.notify_all();                      // Room in the queue.
       if (!transfer->first_error.ok()) continue;  // Nothing applies after the first error.
       applying = true;
+      const bool first_apply = !std::exchange(transfer->apply_started, true);
       lock.unlock();
+      // Abort waits for `applying` to clear, so the transfer is still open during the hook.
+      if (first_apply && options.before_first_apply) options.before_first_apply(payload.ids.transfer_id);
       ApplyOutcome outcome = ApplyOne(payload);
       // O(records) but records grow by one per item, so this stays small next to the apply.
       const uint64_t bytes = undo.bytes();
@@ -517,6 +522,9 @@ struct ReceiverSession::Impl {
     RememberLocked(id, Outcome::kAborted);
     transfer.reset();
     progress.notify_all();
+    const uint64_t held = version;
+    lock.unlock();
+    if (options.after_abort) options.after_abort(id, held);
     return Status::OK();
   }
 
@@ -625,6 +633,13 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
     REFIT_LOG_INFO("receiver: transfer {} is based on version {}: implied commit of transfer {}",
                    id, request.base_version, s.transfer->id.ToHex());
     s.CommitLocked();
+    if (s.options.after_commit) {
+      // Without the lock, like every hook; the new transfer is opened afresh below.
+      lock.unlock();
+      s.options.after_commit(*result.implied_commit, request.base_version);
+      lock.lock();
+      s.WaitForAbortLocked(lock);
+    }
   }
   if (s.transfer) {
     return FailedPrecondition("prepare of transfer {}: {}", id, s.DescribeLocked());
@@ -670,6 +685,9 @@ Status ReceiverSession::Commit(const TransferId& id) {
                                 s.DescribeLocked());
     }
     s.CommitLocked();
+    const uint64_t version = s.version;
+    lock.unlock();
+    if (s.options.after_commit) s.options.after_commit(id, version);
     return Status::OK();
   }
   const std::optional<Outcome> outcome = s.FinishedLocked(id);

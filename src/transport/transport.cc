@@ -248,8 +248,6 @@ std::string TransportUri::ToString() const {
 
 // ---- Senders, sinks, listeners ---------------------------------------------------------------
 
-Status PayloadSink::EndOfStream(const StreamEnd& /*end*/) { return Status::OK(); }
-
 Result<PollReport> Listener::Poll() { return PollReport{}; }
 
 Result<ManifestDelivery> Listener::AcceptManifest(std::string_view /*manifest*/,

@@ -1,0 +1,128 @@
+// ReceiverNode: one receiver — everything `refit serve` runs — embeddable in any process: an
+// inference worker that registers its own parameter memory, a test, or the daemon itself.
+//
+//   model (file, or the engine's buffers) ─▶ WeightStore ◀── Loader (canonical → local layout)
+//                                               ▲
+//   Listener (zmq data port / s3 manifests) ─▶ SessionSink ─▶ ReceiverSession ◀─ ControlServer
+//                                                               │ hooks: before_first_apply,
+//                                                               ▼        after_commit, after_abort
+//
+// Lifecycle: Make (validates, loads a model file if one is named) → RegisterTensor for external
+// buffers → Start (loader, bootstrap, session, data plane, control plane) → Stop (control plane,
+// then data plane, then the session, whose end rolls an open transfer back bit-exactly).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/control_server.h"
+#include "refit/loader.h"
+#include "refit/receiver_session.h"
+#include "refit/s3_chain.h"
+#include "refit/status.h"
+#include "refit/tensor.h"
+#include "refit/transfer.h"
+#include "refit/weight_store.h"
+
+namespace refit {
+
+/// Options of ReceiverNode::Make.
+struct ReceiverNodeOptions {
+  /// The model: a safetensors file to load (into memory, or mapped copy-on-write). Empty: the
+  /// caller registers the tensors (RegisterTensor) before Start, zero-copy.
+  std::string model_path;
+  StoreMode store_mode = StoreMode::kMemory;
+  /// The weight version the model is at. Unset: the file's "refit.version" metadata, else 0.
+  std::optional<uint64_t> version;
+  /// How canonical tensors map onto this receiver's tensors (rename, skip, tensor-parallel
+  /// shards, fused concatenations). Unset: every canonical tensor is a local tensor of the same
+  /// name and shape.
+  std::optional<LoaderSpec> loader;
+  /// This receiver's replica and shard; a loader with tp_size > 1 needs a replica name, and its
+  /// shard defaults to the loader's tp_rank.
+  ReplicaPlace place;
+
+  /// The data-plane transport URI with its parameters (zmq://?api_key_env=…, s3://…).
+  std::string transport_uri = "zmq://";
+  /// zmq: this receiver's data endpoint host:port, its name in `peers` (required). s3: unused.
+  std::string data_endpoint;
+  /// zmq: the host to bind the data port on, when `data_endpoint` is not bindable (a wildcard,
+  /// or a name). Empty: bind the endpoint itself.
+  std::string data_bind_address;
+  /// zmq: every relay's data endpoint in tree order, the same list on every receiver, this one
+  /// included. Empty: this receiver alone.
+  std::vector<std::string> peers;
+
+  /// The control plane: bind address, port (0: any free one), api key, TLS, limits. Its
+  /// catch_up, manifest_handler and place are set by the node.
+  ControlServerOptions control;
+  /// The session: apply queue depth, payload limits, and the engine hooks
+  /// (before_first_apply, after_commit, after_abort).
+  ReceiverSessionOptions session;
+
+  /// An s3:// chain (the trainer's URI with chain=1) to catch up from before serving, and
+  /// again whenever a prepare finds this receiver behind. Empty: none.
+  std::string bootstrap_uri;
+  /// Told of each version replayed by the bootstrap.
+  std::function<void(const ChainVersion&)> on_bootstrap_version;
+};
+
+/// One receiver of the fleet, embedded in the calling process.
+///
+/// Thread-safety: Make, RegisterTensor, Start and Stop are called from one thread (the owner);
+/// the accessors may be called from any thread after Start. The registered buffers must outlive
+/// the node and must not be written by anyone else while a transfer is open (between the
+/// before_first_apply hook and after_commit / after_abort).
+class ReceiverNode {
+ public:
+  /// Validate `options` and, if a model file is named, load it (O(model), with its digests).
+  /// Errors: InvalidArgument (a malformed transport URI or endpoint, a transport that is neither
+  /// a relay tree nor an object store, a shard group without a replica name); those of
+  /// WeightStore::Open and MakeTransport.
+  static Result<std::unique_ptr<ReceiverNode>> Make(const ReceiverNodeOptions& options);
+
+  /// Stop().
+  ~ReceiverNode();
+  ReceiverNode(const ReceiverNode&) = delete;
+  ReceiverNode& operator=(const ReceiverNode&) = delete;
+
+  /// Register caller-owned memory as one of the receiver's tensors, before Start: payloads are
+  /// applied into exactly these bytes, never a copy. O(tensor) once, for its digest.
+  /// Errors: FailedPrecondition after Start or with a model file; AlreadyExists; InvalidArgument
+  /// (byte size does not match dtype × shape).
+  Status RegisterTensor(const MutableTensorView& tensor);
+
+  /// Attach the loader, catch up from the bootstrap chain, start the session, the data plane and
+  /// the control plane. Connections are accepted once this returns.
+  /// Errors: FailedPrecondition (started before; no tensors); those of the loader, the bootstrap,
+  /// the listener (an endpoint taken: Unavailable or AlreadyExists) and the control server.
+  Status Start();
+
+  /// Stop the control plane, then the data plane, then the session (an open transfer is rolled
+  /// back). Idempotent; the registered memory holds the committed version afterwards.
+  void Stop();
+
+  /// The control plane's base URL ("http://host:port"); empty before Start.
+  std::string control_url() const;
+  uint16_t control_port() const;
+  /// What producers send to: the data endpoint (zmq) or the control URL (s3).
+  std::string producer_endpoint() const;
+  /// The session's state; an idle status before Start.
+  ReceiverStatus status() const;
+  /// What the bootstrap did at Start, if one ran.
+  const std::optional<ChainBootstrapReport>& bootstrap_report() const;
+  /// The store (its tensors, digests, version). Read it only while no transfer is open.
+  const WeightStore& store() const;
+  const ReceiverNodeOptions& options() const;
+
+ private:
+  struct Impl;
+  explicit ReceiverNode(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit

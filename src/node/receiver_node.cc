@@ -1,0 +1,248 @@
+#include "refit/receiver_node.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "refit/safetensors.h"
+#include "refit/transport.h"
+#include "util/logging.h"
+
+namespace refit {
+namespace {
+
+// The URI parameters that carry the data plane's key (zmq://).
+constexpr std::string_view kUriKeyParam = "api_key";
+constexpr std::string_view kUriKeyEnvParam = "api_key_env";
+
+}  // namespace
+
+struct ReceiverNode::Impl {
+  ReceiverNodeOptions options;
+  TransportUri uri;
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<WeightStore> store;
+  std::optional<ChainBootstrapReport> bootstrap_report;
+  // Declared in the order they are built; Stop tears them down in reverse.
+  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<SessionSink> sink;
+  std::unique_ptr<Listener> listener;
+  std::unique_ptr<ControlServer> server;
+  std::string producer_endpoint;
+  bool started = false;
+  bool stopped = false;
+
+  Status Start();
+  void Stop();
+};
+
+Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  REFIT_ASSIGN_OR_RETURN(impl->uri, TransportUri::Parse(options.transport_uri));
+  TransportOptions transport_options;
+  transport_options.limits = options.session.limits;
+  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(impl->uri, transport_options));
+  const TransportCapabilities caps = impl->transport->capabilities();
+  if (!caps.fan_out_tree && !caps.needs_manifest) {
+    return InvalidArgument(
+        "receiver node: transport '{}' is neither a relay tree (zmq://) nor an object store "
+        "(s3://)",
+        impl->uri.scheme);
+  }
+  if (caps.fan_out_tree && options.data_endpoint.empty()) {
+    return InvalidArgument(
+        "receiver node: a relay-tree transport needs data_endpoint (host:port): other relays "
+        "and producers address this receiver by it");
+  }
+  if (!caps.fan_out_tree && (!options.data_endpoint.empty() || !options.peers.empty())) {
+    return InvalidArgument(
+        "receiver node: data_endpoint and peers are for relay-tree transports (zmq://); an "
+        "object store announces payloads through the control plane");
+  }
+  ReplicaPlace& place = impl->options.place;
+  if (options.loader.has_value() && options.loader->tp_size > 1) {
+    if (place.replica.empty()) {
+      return InvalidArgument(
+          "receiver node: a tensor-parallel loader (tp_size {}) needs a replica name: the "
+          "shards of one replica are verified together",
+          options.loader->tp_size);
+    }
+    if (place.shards == 1 && place.shard == 0) {
+      place.shard = options.loader->tp_rank;
+      place.shards = options.loader->tp_size;
+    }
+  }
+  if (place.shards == 0 || place.shard >= place.shards) {
+    return InvalidArgument("receiver node: shard {} of {}", place.shard, place.shards);
+  }
+  if (!options.model_path.empty()) {
+    uint64_t version = options.version.value_or(0);
+    if (!options.version.has_value()) {
+      Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(options.model_path);
+      if (!file.ok()) return file.status().WithContext("receiver node: model");
+      version = WeightVersionOf(**file);
+    }
+    Result<std::unique_ptr<WeightStore>> opened =
+        WeightStore::Open(options.model_path, options.store_mode);
+    if (!opened.ok()) return opened.status().WithContext("receiver node: model");
+    impl->store = std::move(opened).ValueOrDie();
+    impl->store->set_version(version);
+  } else {
+    impl->store = WeightStore::Make();
+    impl->store->set_version(options.version.value_or(0));
+  }
+  return std::unique_ptr<ReceiverNode>(new ReceiverNode(std::move(impl)));
+}
+
+ReceiverNode::ReceiverNode(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+ReceiverNode::~ReceiverNode() { Stop(); }
+
+Status ReceiverNode::RegisterTensor(const MutableTensorView& tensor) {
+  if (impl_->started) {
+    return FailedPrecondition("receiver node: tensor '{}' registered after Start", tensor.name);
+  }
+  if (!impl_->options.model_path.empty()) {
+    return FailedPrecondition(
+        "receiver node: tensor '{}' registered, but the model comes from file '{}'", tensor.name,
+        impl_->options.model_path);
+  }
+  return impl_->store->AddExternal(tensor);
+}
+
+Status ReceiverNode::Start() { return impl_->Start(); }
+
+Status ReceiverNode::Impl::Start() {
+  if (started) return FailedPrecondition("receiver node: already started");
+  started = true;
+  if (store->size() == 0) {
+    return FailedPrecondition("receiver node: no tensors (name a model file or register tensors)");
+  }
+  if (options.loader.has_value()) {
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Make(*options.loader, *store));
+    REFIT_RETURN_NOT_OK(store->AttachLoader(std::move(loader)).WithContext("receiver node"));
+  }
+  if (!options.bootstrap_uri.empty()) {
+    ChainBootstrapOptions bootstrap;
+    bootstrap.session = options.session;
+    bootstrap.on_version = options.on_bootstrap_version;
+    Result<ChainBootstrapReport> caught_up =
+        BootstrapFromChain(options.bootstrap_uri, *store, bootstrap);
+    if (!caught_up.ok()) return caught_up.status().WithContext("receiver node: bootstrap");
+    bootstrap_report = *caught_up;
+  }
+  Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(options.session, *store);
+  if (!made.ok()) return made.status().WithContext("receiver node: session");
+  session = std::move(made).ValueOrDie();
+  sink = std::make_unique<SessionSink>(*session);
+
+  // The data plane. An object store's listener binds nothing; it is named by the control plane
+  // that hands it the manifests.
+  const TransportCapabilities caps = transport->capabilities();
+  ListenerContext context;
+  if (caps.fan_out_tree) {
+    context.endpoint = options.data_endpoint;
+    context.peers = options.peers;
+    context.bind_address = options.data_bind_address;
+  } else {
+    context.endpoint = fmt::format("{}://{}", uri.scheme, uri.target);
+  }
+  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(context, *sink);
+  if (!listener_made.ok()) {
+    return listener_made.status().WithContext(
+        "receiver node: data plane (the peers must list this receiver's data endpoint exactly)");
+  }
+  listener = std::move(listener_made).ValueOrDie();
+  REFIT_RETURN_NOT_OK(listener->Start().WithContext("receiver node: data plane"));
+
+  // The control plane.
+  ControlServerOptions control = options.control;
+  control.place = options.place;
+  if (!options.bootstrap_uri.empty()) {
+    // Fallen behind (the fleet moved on while this receiver was cut off): replay the chain's
+    // deltas through the live session, then take the prepare.
+    control.catch_up = [this](uint64_t base_version) -> Status {
+      ChainBootstrapOptions catch_up;
+      catch_up.session = options.session;
+      REFIT_ASSIGN_OR_RETURN(const ChainBootstrapReport report,
+                             CatchUpFromChain(options.bootstrap_uri, *session, *store,
+                                              base_version, catch_up));
+      REFIT_LOG_INFO("receiver node: caught up from version {} to {}: {} version(s), {} payloads",
+                     report.start_version, report.final_version, report.versions_replayed,
+                     report.payloads);
+      return Status::OK();
+    };
+  }
+  if (caps.needs_manifest) {
+    control.manifest_handler = [this](std::string_view manifest,
+                                      std::stop_token stop) -> Result<StagedManifest> {
+      REFIT_ASSIGN_OR_RETURN(const ManifestDelivery delivered,
+                             listener->AcceptManifest(manifest, std::move(stop)));
+      return StagedManifest{.result = delivered.result, .payload_bytes = delivered.payload_bytes};
+    };
+  }
+  Result<std::unique_ptr<ControlServer>> server_made =
+      ControlServer::Make(control, *session, *store);
+  if (!server_made.ok()) return server_made.status().WithContext("receiver node: control plane");
+  server = std::move(server_made).ValueOrDie();
+  REFIT_RETURN_NOT_OK(server->Start().WithContext("receiver node: control plane"));
+
+  const bool data_plane_keyed =
+      uri.Param(kUriKeyParam) != nullptr || uri.Param(kUriKeyEnvParam) != nullptr;
+  if (!data_plane_keyed && caps.fan_out_tree) {
+    REFIT_LOG_WARN(
+        "receiver node: no api key on the data plane ({}): anyone who can reach {} can write "
+        "this receiver's weights",
+        options.transport_uri, options.data_endpoint);
+  }
+  // Producers address an object-store receiver by its control plane, where manifests go.
+  producer_endpoint = caps.fan_out_tree ? context.endpoint : server->base_url();
+  return Status::OK();
+}
+
+void ReceiverNode::Stop() { impl_->Stop(); }
+
+void ReceiverNode::Impl::Stop() {
+  if (stopped) return;
+  stopped = true;
+  // No new transfer can start once the control plane is down, and no payload arrives once the
+  // data plane is; only then may the session go (its end rolls an open transfer back).
+  if (server != nullptr) server->Stop();
+  if (listener != nullptr) listener->Stop();
+  server.reset();
+  listener.reset();
+  sink.reset();
+  session.reset();
+}
+
+std::string ReceiverNode::control_url() const {
+  return impl_->server == nullptr ? std::string() : impl_->server->base_url();
+}
+
+uint16_t ReceiverNode::control_port() const {
+  return impl_->server == nullptr ? 0 : impl_->server->port();
+}
+
+std::string ReceiverNode::producer_endpoint() const { return impl_->producer_endpoint; }
+
+ReceiverStatus ReceiverNode::status() const {
+  if (impl_->session == nullptr) {
+    ReceiverStatus idle;
+    idle.version = impl_->store->version();
+    return idle;
+  }
+  return impl_->session->GetStatus();
+}
+
+const std::optional<ChainBootstrapReport>& ReceiverNode::bootstrap_report() const {
+  return impl_->bootstrap_report;
+}
+
+const WeightStore& ReceiverNode::store() const { return *impl_->store; }
+
+const ReceiverNodeOptions& ReceiverNode::options() const { return impl_->options; }
+
+}  // namespace refit
