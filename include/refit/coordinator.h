@@ -56,12 +56,11 @@ struct CoordinatedReceiver {
   std::string name;
   /// Borrowed; must outlive the Coordinator.
   ReceiverControl* control = nullptr;
-  /// The replica (one whole copy of the model) this receiver is part of, and its place in it:
-  /// shard `shard` of `shards`, e.g. one tensor-parallel rank of a generation engine. The
-  /// receivers of one replica are verified together. Empty: a replica of its own (shards = 1).
-  std::string replica;
-  uint32_t shard = 0;
-  uint32_t shards = 1;
+  /// The replica (one whole copy of the model) this receiver is part of, and its place in it,
+  /// e.g. one tensor-parallel rank of a generation engine. The receivers of one replica are
+  /// verified together. Default: a replica of its own. (Last, with an initializer, so that
+  /// `CoordinatedReceiver{name, control}` stays valid.)
+  ReplicaPlace place = {};
 };
 
 /// What a producer's channel is opened for.

@@ -45,6 +45,8 @@ enum class StatusCode : uint8_t {
 
 /// Return the canonical name of `code`, e.g. "DataLoss".
 std::string_view StatusCodeName(StatusCode code);
+/// Return the code whose StatusCodeName is `name`, or nullopt (for codes that crossed a wire).
+std::optional<StatusCode> StatusCodeFromName(std::string_view name);
 
 /// The outcome of an operation: OK, or a code and a message.
 ///

@@ -104,11 +104,24 @@ class DeltaTracker {
   /// InvalidArgument (size mismatch).
   Status AdoptBaseline(const TensorView& tensor);
 
+  /// Open the transfer a coordinator planned for every producer (as Begin, with the plan's
+  /// versions). An anchor may start from any version: it rebuilds every baseline it encodes,
+  /// which is how a restarted producer rejoins its group. Commit moves to plan.target_version.
+  /// Errors: FailedPrecondition (a transfer is open; a delta from another version than the
+  /// tracker's); InvalidArgument (target ≠ base + 1).
+  Result<TransferPlan> BeginPlanned(const TransferPlan& plan);
+
   /// Record that the tracker's baseline (possibly empty) is what the receivers hold now, as
   /// AdoptBaseline does for each tensor: the next transfer is a delta. For a producer that owns
   /// no chunk of the model (more producers than chunks), whose empty baseline is complete.
   /// Errors: FailedPrecondition while a transfer is open.
   Status MarkBaselineAdopted();
+
+  /// Relabel the committed state as `version`, keeping every baseline: for a producer that
+  /// adopted what the receivers hold without knowing which version that is (a trainer rank that
+  /// cannot ask the fleet), once its coordinator tells it. Errors: FailedPrecondition while a
+  /// transfer is open.
+  Status Rebase(uint64_t version);
 
   /// Return whether the next Begin without force_anchor opens an anchor: the first transfer,
   /// the full_sync_interval cadence, or the drift bound. A coordinator asks every producer and

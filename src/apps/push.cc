@@ -1,17 +1,23 @@
 // refit push: send a safetensors checkpoint to a fleet of `refit serve` daemons and commit it —
-// as a delta against the checkpoint they hold (--base) or as a FULL anchor — with the same
-// two-phase protocol as a trainer: prepare, stream, flush with state digests, commit; any
-// failure rolls every receiver back.
+// as a delta against the checkpoint they hold (--base) or as a FULL anchor — through Publisher,
+// exactly as a trainer does: one rank, W ranks as threads (--producers), or this process as one
+// rank of W processes (--group, --rank, --world-size). Prepare, stream, flush with state digests,
+// commit; any failure on any rank rolls every receiver back.
 #include <stdlib.h>
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <iostream>
+#include <optional>
+#include <thread>
 
 #include "cli_common.h"
 #include "config.h"
-#include "fleet_coordinator.h"
+#include "refit/control_client.h"
+#include "refit/producer_group.h"
 #include "refit/progress.h"
+#include "refit/publisher.h"
 #include "refit/safetensors.h"
 
 namespace refit::cli {
@@ -26,6 +32,10 @@ struct PushArgs {
   std::string transport = "zmq://";
   std::string api_key_env;
   uint32_t producers = 1;
+  // One rank of a multi-process group (--group): rank 0 coordinates.
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  std::string group;
   int threads = 4;
   double timeout_s = 600;
   bool anchor = false;
@@ -36,7 +46,7 @@ struct PushArgs {
 };
 
 // The configuration file (or the defaults) with the flags applied on top.
-Result<RefitConfig> ResolveConfig(const PushArgs& args) {
+Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
   RefitConfig config;
   if (!args.config.empty()) {
     REFIT_ASSIGN_OR_RETURN(config, LoadConfigFile(args.config));
@@ -59,7 +69,7 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args) {
       config.receivers.push_back({spec.substr(0, equals), spec.substr(equals + 1)});
     }
   }
-  if (config.receivers.empty()) {
+  if (config.receivers.empty() && leader) {
     return InvalidArgument(
         "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
         "file with a receivers list");
@@ -73,27 +83,16 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args) {
   return config;
 }
 
-Result<FleetAddress> AddressOf(const RefitConfig& config) {
-  FleetAddress address;
-  for (const ReceiverConfig& receiver : config.receivers) {
-    address.control_urls.push_back(receiver.control);
-    address.data_endpoints.push_back(receiver.data);
-    REFIT_ASSIGN_OR_RETURN(address.client, ToControlClientOptions(config, receiver));
-  }
-  address.api_key = address.client.api_key;
-  REFIT_ASSIGN_OR_RETURN(address.transport_uri, ToTransportUri(config));
-  return address;
-}
-
 // The version every receiver holds; they must agree and be idle.
-Result<uint64_t> FleetVersion(const FleetAddress& address) {
+Result<uint64_t> FleetVersion(const PublisherOptions& options) {
   std::optional<uint64_t> version;
-  for (const std::string& url : address.control_urls) {
-    ControlClientOptions options = address.client;
-    options.base_url = url;
-    options.api_key = address.api_key;
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
+  for (const PublisherReceiver& receiver : options.receivers) {
+    ControlClientOptions client_options = options.control;
+    client_options.base_url = receiver.control_url;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                           ControlClient::Make(client_options));
     REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());
+    const std::string& url = receiver.control_url;
     if (status.receiver.state != ReceiverState::kIdle) {
       return FailedPrecondition(
           "receiver {} is {} (transfer {}): wait for it or abort it first", url,
@@ -104,44 +103,71 @@ Result<uint64_t> FleetVersion(const FleetAddress& address) {
       return FailedPrecondition(
           "receivers disagree on their version: {} holds {}, {} holds {}; refit them from one "
           "checkpoint first",
-          address.control_urls.front(), *version, url, status.receiver.version);
+          options.receivers.front().control_url, *version, url, status.receiver.version);
     }
     version = status.receiver.version;
   }
   return *version;
 }
 
-Status RunPush(const PushArgs& args) {
-  REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args));
-  REFIT_ASSIGN_OR_RETURN(const FleetAddress address, AddressOf(config));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
-                         SafetensorsFile::Open(args.checkpoint));
-  const std::vector<TensorView> model = checkpoint->tensors();
-  std::unique_ptr<SafetensorsFile> base_file;
-  std::vector<TensorView> base;
-  if (!args.base.empty()) {
-    REFIT_ASSIGN_OR_RETURN(base_file, SafetensorsFile::Open(args.base));
-    base = base_file->tensors();
+// A delta needs the base to have the model's tensors, in the same order and shapes.
+Status CheckSameTensors(const std::vector<TensorView>& base, const std::vector<TensorView>& model) {
+  if (base.size() != model.size()) {
+    return InvalidArgument("--base has {} tensors but the checkpoint {}", base.size(),
+                           model.size());
   }
-  REFIT_ASSIGN_OR_RETURN(const uint64_t version, FleetVersion(address));
+  for (size_t t = 0; t < model.size(); ++t) {
+    if (base[t].name != model[t].name || base[t].dtype != model[t].dtype ||
+        base[t].shape != model[t].shape) {
+      return InvalidArgument(
+          "--base tensor {} is '{}' {} {} but the checkpoint's is '{}' {} {}: a delta needs the "
+          "same tensors in the same order",
+          t, base[t].name, DTypeName(base[t].dtype), ShapeToString(base[t].shape), model[t].name,
+          DTypeName(model[t].dtype), ShapeToString(model[t].shape));
+    }
+  }
+  return Status::OK();
+}
 
-  TrackerOptions tracker_options = ToTrackerOptions(config);
-  tracker_options.initial_version = version;
-  CoordinatorOptions options;
-  options.stream = ToProducerStreamOptions(config);
-  options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<FleetCoordinator> fleet,
-                         FleetCoordinator::Make(address, &model, args.producers, tracker_options,
-                                                options, args.base.empty() ? nullptr : &base));
-  REFIT_ASSIGN_OR_RETURN(RefitReport report, fleet->Refit(args.anchor || args.base.empty()));
+// This process's producer group: one rank (the default), W threads of this process
+// (--producers W), or one rank of W processes (--rank/--world-size/--group tcp://HOST:PORT).
+Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(const PushArgs& args,
+                                                               const std::string& api_key) {
+  std::vector<std::unique_ptr<ProducerGroup>> groups;
+  if (args.group.empty()) {
+    if (args.world_size != 1 || args.rank != 0) {
+      return InvalidArgument(
+          "--rank/--world-size need --group tcp://HOST:PORT, where rank 0 listens for the others");
+    }
+    return MakeInProcessGroup(args.producers);
+  }
+  if (args.producers != 1) {
+    return InvalidArgument(
+        "--producers {} runs the producers as threads of one process; with --group each process "
+        "is one rank: give --world-size instead",
+        args.producers);
+  }
+  TcpGroupOptions options;
+  options.address = args.group;
+  options.rank = args.rank;
+  options.world_size = args.world_size;
+  options.api_key = api_key;
+  options.connect_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerGroup> group, MakeTcpGroup(options));
+  groups.push_back(std::move(group));
+  return groups;
+}
 
-  uint64_t model_bytes = 0;
-  for (const TensorView& tensor : model) model_bytes += tensor.bytes.size();
+void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_bytes) {
+  const RefitReport& report = sync.transfer;
   if (args.json) {
     nlohmann::json line = {{"transfer_id", report.plan.transfer_id.ToHex()},
                            {"kind", report.plan.anchor ? "full" : "delta"},
                            {"base_version", report.plan.base_version},
                            {"version", report.plan.target_version},
+                           {"rank", sync.rank},
+                           {"world_size", sync.world_size},
                            {"receivers", report.receivers.size()},
                            {"payloads", report.payloads},
                            {"changed", report.changed_elements},
@@ -159,15 +185,23 @@ Status RunPush(const PushArgs& args) {
     }
     line["commits"] = std::move(commits);
     std::cout << line.dump() << std::endl;
+  } else if (sync.rank != 0) {
+    std::cout << fmt::format(
+        "rank {} of {}: sent its share of {} v{} -> v{}: {} changed of {} elements, {} payloads, "
+        "{} on the wire\n",
+        sync.rank, sync.world_size, report.plan.anchor ? "a FULL anchor" : "a delta",
+        report.plan.base_version, report.plan.target_version, report.changed_elements,
+        report.total_elements, report.payloads, FormatBytes(report.wire_bytes));
   } else {
     std::cout << fmt::format(
-        "pushed {} as {} v{} -> v{} to {} receiver(s): {} changed of {} elements, {} payloads, "
-        "{} on the wire ({} model), {} (stream {}, flush {}, commit {})\n",
+        "pushed {} as {} v{} -> v{} to {} receiver(s) from {} rank(s): {} changed of {} "
+        "elements, {} payloads, {} on the wire ({} model), {} (stream {}, flush {}, commit {})\n",
         args.checkpoint, report.plan.anchor ? "a FULL anchor" : "a delta", report.plan.base_version,
-        report.plan.target_version, report.receivers.size(), report.changed_elements,
-        report.total_elements, report.payloads, FormatBytes(report.wire_bytes),
-        FormatBytes(model_bytes), FormatDuration(report.total_s), FormatDuration(report.stream_s),
-        FormatDuration(report.flush_s), FormatDuration(report.commit_s));
+        report.plan.target_version, report.receivers.size(), sync.world_size,
+        report.changed_elements, report.total_elements, report.payloads,
+        FormatBytes(report.wire_bytes), FormatBytes(model_bytes), FormatDuration(report.total_s),
+        FormatDuration(report.stream_s), FormatDuration(report.flush_s),
+        FormatDuration(report.commit_s));
   }
   for (const ReceiverOutcome& receiver : report.receivers) {
     if (!receiver.commit_status.ok()) {
@@ -177,6 +211,73 @@ Status RunPush(const PushArgs& args) {
           receiver.name, receiver.commit_status.ToString());
     }
   }
+}
+
+Status RunPush(const PushArgs& args) {
+  const bool leader = args.rank == 0;
+  REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader));
+  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, ToTransportUri(config));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
+                         SafetensorsFile::Open(args.checkpoint));
+  const std::vector<TensorView> model = checkpoint->tensors();
+  std::unique_ptr<SafetensorsFile> base_file;
+  std::vector<TensorView> base;
+  if (!args.base.empty()) {
+    REFIT_ASSIGN_OR_RETURN(base_file, SafetensorsFile::Open(args.base));
+    base = base_file->tensors();
+    REFIT_RETURN_NOT_OK(CheckSameTensors(base, model));
+  }
+
+  PublisherOptions options;
+  options.tracker = ToTrackerOptions(config);
+  options.stream = ToProducerStreamOptions(config);
+  options.transport_uri = transport_uri;
+  options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
+  std::string api_key;
+  std::optional<uint64_t> fleet_version;
+  if (leader) {
+    for (const ReceiverConfig& receiver : config.receivers) {
+      options.receivers.push_back({receiver.control, receiver.data});
+      REFIT_ASSIGN_OR_RETURN(options.control, ToControlClientOptions(config, receiver));
+    }
+    api_key = options.control.api_key;
+    REFIT_ASSIGN_OR_RETURN(fleet_version, FleetVersion(options));
+  } else if (!config.http_refit_api_key_env_var.empty()) {
+    const char* key = std::getenv(config.http_refit_api_key_env_var.c_str());
+    if (key == nullptr || *key == '\0') {
+      return InvalidArgument("environment variable {} (--api-key-env) is unset or empty",
+                             config.http_refit_api_key_env_var);
+    }
+    api_key = key;
+  }
+  REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<ProducerGroup>> groups,
+                         MakeGroups(args, api_key));
+  std::vector<std::unique_ptr<Publisher>> publishers;
+  for (std::unique_ptr<ProducerGroup>& group : groups) {
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
+                           Publisher::Make(options, std::move(group)));
+    if (!args.base.empty()) {
+      // Only rank 0 asked the fleet which version it holds; the others learn it from rank 0.
+      REFIT_RETURN_NOT_OK(publisher->AdoptBaseline(
+          base, publisher->rank() == 0 ? fleet_version : std::nullopt));
+    }
+    publishers.push_back(std::move(publisher));
+  }
+
+  // Every rank syncs at once; in-process ranks each on a thread of their own.
+  const bool anchor = args.anchor || args.base.empty();
+  std::vector<Result<SyncReport>> results(publishers.size(), Status(StatusCode::kInternal, ""));
+  {
+    std::vector<std::jthread> threads;
+    for (size_t p = 1; p < publishers.size(); ++p) {
+      threads.emplace_back([&, p] { results[p] = publishers[p]->Sync(model, anchor); });
+    }
+    results[0] = publishers[0]->Sync(model, anchor);
+  }
+  REFIT_RETURN_NOT_OK(results[0].status());
+  uint64_t model_bytes = 0;
+  for (const TensorView& tensor : model) model_bytes += tensor.bytes.size();
+  PrintReport(args, *results[0], model_bytes);
   return Status::OK();
 }
 
@@ -206,9 +307,18 @@ void RegisterPush(CLI::App& app, Status* result) {
       ->capture_default_str();
   cmd->add_option("--api-key-env", args->api_key_env,
                   "Environment variable holding the control plane's api key");
-  cmd->add_option("--producers", args->producers, "Producer streams W (chunk k goes to k % W)")
+  cmd->add_option("--producers", args->producers,
+                  "Producer ranks W as threads of this process (chunk k goes to k % W)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--group", args->group,
+                  "Run as one rank of a multi-process producer group: tcp://HOST:PORT, where rank "
+                  "0 listens and the other ranks connect (authenticated by the api key)");
+  cmd->add_option("--rank", args->rank, "This process's rank in --group (0 coordinates)")
+      ->capture_default_str();
+  cmd->add_option("--world-size", args->world_size, "The number of ranks W in --group")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
   cmd->add_option("--threads", args->threads, "Worker threads per stage")->capture_default_str();
   cmd->add_option("--timeout", args->timeout_s, "Seconds the whole transfer may take")
       ->capture_default_str()

@@ -226,6 +226,26 @@ Result<TransferPlan> DeltaTracker::Begin(const TransferId& id, bool force_anchor
   return *s.open;
 }
 
+Result<TransferPlan> DeltaTracker::BeginPlanned(const TransferPlan& plan) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot begin transfer {}: transfer {} is still open",
+                              plan.transfer_id.ToHex(), s.open->transfer_id.ToHex());
+  }
+  if (plan.target_version != plan.base_version + 1) {
+    return InvalidArgument("transfer {}: target version {} is not base version {} + 1",
+                           plan.transfer_id.ToHex(), plan.target_version, plan.base_version);
+  }
+  if (!plan.anchor && plan.base_version != s.version) {
+    return FailedPrecondition(
+        "transfer {} is a delta from version {} but this tracker is at version {}: only an "
+        "anchor can move it",
+        plan.transfer_id.ToHex(), plan.base_version, s.version);
+  }
+  s.open = plan;
+  return *s.open;
+}
+
 bool DeltaTracker::NextIsAnchor() const {
   const State& s = *state_;
   const TrackerOptions& o = s.options;
@@ -442,6 +462,16 @@ Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
   entry->numel = tensor.numel();
   entry->digest = TensorDigest(tensor);
   return MarkBaselineAdopted();
+}
+
+Status DeltaTracker::Rebase(uint64_t version) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot rebase to version {} while transfer {} is open", version,
+                              s.open->transfer_id.ToHex());
+  }
+  s.version = version;
+  return Status::OK();
 }
 
 Status DeltaTracker::MarkBaselineAdopted() {

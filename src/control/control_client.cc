@@ -114,7 +114,7 @@ std::optional<Status> EnvelopeStatus(std::string_view body) {
   Result<std::string> code_name = fields.String("code");
   Result<std::string> message = fields.String("message");
   if (!ok.ok() || *ok || !code_name.ok() || !message.ok()) return std::nullopt;
-  const std::optional<StatusCode> code = internal::StatusCodeFromName(*code_name);
+  const std::optional<StatusCode> code = StatusCodeFromName(*code_name);
   if (!code.has_value() || *code == StatusCode::kOk) return std::nullopt;
   return Status(*code, *message);
 }
@@ -314,6 +314,7 @@ const std::string& ControlClient::base_url() const { return impl_->base_url; }
 Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   Json body = TransferBody(request.transfer_id);
   body["base_version"] = request.base_version;
+  if (request.anchor) body["anchor"] = true;
   internal::PutExpectation(request.expected, body);
   REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));
   const JsonFields fields(reply, "prepare reply");

@@ -309,9 +309,12 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
   PrepareRequest request;
   REFIT_ASSIGN_OR_RETURN(request.transfer_id, body.Transfer("transfer_id"));
   REFIT_ASSIGN_OR_RETURN(request.base_version, body.Uint("base_version"));
+  if (body.Has("anchor")) {
+    REFIT_ASSIGN_OR_RETURN(request.anchor, body.Bool("anchor"));
+  }
   REFIT_ASSIGN_OR_RETURN(request.expected, internal::GetExpectation(body));
   std::unique_lock lock(store_access);
-  if (options.catch_up) {
+  if (options.catch_up && !request.anchor) {
     const ReceiverStatus now = session.GetStatus();
     if (now.state == ReceiverState::kIdle && request.base_version > now.version) {
       REFIT_RETURN_NOT_OK(options.catch_up(request.base_version)

@@ -29,9 +29,6 @@ constexpr int kHttpGatewayTimeout = 504;
 // Hex digits of a 64-bit digest.
 constexpr size_t kDigestHexDigits = 16;
 
-// The last StatusCode enumerator, to iterate over every code.
-constexpr StatusCode kLastStatusCode = StatusCode::kInternal;
-
 std::string_view JsonTypeName(const Json& value) { return value.type_name(); }
 
 Result<ReceiverState> ParseReceiverState(std::string_view name) {
@@ -111,15 +108,6 @@ StatusCode StatusCodeForHttp(int http_status) {
                  ? StatusCode::kInvalidArgument
                  : StatusCode::kInternal;
   }
-}
-
-std::optional<StatusCode> StatusCodeFromName(std::string_view name) {
-  for (auto raw = static_cast<uint8_t>(StatusCode::kOk);
-       raw <= static_cast<uint8_t>(kLastStatusCode); ++raw) {
-    const auto code = static_cast<StatusCode>(raw);
-    if (StatusCodeName(code) == name) return code;
-  }
-  return std::nullopt;
 }
 
 std::string DumpJson(const Json& value) {

@@ -56,8 +56,6 @@ inline constexpr std::string_view kOctetStreamContentType = "application/octet-s
 int HttpStatusFor(StatusCode code);
 /// Return the StatusCode for an HTTP error status whose body carries no code (e.g. from a proxy).
 StatusCode StatusCodeForHttp(int http_status);
-/// Return the code whose StatusCodeName is `name`, or nullopt.
-std::optional<StatusCode> StatusCodeFromName(std::string_view name);
 
 /// Serialize `value` compactly. Strings that are not valid UTF-8 (a hostile tensor name echoed in
 /// an error message) are written with U+FFFD instead of throwing.
@@ -113,7 +111,7 @@ void PutExpectation(const TransferExpectation& expected, Json& body);
 Result<TransferExpectation> GetExpectation(const JsonFields& body);
 
 /// The request fields of each route (what CheckObject accepts).
-inline constexpr std::array<std::string_view, 4> kPrepareFields = {"transfer_id", "base_version",
+inline constexpr std::array<std::string_view, 5> kPrepareFields = {"transfer_id", "base_version", "anchor",
                                                                    "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};

@@ -191,36 +191,36 @@ Result<std::vector<Replica>> GroupReplicas(const std::vector<CoordinatedReceiver
   std::map<std::string, size_t> by_name;
   for (size_t r = 0; r < receivers.size(); ++r) {
     const CoordinatedReceiver& receiver = receivers[r];
-    if (receiver.shards == 0 || receiver.shard >= receiver.shards) {
+    if (receiver.place.shards == 0 || receiver.place.shard >= receiver.place.shards) {
       return InvalidArgument("coordinator: receiver '{}' is shard {} of {}", receiver.name,
-                             receiver.shard, receiver.shards);
+                             receiver.place.shard, receiver.place.shards);
     }
-    if (receiver.replica.empty()) {
-      if (receiver.shards != 1) {
+    if (receiver.place.replica.empty()) {
+      if (receiver.place.shards != 1) {
         return InvalidArgument(
             "coordinator: receiver '{}' is shard {} of {} but names no replica: the shards of a "
             "group must share a replica name",
-            receiver.name, receiver.shard, receiver.shards);
+            receiver.name, receiver.place.shard, receiver.place.shards);
       }
       replicas.push_back({receiver.name, {r}});
       continue;
     }
-    auto [it, inserted] = by_name.emplace(receiver.replica, replicas.size());
+    auto [it, inserted] = by_name.emplace(receiver.place.replica, replicas.size());
     if (inserted) {
-      replicas.push_back({receiver.replica, std::vector<size_t>(receiver.shards, SIZE_MAX)});
+      replicas.push_back({receiver.place.replica, std::vector<size_t>(receiver.place.shards, SIZE_MAX)});
     }
     Replica& replica = replicas[it->second];
-    if (replica.shards.size() != receiver.shards) {
+    if (replica.shards.size() != receiver.place.shards) {
       return InvalidArgument("coordinator: replica '{}': receiver '{}' says {} shards, another {}",
-                             receiver.replica, receiver.name, receiver.shards,
+                             receiver.place.replica, receiver.name, receiver.place.shards,
                              replica.shards.size());
     }
-    if (replica.shards[receiver.shard] != SIZE_MAX) {
+    if (replica.shards[receiver.place.shard] != SIZE_MAX) {
       return InvalidArgument("coordinator: replica '{}' has shard {} twice: '{}' and '{}'",
-                             receiver.replica, receiver.shard,
-                             receivers[replica.shards[receiver.shard]].name, receiver.name);
+                             receiver.place.replica, receiver.place.shard,
+                             receivers[replica.shards[receiver.place.shard]].name, receiver.name);
     }
-    replica.shards[receiver.shard] = r;
+    replica.shards[receiver.place.shard] = r;
   }
   for (const Replica& replica : replicas) {
     for (size_t shard = 0; shard < replica.shards.size(); ++shard) {
@@ -352,6 +352,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   PrepareRequest prepare;
   prepare.transfer_id = id;
   prepare.base_version = plan.base_version;
+  prepare.anchor = plan.anchor;
   {
     Failures failures;
     ForEachConcurrently(receivers.size(), [&](size_t r) {

@@ -109,6 +109,8 @@ struct ReceiverSession::Impl {
     Status first_error;
     /// Set by a successful Flush: the transfer is kPrepared.
     std::optional<FlushReport> report;
+    /// Whether the transfer is an anchor (accepted whatever version the receiver held).
+    bool anchor = false;
     /// Whether before_first_apply was called for this transfer.
     bool apply_started = false;
   };
@@ -413,6 +415,22 @@ struct ReceiverSession::Impl {
     report.duplicates = transfer->duplicates;
     // Safe under the lock: the transfer is sealed and drained, so the apply thread is idle.
     report.digests = store.Digests();
+    if (store.has_loader()) {
+      // A store in its own layout (e.g. one tensor-parallel shard) cannot check canonical
+      // digests alone: it reports what it holds of each expected tensor, in canonical
+      // coordinates, and the coordinator verifies the whole replica.
+      std::vector<std::string> names;
+      names.reserve(expected.digests.size());
+      for (const auto& [name, digest] : expected.digests) names.push_back(name);
+      Result<std::map<std::string, CanonicalHolding>> holdings = store.Holdings(names);
+      if (!holdings.ok()) {
+        return holdings.status().WithContext(fmt::format("flush of transfer {}", id));
+      }
+      report.holdings = *std::move(holdings);
+      transfer->report = report;
+      progress.notify_all();
+      return report;
+    }
     for (const auto& [name, digest] : expected.digests) {
       auto it = report.digests.find(name);
       if (it == report.digests.end()) {
@@ -612,7 +630,7 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   s.WaitForAbortLocked(lock);
   PrepareResult result;
   if (s.transfer && s.transfer->id == request.transfer_id) {
-    if (request.base_version != s.transfer->base_version ||
+    if (request.base_version != s.transfer->base_version || request.anchor != s.transfer->anchor ||
         request.expected != s.transfer->declared) {
       return FailedPrecondition(
           "prepare of transfer {}: already open with base version {} and a different request", id,
@@ -644,7 +662,7 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   if (s.transfer) {
     return FailedPrecondition("prepare of transfer {}: {}", id, s.DescribeLocked());
   }
-  if (request.base_version != s.version) {
+  if (request.base_version != s.version && !request.anchor) {
     return FailedPrecondition(
         "prepare of transfer {}: it is based on version {} but the receiver is at version {}", id,
         request.base_version, s.version);
@@ -654,6 +672,11 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   transfer.id = request.transfer_id;
   transfer.base_version = request.base_version;
   transfer.target_version = request.base_version + 1;
+  transfer.anchor = request.anchor;
+  if (request.anchor && request.base_version != s.version) {
+    REFIT_LOG_INFO("receiver: transfer {} is an anchor from version {}; this receiver holds {}",
+                   id, request.base_version, s.version);
+  }
   transfer.declared = request.expected;
   transfer.expected = request.expected;
   s.last_error = Status::OK();

@@ -36,6 +36,16 @@ std::string_view StatusCodeName(StatusCode code) {
   return "Unknown";
 }
 
+std::optional<StatusCode> StatusCodeFromName(std::string_view name) {
+  // kInternal is the last enumerator.
+  for (auto raw = static_cast<uint8_t>(StatusCode::kOk);
+       raw <= static_cast<uint8_t>(StatusCode::kInternal); ++raw) {
+    const auto code = static_cast<StatusCode>(raw);
+    if (StatusCodeName(code) == name) return code;
+  }
+  return std::nullopt;
+}
+
 Status::Status(StatusCode code, std::string message) {
   if (code != StatusCode::kOk) {
     state_ = std::make_shared<const State>(State{code, std::move(message)});

@@ -1,0 +1,127 @@
+// Publisher: the trainer side of refit, one per trainer rank (process). The W Publishers of a job
+// form a producer group (refit/producer_group.h) and sync together, SPMD: every rank calls Sync
+// at the same step with its view of the model; rank p encodes and sends only the export chunks
+// it owns (chunk k iff k % W == p), and rank 0 also coordinates the receivers' two-phase commit.
+//
+//   rank 0                                    ranks 1 … W−1
+//   ── propose ─▶ (version, wants anchor) ◀── Gather
+//   ── begin (plan, data endpoints) ─▶        DeltaTracker::BeginPlanned      receivers: Prepare
+//   ── stream ─▶                              ProducerStream → own transport sender
+//                ◀── stream report + pending digests ── Gather
+//   receivers: Flush, verified per replica
+//   ── commit | abort ─▶                      DeltaTracker::Commit | Abort     receivers: Commit
+//
+// Any failure on any rank or receiver aborts the transfer everywhere: receivers roll back to the
+// base version bit-exactly and every tracker drops its pending bits, so the next Sync starts from
+// the same state. A rank that vanishes makes rank 0's collective fail within the transfer timeout
+// (the group drops its link); a rank whose process restarted joins again and the next Sync is an
+// anchor, which its fresh tracker needs.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "refit/control_client.h"
+#include "refit/coordinator.h"
+#include "refit/pipeline.h"
+#include "refit/producer_group.h"
+#include "refit/status.h"
+#include "refit/tensor.h"
+#include "refit/tracker.h"
+
+namespace refit {
+
+/// One receiver as rank 0 reaches it.
+struct PublisherReceiver {
+  /// Its control plane, e.g. "http://10.0.0.5:8081".
+  std::string control_url;
+  /// Its data endpoint in the transport's syntax (zmq: host:port). Unused by transports that
+  /// announce payloads on the control plane (s3://).
+  std::string data_endpoint;
+};
+
+/// Options of Publisher::Make.
+struct PublisherOptions {
+  /// This rank's tracker (baseline storage, anchor cadence, op, …).
+  TrackerOptions tracker;
+  /// Chunking, bucketing and threads of this rank's stream; producer_id and num_producers come
+  /// from the group.
+  ProducerStreamOptions stream;
+  /// The transport every rank sends its payloads through (each rank makes its own).
+  std::string transport_uri = "zmq://";
+  /// Rank 0: the fleet. Other ranks ignore it and learn the data endpoints from rank 0.
+  std::vector<PublisherReceiver> receivers;
+  /// Rank 0: how to reach the control planes (api key, TLS, timeouts); base_url is set per
+  /// receiver.
+  ControlClientOptions control;
+  /// The budget of one Sync from the first message to the decision, on every rank. A rank that
+  /// does not answer within it is treated as failed.
+  std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+};
+
+/// What one successful Sync did, as this rank saw it.
+struct SyncReport {
+  /// Rank 0: the whole transfer (every producer, every receiver). Other ranks: the plan, this
+  /// rank's StreamReport as the only producer entry, and their sums.
+  RefitReport transfer;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+};
+
+/// One trainer rank's publisher.
+///
+/// Thread-safety: one Sync at a time; the object is driven by the rank's training loop.
+class Publisher {
+ public:
+  /// Make this rank's publisher over `group` (rank and W come from it).
+  /// Errors: InvalidArgument (rank 0 without receivers, stream options ProducerStream refuses,
+  /// a bad transport URI); those of DeltaTracker::Make and ControlClient::Make.
+  static Result<std::unique_ptr<Publisher>> Make(const PublisherOptions& options,
+                                                 std::unique_ptr<ProducerGroup> group);
+  ~Publisher();
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  /// Adopt the tensors of `model` (canonical order, the whole model) that this rank owns as
+  /// what the receivers hold now — they loaded that checkpoint — so that the first Sync is a
+  /// delta. A rank that owns none adopts an empty baseline. `version`: the version the
+  /// receivers hold, if this rank knows it; otherwise the first Sync's base (rank 0's, or the
+  /// receivers') labels it. Local, not collective.
+  /// Errors: as DeltaTracker::AdoptBaseline.
+  Status AdoptBaseline(std::span<const TensorView> model,
+                       std::optional<uint64_t> version = std::nullopt);
+
+  /// Collective: refit the fleet with the model as `source` yields it (every chunk in canonical
+  /// order; ranks that own a chunk read its bytes, the others may yield views they never touch).
+  /// `force_anchor` on rank 0 makes the transfer FULL.
+  /// Errors: the transfer's first failure, naming the rank or receiver, after it was aborted
+  /// everywhere; on ranks ≥ 1, Aborted-by-rank-0 reasons arrive as the code rank 0 failed with.
+  Result<SyncReport> Sync(const ChunkSource& source, bool force_anchor = false);
+  /// As above with the model's tensors, chunked by options.stream.chunk_bytes.
+  Result<SyncReport> Sync(std::vector<TensorView> tensors, bool force_anchor = false);
+
+  /// Rank 0: replace the fleet from the next Sync on (a receiver dropped or added; each Sync
+  /// asks every receiver where it sits and what it holds, so a receiver that restarted from an
+  /// older checkpoint is refit by an anchor). Errors: FailedPrecondition on other ranks;
+  /// InvalidArgument for an empty list.
+  Status SetReceivers(std::vector<PublisherReceiver> receivers);
+
+  uint32_t rank() const;
+  uint32_t world_size() const;
+  /// The version this rank's tracker has committed.
+  uint64_t version() const;
+  /// This rank's tracker (baseline bytes, digests), for tests and tools.
+  const DeltaTracker& tracker() const;
+
+ private:
+  struct Impl;
+  explicit Publisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace refit

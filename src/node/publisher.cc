@@ -1,0 +1,630 @@
+#include "refit/publisher.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "refit/transport.h"
+#include "util/logging.h"
+
+namespace refit {
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// The ops rank 0 broadcasts, in the order of one Sync (see publisher.h).
+constexpr std::string_view kOpPropose = "propose";
+constexpr std::string_view kOpBegin = "begin";
+constexpr std::string_view kOpStream = "stream";
+constexpr std::string_view kOpCommit = "commit";
+constexpr std::string_view kOpAbort = "abort";
+// The version of this exchange: ranks of different builds must refuse each other, not misread.
+constexpr int kGroupProtocolVersion = 1;
+// How long rank 0 tries to tell the other ranks to abort: they wait for its word at most the
+// transfer timeout anyway, so this only needs to cover a live link.
+constexpr std::chrono::seconds kAbortNoticeBudget{5};
+
+Json StatusToJson(const Status& status) {
+  if (status.ok()) return Json{{"ok", true}};
+  return Json{{"ok", false},
+              {"code", std::string(StatusCodeName(status.code()))},
+              {"message", status.message()}};
+}
+
+Status StatusFromJson(const Json& body, std::string_view where) {
+  if (!body.is_object()) return InvalidArgument("{}: a malformed reply", where);
+  if (body.value("ok", false)) return Status::OK();
+  const std::optional<StatusCode> code = StatusCodeFromName(body.value("code", std::string()));
+  const std::string message = body.value("message", std::string("(no message)"));
+  return Status(code.value_or(StatusCode::kInternal), fmt::format("{}: {}", where, message));
+}
+
+Result<Json> ParseMessage(const std::string& text, std::string_view where) {
+  Json body = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded() || !body.is_object()) {
+    return InvalidArgument("{}: not a producer-group message ({} bytes)", where, text.size());
+  }
+  if (body.value("protocol", 0) != kGroupProtocolVersion) {
+    return FailedPrecondition(
+        "{}: speaks producer-group protocol {}, this rank {}: every rank must run the same "
+        "refit build",
+        where, body.value("protocol", 0), kGroupProtocolVersion);
+  }
+  return body;
+}
+
+Json Message(std::string_view op) {
+  return Json{{"protocol", kGroupProtocolVersion}, {"op", std::string(op)}};
+}
+
+std::string DigestHex(uint64_t digest) { return fmt::format("{:016x}", digest); }
+
+Json DigestsToJson(const std::map<std::string, uint64_t>& digests) {
+  Json out = Json::object();
+  for (const auto& [name, digest] : digests) out[name] = DigestHex(digest);
+  return out;
+}
+
+Result<std::map<std::string, uint64_t>> DigestsFromJson(const Json& body, std::string_view where) {
+  std::map<std::string, uint64_t> digests;
+  if (!body.is_object()) return InvalidArgument("{}: digests are not an object", where);
+  for (const auto& [name, hex] : body.items()) {
+    if (!hex.is_string() || hex.get<std::string>().size() != 16) {
+      return InvalidArgument("{}: digest of '{}' is not 16 hex digits", where, name);
+    }
+    char* end = nullptr;
+    const std::string text = hex.get<std::string>();
+    digests[name] = std::strtoull(text.c_str(), &end, 16);
+    if (end != text.c_str() + text.size()) {
+      return InvalidArgument("{}: digest of '{}' is not hex", where, name);
+    }
+  }
+  return digests;
+}
+
+Json StreamReportToJson(const StreamReport& report) {
+  return Json{{"chunks", report.chunks},
+              {"owned_chunks", report.owned_chunks},
+              {"payloads", report.payloads},
+              {"items", report.items},
+              {"changed_elements", report.changed_elements},
+              {"total_elements", report.total_elements},
+              {"item_bytes", report.item_bytes},
+              {"wire_bytes", report.wire_bytes},
+              {"source_s", report.timings.source_s},
+              {"encode_s", report.timings.encode_s},
+              {"serialize_s", report.timings.serialize_s},
+              {"send_s", report.timings.send_s},
+              {"wall_s", report.timings.wall_s}};
+}
+
+StreamReport StreamReportFromJson(const Json& body) {
+  StreamReport report;
+  report.chunks = body.value("chunks", uint64_t{0});
+  report.owned_chunks = body.value("owned_chunks", uint64_t{0});
+  report.payloads = body.value("payloads", uint64_t{0});
+  report.items = body.value("items", uint64_t{0});
+  report.changed_elements = body.value("changed_elements", uint64_t{0});
+  report.total_elements = body.value("total_elements", uint64_t{0});
+  report.item_bytes = body.value("item_bytes", uint64_t{0});
+  report.wire_bytes = body.value("wire_bytes", uint64_t{0});
+  report.timings.source_s = body.value("source_s", 0.0);
+  report.timings.encode_s = body.value("encode_s", 0.0);
+  report.timings.serialize_s = body.value("serialize_s", 0.0);
+  report.timings.send_s = body.value("send_s", 0.0);
+  report.timings.wall_s = body.value("wall_s", 0.0);
+  return report;
+}
+
+Result<TransferPlan> PlanFromJson(const Json& body) {
+  TransferPlan plan;
+  REFIT_ASSIGN_OR_RETURN(plan.transfer_id,
+                         TransferId::FromHex(body.value("transfer_id", std::string())));
+  plan.anchor = body.value("anchor", false);
+  plan.base_version = body.value("base_version", uint64_t{0});
+  plan.target_version = body.value("target_version", uint64_t{0});
+  return plan;
+}
+
+}  // namespace
+
+// This rank's own producer: its tracker, stream and transport. Both rank 0 and the other ranks
+// drive it, rank 0 inline and the others from rank 0's messages.
+struct PublisherRank {
+  PublisherOptions options;
+  std::unique_ptr<ProducerGroup> group;
+  std::unique_ptr<DeltaTracker> tracker;
+  std::unique_ptr<ProducerStream> stream;
+  std::unique_ptr<Transport> transport;
+  // The world size this rank last committed under: ownership (k % W) moves when W changes, so
+  // the baseline is then rebuilt by an anchor.
+  uint32_t committed_world = 0;
+  // This rank does not know which version its state is: it has committed nothing, or adopted a
+  // baseline without being told the version (a rank that cannot ask the fleet). The first plan's
+  // base version labels it; rank 0 takes that base from the ranks that know, else from the
+  // receivers, so versions only move forward.
+  bool version_unknown = true;
+  // The open transfer's plan and data endpoints, between begin and commit/abort.
+  std::optional<TransferPlan> open;
+  std::vector<std::string> endpoints;
+  std::optional<StreamReport> streamed;
+
+  uint32_t rank() const { return group->rank(); }
+  uint32_t world() const { return group->world_size(); }
+  Clock::time_point Deadline() const { return Clock::now() + options.transfer_timeout; }
+
+  // ---- This rank's part of each op. -------------------------------------------------------------
+
+  Result<Json> Propose() {
+    if (committed_world != 0 && committed_world != world()) {
+      // Chunks moved between ranks: start from an empty baseline at the next anchor.
+      REFIT_LOG_INFO("publisher rank {}: the group has {} ranks, {} at the last commit: "
+                     "rebuilding the baseline with an anchor",
+                     rank(), world(), committed_world);
+      REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      committed_world = 0;
+      version_unknown = true;
+    }
+    Json reply = Message(kOpPropose);
+    reply["ok"] = true;
+    reply["version"] = tracker->version();
+    reply["version_known"] = !version_unknown;
+    reply["wants_anchor"] = tracker->NextIsAnchor();
+    reply["open"] = tracker->open_transfer().has_value();
+    return reply;
+  }
+
+  Status Begin(const TransferPlan& plan, std::vector<std::string> fleet) {
+    if (version_unknown) {
+      REFIT_RETURN_NOT_OK(tracker->Rebase(plan.base_version));
+      version_unknown = false;
+    }
+    REFIT_RETURN_NOT_OK(tracker->BeginPlanned(plan).status());
+    open = plan;
+    endpoints = std::move(fleet);
+    streamed.reset();
+    return Status::OK();
+  }
+
+  Result<ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline) {
+    if (!open.has_value()) return FailedPrecondition("publisher rank {}: no open transfer", rank());
+    SenderContext context;
+    context.transfer_id = open->transfer_id;
+    context.producer_id = rank();
+    context.base_version = open->base_version;
+    context.target_version = open->target_version;
+    context.endpoints = endpoints;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender, transport->MakeSender(context));
+    TransportSender* channel = sender.get();
+    const PayloadSender send = [channel, deadline](uint32_t payload_id,
+                                                   std::span<const std::byte> payload) {
+      if (Clock::now() > deadline) {
+        return DeadlineExceeded("payload {}: the transfer passed its deadline", payload_id);
+      }
+      return channel->Send(payload_id, payload);
+    };
+    REFIT_ASSIGN_OR_RETURN(StreamReport report,
+                           stream->Run(*tracker, source, send, channel->AsSenderCleanup()));
+    REFIT_RETURN_NOT_OK(channel->Finish(report.payloads).WithContext("finish"));
+    streamed = report;
+    return ProducerStreamed{std::move(report), tracker->PendingDigests()};
+  }
+
+  Status Commit(const TransferId& id) {
+    REFIT_RETURN_NOT_OK(tracker->Commit(id));
+    committed_world = world();
+    version_unknown = false;
+    open.reset();
+    return Status::OK();
+  }
+
+  void Abort(const TransferId& id) {
+    if (tracker->open_transfer().has_value()) tracker->Abort(id).IgnoreError();
+    open.reset();
+  }
+
+  // ---- Ranks ≥ 1: follow rank 0. -----------------------------------------------------------------
+
+  Result<SyncReport> Follow(const ChunkSource& source);
+  // ---- Rank 0: coordinate. -----------------------------------------------------------------------
+
+  Result<SyncReport> Lead(const ChunkSource& source, bool force_anchor);
+  Result<SyncReport> LeadTransfer(const ChunkSource& source, bool force_anchor);
+  // Set once rank 0 told the other ranks to abort the current Sync.
+  bool told_abort = false;
+};
+
+namespace {
+
+// Rank 0's view of the W ranks as one ProducerSet: every op is a broadcast, every answer a gather.
+class GroupProducers final : public ProducerSet {
+ public:
+  GroupProducers(PublisherRank& self, const ChunkSource& source,
+                 std::vector<std::string> endpoints, std::vector<uint64_t> receiver_versions)
+      : self_(self),
+        source_(source),
+        endpoints_(std::move(endpoints)),
+        receiver_versions_(std::move(receiver_versions)) {}
+
+  uint32_t size() const override { return self_.world(); }
+  uint64_t version() const override { return self_.tracker->version(); }
+
+  Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) override {
+    // 1. Every rank proposes (its version and cadence); rank 0 decides one plan for all.
+    Result<Json> own = self_.Propose();
+    Result<std::vector<Json>> collected =
+        Collect(Message(kOpPropose), own.ok() ? *own : StatusToJson(own.status()));
+    Status proposed = collected.ok() ? FirstFailure(*collected) : collected.status();
+    if (!proposed.ok()) {
+      Abort(id);
+      return proposed;
+    }
+    const std::vector<Json>& proposals = *collected;
+    bool anchor = force_anchor;
+    std::optional<uint64_t> known;
+    for (uint32_t r = 0; r < proposals.size(); ++r) {
+      if (proposals[r].value("open", false)) {
+        Abort(id);
+        return FailedPrecondition("rank {} has a transfer open", r);
+      }
+      if (proposals[r].value("version_known", true)) {
+        known = std::max(known.value_or(0), proposals[r].value("version", uint64_t{0}));
+      }
+      anchor = anchor || proposals[r].value("wants_anchor", true);
+    }
+    // No rank knows its version (all adopted a checkpoint): the receivers' is the base.
+    uint64_t base = known.value_or(0);
+    if (!known.has_value()) {
+      for (uint64_t held : receiver_versions_) base = std::max(base, held);
+    }
+    for (uint32_t r = 0; r < proposals.size(); ++r) {
+      const uint64_t version = proposals[r].value("version", uint64_t{0});
+      if (proposals[r].value("version_known", true) && version != base && !anchor) {
+        REFIT_LOG_INFO("transfer {}: rank {} is at version {}, the others at {}: an anchor",
+                       id.ToHex(), r, version, base);
+        anchor = true;
+      }
+    }
+    for (uint64_t held : receiver_versions_) {
+      if (held != base && !anchor) {
+        REFIT_LOG_INFO("transfer {}: a receiver holds version {}, the producers {}: an anchor",
+                       id.ToHex(), held, base);
+        anchor = true;
+      }
+    }
+    plan_ = TransferPlan{id, anchor, base, base + 1};
+    // 2. Every rank opens that plan.
+    Json begin = Message(kOpBegin);
+    begin["transfer_id"] = id.ToHex();
+    begin["anchor"] = anchor;
+    begin["base_version"] = base;
+    begin["target_version"] = base + 1;
+    begin["endpoints"] = endpoints_;
+    const Status opened = self_.Begin(plan_, endpoints_);
+    Result<std::vector<Json>> replies = Collect(begin, StatusToJson(opened));
+    Status failed = replies.ok() ? FirstFailure(*replies) : replies.status();
+    if (!failed.ok()) {
+      Abort(id);
+      return failed;
+    }
+    return plan_;
+  }
+
+  Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               Clock::time_point deadline) override {
+    REFIT_RETURN_NOT_OK(self_.group->Broadcast(Message(kOpStream).dump(), deadline)
+                            .status()
+                            .WithContext("rank 0: stream"));
+    Result<ProducerStreamed> own = self_.Stream(source_, deadline);
+    Json mine = StatusToJson(own.status());
+    if (own.ok()) {
+      mine["report"] = StreamReportToJson(own->report);
+      mine["digests"] = DigestsToJson(own->digests);
+    }
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::string> gathered,
+                           self_.group->Gather(mine.dump(), deadline));
+    std::vector<ProducerStreamed> results(gathered.size());
+    std::vector<Status> failures;
+    for (uint32_t r = 0; r < gathered.size(); ++r) {
+      const std::string where = fmt::format("rank {}", r);
+      Result<Json> reply = r == 0 ? Result<Json>(mine) : ParseMessage(gathered[r], where);
+      if (!reply.ok()) {
+        failures.push_back(reply.status());
+        continue;
+      }
+      if (Status st = StatusFromJson(*reply, where); !st.ok()) {
+        failures.push_back(st);
+        continue;
+      }
+      results[r].report = StreamReportFromJson(reply->value("report", Json::object()));
+      Result<std::map<std::string, uint64_t>> digests =
+          DigestsFromJson(reply->value("digests", Json::object()), where);
+      if (!digests.ok()) {
+        failures.push_back(digests.status());
+        continue;
+      }
+      results[r].digests = *std::move(digests);
+    }
+    if (!failures.empty()) {
+      // A refusal explains the cancellations it caused elsewhere: report it first.
+      std::stable_sort(failures.begin(), failures.end(), [](const Status& a, const Status& b) {
+        auto rank = [](StatusCode code) {
+          return code == StatusCode::kCancelled || code == StatusCode::kDeadlineExceeded ? 1 : 0;
+        };
+        return rank(a.code()) < rank(b.code());
+      });
+      std::string message(failures.front().message());
+      for (size_t i = 1; i < failures.size(); ++i) {
+        message += "; also " + failures[i].ToString();
+      }
+      return Status(failures.front().code(), std::move(message));
+    }
+    return results;
+  }
+
+  Status Commit(const TransferId& id) override {
+    const Status own = self_.Commit(id);
+    REFIT_ASSIGN_OR_RETURN(std::vector<Json> replies, Collect(Message(kOpCommit), StatusToJson(own)));
+    return FirstFailure(replies);
+  }
+
+  void Abort(const TransferId& id) override {
+    self_.Abort(id);
+    self_.told_abort = true;
+    Json abort = Message(kOpAbort);
+    abort["transfer_id"] = id.ToHex();
+    // Best effort: a rank that is gone has nothing to abort, and one that missed this word
+    // gives up on its own at the transfer timeout.
+    Result<std::string> told =
+        self_.group->Broadcast(abort.dump(), Clock::now() + kAbortNoticeBudget);
+    if (!told.ok()) {
+      REFIT_LOG_WARN("transfer {}: not every rank heard the abort: {}", id.ToHex(),
+                     told.status().ToString());
+    }
+  }
+
+ private:
+  // Broadcast `message`, then gather every rank's reply (rank 0's is `own`).
+  Result<std::vector<Json>> Collect(const Json& message, const Json& own) {
+    const Clock::time_point deadline = self_.Deadline();
+    const std::string op = message.value("op", std::string());
+    REFIT_RETURN_NOT_OK(
+        self_.group->Broadcast(message.dump(), deadline).status().WithContext("rank 0: " + op));
+    Json mine = own;
+    mine["protocol"] = kGroupProtocolVersion;
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::string> gathered,
+                           self_.group->Gather(mine.dump(), deadline));
+    std::vector<Json> replies;
+    replies.reserve(gathered.size());
+    replies.push_back(mine);
+    for (uint32_t r = 1; r < gathered.size(); ++r) {
+      REFIT_ASSIGN_OR_RETURN(Json reply, ParseMessage(gathered[r], fmt::format("rank {}", r)));
+      replies.push_back(std::move(reply));
+    }
+    return replies;
+  }
+
+  static Status FirstFailure(const std::vector<Json>& replies) {
+    for (uint32_t r = 0; r < replies.size(); ++r) {
+      REFIT_RETURN_NOT_OK(StatusFromJson(replies[r], fmt::format("rank {}", r)));
+    }
+    return Status::OK();
+  }
+
+  PublisherRank& self_;
+  const ChunkSource& source_;
+  std::vector<std::string> endpoints_;
+  std::vector<uint64_t> receiver_versions_;
+  TransferPlan plan_;
+};
+
+// Borrow a ProducerSet for one Coordinator (which owns what it is given).
+class BorrowedProducers final : public ProducerSet {
+ public:
+  explicit BorrowedProducers(ProducerSet& inner) : inner_(inner) {}
+  uint32_t size() const override { return inner_.size(); }
+  uint64_t version() const override { return inner_.version(); }
+  Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) override {
+    return inner_.Begin(id, force_anchor);
+  }
+  Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               Clock::time_point deadline) override {
+    return inner_.Stream(plan, deadline);
+  }
+  Status Commit(const TransferId& id) override { return inner_.Commit(id); }
+  void Abort(const TransferId& id) override { inner_.Abort(id); }
+
+ private:
+  ProducerSet& inner_;
+};
+
+}  // namespace
+
+Result<SyncReport> PublisherRank::Lead(const ChunkSource& source, bool force_anchor) {
+  Result<SyncReport> led = LeadTransfer(source, force_anchor);
+  if (!led.ok() && !open.has_value() && !told_abort) {
+    // Failed before any rank was told anything (a receiver unreachable): the other ranks wait
+    // for rank 0's first word; make it an abort rather than leave them to time out.
+    Json abort = Message(kOpAbort);
+    abort["transfer_id"] = "";
+    group->Broadcast(abort.dump(), Clock::now() + kAbortNoticeBudget).status().IgnoreError();
+  }
+  told_abort = false;
+  return led;
+}
+
+Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool force_anchor) {
+  // The fleet as it is now: where each receiver sits (replica, shard) and what it holds. Asked
+  // at every Sync, so a receiver that restarted or a group that changed is seen at once.
+  std::vector<std::unique_ptr<ControlClient>> clients;
+  std::vector<CoordinatedReceiver> receivers;
+  std::vector<uint64_t> versions;
+  for (const PublisherReceiver& receiver : options.receivers) {
+    ControlClientOptions client_options = options.control;
+    client_options.base_url = receiver.control_url;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                           ControlClient::Make(client_options));
+    Result<ControlStatus> status = client->GetStatus();
+    if (!status.ok()) return status.status().WithContext("receiver " + receiver.control_url);
+    versions.push_back(status->receiver.version);
+    receivers.push_back({receiver.control_url, client.get(), status->place});
+    clients.push_back(std::move(client));
+  }
+  const bool manifests = transport->capabilities().needs_manifest;
+  std::vector<std::string> fleet;
+  for (const PublisherReceiver& receiver : options.receivers) {
+    fleet.push_back(manifests ? receiver.control_url : receiver.data_endpoint);
+  }
+  GroupProducers producers(*this, source, std::move(fleet), std::move(versions));
+  CoordinatorOptions coordinator_options;
+  coordinator_options.transfer_timeout = options.transfer_timeout;
+  coordinator_options.observer = transport.get();
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator,
+                         Coordinator::Make(coordinator_options,
+                                           std::make_unique<BorrowedProducers>(producers),
+                                           std::move(receivers)));
+  REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
+  return SyncReport{std::move(report), rank(), world()};
+}
+
+Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
+  const std::string leader = "rank 0";
+  std::optional<ProducerStreamed> sent;
+  while (true) {
+    Result<std::string> text = group->Broadcast({}, Deadline());
+    if (!text.ok()) {
+      // Rank 0 is gone or silent: nothing can be decided, so drop this rank's pending bits.
+      if (open.has_value()) Abort(open->transfer_id);
+      return text.status().WithContext(fmt::format("rank {}", rank()));
+    }
+    Result<Json> message = ParseMessage(*text, leader);
+    if (!message.ok()) {
+      // Tell rank 0 why, in the gather it now waits for, then give up on this transfer.
+      Json refusal = StatusToJson(message.status());
+      refusal["protocol"] = kGroupProtocolVersion;
+      group->Gather(refusal.dump(), Deadline()).status().IgnoreError();
+      if (open.has_value()) Abort(open->transfer_id);
+      return message.status();
+    }
+    const std::string op = message->value("op", std::string());
+    Json reply = Message(op);
+    if (op == kOpPropose) {
+      Result<Json> proposal = Propose();
+      reply = proposal.ok() ? *proposal : StatusToJson(proposal.status());
+    } else if (op == kOpBegin) {
+      Result<TransferPlan> plan = PlanFromJson(*message);
+      std::vector<std::string> fleet =
+          message->value("endpoints", std::vector<std::string>());
+      reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet)) : plan.status());
+    } else if (op == kOpStream) {
+      Result<ProducerStreamed> own = Stream(source, Deadline());
+      reply = StatusToJson(own.status());
+      if (own.ok()) {
+        reply["report"] = StreamReportToJson(own->report);
+        reply["digests"] = DigestsToJson(own->digests);
+        sent = *std::move(own);
+      }
+    } else if (op == kOpCommit) {
+      const TransferPlan plan = open.value_or(TransferPlan{});
+      const Status committed = open.has_value() ? Commit(plan.transfer_id)
+                                                : FailedPrecondition("no open transfer");
+      reply = StatusToJson(committed);
+      reply["protocol"] = kGroupProtocolVersion;
+      REFIT_RETURN_NOT_OK(group->Gather(reply.dump(), Deadline()).status());
+      REFIT_RETURN_NOT_OK(committed);
+      SyncReport report;
+      report.rank = rank();
+      report.world_size = world();
+      report.transfer.plan = plan;
+      if (sent.has_value()) {
+        report.transfer.payloads = sent->report.payloads;
+        report.transfer.wire_bytes = sent->report.wire_bytes;
+        report.transfer.changed_elements = sent->report.changed_elements;
+        report.transfer.total_elements = sent->report.total_elements;
+        report.transfer.producers.push_back(sent->report);
+      }
+      return report;
+    } else if (op == kOpAbort) {
+      const std::string id = message->value("transfer_id", std::string());
+      if (open.has_value()) Abort(open->transfer_id);
+      return Cancelled("transfer {} was aborted by rank 0 (its error says why)", id);
+    } else {
+      reply = StatusToJson(InvalidArgument("{}: unknown op '{}'", leader, op));
+    }
+    reply["protocol"] = kGroupProtocolVersion;
+    Status gathered = group->Gather(reply.dump(), Deadline()).status();
+    if (!gathered.ok()) {
+      if (open.has_value()) Abort(open->transfer_id);
+      return gathered.WithContext(fmt::format("rank {}", rank()));
+    }
+  }
+}
+
+struct Publisher::Impl : PublisherRank {};
+
+Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& options,
+                                                   std::unique_ptr<ProducerGroup> group) {
+  if (group == nullptr) return InvalidArgument("publisher: no producer group");
+  if (group->rank() == 0 && options.receivers.empty()) {
+    return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+  }
+  if (options.transfer_timeout.count() <= 0) {
+    return InvalidArgument("publisher: transfer_timeout must be positive, got {} ms",
+                           options.transfer_timeout.count());
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  ProducerStreamOptions stream = options.stream;
+  stream.producer_id = group->rank();
+  stream.num_producers = group->world_size();
+  REFIT_ASSIGN_OR_RETURN(impl->stream, ProducerStream::Make(stream));
+  REFIT_ASSIGN_OR_RETURN(impl->tracker, DeltaTracker::Make(options.tracker));
+  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(options.transport_uri));
+  impl->group = std::move(group);
+  return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
+}
+
+Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Publisher::~Publisher() = default;
+
+Status Publisher::AdoptBaseline(std::span<const TensorView> model,
+                                std::optional<uint64_t> version) {
+  REFIT_RETURN_NOT_OK(AdoptOwnedBaseline(*impl_->tracker, model, impl_->options.stream.chunk_bytes,
+                                         rank(), world_size()));
+  if (version.has_value()) REFIT_RETURN_NOT_OK(impl_->tracker->Rebase(*version));
+  impl_->version_unknown = !version.has_value();
+  impl_->committed_world = world_size();
+  return Status::OK();
+}
+
+Result<SyncReport> Publisher::Sync(const ChunkSource& source, bool force_anchor) {
+  if (rank() == 0) return impl_->Lead(source, force_anchor);
+  return impl_->Follow(source);
+}
+
+Result<SyncReport> Publisher::Sync(std::vector<TensorView> tensors, bool force_anchor) {
+  const ChunkSource source = TensorListSource(std::move(tensors), impl_->options.stream.chunk_bytes);
+  return Sync(source, force_anchor);
+}
+
+Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {
+  if (rank() != 0) return FailedPrecondition("publisher: only rank 0 knows the receivers");
+  if (receivers.empty()) return InvalidArgument("publisher: no receivers");
+  impl_->options.receivers = std::move(receivers);
+  return Status::OK();
+}
+
+uint32_t Publisher::rank() const { return impl_->rank(); }
+uint32_t Publisher::world_size() const { return impl_->world(); }
+uint64_t Publisher::version() const { return impl_->tracker->version(); }
+const DeltaTracker& Publisher::tracker() const { return *impl_->tracker; }
+
+}  // namespace refit
