@@ -14,6 +14,8 @@ packages=(
   python3-numpy python3-zmq python3-prometheus-client
   # S3 transport: libcurl for the client; boto3 and xxhash for the independent S3 test peer.
   libcurl4-openssl-dev python3-boto3 python3-xxhash
+  # MPI producer group (optional in CMake): Open MPI's headers and libraries, and mpirun for its test.
+  libopenmpi-dev openmpi-bin
 )
 
 missing=()

@@ -34,12 +34,15 @@ class UndoLog {
 
   /// Bytes held (locations + old bits).
   uint64_t bytes() const;
-  /// Number of recorded items.
+  /// Number of records (one per item applied without a loader; one per item and touched piece
+  /// through a loader).
   size_t records() const;
+
+  /// One applied item (or piece of one); defined and used only by the applier.
+  struct Record;
 
  private:
   friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*);
-  struct Record;
   Status RollbackTo(WeightStore& store, size_t savepoint);
   std::vector<Record> records_;
 };
@@ -50,6 +53,14 @@ class UndoLog {
 /// the tensor's digest change is checked against the producer's; a mismatch means the receiver
 /// was not at the payload's base — the payload is undone and DataLoss returned. Either the whole
 /// payload applies, or the store is exactly as before the call.
+///
+/// With a loader attached (WeightStore::AttachLoader), items name canonical tensors: each is
+/// checked against its resolved layout (NotFound for a tensor neither held nor mapped,
+/// InvalidArgument naming both shapes), items of skipped tensors are ignored, and each changed
+/// element inside one of the receiver's pieces is written at its local location, in O(changes),
+/// keeping both the local tensors' digests and the piece digests current. The producer's
+/// per-item digest is checked only where one piece holds the whole tensor; a shard's partial
+/// digests are verified by the coordinator, which sums them over the shard group.
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo);
 
 }  // namespace refit

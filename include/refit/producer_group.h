@@ -7,9 +7,9 @@
 //   rank 0 ──Broadcast──▶ ranks 1 … W−1        ranks 0 … W−1 ──Gather──▶ rank 0
 //
 // Implementations: in-process (threads of one process; tests), TCP (rank 0 listens, the others
-// connect and authenticate with the fleet's api key), MPI (MPI_Bcast / MPI_Gatherv on a
-// communicator, when the build finds OpenMPI), and from Python the trainer's torch.distributed
-// group.
+// connect and authenticate with the fleet's api key), MPI (non-blocking broadcast and gather on a
+// communicator, when the build finds MPI; refit/mpi_producer_group.h), and from Python the
+// trainer's torch.distributed group.
 //
 // Failure model. Every call takes a deadline. A rank that vanishes (its process died, its
 // connection closed) or misses the deadline makes the collective fail on the ranks that wait for
@@ -37,7 +37,10 @@ using GroupClock = std::chrono::steady_clock;
 
 /// One rank's endpoint of a producer group.
 ///
-/// Collectives are called by every rank in the same order (SPMD), one at a time per rank.
+/// Collectives are called by every rank in the same order (SPMD), one at a time per rank. Each
+/// endpoint numbers its calls (its k-th collective is round k, whether it succeeded or not), and
+/// implementations use that number to tell a late message of an abandoned round from the current
+/// one's, so a rank that failed a collective is back in step at the next.
 ///
 /// Thread-safety: one collective at a time per object; rank() and world_size() may be called
 /// from any thread.
@@ -56,7 +59,9 @@ class ProducerGroup {
   /// Errors: Unavailable naming each rank that could not be reached (rank 0: those ranks get
   /// nothing and their links are dropped, the others got the message; other ranks: rank 0 is
   /// gone), DeadlineExceeded when `deadline` passes first, ResourceExhausted for a message over
-  /// the limit, PermissionDenied for a peer that failed authentication.
+  /// the limit, PermissionDenied for a peer that failed authentication, FailedPrecondition on a
+  /// rank that missed whole rounds (it is in step again from its next call) or on a group that
+  /// can no longer be used (MPI, after a deadline).
   virtual Result<std::string> Broadcast(std::string message, GroupClock::time_point deadline) = 0;
 
   /// Every rank: contribute `message`. Rank 0: return the W messages in rank order (its own
@@ -68,7 +73,9 @@ class ProducerGroup {
 
 /// Make the W in-process ranks of one group, for threads of one process (tests, a single-process
 /// trainer with W producer streams). Destroying one rank's object makes the collectives of the
-/// others fail with Unavailable naming it, as a dead process would.
+/// others fail with Unavailable naming it ("rank 2 of 4 left the group"), as a dead process
+/// would; a message it contributed before is still delivered. Messages have no size limit, and
+/// rank 0's Broadcast never waits (it posts for each live rank).
 /// Errors: InvalidArgument for world_size 0.
 Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeInProcessGroup(uint32_t world_size);
 
@@ -83,23 +90,38 @@ struct TcpGroupOptions {
   /// never crosses the wire). Empty: no authentication (rank 0 logs a warning).
   std::string api_key;
   /// The largest message accepted (ResourceExhausted beyond it): plans and reports are small,
-  /// the per-tensor digests of a model with a million tensors are about 64 MiB.
+  /// the per-tensor digests of a model with a million tensors are about 64 MiB. A sender refuses
+  /// its own oversized message and tells the waiting side, so both fail at once; a receiver with
+  /// a smaller limit refuses the frame by its header and drops the link.
   uint64_t max_message_bytes = uint64_t{256} << 20;
-  /// How long Make waits: rank 0 for its port to bind, the others for their first connection to
-  /// rank 0 (retrying while rank 0 is not up yet). Later reconnections happen inside the
-  /// collectives, within their deadlines.
+  /// How long Make waits: rank 0 for its port to bind (retrying while it is in use), the others
+  /// for their first connection to rank 0 (retrying while rank 0 is not up yet). Later
+  /// reconnections happen inside the collectives, within their deadlines.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
 };
 
 /// Make this rank's endpoint of a TCP group. Rank 0 binds and accepts the others in the
-/// background (a rank that reconnects replaces its old link); ranks 1 … W−1 connect to rank 0.
-/// Errors: InvalidArgument (a malformed address, rank ≥ world_size), Unavailable (rank 0 cannot
-/// bind; a rank cannot reach rank 0 within connect_timeout), PermissionDenied (rank 0 refused
-/// the key).
+/// background on a thread named "refit-group" (a rank that reconnects replaces its old link);
+/// ranks 1 … W−1 connect to rank 0 and prove the api key (HMAC-SHA256 over a fresh challenge).
+///
+/// Failures, in the terms of the failure model: rank 0's Broadcast waits until the deadline for
+/// ranks that are not connected and writes to all links at once; its Gather reads all links at
+/// once, fails a rank whose connection closes at once, and waits until the deadline for a rank
+/// that is not connected (it may be reconnecting). A rank ≥ 1 whose link was dropped reconnects
+/// at the start of its next collective; any I/O failure drops the link and fails the call
+/// (Unavailable "rank 0 at HOST:PORT is gone: …"). A restarted rank's Make takes over rank 0's
+/// round numbering, so it takes part from rank 0's current (or, between collectives, next)
+/// collective on.
+///
+/// Thread-safety: as ProducerGroup; the accept thread is internal.
+/// Errors: InvalidArgument (a malformed address, rank ≥ world_size, port 0 on a rank ≥ 1, a rank
+/// or world size rank 0 does not accept), Unavailable (rank 0 cannot bind; a rank cannot reach
+/// rank 0 within connect_timeout), PermissionDenied ("rank 0 at HOST:PORT refused this rank's api
+/// key").
 Result<std::unique_ptr<ProducerGroup>> MakeTcpGroup(const TcpGroupOptions& options);
 
 /// The port a TCP group's rank 0 listens on (the ephemeral one when the address gave port 0), or
-/// 0 for any other group.
+/// 0 for any other group (a TCP group's ranks ≥ 1, an in-process or MPI group).
 uint16_t TcpGroupPort(const ProducerGroup& group);
 
 }  // namespace refit

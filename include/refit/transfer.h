@@ -62,11 +62,12 @@ struct PrepareRequest {
   /// The version the transfer starts from; it must equal the receiver's committed version
   /// (version fencing). The target is base_version + 1.
   uint64_t base_version = 0;
+  TransferExpectation expected;
   /// The transfer is an anchor: every element of every tensor is sent in FULL, so it does not
   /// depend on what the receiver holds, and an idle receiver at any version accepts it. A
   /// receiver that restarted from an older checkpoint, or fell behind, rejoins this way.
+  /// (Last, with an initializer, so that `PrepareRequest{id, base, expected}` stays valid.)
   bool anchor = false;
-  TransferExpectation expected;
 };
 
 /// What Prepare did.

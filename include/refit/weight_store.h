@@ -5,12 +5,15 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "refit/safetensors.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/transfer.h"
 
 namespace refit {
 
@@ -23,11 +26,18 @@ enum class StoreMode : uint8_t {
   kMmap,
 };
 
+class Loader;
+struct CanonicalLayout;
+
+// CanonicalHolding (what a receiver holds of one canonical tensor) is in refit/transfer.h.
+
 /// The receiver's tensors.
 ///
-/// Thread-safety: the set of tensors is fixed after loading. Mutating element bytes (through
-/// ApplyPayload) must be serialised by the caller (the receiver's apply queue); const accessors
-/// may run concurrently with each other.
+/// Thread-safety: the set of tensors is fixed after loading (attach the loader before the store
+/// is shared). Mutating element bytes or digests (ApplyPayload, UndoLog::Rollback, the Set/Adjust
+/// methods) must be serialised by the caller (the receiver's apply queue) and must not overlap
+/// any other call; const accessors, Holdings and ResolveCanonical included, may run concurrently
+/// with each other (the lazily built piece state is guarded by a mutex).
 class WeightStore {
  public:
   ~WeightStore();
@@ -65,6 +75,36 @@ class WeightStore {
   /// Recompute every digest from the bytes (O(model)); for verification tools and tests.
   std::map<std::string, uint64_t> RecomputeDigests() const;
 
+  /// Attach the loader that maps canonical tensors onto this store's (local) tensors; it must have
+  /// been made for this store. From then on ApplyPayload routes every item through it. Piece
+  /// digests are computed lazily, once per canonical tensor, when it is first resolved
+  /// (O(piece)). Errors: InvalidArgument (null, or made for another store), FailedPrecondition
+  /// (a loader is already attached).
+  Status AttachLoader(std::unique_ptr<Loader> loader);
+  bool has_loader() const { return loader_ != nullptr; }
+  /// The attached loader, or null.
+  const Loader* loader() const { return loader_.get(); }
+
+  /// Return the holding of each named canonical tensor. Without a loader: one piece "" holding
+  /// the tensor's digest. Errors: NotFound naming a tensor neither held nor skipped;
+  /// InvalidArgument as Loader::Resolve. Complexity: O(names × pieces), plus O(piece) the first
+  /// time a canonical tensor is resolved.
+  Result<std::map<std::string, CanonicalHolding>> Holdings(
+      std::span<const std::string> canonical_names) const;
+  /// As Holdings, but every piece digest recomputed from the bytes (O(pieces)); for verification
+  /// tools and tests.
+  Result<std::map<std::string, CanonicalHolding>> RecomputeHoldings(
+      std::span<const std::string> canonical_names) const;
+
+  /// Resolve `canonical_name` through the loader and make sure its piece digests exist. Used by
+  /// the applier. Errors: FailedPrecondition without a loader; as Loader::Resolve.
+  Result<const CanonicalLayout*> ResolveCanonical(std::string_view canonical_name) const;
+  /// The partial digest of piece `piece` of a resolved canonical tensor, moved by `delta` (mod
+  /// 2^64) or set. Used by the applier. Errors: NotFound (not resolved, or no such piece).
+  Result<uint64_t> PieceDigest(std::string_view canonical_name, size_t piece) const;
+  Status AdjustPieceDigest(std::string_view canonical_name, size_t piece, uint64_t delta);
+  Status SetPieceDigest(std::string_view canonical_name, size_t piece, uint64_t digest);
+
   /// The weight version the store holds (0 until set).
   uint64_t version() const { return version_; }
   void set_version(uint64_t version) { version_ = version; }
@@ -74,13 +114,28 @@ class WeightStore {
 
  private:
   struct Entry;
+  /// The partial digests of one resolved canonical tensor, one per piece of its layout.
+  struct Pieces {
+    const CanonicalLayout* layout = nullptr;
+    std::vector<uint64_t> digests;
+  };
   WeightStore();
   Entry* FindEntry(std::string_view name) const;
+  /// Return the piece state of `canonical_name`, resolving and hashing it on first use.
+  /// Precondition: pieces_mutex_ held and a loader attached.
+  Result<Pieces*> PiecesLocked(std::string_view canonical_name) const;
+  Result<uint64_t*> PieceDigestSlot(std::string_view canonical_name, size_t piece) const;
+  Result<std::map<std::string, CanonicalHolding>> CollectHoldings(
+      std::span<const std::string> canonical_names, bool recompute) const;
   std::vector<std::unique_ptr<Entry>> entries_;
   std::map<std::string, Entry*, std::less<>> by_name_;
   /// The copy-on-write mapping behind StoreMode::kMmap tensors (type-erased: internal).
   std::shared_ptr<void> mapping_;
   uint64_t version_ = 0;
+  std::unique_ptr<Loader> loader_;
+  mutable std::mutex pieces_mutex_;
+  /// Canonical name → piece digests, filled lazily; entries are never removed.
+  mutable std::map<std::string, Pieces, std::less<>> pieces_;
 };
 
 }  // namespace refit

@@ -1,9 +1,11 @@
 #include "refit/apply.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
 #include "refit/digest.h"
+#include "refit/loader.h"
 #include "refit/locations.h"
 #include "refit/values.h"
 
@@ -35,14 +37,20 @@ Status CheckApplicable(const PayloadHeader& header, size_t index, const ItemView
 }  // namespace
 
 struct UndoLog::Record {
-  std::string tensor;
+  /// The (local) tensor written.
+  std::string tensor{};
   uint32_t width = 0;
   /// A FULL item: old_bits hold the whole span starting at span_begin.
   bool full = false;
   uint64_t span_begin = 0;
-  std::vector<uint64_t> locations;
-  std::vector<std::byte> old_bits;
+  std::vector<uint64_t> locations{};
+  std::vector<std::byte> old_bits{};
   uint64_t digest_before = 0;
+  /// Through a loader: the canonical tensor and the piece whose partial digest the record moved.
+  bool has_piece = false;
+  std::string canonical{};
+  size_t piece = 0;
+  uint64_t piece_digest_before = 0;
 };
 
 UndoLog::UndoLog() = default;
@@ -83,13 +91,340 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint) {
       }
     }
     REFIT_RETURN_NOT_OK(store.SetDigest(r.tensor, r.digest_before));
+    if (r.has_piece) {
+      REFIT_RETURN_NOT_OK(store.SetPieceDigest(r.canonical, r.piece, r.piece_digest_before));
+    }
   }
   records_.resize(savepoint);
   return Status::OK();
 }
 
+namespace {
+
+/// Reused buffers of one ApplyThroughLoader call: the locations and values of one batch that fall
+/// in one piece (gathered for column pieces), and their local locations.
+struct PieceScratch {
+  std::array<uint64_t, kLocationBatch> batch;
+  std::array<uint64_t, kLocationBatch> canonical;
+  std::array<uint64_t, kLocationBatch> local;
+  std::array<std::byte, kLocationBatch * sizeof(uint64_t)> values;
+};
+
+/// What one item does to one piece: its record (created at the first touch, so pieces an item
+/// does not reach leave no record) and its digest changes.
+struct PieceWrite {
+  MutableTensorView local;
+  size_t record = SIZE_MAX;
+  uint64_t local_delta = 0;
+  uint64_t piece_delta = 0;
+  /// FULL: the digest of the piece's part of the span after the copy (canonical coordinates).
+  uint64_t span_digest = 0;
+};
+
+std::string ItemContext(const PayloadHeader& header, size_t index) {
+  return fmt::format("payload {} of producer {}, item {}", header.ids.payload_id,
+                     header.ids.producer_id, index);
+}
+
+Result<const CanonicalLayout*> CheckApplicableThroughLoader(const PayloadHeader& header,
+                                                            size_t index, const ItemView& item,
+                                                            const WeightStore& store) {
+  Result<const CanonicalLayout*> layout = store.ResolveCanonical(item.name);
+  if (!layout.ok()) return layout.status().WithContext(ItemContext(header, index));
+  const CanonicalLayout& resolved = **layout;
+  if (resolved.skipped) return &resolved;
+  if (resolved.dtype != item.dtype || resolved.shape != item.shape) {
+    return InvalidArgument(
+        "{}: tensor '{}' is {} {} in the payload but {} {} in the receiver's loader ({})",
+        ItemContext(header, index), item.name, DTypeName(item.dtype), ShapeToString(item.shape),
+        DTypeName(resolved.dtype), ShapeToString(resolved.shape),
+        resolved.pieces.empty()
+            ? std::string("no piece held")
+            : fmt::format("local tensor '{}'", resolved.pieces[0].local_tensor));
+  }
+  return &resolved;
+}
+
+/// Start the undo record of `write` if the item has not touched its piece yet.
+UndoLog::Record& TouchPiece(const ItemView& item, const CanonicalLayout& layout, size_t piece,
+                            bool full, uint64_t span_begin, WeightStore& store, PieceWrite& write,
+                            std::vector<UndoLog::Record>* records) {
+  if (write.record == SIZE_MAX) {
+    write.record = records->size();
+    const std::string& local_name = layout.pieces[piece].local_tensor;
+    records->push_back(
+        UndoLog::Record{.tensor = local_name,
+                        .width = DTypeSize(item.dtype),
+                        .full = full,
+                        .span_begin = span_begin,
+                        .digest_before = *store.Digest(local_name),
+                        .has_piece = true,
+                        .canonical = layout.canonical_name,
+                        .piece = piece,
+                        .piece_digest_before = *store.PieceDigest(layout.canonical_name, piece)});
+  }
+  return (*records)[write.record];
+}
+
+/// Apply a delta item (XOR / OVERWRITE / ADD) to the receiver's pieces of its tensor.
+Status ApplyDeltaToPieces(const ItemView& item, const CanonicalLayout& layout, WeightStore& store,
+                          std::vector<PieceWrite>& writes, PieceScratch& scratch,
+                          std::vector<UndoLog::Record>* records) {
+  const uint32_t width = DTypeSize(item.dtype);
+  const uint32_t value_width = DTypeSize(item.value_dtype);
+  const uint64_t cols = layout.cols;
+  REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                         LocationDecoder::Make(item.location_encoding, item.locations, item.count,
+                                               item.span_begin, item.span_end));
+  uint64_t applied = 0;
+  while (true) {
+    REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(scratch.batch));
+    if (n == 0) break;
+    const uint64_t* batch_begin = scratch.batch.data();
+    const uint64_t* batch_end = batch_begin + n;
+    const std::byte* batch_values = item.values.data() + applied * value_width;
+    for (size_t p = 0; p < layout.pieces.size(); ++p) {
+      const CanonicalPiece& piece = layout.pieces[p];
+      // A piece's rows are one contiguous canonical range, so the sorted batch meets them in one
+      // sub-range.
+      const uint64_t* lo = std::lower_bound(batch_begin, batch_end, piece.row_begin * cols);
+      const uint64_t* hi = std::lower_bound(lo, batch_end, piece.row_end * cols);
+      if (lo == hi) continue;
+      const uint64_t* canonical = lo;
+      const uint64_t* local_locations = scratch.local.data();
+      const std::byte* values = batch_values + (lo - batch_begin) * value_width;
+      size_t m = static_cast<size_t>(hi - lo);
+      if (piece.col_begin == 0 && piece.col_end == cols && piece.local_row_length == cols) {
+        // Whole rows stored contiguously: the local location is the canonical one shifted
+        // (mod 2^64, so a shift down wraps correctly); unshifted (identity, rename, rank 0 of a
+        // row shard) the batch is used as it is.
+        const uint64_t shift = piece.local_row_offset * cols - piece.row_begin * cols;
+        if (shift == 0) {
+          local_locations = lo;
+        } else {
+          for (size_t k = 0; k < m; ++k) scratch.local[k] = lo[k] + shift;
+        }
+      } else {
+        // A column block: gather the locations inside it, with their values. One division per
+        // canonical row reached, not per element.
+        m = 0;
+        uint64_t row = 0;
+        uint64_t row_start = 0;
+        uint64_t next_row_start = 0;
+        for (const uint64_t* it = lo; it < hi; ++it) {
+          const uint64_t location = *it;
+          if (location >= next_row_start) {
+            row = location / cols;
+            row_start = row * cols;
+            next_row_start = row_start + cols;
+          }
+          const uint64_t col = location - row_start;
+          if (col < piece.col_begin || col >= piece.col_end) continue;
+          scratch.canonical[m] = location;
+          scratch.local[m] =
+              (piece.local_row_offset + row - piece.row_begin) * piece.local_row_length +
+              (col - piece.col_begin);
+          std::memcpy(scratch.values.data() + m * value_width,
+                      batch_values + (it - batch_begin) * value_width, value_width);
+          ++m;
+        }
+        if (m == 0) continue;
+        canonical = scratch.canonical.data();
+        values = scratch.values.data();
+      }
+      PieceWrite& write = writes[p];
+      const bool first_touch = write.record == SIZE_MAX;
+      UndoLog::Record& record = TouchPiece(item, layout, p, false, 0, store, write, records);
+      if (first_touch && layout.held_whole()) {
+        // Every location of the item lands here: size the record once, as without a loader. A
+        // shard's share is unknown in advance, so its records grow instead of over-reserving.
+        record.locations.reserve(item.count);
+        record.old_bits.reserve(item.count * width);
+      }
+      const std::span<const uint64_t> local(local_locations, m);
+      const size_t old_start = record.old_bits.size();
+      ApplyOpValues(item.op, item.dtype, item.value_dtype, write.local.bytes, local,
+                    std::span<const std::byte>(values, m * value_width), &record.old_bits);
+      record.locations.insert(record.locations.end(), local.begin(), local.end());
+      const std::span<const std::byte> old_bits(record.old_bits.data() + old_start, m * width);
+      if (local_locations == canonical) {
+        // Local and canonical indices coincide: one hash serves both digests.
+        uint64_t delta = 0;
+        for (size_t k = 0; k < m; ++k) {
+          delta += ElementHash(local[k], LoadBits(write.local.bytes, width, local[k])) -
+                   ElementHash(local[k], LoadBits(old_bits, width, k));
+        }
+        write.local_delta += delta;
+        write.piece_delta += delta;
+        continue;
+      }
+      for (size_t k = 0; k < m; ++k) {
+        const uint64_t new_bits = LoadBits(write.local.bytes, width, local[k]);
+        const uint64_t previous = LoadBits(old_bits, width, k);
+        write.local_delta += ElementHash(local[k], new_bits) - ElementHash(local[k], previous);
+        write.piece_delta +=
+            ElementHash(canonical[k], new_bits) - ElementHash(canonical[k], previous);
+      }
+    }
+    applied += n;
+  }
+  return Status::OK();
+}
+
+/// Add the local and canonical digests of local elements [local_begin, local_begin + count),
+/// which hold canonical elements [canonical_begin, …), to `local_sum` and `canonical_sum`.
+void DigestSegment(std::span<const std::byte> local_bytes, uint32_t width, uint64_t local_begin,
+                   uint64_t canonical_begin, uint64_t count, uint64_t* local_sum,
+                   uint64_t* canonical_sum) {
+  const uint64_t local = DigestRange(local_bytes, width, local_begin, local_begin + count);
+  *local_sum += local;
+  // Identity placement (the common case) hashes once.
+  *canonical_sum +=
+      local_begin == canonical_begin
+          ? local
+          : RemappedDigestRange(local_bytes, width, local_begin, canonical_begin, count);
+}
+
+/// Apply a FULL item (span [span_begin, span_end) of canonical elements) to the receiver's
+/// pieces: one memcpy per piece for whole-row pieces, one per row segment for column blocks.
+void ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, WeightStore& store,
+                       std::vector<PieceWrite>& writes, std::vector<UndoLog::Record>* records) {
+  const uint32_t width = DTypeSize(item.dtype);
+  const uint64_t cols = layout.cols;
+  const uint64_t span_begin = item.span_begin;
+  const uint64_t span_end = item.span_end;
+  if (span_begin >= span_end) return;
+  for (size_t p = 0; p < layout.pieces.size(); ++p) {
+    const CanonicalPiece& piece = layout.pieces[p];
+    PieceWrite& write = writes[p];
+    // The piece's row segments the span reaches, in order: [canonical begin, end) → local begin.
+    struct Segment {
+      uint64_t canonical_begin;
+      uint64_t canonical_end;
+      uint64_t local_begin;
+    };
+    const auto for_each_segment = [&](auto&& visit) {
+      if (piece.col_begin == 0 && piece.col_end == cols && piece.local_row_length == cols) {
+        const uint64_t begin = std::max(span_begin, piece.row_begin * cols);
+        const uint64_t end = std::min(span_end, piece.row_end * cols);
+        if (begin < end) {
+          visit(
+              Segment{begin, end, begin - piece.row_begin * cols + piece.local_row_offset * cols});
+        }
+        return;
+      }
+      const uint64_t first_row = std::max(piece.row_begin, span_begin / cols);
+      const uint64_t last_row = std::min(piece.row_end, (span_end - 1) / cols + 1);
+      for (uint64_t r = first_row; r < last_row; ++r) {
+        const uint64_t begin = std::max(r * cols + piece.col_begin, span_begin);
+        const uint64_t end = std::min(r * cols + piece.col_end, span_end);
+        if (begin >= end) continue;
+        visit(Segment{begin, end,
+                      (piece.local_row_offset + r - piece.row_begin) * piece.local_row_length +
+                          (begin - r * cols - piece.col_begin)});
+      }
+    };
+    // The local range the segments cover: saved whole, as one FULL record. Between the segments
+    // of a column block it may hold elements this item does not write; restoring those to their
+    // bits at this point is still exact, because rollback runs newest first.
+    uint64_t local_lo = UINT64_MAX;
+    uint64_t local_hi = 0;
+    for_each_segment([&](const Segment& s) {
+      local_lo = std::min(local_lo, s.local_begin);
+      local_hi = std::max(local_hi, s.local_begin + (s.canonical_end - s.canonical_begin));
+    });
+    if (local_lo >= local_hi) continue;
+    UndoLog::Record& record = TouchPiece(item, layout, p, true, local_lo, store, write, records);
+    record.old_bits.assign(write.local.bytes.begin() + local_lo * width,
+                           write.local.bytes.begin() + local_hi * width);
+    uint64_t local_old = 0;
+    uint64_t local_new = 0;
+    uint64_t piece_old = 0;
+    for_each_segment([&](const Segment& s) {
+      const uint64_t count = s.canonical_end - s.canonical_begin;
+      DigestSegment(write.local.bytes, width, s.local_begin, s.canonical_begin, count, &local_old,
+                    &piece_old);
+      std::memcpy(write.local.bytes.data() + s.local_begin * width,
+                  item.values.data() + (s.canonical_begin - span_begin) * width, count * width);
+      DigestSegment(write.local.bytes, width, s.local_begin, s.canonical_begin, count, &local_new,
+                    &write.span_digest);
+    });
+    write.local_delta = local_new - local_old;
+    write.piece_delta = write.span_digest - piece_old;
+  }
+}
+
+/// ApplyPayload through the store's loader. `rollback_to(savepoint)` undoes the records from
+/// `savepoint` on (UndoLog::RollbackTo, which only ApplyPayload may call).
+template <typename RollbackTo>
+Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
+                          std::vector<UndoLog::Record>* records, RollbackTo&& rollback_to) {
+  const PayloadHeader& header = payload.header();
+  const auto items = payload.items();
+  std::vector<const CanonicalLayout*> layouts(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    REFIT_ASSIGN_OR_RETURN(layouts[i], CheckApplicableThroughLoader(header, i, items[i], store));
+  }
+
+  const size_t savepoint = records->size();
+  auto fail = [&](Status status) {
+    Status rollback = rollback_to(savepoint);
+    if (!rollback.ok()) return rollback.WithContext(status.ToString());
+    return status;
+  };
+
+  // One scratch per payload (128 KiB): too large for the stack of an arbitrary caller thread.
+  auto scratch = std::make_unique<PieceScratch>();
+  std::vector<PieceWrite> writes;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ItemView& item = items[i];
+    const CanonicalLayout& layout = *layouts[i];
+    if (layout.skipped || layout.pieces.empty()) continue;
+    writes.assign(layout.pieces.size(), PieceWrite{});
+    for (size_t p = 0; p < layout.pieces.size(); ++p) {
+      writes[p].local = *store.Find(layout.pieces[p].local_tensor);
+    }
+    if (item.op == Op::kFull) {
+      ApplyFullToPieces(item, layout, store, writes, records);
+    } else {
+      Status applied = ApplyDeltaToPieces(item, layout, store, writes, *scratch, records);
+      if (!applied.ok()) return fail(applied);
+    }
+    // The producer's item digest covers every element of the item; a receiver can check it only
+    // when it holds the whole tensor in one piece. A shard's partial digests are verified by the
+    // coordinator at flush, which sums the distinct pieces of the shard group.
+    if (layout.held_whole() && item.op == Op::kFull && writes[0].span_digest != item.digest) {
+      return fail(
+          DataLoss("payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
+                   "producer's {:#018x}",
+                   header.ids.payload_id, header.ids.producer_id, i, item.name,
+                   writes[0].span_digest, item.digest));
+    }
+    if (layout.held_whole() && item.op != Op::kFull && writes[0].piece_delta != item.digest) {
+      return fail(
+          DataLoss("payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
+                   "producer's {:#018x}: the receiver's tensor is not at base version {}",
+                   header.ids.payload_id, header.ids.producer_id, i, item.name,
+                   writes[0].piece_delta, item.digest, header.ids.base_version));
+    }
+    for (size_t p = 0; p < layout.pieces.size(); ++p) {
+      if (writes[p].record == SIZE_MAX) continue;
+      REFIT_RETURN_NOT_OK(store.AdjustDigest(layout.pieces[p].local_tensor, writes[p].local_delta));
+      REFIT_RETURN_NOT_OK(store.AdjustPieceDigest(layout.canonical_name, p, writes[p].piece_delta));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo) {
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
+  // The loader path is separate so that a store without one runs exactly the loop below.
+  if (store.has_loader()) {
+    return ApplyThroughLoader(payload, store, &undo->records_,
+                              [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); });
+  }
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
   for (size_t i = 0; i < items.size(); ++i) {
@@ -109,13 +444,11 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     MutableTensorView tensor = *store.Find(item.name);
     const uint32_t width = DTypeSize(item.dtype);
     const uint32_t value_width = DTypeSize(item.value_dtype);
-    undo->records_.push_back(UndoLog::Record{std::string(item.name),
-                                             width,
-                                             item.op == Op::kFull,
-                                             item.span_begin,
-                                             {},
-                                             {},
-                                             *store.Digest(item.name)});
+    undo->records_.push_back(UndoLog::Record{.tensor = std::string(item.name),
+                                             .width = width,
+                                             .full = item.op == Op::kFull,
+                                             .span_begin = item.span_begin,
+                                             .digest_before = *store.Digest(item.name)});
     UndoLog::Record& record = undo->records_.back();
 
     if (item.op == Op::kFull) {

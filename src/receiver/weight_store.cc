@@ -4,6 +4,8 @@
 
 #include "core/mapped_file.h"
 #include "refit/digest.h"
+#include "refit/loader.h"
+#include "util/check.h"
 
 namespace refit {
 
@@ -129,6 +131,111 @@ std::map<std::string, uint64_t> WeightStore::RecomputeDigests() const {
   std::map<std::string, uint64_t> out;
   for (const auto& entry : entries_) out[entry->view.name] = TensorDigest(entry->view.AsConst());
   return out;
+}
+
+Status WeightStore::AttachLoader(std::unique_ptr<Loader> loader) {
+  if (loader == nullptr) return InvalidArgument("AttachLoader: the loader is null");
+  if (&loader->store() != this) {
+    return InvalidArgument("AttachLoader: the loader was made for another store");
+  }
+  if (loader_ != nullptr) {
+    return FailedPrecondition("AttachLoader: the store already has a loader attached");
+  }
+  loader_ = std::move(loader);
+  return Status::OK();
+}
+
+Result<WeightStore::Pieces*> WeightStore::PiecesLocked(std::string_view canonical_name) const {
+  if (auto it = pieces_.find(canonical_name); it != pieces_.end()) return &it->second;
+  REFIT_ASSIGN_OR_RETURN(const CanonicalLayout* layout, loader_->Resolve(canonical_name));
+  Pieces state{layout, {}};
+  // Hashed once from the bytes, when the tensor is first resolved (before any item of it is
+  // applied); from then on the applier keeps the digests current in O(changes).
+  for (const CanonicalPiece& piece : layout->pieces) {
+    const Entry* local = FindEntry(piece.local_tensor);
+    REFIT_DCHECK(local != nullptr, "a resolved piece names a tensor the store lacks");
+    state.digests.push_back(PieceDigestOf(piece, layout->cols, local->view.AsConst()));
+  }
+  return &pieces_.emplace(std::string(canonical_name), std::move(state)).first->second;
+}
+
+Result<const CanonicalLayout*> WeightStore::ResolveCanonical(
+    std::string_view canonical_name) const {
+  if (loader_ == nullptr) {
+    return FailedPrecondition("tensor '{}': the store has no loader to resolve it", canonical_name);
+  }
+  std::lock_guard lock(pieces_mutex_);
+  REFIT_ASSIGN_OR_RETURN(Pieces * state, PiecesLocked(canonical_name));
+  return state->layout;
+}
+
+Result<uint64_t*> WeightStore::PieceDigestSlot(std::string_view canonical_name,
+                                               size_t piece) const {
+  auto it = pieces_.find(canonical_name);
+  if (it == pieces_.end()) return NotFound("canonical tensor '{}' is not resolved", canonical_name);
+  if (piece >= it->second.digests.size()) {
+    return NotFound("canonical tensor '{}' has {} pieces here, not piece {}", canonical_name,
+                    it->second.digests.size(), piece);
+  }
+  return &it->second.digests[piece];
+}
+
+Result<uint64_t> WeightStore::PieceDigest(std::string_view canonical_name, size_t piece) const {
+  std::lock_guard lock(pieces_mutex_);
+  REFIT_ASSIGN_OR_RETURN(uint64_t * slot, PieceDigestSlot(canonical_name, piece));
+  return *slot;
+}
+
+Status WeightStore::AdjustPieceDigest(std::string_view canonical_name, size_t piece,
+                                      uint64_t delta) {
+  std::lock_guard lock(pieces_mutex_);
+  REFIT_ASSIGN_OR_RETURN(uint64_t * slot, PieceDigestSlot(canonical_name, piece));
+  *slot += delta;
+  return Status::OK();
+}
+
+Status WeightStore::SetPieceDigest(std::string_view canonical_name, size_t piece, uint64_t digest) {
+  std::lock_guard lock(pieces_mutex_);
+  REFIT_ASSIGN_OR_RETURN(uint64_t * slot, PieceDigestSlot(canonical_name, piece));
+  *slot = digest;
+  return Status::OK();
+}
+
+Result<std::map<std::string, CanonicalHolding>> WeightStore::CollectHoldings(
+    std::span<const std::string> canonical_names, bool recompute) const {
+  std::map<std::string, CanonicalHolding> out;
+  if (loader_ == nullptr) {
+    for (const std::string& name : canonical_names) {
+      const Entry* entry = FindEntry(name);
+      if (entry == nullptr) return NotFound("tensor '{}' is not in the receiver's store", name);
+      out[name].pieces[""] = recompute ? TensorDigest(entry->view.AsConst()) : entry->digest;
+    }
+    return out;
+  }
+  std::lock_guard lock(pieces_mutex_);
+  for (const std::string& name : canonical_names) {
+    REFIT_ASSIGN_OR_RETURN(const Pieces* state, PiecesLocked(name));
+    CanonicalHolding& holding = out[name];
+    holding.skipped = state->layout->skipped;
+    for (size_t p = 0; p < state->layout->pieces.size(); ++p) {
+      const CanonicalPiece& piece = state->layout->pieces[p];
+      holding.pieces[piece.id] = recompute
+                                     ? PieceDigestOf(piece, state->layout->cols,
+                                                     FindEntry(piece.local_tensor)->view.AsConst())
+                                     : state->digests[p];
+    }
+  }
+  return out;
+}
+
+Result<std::map<std::string, CanonicalHolding>> WeightStore::Holdings(
+    std::span<const std::string> canonical_names) const {
+  return CollectHoldings(canonical_names, /*recompute=*/false);
+}
+
+Result<std::map<std::string, CanonicalHolding>> WeightStore::RecomputeHoldings(
+    std::span<const std::string> canonical_names) const {
+  return CollectHoldings(canonical_names, /*recompute=*/true);
 }
 
 Status WeightStore::Save(const std::string& path) const {

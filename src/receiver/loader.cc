@@ -1,0 +1,691 @@
+#include "refit/loader.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <regex>
+#include <utility>
+
+#include <yaml-cpp/yaml.h>
+
+#include "refit/digest.h"
+
+namespace refit {
+namespace {
+
+struct KindEntry {
+  LoaderKind kind;
+  std::string_view name;
+};
+
+constexpr KindEntry kKinds[] = {
+    {LoaderKind::kIdentity, "identity"}, {LoaderKind::kRename, "rename"},
+    {LoaderKind::kSkip, "skip"},         {LoaderKind::kRow, "row"},
+    {LoaderKind::kColumn, "column"},     {LoaderKind::kQkv, "qkv"},
+    {LoaderKind::kGateUp, "gate_up"},    {LoaderKind::kVocab, "vocab"},
+};
+
+std::string KindNames() {
+  std::string out;
+  for (const KindEntry& entry : kKinds) {
+    if (!out.empty()) out += ", ";
+    out += entry.name;
+  }
+  return out;
+}
+
+/// The largest loader spec file read: a spec is a few rules; the bound keeps a wrong path (a
+/// model file) from being read whole.
+constexpr size_t kMaxSpecFileBytes = size_t{1} << 20;
+
+/// The keys of a rule mapping. `kind` is always allowed; the rest depend on the kind.
+constexpr std::string_view kRuleKeys[] = {"kind",       "match", "to", "q",         "k",
+                                          "v",          "gate",  "up", "num_heads", "num_kv_heads",
+                                          "vocab_size", "pad_to"};
+
+/// Return whether `key` is meaningful for a rule of `kind`.
+bool KeyApplies(LoaderKind kind, std::string_view key) {
+  if (key == "kind") return true;
+  // A skipped tensor has no local tensor to name.
+  if (key == "to") return kind != LoaderKind::kSkip;
+  switch (kind) {
+    case LoaderKind::kIdentity:
+    case LoaderKind::kRename:
+    case LoaderKind::kSkip:
+    case LoaderKind::kRow:
+    case LoaderKind::kColumn:
+      return key == "match";
+    case LoaderKind::kQkv:
+      return key == "q" || key == "k" || key == "v" || key == "num_heads" || key == "num_kv_heads";
+    case LoaderKind::kGateUp:
+      return key == "gate" || key == "up";
+    case LoaderKind::kVocab:
+      return key == "match" || key == "vocab_size" || key == "pad_to";
+  }
+  return false;
+}
+
+/// A problem with one rule: the key it concerns and what is wrong.
+struct RuleProblem {
+  std::string key;
+  std::string message;
+};
+
+/// The patterns of a rule, in the order of its parts (qkv: q, k, v; gate_up: gate, up).
+std::vector<std::pair<std::string_view, const std::string*>> RulePatterns(const LoaderRule& rule) {
+  switch (rule.kind) {
+    case LoaderKind::kQkv:
+      return {{"q", &rule.q}, {"k", &rule.k}, {"v", &rule.v}};
+    case LoaderKind::kGateUp:
+      return {{"gate", &rule.gate}, {"up", &rule.up}};
+    default:
+      return {{"match", &rule.match}};
+  }
+}
+
+/// Check one rule against the TP size and compile its patterns into `compiled`.
+std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
+                                     std::vector<std::regex>* compiled) {
+  compiled->clear();
+  for (const auto& [key, pattern] : RulePatterns(rule)) {
+    if (pattern->empty()) {
+      return RuleProblem{std::string(key), fmt::format("a {} rule needs a non-empty pattern",
+                                                       LoaderKindName(rule.kind))};
+    }
+    // std::regex reports a bad pattern by exception; it stops here.
+    try {
+      compiled->emplace_back(*pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return RuleProblem{std::string(key), fmt::format("'{}' is not a valid regular expression: {}",
+                                                       *pattern, e.what())};
+    }
+  }
+  const bool needs_to = rule.kind == LoaderKind::kRename || rule.kind == LoaderKind::kQkv ||
+                        rule.kind == LoaderKind::kGateUp;
+  if (needs_to && rule.to.empty()) {
+    return RuleProblem{
+        "to", fmt::format("a {} rule needs the local tensor's name", LoaderKindName(rule.kind))};
+  }
+  if (rule.kind == LoaderKind::kQkv) {
+    if (rule.num_heads == 0) return RuleProblem{"num_heads", "a qkv rule needs num_heads > 0"};
+    if (rule.num_kv_heads == 0) {
+      return RuleProblem{"num_kv_heads", "a qkv rule needs num_kv_heads > 0"};
+    }
+    if (rule.num_heads % rule.num_kv_heads != 0) {
+      return RuleProblem{"num_kv_heads",
+                         fmt::format("num_heads {} is not a multiple of num_kv_heads {}",
+                                     rule.num_heads, rule.num_kv_heads)};
+    }
+    if (rule.num_heads % tp_size != 0) {
+      return RuleProblem{"num_heads", fmt::format("num_heads {} is not a multiple of tp_size {}",
+                                                  rule.num_heads, tp_size)};
+    }
+    if (rule.num_kv_heads % tp_size != 0 && tp_size % rule.num_kv_heads != 0) {
+      return RuleProblem{
+          "num_kv_heads",
+          fmt::format("num_kv_heads {} neither divides nor is a multiple of tp_size {}",
+                      rule.num_kv_heads, tp_size)};
+    }
+  }
+  if (rule.kind == LoaderKind::kVocab) {
+    if (rule.vocab_size == 0) {
+      return RuleProblem{"vocab_size", "a vocab rule needs vocab_size > 0"};
+    }
+    if (rule.pad_to == 0) return RuleProblem{"pad_to", "pad_to must be > 0"};
+    uint64_t multiple = 0;
+    if (__builtin_mul_overflow(rule.pad_to, uint64_t{tp_size}, &multiple) ||
+        rule.vocab_size > UINT64_MAX - multiple) {
+      return RuleProblem{"pad_to",
+                         fmt::format("pad_to {} × tp_size {} overflows", rule.pad_to, tp_size)};
+    }
+  }
+  return std::nullopt;
+}
+
+/// The 2-D view of a shape: rows = shape[0], cols = the product of the rest.
+std::pair<uint64_t, uint64_t> TwoD(const Shape& shape) {
+  if (shape.empty()) return {1, 1};
+  uint64_t cols = 1;
+  for (size_t d = 1; d < shape.size(); ++d) cols *= static_cast<uint64_t>(shape[d]);
+  return {static_cast<uint64_t>(shape[0]), cols};
+}
+
+/// Return `extent` × `factor` as a shape extent, or nullopt when it overflows.
+std::optional<int64_t> Scaled(int64_t extent, uint64_t factor) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(extent, static_cast<int64_t>(factor), &out)) return std::nullopt;
+  return out;
+}
+
+template <typename Word>
+uint64_t RemappedWords(const std::byte* data, uint64_t local_begin, uint64_t canonical_begin,
+                       uint64_t count) {
+  uint64_t sum = 0;
+  for (uint64_t k = 0; k < count; ++k) {
+    Word word;
+    std::memcpy(&word, data + (local_begin + k) * sizeof(Word), sizeof(Word));
+    sum += ElementHash(canonical_begin + k, static_cast<uint64_t>(word));
+  }
+  return sum;
+}
+
+}  // namespace
+
+std::string_view LoaderKindName(LoaderKind kind) {
+  for (const KindEntry& entry : kKinds) {
+    if (entry.kind == kind) return entry.name;
+  }
+  return "unknown-kind";
+}
+
+Result<LoaderKind> ParseLoaderKind(std::string_view text) {
+  for (const KindEntry& entry : kKinds) {
+    if (entry.name == text) return entry.kind;
+  }
+  return InvalidArgument("unknown loader kind '{}'; accepted: {}", text, KindNames());
+}
+
+std::string PieceId(uint64_t row_begin, uint64_t row_end, uint64_t col_begin, uint64_t col_end) {
+  return fmt::format("rows {}:{} cols {}:{}", row_begin, row_end, col_begin, col_end);
+}
+
+uint64_t RemappedDigestRange(std::span<const std::byte> local_bytes, uint32_t width,
+                             uint64_t local_begin, uint64_t canonical_begin, uint64_t count) {
+  switch (width) {
+    case 1:
+      return RemappedWords<uint8_t>(local_bytes.data(), local_begin, canonical_begin, count);
+    case 2:
+      return RemappedWords<uint16_t>(local_bytes.data(), local_begin, canonical_begin, count);
+    case 4:
+      return RemappedWords<uint32_t>(local_bytes.data(), local_begin, canonical_begin, count);
+    default:
+      return RemappedWords<uint64_t>(local_bytes.data(), local_begin, canonical_begin, count);
+  }
+}
+
+uint64_t PieceDigestOf(const CanonicalPiece& piece, uint64_t canonical_cols,
+                       const TensorView& local) {
+  const uint32_t width = DTypeSize(local.dtype);
+  const uint64_t piece_cols = piece.col_end - piece.col_begin;
+  uint64_t sum = 0;
+  for (uint64_t r = piece.row_begin; r < piece.row_end; ++r) {
+    const uint64_t local_begin =
+        (piece.local_row_offset + r - piece.row_begin) * piece.local_row_length;
+    sum += RemappedDigestRange(local.bytes, width, local_begin,
+                               r * canonical_cols + piece.col_begin, piece_cols);
+  }
+  return sum;
+}
+
+// ---- Loader -----------------------------------------------------------------------------------
+
+struct Loader::CompiledRule {
+  /// One per part (see RulePatterns).
+  std::vector<std::regex> patterns;
+};
+
+Loader::Loader(LoaderSpec spec, const WeightStore& store, std::vector<CompiledRule> rules)
+    : spec_(std::move(spec)), store_(&store), rules_(std::move(rules)) {}
+
+Loader::~Loader() = default;
+
+Result<std::unique_ptr<Loader>> Loader::Make(const LoaderSpec& spec, const WeightStore& store) {
+  if (spec.tp_size == 0) return InvalidArgument("loader: tp_size must be > 0");
+  if (spec.tp_rank >= spec.tp_size) {
+    return InvalidArgument("loader: tp_rank {} is not below tp_size {}", spec.tp_rank,
+                           spec.tp_size);
+  }
+  std::vector<CompiledRule> rules(spec.rules.size());
+  for (size_t i = 0; i < spec.rules.size(); ++i) {
+    if (auto problem = CheckRule(spec.rules[i], spec.tp_size, &rules[i].patterns)) {
+      return InvalidArgument("loader rule {} ({}): {}: {}", i, LoaderKindName(spec.rules[i].kind),
+                             problem->key, problem->message);
+    }
+  }
+  return std::unique_ptr<Loader>(new Loader(spec, store, std::move(rules)));
+}
+
+Result<const CanonicalLayout*> Loader::Resolve(std::string_view canonical_name) const {
+  std::lock_guard lock(mutex_);
+  if (auto it = cache_.find(canonical_name); it != cache_.end()) return it->second.get();
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<CanonicalLayout> layout, Build(canonical_name));
+  const CanonicalLayout* out = layout.get();
+  cache_.emplace(std::string(canonical_name), std::move(layout));
+  return out;
+}
+
+Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonical_name) const {
+  const std::string name(canonical_name);
+  auto layout = std::make_unique<CanonicalLayout>();
+  layout->canonical_name = name;
+  const uint64_t tp = spec_.tp_size;
+  const uint64_t rank = spec_.tp_rank;
+
+  for (size_t j = 0; j < rules_.size(); ++j) {
+    const LoaderRule& rule = spec_.rules[j];
+    std::smatch match;
+    size_t part = 0;
+    bool matched = false;
+    // Matching may throw on pathological backtracking (error_complexity / error_stack).
+    try {
+      for (; part < rules_[j].patterns.size(); ++part) {
+        if (std::regex_match(name, match, rules_[j].patterns[part])) {
+          matched = true;
+          break;
+        }
+      }
+    } catch (const std::regex_error& e) {
+      return InvalidArgument("tensor '{}': loader rule {} ({}) failed to match: {}", name, j,
+                             LoaderKindName(rule.kind), e.what());
+    }
+    if (!matched) continue;
+    layout->rule_index = static_cast<int>(j);
+    if (rule.kind == LoaderKind::kSkip) {
+      layout->skipped = true;
+      return layout;
+    }
+    const std::string local_name = rule.to.empty() ? name : match.format(rule.to);
+    const auto where = [&] {
+      return fmt::format("tensor '{}' → local tensor '{}' (loader rule {}, {})", name, local_name,
+                         j, LoaderKindName(rule.kind));
+    };
+    Result<TensorView> found = store_->Find(local_name);
+    if (!found.ok()) return NotFound("{}: the receiver's store has no such local tensor", where());
+    const TensorView& local = *found;
+    const Shape& local_shape = local.shape;
+    layout->dtype = local.dtype;
+    CanonicalPiece piece;
+    piece.local_tensor = local_name;
+
+    const auto needs_dims = [&](size_t dims) -> Status {
+      if (local_shape.size() >= dims) return Status::OK();
+      return InvalidArgument("{}: local shape {} has fewer than {} dimensions", where(),
+                             ShapeToString(local_shape), dims);
+    };
+    // The local shape with dim 0 replaced by heads × head_rows canonical rows.
+    const auto scaled_dim0 = [&](uint64_t heads, uint64_t head_rows) -> Result<Shape> {
+      Shape shape = local_shape;
+      uint64_t rows = 0;
+      if (__builtin_mul_overflow(heads, head_rows, &rows) ||
+          rows > static_cast<uint64_t>(INT64_MAX)) {
+        return InvalidArgument("{}: {} × {} canonical rows overflow", where(), heads, head_rows);
+      }
+      shape[0] = static_cast<int64_t>(rows);
+      return shape;
+    };
+    const auto [local_rows, local_cols] = TwoD(local_shape);
+    switch (rule.kind) {
+      case LoaderKind::kIdentity:
+      case LoaderKind::kRename:
+      case LoaderKind::kSkip:
+        layout->shape = local_shape;
+        break;
+      case LoaderKind::kRow: {
+        REFIT_RETURN_NOT_OK(needs_dims(1));
+        REFIT_ASSIGN_OR_RETURN(layout->shape, scaled_dim0(local_rows, tp));
+        piece.row_begin = rank * local_rows;
+        piece.row_end = piece.row_begin + local_rows;
+        break;
+      }
+      case LoaderKind::kColumn: {
+        REFIT_RETURN_NOT_OK(needs_dims(2));
+        const std::optional<int64_t> dim1 = Scaled(local_shape[1], tp);
+        if (!dim1) return InvalidArgument("{}: canonical dim 1 overflows", where());
+        layout->shape = local_shape;
+        layout->shape[1] = *dim1;
+        piece.row_end = local_rows;
+        piece.col_begin = rank * local_cols;
+        piece.col_end = piece.col_begin + local_cols;
+        break;
+      }
+      case LoaderKind::kQkv: {
+        REFIT_RETURN_NOT_OK(needs_dims(1));
+        const uint64_t q_heads = rule.num_heads / tp;
+        // With fewer kv heads than ranks, each rank holds one kv head, replicated on
+        // tp / num_kv_heads consecutive ranks (Megatron / vLLM GQA).
+        const bool replicated = rule.num_kv_heads < tp;
+        const uint64_t kv_heads = replicated ? 1 : rule.num_kv_heads / tp;
+        const uint64_t heads = q_heads + 2 * kv_heads;
+        if (local_rows % heads != 0) {
+          return InvalidArgument(
+              "{}: local shape {} has {} rows, not a multiple of the {} heads a rank holds ({} q + "
+              "2 × {} kv)",
+              where(), ShapeToString(local_shape), local_rows, heads, q_heads, kv_heads);
+        }
+        const uint64_t head_dim = local_rows / heads;
+        const uint64_t kv_head_begin =
+            replicated ? rank / (tp / rule.num_kv_heads) : rank * kv_heads;
+        if (part == 0) {
+          REFIT_ASSIGN_OR_RETURN(layout->shape, scaled_dim0(rule.num_heads, head_dim));
+          piece.row_begin = rank * q_heads * head_dim;
+          piece.row_end = piece.row_begin + q_heads * head_dim;
+        } else {
+          REFIT_ASSIGN_OR_RETURN(layout->shape, scaled_dim0(rule.num_kv_heads, head_dim));
+          piece.row_begin = kv_head_begin * head_dim;
+          piece.row_end = piece.row_begin + kv_heads * head_dim;
+          piece.local_row_offset = (q_heads + (part - 1) * kv_heads) * head_dim;
+        }
+        break;
+      }
+      case LoaderKind::kGateUp: {
+        REFIT_RETURN_NOT_OK(needs_dims(1));
+        if (local_rows % 2 != 0) {
+          return InvalidArgument(
+              "{}: local shape {} has an odd number of rows ({}); gate and up "
+              "take half each",
+              where(), ShapeToString(local_shape), local_rows);
+        }
+        const uint64_t block = local_rows / 2;
+        REFIT_ASSIGN_OR_RETURN(layout->shape, scaled_dim0(block, tp));
+        piece.row_begin = rank * block;
+        piece.row_end = piece.row_begin + block;
+        piece.local_row_offset = part * block;
+        break;
+      }
+      case LoaderKind::kVocab: {
+        REFIT_RETURN_NOT_OK(needs_dims(1));
+        const uint64_t multiple = rule.pad_to * tp;
+        const uint64_t padded = (rule.vocab_size + multiple - 1) / multiple * multiple;
+        const uint64_t per_rank = padded / tp;
+        if (local_rows != per_rank) {
+          return InvalidArgument(
+              "{}: local shape {} has {} rows, but vocab_size {} padded to a multiple of pad_to "
+              "{} × tp_size {} ({}) gives {} rows per rank",
+              where(), ShapeToString(local_shape), local_rows, rule.vocab_size, rule.pad_to, tp,
+              padded, per_rank);
+        }
+        REFIT_ASSIGN_OR_RETURN(layout->shape, scaled_dim0(rule.vocab_size, 1));
+        piece.row_begin = std::min(rank * per_rank, rule.vocab_size);
+        piece.row_end = std::min((rank + 1) * per_rank, rule.vocab_size);
+        break;
+      }
+    }
+    std::tie(layout->rows, layout->cols) = TwoD(layout->shape);
+    if (!NumElements(layout->shape).ok()) {
+      return InvalidArgument("{}: canonical shape {} overflows", where(),
+                             ShapeToString(layout->shape));
+    }
+    if (rule.kind == LoaderKind::kIdentity || rule.kind == LoaderKind::kRename) {
+      piece.row_end = layout->rows;
+    }
+    if (rule.kind != LoaderKind::kColumn) piece.col_end = layout->cols;
+    piece.local_row_length = local_cols;
+    piece.id = PieceId(piece.row_begin, piece.row_end, piece.col_begin, piece.col_end);
+    // A vocab shard past the vocabulary holds only padding: nothing of the tensor.
+    if (piece.row_begin < piece.row_end) layout->pieces.push_back(std::move(piece));
+    return layout;
+  }
+
+  Result<TensorView> local = store_->Find(name);
+  if (!local.ok()) {
+    return NotFound("tensor '{}' is neither in the receiver's store nor mapped by its loader",
+                    name);
+  }
+  layout->dtype = local->dtype;
+  layout->shape = local->shape;
+  std::tie(layout->rows, layout->cols) = TwoD(layout->shape);
+  layout->pieces.push_back(CanonicalPiece{name, 0, layout->rows, 0, layout->cols, 0, layout->cols,
+                                          PieceId(0, layout->rows, 0, layout->cols)});
+  return layout;
+}
+
+// ---- YAML ---------------------------------------------------------------------------------------
+
+namespace {
+
+std::string_view NodeKind(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Scalar:
+      return "a scalar";
+    case YAML::NodeType::Sequence:
+      return "a sequence";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Undefined:
+      break;
+  }
+  return "nothing";
+}
+
+/// Produces errors that name the source, the position and the key path ("rules[2].num_heads").
+class SpecReader {
+ public:
+  explicit SpecReader(std::string_view source) : source_(source) {}
+
+  Status Error(const YAML::Mark& mark, std::string_view path, std::string_view message) const {
+    if (mark.is_null()) return InvalidArgument("{}: {}: {}", source_, path, message);
+    return InvalidArgument("{}:{}:{}: {}: {}", source_, mark.line + 1, mark.column + 1, path,
+                           message);
+  }
+
+  Result<std::string> Scalar(const YAML::Node& node, const YAML::Mark& mark,
+                             std::string_view path) const {
+    if (!node.IsScalar()) {
+      return Error(mark, path, fmt::format("expected a scalar value, got {}", NodeKind(node)));
+    }
+    return node.Scalar();
+  }
+
+  Result<uint64_t> Unsigned(const YAML::Node& node, const YAML::Mark& mark, std::string_view path,
+                            uint64_t min, uint64_t max) const {
+    REFIT_ASSIGN_OR_RETURN(const std::string text, Scalar(node, mark, path));
+    // YAML allows an explicit '+'; from_chars does not.
+    const std::string_view digits =
+        text.starts_with('+') ? std::string_view(text).substr(1) : std::string_view(text);
+    uint64_t value = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    const bool whole = !digits.empty() && end == digits.data() + digits.size();
+    if (!whole || (error != std::errc() && error != std::errc::result_out_of_range)) {
+      return Error(mark, path, fmt::format("expected a non-negative integer, got '{}'", text));
+    }
+    if (error == std::errc::result_out_of_range || value < min || value > max) {
+      return Error(mark, path, fmt::format("{} is outside [{}, {}]", text, min, max));
+    }
+    return value;
+  }
+
+ private:
+  std::string_view source_;
+};
+
+/// Iterate the keys of mapping `node`, rejecting non-scalar and repeated keys; `visit(name, key
+/// mark, value)` handles each.
+template <typename Visit>
+Status ForEachKey(const SpecReader& reader, const YAML::Node& node, std::string_view path,
+                  Visit&& visit) {
+  std::map<std::string, YAML::Mark, std::less<>> seen;
+  for (const auto& entry : node) {
+    // Copies: yaml-cpp's iterator yields a temporary pair, and nodes are handles.
+    const YAML::Node key = entry.first;
+    const YAML::Node value = entry.second;
+    if (!key.IsScalar()) {
+      return reader.Error(key.Mark(), path,
+                          fmt::format("keys must be scalars, got {}", NodeKind(key)));
+    }
+    const std::string& name = key.Scalar();
+    const std::string key_path = path.empty() ? name : fmt::format("{}.{}", path, name);
+    const auto [previous, inserted] = seen.emplace(name, key.Mark());
+    if (!inserted) {
+      return reader.Error(
+          key.Mark(), key_path,
+          fmt::format("duplicate key (first at line {})", previous->second.line + 1));
+    }
+    REFIT_RETURN_NOT_OK(visit(name, key_path, key.Mark(), value));
+  }
+  return Status::OK();
+}
+
+std::string RuleKeyList(LoaderKind kind) {
+  std::string out;
+  for (std::string_view key : kRuleKeys) {
+    if (!KeyApplies(kind, key)) continue;
+    if (!out.empty()) out += ", ";
+    out += key;
+  }
+  return out;
+}
+
+/// Read one rule mapping; `marks` receives the position of each key given.
+Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Mark& rule_mark,
+                const std::string& path, LoaderRule* rule,
+                std::map<std::string, YAML::Mark, std::less<>>* marks) {
+  if (!node.IsMap()) {
+    return reader.Error(rule_mark, path,
+                        fmt::format("expected a mapping with a kind, got {}", NodeKind(node)));
+  }
+  const YAML::Node kind_node = node["kind"];
+  if (!kind_node.IsDefined() || kind_node.IsNull()) {
+    return reader.Error(rule_mark, path + ".kind",
+                        fmt::format("missing; a rule needs one of {}", KindNames()));
+  }
+  REFIT_ASSIGN_OR_RETURN(const std::string kind_text,
+                         reader.Scalar(kind_node, kind_node.Mark(), path + ".kind"));
+  Result<LoaderKind> kind = ParseLoaderKind(kind_text);
+  if (!kind.ok()) return reader.Error(kind_node.Mark(), path + ".kind", kind.status().message());
+  rule->kind = *kind;
+  return ForEachKey(
+      reader, node, path,
+      [&](const std::string& key, const std::string& key_path, const YAML::Mark& mark,
+          const YAML::Node& value) -> Status {
+        if (key == "kind") return Status::OK();
+        if (std::find(std::begin(kRuleKeys), std::end(kRuleKeys), key) == std::end(kRuleKeys)) {
+          return reader.Error(mark, key_path,
+                              fmt::format("unknown key; a {} rule takes {}",
+                                          LoaderKindName(rule->kind), RuleKeyList(rule->kind)));
+        }
+        if (!KeyApplies(rule->kind, key)) {
+          return reader.Error(mark, key_path,
+                              fmt::format("does not apply to a {} rule, which takes {}",
+                                          LoaderKindName(rule->kind), RuleKeyList(rule->kind)));
+        }
+        marks->emplace(key, mark);
+        std::string* text = key == "match"  ? &rule->match
+                            : key == "to"   ? &rule->to
+                            : key == "q"    ? &rule->q
+                            : key == "k"    ? &rule->k
+                            : key == "v"    ? &rule->v
+                            : key == "gate" ? &rule->gate
+                            : key == "up"   ? &rule->up
+                                            : nullptr;
+        if (text != nullptr) {
+          REFIT_ASSIGN_OR_RETURN(*text, reader.Scalar(value, mark, key_path));
+          return Status::OK();
+        }
+        if (key == "num_heads" || key == "num_kv_heads") {
+          REFIT_ASSIGN_OR_RETURN(const uint64_t heads,
+                                 reader.Unsigned(value, mark, key_path, 1, UINT32_MAX));
+          (key == "num_heads" ? rule->num_heads : rule->num_kv_heads) =
+              static_cast<uint32_t>(heads);
+          return Status::OK();
+        }
+        if (key == "vocab_size") {
+          REFIT_ASSIGN_OR_RETURN(rule->vocab_size,
+                                 reader.Unsigned(value, mark, key_path, 1, INT64_MAX));
+          return Status::OK();
+        }
+        REFIT_ASSIGN_OR_RETURN(rule->pad_to, reader.Unsigned(value, mark, key_path, 1, UINT32_MAX));
+        return Status::OK();
+      });
+}
+
+}  // namespace
+
+Result<LoaderSpec> LoaderSpecFromYaml(std::string_view yaml_text, std::string_view source_name) {
+  const SpecReader reader(source_name);
+  LoaderSpec spec;
+  // yaml-cpp reports errors by exception; they stop here, as the project uses none. One document
+  // only: YAML::LoadAll of yaml-cpp 0.7 can hang on malformed input.
+  try {
+    const YAML::Node root = YAML::Load(std::string(yaml_text));
+    if (root.IsNull()) return spec;
+    if (!root.IsMap()) {
+      return InvalidArgument("{}: expected a mapping with tp_rank, tp_size and rules, got {}",
+                             source_name, NodeKind(root));
+    }
+    YAML::Mark tp_rank_mark = YAML::Mark::null_mark();
+    std::vector<YAML::Mark> rule_marks;
+    std::vector<std::map<std::string, YAML::Mark, std::less<>>> key_marks;
+    const Status read = ForEachKey(
+        reader, root, "",
+        [&](const std::string& key, const std::string& path, const YAML::Mark& mark,
+            const YAML::Node& value) -> Status {
+          if (key == "tp_rank" || key == "tp_size") {
+            REFIT_ASSIGN_OR_RETURN(
+                const uint64_t n,
+                reader.Unsigned(value, mark, path, key == "tp_size" ? 1 : 0, UINT32_MAX));
+            if (key == "tp_rank") {
+              spec.tp_rank = static_cast<uint32_t>(n);
+              tp_rank_mark = mark;
+            } else {
+              spec.tp_size = static_cast<uint32_t>(n);
+            }
+            return Status::OK();
+          }
+          if (key != "rules") {
+            return reader.Error(mark, path, "unknown key; known keys: tp_rank, tp_size, rules");
+          }
+          if (value.IsNull()) return Status::OK();
+          if (!value.IsSequence()) {
+            return reader.Error(
+                mark, path, fmt::format("expected a sequence of rules, got {}", NodeKind(value)));
+          }
+          for (const YAML::Node& element : value) {
+            const std::string rule_path = fmt::format("rules[{}]", spec.rules.size());
+            LoaderRule rule;
+            key_marks.emplace_back();
+            REFIT_RETURN_NOT_OK(
+                ReadRule(reader, element, element.Mark(), rule_path, &rule, &key_marks.back()));
+            spec.rules.push_back(std::move(rule));
+            rule_marks.push_back(element.Mark());
+          }
+          return Status::OK();
+        });
+    REFIT_RETURN_NOT_OK(read);
+    if (spec.tp_rank >= spec.tp_size) {
+      return reader.Error(tp_rank_mark, "tp_rank",
+                          fmt::format("{} is not below tp_size {}", spec.tp_rank, spec.tp_size));
+    }
+    // The checks that need the whole spec (tp_size may follow the rules).
+    std::vector<std::regex> compiled;
+    for (size_t i = 0; i < spec.rules.size(); ++i) {
+      if (auto problem = CheckRule(spec.rules[i], spec.tp_size, &compiled)) {
+        const auto mark = key_marks[i].find(problem->key);
+        return reader.Error(mark == key_marks[i].end() ? rule_marks[i] : mark->second,
+                            fmt::format("rules[{}].{}", i, problem->key), problem->message);
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    if (e.mark.is_null()) return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
+    return InvalidArgument("{}:{}:{}: YAML syntax error: {}", source_name, e.mark.line + 1,
+                           e.mark.column + 1, e.msg);
+  }
+  return spec;
+}
+
+Result<LoaderSpec> LoaderSpecFromYamlFile(const std::string& path) {
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    if (errno == ENOENT) return NotFound("loader spec file '{}' does not exist", path);
+    return IoErrorFromErrno(errno, fmt::format("open loader spec file '{}'", path));
+  }
+  // Read until end of file, one block past the limit: a pipe's size is not known in advance.
+  std::string text(kMaxSpecFileBytes + 1, '\0');
+  const size_t n = std::fread(text.data(), 1, text.size(), file);
+  const bool failed = std::ferror(file) != 0;
+  const int error = errno;
+  std::fclose(file);
+  if (failed) return IoErrorFromErrno(error, fmt::format("read loader spec file '{}'", path));
+  if (n > kMaxSpecFileBytes) {
+    return InvalidArgument("loader spec file '{}' exceeds {} bytes; is it a loader spec?", path,
+                           kMaxSpecFileBytes);
+  }
+  text.resize(n);
+  return LoaderSpecFromYaml(text, path);
+}
+
+}  // namespace refit
