@@ -152,8 +152,7 @@ Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(const PushArgs& a
   options.rank = args.rank;
   options.world_size = args.world_size;
   options.api_key = api_key;
-  options.connect_timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
+  options.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerGroup> group, MakeTcpGroup(options));
   groups.push_back(std::move(group));
   return groups;
@@ -258,8 +257,8 @@ Status RunPush(const PushArgs& args) {
                            Publisher::Make(options, std::move(group)));
     if (!args.base.empty()) {
       // Only rank 0 asked the fleet which version it holds; the others learn it from rank 0.
-      REFIT_RETURN_NOT_OK(publisher->AdoptBaseline(
-          base, publisher->rank() == 0 ? fleet_version : std::nullopt));
+      REFIT_RETURN_NOT_OK(
+          publisher->AdoptBaseline(base, publisher->rank() == 0 ? fleet_version : std::nullopt));
     }
     publishers.push_back(std::move(publisher));
   }

@@ -261,9 +261,9 @@ Status RunServe(const ServeSettings& settings) {
   const size_t tensors = node->store().size();
   const std::string control_url = node->control_url();
   if (!settings.ready_file.empty()) {
-    REFIT_RETURN_NOT_OK(WriteReadyFile(
-        settings.ready_file,
-        ReadyFileText(control_url, node->producer_endpoint(), version, tensors)));
+    REFIT_RETURN_NOT_OK(
+        WriteReadyFile(settings.ready_file,
+                       ReadyFileText(control_url, node->producer_endpoint(), version, tensors)));
   }
   const std::string data_plane =
       relay ? fmt::format("{} ({} relay{})", node->producer_endpoint(),

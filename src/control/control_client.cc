@@ -462,9 +462,8 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
 }
 
 std::string ControlStatusToJson(const ControlStatus& status) {
-  internal::Json body = internal::StatusToJson(
-      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint,
-                                    status.place});
+  internal::Json body = internal::StatusToJson(internal::ControlStatusFields{
+      status.receiver, status.tensors, status.state_fingerprint, status.place});
   body.erase("ok");
   return internal::DumpJson(body);
 }

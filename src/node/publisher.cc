@@ -166,9 +166,10 @@ struct PublisherRank {
   Result<Json> Propose() {
     if (committed_world != 0 && committed_world != world()) {
       // Chunks moved between ranks: start from an empty baseline at the next anchor.
-      REFIT_LOG_INFO("publisher rank {}: the group has {} ranks, {} at the last commit: "
-                     "rebuilding the baseline with an anchor",
-                     rank(), world(), committed_world);
+      REFIT_LOG_INFO(
+          "publisher rank {}: the group has {} ranks, {} at the last commit: "
+          "rebuilding the baseline with an anchor",
+          rank(), world(), committed_world);
       REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
       committed_world = 0;
       version_unknown = true;
@@ -231,10 +232,12 @@ struct PublisherRank {
     open.reset();
   }
 
-  // ---- Ranks ≥ 1: follow rank 0. -----------------------------------------------------------------
+  // ---- Ranks ≥ 1: follow rank 0.
+  // -----------------------------------------------------------------
 
   Result<SyncReport> Follow(const ChunkSource& source);
-  // ---- Rank 0: coordinate. -----------------------------------------------------------------------
+  // ---- Rank 0: coordinate.
+  // -----------------------------------------------------------------------
 
   Result<SyncReport> Lead(const ChunkSource& source, bool force_anchor);
   Result<SyncReport> LeadTransfer(const ChunkSource& source, bool force_anchor);
@@ -247,8 +250,8 @@ namespace {
 // Rank 0's view of the W ranks as one ProducerSet: every op is a broadcast, every answer a gather.
 class GroupProducers final : public ProducerSet {
  public:
-  GroupProducers(PublisherRank& self, const ChunkSource& source,
-                 std::vector<std::string> endpoints, std::vector<uint64_t> receiver_versions)
+  GroupProducers(PublisherRank& self, const ChunkSource& source, std::vector<std::string> endpoints,
+                 std::vector<uint64_t> receiver_versions)
       : self_(self),
         source_(source),
         endpoints_(std::move(endpoints)),
@@ -372,7 +375,8 @@ class GroupProducers final : public ProducerSet {
 
   Status Commit(const TransferId& id) override {
     const Status own = self_.Commit(id);
-    REFIT_ASSIGN_OR_RETURN(std::vector<Json> replies, Collect(Message(kOpCommit), StatusToJson(own)));
+    REFIT_ASSIGN_OR_RETURN(std::vector<Json> replies,
+                           Collect(Message(kOpCommit), StatusToJson(own)));
     return FirstFailure(replies);
   }
 
@@ -487,10 +491,10 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
   coordinator_options.observer = transport.get();
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Coordinator> coordinator,
-                         Coordinator::Make(coordinator_options,
-                                           std::make_unique<BorrowedProducers>(producers),
-                                           std::move(receivers)));
+  REFIT_ASSIGN_OR_RETURN(
+      std::unique_ptr<Coordinator> coordinator,
+      Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
+                        std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
   return SyncReport{std::move(report), rank(), world()};
 }
@@ -521,8 +525,7 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       reply = proposal.ok() ? *proposal : StatusToJson(proposal.status());
     } else if (op == kOpBegin) {
       Result<TransferPlan> plan = PlanFromJson(*message);
-      std::vector<std::string> fleet =
-          message->value("endpoints", std::vector<std::string>());
+      std::vector<std::string> fleet = message->value("endpoints", std::vector<std::string>());
       reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet)) : plan.status());
     } else if (op == kOpStream) {
       Result<ProducerStreamed> own = Stream(source, Deadline());
@@ -534,8 +537,8 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       }
     } else if (op == kOpCommit) {
       const TransferPlan plan = open.value_or(TransferPlan{});
-      const Status committed = open.has_value() ? Commit(plan.transfer_id)
-                                                : FailedPrecondition("no open transfer");
+      const Status committed =
+          open.has_value() ? Commit(plan.transfer_id) : FailedPrecondition("no open transfer");
       reply = StatusToJson(committed);
       reply["protocol"] = kGroupProtocolVersion;
       REFIT_RETURN_NOT_OK(group->Gather(reply.dump(), Deadline()).status());
@@ -611,7 +614,8 @@ Result<SyncReport> Publisher::Sync(const ChunkSource& source, bool force_anchor)
 }
 
 Result<SyncReport> Publisher::Sync(std::vector<TensorView> tensors, bool force_anchor) {
-  const ChunkSource source = TensorListSource(std::move(tensors), impl_->options.stream.chunk_bytes);
+  const ChunkSource source =
+      TensorListSource(std::move(tensors), impl_->options.stream.chunk_bytes);
   return Sync(source, force_anchor);
 }
 

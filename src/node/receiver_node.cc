@@ -167,9 +167,9 @@ Status ReceiverNode::Impl::Start() {
     control.catch_up = [this](uint64_t base_version) -> Status {
       ChainBootstrapOptions catch_up;
       catch_up.session = options.session;
-      REFIT_ASSIGN_OR_RETURN(const ChainBootstrapReport report,
-                             CatchUpFromChain(options.bootstrap_uri, *session, *store,
-                                              base_version, catch_up));
+      REFIT_ASSIGN_OR_RETURN(
+          const ChainBootstrapReport report,
+          CatchUpFromChain(options.bootstrap_uri, *session, *store, base_version, catch_up));
       REFIT_LOG_INFO("receiver node: caught up from version {} to {}: {} version(s), {} payloads",
                      report.start_version, report.final_version, report.versions_replayed,
                      report.payloads);

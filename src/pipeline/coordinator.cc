@@ -149,8 +149,8 @@ class LocalProducers final : public ProducerSet {
 
   Status Commit(const TransferId& id) override {
     for (size_t p = 0; p < producers_.size(); ++p) {
-      REFIT_RETURN_NOT_OK(producers_[p].tracker->Commit(id).WithContext(
-          fmt::format("producer {}", p)));
+      REFIT_RETURN_NOT_OK(
+          producers_[p].tracker->Commit(id).WithContext(fmt::format("producer {}", p)));
     }
     return Status::OK();
   }
@@ -207,7 +207,8 @@ Result<std::vector<Replica>> GroupReplicas(const std::vector<CoordinatedReceiver
     }
     auto [it, inserted] = by_name.emplace(receiver.place.replica, replicas.size());
     if (inserted) {
-      replicas.push_back({receiver.place.replica, std::vector<size_t>(receiver.place.shards, SIZE_MAX)});
+      replicas.push_back(
+          {receiver.place.replica, std::vector<size_t>(receiver.place.shards, SIZE_MAX)});
     }
     Replica& replica = replicas[it->second];
     if (replica.shards.size() != receiver.place.shards) {
@@ -316,8 +317,8 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
                                        std::vector<Failure> failures) {
   std::vector<Failure> failed_aborts = AbortEverywhere(id);
   const Status combined = CombineFailures(std::move(failures));
-  std::string message = fmt::format("transfer {}: {} failed at {}", id.ToHex(), phase,
-                                    combined.message());
+  std::string message =
+      fmt::format("transfer {}: {} failed at {}", id.ToHex(), phase, combined.message());
   if (failed_aborts.empty()) {
     message += fmt::format("; aborted on {} receiver(s) and {} producer(s)", receivers.size(),
                            producers->size());

@@ -285,7 +285,8 @@ struct ReceiverSession::Impl {
       const bool first_apply = !std::exchange(transfer->apply_started, true);
       lock.unlock();
       // Abort waits for `applying` to clear, so the transfer is still open during the hook.
-      if (first_apply && options.before_first_apply) options.before_first_apply(payload.ids.transfer_id);
+      if (first_apply && options.before_first_apply)
+        options.before_first_apply(payload.ids.transfer_id);
       ApplyOutcome outcome = ApplyOne(payload);
       // O(records) but records grow by one per item, so this stays small next to the apply.
       const uint64_t bytes = undo.bytes();
@@ -674,8 +675,8 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   transfer.target_version = request.base_version + 1;
   transfer.anchor = request.anchor;
   if (request.anchor && request.base_version != s.version) {
-    REFIT_LOG_INFO("receiver: transfer {} is an anchor from version {}; this receiver holds {}",
-                   id, request.base_version, s.version);
+    REFIT_LOG_INFO("receiver: transfer {} is an anchor from version {}; this receiver holds {}", id,
+                   request.base_version, s.version);
   }
   transfer.declared = request.expected;
   transfer.expected = request.expected;

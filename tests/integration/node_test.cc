@@ -1,0 +1,451 @@
+// ReceiverNode and Publisher embedded in one process, over real loopback sockets (zmq:// data
+// plane, HTTP control planes): receivers over caller-registered buffers (zero-copy), the engine
+// hooks, W publisher ranks as threads, and tensor-parallel shard groups whose every shard must
+// equal the slice of the trainer's canonical tensor, computed here independently of the loader.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "loopback.h"
+#include "refit/loader.h"
+#include "refit/producer_group.h"
+#include "refit/publisher.h"
+#include "refit/receiver_node.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+// A small Llama-like layer: hidden 32, 8 attention heads of 4, 2 kv heads (GQA), MLP 64,
+// vocabulary 100 (not a multiple of the padded per-rank block).
+constexpr uint64_t kHidden = 32;
+constexpr uint64_t kHeads = 8;
+constexpr uint64_t kKvHeads = 2;
+constexpr uint64_t kHeadDim = kHidden / kHeads;
+constexpr uint64_t kMlp = 64;
+constexpr uint64_t kVocab = 100;
+constexpr uint64_t kPadTo = 8;
+
+// A canonical bf16 tensor as the trainer holds it (bit patterns).
+struct Canonical {
+  std::string name;
+  uint64_t rows = 0;
+  uint64_t cols = 0;
+  std::vector<uint16_t> bits;
+
+  TensorView view() const {
+    Shape shape = cols == 1 ? Shape{static_cast<int64_t>(rows)}
+                            : Shape{static_cast<int64_t>(rows), static_cast<int64_t>(cols)};
+    return TensorView{name, DType::kBFloat16, shape,
+                      std::as_bytes(std::span<const uint16_t>(bits))};
+  }
+  uint16_t at(uint64_t r, uint64_t c) const { return bits[r * cols + c]; }
+};
+
+std::vector<Canonical> MakeModel(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto tensor = [&](std::string name, uint64_t rows, uint64_t cols) {
+    Canonical t{std::move(name), rows, cols, std::vector<uint16_t>(rows * cols)};
+    // bf16 weights around ±0.02: sign, exponent 0x79–0x7a, random mantissa.
+    for (uint16_t& b : t.bits) {
+      b = static_cast<uint16_t>(((rng() & 1) << 15) | (0x3c80 + (rng() % 0x100)));
+    }
+    return t;
+  };
+  return {tensor("model.embed_tokens.weight", kVocab, kHidden),
+          tensor("model.layers.0.input_layernorm.weight", kHidden, 1),
+          tensor("model.layers.0.self_attn.q_proj.weight", kHeads * kHeadDim, kHidden),
+          tensor("model.layers.0.self_attn.k_proj.weight", kKvHeads * kHeadDim, kHidden),
+          tensor("model.layers.0.self_attn.v_proj.weight", kKvHeads * kHeadDim, kHidden),
+          tensor("model.layers.0.self_attn.o_proj.weight", kHidden, kHidden),
+          tensor("model.layers.0.mlp.gate_proj.weight", kMlp, kHidden),
+          tensor("model.layers.0.mlp.up_proj.weight", kMlp, kHidden),
+          tensor("model.layers.0.mlp.down_proj.weight", kHidden, kMlp),
+          tensor("lm_head.weight", kVocab, kHidden)};
+}
+
+// One optimizer step as bf16 sees it: a few percent of elements move by one ulp.
+void Step(std::vector<Canonical>& model, std::mt19937_64& rng, double fraction) {
+  std::bernoulli_distribution changes(fraction);
+  for (Canonical& t : model) {
+    for (uint16_t& b : t.bits) {
+      if (changes(rng)) b = static_cast<uint16_t>(b ^ 1);
+    }
+  }
+}
+
+std::vector<TensorView> Views(const std::vector<Canonical>& model) {
+  std::vector<TensorView> views;
+  for (const Canonical& t : model) views.push_back(t.view());
+  return views;
+}
+
+template <typename Model>
+auto& Find(Model& model, std::string_view name) {
+  for (auto& t : model) {
+    if (t.name == name) return t;
+  }
+  ADD_FAILURE() << "no tensor " << name;
+  return model.front();
+}
+
+// ---- The reference slicing: what TP rank r of `tp` must hold, by plain loops. ----------------
+
+std::vector<uint16_t> Rows(const Canonical& t, uint64_t begin, uint64_t end) {
+  std::vector<uint16_t> out;
+  for (uint64_t r = begin; r < end; ++r) {
+    for (uint64_t c = 0; c < t.cols; ++c) out.push_back(t.at(r, c));
+  }
+  return out;
+}
+
+std::vector<uint16_t> Columns(const Canonical& t, uint64_t begin, uint64_t end) {
+  std::vector<uint16_t> out;
+  for (uint64_t r = 0; r < t.rows; ++r) {
+    for (uint64_t c = begin; c < end; ++c) out.push_back(t.at(r, c));
+  }
+  return out;
+}
+
+void Append(std::vector<uint16_t>& to, const std::vector<uint16_t>& from) {
+  to.insert(to.end(), from.begin(), from.end());
+}
+
+// Local tensors of rank r: name → (rows, cols, bits).
+struct Local {
+  uint64_t rows = 0;
+  uint64_t cols = 0;
+  std::vector<uint16_t> bits;
+};
+
+uint64_t PaddedVocab(uint64_t tp) {
+  const uint64_t multiple = kPadTo * tp;
+  return (kVocab + multiple - 1) / multiple * multiple;
+}
+
+std::map<std::string, Local> ShardOf(const std::vector<Canonical>& model, uint64_t r, uint64_t tp) {
+  std::map<std::string, Local> local;
+  const std::string attn = "model.layers.0.self_attn.";
+  const std::string mlp = "model.layers.0.mlp.";
+  // Fused qkv: this rank's q heads, then its kv head(s) of k and of v.
+  const uint64_t q_heads = kHeads / tp;
+  const uint64_t kv_heads = kKvHeads >= tp ? kKvHeads / tp : 1;
+  const uint64_t kv_first = kKvHeads >= tp ? r * kv_heads : r / (tp / kKvHeads);
+  Local& qkv = local[attn + "qkv_proj.weight"];
+  Append(qkv.bits, Rows(Find(model, attn + "q_proj.weight"), r * q_heads * kHeadDim,
+                        (r + 1) * q_heads * kHeadDim));
+  for (const char* part : {"k_proj.weight", "v_proj.weight"}) {
+    Append(qkv.bits,
+           Rows(Find(model, attn + part), kv_first * kHeadDim, (kv_first + kv_heads) * kHeadDim));
+  }
+  qkv.cols = kHidden;
+  qkv.rows = qkv.bits.size() / kHidden;
+  Local& gate_up = local[mlp + "gate_up_proj.weight"];
+  for (const char* part : {"gate_proj.weight", "up_proj.weight"}) {
+    Append(gate_up.bits, Rows(Find(model, mlp + part), r * kMlp / tp, (r + 1) * kMlp / tp));
+  }
+  gate_up.cols = kHidden;
+  gate_up.rows = 2 * kMlp / tp;
+  local[attn + "o_proj.weight"] = {
+      kHidden, kHidden / tp,
+      Columns(Find(model, attn + "o_proj.weight"), r * kHidden / tp, (r + 1) * kHidden / tp)};
+  local[mlp + "down_proj.weight"] = {
+      kHidden, kMlp / tp,
+      Columns(Find(model, mlp + "down_proj.weight"), r * kMlp / tp, (r + 1) * kMlp / tp)};
+  // Vocabulary-parallel, padded: rows past the vocabulary are padding, left as the engine set
+  // them (0xFFFF here, so a write into them shows).
+  const uint64_t block = PaddedVocab(tp) / tp;
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) {
+    Local& shard = local[name];
+    shard.rows = block;
+    shard.cols = kHidden;
+    shard.bits.assign(block * kHidden, 0xFFFF);
+    const Canonical& t = Find(model, name);
+    for (uint64_t row = r * block; row < std::min((r + 1) * block, kVocab); ++row) {
+      for (uint64_t c = 0; c < kHidden; ++c)
+        shard.bits[(row - r * block) * kHidden + c] = t.at(row, c);
+    }
+  }
+  const Canonical& norm = Find(model, "model.layers.0.input_layernorm.weight");
+  local[norm.name] = {kHidden, 1, norm.bits};
+  return local;
+}
+
+LoaderSpec TpLoader(uint32_t rank, uint32_t tp) {
+  LoaderSpec spec;
+  spec.tp_rank = rank;
+  spec.tp_size = tp;
+  const std::string layer = R"(model\.layers\.(\d+)\.)";
+  spec.rules = {
+      {.kind = LoaderKind::kQkv,
+       .to = "model.layers.$1.self_attn.qkv_proj.weight",
+       .q = layer + R"(self_attn\.q_proj\.weight)",
+       .k = layer + R"(self_attn\.k_proj\.weight)",
+       .v = layer + R"(self_attn\.v_proj\.weight)",
+       .num_heads = kHeads,
+       .num_kv_heads = kKvHeads},
+      {.kind = LoaderKind::kGateUp,
+       .to = "model.layers.$1.mlp.gate_up_proj.weight",
+       .gate = layer + R"(mlp\.gate_proj\.weight)",
+       .up = layer + R"(mlp\.up_proj\.weight)"},
+      {.kind = LoaderKind::kColumn,
+       .match = layer + R"((self_attn\.o_proj|mlp\.down_proj)\.weight)"},
+      {.kind = LoaderKind::kVocab,
+       .match = R"(model\.embed_tokens\.weight|lm_head\.weight)",
+       .vocab_size = kVocab,
+       .pad_to = kPadTo},
+  };
+  return spec;
+}
+
+// A receiver embedded in this process, over buffers it owns the way an engine owns its
+// parameters.
+struct EmbeddedReceiver {
+  std::map<std::string, Local> buffers;
+  std::unique_ptr<ReceiverNode> node;
+  std::vector<std::string> hooks;
+  std::mutex hooks_mutex;
+};
+
+std::unique_ptr<EmbeddedReceiver> StartReceiver(std::map<std::string, Local> buffers,
+                                                std::optional<LoaderSpec> loader,
+                                                std::string replica, const std::string& endpoint,
+                                                const std::vector<std::string>& peers) {
+  auto receiver = std::make_unique<EmbeddedReceiver>();
+  receiver->buffers = std::move(buffers);
+  ReceiverNodeOptions options;
+  options.loader = std::move(loader);
+  options.place.replica = std::move(replica);
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.data_endpoint = endpoint;
+  options.peers = peers;
+  EmbeddedReceiver* raw = receiver.get();
+  auto record = [raw](std::string event) {
+    std::lock_guard lock(raw->hooks_mutex);
+    raw->hooks.push_back(std::move(event));
+  };
+  options.session.before_first_apply = [record](const TransferId&) { record("pause"); };
+  options.session.after_commit = [record](const TransferId&, uint64_t version) {
+    record("commit " + std::to_string(version));
+  };
+  options.session.after_abort = [record](const TransferId&, uint64_t version) {
+    record("abort " + std::to_string(version));
+  };
+  Result<std::unique_ptr<ReceiverNode>> node = ReceiverNode::Make(options);
+  EXPECT_TRUE(node.ok()) << node.status().ToString();
+  receiver->node = std::move(node).ValueOrDie();
+  for (auto& [name, local] : receiver->buffers) {
+    Shape shape = local.cols == 1
+                      ? Shape{static_cast<int64_t>(local.rows)}
+                      : Shape{static_cast<int64_t>(local.rows), static_cast<int64_t>(local.cols)};
+    EXPECT_OK(receiver->node->RegisterTensor(MutableTensorView{
+        name, DType::kBFloat16, shape, std::as_writable_bytes(std::span<uint16_t>(local.bits))}));
+  }
+  EXPECT_OK(receiver->node->Start());
+  return receiver;
+}
+
+std::map<std::string, Local> Unsharded(const std::vector<Canonical>& model) {
+  std::map<std::string, Local> local;
+  for (const Canonical& t : model) local[t.name] = {t.rows, t.cols, t.bits};
+  return local;
+}
+
+// Sync on every rank at once (SPMD); return rank 0's result.
+Result<SyncReport> SyncAll(std::vector<std::unique_ptr<Publisher>>& ranks,
+                           const std::vector<Canonical>& model, bool anchor = false) {
+  std::vector<Result<SyncReport>> results(ranks.size(), Status(StatusCode::kInternal, "unset"));
+  {
+    std::vector<std::jthread> threads;
+    for (size_t p = 1; p < ranks.size(); ++p) {
+      threads.emplace_back([&, p] { results[p] = ranks[p]->Sync(Views(model), anchor); });
+    }
+    results[0] = ranks[0]->Sync(Views(model), anchor);
+  }
+  return std::move(results[0]);
+}
+
+std::vector<std::unique_ptr<Publisher>> MakeRanks(uint32_t world,
+                                                  const std::vector<EmbeddedReceiver*>& fleet,
+                                                  uint64_t chunk_bytes) {
+  PublisherOptions options;
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.stream.chunk_bytes = chunk_bytes;
+  options.stream.encode_threads = 2;
+  options.stream.serialize_threads = 1;
+  options.stream.send_threads = 2;
+  options.transfer_timeout = std::chrono::seconds(60);
+  for (EmbeddedReceiver* receiver : fleet) {
+    options.receivers.push_back(
+        {receiver->node->control_url(), receiver->node->producer_endpoint()});
+  }
+  Result<std::vector<std::unique_ptr<ProducerGroup>>> groups = MakeInProcessGroup(world);
+  EXPECT_TRUE(groups.ok()) << groups.status().ToString();
+  std::vector<std::unique_ptr<Publisher>> ranks;
+  for (std::unique_ptr<ProducerGroup>& group : *groups) {
+    Result<std::unique_ptr<Publisher>> made = Publisher::Make(options, std::move(group));
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    ranks.push_back(std::move(made).ValueOrDie());
+  }
+  return ranks;
+}
+
+void ExpectHolds(const EmbeddedReceiver& receiver, const std::map<std::string, Local>& want,
+                 const std::string& who) {
+  for (const auto& [name, local] : want) {
+    const Local& held = receiver.buffers.at(name);
+    ASSERT_EQ(held.bits.size(), local.bits.size()) << who << " " << name;
+    EXPECT_TRUE(held.bits == local.bits) << who << ": tensor '" << name << "' differs";
+  }
+}
+
+TEST(ReceiverNodeTest, AppliesIntoCallerRegisteredBuffersAndCallsTheEngineHooks) {
+  std::vector<Canonical> model = MakeModel(1);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  // The addresses the engine registered: refit must write there and nowhere else.
+  std::map<std::string, const void*> addresses;
+  for (const auto& [name, local] : receiver->buffers) addresses[name] = local.bits.data();
+  for (const TensorView& held : receiver->node->store().tensors()) {
+    EXPECT_EQ(static_cast<const void*>(held.bytes.data()), addresses.at(held.name))
+        << "the store holds a copy of '" << held.name << "'";
+  }
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(1, {receiver.get()}, 4096);
+  ASSERT_OK(ranks[0]->AdoptBaseline(Views(model), 0));
+  std::mt19937_64 rng(7);
+  for (int step = 1; step <= 3; ++step) {
+    Step(model, rng, 0.03);
+    ASSERT_OK_AND_ASSIGN(SyncReport report, SyncAll(ranks, model));
+    EXPECT_FALSE(report.transfer.plan.anchor);
+    EXPECT_EQ(report.transfer.plan.target_version, static_cast<uint64_t>(step));
+    ExpectHolds(*receiver, Unsharded(model), "receiver");
+  }
+  for (const auto& [name, local] : receiver->buffers) {
+    EXPECT_EQ(static_cast<const void*>(local.bits.data()), addresses.at(name));
+  }
+  std::lock_guard lock(receiver->hooks_mutex);
+  EXPECT_EQ(receiver->hooks, (std::vector<std::string>{"pause", "commit 1", "pause", "commit 2",
+                                                       "pause", "commit 3"}));
+}
+
+TEST(PublisherTest, MoreRanksThanChunksTakePartAndVote) {
+  std::vector<Canonical> model = MakeModel(2);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  // One chunk holds the whole model: ranks 1 … 7 own nothing.
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(8, {receiver.get()}, 64 << 20);
+  for (std::unique_ptr<Publisher>& rank : ranks) {
+    ASSERT_OK(rank->AdoptBaseline(Views(model),
+                                  rank->rank() == 0 ? std::optional<uint64_t>(0) : std::nullopt));
+  }
+  std::mt19937_64 rng(8);
+  for (int step = 1; step <= 2; ++step) {
+    Step(model, rng, 0.05);
+    ASSERT_OK_AND_ASSIGN(SyncReport report, SyncAll(ranks, model));
+    EXPECT_FALSE(report.transfer.plan.anchor) << "a rank that owns nothing forced an anchor";
+    EXPECT_EQ(report.transfer.producers.size(), 8u);
+    ExpectHolds(*receiver, Unsharded(model), "receiver");
+  }
+  for (const std::unique_ptr<Publisher>& rank : ranks) EXPECT_EQ(rank->version(), 2u);
+}
+
+class ShardGroupTest : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(ShardGroupTest, EveryShardEqualsTheSliceAndACorruptShardAbortsTheTransfer) {
+  const uint32_t tp = GetParam();
+  std::vector<Canonical> model = MakeModel(3);
+  // One TP group and one unsharded replica in the same relay tree.
+  std::vector<std::string> endpoints;
+  for (uint32_t i = 0; i <= tp; ++i) endpoints.push_back(testing::FreeLoopbackEndpoint());
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
+  for (uint32_t r = 0; r < tp; ++r) {
+    fleet.push_back(
+        StartReceiver(ShardOf(model, r, tp), TpLoader(r, tp), "tp-group", endpoints[r], endpoints));
+  }
+  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[tp], endpoints));
+  std::vector<EmbeddedReceiver*> receivers;
+  for (auto& receiver : fleet) receivers.push_back(receiver.get());
+  // Two ranks with small chunks, so that both own tensors.
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(2, receivers, 4096);
+  for (std::unique_ptr<Publisher>& rank : ranks) {
+    ASSERT_OK(rank->AdoptBaseline(Views(model),
+                                  rank->rank() == 0 ? std::optional<uint64_t>(0) : std::nullopt));
+  }
+  auto expect_fleet_holds = [&](const std::string& when) {
+    for (uint32_t r = 0; r < tp; ++r) {
+      ExpectHolds(*fleet[r], ShardOf(model, r, tp), when + ", shard " + std::to_string(r));
+    }
+    ExpectHolds(*fleet[tp], Unsharded(model), when + ", unsharded");
+  };
+  std::mt19937_64 rng(9);
+  for (int step = 1; step <= 3; ++step) {
+    Step(model, rng, 0.03);
+    ASSERT_OK_AND_ASSIGN(SyncReport report, SyncAll(ranks, model, /*anchor=*/step == 2));
+    EXPECT_EQ(report.transfer.plan.anchor, step == 2);
+    expect_fleet_holds("step " + std::to_string(step));
+  }
+
+  // Corrupt one element of shard 1's fused qkv behind refit's back — one the next step
+  // changes — and the replica digest catches it at flush: everyone rolls back.
+  const std::vector<Canonical> base = model;
+  Step(model, rng, 0.03);
+  Canonical& k = Find(model, "model.layers.0.self_attn.k_proj.weight");
+  const Canonical& k_base = Find(base, k.name);
+  uint64_t changed = 0;
+  while (k.bits[changed] == k_base.bits[changed]) ++changed;
+  // Shard 1 holds kv head 0 (TP 4: ranks 0, 1) or heads 0 … (TP 2: rank 1 holds head 1).
+  const uint64_t kv_first = kKvHeads >= tp ? 1 * (kKvHeads / tp) : 1 / (tp / kKvHeads);
+  const uint64_t kv_heads = kKvHeads >= tp ? kKvHeads / tp : 1;
+  const uint64_t row = changed / kHidden;
+  if (row < kv_first * kHeadDim || row >= (kv_first + kv_heads) * kHeadDim) {
+    // The changed element is not held by shard 1: make it one that is.
+    changed = kv_first * kHeadDim * kHidden;
+    k.bits[changed] = static_cast<uint16_t>(k_base.bits[changed] ^ 1);
+  }
+  Local& qkv = fleet[1]->buffers.at("model.layers.0.self_attn.qkv_proj.weight");
+  const uint64_t local_index =
+      (kHeads / tp) * kHeadDim * kHidden + (changed - kv_first * kHeadDim * kHidden);
+  const uint16_t good = qkv.bits[local_index];
+  qkv.bits[local_index] = static_cast<uint16_t>(good ^ 0x0100);
+  Result<SyncReport> failed = SyncAll(ranks, model);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kDataLoss) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("replica 'tp-group'"), std::string::npos)
+      << failed.status().ToString();
+  // Everyone is back at the base: the shards equal the base slices (the corrupted element
+  // still corrupted, as the engine left it), the unsharded replica the base model.
+  for (const std::unique_ptr<EmbeddedReceiver>& receiver : fleet) {
+    EXPECT_EQ(receiver->node->status().version, 3u);
+  }
+  qkv.bits[local_index] = good;
+  for (uint32_t r = 0; r < tp; ++r) {
+    ExpectHolds(*fleet[r], ShardOf(base, r, tp), "after the abort, shard " + std::to_string(r));
+  }
+  ExpectHolds(*fleet[tp], Unsharded(base), "after the abort, unsharded");
+  // With the shard repaired, the same step commits.
+  ASSERT_OK_AND_ASSIGN(SyncReport retried, SyncAll(ranks, model));
+  EXPECT_EQ(retried.transfer.plan.target_version, 4u);
+  expect_fleet_holds("the retried step");
+  std::lock_guard lock(fleet[1]->hooks_mutex);
+  EXPECT_EQ(fleet[1]->hooks.back(), "commit 4");
+  EXPECT_EQ(fleet[1]->hooks[fleet[1]->hooks.size() - 2], "pause");
+  EXPECT_EQ(fleet[1]->hooks[fleet[1]->hooks.size() - 3], "abort 3");
+}
+
+INSTANTIATE_TEST_SUITE_P(TensorParallel, ShardGroupTest, ::testing::Values(2u, 4u),
+                         [](const auto& param_info) {
+                           return "TP" + std::to_string(param_info.param);
+                         });
+
+}  // namespace
+}  // namespace refit
