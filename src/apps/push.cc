@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -83,7 +84,9 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
   return config;
 }
 
-// The version every receiver holds; they must agree and be idle.
+// The newest version the receivers hold: what --base is (the receivers that loaded it and
+// followed the trainer). A receiver behind it (restarted from an older checkpoint) is refit by
+// an anchor, which Publisher decides at Sync. Every receiver must be idle.
 Result<uint64_t> FleetVersion(const PublisherOptions& options) {
   std::optional<uint64_t> version;
   for (const PublisherReceiver& receiver : options.receivers) {
@@ -99,13 +102,7 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options) {
           ReceiverStateName(status.receiver.state),
           status.receiver.transfer_id ? status.receiver.transfer_id->ToHex() : std::string("?"));
     }
-    if (version.has_value() && *version != status.receiver.version) {
-      return FailedPrecondition(
-          "receivers disagree on their version: {} holds {}, {} holds {}; refit them from one "
-          "checkpoint first",
-          options.receivers.front().control_url, *version, url, status.receiver.version);
-    }
-    version = status.receiver.version;
+    version = std::max(version.value_or(0), status.receiver.version);
   }
   return *version;
 }

@@ -40,6 +40,10 @@ Table StatusTable(const std::string& url, const ControlStatus& status) {
   table.AddRow({"duplicates", std::to_string(receiver.duplicate_payloads)});
   table.AddRow({"undo log", FormatBytes(receiver.undo_bytes)});
   table.AddRow({"last error", receiver.last_error.ok() ? kNone : receiver.last_error.ToString()});
+  table.AddRow({"replica", status.place.replica.empty()
+                               ? std::string("- (a replica of its own)")
+                               : fmt::format("'{}', shard {} of {}", status.place.replica,
+                                             status.place.shard, status.place.shards)});
   table.AddRow({"tensors", std::to_string(status.tensors)});
   table.AddRow({"state fingerprint", status.state_fingerprint.has_value()
                                          ? FingerprintHex(*status.state_fingerprint)

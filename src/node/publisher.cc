@@ -29,8 +29,9 @@ constexpr std::string_view kOpAbort = "abort";
 // The version of this exchange: ranks of different builds must refuse each other, not misread.
 constexpr int kGroupProtocolVersion = 1;
 // How long rank 0 tries to tell the other ranks to abort: they wait for its word at most the
-// transfer timeout anyway, so this only needs to cover a live link.
-constexpr std::chrono::seconds kAbortNoticeBudget{5};
+// transfer timeout anyway, so this only needs to cover a live link (a rank whose link is down
+// is waited for this long, in case it is reconnecting).
+constexpr std::chrono::seconds kAbortNoticeBudget{1};
 
 Json StatusToJson(const Status& status) {
   if (status.ok()) return Json{{"ok", true}};
