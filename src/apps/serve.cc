@@ -217,6 +217,14 @@ Status RunServe(const ServeSettings& settings) {
   options.transport_uri = uri.ToString();
   if (relay) {
     options.data_endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
+    if (!settings.peers.empty() &&
+        std::count(settings.peers.begin(), settings.peers.end(), options.data_endpoint) != 1) {
+      return InvalidArgument(
+          "serve: --peers must list this receiver's data endpoint {} exactly once "
+          "(--advertise:--data-port, --advertise defaulting to --bind), the same list on every "
+          "receiver",
+          options.data_endpoint);
+    }
     options.peers = settings.peers;
     if (AdvertisedHost(settings) != settings.bind_address) {
       options.data_bind_address = settings.bind_address;

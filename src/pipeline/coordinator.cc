@@ -70,7 +70,10 @@ Status CombineFailures(std::vector<Failure> failures) {
     return rank(a.status.code()) < rank(b.status.code());
   });
   const Failure& first = failures.front();
-  std::string message = fmt::format("{}: {}", first.where, first.status.message());
+  // An empty place: the status names its place itself (a ProducerSet's combined failure).
+  std::string message = first.where.empty()
+                            ? std::string(first.status.message())
+                            : fmt::format("{}: {}", first.where, first.status.message());
   for (size_t i = 1; i < failures.size(); ++i) {
     message += fmt::format("; also at {}: {}", failures[i].where, failures[i].status.ToString());
   }
@@ -104,7 +107,7 @@ class LocalProducers final : public ProducerSet {
                                         plan->target_version != agreed->target_version)) {
         problem = FailedPrecondition(
             "producer {} is at version {} but producer 0 at version {}: the producers' trackers "
-            "must start from the same version",
+            "are at different versions",
             p, plan->base_version, agreed->base_version);
         producers_[p].tracker->Abort(id).IgnoreError();
       }
@@ -374,7 +377,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   std::vector<ProducerStreamed> streamed;
   {
     Result<std::vector<ProducerStreamed>> result = producers->Stream(plan, deadline);
-    if (!result.ok()) return FailTransfer(id, "stream", {{"the producers", result.status()}});
+    if (!result.ok()) return FailTransfer(id, "stream", {{"", result.status()}});
     streamed = *std::move(result);
   }
   report.stream_s = SecondsSince(stream_start);
