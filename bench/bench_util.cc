@@ -1,12 +1,25 @@
 #include "bench_util.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
+#include <sstream>
+#include <thread>
 
 namespace refit::bench {
 
@@ -84,6 +97,211 @@ std::unique_ptr<ProgressReporter> Progress(const std::string& label, uint64_t to
   options.unit = unit;
   Result<std::unique_ptr<ProgressReporter>> made = ProgressReporter::Make(options);
   return made.ok() ? std::move(made).ValueOrDie() : nullptr;
+}
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  const size_t middle = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + middle, values.end());
+  if (values.size() % 2 == 1) return values[middle];
+  const double upper = values[middle];
+  return 0.5 * (upper + *std::max_element(values.begin(), values.begin() + middle));
+}
+
+namespace {
+
+// How often a waiting loop looks at a child again.
+constexpr auto kPollInterval = std::chrono::milliseconds(10);
+// Writing this to /proc/<pid>/clear_refs resets the process's peak RSS (VmHWM) to its current
+// RSS (proc(5), Linux 4.0+).
+constexpr std::string_view kResetPeakRss = "5";
+
+// Reap `pid` if it has ended, without waiting: its exit, or nullopt while it runs.
+Result<std::optional<ChildExit>> ReapIfEnded(pid_t pid) {
+  int status = 0;
+  struct rusage usage {};
+  const pid_t done = ::wait4(pid, &status, WNOHANG, &usage);
+  if (done < 0) return IoErrorFromErrno(errno, fmt::format("wait4 {}", pid));
+  if (done == 0) return std::optional<ChildExit>();
+  ChildExit exit;
+  exit.exited = WIFEXITED(status);
+  exit.code = exit.exited ? WEXITSTATUS(status) : WTERMSIG(status);
+  // ru_maxrss is in KiB on Linux (getrusage(2)).
+  exit.peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+  return std::optional<ChildExit>(exit);
+}
+
+}  // namespace
+
+std::string ChildExit::Describe() const {
+  return fmt::format("{} {}", exited ? "status" : "signal", code);
+}
+
+Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count) {
+  std::vector<int> sockets;
+  std::vector<uint16_t> ports;
+  Status status;
+  for (size_t i = 0; i < count && status.ok(); ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) {
+      status = IoErrorFromErrno(errno, "socket");
+      break;
+    }
+    sockets.push_back(fd);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+      status = IoErrorFromErrno(errno, "bind a free loopback port");
+      break;
+    }
+    ports.push_back(ntohs(address.sin_port));
+  }
+  for (int fd : sockets) ::close(fd);
+  if (!status.ok()) return status;
+  return ports;
+}
+
+Result<std::string> SelfExecutable() {
+  std::error_code error;
+  const std::filesystem::path path = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return IoError("readlink /proc/self/exe: {}", error.message());
+  return path.string();
+}
+
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& stdout_path,
+                           const std::string& stderr_path) {
+  if (argv.empty()) return InvalidArgument("spawn: empty command line");
+  const int out = ::open(stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out < 0) return IoErrorFromErrno(errno, "open " + stdout_path);
+  int err = out;
+  if (stderr_path != stdout_path) {
+    err = ::open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (err < 0) {
+      ::close(out);
+      return IoErrorFromErrno(errno, "open " + stderr_path);
+    }
+  }
+  std::vector<char*> args;
+  for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    // Only async-signal-safe calls between fork and exec.
+    ::setpgid(0, 0);
+    ::dup2(out, STDOUT_FILENO);
+    ::dup2(err, STDERR_FILENO);
+    const int null = ::open("/dev/null", O_RDONLY);
+    if (null >= 0) ::dup2(null, STDIN_FILENO);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
+  ::close(out);
+  if (err != out) ::close(err);
+  if (pid < 0) return IoErrorFromErrno(fork_errno, "fork");
+  return pid;
+}
+
+Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    REFIT_ASSIGN_OR_RETURN(std::optional<ChildExit> exit, ReapIfEnded(pid));
+    if (exit.has_value()) return *exit;
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      return DeadlineExceeded("process {} did not end within {} ms and was killed", pid,
+                              timeout.count());
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+Result<ChildExit> TerminateProcess(pid_t pid, std::chrono::milliseconds grace) {
+  ::kill(pid, SIGTERM);
+  return WaitProcess(pid, grace);
+}
+
+Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
+                                     std::chrono::milliseconds timeout,
+                                     const std::string& log_path) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    std::ifstream in(path);
+    if (in) {
+      std::stringstream text;
+      text << in.rdbuf();
+      return text.str();
+    }
+    REFIT_ASSIGN_OR_RETURN(std::optional<ChildExit> exit, ReapIfEnded(pid));
+    if (exit.has_value()) {
+      return Unavailable("process {} ended ({}) before it wrote {}; its log ends with:\n{}", pid,
+                         exit->Describe(), path, FileTail(log_path));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Unavailable("process {} did not write {} within {} ms; its log ends with:\n{}", pid,
+                         path, timeout.count(), FileTail(log_path));
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+Status WriteTextFileAtomically(const std::string& path, std::string_view text) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.close();
+    if (!out) return IoError("cannot write {}", temporary);
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    return IoErrorFromErrno(errno, fmt::format("rename {} to {}", temporary, path));
+  }
+  return Status::OK();
+}
+
+std::string FileTail(const std::string& path, size_t max_chars) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "(no log)";
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  in.seekg(std::max<std::streamoff>(0, size - static_cast<std::streamoff>(max_chars)));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+Result<uint64_t> ProcessMemoryBytes(const std::string& pid, std::string_view field) {
+  const std::string path = fmt::format("/proc/{}/status", pid);
+  std::ifstream in(path);
+  if (!in) return NotFound("{} is not readable (the process exited?)", path);
+  const std::string prefix = fmt::format("{}:", field);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) == 0) {
+      std::istringstream fields(line.substr(prefix.size()));
+      uint64_t kib = 0;
+      fields >> kib;
+      return kib * 1024;
+    }
+  }
+  return NotFound("{} has no {} line", path, field);
+}
+
+Status ResetPeakRss(const std::string& pid) {
+  const std::string path = fmt::format("/proc/{}/clear_refs", pid);
+  std::ofstream out(path);
+  if (out) out << kResetPeakRss;
+  if (!out) {
+    return IoError("cannot write '{}' to {} (needs root or own process)", kResetPeakRss, path);
+  }
+  out.close();
+  if (!out) return IoError("cannot write '{}' to {}", kResetPeakRss, path);
+  return Status::OK();
 }
 
 }  // namespace refit::bench

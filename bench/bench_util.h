@@ -1,7 +1,11 @@
 // What the end-to-end benchmarks (e2e_bench, s3_bench) share: flag parsing, pre-flight checks of
-// disk and memory, a monotonic clock and progress reporting.
+// disk and memory, a monotonic clock, progress reporting, and the child processes they start
+// (daemons, producer ranks) with their memory figures.
 #pragma once
 
+#include <sys/types.h>
+
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -38,5 +42,68 @@ Status CheckRoom(const std::string& dir, uint64_t disk_bytes, uint64_t memory_by
 /// A progress reporter (quiet when not on a TTY), or null when one cannot be made.
 std::unique_ptr<ProgressReporter> Progress(const std::string& label, uint64_t total,
                                            const std::string& unit);
+
+/// The median of `values` (the mean of the middle two for an even count; 0 for none).
+double Median(std::vector<double> values);
+
+// --- Child processes and their memory ---------------------------------------------------------
+
+/// Return `count` distinct free TCP ports on 127.0.0.1: each is bound to port 0 and held until all
+/// are chosen, so none repeats; another process may still take one before it is used.
+/// Errors: IoError.
+Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
+
+/// The path of this process's executable (/proc/self/exe). Errors: IoError.
+Result<std::string> SelfExecutable();
+
+/// Start `argv` (argv[0] is a path) in a process group of its own, so that a Ctrl-C at the
+/// terminal reaches only the benchmark, which then stops its children in order; stdin is
+/// /dev/null, stdout and stderr go to `stdout_path` and `stderr_path` (truncated; they may be the
+/// same file). Errors: IoError (open, fork).
+Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& stdout_path,
+                           const std::string& stderr_path);
+
+/// How a child process ended.
+struct ChildExit {
+  /// True when it exited (`code` is its exit status); false when a signal ended it (`code` is
+  /// the signal).
+  bool exited = false;
+  int code = 0;
+  /// Its peak resident memory over its whole life (ru_maxrss of wait4), in bytes.
+  uint64_t peak_rss_bytes = 0;
+
+  bool ok() const { return exited && code == 0; }
+  /// "status 3" or "signal 9".
+  std::string Describe() const;
+};
+
+/// Wait up to `timeout` for child `pid` to end and reap it. Past the timeout the child is killed
+/// (SIGKILL) and reaped, and DeadlineExceeded names it. Errors: IoError from wait4.
+Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Send SIGTERM to child `pid` and wait up to `grace` for it (then SIGKILL: DeadlineExceeded).
+Result<ChildExit> TerminateProcess(pid_t pid, std::chrono::milliseconds grace);
+
+/// Wait until the file at `path` exists (its writer renames it into place complete) and return
+/// its text. Errors: Unavailable when child `pid` exits first or `timeout` passes, quoting the end
+/// of `log_path`; the child is then reaped (exited) or left running (timeout).
+Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
+                                     std::chrono::milliseconds timeout,
+                                     const std::string& log_path);
+
+/// Write `text` to `path` atomically (a temporary file renamed into place). Errors: IoError.
+Status WriteTextFileAtomically(const std::string& path, std::string_view text);
+
+/// The last `max_chars` characters of the file at `path`, or "(no log)".
+std::string FileTail(const std::string& path, size_t max_chars = 2000);
+
+/// The value of memory field `field` of /proc/<pid>/status ("VmRSS" resident now, "VmHWM" its
+/// peak), in bytes; `pid` "self" is this process. Errors: NotFound (no such process or field).
+Result<uint64_t> ProcessMemoryBytes(const std::string& pid, std::string_view field);
+
+/// Reset the peak RSS (VmHWM) of process `pid` ("self" for this one) to its current RSS, so that
+/// a peak read afterwards belongs to what ran in between (writes 5 to /proc/<pid>/clear_refs,
+/// Linux 4.0+). Errors: IoError (not the owner, or a kernel without clear_refs).
+Status ResetPeakRss(const std::string& pid);
 
 }  // namespace refit::bench

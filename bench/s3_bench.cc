@@ -607,7 +607,7 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
                   {"generator", "TrainingSimulator (fp32 master + Adam, bf16 RNE export)"},
                   {"generate_s", Now() - t0}};
   t0 = Now();
-  REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{cli::kWeightVersionMetadataKey, "0"}}));
+  REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kWeightVersionMetadataKey, "0"}}));
   out["model"]["write_s"] = Now() - t0;
 
   ::setenv(kApiKeyEnv, cli::GenerateApiKey().c_str(), /*overwrite=*/1);

@@ -55,8 +55,8 @@ Status RunApply(const ApplyArgs& args) {
   }
   store->set_version(target_version);
   std::vector<TensorView> tensors = store->tensors();
-  REFIT_RETURN_NOT_OK(WriteSafetensors(args.output, tensors,
-                                       {{kWeightVersionMetadataKey, std::to_string(target_version)}}));
+  REFIT_RETURN_NOT_OK(WriteSafetensors(
+      args.output, tensors, {{kWeightVersionMetadataKey, std::to_string(target_version)}}));
   std::printf("%s: applied %zu payloads (%zu items), version %llu -> %llu, digests verified\n",
               args.output.c_str(), payloads.size(), items,
               static_cast<unsigned long long>(base_version),

@@ -112,5 +112,4 @@ Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const
   return payloads;
 }
 
-
 }  // namespace refit::cli

@@ -61,5 +61,4 @@ Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
 Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,
                                                                  const PayloadLimits& limits);
 
-
 }  // namespace refit::cli

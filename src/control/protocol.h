@@ -111,8 +111,8 @@ void PutExpectation(const TransferExpectation& expected, Json& body);
 Result<TransferExpectation> GetExpectation(const JsonFields& body);
 
 /// The request fields of each route (what CheckObject accepts).
-inline constexpr std::array<std::string_view, 5> kPrepareFields = {"transfer_id", "base_version", "anchor",
-                                                                   "expected", "expected_digests"};
+inline constexpr std::array<std::string_view, 5> kPrepareFields = {
+    "transfer_id", "base_version", "anchor", "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};
