@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
@@ -116,18 +115,16 @@ constexpr auto kPollInterval = std::chrono::milliseconds(10);
 // RSS (proc(5), Linux 4.0+).
 constexpr std::string_view kResetPeakRss = "5";
 
-// Reap `pid` if it has ended, without waiting: its exit, or nullopt while it runs.
+// Reap `pid` if it has ended, without waiting: its exit (peak RSS not set), or nullopt while it
+// runs.
 Result<std::optional<ChildExit>> ReapIfEnded(pid_t pid) {
   int status = 0;
-  struct rusage usage {};
-  const pid_t done = ::wait4(pid, &status, WNOHANG, &usage);
-  if (done < 0) return IoErrorFromErrno(errno, fmt::format("wait4 {}", pid));
+  const pid_t done = ::waitpid(pid, &status, WNOHANG);
+  if (done < 0) return IoErrorFromErrno(errno, fmt::format("waitpid {}", pid));
   if (done == 0) return std::optional<ChildExit>();
   ChildExit exit;
   exit.exited = WIFEXITED(status);
   exit.code = exit.exited ? WEXITSTATUS(status) : WTERMSIG(status);
-  // ru_maxrss is in KiB on Linux (getrusage(2)).
-  exit.peak_rss_bytes = static_cast<uint64_t>(usage.ru_maxrss) * 1024;
   return std::optional<ChildExit>(exit);
 }
 
@@ -205,20 +202,50 @@ Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::stri
   return pid;
 }
 
-Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
+Result<std::vector<ChildExit>> WaitProcesses(const std::vector<pid_t>& pids,
+                                             std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (true) {
-    REFIT_ASSIGN_OR_RETURN(std::optional<ChildExit> exit, ReapIfEnded(pid));
-    if (exit.has_value()) return *exit;
+  std::vector<ChildExit> exits(pids.size());
+  std::vector<uint64_t> peaks(pids.size(), 0);
+  std::vector<bool> ended(pids.size(), false);
+  size_t running = pids.size();
+  while (running > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (ended[i]) continue;
+      // Sampled before the reap: a child that has exited (a zombie) has no VmHWM any more. The
+      // last sample counts, not the largest: until exec the child's VmHWM is its copy of the
+      // parent's memory, and exec starts it afresh.
+      if (Result<uint64_t> peak = ProcessMemoryBytes(std::to_string(pids[i]), "VmHWM"); peak.ok()) {
+        peaks[i] = *peak;
+      }
+      REFIT_ASSIGN_OR_RETURN(std::optional<ChildExit> exit, ReapIfEnded(pids[i]));
+      if (!exit.has_value()) continue;
+      exits[i] = *exit;
+      exits[i].peak_rss_bytes = peaks[i];
+      ended[i] = true;
+      --running;
+    }
+    if (running == 0) break;
     if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      int status = 0;
-      ::waitpid(pid, &status, 0);
-      return DeadlineExceeded("process {} did not end within {} ms and was killed", pid,
-                              timeout.count());
+      std::vector<std::string> killed;
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (ended[i]) continue;
+        ::kill(pids[i], SIGKILL);
+        int status = 0;
+        ::waitpid(pids[i], &status, 0);
+        killed.push_back(std::to_string(pids[i]));
+      }
+      return DeadlineExceeded("process(es) {} did not end within {} ms and were killed",
+                              fmt::join(killed, ", "), timeout.count());
     }
     std::this_thread::sleep_for(kPollInterval);
   }
+  return exits;
+}
+
+Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
+  REFIT_ASSIGN_OR_RETURN(std::vector<ChildExit> exits, WaitProcesses({pid}, timeout));
+  return exits[0];
 }
 
 Result<ChildExit> TerminateProcess(pid_t pid, std::chrono::milliseconds grace) {

@@ -69,7 +69,9 @@ struct ChildExit {
   /// the signal).
   bool exited = false;
   int code = 0;
-  /// Its peak resident memory over its whole life (ru_maxrss of wait4), in bytes.
+  /// Its peak resident memory (VmHWM) at the last poll before it ended, in bytes: the peak of
+  /// the program it exec'd, provided it ran longer than one poll; 0 when it ended before the first
+  /// sample. Not wait4's ru_maxrss: that survives exec and so starts at the forking parent's RSS.
   uint64_t peak_rss_bytes = 0;
 
   bool ok() const { return exited && code == 0; }
@@ -77,8 +79,14 @@ struct ChildExit {
   std::string Describe() const;
 };
 
-/// Wait up to `timeout` for child `pid` to end and reap it. Past the timeout the child is killed
-/// (SIGKILL) and reaped, and DeadlineExceeded names it. Errors: IoError from wait4.
+/// Wait up to `timeout` for children `pids` to end and reap them, sampling the peak RSS of each
+/// while it runs; the exits come back in the order of `pids`. Past the timeout the children
+/// still running are killed (SIGKILL) and reaped, and DeadlineExceeded names them.
+/// Errors: IoError from waitpid.
+Result<std::vector<ChildExit>> WaitProcesses(const std::vector<pid_t>& pids,
+                                             std::chrono::milliseconds timeout);
+
+/// WaitProcesses for one child.
 Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 
 /// Send SIGTERM to child `pid` and wait up to `grace` for it (then SIGKILL: DeadlineExceeded).

@@ -200,8 +200,8 @@ Result<std::vector<uint32_t>> ParseCounts(std::string_view flag, std::string_vie
 
 Result<Args> ParseArgs(int argc, char** argv) {
   Args args;
-  std::optional<uint64_t> model_mib, fanout_model_mib, chunk_mib, producers_model_mib,
-      tp_model_mib, embedded_model_mib, steps;
+  std::optional<uint64_t> model_mib, fanout_model_mib, chunk_mib, producers_model_mib, tp_model_mib,
+      embedded_model_mib, steps;
   std::optional<std::vector<size_t>> fanout;
   std::optional<std::vector<std::string_view>> sections;
   for (int i = 1; i < argc; ++i) {
@@ -345,8 +345,11 @@ Result<Args> ParseArgs(int argc, char** argv) {
     return InvalidArgument("--producers-receivers: a fleet needs at least 1 receiver");
   }
   for (uint32_t tp : args.tp) {
-    if (tp < 2) return InvalidArgument("--tp: {} is not a shard group (the unsharded replica is "
-                                       "always measured)", tp);
+    if (tp < 2)
+      return InvalidArgument(
+          "--tp: {} is not a shard group (the unsharded replica is "
+          "always measured)",
+          tp);
   }
   if (args.chunk_bytes == 0 || args.bucket_bytes == 0) {
     return InvalidArgument("--chunk-mib and --bucket-mib must be at least 1");
@@ -1050,8 +1053,9 @@ Result<PublisherOptions> PublisherOptionsFromConfig(const std::string& config_pa
   REFIT_ASSIGN_OR_RETURN(options.transport_uri, cli::ToTransportUri(config));
   options.receivers = fleet;
   for (const PublisherReceiver& receiver : fleet) {
-    REFIT_ASSIGN_OR_RETURN(options.control, cli::ToControlClientOptions(
-                                                config, {receiver.control_url, receiver.data_endpoint}));
+    REFIT_ASSIGN_OR_RETURN(
+        options.control,
+        cli::ToControlClientOptions(config, {receiver.control_url, receiver.data_endpoint}));
   }
   options.transfer_timeout = kPushTimeout;
   return options;
@@ -1059,7 +1063,7 @@ Result<PublisherOptions> PublisherOptionsFromConfig(const std::string& config_pa
 
 // W Publishers as threads of this process, over one in-process producer group.
 Result<std::vector<std::unique_ptr<Publisher>>> MakeThreadRanks(uint32_t world,
-                                                               const PublisherOptions& options) {
+                                                                const PublisherOptions& options) {
   REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<ProducerGroup>> groups,
                          MakeInProcessGroup(world));
   std::vector<std::unique_ptr<Publisher>> ranks;
@@ -1213,8 +1217,7 @@ class DaemonGroup {
       }
       if (!specs[d].replica.empty()) argv.insert(argv.end(), {"--replica", specs[d].replica});
       if (args.receiver_mmap) argv.push_back("--mmap");
-      REFIT_ASSIGN_OR_RETURN(daemon.pid,
-                             SpawnProcess(argv, daemon.log_path, daemon.log_path));
+      REFIT_ASSIGN_OR_RETURN(daemon.pid, SpawnProcess(argv, daemon.log_path, daemon.log_path));
       group->daemons_.push_back(std::move(daemon));
     }
     for (size_t d = 0; d < specs.size(); ++d) {
@@ -1253,10 +1256,10 @@ class DaemonGroup {
       Result<ChildExit> exit = WaitProcess(daemon.pid, kChildStopGrace);
       daemon.pid = -1;
       if (!exit.ok() || !exit->ok()) {
-        problems.push_back(fmt::format("daemon {} {}; its log ends with:\n{}", d,
-                                       exit.ok() ? "exited with " + exit->Describe()
-                                                 : exit.status().ToString(),
-                                       FileTail(daemon.log_path)));
+        problems.push_back(
+            fmt::format("daemon {} {}; its log ends with:\n{}", d,
+                        exit.ok() ? "exited with " + exit->Describe() : exit.status().ToString(),
+                        FileTail(daemon.log_path)));
       }
     }
     if (!problems.empty()) return Internal("{}", fmt::join(problems, "\n"));
@@ -1266,7 +1269,8 @@ class DaemonGroup {
   const std::vector<Daemon>& daemons() const { return daemons_; }
   std::vector<PublisherReceiver> receivers() const {
     std::vector<PublisherReceiver> fleet;
-    for (const Daemon& daemon : daemons_) fleet.push_back({daemon.control_url, daemon.data_endpoint});
+    for (const Daemon& daemon : daemons_)
+      fleet.push_back({daemon.control_url, daemon.data_endpoint});
     return fleet;
   }
 
@@ -1300,8 +1304,7 @@ Result<DaemonMemory> OpenDaemonMemory(const DaemonGroup& group) {
 
 Status CloseDaemonMemory(const DaemonGroup& group, DaemonMemory* memory) {
   for (const Daemon& daemon : group.daemons()) {
-    REFIT_ASSIGN_OR_RETURN(uint64_t peak,
-                           ProcessMemoryBytes(std::to_string(daemon.pid), "VmHWM"));
+    REFIT_ASSIGN_OR_RETURN(uint64_t peak, ProcessMemoryBytes(std::to_string(daemon.pid), "VmHWM"));
     memory->peak.push_back(peak);
   }
   return Status::OK();
@@ -1323,8 +1326,8 @@ struct SyncStep {
   double commit_s = 0;
   // Threads: the Sync calls. Processes: the first rank spawned to the last one exited.
   double wall_s = 0;
-  // Processes: the largest peak RSS of a rank process.
-  uint64_t rank_peak_rss = 0;
+  // Processes: each rank process's peak RSS (persistent ranks: over all the steps).
+  std::vector<uint64_t> rank_peak_rss;
 };
 
 SyncStep StepFromReport(const RefitReport& report, uint64_t changed_by_step, double wall_s) {
@@ -1370,18 +1373,23 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
                                  const std::string& next_path,
                                  const std::vector<PublisherReceiver>& fleet) {
   REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, FreeLoopbackPorts(1));
-  std::vector<std::string> common = {
-      args.refit_binary, "push",
-      next_path,         "--base",
-      base_path,         "--config",
-      config_path,       "--group",
-      fmt::format("tcp://127.0.0.1:{}", port[0]),
-      "--world-size",    std::to_string(world),
-      "--timeout",       std::to_string(std::chrono::seconds(kPushTimeout).count()),
-      "--json"};
+  std::vector<std::string> common = {args.refit_binary,
+                                     "push",
+                                     next_path,
+                                     "--base",
+                                     base_path,
+                                     "--config",
+                                     config_path,
+                                     "--group",
+                                     fmt::format("tcp://127.0.0.1:{}", port[0]),
+                                     "--world-size",
+                                     std::to_string(world),
+                                     "--timeout",
+                                     std::to_string(std::chrono::seconds(kPushTimeout).count()),
+                                     "--json"};
   for (const PublisherReceiver& receiver : fleet) {
-    common.insert(common.end(),
-                  {"--receiver", fmt::format("{}={}", receiver.control_url, receiver.data_endpoint)});
+    common.insert(common.end(), {"--receiver", fmt::format("{}={}", receiver.control_url,
+                                                           receiver.data_endpoint)});
   }
   std::vector<pid_t> pids;
   std::vector<std::string> outputs, logs;
@@ -1399,17 +1407,17 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
     }
     pids.push_back(*pid);
   }
+  Result<std::vector<ChildExit>> exits = WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
   SyncStep step;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    Result<ChildExit> exit = WaitProcess(pids[rank], kPushTimeout);
-    if (!exit.ok() || !exit->ok()) {
+    if (!exits.ok() || !(*exits)[rank].ok()) {
       problems.push_back(fmt::format(
           "`refit push` rank {} of {} {}; its log ends with:\n{}", rank, world,
-          exit.ok() ? "exited with " + exit->Describe() : exit.status().ToString(),
+          exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
           FileTail(logs[rank])));
     } else {
-      step.rank_peak_rss = std::max(step.rank_peak_rss, exit->peak_rss_bytes);
+      step.rank_peak_rss.push_back((*exits)[rank].peak_rss_bytes);
     }
   }
   step.wall_s = Now() - t0;
@@ -1461,12 +1469,11 @@ Status RunProducerRank(const ChildFlags& flags) {
     }
     fleet.push_back({std::string(entry.substr(0, equals)), std::string(entry.substr(equals + 1))});
   }
-  REFIT_ASSIGN_OR_RETURN(
-      SyntheticModel model,
-      SyntheticModel::Make(model_bytes, seed,
-                           static_cast<int>(std::clamp<uint64_t>(threads, 1,
-                                                                 ProducerStream::kMaxThreads)),
-                           nullptr));
+  REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
+                         SyntheticModel::Make(model_bytes, seed,
+                                              static_cast<int>(std::clamp<uint64_t>(
+                                                  threads, 1, ProducerStream::kMaxThreads)),
+                                              nullptr));
   const char* key = std::getenv(kApiKeyEnv);
   TcpGroupOptions group_options;
   group_options.rank = static_cast<uint32_t>(rank);
@@ -1549,24 +1556,23 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
     }
     pids.push_back(*pid);
   }
+  Result<std::vector<ChildExit>> exits = WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
-  uint64_t rank_peak = 0;
+  std::vector<uint64_t> rank_peaks;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    Result<ChildExit> exit = WaitProcess(pids[rank], kPushTimeout);
-    if (!exit.ok() || !exit->ok()) {
+    if (!exits.ok() || !(*exits)[rank].ok()) {
       problems.push_back(fmt::format(
           "rank process {} of {} {}; its log ends with:\n{}", rank, world,
-          exit.ok() ? "exited with " + exit->Describe() : exit.status().ToString(),
+          exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
           FileTail(logs[rank])));
     } else {
-      rank_peak = std::max(rank_peak, exit->peak_rss_bytes);
+      rank_peaks.push_back((*exits)[rank].peak_rss_bytes);
     }
   }
   if (!problems.empty()) return Internal("{}", fmt::join(problems, "\n"));
   std::ifstream result_file(result_path);
   const nlohmann::json result = nlohmann::json::parse(result_file, nullptr, false);
-  if (!result.is_object() || !result.contains("steps") ||
-      result["steps"].size() != args.steps) {
+  if (!result.is_object() || !result.contains("steps") || result["steps"].size() != args.steps) {
     return DataLoss("rank process 0 wrote no report of its {} steps to {}", args.steps,
                     result_path);
   }
@@ -1582,7 +1588,7 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
     step.flush_s = reported["flush_s"];
     step.commit_s = reported["commit_s"];
     step.wall_s = reported["wall_s"];
-    step.rank_peak_rss = rank_peak;
+    step.rank_peak_rss = rank_peaks;
     steps.push_back(step);
   }
   return steps;
@@ -1591,9 +1597,9 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
 Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_dir) {
   nlohmann::json out;
   const uint64_t chunk_bytes = SectionChunkBytes(args.producers_model_bytes);
-  REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
-                         SyntheticModel::Make(args.producers_model_bytes, args.seed, args.threads,
-                                              nullptr));
+  REFIT_ASSIGN_OR_RETURN(
+      SyntheticModel model,
+      SyntheticModel::Make(args.producers_model_bytes, args.seed, args.threads, nullptr));
   std::vector<uint64_t> tensor_bytes;
   for (const TensorView& tensor : model.views()) tensor_bytes.push_back(tensor.bytes.size());
   out["model_bytes"] = model.bytes();
@@ -1643,22 +1649,23 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
         // Refit the daemons back to the initial model (not measured), so that every
         // configuration sends exactly the same deltas from exactly the same state.
         const double t0 = Now();
-        REFIT_ASSIGN_OR_RETURN(SyntheticModel initial,
-                               SyntheticModel::Make(args.producers_model_bytes, args.seed,
-                                                    args.threads, nullptr));
+        REFIT_ASSIGN_OR_RETURN(
+            SyntheticModel initial,
+            SyntheticModel::Make(args.producers_model_bytes, args.seed, args.threads, nullptr));
         REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Publisher>> reset,
                                MakeThreadRanks(1, options));
         REFIT_RETURN_NOT_OK(AdoptBaseline(reset, model.views()));
-        REFIT_RETURN_NOT_OK(
-            SyncDelta(reset, initial.views()).status().WithContext("refit back to the initial model"));
+        REFIT_RETURN_NOT_OK(SyncDelta(reset, initial.views())
+                                .status()
+                                .WithContext("refit back to the initial model"));
         model = std::move(initial);
         reset_s += Now() - t0;
       }
       fleet_at_initial = false;
       std::vector<SyncStep> steps;
       if (mode == "processes") {
-        REFIT_ASSIGN_OR_RETURN(steps, SyncAsRankProcesses(args, work_dir, world, config_path,
-                                                          daemons->receivers()));
+        REFIT_ASSIGN_OR_RETURN(
+            steps, SyncAsRankProcesses(args, work_dir, world, config_path, daemons->receivers()));
         // This process's copy follows, for the next reset and the final check.
         for (uint64_t s = 1; s <= args.steps; ++s) model.Step(s, args.step_density);
       } else if (mode == "threads") {
@@ -1693,16 +1700,16 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
       uint64_t wire = 0, payloads = 0, changed = 0, rank_peak = 0;
       for (const SyncStep& step : steps) {
         if (step.changed != step.changed_by_step) {
-          return DataLoss("producers W = {} ({}): a step changed {} elements but the producers "
-                          "found {}",
-                          world, row["mode"].get<std::string>(), step.changed_by_step,
-                          step.changed);
+          return DataLoss(
+              "producers W = {} ({}): a step changed {} elements but the producers "
+              "found {}",
+              world, row["mode"].get<std::string>(), step.changed_by_step, step.changed);
         }
         row["steps"].push_back(StepJson(step));
         wire += step.wire_bytes;
         payloads += step.payloads;
         changed += step.changed;
-        rank_peak = std::max(rank_peak, step.rank_peak_rss);
+        for (uint64_t peak : step.rank_peak_rss) rank_peak = std::max(rank_peak, peak);
       }
       row["wire_bytes_per_step"] = static_cast<double>(wire) / steps.size();
       row["payloads_per_step"] = static_cast<double>(payloads) / steps.size();
@@ -1750,14 +1757,17 @@ void PrintProducers(const nlohmann::json& section) {
       FormatBytes(section["model_bytes"]), section["tensors"].get<size_t>(),
       section["chunks"].get<size_t>(), FormatBytes(section["chunk_bytes"]),
       section["receivers"].get<size_t>(), section["steps"].get<uint64_t>(),
-      100 * section["step_density"].get<double>(), section["threads_per_stage_per_rank"].get<int>());
+      100 * section["step_density"].get<double>(),
+      section["threads_per_stage_per_rank"].get<int>());
   Table table({"W", "ranks as", "changed/step", "payloads", "wire/step", "time", "min", "max",
                "vs threads", "wall", "wall vs threads", "rank peak"});
   for (const nlohmann::json& row : section["rows"]) {
     const std::string mode = row["mode"];
     const bool threads = mode == "threads";
     table.AddRow({std::to_string(row["producers"].get<uint32_t>()),
-                  threads ? "threads" : mode == "processes" ? "processes" : "push CLI",
+                  threads               ? "threads"
+                  : mode == "processes" ? "processes"
+                                        : "push CLI",
                   fmt::format("{:.0f}", row["changed_per_step"].get<double>()),
                   fmt::format("{:.1f}", row["payloads_per_step"].get<double>()),
                   FormatBytes(static_cast<uint64_t>(row["wire_bytes_per_step"].get<double>())),
@@ -1776,7 +1786,8 @@ void PrintProducers(const nlohmann::json& section) {
       "its base, adopts the baseline and joins the group, then syncs once)\n"
       "time = median over the steps of rank 0's Coordinator::Refit (Begin to the end of commit); "
       "wall = threads and processes: rank 0's Sync call; push CLI: first rank spawned to last "
-      "exited; rank peak = the largest rank process's peak RSS over its life\n"
+      "exited; rank peak = the largest rank process's peak RSS (its VmHWM at the last 10 ms poll "
+      "before it exited)\n"
       "wire bytes identical for every mode at every W and step: {}; every daemon bit-identical "
       "to the producers' last model\n\n",
       section["wire_identical_across_modes"].get<bool>() ? "yes" : "NO");
@@ -1891,7 +1902,8 @@ std::vector<OwnedTensor> ShardModel(const std::vector<TensorView>& model, const 
         append_rows(*by_name.at(prefix + std::string(part)), rank * block, block, &local.bytes);
       }
     } else if (name.ends_with(".self_attn.k_proj.weight") ||
-               name.ends_with(".self_attn.v_proj.weight") || name.ends_with(".mlp.up_proj.weight")) {
+               name.ends_with(".self_attn.v_proj.weight") ||
+               name.ends_with(".mlp.up_proj.weight")) {
       continue;  // Fused into qkv_proj or gate_up_proj above.
     } else if (name.ends_with(".mlp.gate_proj.weight")) {
       // [gate rows block r | up rows block r].
@@ -1930,7 +1942,8 @@ std::vector<OwnedTensor> ShardModel(const std::vector<TensorView>& model, const 
 }
 
 // Elements (2-byte) that differ between two versions of one shard.
-uint64_t CountChanged(const std::vector<OwnedTensor>& before, const std::vector<OwnedTensor>& after) {
+uint64_t CountChanged(const std::vector<OwnedTensor>& before,
+                      const std::vector<OwnedTensor>& after) {
   uint64_t changed = 0;
   for (size_t t = 0; t < before.size(); ++t) {
     const size_t n = before[t].bytes.size() / sizeof(uint16_t);
@@ -1949,10 +1962,14 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
   REFIT_ASSIGN_OR_RETURN(const LlamaLayout layout, DescribeLlama(model.views(), args.tp));
   out["model_bytes"] = model.bytes();
   out["tensors"] = model.views().size();
-  out["layout"] = {{"hidden", layout.hidden},         {"intermediate", layout.intermediate},
-                   {"vocab", layout.vocab},           {"layers", layout.layers},
-                   {"heads", layout.heads},           {"kv_heads", layout.heads},
-                   {"head_dim", layout.hidden / layout.heads}, {"vocab_pad_to", kVocabPadTo}};
+  out["layout"] = {{"hidden", layout.hidden},
+                   {"intermediate", layout.intermediate},
+                   {"vocab", layout.vocab},
+                   {"layers", layout.layers},
+                   {"heads", layout.heads},
+                   {"kv_heads", layout.heads},
+                   {"head_dim", layout.hidden / layout.heads},
+                   {"vocab_pad_to", kVocabPadTo}};
   out["chunk_bytes"] = chunk_bytes;
   out["steps"] = args.steps;
   out["step_density"] = args.step_density;
@@ -1967,8 +1984,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     const uint32_t tp = degrees[c];
     // The same initial model and the same steps for every layout: identical deltas.
     if (c > 0) {
-      REFIT_ASSIGN_OR_RETURN(model, SyntheticModel::Make(args.tp_model_bytes, args.seed,
-                                                         args.threads, nullptr));
+      REFIT_ASSIGN_OR_RETURN(
+          model, SyntheticModel::Make(args.tp_model_bytes, args.seed, args.threads, nullptr));
     }
     const std::string label = fmt::format("tp{}", tp);
     std::vector<std::vector<OwnedTensor>> shards;
@@ -1976,8 +1993,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     std::vector<uint64_t> slice_bytes;
     if (tp == 1) {
       specs.push_back({fmt::format("{}/{}-model.safetensors", work_dir, label), "", ""});
-      REFIT_RETURN_NOT_OK(WriteSafetensors(specs[0].model_path, model.views(),
-                                           {{kWeightVersionMetadataKey, "0"}}));
+      REFIT_RETURN_NOT_OK(
+          WriteSafetensors(specs[0].model_path, model.views(), {{kWeightVersionMetadataKey, "0"}}));
       slice_bytes.push_back(model.bytes());
     } else {
       for (uint32_t rank = 0; rank < tp; ++rank) {
@@ -1986,7 +2003,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
                         fmt::format("{}/{}-loader-{}.yaml", work_dir, label, rank), kTpReplica};
         REFIT_RETURN_NOT_OK(WriteSafetensors(spec.model_path, ViewsOf(shards.back()),
                                              {{kWeightVersionMetadataKey, "0"}}));
-        REFIT_RETURN_NOT_OK(WriteTextFileAtomically(spec.loader_path, LoaderYaml(layout, rank, tp)));
+        REFIT_RETURN_NOT_OK(
+            WriteTextFileAtomically(spec.loader_path, LoaderYaml(layout, rank, tp)));
         slice_bytes.push_back(BytesOf(ViewsOf(shards.back())));
         specs.push_back(std::move(spec));
       }
@@ -2043,8 +2061,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
       nlohmann::json step = StepJson(steps.back());
       step["shards"] = nlohmann::json::array();
       for (uint32_t rank = 0; rank < tp; ++rank) {
-        const int64_t growth = static_cast<int64_t>(memory.peak[rank]) -
-                               static_cast<int64_t>(memory.before[rank]);
+        const int64_t growth =
+            static_cast<int64_t>(memory.peak[rank]) - static_cast<int64_t>(memory.before[rank]);
         step["shards"].push_back({{"shard", rank},
                                   {"rss_before", memory.before[rank]},
                                   {"peak_rss", memory.peak[rank]},
@@ -2098,7 +2116,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
             static_cast<int64_t>(loaded_rss[rank]) - static_cast<int64_t>(slice_bytes[rank])},
            {"max_peak_rss", max_peak[rank]},
            {"peak_over_loaded_bytes", over_loaded},
-           {"peak_over_loaded_per_own_changed", own_per_step > 0 ? over_loaded / own_per_step : 0.0},
+           {"peak_over_loaded_per_own_changed",
+            own_per_step > 0 ? over_loaded / own_per_step : 0.0},
            {"peak_over_loaded_per_changed",
             changed_per_step > 0 ? over_loaded / changed_per_step : 0.0},
            {"peak_over_slice_bytes",
@@ -2120,10 +2139,11 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
   const double unsharded_s = out["rows"][0]["time_s"]["median"];
   bool wire_identical = true;
   for (nlohmann::json& row : out["rows"]) {
-    row["time_over_unsharded"] = row["time_s"]["median"].get<double>() / std::max(unsharded_s, 1e-9);
+    row["time_over_unsharded"] =
+        row["time_s"]["median"].get<double>() / std::max(unsharded_s, 1e-9);
     for (size_t s = 0; s < row["steps"].size(); ++s) {
-      wire_identical =
-          wire_identical && row["steps"][s]["wire_bytes"] == out["rows"][0]["steps"][s]["wire_bytes"];
+      wire_identical = wire_identical &&
+                       row["steps"][s]["wire_bytes"] == out["rows"][0]["steps"][s]["wire_bytes"];
     }
   }
   out["wire_identical_across_layouts"] = wire_identical;
@@ -2178,8 +2198,8 @@ void PrintTensorParallel(const nlohmann::json& section) {
                   FormatDuration(row["time_s"]["max"]),
                   fmt::format("{:.2f}x", row["time_over_unsharded"].get<double>()),
                   fmt::format("{:.0f}", own), SignedBytes(fixed), FormatBytes(peak),
-                  fmt::format("{:.2f}", ratio), SignedBytes(over),
-                  fmt::format("{:.1f} B", per_own), fmt::format("{:.1f} B", per_changed)});
+                  fmt::format("{:.2f}", ratio), SignedBytes(over), fmt::format("{:.1f} B", per_own),
+                  fmt::format("{:.1f} B", per_changed)});
   }
   table.Print(std::cout);
   const nlohmann::json& target = section["target"];
@@ -2247,8 +2267,8 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
   pthread_sigmask(SIG_BLOCK, &shutdown, nullptr);
 
   REFIT_ASSIGN_OR_RETURN(const uint64_t rss_start, ProcessMemoryBytes("self", "VmRSS"));
-  REFIT_ASSIGN_OR_RETURN(SyntheticModel model, SyntheticModel::Make(args.model_bytes, args.seed,
-                                                                    args.threads, nullptr));
+  REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
+                         SyntheticModel::Make(args.model_bytes, args.seed, args.threads, nullptr));
   REFIT_ASSIGN_OR_RETURN(const uint64_t rss_model, ProcessMemoryBytes("self", "VmRSS"));
   const char* key = std::getenv(kApiKeyEnv);
   ReceiverNodeOptions options;
@@ -2286,9 +2306,10 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
   sigwait(&shutdown, &received);
   node->Stop();
   REFIT_ASSIGN_OR_RETURN(const uint64_t rss_end, ProcessMemoryBytes("self", "VmRSS"));
-  const nlohmann::json result = {{"fingerprint", fmt::format("{:016x}", FingerprintOf(model.views()))},
-                                 {"version", node->store().version()},
-                                 {"rss_end", rss_end}};
+  const nlohmann::json result = {
+      {"fingerprint", fmt::format("{:016x}", FingerprintOf(model.views()))},
+      {"version", node->store().version()},
+      {"rss_end", rss_end}};
   return WriteTextFileAtomically(args.result_file, result.dump() + "\n");
 }
 
@@ -2332,14 +2353,14 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
   const std::string child = std::to_string(pid);
 
   // The producer: this process, with the same model.
-  REFIT_ASSIGN_OR_RETURN(SyntheticModel model, SyntheticModel::Make(args.embedded_model_bytes,
-                                                                    args.seed, args.threads,
-                                                                    nullptr));
+  REFIT_ASSIGN_OR_RETURN(
+      SyntheticModel model,
+      SyntheticModel::Make(args.embedded_model_bytes, args.seed, args.threads, nullptr));
   out["model_bytes"] = model.bytes();
   out["tensors"] = model.views().size();
-  REFIT_ASSIGN_OR_RETURN(const std::string config_path,
-                         WriteRefitConfig(args, work_dir, "embedded",
-                                          SectionChunkBytes(args.embedded_model_bytes)));
+  REFIT_ASSIGN_OR_RETURN(
+      const std::string config_path,
+      WriteRefitConfig(args, work_dir, "embedded", SectionChunkBytes(args.embedded_model_bytes)));
   REFIT_ASSIGN_OR_RETURN(
       const PublisherOptions options,
       PublisherOptionsFromConfig(config_path, {{ready["control_url"].get<std::string>(),
@@ -2450,7 +2471,8 @@ void PrintEmbedded(const nlohmann::json& section) {
                   FormatDuration(row["time_s"]), FormatBytes(row["rss_before"]),
                   FormatBytes(row["peak_rss"]), SignedBytes(row["peak_growth_bytes"]),
                   fmt::format("{:.1f} B", row["peak_growth_per_changed"].get<double>()),
-                  FormatBytes(row["rss_after_commit"]), SignedBytes(row["after_commit_growth_bytes"]),
+                  FormatBytes(row["rss_after_commit"]),
+                  SignedBytes(row["after_commit_growth_bytes"]),
                   SignedBytes(row["peak_over_model_bytes"])});
   }
   table.Print(std::cout);
@@ -2495,9 +2517,9 @@ Status Run(const Args& args) {
   const uint64_t fanout_bytes = args.skip_fanout ? 0 : args.fanout_model_bytes;
   // The new sections, one at a time: producers — this process's model and baseline (the reset's
   // second model briefly), each daemon's model, each persistent rank process's copy of the model
-  // (the baselines of all ranks add up to one), and two checkpoint files; tp — this process's model, baseline and two copies of the shards, the
-  // shards' daemons (one model in all), and the shard files; embedded — this process's model and
-  // baseline and the receiver process's model.
+  // (the baselines of all ranks add up to one), and two checkpoint files; tp — this process's
+  // model, baseline and two copies of the shards, the shards' daemons (one model in all), and the
+  // shard files; embedded — this process's model and baseline and the receiver process's model.
   const uint64_t producers_bytes = args.skip_producers ? 0 : args.producers_model_bytes;
   const uint64_t largest_world =
       args.producers.empty() ? 0 : *std::max_element(args.producers.begin(), args.producers.end());
@@ -2529,9 +2551,10 @@ Status Run(const Args& args) {
                        {"compare_simd_target", std::string(BestCompareTarget())},
                        {"load_average_start", LoadAverage()}};
   if (!args.json) {
-    std::cout << fmt::format("e2e_bench: compare kernel {} (Highway, chosen at run time), {} "
-                             "hardware threads\n\n",
-                             BestCompareTarget(), std::thread::hardware_concurrency());
+    std::cout << fmt::format(
+        "e2e_bench: compare kernel {} (Highway, chosen at run time), {} "
+        "hardware threads\n\n",
+        BestCompareTarget(), std::thread::hardware_concurrency());
   }
   report["config"] = {{"quick", args.quick},
                       {"chunk_bytes", args.chunk_bytes},
@@ -2570,7 +2593,8 @@ Status Run(const Args& args) {
   }
   if (!args.skip_embedded) {
     Result<nlohmann::json> embedded = RunEmbedded(args, work_dir);
-    if (!embedded.ok()) return embedded.status().WithContext("embedded (work dir " + work_dir + ")");
+    if (!embedded.ok())
+      return embedded.status().WithContext("embedded (work dir " + work_dir + ")");
     report["embedded"] = *embedded;
     if (!args.json) PrintEmbedded(*embedded);
   }
