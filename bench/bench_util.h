@@ -48,13 +48,8 @@ double Median(std::vector<double> values);
 
 // --- Child processes and their memory ---------------------------------------------------------
 
-/// Return `count` distinct free TCP ports on 127.0.0.1: each is bound to port 0 and held until all
-/// are chosen, so none repeats; another process may still take one before it is used.
-/// Errors: IoError.
-Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
-
-/// The path of this process's executable (/proc/self/exe). Errors: IoError.
-Result<std::string> SelfExecutable();
+// Free loopback ports and this executable's path: cli::FreeLoopbackPorts and
+// cli::SelfExecutable (local_fleet.h).
 
 /// Start `argv` (argv[0] is a path) in a process group of its own, so that a Ctrl-C at the
 /// terminal reaches only the benchmark, which then stops its children in order; stdin is

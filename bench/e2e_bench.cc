@@ -1192,7 +1192,7 @@ class DaemonGroup {
                                                     const std::string& label,
                                                     const std::vector<DaemonSpec>& specs) {
     std::unique_ptr<DaemonGroup> group(new DaemonGroup());
-    REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, FreeLoopbackPorts(2 * specs.size()));
+    REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, cli::FreeLoopbackPorts(2 * specs.size()));
     std::vector<std::string> peers;
     for (size_t d = 0; d < specs.size(); ++d) {
       peers.push_back(fmt::format("127.0.0.1:{}", ports[2 * d]));
@@ -1372,7 +1372,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
                                  const std::string& config_path, const std::string& base_path,
                                  const std::string& next_path,
                                  const std::vector<PublisherReceiver>& fleet) {
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, FreeLoopbackPorts(1));
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
   std::vector<std::string> common = {args.refit_binary,
                                      "push",
                                      next_path,
@@ -1511,8 +1511,8 @@ Status RunProducerRank(const ChildFlags& flags) {
 Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::string& work_dir,
                                                   uint32_t world, const std::string& config_path,
                                                   const std::vector<PublisherReceiver>& fleet) {
-  REFIT_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
-  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, FreeLoopbackPorts(2));
+  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, cli::FreeLoopbackPorts(2));
   std::vector<std::string> entries;
   for (const PublisherReceiver& receiver : fleet) {
     entries.push_back(fmt::format("{}={}", receiver.control_url, receiver.data_endpoint));
@@ -2315,8 +2315,8 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
 
 Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir) {
   nlohmann::json out;
-  REFIT_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, FreeLoopbackPorts(1));
+  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
   const std::string ready_path = work_dir + "/embedded.ready";
   const std::string result_path = work_dir + "/embedded.result";
   const std::string log_path = work_dir + "/embedded.log";

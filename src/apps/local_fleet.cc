@@ -42,9 +42,9 @@ std::string LogTail(const std::string& path) {
   return text.str();
 }
 
-// Pick `count` distinct free loopback ports: bind each to port 0 and hold all of them until
-// every one is chosen, so that this process never picks the same port twice.
-Result<std::vector<uint16_t>> FreePorts(size_t count) {
+}  // namespace
+
+Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count) {
   std::vector<int> sockets;
   std::vector<uint16_t> ports;
   Status status;
@@ -77,6 +77,8 @@ Result<std::string> SelfExecutable() {
   if (n <= 0) return IoErrorFromErrno(errno, "readlink /proc/self/exe");
   return std::string(buffer.data(), static_cast<size_t>(n));
 }
+
+namespace {
 
 // Start `argv` with stdout and stderr appended to `log_path`. The child is put in its own process
 // group, so a Ctrl-C at the terminal reaches the demo, which then stops the daemons in order.
@@ -114,7 +116,7 @@ Result<std::unique_ptr<LocalFleet>> LocalFleet::Start(const LocalFleetOptions& o
   if (binary.empty()) {
     REFIT_ASSIGN_OR_RETURN(binary, SelfExecutable());
   }
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, FreePorts(2 * options.receivers));
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, FreeLoopbackPorts(2 * options.receivers));
   std::vector<std::string> peers;
   for (size_t r = 0; r < options.receivers; ++r) {
     peers.push_back(fmt::format("127.0.0.1:{}", ports[2 * r]));

@@ -77,6 +77,14 @@ class LocalFleet {
   bool stopped_ = false;
 };
 
+/// Return `count` distinct free TCP ports on 127.0.0.1: each is bound to port 0 and held until all
+/// are chosen, so none repeats; another process may still take one before it is used.
+/// Errors: IoError.
+Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
+
+/// The path of this process's executable (/proc/self/exe). Errors: IoError.
+Result<std::string> SelfExecutable();
+
 /// Create a fresh, private directory "<system temp dir>/<stem>-XXXXXX" (mkdtemp) for a fleet's
 /// model file, ready files and logs, and return its path. Errors: IoError.
 Result<std::string> MakeTemporaryDirectory(std::string_view stem);
