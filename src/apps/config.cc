@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 #include <zstd.h>
 
@@ -16,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <sstream>
 #include <system_error>
 #include <utility>
 
@@ -700,18 +702,56 @@ Result<std::string> ResolveApiKey(const RefitConfig& config) {
 
 }  // namespace
 
+namespace {
+
+// Counts documents and nothing else (ParseConfig's first pass).
+class DocumentCounter final : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+}  // namespace
+
 Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name) {
   RefitConfig config;
   ConfigReader reader(source_name);
   // yaml-cpp reports errors by exception; they stop here, as the project uses none.
   try {
-    const std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml_text));
-    if (documents.size() > 1) {
-      return InvalidArgument("{}: holds {} YAML documents; a configuration is one", source_name,
-                             documents.size());
+    // Count the documents first, at most kMaxCountedDocuments of them: yaml-cpp 0.7 (Debian's)
+    // reports a document forever for some inputs, such as a lone ',' (jbeder/yaml-cpp#1040, so
+    // YAML::LoadAll never returns); a bounded count turns such a typo into an error naming the
+    // file. Then load the one document.
+    constexpr int kMaxCountedDocuments = 8;
+    int documents = 0;
+    {
+      std::istringstream in{std::string(yaml_text)};
+      YAML::Parser parser(in);
+      DocumentCounter counter;
+      while (documents <= kMaxCountedDocuments && parser.HandleNextDocument(counter)) ++documents;
     }
-    REFIT_RETURN_NOT_OK(
-        ReadDocument(reader, documents.empty() ? YAML::Node() : documents[0], config));
+    if (documents > kMaxCountedDocuments) {
+      return InvalidArgument(
+          "{}: is not a YAML document yaml-cpp can read to its end (more than {} documents; a "
+          "stray ',' or '---'?); a configuration is one mapping",
+          source_name, kMaxCountedDocuments);
+    }
+    if (documents > 1) {
+      return InvalidArgument("{}: holds {} YAML documents; a configuration is one", source_name,
+                             documents);
+    }
+    REFIT_RETURN_NOT_OK(ReadDocument(
+        reader, documents == 0 ? YAML::Node() : YAML::Load(std::string(yaml_text)), config));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
     return InvalidArgument("{}:{}:{}: YAML syntax error: {}", source_name, e.mark.line + 1,

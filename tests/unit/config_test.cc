@@ -388,6 +388,15 @@ TEST(ConfigTest, YamlSyntaxErrorsHaveLineAndColumn) {
                     Parse("transport: zmq://\n---\ntransport: file:///x\n"));
 }
 
+// Regression: yaml-cpp 0.7's LoadAll never returns on a lone ',' (jbeder/yaml-cpp#1040), which
+// hung `refit push` and `refit serve` on a one-character typo while memory grew.
+TEST(ConfigTest, AOneCharacterTypoIsAnErrorNamingTheFileNotAHang) {
+  EXPECT_STATUS_MSG(InvalidArgument, "test.yaml: is not a YAML document yaml-cpp can read",
+                    Parse(","));
+  EXPECT_STATUS_MSG(InvalidArgument, "test.yaml:2:1: YAML syntax error",
+                    Parse("transport: zmq://\n,\n"));
+}
+
 TEST(ConfigTest, UpstreamTransportNamesAreAliases) {
   ASSERT_OK_AND_ASSIGN(RefitConfig config, Parse("refit_transport: vllm_zmq_sparse\n"));
   EXPECT_EQ(config.transport, "zmq://");
