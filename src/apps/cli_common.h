@@ -23,6 +23,7 @@ void RegisterDemo(CLI::App& app, Status* result);
 void RegisterServe(CLI::App& app, Status* result);
 void RegisterPush(CLI::App& app, Status* result);
 void RegisterStatus(CLI::App& app, Status* result);
+void RegisterAbort(CLI::App& app, Status* result);
 void RegisterKeygen(CLI::App& app, Status* result);
 
 /// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes. Errors: InvalidArgument naming the text.

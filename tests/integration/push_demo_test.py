@@ -164,6 +164,31 @@ def main():
         check(result.returncode != 0 and "PermissionDenied" in result.stderr,
               f"a push without the key is refused: {result.stderr[:200]}")
 
+        # A coordinator killed mid-transfer leaves the receivers receiving (no lease ends it yet):
+        # `refit abort` rolls each back, and the next push goes through.
+        slow = push + ["--transport", f"fault+zmq://?delay_ms=3000&api_key_env={KEY_ENV}"]
+        killed = subprocess.Popen(slow + [steps[3], "--base", steps[2]], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + TIMEOUT_S
+        while daemons[0].status()["state"] != "receiving":
+            check(killed.poll() is None and time.time() < deadline,
+                  "the slowed push reaches the stream phase")
+            time.sleep(0.02)
+        killed.kill()
+        killed.wait()
+        check(daemons[0].status()["state"] == "receiving",
+              "a receiver whose coordinator was killed stays receiving")
+        for d in daemons:
+            result = run([args.refit, "abort", d.url, "--api-key-env", KEY_ENV], env=env)
+            check(result.returncode == 0 and "at version 2" in result.stdout,
+                  f"refit abort rolls {d.url} back to version 2: {result.stdout}{result.stderr}")
+            status = d.status()
+            check(status["state"] == "idle" and status["version"] == 2, f"{d.url} is idle at 2")
+            check(d.tensors(names) == files[2], "and holds step 2's bytes again")
+        result = run([args.refit, "abort", daemons[0].url, "--api-key-env", KEY_ENV], env=env)
+        check(result.returncode == 0 and "nothing to abort" in result.stdout,
+              f"refit abort of an idle receiver changes nothing: {result.stdout}")
+
         result = run(push + [steps[3]], env=env)
         check(result.returncode == 0 and "a FULL anchor v2 -> v3" in result.stdout,
               f"an anchor push: {result.stdout}{result.stderr}")
