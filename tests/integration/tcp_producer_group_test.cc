@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "group_rounds.h"
 #include "loopback.h"
 #include "refit/producer_group.h"
 #include "test_util.h"
@@ -54,24 +55,6 @@ TcpGroupOptions Options(uint32_t rank, uint32_t world_size, std::string address,
   options.api_key = std::move(api_key);
   options.connect_timeout = kGenerous;
   return options;
-}
-
-/// A message no other round or rank sends: sizes include empty and 1 MiB.
-std::string Payload(uint32_t round, uint32_t rank) {
-  static constexpr size_t kSizes[] = {0, 1, 17, 4096, size_t{1} << 20};
-  const size_t size = kSizes[(round + rank) % std::size(kSizes)];
-  std::string payload(size, '\0');
-  for (size_t i = 0; i < size; ++i) {
-    payload[i] = static_cast<char>((i * 131 + round * 7 + rank * 29) & 0xff);
-  }
-  if (size >= 16) payload.replace(size - 16, 16, fmt::format("r{:07}k{:07}", round, rank));
-  return payload;
-}
-
-/// Run `body(rank)` on one thread per rank and join them all.
-void OnEveryRank(uint32_t world_size, const std::function<void(uint32_t)>& body) {
-  std::vector<std::jthread> threads;
-  for (uint32_t rank = 0; rank < world_size; ++rank) threads.emplace_back(body, rank);
 }
 
 /// The W endpoints of one group on loopback: rank 0 on an ephemeral port, then the others.
@@ -119,40 +102,17 @@ class TcpGroupSizeTest : public ::testing::TestWithParam<uint32_t> {};
 // Alternating broadcasts and gathers, and two of each in a row: every rank gets exactly rank 0's
 // message, rank 0 gets every message in rank order.
 TEST_P(TcpGroupSizeTest, SequenceOfCollectivesDeliversExactContents) {
-  const uint32_t world_size = GetParam();
-  ASSERT_OK_AND_ASSIGN(LoopbackGroup group, MakeLoopbackGroup(world_size));
-  constexpr uint32_t kRounds = 12;
-  const auto is_broadcast = [](uint32_t round) { return round % 4 == 0 || round % 4 == 1; };
-  OnEveryRank(world_size, [&](uint32_t rank) {
-    ProducerGroup& endpoint = *group.ranks[rank];
-    for (uint32_t round = 0; round < kRounds; ++round) {
-      if (is_broadcast(round)) {
-        Result<std::string> got =
-            endpoint.Broadcast(rank == 0 ? Payload(round, 0) : "ignored", Soon());
-        ASSERT_OK(got);
-        EXPECT_EQ(*got, Payload(round, 0)) << "rank " << rank << " round " << round;
-      } else {
-        Result<std::vector<std::string>> got = endpoint.Gather(Payload(round, rank), Soon());
-        ASSERT_OK(got);
-        if (rank != 0) {
-          EXPECT_TRUE(got->empty());
-          continue;
-        }
-        ASSERT_EQ(got->size(), world_size);
-        for (uint32_t from = 0; from < world_size; ++from) {
-          EXPECT_EQ((*got)[from], Payload(round, from))
-              << "from rank " << from << " round " << round;
-        }
-      }
-    }
-  });
+  ASSERT_OK_AND_ASSIGN(LoopbackGroup group, MakeLoopbackGroup(GetParam()));
+  std::vector<ProducerGroup*> endpoints;
+  for (auto& rank : group.ranks) endpoints.push_back(rank.get());
+  testing::ExpectMixedRoundsDeliverExactly(endpoints, [] { return Soon(); });
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, TcpGroupSizeTest, ::testing::Values(1u, 2u, 5u));
 
 TEST(TcpGroupTest, EmptyApiKeyOnBothSidesWorks) {
   ASSERT_OK_AND_ASSIGN(LoopbackGroup group, MakeLoopbackGroup(2, ""));
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     ASSERT_OK_AND_ASSIGN(std::string got, group.ranks[rank]->Broadcast("plan", Soon()));
     EXPECT_EQ(got, "plan");
   });
@@ -165,7 +125,7 @@ TEST(TcpGroupTest, RankMayStartBeforeRankZero) {
   ASSERT_OK_AND_ASSIGN(auto root, MakeTcpGroup(Options(0, 2, address)));
   early.join();
   ASSERT_OK(*member);
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     ProducerGroup& endpoint = rank == 0 ? *root : ***member;
     ASSERT_OK_AND_ASSIGN(std::string got, endpoint.Broadcast("plan", Soon()));
     EXPECT_EQ(got, "plan");
@@ -189,7 +149,7 @@ TEST(TcpGroupTest, WrongApiKeyIsRefusedAndRankZeroKeepsWorking) {
   EXPECT_STATUS_MSG(PermissionDenied, "refused this rank's api key",
                     MakeTcpGroup(Options(1, 2, address, "")));
   ASSERT_OK_AND_ASSIGN(auto member, MakeTcpGroup(Options(1, 2, address)));
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     ProducerGroup& endpoint = rank == 0 ? *root : *member;
     ASSERT_OK_AND_ASSIGN(auto messages, endpoint.Gather(fmt::format("report {}", rank), Soon()));
     if (rank == 0) {
@@ -215,12 +175,12 @@ TEST(TcpGroupTest, GatherDeadlineNamesTheLateRankWhichThenRejoins) {
   // Rank 0 dropped the late rank's link, so its late message is refused rather than queued.
   EXPECT_STATUS_MSG(Unavailable, "is gone", group.ranks[2]->Gather("late", Soon()));
   // Round 1: the abort reaches everyone, the late rank over a new connection.
-  OnEveryRank(3, [&](uint32_t rank) {
+  testing::OnEveryRank(3, [&](uint32_t rank) {
     ASSERT_OK_AND_ASSIGN(std::string got, group.ranks[rank]->Broadcast("abort", Soon()));
     EXPECT_EQ(got, "abort");
   });
   // Round 2: a full gather, with nothing of round 0 in it.
-  OnEveryRank(3, [&](uint32_t rank) {
+  testing::OnEveryRank(3, [&](uint32_t rank) {
     ASSERT_OK_AND_ASSIGN(auto messages,
                          group.ranks[rank]->Gather(fmt::format("r{}", rank), Soon()));
     if (rank == 0) {
@@ -237,18 +197,18 @@ TEST(TcpGroupTest, BroadcastDeadlineOnAMember) {
 
 TEST(TcpGroupTest, DestroyedRankFailsGatherAndBroadcastStillReachesTheOthers) {
   ASSERT_OK_AND_ASSIGN(LoopbackGroup group, MakeLoopbackGroup(4));
-  OnEveryRank(4, [&](uint32_t rank) {
+  testing::OnEveryRank(4, [&](uint32_t rank) {
     if (rank == 2) {
       group.ranks[2].reset();
       return;
     }
     if (rank != 0) {
-      ASSERT_OK(group.ranks[rank]->Gather(Payload(0, rank), Soon()));
+      ASSERT_OK(group.ranks[rank]->Gather(testing::GroupPayload(0, rank), Soon()));
       ASSERT_OK_AND_ASSIGN(std::string decision, group.ranks[rank]->Broadcast("", Soon()));
       EXPECT_EQ(decision, "abort");
       return;
     }
-    const Status gathered = group.ranks[0]->Gather(Payload(0, 0), Soon()).status();
+    const Status gathered = group.ranks[0]->Gather(testing::GroupPayload(0, 0), Soon()).status();
     EXPECT_STATUS_MSG(Unavailable, "rank 2 of 4 is gone", gathered);
     // Rank 2 never comes back: the broadcast waits for it only until its deadline.
     EXPECT_STATUS_MSG(Unavailable, "rank 2 of 4 is not connected",
@@ -258,10 +218,11 @@ TEST(TcpGroupTest, DestroyedRankFailsGatherAndBroadcastStillReachesTheOthers) {
 
 TEST(TcpGroupTest, ReconnectingRankReplacesItsOldLink) {
   ASSERT_OK_AND_ASSIGN(LoopbackGroup group, MakeLoopbackGroup(2));
-  OnEveryRank(2, [&](uint32_t rank) { ASSERT_OK(group.ranks[rank]->Broadcast("first", Soon())); });
+  testing::OnEveryRank(
+      2, [&](uint32_t rank) { ASSERT_OK(group.ranks[rank]->Broadcast("first", Soon())); });
   // A second rank 1 joins while the first is still connected: it takes the first one's place.
   ASSERT_OK_AND_ASSIGN(auto replacement, MakeTcpGroup(Options(1, 2, group.address)));
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     ProducerGroup& endpoint = rank == 0 ? *group.ranks[0] : *replacement;
     ASSERT_OK_AND_ASSIGN(std::string got, endpoint.Broadcast("second", Soon()));
     EXPECT_EQ(got, "second");
@@ -289,7 +250,7 @@ TEST(TcpGroupTest, OversizedGatherFrameIsRefusedAndTheRankRecovers) {
   // Rank 1's own limit is larger, so it sends; rank 0 refuses the frame by its header.
   ASSERT_OK_AND_ASSIGN(auto member, MakeTcpGroup(Options(1, 2, address)));
   std::latch abort_round_over(1);
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     if (rank == 0) {
       EXPECT_STATUS_MSG(ResourceExhausted, "rank 1 of 2: a frame of 2048 bytes exceeds the limit",
                         root->Gather("zero", Soon()));
@@ -313,7 +274,7 @@ TEST(TcpGroupTest, OversizedBroadcastFrameIsRefusedByTheReceiver) {
   TcpGroupOptions member_options = Options(1, 2, fmt::format("127.0.0.1:{}", TcpGroupPort(*root)));
   member_options.max_message_bytes = 1024;
   ASSERT_OK_AND_ASSIGN(auto member, MakeTcpGroup(member_options));
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     if (rank == 0) {
       // Rank 0 may or may not see the drop while writing; what matters is rank 1's answer.
       root->Broadcast(std::string(4096, 'x'), Soon()).status().IgnoreError();
@@ -334,7 +295,7 @@ TEST(TcpGroupTest, MessageOverTheSendersLimitFailsBothSidesAtOnce) {
   member_options.max_message_bytes = 1024;
   ASSERT_OK_AND_ASSIGN(auto member, MakeTcpGroup(member_options));
   const auto started = GroupClock::now();
-  OnEveryRank(2, [&](uint32_t rank) {
+  testing::OnEveryRank(2, [&](uint32_t rank) {
     if (rank == 0) {
       EXPECT_STATUS_MSG(ResourceExhausted, "2000 bytes exceeds the limit of 1024",
                         root->Broadcast(std::string(2000, 'x'), Soon()));

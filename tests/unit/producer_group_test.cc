@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "group_rounds.h"
 #include "test_util.h"
 
 namespace refit {
@@ -25,25 +26,6 @@ constexpr milliseconds kShort{200};
 
 GroupClock::time_point Soon(GroupClock::duration wait = kGenerous) {
   return GroupClock::now() + wait;
-}
-
-/// A message no other round or rank sends: sizes include empty and 1 MiB.
-std::string Payload(uint32_t round, uint32_t rank) {
-  static constexpr size_t kSizes[] = {0, 1, 17, 4096, size_t{1} << 20};
-  const size_t size = kSizes[(round + rank) % std::size(kSizes)];
-  std::string payload(size, '\0');
-  for (size_t i = 0; i < size; ++i) {
-    payload[i] = static_cast<char>((i * 131 + round * 7 + rank * 29) & 0xff);
-  }
-  // Distinct even when sizes collide: the tail names the round and the rank.
-  if (size >= 16) payload.replace(size - 16, 16, fmt::format("r{:07}k{:07}", round, rank));
-  return payload;
-}
-
-/// Run `body(rank)` on one thread per rank and join them all.
-void OnEveryRank(uint32_t world_size, const std::function<void(uint32_t)>& body) {
-  std::vector<std::jthread> threads;
-  for (uint32_t rank = 0; rank < world_size; ++rank) threads.emplace_back(body, rank);
 }
 
 TEST(InProcessGroupTest, RejectsWorldSizeZero) {
@@ -65,34 +47,10 @@ class InProcessGroupSizeTest : public ::testing::TestWithParam<uint32_t> {};
 // Alternating broadcasts and gathers (and two of each in a row, where rounds could slip): every
 // rank gets exactly rank 0's message, rank 0 gets every message in rank order.
 TEST_P(InProcessGroupSizeTest, SequenceOfCollectivesDeliversExactContents) {
-  const uint32_t world_size = GetParam();
-  ASSERT_OK_AND_ASSIGN(auto ranks, MakeInProcessGroup(world_size));
-  constexpr uint32_t kRounds = 12;
-  const auto is_broadcast = [](uint32_t round) { return round % 4 == 0 || round % 4 == 1; };
-  OnEveryRank(world_size, [&](uint32_t rank) {
-    ProducerGroup& group = *ranks[rank];
-    for (uint32_t round = 0; round < kRounds; ++round) {
-      if (is_broadcast(round)) {
-        // Other ranks' arguments are ignored.
-        Result<std::string> got =
-            group.Broadcast(rank == 0 ? Payload(round, 0) : "ignored", Soon());
-        ASSERT_OK(got);
-        EXPECT_EQ(*got, Payload(round, 0)) << "rank " << rank << " round " << round;
-      } else {
-        Result<std::vector<std::string>> got = group.Gather(Payload(round, rank), Soon());
-        ASSERT_OK(got);
-        if (rank != 0) {
-          EXPECT_TRUE(got->empty());
-          continue;
-        }
-        ASSERT_EQ(got->size(), world_size);
-        for (uint32_t from = 0; from < world_size; ++from) {
-          EXPECT_EQ((*got)[from], Payload(round, from))
-              << "from rank " << from << " round " << round;
-        }
-      }
-    }
-  });
+  ASSERT_OK_AND_ASSIGN(auto ranks, MakeInProcessGroup(GetParam()));
+  std::vector<ProducerGroup*> endpoints;
+  for (auto& rank : ranks) endpoints.push_back(rank.get());
+  testing::ExpectMixedRoundsDeliverExactly(endpoints, [] { return Soon(); });
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, InProcessGroupSizeTest, ::testing::Values(1u, 2u, 5u));
@@ -136,10 +94,10 @@ TEST(InProcessGroupTest, LateMessageOfAnAbandonedRoundIsNotTakenForTheNext) {
 
 TEST(InProcessGroupTest, DestroyedRankFailsGatherAndBroadcastStillReachesTheOthers) {
   ASSERT_OK_AND_ASSIGN(auto ranks, MakeInProcessGroup(4));
-  OnEveryRank(4, [&](uint32_t rank) {
+  testing::OnEveryRank(4, [&](uint32_t rank) {
     if (rank == 2) return;
     if (rank != 0) {
-      ASSERT_OK(ranks[rank]->Gather(Payload(0, rank), Soon()));
+      ASSERT_OK(ranks[rank]->Gather(testing::GroupPayload(0, rank), Soon()));
       // Rank 0's abort after the failed gather reaches the survivors.
       ASSERT_OK_AND_ASSIGN(std::string decision, ranks[rank]->Broadcast("", Soon()));
       EXPECT_EQ(decision, "abort");
@@ -150,7 +108,7 @@ TEST(InProcessGroupTest, DestroyedRankFailsGatherAndBroadcastStillReachesTheOthe
     std::jthread departure([&] { ranks[2].reset(); });
     const auto started = GroupClock::now();
     EXPECT_STATUS_MSG(Unavailable, "rank 2 of 4 left the group",
-                      ranks[0]->Gather(Payload(0, 0), Soon()));
+                      ranks[0]->Gather(testing::GroupPayload(0, 0), Soon()));
     EXPECT_LT(GroupClock::now() - started, kGenerous);
     departure.join();
     EXPECT_STATUS_MSG(Unavailable, "rank 2 of 4 left the group",
@@ -160,7 +118,7 @@ TEST(InProcessGroupTest, DestroyedRankFailsGatherAndBroadcastStillReachesTheOthe
 
 TEST(InProcessGroupTest, DestroyedRankZeroFailsTheOthers) {
   ASSERT_OK_AND_ASSIGN(auto ranks, MakeInProcessGroup(3));
-  OnEveryRank(3, [&](uint32_t rank) {
+  testing::OnEveryRank(3, [&](uint32_t rank) {
     if (rank == 0) {
       ranks[0].reset();
       return;
