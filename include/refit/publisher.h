@@ -75,7 +75,8 @@ struct SyncReport {
 
 /// One trainer rank's publisher.
 ///
-/// Thread-safety: one Sync at a time; the object is driven by the rank's training loop.
+/// Thread-safety: one Sync at a time; the object is driven by the rank's training loop. Cancel
+/// may be called from any thread.
 class Publisher {
  public:
   /// Make this rank's publisher over `group` (rank and W come from it).
@@ -104,6 +105,13 @@ class Publisher {
   Result<SyncReport> Sync(const ChunkSource& source, bool force_anchor = false);
   /// As above with the model's tensors, chunked by options.stream.chunk_bytes.
   Result<SyncReport> Sync(std::vector<TensorView> tensors, bool force_anchor = false);
+
+  /// Make the Sync in flight on this rank fail soon with Cancelled, aborted everywhere as any
+  /// other failure: it is checked before the transfer begins, before the stream and before each
+  /// payload, so a Sync blocked in a collective or a receiver's flush returns when that call
+  /// does (within the transfer timeout). No effect when no Sync is in flight. The Python binding
+  /// calls it on Ctrl-C. Thread-safe: the one call that may overlap a Sync.
+  void Cancel();
 
   /// Rank 0: replace the fleet from the next Sync on (a receiver dropped or added; each Sync
   /// asks every receiver where it sits and what it holds, so a receiver that restarted from an

@@ -1,8 +1,10 @@
 #include "refit/publisher.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -206,8 +208,9 @@ struct PublisherRank {
     context.endpoints = endpoints;
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender, transport->MakeSender(context));
     TransportSender* channel = sender.get();
-    const PayloadSender send = [channel, deadline](uint32_t payload_id,
-                                                   std::span<const std::byte> payload) {
+    const PayloadSender send = [this, channel, deadline](uint32_t payload_id,
+                                                         std::span<const std::byte> payload) {
+      REFIT_RETURN_NOT_OK(CheckCancelled(fmt::format("before payload {}", payload_id)));
       if (Clock::now() > deadline) {
         return DeadlineExceeded("payload {}: the transfer passed its deadline", payload_id);
       }
@@ -244,6 +247,17 @@ struct PublisherRank {
   Result<SyncReport> LeadTransfer(const ChunkSource& source, bool force_anchor);
   // Set once rank 0 told the other ranks to abort the current Sync.
   bool told_abort = false;
+  // Publisher::Cancel: set while a Sync is in flight (guarded by cancel_mutex), read by every
+  // phase boundary and before each payload.
+  std::mutex cancel_mutex;
+  bool in_sync = false;
+  std::atomic<bool> cancel_requested{false};
+
+  Status CheckCancelled(std::string_view where) const {
+    if (!cancel_requested.load(std::memory_order_relaxed)) return Status::OK();
+    return Cancelled("publisher rank {}: the sync was cancelled (Publisher::Cancel) {}", rank(),
+                     where);
+  }
 };
 
 namespace {
@@ -262,6 +276,10 @@ class GroupProducers final : public ProducerSet {
   uint64_t version() const override { return self_.tracker->version(); }
 
   Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) override {
+    if (Status cancelled = self_.CheckCancelled("before the transfer began"); !cancelled.ok()) {
+      Abort(id);
+      return cancelled;
+    }
     // 1. Every rank proposes (its version and cadence); rank 0 decides one plan for all.
     Result<Json> own = self_.Propose();
     Result<std::vector<Json>> collected =
@@ -324,6 +342,7 @@ class GroupProducers final : public ProducerSet {
 
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
                                                Clock::time_point deadline) override {
+    REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
     REFIT_RETURN_NOT_OK(self_.group->Broadcast(Message(kOpStream).dump(), deadline)
                             .status()
                             .WithContext("rank 0: stream"));
@@ -529,7 +548,9 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       std::vector<std::string> fleet = message->value("endpoints", std::vector<std::string>());
       reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet)) : plan.status());
     } else if (op == kOpStream) {
-      Result<ProducerStreamed> own = Stream(source, Deadline());
+      const Status cancelled = CheckCancelled("before the stream");
+      Result<ProducerStreamed> own =
+          cancelled.ok() ? Stream(source, Deadline()) : Result<ProducerStreamed>(cancelled);
       reply = StatusToJson(own.status());
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);
@@ -610,8 +631,22 @@ Status Publisher::AdoptBaseline(std::span<const TensorView> model,
 }
 
 Result<SyncReport> Publisher::Sync(const ChunkSource& source, bool force_anchor) {
-  if (rank() == 0) return impl_->Lead(source, force_anchor);
-  return impl_->Follow(source);
+  {
+    std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+    impl_->in_sync = true;
+    impl_->cancel_requested = false;
+  }
+  Result<SyncReport> synced =
+      rank() == 0 ? impl_->Lead(source, force_anchor) : impl_->Follow(source);
+  std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+  impl_->in_sync = false;
+  impl_->cancel_requested = false;
+  return synced;
+}
+
+void Publisher::Cancel() {
+  std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+  if (impl_->in_sync) impl_->cancel_requested = true;
 }
 
 Result<SyncReport> Publisher::Sync(std::vector<TensorView> tensors, bool force_anchor) {

@@ -1,0 +1,509 @@
+"""refit: keep a fleet of inference workers bit-identical to an RL trainer after every step.
+
+The trainer side is a :class:`Publisher` per trainer rank; the workers' side is a
+:class:`Receiver` per inference worker (or tensor-parallel shard), holding the worker's own
+tensors. ``Publisher.sync`` sends only the elements that changed since the last sync, losslessly,
+and commits on every receiver or on none (an aborted sync leaves every receiver bit-identical to
+its previous version).
+
+This module takes numpy arrays and CPU torch tensors, zero-copy. :mod:`refit.torch` adds torch
+modules (``Publisher.sync(module)``, ``Receiver.attach(module)``, torch.distributed groups and
+tensor-parallel loaders); :mod:`refit.vllm` integrates with vLLM workers. Errors are the classes
+of :mod:`refit.errors`, which also subclass the matching builtins (``InvalidArgument`` is a
+``ValueError``, ``DeadlineExceeded`` a ``TimeoutError``, …).
+
+Example (one process, one receiver)::
+
+    import numpy as np, refit
+    weights = {"w": np.zeros(1024, np.float32)}
+    with refit.Receiver() as receiver:
+        for name, array in weights.items():
+            receiver.register(name, array)      # the receiver writes into this array
+        receiver.start()
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline({"w": np.zeros(1024, np.float32)}, version=0)
+        trainer = {"w": np.arange(1024, dtype=np.float32)}
+        report = publisher.sync(trainer)        # weights["w"] now equals trainer["w"]
+"""
+
+from __future__ import annotations
+
+# The compiled core may sit in another `refit` directory on sys.path (a build tree, during
+# development); extend the package over every one of them.
+__path__ = __import__("pkgutil").extend_path(__path__, __name__)  # noqa: F821
+
+import dataclasses
+import socket
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from . import _core
+from ._tensors import TensorsLike, as_buffer_tensor, buffer_tensors
+from .errors import (
+    AlreadyExists,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    Error,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    IoError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "__version__",
+    "Config",
+    "Loader",
+    "Receiver",
+    "ReceiverStatus",
+    "Publisher",
+    "SyncReport",
+    "Group",
+    "tcp_group",
+    "callback_group",
+    "in_process_group",
+    "set_log_level",
+    "log_level",
+    "Error",
+    "InvalidArgument",
+    "DataLoss",
+    "FailedPrecondition",
+    "Unavailable",
+    "DeadlineExceeded",
+    "ResourceExhausted",
+    "Cancelled",
+    "PermissionDenied",
+    "NotFound",
+    "AlreadyExists",
+    "IoError",
+    "Internal",
+]
+
+#: A refit configuration file (the YAML ``refit push`` and ``refit serve`` read):
+#: ``Config.load(path)`` or ``Config.parse(text)``. Pass it as ``config=`` to a Publisher or a
+#: Receiver; explicit keyword arguments override what it says.
+Config = _core.Config
+
+#: Set refit's log level ("trace", "debug", "info", "warn", "error", "critical", "off"). The log
+#: goes to stderr; its level starts from the environment variable REFIT_LOG_LEVEL, else "info".
+set_log_level = _core.set_log_level
+#: refit's current log level.
+log_level = _core.log_level
+
+#: One rank's endpoint of a producer group, until a Publisher takes it over.
+Group = _core.Group
+
+
+def tcp_group(
+    address: str,
+    rank: int,
+    world_size: int,
+    api_key: Optional[str] = None,
+    connect_timeout: float = 60.0,
+) -> Group:
+    """Return this rank's endpoint of a TCP producer group.
+
+    Rank 0 listens on ``address`` (``"tcp://host:port"`` or ``"host:port"``); the other ranks
+    connect to it and prove ``api_key`` (an HMAC challenge; the key never crosses the wire).
+    """
+    return _core.tcp_group(address, rank, world_size, api_key or "", connect_timeout)
+
+
+def callback_group(
+    rank: int,
+    world_size: int,
+    broadcast: Callable[[Optional[bytes], float], bytes],
+    gather: Callable[[bytes, float], Optional[List[bytes]]],
+) -> Group:
+    """Return a producer group whose two collectives are Python callables.
+
+    ``broadcast(message, timeout_s)``: rank 0 passes its message (bytes), the others None; every
+    rank returns rank 0's message. ``gather(message, timeout_s)``: rank 0 returns the list of
+    every rank's message in rank order, the others None. A callable that raises fails the
+    collective (TimeoutError as DeadlineExceeded). :class:`refit.torch.TorchGroup` is this over
+    torch.distributed. The callables run on a thread of refit's, holding the GIL.
+    """
+    return _core.callback_group(rank, world_size, broadcast, gather)
+
+
+def in_process_group(world_size: int) -> List[Group]:
+    """Return the ``world_size`` ranks of one group, for Publishers on threads of one process."""
+    return _core.in_process_group(world_size)
+
+
+class Loader:
+    """How a receiver holds canonical (checkpoint-coordinate) tensors in its own layout.
+
+    ``rules`` is a list of dicts, the first match deciding, each with a ``kind``:
+
+    - ``identity`` / ``rename`` (``match``, ``to``): the same shape, under the name ``to``
+      (a regex replacement template: ``$1``…);
+    - ``skip`` (``match``): not held here;
+    - ``row`` / ``column`` (``match``, ``to``): a tensor-parallel shard of dim 0 / dim 1;
+    - ``qkv`` (``q``, ``k``, ``v``, ``to``, ``num_heads``, ``num_kv_heads``): q, k and v fused
+      into one local tensor per rank, rows [q | k | v] of the rank's heads (GQA replicates kv
+      heads when there are fewer than ranks);
+    - ``gate_up`` (``gate``, ``up``, ``to``): gate and up fused, [gate block | up block];
+    - ``vocab`` (``match``, ``vocab_size``, ``pad_to``): a vocabulary-parallel embedding.
+
+    Patterns are regular expressions matched against the whole canonical name. A name no rule
+    matches is identity. Unknown keys and kinds raise InvalidArgument. See docs/configuration.md
+    ("Loader files") for the YAML form that :meth:`from_yaml` reads.
+    """
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, rules: Iterable[Mapping[str, Any]] = ()):
+        self._spec = _core.check_loader(
+            {"tp_rank": tp_rank, "tp_size": tp_size, "rules": [dict(rule) for rule in rules]}
+        )
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "<string>") -> "Loader":
+        """Parse a loader spec from YAML text (``source`` names it in error messages)."""
+        return cls._from_spec(_core.loader_from_yaml(text, source))
+
+    @classmethod
+    def from_file(cls, path: str) -> "Loader":
+        """Read a loader spec YAML file (the one ``refit serve --loader`` takes)."""
+        return cls._from_spec(_core.loader_from_file(str(path)))
+
+    @classmethod
+    def _from_spec(cls, spec: dict) -> "Loader":
+        loader = cls.__new__(cls)
+        loader._spec = spec
+        return loader
+
+    @property
+    def tp_rank(self) -> int:
+        """This receiver's tensor-parallel rank."""
+        return self._spec["tp_rank"]
+
+    @property
+    def tp_size(self) -> int:
+        """The tensor-parallel degree of the receiver's shard group (1: unsharded)."""
+        return self._spec["tp_size"]
+
+    @property
+    def rules(self) -> List[dict]:
+        """The rules, as dicts, in order."""
+        return [dict(rule) for rule in self._spec["rules"]]
+
+    def to_dict(self) -> dict:
+        """The spec as a plain dict: {tp_rank, tp_size, rules}."""
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size, "rules": self.rules}
+
+    def __repr__(self) -> str:
+        return f"refit.Loader(tp_rank={self.tp_rank}, tp_size={self.tp_size}, rules={self.rules})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverStatus:
+    """Where a receiver stands: its committed version and its open transfer, if any."""
+
+    #: "idle", "receiving" or "prepared".
+    state: str
+    #: The committed version the receiver holds.
+    version: int
+    #: The open transfer's id (hex), or None when idle.
+    transfer_id: Optional[str]
+    base_version: int
+    target_version: int
+    staged_payloads: int
+    applied_payloads: int
+    queued_payloads: int
+    #: Bytes of the open transfer's undo log (the old bits of every element it touched).
+    undo_bytes: int
+    #: Why the open (or last) transfer failed, or None.
+    last_error: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncReport:
+    """What one successful sync did, as this rank saw it (rank 0 sees the whole transfer)."""
+
+    transfer_id: str
+    #: True for a full transfer (every element), False for a delta.
+    anchor: bool
+    base_version: int
+    #: The version every receiver holds now.
+    version: int
+    payloads: int
+    #: Bytes sent (payload headers + compressed bodies).
+    wire_bytes: int
+    changed_elements: int
+    total_elements: int
+    prepare_s: float
+    stream_s: float
+    flush_s: float
+    commit_s: float
+    #: Wall time of the whole transfer.
+    seconds: float
+    rank: int
+    world_size: int
+    #: The receivers' names (control URLs), rank 0 only.
+    receivers: Tuple[str, ...]
+
+    @property
+    def density(self) -> float:
+        """The fraction of elements that changed."""
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+Hook = Optional[Callable[..., None]]
+
+
+class Receiver:
+    """One receiver of the fleet, embedded in this process (a ReceiverNode).
+
+    It holds either a safetensors file (``model_path``) or tensors the caller registers with
+    :meth:`register` before :meth:`start` — the caller's own memory, written in place by every
+    transfer and rolled back bit-exactly by an aborted one. It listens on a ZeroMQ data port and
+    an HTTP control plane; a :class:`Publisher` reaches it through :attr:`endpoint`.
+
+    Keyword arguments (all optional):
+
+    - ``model_path``, ``mmap``: a safetensors file to hold (read into memory, or mapped);
+    - ``version``: the version the model is at (default: the file's ``refit.version``, else 0);
+    - ``loader``: a :class:`Loader` (tensor-parallel shards, fused and renamed tensors);
+    - ``replica``, ``shard``: the shard group this receiver belongs to (required with a loader
+      of ``tp_size > 1``; ``shard`` defaults to the loader's ``tp_rank``);
+    - ``transport``: the data-plane URI (default ``zmq://``; ``s3://…`` for an object store);
+    - ``data_endpoint``: zmq: this receiver's ``host:port`` (default: a free port on
+      ``control_host``); ``data_bind``: the address to bind it on if different; ``peers``: every
+      relay's endpoint in tree order, for a relay tree of receivers;
+    - ``control_host``, ``control_port``: where the control plane listens (0: a free port);
+    - ``api_key``: the shared secret of the control plane (default: none, or the config's);
+    - ``config``: a :class:`Config`; explicit arguments override it;
+    - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
+      ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
+      generation in the first — the weights are a mix of two versions until one of the others.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_path: Optional[str] = None,
+        mmap: bool = False,
+        version: Optional[int] = None,
+        loader: Optional[Loader] = None,
+        replica: str = "",
+        shard: Optional[int] = None,
+        transport: Optional[str] = None,
+        data_endpoint: Optional[str] = None,
+        data_bind: Optional[str] = None,
+        peers: Optional[Sequence[str]] = None,
+        control_host: str = "127.0.0.1",
+        control_port: int = 0,
+        api_key: Optional[str] = None,
+        config: Optional[Config] = None,
+        before_first_apply: Hook = None,
+        after_commit: Hook = None,
+        after_abort: Hook = None,
+    ):
+        scheme = (transport or (config.transport if config is not None else "zmq://")).split("://")[0]
+        if data_endpoint is None and scheme.split("+")[-1] == "zmq":
+            data_endpoint = f"{control_host}:{_free_port(control_host)}"
+        if loader is not None and not isinstance(loader, Loader):
+            raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
+        self._core = _core.Receiver(
+            config=config,
+            model_path=str(model_path or ""),
+            mmap=mmap,
+            version=version,
+            loader=loader._spec if loader is not None else None,
+            replica=replica,
+            shard=shard,
+            transport=transport,
+            data_endpoint=data_endpoint or "",
+            data_bind=data_bind or "",
+            peers=list(peers or []),
+            control_host=control_host,
+            control_port=control_port,
+            api_key=api_key,
+            before_first_apply=before_first_apply,
+            after_commit=after_commit,
+            after_abort=after_abort,
+        )
+        # The registered tensors, kept alive while the receiver may write into them.
+        self._registered: List[Any] = []
+
+    def register(self, name: str, tensor: Any) -> None:
+        """Hold ``tensor`` (a writable contiguous numpy array or CPU torch tensor) as ``name``.
+
+        Zero-copy: transfers write into ``tensor``'s memory. Before :meth:`start` only; costs one
+        pass over the tensor (its digest). Raises AlreadyExists for a name registered before.
+        """
+        self._core.register(as_buffer_tensor(name, tensor, writable=True))
+        self._registered.append(tensor)
+
+    def start(self) -> "Receiver":
+        """Attach the loader, start the data and control planes; accept transfers from now on."""
+        self._core.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; an open transfer is rolled back. Idempotent."""
+        self._core.stop()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def control_url(self) -> str:
+        """The control plane's base URL, ``http://host:port`` (empty before start)."""
+        return self._core.control_url
+
+    @property
+    def producer_endpoint(self) -> str:
+        """What producers send payloads to: the data endpoint (zmq) or the control URL (s3)."""
+        return self._core.producer_endpoint
+
+    @property
+    def endpoint(self) -> Tuple[str, str]:
+        """(control URL, data endpoint): this receiver as a Publisher's ``receivers`` names it."""
+        return (self.control_url, self.producer_endpoint)
+
+    @property
+    def version(self) -> int:
+        """The committed version held."""
+        return self._core.status()["version"]
+
+    def status(self) -> ReceiverStatus:
+        """The receiver's state, version and open transfer."""
+        return ReceiverStatus(**self._core.status())
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
+        """Block until the receiver has committed ``version`` (or a later one); return it.
+
+        Ctrl-C interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
+        """
+        return self._core.wait_for_version(version, -1.0 if timeout is None else float(timeout))
+
+
+ReceiverLike = Union[Receiver, Tuple[str, str], Mapping[str, str]]
+
+
+def _receiver_endpoints(receivers: Optional[Iterable[ReceiverLike]]) -> Optional[List[Tuple[str, str]]]:
+    if receivers is None:
+        return None
+    out = []
+    for receiver in receivers:
+        if isinstance(receiver, Receiver) or hasattr(receiver, "endpoint"):
+            out.append(tuple(receiver.endpoint))
+        elif isinstance(receiver, Mapping):
+            out.append((receiver["control"], receiver.get("data", "")))
+        elif isinstance(receiver, (tuple, list)) and len(receiver) == 2:
+            out.append((str(receiver[0]), str(receiver[1])))
+        elif isinstance(receiver, str):
+            out.append((receiver, ""))
+        else:
+            raise InvalidArgument(
+                f"receivers: expected a Receiver, (control_url, data_endpoint) or a dict, got {receiver!r:.80}"
+            )
+    return out
+
+
+class Publisher:
+    """One trainer rank's publisher: it syncs the fleet with this rank's view of the model.
+
+    The W Publishers of a job form a producer group and call :meth:`sync` together at every
+    step (SPMD). Rank p encodes and sends only the export chunks it owns; rank 0 coordinates the
+    receivers' two-phase commit. Any failure on any rank or receiver aborts the sync everywhere,
+    and every receiver is left bit-identical to its previous version.
+
+    Keyword arguments:
+
+    - ``receivers``: rank 0: the fleet — :class:`Receiver` objects, ``(control_url,
+      data_endpoint)`` pairs or ``{"control": …, "data": …}`` dicts (default: the config's);
+    - ``group``: this rank's :data:`Group` (default: a group of one);
+      :class:`refit.torch.Publisher` uses torch.distributed;
+    - ``transport``: the data-plane URI (default ``zmq://``);
+    - ``config``: a :class:`Config`; the other arguments override it;
+    - ``api_key``: the receivers' control-plane key;
+    - ``chunk_bytes``, ``bucket_bytes``: export chunk and payload bucket targets;
+    - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
+    - ``transfer_timeout``: seconds one sync may take, on every rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        receivers: Optional[Iterable[ReceiverLike]] = None,
+        group: Optional[Group] = None,
+        transport: Optional[str] = None,
+        config: Optional[Config] = None,
+        api_key: Optional[str] = None,
+        chunk_bytes: Optional[int] = None,
+        bucket_bytes: Optional[int] = None,
+        full_sync_interval: Optional[int] = None,
+        transfer_timeout: float = 600.0,
+    ):
+        if group is None:
+            group = in_process_group(1)[0]
+        self._core = _core.Publisher(
+            group,
+            config=config,
+            receivers=_receiver_endpoints(receivers),
+            transport=transport,
+            api_key=api_key,
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            full_sync_interval=full_sync_interval,
+            transfer_timeout_s=float(transfer_timeout),
+        )
+
+    def adopt_baseline(self, tensors: TensorsLike, version: Optional[int] = None) -> None:
+        """Take ``tensors`` (the whole model, in canonical order) as what the receivers hold.
+
+        The receivers loaded that checkpoint, so the first sync is a delta. ``version``: the
+        version they hold, if known. Copies this rank's share of the model once (the baseline).
+        """
+        self._core.adopt_baseline(buffer_tensors(tensors), version)
+
+    def sync(self, tensors: TensorsLike, force_anchor: bool = False) -> SyncReport:
+        """Refit the fleet with ``tensors`` (name → array, every rank the whole model in order).
+
+        Collective over the group. Blocks until the receivers committed, without the GIL. On
+        Ctrl-C the sync is cancelled and aborted everywhere, then KeyboardInterrupt is raised.
+        Raises the first failure's :class:`refit.Error`, after the abort.
+        """
+        report = self._core.sync(buffer_tensors(tensors), force_anchor)
+        report["receivers"] = tuple(report["receivers"])
+        return SyncReport(**report)
+
+    def set_receivers(self, receivers: Iterable[ReceiverLike]) -> None:
+        """Rank 0: replace the fleet from the next sync on."""
+        self._core.set_receivers(_receiver_endpoints(receivers))
+
+    def cancel(self) -> None:
+        """Make the sync in flight (on another thread) fail soon with Cancelled."""
+        self._core.cancel()
+
+    @property
+    def rank(self) -> int:
+        """This rank in the producer group."""
+        return self._core.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks W."""
+        return self._core.world_size
+
+    @property
+    def version(self) -> int:
+        """The version this rank last committed."""
+        return self._core.version

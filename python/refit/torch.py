@@ -1,0 +1,365 @@
+"""refit for PyTorch: publish a torch module from every trainer rank, receive into a module.
+
+- :class:`Publisher` syncs a module (or a state dict) from every trainer rank, with the
+  initialised ``torch.distributed`` job as the producer group (:class:`TorchGroup`, over gloo).
+- :class:`Receiver` holds an inference worker's module **in place**: :meth:`Receiver.attach`
+  registers every parameter and buffer's own memory, so after each commit the module's tensors
+  hold the new weights — no copy of the model, and an aborted sync leaves them bit-identical to
+  the previous version. ``pause`` / ``resume`` hooks bracket the time the weights are a mix of
+  two versions.
+- :func:`tp_loader` builds a tensor-parallel :class:`refit.Loader` from a sharded module's
+  shapes and the canonical ones.
+
+Tensors cross to the C++ core zero-copy (a byte view of the tensor's storage: torch 1.13 has no
+buffer protocol for bfloat16). They must be contiguous and in host memory; ``attach(mirror=True)``
+keeps a host copy of device tensors and copies it in after each commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+import refit
+from refit.errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["Publisher", "Receiver", "TorchGroup", "state_tensors", "tp_loader"]
+
+ModuleOrState = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
+
+
+def state_tensors(model: ModuleOrState) -> List[Tuple[str, torch.Tensor]]:
+    """Return the (name, tensor) pairs a module or state dict exports, detached, in order.
+
+    A module gives its ``state_dict()`` (parameters and persistent buffers); its tensors share
+    the module's memory.
+    """
+    if isinstance(model, torch.nn.Module):
+        return list(model.state_dict(keep_vars=False).items())
+    if isinstance(model, Mapping):
+        out = []
+        for name, tensor in model.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidArgument(f"tensor '{name}': expected a torch.Tensor, got {type(tensor).__name__}")
+            out.append((name, tensor.detach()))
+        return out
+    raise InvalidArgument(f"expected a torch.nn.Module or a state dict, got {type(model).__name__}")
+
+
+# ---- Producer group ------------------------------------------------------------------------------
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    if hasattr(dist, "get_global_rank"):  # torch ≥ 2.0
+        return dist.get_global_rank(group, group_rank)
+    return dist.distributed_c10d._get_global_rank(group, group_rank)  # torch 1.13
+
+
+class TorchGroup:
+    """A refit producer group over torch.distributed.
+
+    refit's collectives are a broadcast from rank 0 and a gather to rank 0 of small byte strings
+    (plans, reports, per-tensor digests), so they run on a CPU group: ``process_group`` if given
+    (it must support CPU tensors, i.e. gloo), else a new gloo group over every rank, made here —
+    a collective call, so every rank constructs its TorchGroup at the same point. ``timeout``
+    bounds each collective (gloo takes it per group, not per call).
+    """
+
+    def __init__(self, process_group: Any = None, timeout: float = 600.0):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise FailedPrecondition("refit.torch.TorchGroup: torch.distributed is not initialised")
+        if process_group is None:
+            process_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self._root = _global_rank(process_group, 0)
+
+    def broadcast(self, message: Optional[bytes], timeout_s: float) -> bytes:
+        """Rank 0's ``message`` on every rank (length first, then the bytes)."""
+        length = torch.tensor([len(message) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(length, src=self._root, group=self.process_group)
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(0, dtype=torch.uint8)
+        else:
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+        if data.numel():
+            dist.broadcast(data, src=self._root, group=self.process_group)
+        return data.numpy().tobytes()
+
+    def gather(self, message: bytes, timeout_s: float) -> Optional[List[bytes]]:
+        """Every rank's ``message`` at rank 0, in rank order (padded to the longest, then cut)."""
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(lengths, torch.tensor([len(message)], dtype=torch.int64), group=self.process_group)
+        longest = max(int(length.item()) for length in lengths)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if message:
+            mine[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
+        if longest == 0:
+            return [b""] * self.world_size if self.rank == 0 else None
+        slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(mine, gather_list=slots, dst=self._root, group=self.process_group)
+        if self.rank != 0:
+            return None
+        return [slot[: int(length.item())].numpy().tobytes() for slot, length in zip(slots, lengths)]
+
+    def as_group(self) -> refit.Group:
+        """This group as the core's producer group (each call makes a new endpoint)."""
+        return refit.callback_group(self.rank, self.world_size, self.broadcast, self.gather)
+
+
+# ---- Publisher -----------------------------------------------------------------------------------
+
+
+class Publisher(refit.Publisher):
+    """A trainer rank's publisher of a torch module (see :class:`refit.Publisher`).
+
+    ``group``: a :class:`TorchGroup`, a :data:`refit.Group`, or None — then a TorchGroup when
+    torch.distributed is initialised (every rank must construct its Publisher together), else a
+    group of one. ``receivers`` matter on rank 0 only. Other keyword arguments are
+    :class:`refit.Publisher`'s.
+    """
+
+    def __init__(self, receivers: Optional[Iterable[Any]] = None, *, group: Any = None, **options: Any):
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = TorchGroup(timeout=float(options.get("transfer_timeout", 600.0)))
+        if isinstance(group, TorchGroup):
+            self.torch_group = group
+            group = group.as_group()
+        super().__init__(receivers=receivers, group=group, **options)
+
+    def sync(self, model: ModuleOrState, force_anchor: bool = False) -> refit.SyncReport:  # type: ignore[override]
+        """Refit the fleet with ``model`` (a module or state dict; every rank, the whole model).
+
+        The tensors are read in place; export bf16 by keeping a bf16 state dict and ``copy_()``-ing
+        the fp32 master weights into it before each sync.
+        """
+        return super().sync(state_tensors(model), force_anchor)
+
+    def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:  # type: ignore[override]
+        """Take ``model`` as what the receivers hold now (they loaded it), so the next sync is a delta."""
+        super().adopt_baseline(state_tensors(model), version)
+
+
+# ---- Receiver ------------------------------------------------------------------------------------
+
+
+def _module_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """Every parameter and buffer (persistent or not) of ``module``, by qualified name."""
+    named: Dict[str, torch.Tensor] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        named.setdefault(name, parameter.detach())
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if buffer is not None:
+            named.setdefault(name, buffer.detach())
+    return list(named.items())
+
+
+class Receiver:
+    """An inference worker's receiver over a torch module, in place.
+
+    ``Receiver(**options).attach(module, loader=…).start()``: ``options`` are
+    :class:`refit.Receiver`'s (transport, endpoints, replica and shard, api key, config, hooks).
+    ``pause()`` is called before the first payload of a transfer is applied and ``resume()`` once
+    it committed or aborted (only if pause was called): stop generation in between, when the
+    weights are a mix of two versions. Both run on refit's threads.
+    """
+
+    def __init__(self, *, pause: Optional[Callable[[], None]] = None, resume: Optional[Callable[[], None]] = None, **options: Any):
+        for hook in ("before_first_apply", "after_commit", "after_abort"):
+            if hook in options:
+                raise InvalidArgument(f"refit.torch.Receiver: use pause/resume, not {hook}")
+        if "model_path" in options and options["model_path"]:
+            raise InvalidArgument("refit.torch.Receiver holds a module: use refit.Receiver for a model file")
+        self._options = options
+        self._pause = pause
+        self._resume = resume
+        self._paused = False
+        self._lock = threading.Lock()
+        self._inner: Optional[refit.Receiver] = None
+        # mirror mode: (module tensor, host copy) pairs copied in after each commit.
+        self._mirrors: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.module: Optional[torch.nn.Module] = None
+
+    # Hooks, called by the core on its threads.
+    def _before_first_apply(self, transfer_id: str) -> None:
+        with self._lock:
+            if self._pause is not None and not self._paused:
+                self._pause()
+            self._paused = True
+
+    def _finish(self, committed: bool) -> None:
+        with self._lock:
+            if committed:
+                for target, host in self._mirrors:
+                    target.copy_(host)
+            if self._paused and self._resume is not None:
+                self._resume()
+            self._paused = False
+
+    def attach(self, module: torch.nn.Module, loader: Optional[refit.Loader] = None, prefix: str = "", mirror: Union[bool, str] = "auto") -> "Receiver":
+        """Register every parameter and buffer of ``module`` (named ``prefix`` + qualified name).
+
+        Host tensors are registered zero-copy: transfers write into them. Tensors tied to another
+        (one storage under two names, e.g. a tied LM head) are registered once; the other names'
+        items are skipped, since applying an XOR delta twice to one memory would revert it.
+        ``mirror``: ``True`` keeps a host copy of every tensor and copies it into the module after
+        each commit (the module is untouched by an aborted sync); ``"auto"`` does so only when a
+        tensor is not in host memory; ``False`` refuses such tensors. Call once, before start.
+        """
+        if self._inner is not None:
+            raise FailedPrecondition("refit.torch.Receiver: a module is attached already")
+        tensors = _module_tensors(module)
+        if mirror == "auto":
+            mirror = any(tensor.device.type != "cpu" for _, tensor in tensors)
+        seen: Dict[Tuple[int, int, str, Tuple[int, ...]], str] = {}
+        registered: List[Tuple[str, torch.Tensor]] = []
+        tied: List[str] = []
+        for name, tensor in tensors:
+            key = (tensor.data_ptr(), tensor.numel(), str(tensor.dtype), tuple(tensor.shape))
+            if tensor.numel() and key in seen:
+                tied.append(prefix + name)
+                continue
+            seen[key] = name
+            registered.append((prefix + name, tensor))
+        rules = [{"kind": "skip", "match": re.escape(name)} for name in tied]
+        if loader is not None:
+            rules += loader.rules
+        spec = refit.Loader(
+            tp_rank=loader.tp_rank if loader is not None else 0,
+            tp_size=loader.tp_size if loader is not None else 1,
+            rules=rules,
+        ) if rules or loader is not None else None
+        inner = refit.Receiver(
+            loader=spec,
+            before_first_apply=self._before_first_apply,
+            after_commit=lambda transfer_id, version: self._finish(True),
+            after_abort=lambda transfer_id, version: self._finish(False),
+            **self._options,
+        )
+        for name, tensor in registered:
+            if mirror:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                host.copy_(tensor)
+                self._mirrors.append((tensor, host))
+                inner.register(name, host)
+            else:
+                inner.register(name, tensor)
+        self._inner = inner
+        self.module = module
+        return self
+
+    def _receiver(self) -> refit.Receiver:
+        if self._inner is None:
+            raise FailedPrecondition("refit.torch.Receiver: attach a module first")
+        return self._inner
+
+    def start(self) -> "Receiver":
+        """Start serving (see :meth:`refit.Receiver.start`)."""
+        self._receiver().start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; an open transfer is rolled back. Idempotent."""
+        if self._inner is not None:
+            self._inner.stop()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def control_url(self) -> str:
+        """The control plane's base URL."""
+        return self._receiver().control_url
+
+    @property
+    def producer_endpoint(self) -> str:
+        """What producers send payloads to."""
+        return self._receiver().producer_endpoint
+
+    @property
+    def endpoint(self) -> Tuple[str, str]:
+        """(control URL, data endpoint), as a Publisher's ``receivers`` names it."""
+        return self._receiver().endpoint
+
+    @property
+    def version(self) -> int:
+        """The committed version the module holds."""
+        return self._receiver().version
+
+    def status(self) -> refit.ReceiverStatus:
+        """The receiver's state, version and open transfer."""
+        return self._receiver().status()
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
+        """Block until ``version`` (or later) is committed; see :meth:`refit.Receiver.wait_for_version`."""
+        return self._receiver().wait_for_version(version, timeout)
+
+
+# ---- Tensor-parallel loaders ---------------------------------------------------------------------
+
+
+def _shapes(source: Any) -> Dict[str, Tuple[int, ...]]:
+    if isinstance(source, torch.nn.Module):
+        return {name: tuple(tensor.shape) for name, tensor in _module_tensors(source)}
+    out = {}
+    for name, value in dict(source).items():
+        out[name] = tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+    return out
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def tp_loader(
+    module: Any,
+    canonical_shapes: Any,
+    tp_rank: int,
+    tp_size: int,
+    fused: Optional[Sequence[Mapping[str, Any]]] = None,
+    pad_to: int = 64,
+) -> refit.Loader:
+    """Build rank ``tp_rank``'s loader of a tensor-parallel module from the shapes alone.
+
+    ``module``: the sharded local module (or {name: tensor or shape}); ``canonical_shapes``: the
+    trainer's full shapes ({name: shape}, a state dict or a module). Every local tensor that has a
+    canonical namesake is mapped by comparing shapes: equal → identity (replicated); dim 0 split
+    TP ways → ``row``; dim 1 split → ``column``; dim 0 padded and split as vLLM pads a vocabulary
+    (``pad_to`` per rank) → ``vocab``. Fused tensors (qkv, gate_up), whose names are not
+    canonical, are described by ``fused``: loader rules passed through first, e.g.
+    ``{"kind": "qkv", "q": r"(.*)\\.q_proj\\.weight", "k": …, "v": …, "to": "$1.qkv_proj.weight",
+    "num_heads": 8, "num_kv_heads": 2}``. A shape that fits none of these raises InvalidArgument
+    naming the tensor and both shapes.
+    """
+    local = _shapes(module)
+    canonical = _shapes(canonical_shapes)
+    rules: List[Dict[str, Any]] = [dict(rule) for rule in (fused or [])]
+    for name, shape in local.items():
+        full = canonical.get(name)
+        if full is None or tuple(full) == tuple(shape):
+            continue
+        exact = re.escape(name)
+        if len(shape) == len(full) and len(shape) >= 1:
+            if shape[0] * tp_size == full[0] and tuple(shape[1:]) == tuple(full[1:]):
+                rules.append({"kind": "row", "match": exact})
+                continue
+            if len(shape) >= 2 and shape[1] * tp_size == full[1] and shape[0] == full[0] and tuple(shape[2:]) == tuple(full[2:]):
+                rules.append({"kind": "column", "match": exact})
+                continue
+            if shape[0] * tp_size == _round_up(full[0], pad_to * tp_size) and tuple(shape[1:]) == tuple(full[1:]):
+                rules.append({"kind": "vocab", "match": exact, "vocab_size": full[0], "pad_to": pad_to})
+                continue
+        raise InvalidArgument(
+            f"tp_loader: tensor '{name}' is {list(shape)} locally and {list(full)} canonically, "
+            f"which is neither replicated nor a row, column or vocabulary shard of TP={tp_size}"
+        )
+    return refit.Loader(tp_rank=tp_rank, tp_size=tp_size, rules=rules)

@@ -1,0 +1,609 @@
+"""The vLLM-free part of refit's vLLM integration: one receiver per worker, and its state.
+
+Both the worker extension (:class:`refit.vllm.RefitWorkerExtension`) and the native weight-transfer
+engine (``refit.vllm.engine.RefitWeightTransferEngine``) run a :class:`WorkerRuntime` inside a
+vLLM worker process: a :class:`refit.torch.Receiver` attached to the worker's model, a
+:class:`ForwardGate` that holds the model's forward passes while a transfer is being applied, and
+the record of every transfer's outcome (commit or abort) that ``finish_weight_update`` waits on.
+Nothing here imports vLLM, so it runs — and is tested — without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import refit
+from refit.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+_LOG = logging.getLogger("refit.vllm")
+
+#: How often a waiter re-reads the receiver's committed version between hook notifications, in
+#: seconds. The hooks wake waiters at once; the poll only bounds the delay of a commit whose
+#: hook was missed (a receiver restarted under the waiter).
+_POLL_S = 0.05
+
+#: The pause modes a worker accepts: "gate" holds forward passes from the first apply to the
+#: commit or abort; "none" only records the transfer's state (the caller pauses vLLM itself).
+PAUSE_MODES = ("gate", "none")
+
+
+class WeightUpdateAborted(Cancelled):
+    """The refit transfer of a weight update was aborted, or the trainer declared it failed.
+
+    The receiver rolled back: the worker's weights are bit-identical to the version before the
+    update, and vLLM must not publish the update's ``weight_version``.
+    """
+
+
+@dataclasses.dataclass
+class RefitOptions:
+    """How a vLLM worker runs its refit receiver (one per worker, i.e. per TP shard).
+
+    The same options reach every worker of an engine (``collective_rpc`` and
+    ``init_weight_transfer_engine`` broadcast one dict), so everything per-worker — the
+    tensor-parallel rank, the ports — is derived in the worker. All fields are optional; the
+    names are the keys of the dict a caller passes.
+    """
+
+    #: The shard group's name: every TP worker of one engine must share it, and no two engines
+    #: syncing from one publisher may. Default: ``""`` at TP=1 (a replica of its own), else
+    #: ``"vllm-<instance id>-dp<data parallel rank>"``.
+    replica: Optional[str] = None
+    #: Override the tensor-parallel coordinates (default: vLLM's parallel state, else the
+    #: worker's rank modulo ``parallel_config.tensor_parallel_size``).
+    tp_rank: Optional[int] = None
+    tp_size: Optional[int] = None
+    #: The canonical (checkpoint) shape of every tensor the trainer sends, name → shape. With it
+    #: the loader is inferred by :func:`refit.torch.tp_loader` (same shape: identity; dim 0 / TP:
+    #: row; dim 1 / TP: column; ``fused`` for q,k,v → qkv_proj and gate,up → gate_up_proj).
+    canonical_shapes: Optional[Dict[str, List[int]]] = None
+    #: Fused local tensors, as :func:`refit.torch.tp_loader` takes them.
+    fused: Optional[Dict[str, Dict[str, Any]]] = None
+    #: Explicit loader rules (the dicts :class:`refit.Loader` takes), instead of inference.
+    loader_rules: Optional[List[Dict[str, Any]]] = None
+    #: The version the worker's weights are at (default: 0).
+    version: Optional[int] = None
+    #: The data-plane URI (default: ``zmq://``).
+    transport: Optional[str] = None
+    #: Where the zmq data port listens, and the host name producers reach it by. Port 0: a
+    #: free port; otherwise ``data_port + tp_rank``.
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
+    #: Where the HTTP control plane listens. Port 0: a free port; otherwise
+    #: ``control_port + tp_rank``.
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    #: The name of an environment variable of the worker holding the control plane's key (the
+    #: key itself never travels in these options, which vLLM logs and sends over RPC).
+    api_key_env: Optional[str] = None
+    #: "gate" (default) or "none"; see :data:`PAUSE_MODES`.
+    pause: str = "gate"
+    #: Seconds the gate waits for forward passes in flight to finish before a transfer applies.
+    drain_timeout: float = 60.0
+    #: Seconds a weight update waits for its transfer to commit (``update_weights`` /
+    #: ``finish_weight_update`` of the engine, ``refit_wait_for_version``'s default).
+    wait_timeout: float = 600.0
+    #: A directory where each worker writes ``<replica>-tp<rank>.json`` (its endpoints), for a
+    #: trainer that cannot call ``collective_rpc``.
+    endpoints_dir: Optional[str] = None
+    #: Further keyword arguments of :class:`refit.torch.Receiver` (``peers``, ``config``, …).
+    receiver_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, options: Optional[Mapping[str, Any]] = None, **overrides: Any) -> "RefitOptions":
+        """Return the options a dict (and keyword overrides) names; unknown keys are an error.
+
+        Raises InvalidArgument naming the unknown keys, or a bad ``pause`` mode.
+        """
+        merged = dict(options or {})
+        merged.update(overrides)
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"refit.vllm options: unknown key(s) {unknown}; known: {sorted(known)}"
+            )
+        made = cls(**merged)
+        made.validate()
+        return made
+
+    def validate(self) -> None:
+        """Check the fields that can be checked without a model. Raises InvalidArgument."""
+        if self.pause not in PAUSE_MODES:
+            raise InvalidArgument(f"refit.vllm options: pause={self.pause!r}, expected one of {PAUSE_MODES}")
+        if self.loader_rules is not None and self.canonical_shapes is not None:
+            raise InvalidArgument("refit.vllm options: give loader_rules or canonical_shapes, not both")
+        for name in ("data_port", "control_port"):
+            port = getattr(self, name)
+            if not 0 <= int(port) < 65536:
+                raise InvalidArgument(f"refit.vllm options: {name}={port} is not a port")
+
+
+class ForwardGate:
+    """Hold a module's forward passes while a refit transfer writes its weights.
+
+    Installed as a forward pre-hook and a forward hook on the worker's top-level model:
+    :meth:`close` (the receiver's ``before_first_apply``) stops new forward passes and waits for
+    the ones in flight to return; :meth:`open` (``after_commit`` / ``after_abort``) lets them run
+    again. A forward pass therefore sees either the old version or the new one, never a mix.
+
+    Thread-safety: every method may be called from any thread. A forward pass that raises does
+    not run the forward hook, so it stays counted in flight; :meth:`close` then gives up after
+    its timeout and logs it (torch 1.13 has no always-called forward hook).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._closed = False
+        self._in_flight = 0
+        self._handles: List[Any] = []
+        self.closes = 0
+
+    def install(self, module: Any) -> None:
+        """Hook ``module`` (a torch.nn.Module). Idempotent per gate."""
+        if self._handles:
+            return
+        self._handles.append(module.register_forward_pre_hook(self._enter))
+        self._handles.append(module.register_forward_hook(self._leave))
+
+    def remove(self) -> None:
+        """Unhook the module and open the gate."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.open()
+
+    @property
+    def closed(self) -> bool:
+        """Whether forward passes are being held."""
+        with self._cond:
+            return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        """Forward passes that entered and have not returned."""
+        with self._cond:
+            return self._in_flight
+
+    def close(self, drain_timeout: float) -> bool:
+        """Hold new forward passes; wait up to ``drain_timeout`` s for those in flight.
+
+        Returns whether they all finished in time.
+        """
+        deadline = time.monotonic() + drain_timeout
+        with self._cond:
+            self._closed = True
+            self.closes += 1
+            while self._in_flight > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def open(self) -> None:
+        """Let forward passes run."""
+        with self._cond:
+            self._closed = False
+            self._cond.notify_all()
+
+    def _enter(self, module: Any, inputs: Any) -> None:
+        with self._cond:
+            while self._closed:
+                self._cond.wait()
+            self._in_flight += 1
+
+    def _leave(self, module: Any, inputs: Any, output: Any) -> None:
+        with self._cond:
+            self._in_flight = max(0, self._in_flight - 1)
+            self._cond.notify_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferEvent:
+    """One transfer outcome a worker's receiver reported through its hooks."""
+
+    #: A sequence number, increasing per worker: ``seq > mark`` means "after the mark".
+    seq: int
+    #: "commit" or "abort".
+    kind: str
+    transfer_id: str
+    #: Commit: the version committed. Abort: the version the receiver stays at.
+    version: Optional[int]
+
+
+def _hex(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    return str(value)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def parallel_coordinates(worker: Any, vllm_config: Any, options: RefitOptions) -> Tuple[int, int, int]:
+    """Return (tp_rank, tp_size, dp_rank) of the calling vLLM worker.
+
+    In order: the options' explicit ``tp_rank``/``tp_size``; vLLM's parallel state
+    (``vllm.distributed.get_tensor_model_parallel_rank`` / ``_world_size``) when vLLM is
+    importable and its TP group is up; else ``worker.rank % parallel_config.tensor_parallel_size``.
+    Raises InvalidArgument for a rank outside [0, tp_size).
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    config_tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    tp_rank: Optional[int] = options.tp_rank
+    tp_size: Optional[int] = options.tp_size
+    if tp_rank is None or tp_size is None:
+        state_rank = state_size = None
+        try:
+            from vllm.distributed import (  # noqa: PLC0415 — vLLM is optional
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            state_rank = int(get_tensor_model_parallel_rank())
+            state_size = int(get_tensor_model_parallel_world_size())
+        except Exception:  # noqa: BLE001 — no vLLM, or its TP group is not initialized here
+            pass
+        if tp_size is None:
+            tp_size = state_size if state_size is not None else config_tp
+        if tp_rank is None:
+            if state_rank is not None:
+                tp_rank = state_rank
+            else:
+                tp_rank = int(getattr(worker, "rank", 0) or 0) % tp_size
+    if not 0 <= tp_rank < tp_size:
+        raise InvalidArgument(f"refit.vllm: tp_rank={tp_rank} is outside [0, tp_size={tp_size})")
+    return int(tp_rank), int(tp_size), dp_rank
+
+
+def default_replica(vllm_config: Any, tp_size: int, dp_rank: int) -> str:
+    """Return the default shard-group name: "" at TP=1, else one per engine and DP rank.
+
+    The name uses ``vllm_config.instance_id`` (one per engine, the same in all its workers) when
+    the config has one, so two engines syncing from one publisher do not merge into one group.
+    """
+    if tp_size <= 1:
+        return ""
+    instance = str(getattr(vllm_config, "instance_id", "") or "")
+    return f"vllm-{instance[:16]}-dp{dp_rank}" if instance else f"vllm-dp{dp_rank}"
+
+
+def model_tensors(model: Any) -> List[Tuple[str, Any]]:
+    """Return every parameter and buffer of ``model`` (deduplicated, as attach registers them)."""
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def check_host_resident(model: Any) -> None:
+    """Raise InvalidArgument naming the first tensor of ``model`` that is not in host memory.
+
+    refit applies transfers into host memory, in place; vLLM on a GPU holds its weights in
+    device memory, which refit cannot write (see docs/vllm.md, "Device memory").
+    """
+    for name, tensor in model_tensors(model):
+        device = getattr(tensor, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise InvalidArgument(
+                f"refit.vllm: tensor '{name}' of the worker's model is on {device}; refit applies "
+                "transfers in place into host memory and cannot write device memory. Run the "
+                "worker on the CPU (vLLM's CPU backend) or keep the model in host memory; see "
+                "docs/vllm.md, \"Device memory\""
+            )
+
+
+class WorkerRuntime:
+    """One vLLM worker's refit receiver over its model, and the outcomes of its transfers.
+
+    Thread-safety: :meth:`start` and :meth:`stop` are called from the worker's thread; the
+    accessors and the waits may be called from any thread. The receiver's hooks run on refit's
+    threads and only touch this object's condition variable (never the receiver), so a waiter
+    holding it cannot deadlock with a hook.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        options: RefitOptions,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        dp_rank: int = 0,
+        replica: str = "",
+        on_pause: Optional[Callable[[str], None]] = None,
+        on_resume: Optional[Callable[[str, str, Optional[int]], None]] = None,
+    ) -> None:
+        self._model = model
+        self._options = options
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.dp_rank = dp_rank
+        self.replica = replica
+        self._on_pause = on_pause
+        self._on_resume = on_resume
+        self._gate = ForwardGate() if options.pause == "gate" else None
+        self._cond = threading.Condition()
+        self._events: List[TransferEvent] = []
+        self._seq = 0
+        self._open_transfer: Optional[str] = None
+        self._paused = False
+        self._receiver: Any = None
+        self._info: Dict[str, Any] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> Dict[str, Any]:
+        """Build the loader, attach the receiver to the model in place, start it; return info.
+
+        Raises InvalidArgument for a tensor in device memory or bad loader options, and the
+        receiver's errors (a port taken: Unavailable / AlreadyExists).
+        """
+        import refit.torch as refit_torch  # noqa: PLC0415 — needs torch, present in any worker
+
+        options = self._options
+        check_host_resident(self._model)
+        loader = self._make_loader(refit_torch)
+        kwargs: Dict[str, Any] = dict(options.receiver_kwargs)
+        if options.version is not None:
+            kwargs["version"] = int(options.version)
+        if options.transport is not None:
+            kwargs["transport"] = options.transport
+        if options.api_key_env:
+            key = os.environ.get(options.api_key_env)
+            if key is None:
+                raise InvalidArgument(
+                    f"refit.vllm: api_key_env={options.api_key_env!r} is not set in the worker"
+                )
+            kwargs["api_key"] = key
+        scheme = (options.transport or "zmq://").split("://")[0].split("+")[-1]
+        if scheme == "zmq" and "data_endpoint" not in kwargs:
+            port = options.data_port + self.tp_rank if options.data_port else _free_port(options.data_host)
+            kwargs["data_endpoint"] = f"{options.data_host}:{port}"
+        control_port = options.control_port + self.tp_rank if options.control_port else 0
+        receiver = refit_torch.Receiver(
+            loader=loader,
+            replica=self.replica,
+            control_host=options.control_host,
+            control_port=control_port,
+            before_first_apply=self._hook_pause,
+            after_commit=self._hook_commit,
+            after_abort=self._hook_abort,
+            **kwargs,
+        )
+        receiver.attach(self._model)
+        if self._gate is not None:
+            self._gate.install(self._model)
+        try:
+            receiver.start()
+        except BaseException:
+            if self._gate is not None:
+                self._gate.remove()
+            receiver.stop()
+            raise
+        self._receiver = receiver
+        self._info = {
+            "control_url": receiver.control_url,
+            "producer_endpoint": receiver.producer_endpoint,
+            "version": int(receiver.version),
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "dp_rank": self.dp_rank,
+            "replica": self.replica,
+            "pid": os.getpid(),
+        }
+        if options.endpoints_dir:
+            self._write_endpoints_file(options.endpoints_dir)
+        _LOG.info("refit receiver started: %s", self._info)
+        return self.info()
+
+    def stop(self) -> Optional[Dict[str, Any]]:
+        """Stop the receiver (an open transfer rolls back) and unhook the gate. Idempotent.
+
+        Returns the last status, or None if the receiver was not running.
+        """
+        receiver, self._receiver = self._receiver, None
+        if receiver is None:
+            return None
+        last = self._status_of(receiver)
+        receiver.stop()
+        if self._gate is not None:
+            self._gate.remove()
+        with self._cond:
+            self._open_transfer = None
+            self._paused = False
+            self._cond.notify_all()
+        return last
+
+    @property
+    def running(self) -> bool:
+        """Whether the receiver is started and not stopped."""
+        return self._receiver is not None
+
+    @property
+    def receiver(self) -> Any:
+        """The :class:`refit.torch.Receiver`. Raises FailedPrecondition when not running."""
+        if self._receiver is None:
+            raise FailedPrecondition("refit.vllm: the worker's refit receiver is not running")
+        return self._receiver
+
+    # -- accessors -------------------------------------------------------------------------
+
+    def info(self) -> Dict[str, Any]:
+        """Return this worker's endpoints and place: picklable, msgpack-able plain types.
+
+        Keys: control_url, producer_endpoint, version (current), tp_rank, tp_size, dp_rank,
+        replica, pid.
+        """
+        info = dict(self._info)
+        if self._receiver is not None:
+            info["version"] = int(self._receiver.version)
+        return info
+
+    @property
+    def version(self) -> int:
+        """The committed version the worker's weights hold."""
+        return int(self.receiver.version)
+
+    @property
+    def event_seq(self) -> int:
+        """The sequence number of the last transfer outcome recorded (0: none yet)."""
+        with self._cond:
+            return self._seq
+
+    def events_since(self, mark: int) -> List[TransferEvent]:
+        """Return the transfer outcomes recorded after sequence number ``mark``."""
+        with self._cond:
+            return [event for event in self._events if event.seq > mark]
+
+    def status(self) -> Dict[str, Any]:
+        """Return the receiver's status and this worker's pause state, as plain types.
+
+        Keys: the fields of :class:`refit.ReceiverStatus`, plus running, paused, gate_closed,
+        forwards_in_flight, commits, aborts, last_event, tp_rank, tp_size, dp_rank, replica.
+        """
+        status = self._status_of(self._receiver) if self._receiver is not None else {}
+        with self._cond:
+            commits = sum(1 for event in self._events if event.kind == "commit")
+            aborts = sum(1 for event in self._events if event.kind == "abort")
+            last = dataclasses.asdict(self._events[-1]) if self._events else None
+            paused = self._paused
+        status.update(
+            running=self._receiver is not None,
+            paused=paused,
+            gate_closed=self._gate.closed if self._gate is not None else False,
+            forwards_in_flight=self._gate.in_flight if self._gate is not None else 0,
+            commits=commits,
+            aborts=aborts,
+            last_event=last,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            dp_rank=self.dp_rank,
+            replica=self.replica,
+        )
+        return status
+
+    # -- waits -----------------------------------------------------------------------------
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
+        """Block until the worker committed ``version`` or a later one; return the version.
+
+        Raises DeadlineExceeded after ``timeout`` s (default: the options' ``wait_timeout``).
+        """
+        timeout = self._options.wait_timeout if timeout is None else timeout
+        return int(self.receiver.wait_for_version(int(version), timeout))
+
+    def wait_committed(self, version: int, since: int, timeout: Optional[float] = None) -> int:
+        """Block until ``version`` is committed; fail if a transfer aborted after mark ``since``.
+
+        Returns the committed version (≥ ``version``). Raises :class:`WeightUpdateAborted` when a
+        transfer aborted after the mark and none is open now (the trainer's sync failed), and
+        DeadlineExceeded after ``timeout`` s (default: the options' ``wait_timeout``).
+        """
+        timeout = self._options.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            # Read the receiver outside the lock: a hook may be waiting for it (see the class).
+            current = self.version
+            if current >= version:
+                return current
+            with self._cond:
+                aborted = [event for event in self._events if event.seq > since and event.kind == "abort"]
+                if aborted and self._open_transfer is None:
+                    last = aborted[-1]
+                    raise WeightUpdateAborted(
+                        f"refit.vllm: transfer {last.transfer_id} aborted; tp rank {self.tp_rank} of "
+                        f"replica '{self.replica}' stays at version {current}, not {version}"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceeded(
+                        f"refit.vllm: version {version} not committed within {timeout:g} s on tp rank "
+                        f"{self.tp_rank} of replica '{self.replica}' (at version {current})"
+                    )
+                self._cond.wait(min(remaining, _POLL_S))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _make_loader(self, refit_torch: Any) -> Any:
+        options = self._options
+        if options.loader_rules is not None:
+            return refit.Loader(tp_rank=self.tp_rank, tp_size=self.tp_size, rules=options.loader_rules)
+        if options.canonical_shapes is not None:
+            shapes = {name: tuple(int(d) for d in shape) for name, shape in options.canonical_shapes.items()}
+            return refit_torch.tp_loader(
+                self._model, shapes, self.tp_rank, self.tp_size, fused=options.fused
+            )
+        if self.tp_size > 1:
+            raise InvalidArgument(
+                f"refit.vllm: tensor parallelism {self.tp_size} needs canonical_shapes (the "
+                "trainer's tensor shapes) or loader_rules to map the checkpoint onto this shard"
+            )
+        return None
+
+    @staticmethod
+    def _status_of(receiver: Any) -> Dict[str, Any]:
+        status = dataclasses.asdict(receiver.status())
+        status["transfer_id"] = _hex(status.get("transfer_id"))
+        return status
+
+    def _write_endpoints_file(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{self.replica or 'replica'}-dp{self.dp_rank}-tp{self.tp_rank}.json")
+        scratch = f"{path}.{os.getpid()}.tmp"
+        with open(scratch, "w", encoding="utf-8") as out:
+            json.dump(self._info, out)
+        os.replace(scratch, path)
+
+    def _record(self, kind: str, transfer_id: Any, version: Any) -> None:
+        with self._cond:
+            self._seq += 1
+            self._events.append(
+                TransferEvent(self._seq, kind, _hex(transfer_id) or "", None if version is None else int(version))
+            )
+            # Bound the record: waiters only look at events after their own recent mark.
+            del self._events[:-256]
+            self._open_transfer = None
+            self._cond.notify_all()
+
+    def _hook_pause(self, transfer_id: Any = None, *rest: Any) -> None:
+        with self._cond:
+            self._open_transfer = _hex(transfer_id) or "?"
+            self._paused = True
+        if self._gate is not None and not self._gate.close(self._options.drain_timeout):
+            _LOG.warning(
+                "refit.vllm: %d forward pass(es) still in flight after %g s; applying transfer %s anyway",
+                self._gate.in_flight, self._options.drain_timeout, _hex(transfer_id),
+            )
+        if self._on_pause is not None:
+            self._on_pause(_hex(transfer_id) or "")
+
+    def _hook_resume(self, *args: Any) -> None:
+        if self._gate is not None:
+            self._gate.open()
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def _hook_commit(self, transfer_id: Any = None, version: Any = None, *rest: Any) -> None:
+        self._record("commit", transfer_id, version)
+        self._hook_resume()
+        if self._on_resume is not None:
+            self._on_resume("commit", _hex(transfer_id) or "", None if version is None else int(version))
+
+    def _hook_abort(self, transfer_id: Any = None, version: Any = None, *rest: Any) -> None:
+        self._record("abort", transfer_id, version)
+        self._hook_resume()
+        if self._on_resume is not None:
+            self._on_resume("abort", _hex(transfer_id) or "", None if version is None else int(version))

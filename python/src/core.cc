@@ -1,0 +1,810 @@
+// refit._core: the pybind11 binding of refit's public API — ReceiverNode, Publisher, producer
+// groups, loader specs and the configuration file. A thin layer: it converts arguments and
+// results, releases the GIL around every call that can block, and turns a Status into the
+// exception class refit.errors maps its code to. Everything a user sees as Python (defaults,
+// torch tensors, dataclasses) lives in the pure-Python modules above it (python/refit/).
+//
+// GIL rules. Every blocking call runs with the GIL released. C++ threads call back into Python
+// (receiver hooks, a Python-implemented producer group) only after taking the GIL, and every
+// Python object a C++ object keeps is released under the GIL (HeldObject), so that objects may be
+// destroyed on any thread. A long call that Ctrl-C should stop (Publisher.sync) runs on a worker
+// thread while the calling thread waits in short slices and checks for signals.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "config.h"
+#include "refit/dtype.h"
+#include "refit/loader.h"
+#include "refit/logging.h"
+#include "refit/producer_group.h"
+#include "refit/publisher.h"
+#include "refit/receiver_node.h"
+#include "refit/status.h"
+#include "refit/tensor.h"
+
+namespace py = pybind11;
+using namespace std::chrono_literals;
+
+namespace refit::python {
+namespace {
+
+// ---- Errors -------------------------------------------------------------------------------------
+
+// A failed Status on its way to Python; the translator raises refit.errors' class for its code.
+struct StatusError {
+  Status status;
+};
+
+[[noreturn]] void Throw(Status status) { throw StatusError{std::move(status)}; }
+
+void Check(const Status& status) {
+  if (!status.ok()) Throw(status);
+}
+
+template <typename T>
+T Unwrap(Result<T> result) {
+  if (!result.ok()) Throw(result.status());
+  return std::move(result).ValueOrDie();
+}
+
+void RaiseStatus(const Status& status) {
+  py::object errors = py::module_::import("refit.errors");
+  py::object cls = errors.attr("error_class")(std::string(StatusCodeName(status.code())));
+  PyErr_SetString(cls.ptr(), status.message().c_str());
+}
+
+// ---- Python objects held by C++ -------------------------------------------------------------------
+
+// A Python object owned by C++ code that may drop it on any thread, with or without the GIL.
+using HeldObject = std::shared_ptr<py::object>;
+
+HeldObject Hold(py::object object) {
+  return HeldObject(new py::object(std::move(object)), [](py::object* held) {
+    py::gil_scoped_acquire gil;
+    delete held;
+  });
+}
+
+// Call a Python hook from a C++ thread. A hook that raises is logged through Python's
+// unraisable-exception machinery (it must not unwind into the session's threads).
+template <typename... Args>
+void CallHook(const HeldObject& hook, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    (*hook)(std::forward<Args>(args)...);
+  } catch (py::error_already_set& error) {
+    error.discard_as_unraisable("refit receiver hook");
+  }
+}
+
+// ---- Blocking calls ----------------------------------------------------------------------------
+
+// Run `work` on a worker thread, the GIL released, while this thread checks for signals every
+// 50 ms. On a signal whose handler raised (Ctrl-C: KeyboardInterrupt), call `cancel`, wait for
+// `work` to return, and re-raise the handler's exception. Signals are only delivered to the main
+// thread; elsewhere this is a plain wait.
+template <typename T>
+T RunInterruptible(std::function<T()> work, const std::function<void()>& cancel) {
+  std::packaged_task<T()> task(std::move(work));
+  std::future<T> done = task.get_future();
+  std::thread worker(std::move(task));
+  while (true) {
+    std::future_status state;
+    {
+      py::gil_scoped_release release;
+      state = done.wait_for(50ms);
+    }
+    if (state == std::future_status::ready) break;
+    if (PyErr_CheckSignals() != 0) {
+      // Keep the handler's exception pending while waiting for the cancelled call.
+      py::error_already_set interrupted;
+      cancel();
+      {
+        py::gil_scoped_release release;
+        worker.join();
+      }
+      throw interrupted;
+    }
+  }
+  {
+    py::gil_scoped_release release;
+    worker.join();
+  }
+  return done.get();
+}
+
+// ---- Tensors -------------------------------------------------------------------------------------
+
+// One tensor as Python passes it: (name, dtype name, shape, buffer). The buffer must be
+// C-contiguous and hold exactly numel × dtype size bytes; it is never copied.
+struct BufferTensor {
+  std::string name;
+  DType dtype = DType::kUInt8;
+  Shape shape;
+  py::buffer_info info;
+};
+
+BufferTensor ToBufferTensor(const py::handle& item, bool writable) {
+  const py::tuple entry = py::reinterpret_borrow<py::tuple>(item);
+  if (entry.size() != 4) {
+    Throw(InvalidArgument("a tensor is (name, dtype, shape, buffer), got a tuple of {}",
+                          entry.size()));
+  }
+  BufferTensor tensor;
+  tensor.name = entry[0].cast<std::string>();
+  tensor.dtype = Unwrap(ParseDType(entry[1].cast<std::string>()));
+  tensor.shape = entry[2].cast<Shape>();
+  tensor.info = entry[3].cast<py::buffer>().request(writable);
+  // C-contiguity: strides must be the row-major ones for the buffer's own item size.
+  int64_t stride = tensor.info.itemsize;
+  for (int64_t d = tensor.info.ndim - 1; d >= 0; --d) {
+    if (tensor.info.shape[d] > 1 && tensor.info.strides[d] != stride) {
+      Throw(InvalidArgument("tensor '{}': its buffer is not contiguous", tensor.name));
+    }
+    stride *= tensor.info.shape[d];
+  }
+  return tensor;
+}
+
+std::span<std::byte> BytesOf(const BufferTensor& tensor) {
+  return {static_cast<std::byte*>(tensor.info.ptr),
+          static_cast<size_t>(tensor.info.size * tensor.info.itemsize)};
+}
+
+TensorView ViewOf(const BufferTensor& tensor) {
+  TensorView view{tensor.name, tensor.dtype, tensor.shape, BytesOf(tensor)};
+  Check(CheckTensorSize(view));
+  return view;
+}
+
+// ---- Loader specs (dicts) ------------------------------------------------------------------------
+
+LoaderSpec LoaderSpecFromDict(const py::dict& spec) {
+  LoaderSpec out;
+  for (const auto& [key, value] : spec) {
+    const std::string name = key.cast<std::string>();
+    if (name == "tp_rank") {
+      out.tp_rank = value.cast<uint32_t>();
+    } else if (name == "tp_size") {
+      out.tp_size = value.cast<uint32_t>();
+    } else if (name == "rules") {
+      for (const py::handle& item : value) {
+        LoaderRule rule;
+        for (const auto& [rule_key, rule_value] : item.cast<py::dict>()) {
+          const std::string field = rule_key.cast<std::string>();
+          if (field == "kind") {
+            rule.kind = Unwrap(ParseLoaderKind(rule_value.cast<std::string>()));
+          } else if (field == "match") {
+            rule.match = rule_value.cast<std::string>();
+          } else if (field == "to") {
+            rule.to = rule_value.cast<std::string>();
+          } else if (field == "q") {
+            rule.q = rule_value.cast<std::string>();
+          } else if (field == "k") {
+            rule.k = rule_value.cast<std::string>();
+          } else if (field == "v") {
+            rule.v = rule_value.cast<std::string>();
+          } else if (field == "gate") {
+            rule.gate = rule_value.cast<std::string>();
+          } else if (field == "up") {
+            rule.up = rule_value.cast<std::string>();
+          } else if (field == "num_heads") {
+            rule.num_heads = rule_value.cast<uint32_t>();
+          } else if (field == "num_kv_heads") {
+            rule.num_kv_heads = rule_value.cast<uint32_t>();
+          } else if (field == "vocab_size") {
+            rule.vocab_size = rule_value.cast<uint64_t>();
+          } else if (field == "pad_to") {
+            rule.pad_to = rule_value.cast<uint64_t>();
+          } else {
+            Throw(InvalidArgument(
+                "loader rule {}: unknown key '{}'; known keys: kind, match, to, q, k, v, gate, up, "
+                "num_heads, num_kv_heads, vocab_size, pad_to",
+                out.rules.size(), field));
+          }
+        }
+        out.rules.push_back(std::move(rule));
+      }
+    } else {
+      Throw(InvalidArgument("loader: unknown key '{}'; known keys: tp_rank, tp_size, rules", name));
+    }
+  }
+  return out;
+}
+
+py::dict LoaderSpecToDict(const LoaderSpec& spec) {
+  py::list rules;
+  for (const LoaderRule& rule : spec.rules) {
+    py::dict out;
+    out["kind"] = std::string(LoaderKindName(rule.kind));
+    const std::pair<const char*, const std::string*> texts[] = {
+        {"match", &rule.match}, {"to", &rule.to}, {"q", &rule.q},       {"k", &rule.k},
+        {"v", &rule.v},         {"gate", &rule.gate}, {"up", &rule.up}};
+    for (const auto& [key, text] : texts) {
+      if (!text->empty()) out[key] = *text;
+    }
+    if (rule.kind == LoaderKind::kQkv) {
+      out["num_heads"] = rule.num_heads;
+      out["num_kv_heads"] = rule.num_kv_heads;
+    }
+    if (rule.kind == LoaderKind::kVocab) {
+      out["vocab_size"] = rule.vocab_size;
+      out["pad_to"] = rule.pad_to;
+    }
+    rules.append(out);
+  }
+  py::dict out;
+  out["tp_rank"] = spec.tp_rank;
+  out["tp_size"] = spec.tp_size;
+  out["rules"] = rules;
+  return out;
+}
+
+// ---- Reports ------------------------------------------------------------------------------------
+
+py::dict StatusToDict(const ReceiverStatus& status) {
+  py::dict out;
+  out["state"] = std::string(ReceiverStateName(status.state));
+  out["version"] = status.version;
+  out["transfer_id"] = status.transfer_id.has_value() ? py::object(py::str(status.transfer_id->ToHex()))
+                                                      : py::object(py::none());
+  out["base_version"] = status.base_version;
+  out["target_version"] = status.target_version;
+  out["staged_payloads"] = status.staged_payloads;
+  out["applied_payloads"] = status.applied_payloads;
+  out["queued_payloads"] = status.queued_payloads;
+  out["undo_bytes"] = status.undo_bytes;
+  out["last_error"] = status.last_error.ok() ? py::object(py::none())
+                                             : py::object(py::str(status.last_error.ToString()));
+  return out;
+}
+
+py::dict SyncReportToDict(const SyncReport& sync) {
+  const RefitReport& report = sync.transfer;
+  py::dict out;
+  out["transfer_id"] = report.plan.transfer_id.ToHex();
+  out["anchor"] = report.plan.anchor;
+  out["base_version"] = report.plan.base_version;
+  out["version"] = report.plan.target_version;
+  out["payloads"] = report.payloads;
+  out["wire_bytes"] = report.wire_bytes;
+  out["changed_elements"] = report.changed_elements;
+  out["total_elements"] = report.total_elements;
+  out["prepare_s"] = report.prepare_s;
+  out["stream_s"] = report.stream_s;
+  out["flush_s"] = report.flush_s;
+  out["commit_s"] = report.commit_s;
+  out["seconds"] = report.total_s;
+  out["rank"] = sync.rank;
+  out["world_size"] = sync.world_size;
+  py::list receivers;
+  for (const ReceiverOutcome& receiver : report.receivers) receivers.append(receiver.name);
+  out["receivers"] = receivers;
+  return out;
+}
+
+// ---- Producer groups ------------------------------------------------------------------------------
+
+// A producer group as Python holds it before a Publisher takes it over.
+struct GroupHandle {
+  std::unique_ptr<ProducerGroup> group;
+
+  ProducerGroup& get() const {
+    if (group == nullptr) {
+      Throw(FailedPrecondition("this producer group belongs to a Publisher already"));
+    }
+    return *group;
+  }
+};
+
+// A ProducerGroup whose two collectives are Python callables (refit.torch.TorchGroup wraps
+// torch.distributed this way): broadcast(message: bytes | None, timeout_s: float) -> bytes and
+// gather(message: bytes, timeout_s: float) -> list[bytes] | None. A callable that raises fails
+// the collective: TimeoutError as DeadlineExceeded, a refit.Error as its code, anything else as
+// Unavailable, each naming the rank and the collective.
+class CallbackGroup final : public ProducerGroup {
+ public:
+  CallbackGroup(uint32_t rank, uint32_t world_size, py::function broadcast, py::function gather)
+      : rank_(rank),
+        world_size_(world_size),
+        broadcast_(Hold(std::move(broadcast))),
+        gather_(Hold(std::move(gather))) {}
+
+  uint32_t rank() const override { return rank_; }
+  uint32_t world_size() const override { return world_size_; }
+
+  Result<std::string> Broadcast(std::string message, GroupClock::time_point deadline) override {
+    py::gil_scoped_acquire gil;
+    Result<py::object> reply = Call(*broadcast_, "broadcast",
+                                    rank_ == 0 ? py::object(py::bytes(message)) : py::object(py::none()),
+                                    deadline);
+    if (!reply.ok()) return reply.status();
+    try {
+      return reply->cast<std::string>();
+    } catch (const py::cast_error&) {
+      return InvalidArgument("rank {}: broadcast returned {}, not bytes", rank_,
+                             py::repr(*reply).cast<std::string>());
+    }
+  }
+
+  Result<std::vector<std::string>> Gather(std::string message,
+                                          GroupClock::time_point deadline) override {
+    py::gil_scoped_acquire gil;
+    Result<py::object> reply = Call(*gather_, "gather", py::bytes(message), deadline);
+    if (!reply.ok()) return reply.status();
+    if (rank_ != 0 || reply->is_none()) return std::vector<std::string>();
+    try {
+      auto messages = reply->cast<std::vector<std::string>>();
+      if (messages.size() != world_size_) {
+        return InvalidArgument("rank 0: gather returned {} messages for {} ranks",
+                               messages.size(), world_size_);
+      }
+      return messages;
+    } catch (const py::cast_error&) {
+      return InvalidArgument("rank 0: gather returned {}, not a list of bytes",
+                             py::repr(*reply).cast<std::string>());
+    }
+  }
+
+ private:
+  Result<py::object> Call(const py::object& fn, std::string_view what, py::object message,
+                          GroupClock::time_point deadline) {
+    const double timeout_s =
+        std::max(0.0, std::chrono::duration<double>(deadline - GroupClock::now()).count());
+    try {
+      return fn(message, timeout_s);
+    } catch (py::error_already_set& error) {
+      const std::string text = fmt::format("rank {} of {}: {} failed: {}", rank_, world_size_,
+                                           what, error.what());
+      if (error.matches(PyExc_TimeoutError)) return DeadlineExceeded("{}", text);
+      py::object code = py::module_::import("refit.errors").attr("code_of")(error.value());
+      if (!code.is_none()) {
+        if (std::optional<StatusCode> parsed = StatusCodeFromName(code.cast<std::string>())) {
+          return Status(*parsed, text);
+        }
+      }
+      return Unavailable("{}", text);
+    }
+  }
+
+  uint32_t rank_;
+  uint32_t world_size_;
+  HeldObject broadcast_;
+  HeldObject gather_;
+};
+
+// ---- Receiver -------------------------------------------------------------------------------------
+
+// A ReceiverNode and the Python buffers it applies into (kept alive as long as the node).
+class PyReceiver {
+ public:
+  PyReceiver(ReceiverNodeOptions options, const py::object& before_first_apply,
+             const py::object& after_commit, const py::object& after_abort) {
+    if (!before_first_apply.is_none()) {
+      HeldObject hook = Hold(before_first_apply);
+      options.session.before_first_apply = [hook](const TransferId& id) {
+        CallHook(hook, id.ToHex());
+      };
+    }
+    if (!after_commit.is_none()) {
+      HeldObject hook = Hold(after_commit);
+      options.session.after_commit = [hook](const TransferId& id, uint64_t version) {
+        CallHook(hook, id.ToHex(), version);
+      };
+    }
+    if (!after_abort.is_none()) {
+      HeldObject hook = Hold(after_abort);
+      options.session.after_abort = [hook](const TransferId& id, uint64_t version) {
+        CallHook(hook, id.ToHex(), version);
+      };
+    }
+    py::gil_scoped_release release;
+    node_ = Unwrap(ReceiverNode::Make(options));
+  }
+
+  ~PyReceiver() {
+    // Stopping joins threads that may be waiting for the GIL in a hook.
+    py::gil_scoped_release release;
+    node_.reset();
+  }
+
+  void Register(const py::tuple& tensor) {
+    BufferTensor buffer = ToBufferTensor(tensor, /*writable=*/true);
+    const TensorView view = ViewOf(buffer);
+    MutableTensorView target{view.name, view.dtype, view.shape, BytesOf(buffer)};
+    {
+      py::gil_scoped_release release;
+      Check(node_->RegisterTensor(target));
+    }
+    buffers_.push_back(std::move(buffer));
+  }
+
+  void Start() {
+    py::gil_scoped_release release;
+    Check(node_->Start());
+  }
+
+  void Stop() {
+    py::gil_scoped_release release;
+    node_->Stop();
+  }
+
+  // Wait until the committed version is at least `version`: in 5 ms slices without the GIL,
+  // checking for Ctrl-C between them. Returns the version held; DeadlineExceeded after
+  // `timeout_s` (negative: no limit).
+  uint64_t WaitForVersion(uint64_t version, double timeout_s) {
+    const auto start = std::chrono::steady_clock::now();
+    while (true) {
+      uint64_t held = 0;
+      {
+        py::gil_scoped_release release;
+        for (int slice = 0; slice < 10; ++slice) {
+          held = node_->status().version;
+          if (held >= version) break;
+          std::this_thread::sleep_for(5ms);
+        }
+      }
+      if (held >= version) return held;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_s >= 0 && waited > timeout_s) {
+        Throw(DeadlineExceeded("receiver {}: still at version {} after {:.1f} s of waiting for version {}",
+                               node_->control_url(), held, waited, version));
+      }
+    }
+  }
+
+  ReceiverNode& node() { return *node_; }
+
+ private:
+  std::unique_ptr<ReceiverNode> node_;
+  std::vector<BufferTensor> buffers_;
+};
+
+ReceiverNodeOptions ReceiverOptionsFrom(const std::optional<cli::RefitConfig>& config,
+                                        const std::string& model_path, bool mmap,
+                                        std::optional<uint64_t> version,
+                                        const std::optional<py::dict>& loader,
+                                        const std::string& replica, std::optional<uint32_t> shard,
+                                        const std::optional<std::string>& transport,
+                                        const std::string& data_endpoint,
+                                        const std::string& data_bind,
+                                        const std::vector<std::string>& peers,
+                                        const std::string& control_host, uint16_t control_port,
+                                        const std::optional<std::string>& api_key) {
+  ReceiverNodeOptions options;
+  if (config.has_value()) {
+    options.session = cli::ToReceiverSessionOptions(*config);
+    options.control = Unwrap(cli::ToControlServerOptions(*config));
+    options.transport_uri = Unwrap(cli::ToTransportUri(*config));
+  }
+  options.model_path = model_path;
+  options.store_mode = mmap ? StoreMode::kMmap : StoreMode::kMemory;
+  options.version = version;
+  if (loader.has_value()) options.loader = LoaderSpecFromDict(*loader);
+  options.place.replica = replica;
+  if (shard.has_value()) options.place.shard = *shard;
+  if (loader.has_value() && options.loader->tp_size > 1) {
+    options.place.shards = options.loader->tp_size;
+    if (!shard.has_value()) options.place.shard = options.loader->tp_rank;
+  }
+  if (transport.has_value()) options.transport_uri = *transport;
+  options.data_endpoint = data_endpoint;
+  options.data_bind_address = data_bind;
+  options.peers = peers;
+  options.control.bind_address = control_host;
+  options.control.port = control_port;
+  if (api_key.has_value()) options.control.api_key = *api_key;
+  return options;
+}
+
+// ---- Publisher ------------------------------------------------------------------------------------
+
+class PyPublisher {
+ public:
+  PyPublisher(PublisherOptions options, GroupHandle& group) {
+    std::unique_ptr<ProducerGroup> owned = std::move(group.group);
+    if (owned == nullptr) Throw(FailedPrecondition("this producer group belongs to a Publisher already"));
+    py::gil_scoped_release release;
+    publisher_ = Unwrap(Publisher::Make(options, std::move(owned)));
+  }
+
+  ~PyPublisher() {
+    py::gil_scoped_release release;
+    publisher_.reset();
+  }
+
+  void AdoptBaseline(const py::list& tensors, std::optional<uint64_t> version) {
+    std::vector<BufferTensor> buffers;
+    std::vector<TensorView> views;
+    for (const py::handle& item : tensors) buffers.push_back(ToBufferTensor(item, false));
+    for (const BufferTensor& buffer : buffers) views.push_back(ViewOf(buffer));
+    py::gil_scoped_release release;
+    Check(publisher_->AdoptBaseline(views, version));
+  }
+
+  py::dict Sync(const py::list& tensors, bool force_anchor) {
+    std::vector<BufferTensor> buffers;
+    std::vector<TensorView> views;
+    for (const py::handle& item : tensors) buffers.push_back(ToBufferTensor(item, false));
+    for (const BufferTensor& buffer : buffers) views.push_back(ViewOf(buffer));
+    Publisher* publisher = publisher_.get();
+    Result<SyncReport> synced = RunInterruptible<Result<SyncReport>>(
+        [publisher, &views, force_anchor] { return publisher->Sync(views, force_anchor); },
+        [publisher] { publisher->Cancel(); });
+    return SyncReportToDict(Unwrap(std::move(synced)));
+  }
+
+  Publisher& get() { return *publisher_; }
+
+ private:
+  std::unique_ptr<Publisher> publisher_;
+};
+
+std::vector<PublisherReceiver> ReceiversFrom(
+    const std::vector<std::pair<std::string, std::string>>& receivers) {
+  std::vector<PublisherReceiver> out;
+  for (const auto& [control, data] : receivers) out.push_back({control, data});
+  return out;
+}
+
+PublisherOptions PublisherOptionsFrom(
+    const std::optional<cli::RefitConfig>& config,
+    const std::optional<std::vector<std::pair<std::string, std::string>>>& receivers,
+    const std::optional<std::string>& transport, const std::optional<std::string>& api_key,
+    std::optional<uint64_t> chunk_bytes, std::optional<uint64_t> bucket_bytes,
+    std::optional<uint64_t> full_sync_interval, double transfer_timeout_s) {
+  PublisherOptions options;
+  if (config.has_value()) {
+    options.tracker = cli::ToTrackerOptions(*config);
+    options.stream = cli::ToProducerStreamOptions(*config);
+    options.transport_uri = Unwrap(cli::ToTransportUri(*config));
+    for (const cli::ReceiverConfig& receiver : config->receivers) {
+      options.receivers.push_back({receiver.control, receiver.data});
+    }
+    cli::ReceiverConfig any = config->receivers.empty() ? cli::ReceiverConfig{}
+                                                        : config->receivers.front();
+    options.control = Unwrap(cli::ToControlClientOptions(*config, any));
+  }
+  if (receivers.has_value()) options.receivers = ReceiversFrom(*receivers);
+  if (transport.has_value()) options.transport_uri = *transport;
+  if (api_key.has_value()) options.control.api_key = *api_key;
+  if (chunk_bytes.has_value()) options.stream.chunk_bytes = *chunk_bytes;
+  if (bucket_bytes.has_value()) options.stream.bucket_bytes = *bucket_bytes;
+  if (full_sync_interval.has_value()) options.tracker.full_sync_interval = *full_sync_interval;
+  if (!(transfer_timeout_s > 0)) {
+    Throw(InvalidArgument("transfer_timeout must be positive, got {} s", transfer_timeout_s));
+  }
+  options.transfer_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(transfer_timeout_s * 1000.0 + 0.5));
+  return options;
+}
+
+}  // namespace
+}  // namespace refit::python
+
+PYBIND11_MODULE(_core, m) {
+  using namespace refit;
+  using namespace refit::python;
+  m.doc() =
+      "refit's C++ core: ReceiverNode, Publisher, producer groups, loader specs and the "
+      "configuration file. Use the refit package, not this module.";
+  m.attr("__version__") = REFIT_VERSION;
+
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const StatusError& error) {
+      RaiseStatus(error.status);
+    }
+  });
+
+  m.def(
+      "set_log_level", [](const std::string& level) { Check(SetLogLevel(level)); },
+      py::arg("level"),
+      "Set refit's log level (trace, debug, info, warn, error, critical, off); the default comes "
+      "from the environment variable REFIT_LOG_LEVEL, else info.");
+  m.def(
+      "log_level", [] { return std::string(CurrentLogLevel()); }, "refit's current log level.");
+  m.def(
+      "parse_dtype", [](const std::string& text) { return std::string(DTypeName(Unwrap(ParseDType(text)))); },
+      py::arg("text"), "The canonical name of a dtype name or alias; InvalidArgument otherwise.");
+
+  m.def(
+      "loader_from_yaml",
+      [](const std::string& text, const std::string& source) {
+        return LoaderSpecToDict(Unwrap(LoaderSpecFromYaml(text, source)));
+      },
+      py::arg("text"), py::arg("source") = "<string>",
+      "Parse a loader spec from YAML text into {tp_rank, tp_size, rules}.");
+  m.def(
+      "loader_from_file",
+      [](const std::string& path) { return LoaderSpecToDict(Unwrap(LoaderSpecFromYamlFile(path))); },
+      py::arg("path"), "Read a loader spec YAML file into {tp_rank, tp_size, rules}.");
+  m.def(
+      "check_loader", [](const py::dict& spec) { return LoaderSpecToDict(LoaderSpecFromDict(spec)); },
+      py::arg("spec"), "Validate a loader dict and return it normalised.");
+
+  py::class_<cli::RefitConfig>(m, "Config",
+                               "A refit configuration file (the YAML `refit push` and `refit serve` "
+                               "read; docs/configuration.md lists every key).")
+      .def_static(
+          "load", [](const std::string& path) { return Unwrap(cli::LoadConfigFile(path)); },
+          py::arg("path"), "Read and validate the configuration file at `path`.")
+      .def_static(
+          "parse",
+          [](const std::string& text, const std::string& source) {
+            return Unwrap(cli::ParseConfig(text, source));
+          },
+          py::arg("text"), py::arg("source") = "<string>",
+          "Parse configuration YAML text; `source` prefixes error messages.")
+      .def_readonly("transport", &cli::RefitConfig::transport, "The transport URI.")
+      .def_property_readonly(
+          "receivers",
+          [](const cli::RefitConfig& config) {
+            std::vector<std::pair<std::string, std::string>> out;
+            for (const cli::ReceiverConfig& r : config.receivers) out.emplace_back(r.control, r.data);
+            return out;
+          },
+          "The fleet: (control URL, data endpoint) per receiver, in tree order.")
+      .def_readonly("api_key_env", &cli::RefitConfig::http_refit_api_key_env_var,
+                    "The environment variable holding the shared API key ('' = none).")
+      .def_readonly("control_port", &cli::RefitConfig::http_refit_server_port,
+                    "The control plane's port (0 = any free one).")
+      .def_readonly("data_port", &cli::RefitConfig::zmq_refit_server_port,
+                    "The ZeroMQ data port of `refit serve`.")
+      .def_property_readonly(
+          "model", [](const cli::RefitConfig& config) { return config.server.model; },
+          "server.model: the safetensors file a receiver serves ('' = none).")
+      .def_property_readonly(
+          "bind", [](const cli::RefitConfig& config) { return config.server.bind; },
+          "server.bind: the address a receiver listens on.")
+      .def_property_readonly(
+          "export_chunk_bytes",
+          [](const cli::RefitConfig& config) {
+            return config.delta_compression.export_chunk_bytes;
+          },
+          "delta_compression.export_chunk_bytes.")
+      .def_property_readonly(
+          "full_sync_interval",
+          [](const cli::RefitConfig& config) {
+            return config.delta_compression.full_sync_interval;
+          },
+          "delta_compression.full_sync_interval.");
+
+  py::class_<GroupHandle>(m, "Group",
+                          "One rank's endpoint of a producer group, until a Publisher takes it.")
+      .def_property_readonly("rank", [](const GroupHandle& g) { return g.get().rank(); })
+      .def_property_readonly("world_size",
+                             [](const GroupHandle& g) { return g.get().world_size(); })
+      .def_property_readonly("port", [](const GroupHandle& g) { return TcpGroupPort(g.get()); },
+                             "A TCP group's rank 0: the port it listens on; 0 otherwise.");
+
+  m.def(
+      "tcp_group",
+      [](const std::string& address, uint32_t rank, uint32_t world_size,
+         const std::string& api_key, double connect_timeout_s) {
+        TcpGroupOptions options;
+        options.address = address;
+        options.rank = rank;
+        options.world_size = world_size;
+        options.api_key = api_key;
+        options.connect_timeout =
+            std::chrono::milliseconds(static_cast<int64_t>(connect_timeout_s * 1000.0));
+        py::gil_scoped_release release;
+        return GroupHandle{Unwrap(MakeTcpGroup(options))};
+      },
+      py::arg("address"), py::arg("rank"), py::arg("world_size"), py::arg("api_key") = "",
+      py::arg("connect_timeout") = 60.0,
+      "This rank's endpoint of a TCP producer group (rank 0 listens on `address`).");
+  m.def(
+      "callback_group",
+      [](uint32_t rank, uint32_t world_size, py::function broadcast, py::function gather) {
+        if (world_size == 0 || rank >= world_size) {
+          Throw(InvalidArgument("callback group: rank {} is not in a group of {}", rank,
+                                world_size));
+        }
+        return GroupHandle{std::make_unique<CallbackGroup>(rank, world_size, std::move(broadcast),
+                                                           std::move(gather))};
+      },
+      py::arg("rank"), py::arg("world_size"), py::arg("broadcast"), py::arg("gather"),
+      "A producer group whose broadcast(message|None, timeout_s) -> bytes and "
+      "gather(message, timeout_s) -> list[bytes]|None are Python callables.");
+  m.def(
+      "in_process_group",
+      [](uint32_t world_size) {
+        std::vector<GroupHandle> out;
+        for (auto& group : Unwrap(MakeInProcessGroup(world_size))) {
+          out.push_back(GroupHandle{std::move(group)});
+        }
+        return out;
+      },
+      py::arg("world_size"), "The W ranks of one group, for threads of one process.");
+
+  py::class_<PyReceiver>(m, "Receiver", "A ReceiverNode embedded in this process.")
+      .def(py::init([](const std::optional<cli::RefitConfig>& config,
+                       const std::string& model_path, bool mmap, std::optional<uint64_t> version,
+                       const std::optional<py::dict>& loader, const std::string& replica,
+                       std::optional<uint32_t> shard, const std::optional<std::string>& transport,
+                       const std::string& data_endpoint, const std::string& data_bind,
+                       const std::vector<std::string>& peers, const std::string& control_host,
+                       uint16_t control_port, const std::optional<std::string>& api_key,
+                       const py::object& before_first_apply, const py::object& after_commit,
+                       const py::object& after_abort) {
+             return std::make_unique<PyReceiver>(
+                 ReceiverOptionsFrom(config, model_path, mmap, version, loader, replica, shard,
+                                     transport, data_endpoint, data_bind, peers, control_host,
+                                     control_port, api_key),
+                 before_first_apply, after_commit, after_abort);
+           }),
+           py::kw_only(), py::arg("config") = py::none(), py::arg("model_path") = "",
+           py::arg("mmap") = false, py::arg("version") = py::none(),
+           py::arg("loader") = py::none(), py::arg("replica") = "", py::arg("shard") = py::none(),
+           py::arg("transport") = py::none(), py::arg("data_endpoint") = "",
+           py::arg("data_bind") = "", py::arg("peers") = std::vector<std::string>(),
+           py::arg("control_host") = "127.0.0.1", py::arg("control_port") = 0,
+           py::arg("api_key") = py::none(), py::arg("before_first_apply") = py::none(),
+           py::arg("after_commit") = py::none(), py::arg("after_abort") = py::none())
+      .def("register", &PyReceiver::Register, py::arg("tensor"),
+           "Register (name, dtype, shape, writable buffer) as a tensor, zero-copy, before start.")
+      .def("start", &PyReceiver::Start)
+      .def("stop", &PyReceiver::Stop)
+      .def("wait_for_version", &PyReceiver::WaitForVersion, py::arg("version"),
+           py::arg("timeout_s") = -1.0)
+      .def_property_readonly("control_url",
+                             [](PyReceiver& r) { return r.node().control_url(); })
+      .def_property_readonly("producer_endpoint",
+                             [](PyReceiver& r) { return r.node().producer_endpoint(); })
+      .def("status", [](PyReceiver& r) {
+        ReceiverStatus status;
+        {
+          py::gil_scoped_release release;
+          status = r.node().status();
+        }
+        return StatusToDict(status);
+      });
+
+  py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
+      .def(py::init([](GroupHandle& group, const std::optional<cli::RefitConfig>& config,
+                       const std::optional<std::vector<std::pair<std::string, std::string>>>&
+                           receivers,
+                       const std::optional<std::string>& transport,
+                       const std::optional<std::string>& api_key,
+                       std::optional<uint64_t> chunk_bytes, std::optional<uint64_t> bucket_bytes,
+                       std::optional<uint64_t> full_sync_interval, double transfer_timeout_s) {
+             return std::make_unique<PyPublisher>(
+                 PublisherOptionsFrom(config, receivers, transport, api_key, chunk_bytes,
+                                      bucket_bytes, full_sync_interval, transfer_timeout_s),
+                 group);
+           }),
+           py::arg("group"), py::kw_only(), py::arg("config") = py::none(),
+           py::arg("receivers") = py::none(), py::arg("transport") = py::none(),
+           py::arg("api_key") = py::none(), py::arg("chunk_bytes") = py::none(),
+           py::arg("bucket_bytes") = py::none(), py::arg("full_sync_interval") = py::none(),
+           py::arg("transfer_timeout_s") = 600.0)
+      .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
+           py::arg("version") = py::none())
+      .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)
+      .def("set_receivers",
+           [](PyPublisher& p, const std::vector<std::pair<std::string, std::string>>& receivers) {
+             Check(p.get().SetReceivers(ReceiversFrom(receivers)));
+           })
+      .def("cancel", [](PyPublisher& p) { p.get().Cancel(); })
+      .def_property_readonly("rank", [](PyPublisher& p) { return p.get().rank(); })
+      .def_property_readonly("world_size", [](PyPublisher& p) { return p.get().world_size(); })
+      .def_property_readonly("version", [](PyPublisher& p) { return p.get().version(); });
+}

@@ -1,0 +1,225 @@
+"""refit's core API from Python: numpy tensors, errors, groups, loaders, configuration."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import refit
+from conftest import perturb
+
+
+def make_model(rng):
+    return {
+        "embed.weight": rng.standard_normal((64, 33)).astype(np.float32),
+        "layer.0.bias": rng.standard_normal(33).astype(np.float16),
+        "odd name/with:chars.0": np.arange(5, dtype=np.int64),
+        "scalar": np.array(3.5, dtype=np.float64),
+    }
+
+
+def held_copy(model):
+    return {name: array.copy() for name, array in model.items()}
+
+
+def serve(model):
+    receiver = refit.Receiver()
+    for name, array in model.items():
+        receiver.register(name, array)
+    return receiver.start()
+
+
+def test_every_status_code_maps_to_its_class_and_builtin():
+    assert issubclass(refit.InvalidArgument, ValueError)
+    assert issubclass(refit.NotFound, KeyError)
+    assert issubclass(refit.Unavailable, ConnectionError)
+    assert issubclass(refit.DeadlineExceeded, TimeoutError)
+    assert issubclass(refit.PermissionDenied, PermissionError)
+    assert issubclass(refit.IoError, OSError)
+    for cls in (refit.DataLoss, refit.FailedPrecondition, refit.Cancelled, refit.Internal):
+        assert issubclass(cls, refit.Error) and issubclass(cls, RuntimeError)
+    assert refit.errors.error_class("DataLoss") is refit.DataLoss
+    assert refit.errors.error_class("NoSuchCode") is refit.Error
+
+
+def test_sync_writes_the_registered_arrays_in_place(rng):
+    trainer = make_model(rng)
+    held = held_copy(trainer)
+    addresses = {name: array.ctypes.data for name, array in held.items()}
+    with serve(held) as receiver:
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline(held_copy(trainer), version=0)
+        for step in range(1, 4):
+            perturb(trainer["embed.weight"], rng)
+            perturb(trainer["layer.0.bias"], rng, 0.2)
+            trainer["scalar"][...] = step
+            report = publisher.sync(trainer)
+            assert not report.anchor and report.version == step
+            assert 0 < report.changed_elements < report.total_elements
+            assert receiver.version == step
+            for name in trainer:
+                assert held[name].tobytes() == trainer[name].tobytes(), name
+                assert held[name].ctypes.data == addresses[name]
+
+
+def test_the_trainers_arrays_are_handed_over_without_a_copy(rng):
+    array = rng.standard_normal((8, 8)).astype(np.float32)
+    name, dtype, shape, buffer = refit._tensors.as_buffer_tensor("x", array)
+    assert (dtype, shape) == ("float32", [8, 8])
+    assert buffer.__array_interface__["data"][0] == array.ctypes.data
+    assert np.shares_memory(buffer, array)
+
+
+def test_a_failed_sync_leaves_the_receiver_bit_identical(rng):
+    trainer = make_model(rng)
+    held = held_copy(trainer)
+    with serve(held) as receiver:
+        # The second payload of every transfer is lost: the first is applied, then rolled back.
+        faulty = refit.Publisher(receivers=[receiver], transport="fault+zmq://?disconnect_after=1",
+                                 bucket_bytes=1024, transfer_timeout=20)
+        faulty.adopt_baseline(held_copy(trainer), version=0)
+        before = held_copy(held)
+        for name in ("embed.weight", "layer.0.bias", "odd name/with:chars.0"):
+            trainer[name] += 1
+        with pytest.raises(ConnectionError, match="payload"):
+            faulty.sync(trainer)
+        status = receiver.status()
+        assert (status.state, status.version) == ("idle", 0)
+        for name in held:
+            assert held[name].tobytes() == before[name].tobytes(), name
+        # A healthy publisher picks up from the version the receiver still holds.
+        healthy = refit.Publisher(receivers=[receiver])
+        healthy.adopt_baseline(before, version=0)
+        assert healthy.sync(trainer).version == 1
+        assert held["embed.weight"].tobytes() == trainer["embed.weight"].tobytes()
+
+
+def test_bad_inputs_raise_the_mapped_exceptions(rng, tmp_path):
+    receiver = refit.Receiver()
+    array = np.zeros(4, np.float32)
+    receiver.register("a", array)
+    with pytest.raises(refit.AlreadyExists, match="a"):
+        receiver.register("a", np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        receiver.register("b", np.zeros((4, 4), np.float32)[:, 1])
+    with pytest.raises(ValueError, match="read-only"):
+        frozen = np.zeros(4, np.float32)
+        frozen.flags.writeable = False
+        receiver.register("c", frozen)
+    with pytest.raises(refit.InvalidArgument, match="complex"):
+        receiver.register("d", np.zeros(2, np.complex64))
+    with pytest.raises(KeyError):
+        refit.Config.load(str(tmp_path / "missing.yaml"))
+    (tmp_path / "bad.yaml").write_text("delta_compression:\n  encodng: xor\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml.*encodng"):
+        refit.Config.load(str(tmp_path / "bad.yaml"))
+    with pytest.raises(refit.InvalidArgument, match="kind"):
+        refit.Loader(rules=[{"kind": "diagonal", "match": "x"}])
+    with pytest.raises(refit.InvalidArgument, match="colour"):
+        refit.Loader(rules=[{"kind": "row", "colour": "x"}])
+    receiver.stop()
+
+
+def test_an_unreachable_receiver_is_a_connection_error(rng):
+    publisher = refit.Publisher(receivers=[("http://127.0.0.1:9", "127.0.0.1:9")], transfer_timeout=10)
+    with pytest.raises(ConnectionError, match="127.0.0.1:9"):
+        publisher.sync({"w": np.zeros(4, np.float32)})
+
+
+def test_a_wrong_api_key_is_a_permission_error(rng):
+    held = {"w": np.zeros(4, np.float32)}
+    receiver = refit.Receiver(api_key="right")
+    receiver.register("w", held["w"])
+    with receiver.start():
+        publisher = refit.Publisher(receivers=[receiver], api_key="wrong")
+        with pytest.raises(PermissionError):
+            publisher.sync({"w": np.ones(4, np.float32)})
+        assert held["w"].tobytes() == np.zeros(4, np.float32).tobytes()
+
+
+def test_a_tensor_the_receiver_does_not_hold_fails_the_sync_and_changes_nothing(rng):
+    trainer = make_model(rng)
+    held = held_copy(trainer)
+    with serve(held) as receiver:
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline(held_copy(trainer), version=0)
+        before = held_copy(held)
+        trainer["embed.weight"] += 1.0
+        trainer["extra"] = np.ones(3, np.float32)
+        with pytest.raises(refit.Error, match="extra"):
+            publisher.sync(trainer)
+        assert receiver.status().version == 0
+        for name in held:
+            assert held[name].tobytes() == before[name].tobytes()
+
+
+def test_hooks_bracket_each_transfer_and_wait_for_version_times_out(rng):
+    events = []
+    held = {"w": np.zeros(1000, np.float32)}
+    receiver = refit.Receiver(
+        before_first_apply=lambda transfer: events.append(("pause", transfer)),
+        after_commit=lambda transfer, version: events.append(("commit", version)),
+    )
+    receiver.register("w", held["w"])
+    with receiver.start():
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline({"w": np.zeros(1000, np.float32)}, version=0)
+        report = publisher.sync({"w": np.ones(1000, np.float32)})
+        assert receiver.wait_for_version(1, timeout=5) == 1
+        assert events == [("pause", report.transfer_id), ("commit", 1)]
+        with pytest.raises(TimeoutError, match="version 2"):
+            receiver.wait_for_version(2, timeout=0.2)
+
+
+def test_w_publishers_on_threads_share_the_chunks(rng):
+    trainer = {f"t{i}": rng.standard_normal(3000).astype(np.float32) for i in range(6)}
+    held = held_copy(trainer)
+    with serve(held) as receiver:
+        groups = refit.in_process_group(3)
+        publishers = [refit.Publisher(receivers=[receiver], group=g, chunk_bytes=4096) for g in groups]
+        for publisher in publishers:
+            publisher.adopt_baseline(held_copy(trainer), version=0)
+        for name in trainer:
+            perturb(trainer[name], rng, 0.05)
+        reports = [None] * 3
+
+        def run(rank):
+            reports[rank] = publishers[rank].sync(trainer)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert [r.rank for r in reports] == [0, 1, 2]
+        assert reports[0].version == 1 and reports[0].world_size == 3
+        assert sum(r.payloads for r in reports[1:]) > 0  # the other ranks sent their share
+        for name in trainer:
+            assert held[name].tobytes() == trainer[name].tobytes()
+
+
+def test_loader_specs_round_trip_through_yaml():
+    loader = refit.Loader.from_yaml(
+        "tp_rank: 1\ntp_size: 2\nrules:\n  - {kind: row, match: 'a\\..*'}\n"
+        "  - {kind: qkv, q: 'q', k: 'k', v: 'v', to: qkv, num_heads: 4, num_kv_heads: 2}\n"
+    )
+    assert (loader.tp_rank, loader.tp_size) == (1, 2)
+    assert loader.rules[0] == {"kind": "row", "match": "a\\..*"}
+    assert loader.rules[1]["num_kv_heads"] == 2
+    assert refit.Loader(**loader.to_dict()).to_dict() == loader.to_dict()
+
+
+def test_config_files_configure_publishers_and_receivers(tmp_path):
+    path = tmp_path / "refit.yaml"
+    path.write_text("delta_compression:\n  full_sync_interval: 3\n  export_chunk_bytes: 65536\n"
+                    "receivers:\n  - {control: 'http://10.0.0.5:8081', data: '10.0.0.5:5555'}\n")
+    config = refit.Config.load(str(path))
+    assert config.full_sync_interval == 3 and config.export_chunk_bytes == 65536
+    assert config.receivers == [("http://10.0.0.5:8081", "10.0.0.5:5555")]
+    held = {"w": np.zeros(10, np.float32)}
+    receiver = refit.Receiver(config=config)
+    receiver.register("w", held["w"])
+    with receiver.start():
+        publisher = refit.Publisher(config=config, receivers=[receiver])
+        assert publisher.sync({"w": np.ones(10, np.float32)}).anchor  # no baseline: an anchor
+        assert held["w"].tobytes() == np.ones(10, np.float32).tobytes()
