@@ -16,6 +16,10 @@ packages=(
   libcurl4-openssl-dev python3-boto3 python3-xxhash
   # MPI producer group (optional in CMake): Open MPI's headers and libraries, and mpirun for its test.
   libopenmpi-dev openmpi-bin
+  # The Python package: pybind11 for its core, Debian's torch (1.13, CPU) and pytest for its
+  # tests, and what an offline `pip install --no-build-isolation ./python` into a venv needs.
+  pybind11-dev python3-pybind11 python3-dev python3-torch python3-pytest
+  python3-setuptools python3-wheel python3-build python3-venv python3-pip
 )
 
 missing=()

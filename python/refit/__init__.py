@@ -362,15 +362,24 @@ class Receiver:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def _started(self, what: str) -> str:
+        value = getattr(self._core, what)
+        if not value:
+            raise FailedPrecondition(f"receiver: {what} is known once the receiver is started (call start())")
+        return value
+
     @property
     def control_url(self) -> str:
-        """The control plane's base URL, ``http://host:port`` (empty before start)."""
-        return self._core.control_url
+        """The control plane's base URL, ``http://host:port``. FailedPrecondition before start."""
+        return self._started("control_url")
 
     @property
     def producer_endpoint(self) -> str:
-        """What producers send payloads to: the data endpoint (zmq) or the control URL (s3)."""
-        return self._core.producer_endpoint
+        """What producers send payloads to: the data endpoint (zmq) or the control URL (s3).
+
+        FailedPrecondition before start.
+        """
+        return self._started("producer_endpoint")
 
     @property
     def endpoint(self) -> Tuple[str, str]:

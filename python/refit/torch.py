@@ -150,11 +150,13 @@ class Publisher(refit.Publisher):
 
 
 def _module_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
-    """Every parameter and buffer (persistent or not) of ``module``, by qualified name."""
-    named: Dict[str, torch.Tensor] = {}
-    for name, parameter in module.named_parameters(remove_duplicate=False):
-        named.setdefault(name, parameter.detach())
-    for name, buffer in module.named_buffers(remove_duplicate=False):
+    """Every parameter and buffer (persistent or not) of ``module``, by qualified name.
+
+    Tied tensors appear under each of their names (state_dict keeps duplicates; torch 1.13's
+    named_parameters has no remove_duplicate=False).
+    """
+    named: Dict[str, torch.Tensor] = {n: t.detach() for n, t in module.state_dict(keep_vars=True).items()}
+    for name, buffer in module.named_buffers():
         if buffer is not None:
             named.setdefault(name, buffer.detach())
     return list(named.items())
@@ -165,12 +167,13 @@ class Receiver:
 
     ``Receiver(**options).attach(module, loader=…).start()``: ``options`` are
     :class:`refit.Receiver`'s (transport, endpoints, replica and shard, api key, config, hooks).
-    ``pause()`` is called before the first payload of a transfer is applied and ``resume()`` once
-    it committed or aborted (only if pause was called): stop generation in between, when the
+    ``pause()`` is called before the first payload of a transfer is applied and
+    ``resume(committed, version)`` once it committed (True, the new version) or aborted (False,
+    the version held again) — only if pause was called: stop generation in between, when the
     weights are a mix of two versions. Both run on refit's threads.
     """
 
-    def __init__(self, *, pause: Optional[Callable[[], None]] = None, resume: Optional[Callable[[], None]] = None, **options: Any):
+    def __init__(self, *, pause: Optional[Callable[[], None]] = None, resume: Optional[Callable[[bool, int], None]] = None, **options: Any):
         for hook in ("before_first_apply", "after_commit", "after_abort"):
             if hook in options:
                 raise InvalidArgument(f"refit.torch.Receiver: use pause/resume, not {hook}")
@@ -193,13 +196,13 @@ class Receiver:
                 self._pause()
             self._paused = True
 
-    def _finish(self, committed: bool) -> None:
+    def _finish(self, committed: bool, version: int) -> None:
         with self._lock:
             if committed:
                 for target, host in self._mirrors:
                     target.copy_(host)
             if self._paused and self._resume is not None:
-                self._resume()
+                self._resume(committed, version)
             self._paused = False
 
     def attach(self, module: torch.nn.Module, loader: Optional[refit.Loader] = None, prefix: str = "", mirror: Union[bool, str] = "auto") -> "Receiver":
@@ -238,8 +241,8 @@ class Receiver:
         inner = refit.Receiver(
             loader=spec,
             before_first_apply=self._before_first_apply,
-            after_commit=lambda transfer_id, version: self._finish(True),
-            after_abort=lambda transfer_id, version: self._finish(False),
+            after_commit=lambda transfer_id, version: self._finish(True, version),
+            after_abort=lambda transfer_id, version: self._finish(False, version),
             **self._options,
         )
         for name, tensor in registered:

@@ -223,3 +223,14 @@ def test_config_files_configure_publishers_and_receivers(tmp_path):
         publisher = refit.Publisher(config=config, receivers=[receiver])
         assert publisher.sync({"w": np.ones(10, np.float32)}).anchor  # no baseline: an anchor
         assert held["w"].tobytes() == np.ones(10, np.float32).tobytes()
+
+
+def test_the_package_version_is_the_projects():
+    import pathlib
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "python" / "pyproject.toml").read_text())["project"]
+    cmake = re.search(r"project\(refit VERSION ([0-9.]+)", (root / "CMakeLists.txt").read_text())
+    assert refit.__version__ == project["version"] == cmake.group(1)

@@ -80,3 +80,16 @@ def test_torch_rl_loop_quiet_prints_only_the_summary():
     assert len(lines) == 1, result.stdout
     summary = json.loads(lines[0])
     assert summary["ok"] and len(summary["steps"]) == 1
+
+
+def test_torch_rl_loop_fails_when_a_worker_differs():
+    # The checks are not vacuous: the unsharded worker reports the logits of a weight one bit
+    # off at version 2 (in a copy of its weights), and the example says so and exits non-zero.
+    result = run_example("--steps", "3", "--quiet", "--fault-step", "2")
+    assert result.returncode != 0, result.stdout
+    summary = summary_of(result)
+    assert not summary["ok"]
+    by_step = {s["step"]: s for s in summary["steps"]}
+    assert by_step[1]["unsharded_logits_equal"] and by_step[3]["unsharded_logits_equal"]
+    assert not by_step[2]["unsharded_logits_equal"]
+    assert all(s["tp2_logits_equal"] for s in summary["steps"])

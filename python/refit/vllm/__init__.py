@@ -5,9 +5,11 @@ Two ways in, both pure Python, both running one :class:`refit.torch.Receiver` pe
 
 1. The worker extension :class:`RefitWorkerExtension`:
    ``LLM(..., worker_extension_cls="refit.vllm.RefitWorkerExtension")``, then
-   ``llm.collective_rpc("refit_start", kwargs={"options": {...}})`` → the receivers' endpoints
-   for a :class:`refit.Publisher`; ``refit_status``, ``refit_version``,
-   ``refit_wait_for_version``, ``refit_info``, ``refit_stop``.
+   ``llm.collective_rpc("refit_reserve", ...)`` (each worker's data endpoint, for the relay
+   tree's ``peers``: :func:`peers_of`) and ``llm.collective_rpc("refit_start", kwargs={"options":
+   {...}})`` → the receivers' endpoints for a :class:`refit.Publisher` (:func:`receivers_of`);
+   ``refit_status``, ``refit_version``, ``refit_wait_for_version``, ``refit_info``,
+   ``refit_stop``.
 2. The ``refit`` backend of vLLM's native weight-transfer API
    (``WeightTransferConfig(backend="refit")``), registered by :func:`register` — the
    ``vllm.general_plugins`` entry point ``refit = "refit.vllm:register"`` of this package. The
@@ -49,7 +51,7 @@ from ._runtime import (
     check_host_resident,
     parallel_coordinates,
 )
-from .extension import RefitWorkerExtension, receivers_of
+from .extension import RefitWorkerExtension, peers_of, receivers_of
 
 __all__ = [
     "BACKEND",
@@ -68,6 +70,7 @@ __all__ = [
     "WorkerRuntime",
     "check_host_resident",
     "parallel_coordinates",
+    "peers_of",
     "receivers_of",
     "register",
     "sync_weights",

@@ -37,6 +37,7 @@ from ._runtime import (
     RefitOptions,
     WeightUpdateAborted,
     WorkerRuntime,
+    data_parallel_size,
     default_replica,
     parallel_coordinates,
 )
@@ -103,7 +104,10 @@ class RefitEngineLogic:
 
         ``init_info``: a :class:`refit.vllm.engine.RefitWeightTransferInitInfo` (vLLM parses the
         ``init_info`` dict into one; its keys are those of :class:`refit.vllm.RefitOptions`).
-        A receiver already running is stopped first (its ports change). Raises InvalidArgument
+        This one broadcast call cannot gather endpoints first, so a fleet of more than one
+        receiver over zmq:// needs fixed ports (``data_port``; the engine's own workers are then
+        the default ``peers``) or an explicit ``peers`` list. A receiver already running is
+        stopped first. Raises InvalidArgument
         (bad options, a model tensor in device memory) and the receiver's errors.
         """
         options = options_of(init_info)
@@ -112,7 +116,13 @@ class RefitEngineLogic:
         replica = options.replica if options.replica is not None else default_replica(vllm_config, tp_size, dp_rank)
         self.shutdown()
         runtime = WorkerRuntime(
-            self._refit_target_model(), options, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, replica=replica
+            self._refit_target_model(),
+            options,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=dp_rank,
+            replica=replica,
+            dp_size=data_parallel_size(vllm_config),
         )
         runtime.start()
         self._refit = runtime
@@ -168,7 +178,7 @@ class RefitEngineLogic:
         session.timeout = getattr(update_info, "timeout", None)
         if getattr(update_info, "wait", True):
             try:
-                runtime.wait_committed(session.version, session.mark, session.timeout)
+                runtime.wait_committed(session.version, session.mark, session.base_version, session.timeout)
             except BaseException as error:
                 session.failure = str(error)
                 raise
@@ -197,7 +207,7 @@ class RefitEngineLogic:
             )
         if session.confirmed and runtime.version >= session.version:
             return
-        runtime.wait_committed(session.version, session.mark, session.timeout)
+        runtime.wait_committed(session.version, session.mark, session.base_version, session.timeout)
 
     def abort_weight_update(self) -> None:
         """Drop the open session (vLLM's abort hook). The receiver rolls back on its own."""

@@ -62,10 +62,13 @@ class RefitOptions:
     tp_size: Optional[int] = None
     #: The canonical (checkpoint) shape of every tensor the trainer sends, name → shape. With it
     #: the loader is inferred by :func:`refit.torch.tp_loader` (same shape: identity; dim 0 / TP:
-    #: row; dim 1 / TP: column; ``fused`` for q,k,v → qkv_proj and gate,up → gate_up_proj).
+    #: row; dim 1 / TP: column; vLLM's padded vocabulary: vocab).
     canonical_shapes: Optional[Dict[str, List[int]]] = None
-    #: Fused local tensors, as :func:`refit.torch.tp_loader` takes them.
-    fused: Optional[Dict[str, Dict[str, Any]]] = None
+    #: Loader rules for the fused local tensors, passed to :func:`refit.torch.tp_loader` before
+    #: the inferred ones, e.g. ``{"kind": "qkv", "q": r"(.*)\\.q_proj\\.weight", "k": …, "v": …,
+    #: "to": "$1.qkv_proj.weight", "num_heads": 32, "num_kv_heads": 8}`` and ``{"kind":
+    #: "gate_up", "gate": …, "up": …, "to": "$1.gate_up_proj.weight"}``.
+    fused: Optional[List[Dict[str, Any]]] = None
     #: Explicit loader rules (the dicts :class:`refit.Loader` takes), instead of inference.
     loader_rules: Optional[List[Dict[str, Any]]] = None
     #: The version the worker's weights are at (default: 0).
@@ -73,16 +76,29 @@ class RefitOptions:
     #: The data-plane URI (default: ``zmq://``).
     transport: Optional[str] = None
     #: Where the zmq data port listens, and the host name producers reach it by. Port 0: a
-    #: free port; otherwise ``data_port + tp_rank``.
+    #: free port (or the one ``refit_reserve`` chose); otherwise ``data_port + i``, i = the
+    #: worker's index in the engine, ``dp_rank * tp_size + tp_rank``.
     data_host: str = "127.0.0.1"
     data_port: int = 0
+    #: The zmq relay tree: every receiver's data endpoint (``host:port``), the same list in the
+    #: same order on every receiver of the fleet, this one included — and the publisher's
+    #: ``receivers`` in that order (:func:`refit.vllm.receivers_of` sorts them so). Default:
+    #: with a fixed ``data_port``, the engine's own workers, ``data_host:data_port + i`` for i
+    #: < data_parallel_size × tp_size (right when the engine, on one host, is the whole fleet);
+    #: with free ports, none, which only a fleet of one receiver can do without.
+    peers: Optional[List[str]] = None
     #: Where the HTTP control plane listens. Port 0: a free port; otherwise
-    #: ``control_port + tp_rank``.
+    #: ``control_port + i`` (as ``data_port``).
     control_host: str = "127.0.0.1"
     control_port: int = 0
     #: The name of an environment variable of the worker holding the control plane's key (the
     #: key itself never travels in these options, which vLLM logs and sends over RPC).
     api_key_env: Optional[str] = None
+    #: Keep a host copy of the model and copy it into the model's tensors after each commit
+    #: (``refit.torch.Receiver.attach(mirror=True)``): the way to serve from device memory, at
+    #: the price of a second copy of the weights in host memory and a whole-model host-to-device
+    #: copy per commit. False (default): a tensor in device memory is an InvalidArgument.
+    mirror: bool = False
     #: "gate" (default) or "none"; see :data:`PAUSE_MODES`.
     pause: str = "gate"
     #: Seconds the gate waits for forward passes in flight to finish before a transfer applies.
@@ -208,29 +224,29 @@ class ForwardGate:
 
 @dataclasses.dataclass(frozen=True)
 class TransferEvent:
-    """One transfer outcome a worker's receiver reported through its hooks."""
+    """One engine-hook call of a worker's receiver: a transfer began applying, or it ended."""
 
     #: A sequence number, increasing per worker: ``seq > mark`` means "after the mark".
     seq: int
-    #: "commit" or "abort".
+    #: "pause" (the first payload of a transfer is about to be applied), then "commit" or
+    #: "abort" (that transfer ended; "resume" if the hook was not told which).
     kind: str
-    transfer_id: str
-    #: Commit: the version committed. Abort: the version the receiver stays at.
+    #: Commit: the version now held. Abort: the version held again (rolled back to).
     version: Optional[int]
-
-
-def _hex(value: Any) -> Optional[str]:
-    if value is None:
-        return None
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).hex()
-    return str(value)
+    #: time.monotonic() when the hook ran.
+    at: float
 
 
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def data_parallel_size(vllm_config: Any) -> int:
+    """Return ``vllm_config.parallel_config.data_parallel_size`` (1 when absent)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return int(getattr(parallel, "data_parallel_size", 1) or 1)
 
 
 def parallel_coordinates(worker: Any, vllm_config: Any, options: RefitOptions) -> Tuple[int, int, int]:
@@ -299,18 +315,44 @@ def check_host_resident(model: Any) -> None:
             raise InvalidArgument(
                 f"refit.vllm: tensor '{name}' of the worker's model is on {device}; refit applies "
                 "transfers in place into host memory and cannot write device memory. Run the "
-                "worker on the CPU (vLLM's CPU backend) or keep the model in host memory; see "
-                "docs/vllm.md, \"Device memory\""
+                "worker on the CPU (vLLM's CPU backend), or pass the option mirror=True (a host "
+                "copy of the model, copied in after each commit); see docs/vllm.md, \"Device memory\""
             )
 
 
+def is_zmq(options: RefitOptions) -> bool:
+    """Whether the options' data plane is zmq:// (possibly wrapped, e.g. fault+zmq://)."""
+    return (options.transport or "zmq://").split("://")[0].split("+")[-1] == "zmq"
+
+
+def data_endpoint_of(options: RefitOptions, index: int) -> str:
+    """Return the data endpoint of the engine's worker ``index``: fixed port, else a free one."""
+    port = options.data_port + index if options.data_port else _free_port(options.data_host)
+    return f"{options.data_host}:{port}"
+
+
+def default_peers(options: RefitOptions, tp_size: int, dp_size: int) -> List[str]:
+    """Return the options' peers, or the engine's own workers when its ports are fixed."""
+    if options.peers is not None:
+        return [str(peer) for peer in options.peers]
+    if options.data_port and tp_size * dp_size > 1:
+        return [f"{options.data_host}:{options.data_port + i}" for i in range(tp_size * dp_size)]
+    return []
+
+
 class WorkerRuntime:
-    """One vLLM worker's refit receiver over its model, and the outcomes of its transfers.
+    """One vLLM worker's refit receiver over its model, and the hook calls of its transfers.
+
+    The receiver is a :class:`refit.torch.Receiver` attached to the model in place. Its
+    ``pause`` hook (before a transfer's first apply) closes the :class:`ForwardGate` and its
+    ``resume(committed, version)`` hook (after the commit or the abort) opens it; both are
+    recorded as :class:`TransferEvent` s, which :meth:`wait_committed` reads to tell an aborted
+    transfer from one still to come.
 
     Thread-safety: :meth:`start` and :meth:`stop` are called from the worker's thread; the
-    accessors and the waits may be called from any thread. The receiver's hooks run on refit's
-    threads and only touch this object's condition variable (never the receiver), so a waiter
-    holding it cannot deadlock with a hook.
+    accessors and the waits may be called from any thread. The hooks run on refit's threads and
+    touch only this object's condition variable, never the receiver (the core's hooks must not
+    call into the receiver); waiters read the receiver without holding that condition variable.
     """
 
     def __init__(
@@ -322,23 +364,35 @@ class WorkerRuntime:
         tp_size: int,
         dp_rank: int = 0,
         replica: str = "",
-        on_pause: Optional[Callable[[str], None]] = None,
-        on_resume: Optional[Callable[[str, str, Optional[int]], None]] = None,
+        dp_size: int = 1,
+        data_endpoint: Optional[str] = None,
+        on_pause: Optional[Callable[[], None]] = None,
+        on_resume: Optional[Callable[[], None]] = None,
     ) -> None:
+        """Describe the receiver to run; :meth:`start` starts it.
+
+        ``data_endpoint``: the zmq endpoint to listen on (one :func:`reserve_data_endpoint`
+        chose); default: from the options. ``on_pause`` / ``on_resume``: extra callables run by
+        the hooks (after the gate closed / after it opened), on refit's threads.
+        """
         self._model = model
         self._options = options
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.dp_rank = dp_rank
         self.replica = replica
+        self.dp_size = dp_size
+        self._data_endpoint = data_endpoint
         self._on_pause = on_pause
         self._on_resume = on_resume
         self._gate = ForwardGate() if options.pause == "gate" else None
         self._cond = threading.Condition()
         self._events: List[TransferEvent] = []
         self._seq = 0
-        self._open_transfer: Optional[str] = None
-        self._paused = False
+        self._pauses = 0
+        self._commits = 0
+        self._aborts = 0
+        self._applying = False
         self._receiver: Any = None
         self._info: Dict[str, Any] = {}
 
@@ -347,13 +401,14 @@ class WorkerRuntime:
     def start(self) -> Dict[str, Any]:
         """Build the loader, attach the receiver to the model in place, start it; return info.
 
-        Raises InvalidArgument for a tensor in device memory or bad loader options, and the
-        receiver's errors (a port taken: Unavailable / AlreadyExists).
+        Raises InvalidArgument for a tensor in device memory without ``mirror``, or bad loader
+        options, and the receiver's errors (a port taken: Unavailable / AlreadyExists).
         """
         import refit.torch as refit_torch  # noqa: PLC0415 — needs torch, present in any worker
 
         options = self._options
-        check_host_resident(self._model)
+        if not options.mirror:
+            check_host_resident(self._model)
         loader = self._make_loader(refit_torch)
         kwargs: Dict[str, Any] = dict(options.receiver_kwargs)
         if options.version is not None:
@@ -367,22 +422,28 @@ class WorkerRuntime:
                     f"refit.vllm: api_key_env={options.api_key_env!r} is not set in the worker"
                 )
             kwargs["api_key"] = key
-        scheme = (options.transport or "zmq://").split("://")[0].split("+")[-1]
-        if scheme == "zmq" and "data_endpoint" not in kwargs:
-            port = options.data_port + self.tp_rank if options.data_port else _free_port(options.data_host)
-            kwargs["data_endpoint"] = f"{options.data_host}:{port}"
-        control_port = options.control_port + self.tp_rank if options.control_port else 0
+        index = self.dp_rank * self.tp_size + self.tp_rank
+        if is_zmq(options):
+            endpoint = kwargs.setdefault("data_endpoint", self._data_endpoint or data_endpoint_of(options, index))
+            peers = list(kwargs.get("peers") or default_peers(options, self.tp_size, self.dp_size))
+            if peers and endpoint not in peers:
+                raise InvalidArgument(
+                    f"refit.vllm: this worker's data endpoint {endpoint} is not in peers {peers}"
+                )
+            if not peers and self.tp_size > 1:
+                raise InvalidArgument(
+                    f"refit.vllm: {self.tp_size} TP workers over zmq:// form a relay tree, which needs "
+                    "peers: every receiver's data endpoint in publisher order. Give a fixed data_port "
+                    "(then the engine's workers are the default peers), or call refit_reserve first "
+                    "and pass peers=refit.vllm.peers_of(reservations)"
+                )
+            kwargs["peers"] = peers
+        kwargs.setdefault("control_host", options.control_host)
+        kwargs.setdefault("control_port", options.control_port + index if options.control_port else 0)
         receiver = refit_torch.Receiver(
-            loader=loader,
-            replica=self.replica,
-            control_host=options.control_host,
-            control_port=control_port,
-            before_first_apply=self._hook_pause,
-            after_commit=self._hook_commit,
-            after_abort=self._hook_abort,
-            **kwargs,
+            replica=self.replica, pause=self._hook_pause, resume=self._hook_resume, **kwargs
         )
-        receiver.attach(self._model)
+        receiver.attach(self._model, loader=loader, mirror=bool(options.mirror))
         if self._gate is not None:
             self._gate.install(self._model)
         try:
@@ -401,6 +462,7 @@ class WorkerRuntime:
             "tp_size": self.tp_size,
             "dp_rank": self.dp_rank,
             "replica": self.replica,
+            "peers": list(kwargs.get("peers") or []),
             "pid": os.getpid(),
         }
         if options.endpoints_dir:
@@ -413,17 +475,18 @@ class WorkerRuntime:
 
         Returns the last status, or None if the receiver was not running.
         """
-        receiver, self._receiver = self._receiver, None
+        receiver = self._receiver
         if receiver is None:
             return None
-        last = self._status_of(receiver)
+        last = self.status()
+        self._receiver = None
         receiver.stop()
         if self._gate is not None:
             self._gate.remove()
         with self._cond:
-            self._open_transfer = None
-            self._paused = False
+            self._applying = False
             self._cond.notify_all()
+        last["running"] = False
         return last
 
     @property
@@ -444,7 +507,7 @@ class WorkerRuntime:
         """Return this worker's endpoints and place: picklable, msgpack-able plain types.
 
         Keys: control_url, producer_endpoint, version (current), tp_rank, tp_size, dp_rank,
-        replica, pid.
+        replica, peers (the relay tree it was started with; [] alone), pid.
         """
         info = dict(self._info)
         if self._receiver is not None:
@@ -458,35 +521,38 @@ class WorkerRuntime:
 
     @property
     def event_seq(self) -> int:
-        """The sequence number of the last transfer outcome recorded (0: none yet)."""
+        """The sequence number of the last hook call recorded (0: none yet)."""
         with self._cond:
             return self._seq
 
     def events_since(self, mark: int) -> List[TransferEvent]:
-        """Return the transfer outcomes recorded after sequence number ``mark``."""
+        """Return the hook calls recorded after sequence number ``mark`` (the last 256 at most)."""
         with self._cond:
             return [event for event in self._events if event.seq > mark]
 
     def status(self) -> Dict[str, Any]:
         """Return the receiver's status and this worker's pause state, as plain types.
 
-        Keys: the fields of :class:`refit.ReceiverStatus`, plus running, paused, gate_closed,
-        forwards_in_flight, commits, aborts, last_event, tp_rank, tp_size, dp_rank, replica.
+        Keys: the fields of :class:`refit.ReceiverStatus` (when running), plus ``running``,
+        ``applying`` (between a transfer's first apply and its end), ``gate_closed``,
+        ``forwards_in_flight``, ``pauses`` (transfers that began applying), ``commits`` and
+        ``aborts`` (how those ended), ``last_event`` (a dict, or None), ``tp_rank``,
+        ``tp_size``, ``dp_rank``, ``replica``.
         """
-        status = self._status_of(self._receiver) if self._receiver is not None else {}
+        receiver = self._receiver
+        status = dataclasses.asdict(receiver.status()) if receiver is not None else {}
         with self._cond:
-            commits = sum(1 for event in self._events if event.kind == "commit")
-            aborts = sum(1 for event in self._events if event.kind == "abort")
-            last = dataclasses.asdict(self._events[-1]) if self._events else None
-            paused = self._paused
+            status.update(
+                applying=self._applying,
+                pauses=self._pauses,
+                commits=self._commits,
+                aborts=self._aborts,
+                last_event=dataclasses.asdict(self._events[-1]) if self._events else None,
+            )
         status.update(
-            running=self._receiver is not None,
-            paused=paused,
+            running=receiver is not None,
             gate_closed=self._gate.closed if self._gate is not None else False,
             forwards_in_flight=self._gate.in_flight if self._gate is not None else 0,
-            commits=commits,
-            aborts=aborts,
-            last_event=last,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             dp_rank=self.dp_rank,
@@ -504,34 +570,44 @@ class WorkerRuntime:
         timeout = self._options.wait_timeout if timeout is None else timeout
         return int(self.receiver.wait_for_version(int(version), timeout))
 
-    def wait_committed(self, version: int, since: int, timeout: Optional[float] = None) -> int:
-        """Block until ``version`` is committed; fail if a transfer aborted after mark ``since``.
+    def wait_committed(self, version: int, since: int, base_version: int, timeout: Optional[float] = None) -> int:
+        """Block until ``version`` is committed; fail when this session's transfer aborted.
 
-        Returns the committed version (≥ ``version``). Raises :class:`WeightUpdateAborted` when a
-        transfer aborted after the mark and none is open now (the trainer's sync failed), and
+        ``since`` and ``base_version``: :attr:`event_seq` and :attr:`version` when the session
+        began. A transfer that began applying after the mark and was aborted (rolled back), with
+        the receiver idle again below ``version``, raises :class:`WeightUpdateAborted` at once;
+        so does one that ended without moving the receiver past ``base_version`` when the hook
+        did not say how it ended. A transfer aborted before its first apply calls no hook and
+        ends in DeadlineExceeded instead. Returns the committed version (≥ ``version``). Raises
         DeadlineExceeded after ``timeout`` s (default: the options' ``wait_timeout``).
         """
         timeout = self._options.wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
-            # Read the receiver outside the lock: a hook may be waiting for it (see the class).
-            current = self.version
-            if current >= version:
-                return current
             with self._cond:
-                aborted = [event for event in self._events if event.seq > since and event.kind == "abort"]
-                if aborted and self._open_transfer is None:
-                    last = aborted[-1]
-                    raise WeightUpdateAborted(
-                        f"refit.vllm: transfer {last.transfer_id} aborted; tp rank {self.tp_rank} of "
-                        f"replica '{self.replica}' stays at version {current}, not {version}"
-                    )
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineExceeded(
-                        f"refit.vllm: version {version} not committed within {timeout:g} s on tp rank "
-                        f"{self.tp_rank} of replica '{self.replica}' (at version {current})"
-                    )
+                recent = [event for event in self._events if event.seq > since]
+                applying = self._applying
+            aborted = any(event.kind == "abort" for event in recent)
+            unexplained = any(event.kind == "resume" for event in recent)
+            # Read the receiver outside the condition variable (see the class comment); a hook
+            # recorded above ran after the receiver's state changed, so this read sees it.
+            status = self.receiver.status()
+            if status.version >= version:
+                return int(status.version)
+            if (aborted or (unexplained and status.version <= base_version)) and not applying and status.state == "idle":
+                reason = f": {status.last_error}" if status.last_error else ""
+                raise WeightUpdateAborted(
+                    f"refit.vllm: the transfer to version {version} aborted{reason}; tp rank "
+                    f"{self.tp_rank} of replica '{self.replica}' rolled back to version {status.version}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"refit.vllm: version {version} not committed within {timeout:g} s on tp rank "
+                    f"{self.tp_rank} of replica '{self.replica}' (at version {status.version}, "
+                    f"state {status.state})"
+                )
+            with self._cond:
                 self._cond.wait(min(remaining, _POLL_S))
 
     # -- internals -------------------------------------------------------------------------
@@ -542,21 +618,15 @@ class WorkerRuntime:
             return refit.Loader(tp_rank=self.tp_rank, tp_size=self.tp_size, rules=options.loader_rules)
         if options.canonical_shapes is not None:
             shapes = {name: tuple(int(d) for d in shape) for name, shape in options.canonical_shapes.items()}
-            return refit_torch.tp_loader(
-                self._model, shapes, self.tp_rank, self.tp_size, fused=options.fused
-            )
+            return refit_torch.tp_loader(self._model, shapes, self.tp_rank, self.tp_size, fused=options.fused or None)
         if self.tp_size > 1:
             raise InvalidArgument(
                 f"refit.vllm: tensor parallelism {self.tp_size} needs canonical_shapes (the "
                 "trainer's tensor shapes) or loader_rules to map the checkpoint onto this shard"
             )
+        if options.fused:
+            raise InvalidArgument("refit.vllm: fused rules need canonical_shapes")
         return None
-
-    @staticmethod
-    def _status_of(receiver: Any) -> Dict[str, Any]:
-        status = dataclasses.asdict(receiver.status())
-        status["transfer_id"] = _hex(status.get("transfer_id"))
-        return status
 
     def _write_endpoints_file(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -566,44 +636,40 @@ class WorkerRuntime:
             json.dump(self._info, out)
         os.replace(scratch, path)
 
-    def _record(self, kind: str, transfer_id: Any, version: Any) -> None:
-        with self._cond:
-            self._seq += 1
-            self._events.append(
-                TransferEvent(self._seq, kind, _hex(transfer_id) or "", None if version is None else int(version))
-            )
-            # Bound the record: waiters only look at events after their own recent mark.
-            del self._events[:-256]
-            self._open_transfer = None
-            self._cond.notify_all()
+    def _record(self, kind: str, version: Optional[int] = None) -> None:
+        # Called with self._cond held.
+        self._seq += 1
+        self._events.append(TransferEvent(self._seq, kind, version, time.monotonic()))
+        # Bound the record: waiters only look at events after their own recent mark.
+        del self._events[:-256]
+        self._cond.notify_all()
 
-    def _hook_pause(self, transfer_id: Any = None, *rest: Any) -> None:
+    def _hook_pause(self) -> None:
         with self._cond:
-            self._open_transfer = _hex(transfer_id) or "?"
-            self._paused = True
+            self._applying = True
+            self._pauses += 1
+            self._record("pause")
         if self._gate is not None and not self._gate.close(self._options.drain_timeout):
             _LOG.warning(
-                "refit.vllm: %d forward pass(es) still in flight after %g s; applying transfer %s anyway",
-                self._gate.in_flight, self._options.drain_timeout, _hex(transfer_id),
+                "refit.vllm: %d forward pass(es) still in flight after %g s; applying the transfer anyway",
+                self._gate.in_flight, self._options.drain_timeout,
             )
         if self._on_pause is not None:
-            self._on_pause(_hex(transfer_id) or "")
+            self._on_pause()
 
-    def _hook_resume(self, *args: Any) -> None:
+    def _hook_resume(self, committed: Optional[bool] = None, version: Optional[int] = None, *rest: Any) -> None:
         if self._gate is not None:
             self._gate.open()
         with self._cond:
-            self._paused = False
-            self._cond.notify_all()
-
-    def _hook_commit(self, transfer_id: Any = None, version: Any = None, *rest: Any) -> None:
-        self._record("commit", transfer_id, version)
-        self._hook_resume()
+            self._applying = False
+            if committed is None:
+                kind = "resume"
+            elif committed:
+                kind = "commit"
+                self._commits += 1
+            else:
+                kind = "abort"
+                self._aborts += 1
+            self._record(kind, None if version is None else int(version))
         if self._on_resume is not None:
-            self._on_resume("commit", _hex(transfer_id) or "", None if version is None else int(version))
-
-    def _hook_abort(self, transfer_id: Any = None, version: Any = None, *rest: Any) -> None:
-        self._record("abort", transfer_id, version)
-        self._hook_resume()
-        if self._on_resume is not None:
-            self._on_resume("abort", _hex(transfer_id) or "", None if version is None else int(version))
+            self._on_resume()

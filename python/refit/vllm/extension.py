@@ -19,7 +19,17 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from refit.errors import FailedPrecondition
 
-from ._runtime import RefitOptions, WorkerRuntime, default_replica, parallel_coordinates
+from refit.errors import InvalidArgument
+
+from ._runtime import (
+    RefitOptions,
+    WorkerRuntime,
+    data_endpoint_of,
+    data_parallel_size,
+    default_replica,
+    is_zmq,
+    parallel_coordinates,
+)
 
 
 class RefitWorkerExtension:
@@ -29,12 +39,16 @@ class RefitWorkerExtension:
     ``torch.nn.Module`` being served), ``self.vllm_config`` (for ``parallel_config`` and the
     engine's ``instance_id``), ``self.rank`` (the fallback for the TP rank) and ``self.device``.
 
-    Lifecycle, from the driver::
+    Lifecycle, from the driver (the zmq:// relay tree needs every receiver's data endpoint
+    before any starts, hence the reservation round)::
 
-        infos = llm.collective_rpc("refit_start", kwargs={"options": {
+        options = {
             "canonical_shapes": {name: list(t.shape) for name, t in trainer_state.items()},
-            "fused": {...},                     # q,k,v → qkv_proj; gate,up → gate_up_proj
-        }})
+            "fused": [...],                     # q,k,v → qkv_proj; gate,up → gate_up_proj
+        }
+        reservations = llm.collective_rpc("refit_reserve", kwargs={"options": options})
+        options["peers"] = refit.vllm.peers_of(reservations)
+        infos = llm.collective_rpc("refit_start", kwargs={"options": options})
         publisher = refit.torch.Publisher(receivers=refit.vllm.receivers_of(infos))
         ...
         publisher.sync(trainer_model)           # the workers' weights now match, bit for bit
@@ -47,6 +61,26 @@ class RefitWorkerExtension:
     Thread-safety: vLLM calls these methods on the worker's RPC thread, one at a time.
     """
 
+    def refit_reserve(self, options: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Dict[str, Any]:
+        """Choose this worker's zmq data endpoint, for the fleet's ``peers`` list; start nothing.
+
+        Takes the options :meth:`refit_start` will get (``data_host``, ``data_port``, the TP
+        overrides and ``replica`` matter here). Returns ``{data_endpoint, tp_rank, tp_size,
+        dp_rank, replica}``; :func:`refit.vllm.peers_of` orders a fleet's reservations into
+        ``peers``. The next :meth:`refit_start` listens on this endpoint. With a free port the
+        port is probed, not held: another process may take it before the start (rare; the start
+        then fails with Unavailable or AlreadyExists — reserve again).
+        """
+        parsed = RefitOptions.from_dict(options, **overrides)
+        if not is_zmq(parsed):
+            raise InvalidArgument(f"refit.vllm: refit_reserve is for zmq://, not {parsed.transport}")
+        vllm_config = getattr(self, "vllm_config", None)
+        tp_rank, tp_size, dp_rank = parallel_coordinates(self, vllm_config, parsed)
+        replica = parsed.replica if parsed.replica is not None else default_replica(vllm_config, tp_size, dp_rank)
+        endpoint = data_endpoint_of(parsed, dp_rank * tp_size + tp_rank)
+        self._refit_reserved = endpoint
+        return {"data_endpoint": endpoint, "tp_rank": tp_rank, "tp_size": tp_size, "dp_rank": dp_rank, "replica": replica}
+
     def refit_start(self, options: Optional[Mapping[str, Any]] = None, **overrides: Any) -> Dict[str, Any]:
         """Start this worker's refit receiver over its model, in place; return its endpoints.
 
@@ -54,10 +88,12 @@ class RefitWorkerExtension:
         Every parameter and buffer of ``self.model_runner.model`` is registered zero-copy: each
         commit writes the new weights into the module's own tensors. The loader maps canonical
         (checkpoint) tensors onto this worker's TP shard, its rank taken from vLLM's parallel
-        state. Returns ``{control_url, producer_endpoint, version, tp_rank, tp_size, dp_rank,
-        replica, pid}``. Raises FailedPrecondition if already started (call
-        :meth:`refit_stop` first), InvalidArgument for unknown options or a model tensor in device
-        memory, and the receiver's errors.
+        state. Over zmq:// with more than one receiver, ``peers`` is required (see
+        :meth:`refit_reserve`) unless ``data_port`` is fixed. Returns ``{control_url,
+        producer_endpoint, version, tp_rank, tp_size, dp_rank, replica, peers, pid}``. Raises
+        FailedPrecondition if already started (call :meth:`refit_stop` first), InvalidArgument
+        for unknown options, missing peers or a model tensor in device memory without
+        ``mirror``, and the receiver's errors.
         """
         if getattr(self, "_refit_runtime", None) is not None and self._refit_runtime.running:
             raise FailedPrecondition("refit.vllm: refit_start called twice; call refit_stop first")
@@ -66,10 +102,18 @@ class RefitWorkerExtension:
         tp_rank, tp_size, dp_rank = parallel_coordinates(self, vllm_config, parsed)
         replica = parsed.replica if parsed.replica is not None else default_replica(vllm_config, tp_size, dp_rank)
         runtime = WorkerRuntime(
-            self._refit_model(), parsed, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, replica=replica
+            self._refit_model(),
+            parsed,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_rank=dp_rank,
+            replica=replica,
+            dp_size=data_parallel_size(vllm_config),
+            data_endpoint=getattr(self, "_refit_reserved", None),
         )
         info = runtime.start()
         self._refit_runtime = runtime
+        self._refit_reserved = None
         return info
 
     def refit_info(self) -> Dict[str, Any]:
@@ -139,15 +183,48 @@ class RefitWorkerExtension:
         )
 
 
+def _place(info: Mapping[str, Any]) -> tuple:
+    return (str(info.get("replica", "")), int(info.get("dp_rank", 0)), int(info.get("tp_rank", 0)))
+
+
+def peers_of(reservations: List[Mapping[str, Any]]) -> List[str]:
+    """Return the fleet's ``peers`` (relay tree) from the workers' ``refit_reserve`` results.
+
+    ``reservations``: one dict per worker, several engines' lists concatenated. The data
+    endpoints, ordered by replica, DP rank and TP rank. Raises InvalidArgument for a repeated
+    endpoint.
+    """
+    ordered = sorted(reservations, key=_place)
+    peers = [str(item["data_endpoint"]) for item in ordered]
+    if len(set(peers)) != len(peers):
+        raise InvalidArgument(f"refit.vllm: repeated data endpoints in the reservations: {peers}")
+    return peers
+
+
 def receivers_of(infos: List[Mapping[str, Any]]) -> List[tuple]:
     """Return the ``receivers`` list of a :class:`refit.Publisher` from the workers' infos.
 
     ``infos``: what ``collective_rpc("refit_start" | "refit_info")`` returned (one dict per
     worker; several engines' lists may be concatenated). Returns ``(control_url,
-    producer_endpoint)`` pairs, one per distinct receiver, ordered by replica, DP rank, TP rank.
+    producer_endpoint)`` pairs, one per distinct receiver, in relay-tree order: the order of
+    the workers' ``peers`` when they have one, else by replica, DP rank and TP rank. Raises
+    InvalidArgument when the workers disagree on ``peers`` or a peer has no receiver (the tree
+    would forward payloads to a receiver the publisher does not prepare).
     """
-    seen = {}
+    unique: Dict[tuple, Mapping[str, Any]] = {}
     for info in infos:
-        key = (info["control_url"], info["producer_endpoint"])
-        seen.setdefault(key, (str(info.get("replica", "")), int(info.get("dp_rank", 0)), int(info.get("tp_rank", 0))))
-    return [key for key, _ in sorted(seen.items(), key=lambda item: item[1])]
+        unique.setdefault((info["control_url"], info["producer_endpoint"]), info)
+    trees = {tuple(info.get("peers") or ()) for info in unique.values()}
+    if trees == {()}:
+        return [key for key, _ in sorted(unique.items(), key=lambda item: _place(item[1]))]
+    if len(trees) != 1:
+        raise InvalidArgument(f"refit.vllm: the workers were started with different peers: {sorted(trees)}")
+    (peers,) = trees
+    by_endpoint = {key[1]: key for key in unique}
+    missing = [peer for peer in peers if peer not in by_endpoint]
+    if missing or len(by_endpoint) != len(peers):
+        raise InvalidArgument(
+            f"refit.vllm: peers {list(peers)} and the receivers' endpoints {sorted(by_endpoint)} differ "
+            f"(missing: {missing}); pass every worker's info"
+        )
+    return [by_endpoint[peer] for peer in peers]

@@ -1,0 +1,1035 @@
+#!/usr/bin/env python3
+"""An RL-style training loop that refits inference workers after every optimizer step, bit-exactly.
+
+What runs (every process on this host, every link a loopback socket)::
+
+    driver (this script)            spawns everyone, compares logits, prints the table
+    ├── trainer rank 0 ┐  torch.distributed (gloo): a small GPT, AdamW on fp32 master weights,
+    ├── trainer rank 1 ┘  gradients averaged with all_reduce; after each step both ranks copy_()
+    │                     the fp32 weights into one preallocated bf16 export and call
+    │                     refit.torch.Publisher.sync(export) together (SPMD: each rank encodes and
+    │                     sends the export chunks it owns; rank 0 runs the two-phase commit)
+    ├── worker "full"     refit.torch.Receiver over a bf16 GPT module in the canonical layout
+    ├── worker "tp2/0" ┐  one tensor-parallel replica ("tp2") of two receivers: each holds its
+    └── worker "tp2/1" ┘  shard, with fused qkv_proj (GQA: 4 heads, 2 kv heads) and gate_up_proj,
+                          column-parallel o_proj / down_proj, a padded vocabulary-parallel
+                          embedding and LM head, through a loader (refit.torch.tp_loader)
+
+The workers and the trainers talk only through refit: the workers start first and write their
+control URL and data endpoint to a file, which trainer rank 0 hands to its publisher. The driver
+only reads what everyone saves (torch.save) into a scratch directory to compare it.
+
+What is checked, after every step (and at step 0, the adopted baseline, before any sync):
+
+* the unsharded worker's logits on a fixed batch equal the trainer's bf16 logits bit for bit
+  (torch.equal): it runs the same forward code on the weights refit wrote into its module;
+* every tensor of each TP shard equals the slice of the trainer's export that the layout says it
+  holds (sliced here independently of refit's loader), and the padding rows of the vocabulary
+  shards are untouched;
+* the TP pair's logits equal the trainer's bit for bit. Honestly: a *sharded* forward (a
+  row-parallel matmul whose partial sums are all-reduced) adds in another order than an
+  unsharded matmul and is not bit-comparable, so for this check the pair all-gathers its shards
+  (a byte copy, exact), unfuses qkv / gate_up back into q, k, v, gate, up, and runs the same
+  reference forward as the trainer. The sharded forward is run too, and the table reports its
+  largest difference from the reference logits ("tp fwd |d|": one or two bf16 ulps) for
+  information only;
+* both trainer ranks hold the same export (SHA-256), and every sync is a sparse delta from the
+  version before (the first from the baseline adopted as version 0, which the workers hold).
+
+A worker evaluates every version: its refit "pause" hook (before the first apply of a transfer)
+waits until the forward on the committed weights is done, as an engine finishes the requests in
+flight before handing its weights over; "resume" (after the commit or abort) lets it read again.
+That wait is part of the sync's time. The three workers form one relay tree (each knows every
+worker's data endpoint), so each payload leaves a trainer rank once; every party proves a fresh
+shared key on the control planes and on the data plane.
+
+Run:  PYTHONPATH=python:build/dev/python python3 examples/torch_rl_loop.py [--steps N] [--quiet]
+
+It prints one row per step and, as its last line, a JSON summary; it exits non-zero if any check
+fails. Everything uses torch.set_num_threads(1), so that equal inputs give equal bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# ---- The model -----------------------------------------------------------------------------------
+
+#: A small Llama-style GPT: odd sizes on purpose (a vocabulary that is no multiple of the padding).
+CONFIG = dict(
+    vocab=250,
+    hidden=64,
+    layers=3,
+    heads=4,
+    kv_heads=2,  # GQA: two q heads share each kv head
+    mlp=160,
+    eps=1e-5,
+    rope_theta=10000.0,
+)
+SEED = 1234
+TP = 2
+PAD_TO = 8  # the vocabulary is padded to a multiple of PAD_TO * TP: 256, 128 rows per shard
+LR = 2e-6  # an RL fine-tuning rate: most bf16 weights do not move in a step, some move an ulp
+CHUNK_BYTES = 64 << 10  # small export chunks, so that both trainer ranks own some
+BATCH_PER_RANK = 8
+SEQ_LEN = 32
+EVAL_BATCH = (4, 24)
+#: Every party proves this shared secret, on the control planes (HTTP) and the data plane (zmq);
+#: the driver makes a fresh one per run and hands it to its children in the environment.
+KEY_ENV = "REFIT_EXAMPLE_KEY"
+TRANSPORT = f"zmq://?api_key_env={KEY_ENV}"
+
+LAYER_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def head_dim(cfg=CONFIG) -> int:
+    return cfg["hidden"] // cfg["heads"]
+
+
+def padded_vocab(cfg=CONFIG, tp=TP) -> int:
+    multiple = PAD_TO * tp
+    return (cfg["vocab"] + multiple - 1) // multiple * multiple
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, theta: float):
+    """Rotary position embedding of q, k [B, heads, T, D], computed here (no buffers to sync)."""
+    seq, dim = q.shape[-2], q.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(q.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(q.dtype)
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return torch.cat([-x[..., half:], x[..., :half]], -1)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def attention(q, k, v, kv_repeat: int) -> torch.Tensor:
+    """Causal attention of q [B, Hq, T, D] over k, v [B, Hkv, T, D] (GQA: repeated kv heads)."""
+    k = k.repeat_interleave(kv_repeat, dim=1)
+    v = v.repeat_interleave(kv_repeat, dim=1)
+    seq = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(causal, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return probs @ v
+
+
+def reference_forward(w: Dict[str, torch.Tensor], tokens: torch.Tensor, cfg=CONFIG) -> torch.Tensor:
+    """Logits [B, T, V] of the canonical weights `w` (name → tensor) on `tokens` [B, T].
+
+    The one forward everybody compares: the trainer (fp32 for training, bf16 for the reference
+    logits), the unsharded worker, and the TP pair on its reassembled weights.
+    """
+    batch, seq = tokens.shape
+    heads, kv_heads, dim = cfg["heads"], cfg["kv_heads"], head_dim(cfg)
+    x = F.embedding(tokens, w["model.embed_tokens.weight"])
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
+        q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(batch, seq, heads, dim)
+        k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(batch, seq, kv_heads, dim)
+        v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(batch, seq, kv_heads, dim)
+        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cfg["rope_theta"])
+        o = attention(q, k, v.transpose(1, 2), heads // kv_heads)
+        o = o.transpose(1, 2).reshape(batch, seq, heads * dim)
+        x = x + F.linear(o, w[p + "self_attn.o_proj.weight"])
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+        gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
+        up = F.linear(h, w[p + "mlp.up_proj.weight"])
+        x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+    x = rms_norm(x, w["model.norm.weight"], cfg["eps"])
+    return F.linear(x, w["lm_head.weight"])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        hidden, dim = cfg["hidden"], head_dim(cfg)
+        self.q_proj = nn.Linear(hidden, cfg["heads"] * dim, bias=False)
+        self.k_proj = nn.Linear(hidden, cfg["kv_heads"] * dim, bias=False)
+        self.v_proj = nn.Linear(hidden, cfg["kv_heads"] * dim, bias=False)
+        self.o_proj = nn.Linear(cfg["heads"] * dim, hidden, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg["hidden"], cfg["mlp"], bias=False)
+        self.up_proj = nn.Linear(cfg["hidden"], cfg["mlp"], bias=False)
+        self.down_proj = nn.Linear(cfg["mlp"], cfg["hidden"], bias=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg["hidden"])
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden"])
+        self.mlp = MLP(cfg)
+
+
+class Body(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab"], cfg["hidden"])
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg["layers"]))
+        self.norm = RMSNorm(cfg["hidden"])
+
+
+class GPT(nn.Module):
+    """The canonical model: Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight …)."""
+
+    def __init__(self, cfg=CONFIG):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg["hidden"], cfg["vocab"], bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return reference_forward(dict(self.named_parameters()), tokens, self.cfg)
+
+
+def make_model(seed: int = SEED) -> GPT:
+    """The initial fp32 model, the same bits in every process."""
+    torch.manual_seed(seed)
+    model = GPT(CONFIG)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return model
+
+
+def initial_bf16_state(seed: int = SEED) -> Dict[str, torch.Tensor]:
+    """The canonical bf16 weights at version 0: what the trainer's export holds before step 1."""
+    return {n: t.detach().to(torch.bfloat16) for n, t in make_model(seed).state_dict().items()}
+
+
+# ---- The tensor-parallel layout ------------------------------------------------------------------
+
+
+def qkv_rows(tp_rank: int, tp: int = TP, cfg=CONFIG):
+    """The q rows and the k/v rows (ranges) that TP rank `tp_rank` holds in its fused qkv_proj."""
+    dim = head_dim(cfg)
+    q_heads = cfg["heads"] // tp
+    if cfg["kv_heads"] >= tp:
+        kv_count, kv_first = cfg["kv_heads"] // tp, tp_rank * (cfg["kv_heads"] // tp)
+    else:  # fewer kv heads than ranks: each is replicated on tp / kv_heads consecutive ranks
+        kv_count, kv_first = 1, tp_rank // (tp // cfg["kv_heads"])
+    q = (tp_rank * q_heads * dim, (tp_rank + 1) * q_heads * dim)
+    kv = (kv_first * dim, (kv_first + kv_count) * dim)
+    return q, kv
+
+
+def shard_of(canonical: Dict[str, torch.Tensor], tp_rank: int, tp: int = TP, cfg=CONFIG):
+    """What TP rank `tp_rank` holds of the canonical weights, by plain slicing (not refit's loader).
+
+    Returns (tensors, canonical vocabulary rows per vocabulary shard): fused
+    qkv_proj = [q rows of its heads | k rows of its kv heads | v rows of its kv heads],
+    gate_up_proj = [gate block r | up block r], o_proj / down_proj column blocks, the embedding
+    and LM head as padded vocabulary blocks (padding rows zero), norms replicated.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    block = padded_vocab(cfg, tp) // tp
+    first = tp_rank * block
+    held_rows = max(0, min(block, cfg["vocab"] - first))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        shard = torch.zeros(block, cfg["hidden"], dtype=canonical[name].dtype)
+        shard[:held_rows] = canonical[name][first : first + held_rows]
+        out[name] = shard
+    out["model.norm.weight"] = canonical["model.norm.weight"].clone()
+    (q0, q1), (k0, k1) = qkv_rows(tp_rank, tp, cfg)
+    mlp_block = cfg["mlp"] // tp
+    hidden_block = cfg["heads"] * head_dim(cfg) // tp
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        c = {key: canonical[p + key] for key in LAYER_KEYS}
+        out[p + "input_layernorm.weight"] = c["input_layernorm.weight"].clone()
+        out[p + "post_attention_layernorm.weight"] = c["post_attention_layernorm.weight"].clone()
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [
+                c["self_attn.q_proj.weight"][q0:q1],
+                c["self_attn.k_proj.weight"][k0:k1],
+                c["self_attn.v_proj.weight"][k0:k1],
+            ]
+        )
+        r0, r1 = tp_rank * hidden_block, (tp_rank + 1) * hidden_block
+        out[p + "self_attn.o_proj.weight"] = c["self_attn.o_proj.weight"][:, r0:r1].clone()
+        m0, m1 = tp_rank * mlp_block, (tp_rank + 1) * mlp_block
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [c["mlp.gate_proj.weight"][m0:m1], c["mlp.up_proj.weight"][m0:m1]]
+        )
+        out[p + "mlp.down_proj.weight"] = c["mlp.down_proj.weight"][:, m0:m1].clone()
+    return out, held_rows
+
+
+def unshard(shards: List[Dict[str, torch.Tensor]], cfg=CONFIG) -> Dict[str, torch.Tensor]:
+    """The canonical weights from the TP shards (the inverse of shard_of; a pure byte copy)."""
+    tp = len(shards)
+    out: Dict[str, torch.Tensor] = {}
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        out[name] = torch.cat([s[name] for s in shards])[: cfg["vocab"]]
+    out["model.norm.weight"] = shards[0]["model.norm.weight"]
+    dim = head_dim(cfg)
+    q_rows = cfg["heads"] // tp * dim
+    kv_rows = (cfg["kv_heads"] // tp if cfg["kv_heads"] >= tp else 1) * dim
+    replicas = 1 if cfg["kv_heads"] >= tp else tp // cfg["kv_heads"]
+    mlp_block = cfg["mlp"] // tp
+    for i in range(cfg["layers"]):
+        p = f"model.layers.{i}."
+        for key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + key] = shards[0][p + key]
+        qkv = [s[p + "self_attn.qkv_proj.weight"] for s in shards]
+        out[p + "self_attn.q_proj.weight"] = torch.cat([t[:q_rows] for t in qkv])
+        kv_owners = qkv[::replicas]  # one copy of each replicated kv head
+        out[p + "self_attn.k_proj.weight"] = torch.cat(
+            [t[q_rows : q_rows + kv_rows] for t in kv_owners]
+        )
+        out[p + "self_attn.v_proj.weight"] = torch.cat([t[q_rows + kv_rows :] for t in kv_owners])
+        out[p + "self_attn.o_proj.weight"] = torch.cat(
+            [s[p + "self_attn.o_proj.weight"] for s in shards], dim=1
+        )
+        gate_up = [s[p + "mlp.gate_up_proj.weight"] for s in shards]
+        out[p + "mlp.gate_proj.weight"] = torch.cat([t[:mlp_block] for t in gate_up])
+        out[p + "mlp.up_proj.weight"] = torch.cat([t[mlp_block:] for t in gate_up])
+        out[p + "mlp.down_proj.weight"] = torch.cat(
+            [s[p + "mlp.down_proj.weight"] for s in shards], dim=1
+        )
+    return out
+
+
+class ShardModule(nn.Module):
+    """A parameter container whose named_parameters() are exactly the given names (dots nest)."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor]):
+        super().__init__()
+        for name, tensor in tensors.items():
+            owner: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, nn.Parameter(tensor.clone(), requires_grad=False))
+
+
+class TPShardGPT(nn.Module):
+    """TP rank `tp_rank` of an engine's model: fused and sharded weights, and a sharded forward."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], tp_rank: int, tp: int = TP, cfg=CONFIG):
+        super().__init__()
+        self.cfg, self.tp_rank, self.tp = cfg, tp_rank, tp
+        holder = ShardModule(tensors)
+        self.model = holder.model
+        self.lm_head = holder.lm_head
+
+    def weights(self) -> Dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.named_parameters()}
+
+    def sharded_forward(self, tokens: torch.Tensor, group) -> torch.Tensor:
+        """The forward a TP engine runs: partial sums all-reduced (in fp32), vocab-parallel ends."""
+        cfg, w = self.cfg, self.weights()
+        batch, seq = tokens.shape
+        dim = head_dim(cfg)
+        q_heads = cfg["heads"] // self.tp
+        kv_heads = cfg["kv_heads"] // self.tp if cfg["kv_heads"] >= self.tp else 1
+
+        def all_reduce(partial):
+            total = partial.float()
+            dist.all_reduce(total, group=group)
+            return total.to(partial.dtype)
+
+        block = w["model.embed_tokens.weight"].shape[0]
+        local = tokens - self.tp_rank * block
+        outside = (local < 0) | (local >= block)
+        x = F.embedding(local.masked_fill(outside, 0), w["model.embed_tokens.weight"])
+        x = all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+        for i in range(cfg["layers"]):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
+            qkv = F.linear(h, w[p + "self_attn.qkv_proj.weight"])
+            q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q = q.reshape(batch, seq, q_heads, dim).transpose(1, 2)
+            k = k.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
+            v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
+            q, k = rope(q, k, cfg["rope_theta"])
+            o = attention(q, k, v, q_heads // kv_heads)
+            o = o.transpose(1, 2).reshape(batch, seq, q_heads * dim)
+            x = x + all_reduce(F.linear(o, w[p + "self_attn.o_proj.weight"]))
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
+            gate, up = F.linear(h, w[p + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            x = x + all_reduce(F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"]))
+        x = rms_norm(x, w["model.norm.weight"], cfg["eps"])
+        local_logits = F.linear(x, w["lm_head.weight"]).contiguous()
+        gathered = all_gather_exact(local_logits, group)
+        return torch.cat(gathered, dim=-1)[..., : cfg["vocab"]]
+
+
+def all_gather_exact(tensor: torch.Tensor, group) -> List[torch.Tensor]:
+    """All-gather any dtype as raw bytes (gloo has no bf16 all_gather; a byte copy is exact)."""
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, raw, group=group)
+    return [part.view(tensor.dtype).view(tensor.shape) for part in parts]
+
+
+def tp_fused_spec(cfg=CONFIG):
+    """The fused tensors of the TP layout: loader rules, as refit.torch.tp_loader takes them.
+
+    Every other tensor's rule (column-parallel o_proj / down_proj, vocabulary-parallel embedding
+    and LM head, replicated norms) tp_loader infers from the local and canonical shapes.
+    """
+    layer = r"model\.layers\.(\d+)\."
+    return [
+        {
+            "kind": "qkv",
+            "q": layer + r"self_attn\.q_proj\.weight",
+            "k": layer + r"self_attn\.k_proj\.weight",
+            "v": layer + r"self_attn\.v_proj\.weight",
+            "to": "model.layers.$1.self_attn.qkv_proj.weight",
+            "num_heads": cfg["heads"],
+            "num_kv_heads": cfg["kv_heads"],
+        },
+        {
+            "kind": "gate_up",
+            "gate": layer + r"mlp\.gate_proj\.weight",
+            "up": layer + r"mlp\.up_proj\.weight",
+            "to": "model.layers.$1.mlp.gate_up_proj.weight",
+        },
+    ]
+
+
+# ---- Data ----------------------------------------------------------------------------------------
+
+
+def token_stream(length: int, cfg=CONFIG, seed: int = 7) -> torch.Tensor:
+    """A fixed "language": each token is followed by one of 3 successors of its own."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(cfg["vocab"], (cfg["vocab"], 3), generator=g).tolist()
+    choices = torch.randint(3, (length,), generator=g).tolist()
+    tokens = [0] * length
+    for i in range(1, length):
+        tokens[i] = successors[tokens[i - 1]][choices[i]]
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def training_batch(stream: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s sequences of step `step` [BATCH_PER_RANK, SEQ_LEN + 1] (data parallel)."""
+    n = SEQ_LEN + 1
+    first = ((step - 1) * world + rank) * BATCH_PER_RANK
+    rows = [stream[(first + b) * n : (first + b + 1) * n] for b in range(BATCH_PER_RANK)]
+    return torch.stack(rows)
+
+
+def eval_batch(cfg=CONFIG) -> torch.Tensor:
+    batch, seq = EVAL_BATCH
+    return token_stream(batch * seq, cfg, seed=99).view(batch, seq)
+
+
+# ---- Files between the processes -----------------------------------------------------------------
+
+
+def save_atomic(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def wait_for_file(path: str, timeout: float, alive=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if alive is not None:
+            alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {os.path.basename(path)} after {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+# ---- Inference worker ----------------------------------------------------------------------------
+
+
+class WeightsGate:
+    """The engine side of a refit: finish the forward in flight, hand the weights over, read again.
+
+    refit.torch.Receiver calls `pause` before the first payload of a transfer is applied into the
+    module and `resume` once the transfer committed or aborted. Here `pause` also waits until the
+    worker has evaluated the version it holds, so that no version goes unchecked (an engine would
+    only wait for the requests in flight). After an abort the module holds the version it
+    evaluated before, bit for bit, so the next transfer may start at once.
+    """
+
+    def __init__(self, timeout: float):
+        self._cv = threading.Condition()
+        self._timeout = timeout
+        self._fresh = False  # the worker has evaluated the weights it holds
+        self._reading = False
+        self._applying = False
+        self.pauses = 0
+
+    def pause(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._fresh and not self._reading, self._timeout)
+            self._applying = True
+            self._fresh = False
+            self.pauses += 1
+
+    def resume(self, committed: bool, version: int) -> None:
+        with self._cv:
+            # After an abort the weights are the version evaluated before: fresh again.
+            self._fresh = self._fresh or not committed
+            self._applying = False
+            self._cv.notify_all()
+
+    @contextmanager
+    def reading(self):
+        """Hold the weights (no transfer applying into them) for a forward."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: not self._applying, self._timeout):
+                raise TimeoutError(f"a transfer kept the weights for {self._timeout:.0f} s")
+            self._reading = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._reading = False
+                self._fresh = True
+                self._cv.notify_all()
+
+
+def worker_main(args) -> None:
+    torch.set_num_threads(1)
+    import refit.torch as rt  # noqa: PLC0415 — the driver does not need refit
+
+    workdir, steps = args.workdir, args.steps
+    tp_rank = args.shard
+    canonical = initial_bf16_state()
+    gate = WeightsGate(args.timeout)
+    options = dict(
+        version=0,  # what the module holds now: the trainer adopts the same bits as version 0
+        transport=TRANSPORT,
+        api_key=os.environ[KEY_ENV],
+        data_endpoint=args.endpoint,
+        peers=args.peers.split(","),  # one relay tree over every worker, the same list on each
+        pause=gate.pause,
+        resume=gate.resume,
+    )
+    group = None
+    if args.kind == "full":
+        name = "full"
+        module = GPT(CONFIG).to(torch.bfloat16).requires_grad_(False)
+        module.load_state_dict(canonical)
+        receiver = rt.Receiver(**options)
+        receiver.attach(module)
+    else:
+        name = f"tp{tp_rank}"
+        # The TP pair's own process group: only for the check (all-gather) and the sharded forward.
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{os.path.join(workdir, 'tp.store')}",
+            rank=tp_rank,
+            world_size=TP,
+        )
+        group = dist.group.WORLD
+        tensors, _ = shard_of(canonical, tp_rank)
+        module = TPShardGPT(tensors, tp_rank)
+        loader = rt.tp_loader(
+            module,
+            {n: tuple(t.shape) for n, t in canonical.items()},
+            tp_rank=tp_rank,
+            tp_size=TP,
+            fused=tp_fused_spec(),
+            pad_to=PAD_TO,
+        )
+        receiver = rt.Receiver(replica="tp2", shard=tp_rank, **options)
+        receiver.attach(module, loader=loader)
+    tokens = eval_batch()
+    with receiver.start():  # serving from here; stop() on the way out
+        write_json_atomic(
+            {"control_url": receiver.control_url, "data_endpoint": receiver.producer_endpoint},
+            os.path.join(workdir, f"ready_{name}.json"),
+        )
+        for version in range(steps + 1):
+            receiver.wait_for_version(version, timeout=args.timeout)
+            with gate.reading(), torch.no_grad():
+                held = receiver.version
+                if held != version:
+                    raise RuntimeError(f"worker {name}: waited for version {version}, holds {held}")
+                if group is None:
+                    result = {"logits": module(tokens)}
+                    if version == args.fault_step:  # a test of the checks: one bit off, in a copy
+                        w = {n: p.detach().clone() for n, p in module.named_parameters()}
+                        w["lm_head.weight"].view(torch.int16)[0, 0] ^= 1
+                        result = {"logits": reference_forward(w, tokens)}
+                else:
+                    mine = module.weights()
+                    gathered = {n: all_gather_exact(t, group) for n, t in mine.items()}
+                    shards = [{n: parts[r] for n, parts in gathered.items()} for r in range(TP)]
+                    result = {"shard": {n: t.clone() for n, t in mine.items()}}
+                    if tp_rank == 0:
+                        result["logits"] = reference_forward(unshard(shards), tokens)
+                    sharded = module.sharded_forward(tokens, group)
+                    if tp_rank == 0:
+                        result["sharded_logits"] = sharded
+            save_atomic(result, os.path.join(workdir, f"{name}_v{version}.pt"))
+        final = receiver.status()
+    write_json_atomic(
+        {"pauses": gate.pauses, "version": final.version, "state": final.state},
+        os.path.join(workdir, f"stats_{name}.json"),
+    )
+    if group is not None:
+        dist.destroy_process_group()
+
+
+# ---- Trainer rank --------------------------------------------------------------------------------
+
+
+def trainer_main(args) -> None:
+    torch.set_num_threads(1)
+    import refit.torch as rt  # noqa: PLC0415
+
+    workdir, steps, rank = args.workdir, args.steps, args.rank
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(workdir, 'trainers.store')}",
+        rank=rank,
+        world_size=2,
+    )
+    world = dist.get_world_size()
+    model = make_model()  # fp32 master weights, identical on both ranks
+    master = dict(model.named_parameters())
+    # The bf16 copy the receivers get: preallocated once, refilled in place after every step.
+    bf16_model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)
+    export = bf16_model.state_dict()  # name → the bf16 parameter tensors themselves
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
+    flat_grad = torch.zeros(sum(p.numel() for p in model.parameters()))
+    stream = token_stream((steps * world * BATCH_PER_RANK) * (SEQ_LEN + 1))
+    tokens = eval_batch()
+
+    receivers = None
+    if rank == 0:
+        with open(os.path.join(workdir, "receivers.json")) as f:
+            receivers = [tuple(r) for r in json.load(f)]
+    publisher = rt.Publisher(
+        receivers,  # rank 0: the fleet in tree order; rank 1: None (it learns them from rank 0)
+        transport=TRANSPORT,
+        api_key=os.environ[KEY_ENV],
+        chunk_bytes=CHUNK_BYTES,
+        transfer_timeout=args.timeout,
+    )
+    # The workers loaded these very bits as version 0: the first sync is a delta against them.
+    publisher.adopt_baseline(export, version=0)
+
+    def export_digest() -> torch.Tensor:
+        """SHA-256 of the export's bytes, to check that both ranks hold the same weights."""
+        h = hashlib.sha256()
+        for tensor in export.values():
+            h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+    def save_step(step: int, **fields) -> None:
+        with torch.no_grad():
+            logits = bf16_model(tokens)
+        snapshot = {n: t.clone() for n, t in export.items()}
+        path = os.path.join(workdir, f"trainer_v{step}.pt")
+        save_atomic(dict(logits=logits, export=snapshot, **fields), path)
+
+    if rank == 0:
+        save_step(0, loss=None, report=None)
+    for step in range(1, steps + 1):
+        batch = training_batch(stream, step, rank, world)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        # Data parallel: average the gradients (one all_reduce over a preallocated flat buffer).
+        offset = 0
+        for p in model.parameters():
+            flat_grad[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        dist.all_reduce(flat_grad)
+        flat_grad.div_(world)
+        offset = 0
+        for p in model.parameters():
+            p.grad.copy_(flat_grad[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        optimizer.step()
+
+        with torch.no_grad():  # fill the bf16 export in place: no model-sized allocation
+            for name, tensor in export.items():
+                tensor.copy_(master[name])
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss = float(mean_loss) / world
+        digests = [torch.zeros(32, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(digests, export_digest())
+
+        report = publisher.sync(export)  # collective: both ranks, every step
+
+        fields = {k: getattr(report, k) for k in REPORT_FIELDS}
+        if rank == 0:
+            save_step(
+                step,
+                loss=mean_loss,
+                report=fields,
+                ranks_identical=all(torch.equal(d, digests[0]) for d in digests),
+            )
+        else:
+            save_atomic(fields, os.path.join(workdir, f"trainer1_v{step}.pt"))
+    dist.destroy_process_group()
+
+
+REPORT_FIELDS = (
+    "version",
+    "base_version",
+    "anchor",
+    "transfer_id",
+    "payloads",
+    "wire_bytes",
+    "changed_elements",
+    "total_elements",
+    "seconds",
+    "rank",
+    "world_size",
+)
+
+
+# ---- Driver --------------------------------------------------------------------------------------
+
+
+def free_ports(count: int) -> List[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Fleet:
+    """The child processes, their logs, and a check that none of them died."""
+
+    def __init__(self, workdir: str, common: List[str]):
+        self.workdir = workdir
+        self.common = common
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.logs: Dict[str, str] = {}
+        self.key = secrets.token_hex(16)
+
+    def spawn(self, name: str, extra: List[str]) -> None:
+        log = os.path.join(self.workdir, f"{name}.log")
+        self.logs[name] = log
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault(KEY_ENV, self.key)
+        with open(log, "w") as out:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), *self.common, *extra],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0):
+                raise ChildFailed(name, code, self.tail(name))
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        try:
+            with open(self.logs[name]) as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait(self, timeout: float) -> Dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the driver dies (no orphans if it is killed)."""
+    import ctypes  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, name, code, tail):
+        super().__init__(f"process '{name}' exited with {code}:\n{tail}")
+
+
+WORKERS = ("full", "tp0", "tp1")
+
+
+def compare_step(workdir: str, step: int) -> dict:
+    """Load what everyone saved for version `step` and compare it."""
+    load = lambda name: torch.load(os.path.join(workdir, name))  # noqa: E731
+    trainer = load(f"trainer_v{step}.pt")
+    full = load(f"full_v{step}.pt")
+    tp = [load(f"tp{r}_v{step}.pt") for r in range(TP)]
+    ref = trainer["logits"]
+    shards_equal, padding_untouched = True, True
+    for r in range(TP):
+        want, held_rows = shard_of(trainer["export"], r)
+        got = tp[r]["shard"]
+        if set(want) != set(got):
+            shards_equal = False
+            continue
+        for name, tensor in want.items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                shards_equal &= torch.equal(got[name][:held_rows], tensor[:held_rows])
+                padding_untouched &= bool((got[name][held_rows:] == 0).all())
+            else:
+                shards_equal &= torch.equal(got[name], tensor)
+    row = {
+        "step": step,
+        "unsharded_logits_equal": torch.equal(full["logits"], ref),
+        "tp2_logits_equal": torch.equal(tp[0]["logits"], ref),
+        "tp2_shards_equal": bool(shards_equal),
+        "tp2_padding_untouched": bool(padding_untouched),
+        "tp2_sharded_forward_max_abs_diff": float(
+            (tp[0]["sharded_logits"].float() - ref.float()).abs().max()
+        ),
+    }
+    row["logits_equal"] = row["unsharded_logits_equal"] and row["tp2_logits_equal"]
+    row["ok"] = row["logits_equal"] and row["tp2_shards_equal"] and row["tp2_padding_untouched"]
+    if step > 0:
+        rep = trainer["report"]
+        rank1 = load(f"trainer1_v{step}.pt")
+        row.update(
+            loss=trainer["loss"],
+            version=rep["version"],
+            base_version=rep["base_version"],
+            anchor=rep["anchor"],
+            changed_elements=rep["changed_elements"],
+            total_elements=rep["total_elements"],
+            density=rep["changed_elements"] / max(1, rep["total_elements"]),
+            wire_bytes=rep["wire_bytes"],
+            payloads=rep["payloads"],
+            rank1_payloads=rank1["payloads"],
+            sync_seconds=rep["seconds"],
+            trainer_ranks_identical=trainer["ranks_identical"],
+        )
+        row["ok"] = row["ok"] and row["trainer_ranks_identical"] and rep["version"] == step
+    return row
+
+
+HEADER = (
+    f"{'step':>4} {'loss':>7} {'changed':>8} {'density':>8} {'wire B':>8} {'payl(r1)':>10} "
+    f"{'sync s':>7} {'full==':>6} {'tp2==':>5} {'shards':>6} {'tp fwd |d|':>10}"
+)
+
+
+def format_row(row: dict) -> str:
+    yn = lambda b: "y" if b else "n"  # noqa: E731
+    if row["step"] == 0:
+        head = f"{0:>4} {'-':>7} {'-':>8} {'-':>8} {'-':>8} {'-':>10} {'-':>7}"
+    else:
+        payloads = f"{row['payloads']}({row['rank1_payloads']})"
+        head = (
+            f"{row['step']:>4} {row['loss']:>7.4f} {row['changed_elements']:>8} "
+            f"{row['density']:>8.4f} {row['wire_bytes']:>8} "
+            f"{payloads:>10} {row['sync_seconds']:>7.3f}"
+        )
+    return (
+        f"{head} {yn(row['unsharded_logits_equal']):>6} {yn(row['tp2_logits_equal']):>5} "
+        f"{yn(row['tp2_shards_equal'] and row['tp2_padding_untouched']):>6} "
+        f"{row['tp2_sharded_forward_max_abs_diff']:>10.2e}"
+    )
+
+
+def driver_main(args) -> int:
+    start = time.monotonic()
+    workdir = args.workdir or tempfile.mkdtemp(prefix="refit-rl-")
+    os.makedirs(workdir, exist_ok=True)
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
+    endpoints = [f"127.0.0.1:{port}" for port in free_ports(len(WORKERS))]
+    common = ["--workdir", workdir, "--steps", str(args.steps), "--timeout", str(args.timeout),
+              "--fault-step", str(args.fault_step)]
+    fleet = Fleet(workdir, common)
+    summary: dict = {"ok": False, "num_steps": args.steps, "config": CONFIG, "tp": TP}
+    rows: List[dict] = []
+    try:
+        # The workers first: one relay tree over all three (the same peers list on each).
+        peers = ",".join(endpoints)
+        fleet.spawn("full", ["--role", "worker", "--kind", "full", "--endpoint", endpoints[0],
+                             "--peers", peers])
+        for r in range(TP):
+            fleet.spawn(f"tp{r}", ["--role", "worker", "--kind", "tp", "--shard", str(r),
+                                   "--endpoint", endpoints[1 + r], "--peers", peers])
+        receivers = []
+        for name in WORKERS:
+            path = os.path.join(workdir, f"ready_{name}.json")
+            wait_for_file(path, args.timeout, fleet.check_alive)
+            with open(path) as f:
+                ready = json.load(f)
+            receivers.append([ready["control_url"], ready["data_endpoint"]])
+        write_json_atomic(receivers, os.path.join(workdir, "receivers.json"))
+        for r in range(2):
+            fleet.spawn(f"trainer{r}", ["--role", "trainer", "--rank", str(r)])
+        say(f"refit: 2 trainer ranks → 1 unsharded worker + 1 TP={TP} group; "
+            f"{sum(t.numel() for t in initial_bf16_state().values())} bf16 weights")
+        say(HEADER)
+        for step in range(args.steps + 1):
+            for name in [f"trainer_v{step}.pt"] + [f"{w}_v{step}.pt" for w in WORKERS] + (
+                [f"trainer1_v{step}.pt"] if step else []
+            ):
+                wait_for_file(os.path.join(workdir, name), args.timeout, fleet.check_alive)
+            row = compare_step(workdir, step)
+            rows.append(row)
+            say(format_row(row))
+        codes = fleet.wait(args.timeout)
+        failed = {n: c for n, c in codes.items() if c != 0}
+        if failed:
+            for name in failed:
+                print(f"process '{name}' exited with {failed[name]}:\n{fleet.tail(name)}",
+                      file=sys.stderr)
+        steps = [r for r in rows if r["step"] > 0]
+        stats = {}
+        for name in WORKERS:
+            try:
+                with open(os.path.join(workdir, f"stats_{name}.json")) as f:
+                    stats[name] = json.load(f)
+            except OSError:
+                stats[name] = None
+        summary.update(
+            ok=not failed and all(r["ok"] for r in rows),
+            baseline=rows[0],
+            steps=steps,
+            all_logits_equal=all(r["logits_equal"] for r in rows),
+            unsharded_logits_equal=all(r["unsharded_logits_equal"] for r in rows),
+            tp2_logits_equal=all(r["tp2_logits_equal"] for r in rows),
+            tp2_shards_equal=all(r["tp2_shards_equal"] for r in rows),
+            first_sync_anchor=steps[0]["anchor"] if steps else None,
+            processes=codes,
+            workers=stats,
+        )
+    except (ChildFailed, TimeoutError) as error:
+        print(f"torch_rl_loop: {str(error).splitlines()[0]}", file=sys.stderr)
+        for name in fleet.procs:
+            print(f"--- {name}.log (tail) ---\n{fleet.tail(name)}", file=sys.stderr)
+        summary.update(error=str(error).splitlines()[0], steps=[r for r in rows if r["step"] > 0])
+    finally:
+        fleet.kill()
+        if not args.workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    summary["wall_seconds"] = round(time.monotonic() - start, 2)
+    if not args.quiet:
+        verdict = "every step bit-identical" if summary["ok"] else "MISMATCH or failure"
+        print(f"{args.steps} steps in {summary['wall_seconds']} s: {verdict}")
+    print(json.dumps(summary))
+    return 0 if summary["ok"] else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    parser.add_argument("--quiet", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--workdir", help="scratch directory (default: a temporary one, removed)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary scratch directory")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for any one wait")
+    # Internal: how the driver starts its children.
+    parser.add_argument("--role", choices=["driver", "trainer", "worker"], default="driver",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", choices=["full", "tp"], help=argparse.SUPPRESS)
+    parser.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--peers", help=argparse.SUPPRESS)
+    # For the test of the checks themselves: the unsharded worker reports logits of a weight one
+    # bit off at this version (in a copy; its module stays as refit wrote it).
+    parser.add_argument("--fault-step", type=int, default=-1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.role == "trainer":
+        trainer_main(args)
+        return 0
+    if args.role == "worker":
+        worker_main(args)
+        return 0
+    torch.set_num_threads(1)
+    return driver_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

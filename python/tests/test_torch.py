@@ -1,0 +1,221 @@
+"""refit.torch: modules in place, failures that leave them untouched, TP loaders, Ctrl-C."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import refit
+import refit.torch as rt
+
+
+class Tiny(torch.nn.Module):
+    """Embedding, a linear layer with bias, a norm with a buffer, and a tied LM head."""
+
+    def __init__(self, vocab=50, hidden=24):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.register_buffer("scale", torch.ones(hidden))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.proj(self.embed(tokens))) * self.scale)
+
+
+def bf16_model(seed):
+    torch.manual_seed(seed)
+    return Tiny().to(torch.bfloat16)
+
+
+def step(model, seed, fraction=0.05):
+    """A sparse optimizer-like step on every tensor of `model` (in place)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            flat = tensor.view(-1)
+            mask = torch.rand(flat.shape, generator=generator) < fraction
+            flat[mask] += flat[mask].abs().clamp(min=1e-2) * 0.1
+
+
+def bits(model):
+    return {name: tensor.view(torch.uint8).clone() if tensor.dtype != torch.bool else tensor.clone()
+            for name, tensor in ((n, t.detach().reshape(-1)) for n, t in model.state_dict().items())}
+
+
+def test_attach_writes_the_modules_own_tensors_in_place():
+    trainer = bf16_model(0)
+    worker = bf16_model(0)
+    pointers = {name: t.data_ptr() for name, t in worker.state_dict().items()}
+    receiver = rt.Receiver().attach(worker).start()
+    with receiver:
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        tokens = torch.arange(20).reshape(2, 10)
+        for s in range(1, 4):
+            step(trainer, s)
+            report = publisher.sync(trainer)
+            assert not report.anchor and 0 < report.changed_elements < report.total_elements
+            assert bits(worker).keys() == bits(trainer).keys()
+            for name, expected in bits(trainer).items():
+                assert torch.equal(bits(worker)[name], expected), name
+            assert {n: t.data_ptr() for n, t in worker.state_dict().items()} == pointers
+            assert torch.equal(worker(tokens), trainer(tokens))
+        # The tied head is the embedding's memory, updated once (an XOR applied twice reverts).
+        assert worker.head.weight.data_ptr() == worker.embed.weight.data_ptr()
+
+
+def test_the_trainer_export_is_viewed_not_copied():
+    model = bf16_model(1)
+    for name, tensor in rt.state_tensors(model):
+        _, dtype, shape, buffer = refit._tensors.as_buffer_tensor(name, tensor)
+        assert dtype == "torch.bfloat16" and shape == list(tensor.shape)
+        assert buffer.__array_interface__["data"][0] == tensor.data_ptr()
+    weight = torch.nn.Parameter(torch.ones(3, 3))  # requires_grad: detached, same memory
+    assert refit._tensors.as_buffer_tensor("w", weight)[3].__array_interface__["data"][0] == weight.data_ptr()
+    with pytest.raises(ValueError, match="not contiguous"):
+        refit._tensors.as_buffer_tensor("t", torch.ones(4, 4).t())
+
+
+def test_an_aborted_sync_leaves_the_module_bit_identical():
+    trainer = bf16_model(2)
+    worker = bf16_model(2)
+    with rt.Receiver().attach(worker).start() as receiver:
+        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=256)
+        faulty.adopt_baseline(trainer, version=0)
+        before = bits(worker)
+        step(trainer, 7, fraction=0.5)
+        with pytest.raises(refit.Unavailable):
+            faulty.sync(trainer)
+        assert receiver.status().state == "idle" and receiver.version == 0
+        for name, expected in before.items():
+            assert torch.equal(bits(worker)[name], expected), name
+
+
+def test_mirror_mode_copies_into_the_module_only_after_commit():
+    trainer = bf16_model(3)
+    worker = bf16_model(3)
+    events = []
+    receiver = rt.Receiver(pause=lambda: events.append(("pause", bits(worker)["proj.weight"].clone())),
+                           resume=lambda committed, version: events.append(("resume", (committed, version))))
+    with receiver.attach(worker, mirror=True).start():
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        before = bits(worker)["proj.weight"].clone()
+        step(trainer, 9)
+        publisher.sync(trainer)
+        assert [kind for kind, _ in events] == ["pause", "resume"] and events[1][1] == (True, 1)
+        assert torch.equal(events[0][1], before)  # paused before anything changed
+        assert torch.equal(bits(worker)["proj.weight"], bits(trainer)["proj.weight"])
+
+
+class Attention(torch.nn.Module):
+    """Canonical (trainer) layout: separate q, k, v; GQA with 4 heads and 2 kv heads."""
+
+    def __init__(self, hidden=16, heads=4, kv_heads=2):
+        super().__init__()
+        head_dim = hidden // heads
+        self.q_proj = torch.nn.Linear(hidden, heads * head_dim)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+
+class ShardedAttention(torch.nn.Module):
+    """One TP rank: fused qkv (its heads), o_proj split by columns, the norm replicated."""
+
+    def __init__(self, tp, hidden=16, heads=4, kv_heads=2):
+        super().__init__()
+        head_dim = hidden // heads
+        rows = (heads // tp + max(1, kv_heads // tp) * 2) * head_dim
+        self.qkv_proj = torch.nn.Linear(hidden, rows)
+        self.o_proj = torch.nn.Linear(heads * head_dim // tp, hidden, bias=False)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+
+def test_tp_loader_shards_a_fused_qkv_module_across_two_receivers():
+    torch.manual_seed(4)
+    trainer = Attention().to(torch.bfloat16)
+    canonical = {n: tuple(t.shape) for n, t in trainer.state_dict().items()}
+    fused = [{"kind": "qkv", "q": r"q_proj\.(weight|bias)", "k": r"k_proj\.(weight|bias)",
+              "v": r"v_proj\.(weight|bias)", "to": "qkv_proj.$1", "num_heads": 4, "num_kv_heads": 2}]
+    shards = [ShardedAttention(2).to(torch.bfloat16) for _ in range(2)]
+    # Two zmq receivers form one relay tree: each names every relay, in the same order.
+    peers = [f"127.0.0.1:{refit._free_port('127.0.0.1')}" for _ in shards]
+    receivers = []
+    for rank, shard in enumerate(shards):
+        loader = rt.tp_loader(shard, canonical, tp_rank=rank, tp_size=2, fused=fused)
+        assert {"kind": "column", "match": r"o_proj\.weight"} in loader.rules
+        receiver = rt.Receiver(replica="tp", shard=rank, data_endpoint=peers[rank], peers=peers)
+        receivers.append(receiver.attach(shard, loader=loader).start())
+    try:
+        publisher = rt.Publisher(receivers)
+        for s in range(2):
+            step(trainer, 20 + s)
+            report = publisher.sync(trainer)  # no baseline: the first is an anchor
+            assert report.anchor == (s == 0)
+            sd = trainer.state_dict()
+            for rank, shard in enumerate(shards):
+                q, k, v = (sd[f"{p}_proj.weight"] for p in "qkv")
+                expected = torch.cat([q[rank * 8:(rank + 1) * 8], k[rank * 4:(rank + 1) * 4], v[rank * 4:(rank + 1) * 4]])
+                assert torch.equal(shard.qkv_proj.weight, expected)
+                assert torch.equal(shard.o_proj.weight, sd["o_proj.weight"][:, rank * 8:(rank + 1) * 8])
+                assert torch.equal(shard.norm.weight, sd["norm.weight"])
+    finally:
+        for receiver in receivers:
+            receiver.stop()
+
+
+def test_tp_loader_names_a_shape_it_cannot_place():
+    local = {"w": (3, 7)}
+    with pytest.raises(ValueError, match=r"'w' is \[3, 7\] locally and \[8, 8\]"):
+        rt.tp_loader(local, {"w": (8, 8)}, tp_rank=0, tp_size=2)
+
+
+INTERRUPTED_SYNC = textwrap.dedent(
+    """
+    import os, signal, threading, sys
+    import torch, refit, refit.torch as rt
+    torch.manual_seed(0)
+    trainer = {f"w{i}": torch.randn(2048).to(torch.bfloat16) for i in range(48)}
+    worker = torch.nn.Module()
+    for name, tensor in trainer.items():
+        worker.register_buffer(name, tensor.clone())
+    receiver = rt.Receiver().attach(worker).start()
+    # 48 payloads of 400 ms each (a few in flight at once): Ctrl-C lands in the middle of the stream.
+    slow = rt.Publisher([receiver], transport="fault+zmq://?delay_ms=400", bucket_bytes=2048)
+    slow.adopt_baseline(trainer, version=0)
+    before = {n: t.clone() for n, t in worker.state_dict().items()}
+    for tensor in trainer.values():
+        tensor += 1
+    threading.Timer(0.8, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        slow.sync(trainer)
+        sys.exit("the sync was not interrupted")
+    except KeyboardInterrupt:
+        pass
+    status = receiver.status()
+    assert (status.state, status.version) == ("idle", 0), status
+    assert all(torch.equal(worker.state_dict()[n], t) for n, t in before.items()), "module changed"
+    fast = rt.Publisher([receiver])
+    fast.adopt_baseline(before, version=0)
+    assert fast.sync(trainer).version == 1
+    assert all(torch.equal(worker.state_dict()[n], t) for n, t in trainer.items())
+    receiver.stop()
+    print("interrupted cleanly")
+    """
+)
+
+
+def test_ctrl_c_during_sync_aborts_cleanly_and_the_next_sync_works():
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_SYNC], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "interrupted cleanly" in done.stdout
