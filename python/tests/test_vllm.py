@@ -535,8 +535,33 @@ def test_parallel_coordinates_prefer_vllm_state(fake_vllm):
     try:
         assert rv.parallel_coordinates(worker, config, rv.RefitOptions()) == (1, TP, 3)
         assert rv.parallel_coordinates(worker, config, rv.RefitOptions(tp_rank=0, tp_size=1)) == (0, 1, 3)
+        config.parallel_config.pipeline_parallel_size = 2
+        with pytest.raises(refit.InvalidArgument, match="pipeline_parallel_size=2"):
+            rv.parallel_coordinates(worker, config, rv.RefitOptions())
     finally:
         _CURRENT.worker = None
+
+
+def test_receivers_follow_the_relay_tree_order():
+    reservations = [
+        {"data_endpoint": "h:2", "tp_rank": 1, "tp_size": 2, "dp_rank": 0, "replica": "a"},
+        {"data_endpoint": "h:1", "tp_rank": 0, "tp_size": 2, "dp_rank": 0, "replica": "a"},
+    ]
+    peers = rv.peers_of(reservations)
+    assert peers == ["h:1", "h:2"]
+    infos = [
+        {"control_url": "http://h:20", "producer_endpoint": "h:2", "tp_rank": 1, "replica": "a", "peers": peers},
+        {"control_url": "http://h:10", "producer_endpoint": "h:1", "tp_rank": 0, "replica": "a", "peers": peers},
+    ]
+    assert rv.receivers_of(infos) == [("http://h:10", "h:1"), ("http://h:20", "h:2")]
+    with pytest.raises(refit.InvalidArgument, match="missing"):
+        rv.receivers_of(infos[:1])  # a peer without a receiver: the tree would forward to it
+    with pytest.raises(refit.InvalidArgument, match="different peers"):
+        rv.receivers_of([infos[0], dict(infos[1], peers=["h:1"])])
+    with pytest.raises(refit.InvalidArgument, match="repeated"):
+        rv.peers_of(reservations + reservations[:1])
+    with pytest.raises(refit.InvalidArgument, match="receiver_kwargs may not set"):
+        rv.RefitOptions.from_dict({"receiver_kwargs": {"replica": "x"}})
 
 
 def test_forward_gate_holds_forward_until_opened():
@@ -666,18 +691,30 @@ def test_engine_publishes_weight_version_only_after_commit(fake_vllm, trainer):
 def test_sync_weights_ends_the_session_when_the_sync_fails(fake_vllm, trainer):
     llm, workers, infos = engine_fleet(fake_vllm, trainer)
     try:
-        # A publisher that believes the fleet is at version 5: every receiver refuses the base.
-        stale = refit.torch.Publisher(receivers=rv.receivers_of(infos), transfer_timeout=2.0)
-        stale.adopt_baseline(trainer, version=5)
+        client = rv.LLMWeightSyncClient(llm)
+        publisher = refit.torch.Publisher(receivers=rv.receivers_of(infos), transfer_timeout=2.0)
+        report = rv.sync_weights(client, publisher, trainer)
+        assert llm.weight_version == str(report.version)
+        before = {n: t.clone() for n, t in tensors_of(workers[1].model_runner.model).items()}
+
+        # A fleet with a receiver nobody runs: the sync fails before committing anywhere.
+        unreachable = ("http://127.0.0.1:1", "127.0.0.1:1")
+        broken = refit.torch.Publisher(receivers=rv.receivers_of(infos) + [unreachable], transfer_timeout=2.0)
+        broken.adopt_baseline(trainer, version=report.version)
         perturb(trainer, 3)
-        with pytest.raises(refit.Error):
-            rv.sync_weights(rv.LLMWeightSyncClient(llm), stale, trainer, weight_version="bad")
-        assert llm.weight_version == "default"
-        assert [w._weight_update_active for w in workers] == [False, False]
+        with pytest.raises(refit.Error) as failure:
+            rv.sync_weights(client, broken, trainer, weight_version="bad")
+        assert not isinstance(failure.value, rv.WeightUpdateAborted)  # the sync's own error
+        assert llm.weight_version == str(report.version)
+        assert [w._weight_update_active for w in workers] == [False, False]  # sessions ended
+        assert llm.collective_rpc("refit_version") == [report.version] * TP
+        after = tensors_of(workers[1].model_runner.model)
+        assert all(torch.equal(after[n].view(torch.int32), t.view(torch.int32)) for n, t in before.items())
+
         llm.start_weight_update()
         with pytest.raises(refit.FailedPrecondition, match="no refit version"):
             llm.finish_weight_update("bad")  # no version announced: nothing to publish
-        assert llm.weight_version == "default"
+        assert llm.weight_version == str(report.version)
     finally:
         llm.collective_rpc("shutdown")
 

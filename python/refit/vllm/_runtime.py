@@ -42,6 +42,12 @@ class WeightUpdateAborted(Cancelled):
     """
 
 
+#: refit.torch.Receiver arguments the worker runtime sets itself (RefitOptions has a key for each).
+_MANAGED_RECEIVER_KWARGS = frozenset(
+    {"replica", "pause", "resume", "loader", "model_path", "api_key", "before_first_apply", "after_commit", "after_abort"}
+)
+
+
 @dataclasses.dataclass
 class RefitOptions:
     """How a vLLM worker runs its refit receiver (one per worker, i.e. per TP shard).
@@ -136,6 +142,12 @@ class RefitOptions:
             raise InvalidArgument(f"refit.vllm options: pause={self.pause!r}, expected one of {PAUSE_MODES}")
         if self.loader_rules is not None and self.canonical_shapes is not None:
             raise InvalidArgument("refit.vllm options: give loader_rules or canonical_shapes, not both")
+        managed = sorted(set(self.receiver_kwargs) & _MANAGED_RECEIVER_KWARGS)
+        if managed:
+            raise InvalidArgument(
+                f"refit.vllm options: receiver_kwargs may not set {managed}: the worker sets them "
+                "(use the options replica, version, transport, api_key_env, loader_rules/canonical_shapes)"
+            )
         for name in ("data_port", "control_port"):
             port = getattr(self, name)
             if not 0 <= int(port) < 65536:
@@ -255,9 +267,15 @@ def parallel_coordinates(worker: Any, vllm_config: Any, options: RefitOptions) -
     In order: the options' explicit ``tp_rank``/``tp_size``; vLLM's parallel state
     (``vllm.distributed.get_tensor_model_parallel_rank`` / ``_world_size``) when vLLM is
     importable and its TP group is up; else ``worker.rank % parallel_config.tensor_parallel_size``.
-    Raises InvalidArgument for a rank outside [0, tp_size).
+    Raises InvalidArgument for a rank outside [0, tp_size), and for pipeline parallelism (a
+    stage holds only some layers; refit.vllm maps tensor-parallel shards only).
     """
     parallel = getattr(vllm_config, "parallel_config", None)
+    pp_size = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if pp_size > 1:
+        raise InvalidArgument(
+            f"refit.vllm: pipeline_parallel_size={pp_size} is not supported (tensor parallelism only)"
+        )
     dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
     config_tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
     tp_rank: Optional[int] = options.tp_rank
