@@ -97,6 +97,12 @@ class DeltaTracker {
   Result<EncodeResult> Encode(const TransferId& id, const TensorView& current,
                               uint64_t span_begin = 0, uint64_t span_end = UINT64_MAX);
 
+  /// Check that the open delta transfer encoded every element of every baseline tensor: a sync
+  /// that leaves a tensor out would commit with that tensor silently stale. OK for an anchor
+  /// (whose Commit drops the baseline of every tensor it did not send).
+  /// Errors: FailedPrecondition naming the first tensor not covered, or a wrong transfer id.
+  Status CheckModelCovered(const TransferId& id) const;
+
   /// Adopt `tensor` as committed baseline at the current version, without a transfer: for a
   /// producer whose receivers already hold exactly these weights (all loaded one checkpoint, or
   /// a trainer restarting against a live fleet). Counts as an anchor for the cadence rules, so
@@ -151,6 +157,9 @@ class DeltaTracker {
  private:
   struct State;
   explicit DeltaTracker(std::unique_ptr<State> state);
+  Result<EncodeResult> EncodeWithBaseline(const TensorView& current, uint64_t span_begin,
+                                          uint64_t span_end);
+
   std::unique_ptr<State> state_;
 };
 

@@ -153,6 +153,27 @@ def test_a_tensor_the_receiver_does_not_hold_fails_the_sync_and_changes_nothing(
             assert held[name].tobytes() == before[name].tobytes()
 
 
+def test_a_sync_that_leaves_a_tensor_out_is_refused_and_changes_nothing(rng):
+    trainer = make_model(rng)
+    held = held_copy(trainer)
+    with serve(held) as receiver:
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline(held_copy(trainer), version=0)
+        before = held_copy(held)
+        trainer["embed.weight"] += 1.0
+        partial = {name: array for name, array in trainer.items() if name != "layer.0.bias"}
+        with pytest.raises(refit.FailedPrecondition, match="layer.0.bias"):
+            publisher.sync(partial)
+        assert receiver.status().version == 0
+        for name in held:
+            assert held[name].tobytes() == before[name].tobytes()
+        # An anchor may drop the tensor; the next delta covers the smaller model.
+        assert publisher.sync(partial, force_anchor=True).anchor
+        trainer["embed.weight"] += 1.0
+        assert not publisher.sync(partial).anchor
+        assert held["embed.weight"].tobytes() == trainer["embed.weight"].tobytes()
+
+
 def test_hooks_bracket_each_transfer_and_wait_for_version_times_out(rng):
     events = []
     held = {"w": np.zeros(1000, np.float32)}

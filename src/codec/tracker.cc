@@ -53,6 +53,8 @@ struct PendingChanges {
   /// Σ h(i, new) − h(i, old) over the changes (mod 2^64); for a replacement, its full digest.
   uint64_t digest_delta = 0;
   uint64_t changed = 0;
+  /// Elements of the tensor encoded (compared or sent) by the open transfer, over all spans.
+  uint64_t encoded = 0;
 };
 
 struct BaselineEntry {
@@ -427,8 +429,19 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
     return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
                            span_begin, span_end, numel);
   }
-  if (s.open->anchor) return s.EncodeAnchor(current, span_begin, span_end);
+  Result<EncodeResult> encoded = s.open->anchor ? s.EncodeAnchor(current, span_begin, span_end)
+                                                : EncodeWithBaseline(current, span_begin, span_end);
+  if (encoded.ok()) {
+    BaselineEntry* entry = s.FindEntry(current.name);
+    std::lock_guard lock(entry->pending_mutex);
+    entry->pending.encoded += span_end - span_begin;
+  }
+  return encoded;
+}
 
+Result<EncodeResult> DeltaTracker::EncodeWithBaseline(const TensorView& current,
+                                                      uint64_t span_begin, uint64_t span_end) {
+  State& s = *state_;
   BaselineEntry* entry = s.FindEntry(current.name);
   if (entry == nullptr || !entry->buffer) {
     return FailedPrecondition(
@@ -486,6 +499,23 @@ Status DeltaTracker::MarkBaselineAdopted() {
   return Status::OK();
 }
 
+Status DeltaTracker::CheckModelCovered(const TransferId& id) const {
+  const State& s = *state_;
+  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "check"));
+  if (s.open->anchor) return Status::OK();
+  std::shared_lock lock(s.entries_mutex);
+  for (const auto& [name, entry] : s.entries) {
+    if (entry->buffer && entry->pending.encoded != entry->numel) {
+      return FailedPrecondition(
+          "transfer {}: tensor '{}' has a baseline but this sync's model gave {} of its {} "
+          "elements; a delta must cover the whole model it was adopted or anchored with (to "
+          "drop or add tensors, force an anchor)",
+          id.ToHex(), name, entry->pending.encoded, entry->numel);
+    }
+  }
+  return Status::OK();
+}
+
 Status DeltaTracker::Commit(const TransferId& id) {
   State& s = *state_;
   REFIT_RETURN_NOT_OK(s.CheckOpen(id, "commit"));
@@ -503,6 +533,8 @@ Status DeltaTracker::Commit(const TransferId& id) {
   for (auto& [name, entry] : s.entries) {
     PendingChanges& p = entry->pending;
     changed += p.changed;
+    // A tensor an anchor did not send is no longer part of the model.
+    if (s.open->anchor && p.encoded == 0) entry->buffer.reset();
     if (p.replacement) {
       entry->buffer = std::move(p.replacement);
       entry->dtype = p.replacement_dtype;
@@ -515,7 +547,8 @@ Status DeltaTracker::Commit(const TransferId& id) {
     }
     p = PendingChanges{};
   }
-  // Entries created by an anchor Encode that never received data stay out of the baseline.
+  // Entries without data (created by an anchor Encode that never received any, or not sent by
+  // an anchor) stay out of the baseline.
   std::erase_if(s.entries, [](const auto& kv) { return !kv.second->buffer; });
   s.changed_since_anchor = s.open->anchor ? 0 : s.changed_since_anchor + changed;
   s.version = s.open->target_version;

@@ -330,6 +330,7 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
   // error every blocked wait returns on the stop token.
   threads_.clear();
   if (!first_error_.ok()) return first_error_;
+  REFIT_RETURN_NOT_OK(tracker_.CheckModelCovered(plan_.transfer_id).WithContext(context_));
 
   StreamReport report;
   report.chunks = chunks_;
