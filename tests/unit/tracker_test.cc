@@ -171,6 +171,39 @@ TEST_P(TrackerTest, MissingOrReshapedBaselineIsAnErrorOutsideAnAnchor) {
   EXPECT_EQ(tracker->Digests().at("new.weight"), TensorDigest(other.view()));
 }
 
+TEST_P(TrackerTest, ADeltaMustCoverTheWholeModelAndAnAnchorMayShrinkIt) {
+  auto tracker = MakeTracker();
+  OwnedTensor a = RandomTensor("a", DType::kBFloat16, {16, 4}, 1);
+  OwnedTensor b = RandomTensor("b", DType::kBFloat16, {8}, 2);
+  Anchor(*tracker, {a, b});
+
+  // A delta that encodes only half of `a` and none of `b` would commit both partly stale.
+  const TransferId half = TransferId::Random();
+  ASSERT_OK(tracker->Begin(half));
+  ASSERT_OK(tracker->Encode(half, b.view()));
+  ASSERT_OK(tracker->Encode(half, a.view(), 0, 32));
+  EXPECT_STATUS_MSG(FailedPrecondition, "'a'", tracker->CheckModelCovered(half));
+  ASSERT_OK(tracker->Abort(half));
+  const TransferId without_b = TransferId::Random();
+  ASSERT_OK(tracker->Begin(without_b));
+  ASSERT_OK(tracker->Encode(without_b, a.view()));
+  EXPECT_STATUS_MSG(FailedPrecondition, "'b'", tracker->CheckModelCovered(without_b));
+  ASSERT_OK(tracker->Abort(without_b));
+
+  // An anchor without `b` drops its baseline; the next delta covers `a` alone.
+  const TransferId anchor = TransferId::Random();
+  ASSERT_OK(tracker->Begin(anchor, /*force_anchor=*/true));
+  ASSERT_OK(tracker->Encode(anchor, a.view()));
+  ASSERT_OK(tracker->CheckModelCovered(anchor));
+  ASSERT_OK(tracker->Commit(anchor));
+  EXPECT_EQ(tracker->Digests().count("b"), 0u);
+  const TransferId next = TransferId::Random();
+  ASSERT_OK(tracker->Begin(next));
+  ASSERT_OK(tracker->Encode(next, a.view()));
+  ASSERT_OK(tracker->CheckModelCovered(next));
+  ASSERT_OK(tracker->Commit(next));
+}
+
 TEST_P(TrackerTest, TransferIdsAreChecked) {
   auto tracker = MakeTracker();
   OwnedTensor v0 = RandomTensor("w", DType::kBFloat16, {16}, 10);
