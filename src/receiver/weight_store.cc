@@ -1,6 +1,11 @@
 #include "refit/weight_store.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstring>
+#include <span>
 
 #include "core/mapped_file.h"
 #include "refit/digest.h"
@@ -23,11 +28,29 @@ std::unique_ptr<WeightStore> WeightStore::Make() {
   return std::unique_ptr<WeightStore>(new WeightStore());
 }
 
+namespace {
+
+// Drop the whole pages of a read-only file mapping that lie inside `bytes` from this process
+// (madvise MADV_DONTNEED: they are read again from the file if touched). Best effort.
+void ReleaseMappedPages(std::span<const std::byte> bytes) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(bytes.data()) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size()) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+}  // namespace
+
 Result<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& path, StoreMode mode) {
   auto store = Make();
   if (mode == StoreMode::kMemory) {
     REFIT_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path, LoadMode::kMmap));
-    for (const TensorView& tensor : file->tensors()) REFIT_RETURN_NOT_OK(store->AddCopy(tensor));
+    for (const TensorView& tensor : file->tensors()) {
+      REFIT_RETURN_NOT_OK(store->AddCopy(tensor));
+      // The copied tensor's file pages would count in this process's RSS until the file is
+      // closed, doubling the peak of a load: drop them as we go (they stay in the page cache).
+      ReleaseMappedPages(tensor.bytes);
+    }
     return store;
   }
   // Copy-on-write map: the views parsed from it point into memory this process may write.
