@@ -238,6 +238,9 @@ Status RunServe(const ServeSettings& settings) {
   options.control.max_request_bytes = settings.max_payload_bytes;
   options.session.apply_queue_depth = settings.apply_queue_depth;
   options.session.limits.max_payload_bytes = settings.max_payload_bytes;
+  // The decompressed body too: otherwise a small payload that declares a huge body (a
+  // decompression bomb) is decompressed up to the default 4 GiB before anything refuses it.
+  options.session.limits.max_body_bytes = settings.max_payload_bytes;
   options.bootstrap_uri = settings.bootstrap_uri;
   options.on_bootstrap_version = [](const ChainVersion& replayed) {
     ServeLogger().info("serve: bootstrap: replayed {} {} ({} payloads)",
@@ -396,7 +399,8 @@ void RegisterServe(CLI::App& app, Status* result) {
           throw CLI::ValidationError("--max-payload-bytes", bytes.status().message());
         settings->max_payload_bytes = *bytes;
       },
-      "Largest payload either plane accepts, e.g. 256MiB (default 4GiB)");
+      "Largest payload either plane accepts, and largest decompressed payload body, e.g. 256MiB "
+      "(default 4GiB)");
   cmd->add_option_function<uint64_t>(
       "--version", [settings](const uint64_t& version) { settings->version = version; },
       "Weight version of the model (default: its refit.version metadata, else 0)");

@@ -50,11 +50,52 @@ Status StatusFromJson(const Json& body, std::string_view where) {
   return Status(code.value_or(StatusCode::kInternal), fmt::format("{}: {}", where, message));
 }
 
+// The type each field of a group message has when present. Json::value() throws on a present
+// field of another type, which would end the rank; a message is checked once, here.
+Status CheckFieldTypes(const Json& body, std::string_view where) {
+  using Check = bool (*)(const Json&);
+  const auto is_uint = [](const Json& v) { return v.is_number_unsigned(); };
+  const auto is_bool = [](const Json& v) { return v.is_boolean(); };
+  const auto is_string = [](const Json& v) { return v.is_string(); };
+  const auto is_object = [](const Json& v) { return v.is_object(); };
+  const auto is_strings = [](const Json& v) {
+    return v.is_array() && std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_string(); });
+  };
+  static const std::map<std::string_view, std::pair<Check, std::string_view>> kTop = {
+      {"protocol", {is_uint, "an unsigned integer"}}, {"op", {is_string, "a string"}},
+      {"ok", {is_bool, "a boolean"}},                 {"code", {is_string, "a string"}},
+      {"message", {is_string, "a string"}},           {"version", {is_uint, "an unsigned integer"}},
+      {"version_known", {is_bool, "a boolean"}},      {"wants_anchor", {is_bool, "a boolean"}},
+      {"open", {is_bool, "a boolean"}},               {"endpoints", {is_strings, "a list of strings"}},
+      {"transfer_id", {is_string, "a string"}},       {"anchor", {is_bool, "a boolean"}},
+      {"base_version", {is_uint, "an unsigned integer"}},
+      {"target_version", {is_uint, "an unsigned integer"}},
+      {"report", {is_object, "an object"}},           {"digests", {is_object, "an object"}}};
+  for (const auto& [key, value] : body.items()) {
+    auto it = kTop.find(key);
+    if (it != kTop.end() && !it->second.first(value)) {
+      return InvalidArgument("{}: field '{}' of a producer-group message is {}, not {}", where, key,
+                             value.type_name(), it->second.second);
+    }
+  }
+  if (auto report = body.find("report"); report != body.end()) {
+    for (const auto& [key, value] : report->items()) {
+      const bool seconds = key.size() > 2 && key.ends_with("_s");
+      if (seconds ? !value.is_number() : !value.is_number_unsigned()) {
+        return InvalidArgument("{}: field 'report.{}' of a producer-group message is {}, not {}",
+                               where, key, value.type_name(), seconds ? "a number" : "an unsigned integer");
+      }
+    }
+  }
+  return Status::OK();
+}
+
 Result<Json> ParseMessage(const std::string& text, std::string_view where) {
   Json body = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded() || !body.is_object()) {
     return InvalidArgument("{}: not a producer-group message ({} bytes)", where, text.size());
   }
+  REFIT_RETURN_NOT_OK(CheckFieldTypes(body, where));
   if (body.value("protocol", 0) != kGroupProtocolVersion) {
     return FailedPrecondition(
         "{}: speaks producer-group protocol {}, this rank {}: every rank must run the same "

@@ -56,6 +56,22 @@ Status CheckExpectation(const TransferExpectation& expected) {
   return Status::OK();
 }
 
+/// Check that every tensor `expected` names is one `store` holds (or, through its loader, maps
+/// or skips): a prepare listing millions of made-up names must not be kept until the next
+/// transfer, and a digest for a tensor the receiver cannot hold could never verify.
+Status CheckDigestNamesKnown(const WeightStore& store, const TransferExpectation& expected) {
+  for (const auto& [name, digest] : expected.digests) {
+    const Status known = store.has_loader() ? store.ResolveCanonical(name).status()
+                                            : store.Find(name).status();
+    if (!known.ok()) {
+      return NotFound("expected digest of tensor '{}', which this receiver does not hold ({} "
+                      "tensors here): {}",
+                      name, store.size(), known.message());
+    }
+  }
+  return Status::OK();
+}
+
 /// One staged payload waiting for the apply thread.
 struct QueuedPayload {
   PayloadIds ids;
@@ -357,6 +373,7 @@ struct ReceiverSession::Impl {
   /// Combine the expectation given to Flush with the one in force.
   Status MergeExpectationLocked(const TransferExpectation& given) {
     REFIT_RETURN_NOT_OK(CheckExpectation(given).WithContext("flush"));
+    REFIT_RETURN_NOT_OK(CheckDigestNamesKnown(store, given).WithContext("flush"));
     TransferExpectation& expected = transfer->expected;
     if (given.has_payload_count()) {
       if (expected.has_payload_count() &&
@@ -627,6 +644,8 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
                            request.base_version);
   }
   Impl& s = *impl_;
+  REFIT_RETURN_NOT_OK(
+      CheckDigestNamesKnown(s.store, request.expected).WithContext("prepare of transfer " + id));
   std::unique_lock lock(s.mutex);
   s.WaitForAbortLocked(lock);
   PrepareResult result;

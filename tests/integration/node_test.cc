@@ -337,6 +337,30 @@ TEST(ReceiverNodeTest, AppliesIntoCallerRegisteredBuffersAndCallsTheEngineHooks)
                                                        "pause", "commit 3"}));
 }
 
+TEST(PublisherTest, AGroupMessageWithAWronglyTypedFieldIsRefusedNotACrash) {
+  // Rank 0 is a bare group endpoint speaking malformed messages; rank 1 a real Publisher.
+  ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ProducerGroup>> groups, MakeInProcessGroup(2));
+  std::unique_ptr<ProducerGroup> leader = std::move(groups[0]);
+  PublisherOptions options;
+  options.transfer_timeout = std::chrono::seconds(20);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Publisher> follower,
+                       Publisher::Make(options, std::move(groups[1])));
+  std::vector<Canonical> model = MakeModel(3);
+  for (const std::string bad : {R"({"protocol":"1"})", R"({"protocol":1,"op":5})",
+                                R"({"protocol":1,"op":"begin","endpoints":[1]})",
+                                R"({"protocol":1,"op":"stream","report":{"payloads":-1}})"}) {
+    Result<SyncReport> synced = Status(StatusCode::kInternal, "not run");
+    std::thread rank1([&] { synced = follower->Sync(Views(model)); });
+    const auto deadline = GroupClock::now() + std::chrono::seconds(20);
+    ASSERT_OK(leader->Broadcast(bad, deadline).status());
+    // The follower explains its refusal in the gather rank 0 now waits for.
+    ASSERT_OK_AND_ASSIGN(std::vector<std::string> replies, leader->Gather("{}", deadline));
+    rank1.join();
+    EXPECT_NE(replies[1].find("InvalidArgument"), std::string::npos) << bad << ": " << replies[1];
+    EXPECT_STATUS_MSG(InvalidArgument, "field", synced);
+  }
+}
+
 TEST(PublisherTest, MoreRanksThanChunksTakePartAndVote) {
   std::vector<Canonical> model = MakeModel(2);
   const std::string endpoint = testing::FreeLoopbackEndpoint();

@@ -572,6 +572,11 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("huge body size",
                       data_request(forge_payload(tid, body_bytes=1 << 62, **version)),
                       RESOURCE_EXHAUSTED, "")
+    # A decompression bomb: a small payload declaring a body beyond --max-payload-bytes is refused
+    # by its header, before anything is allocated or decompressed.
+    receiver.expect_nack("declared body beyond --max-payload-bytes",
+                      data_request(forge_payload(tid, body_bytes=4 * MAX_PAYLOAD_BYTES, **version)),
+                      RESOURCE_EXHAUSTED, "body_bytes")
     receiver.expect_nack("huge compressed size",
                       data_request(forge_payload(tid, compressed_bytes=1 << 62, **version)),
                       RESOURCE_EXHAUSTED, "")

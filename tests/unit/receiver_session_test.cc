@@ -1,5 +1,6 @@
 #include "refit/receiver_session.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -111,6 +112,25 @@ class ReceiverSessionTest : public ::testing::Test {
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> current_;
 };
+
+TEST_F(ReceiverSessionTest, APrepareNamingTensorsTheStoreDoesNotHoldIsRefusedAndKeepsNothing) {
+  auto session = MakeSession();
+  Step step = EncodeStep(11);
+  // A hostile (authenticated) prepare: a million made-up names besides the real ones.
+  PrepareRequest hostile = Request(step);
+  for (int i = 0; i < 1'000'000; ++i) hostile.expected.digests[fmt::format("made.up.{}", i)] = i;
+  EXPECT_STATUS_MSG(NotFound, "made.up.0", session->Prepare(hostile));
+  EXPECT_EQ(session->GetStatus().state, ReceiverState::kIdle);
+  // Nothing was kept: the real transfer prepares as usual; a flush naming an unknown tensor is
+  // refused the same way, and the transfer still rolls back cleanly.
+  ASSERT_OK(session->Prepare(Request(step)));
+  for (const auto& payload : step.payloads) ASSERT_OK(session->Stage(payload));
+  FlushOptions forged = Generous();
+  forged.expected.digests["made.up.flush"] = 1;
+  EXPECT_STATUS_MSG(NotFound, "made.up.flush", session->Flush(step.id, forged));
+  ASSERT_OK(session->Abort(step.id));
+  ExpectStoreHolds(current_);
+}
 
 TEST_F(ReceiverSessionTest, MakeRejectsBadOptions) {
   ReceiverSessionOptions options;
