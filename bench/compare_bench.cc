@@ -3,7 +3,7 @@
 // Comparing is memory bound: every element of both tensors is read once. Throughput is therefore
 // reported over both streams (2 × array bytes, printed as GB/s) and as the user counter
 // "ratio_vs_read": that throughput divided by the throughput of a plain two-stream SIMD read of
-// the same arrays (DESIGN.md: speed claims are ratios measured side by side). The read runs in
+// the same arrays (docs/benchmarking.md: speed claims are ratios measured side by side). The read runs in
 // the same process right after every timed iteration, with the benchmark's timer paused, so both
 // see the same machine load: on the shared 2-core machine a build next door can halve memory
 // bandwidth for minutes, which moves absolute GB/s but not this ratio. BM_TwoStreamRead's own
@@ -41,7 +41,7 @@ constexpr uint64_t kBytesPerMiB = uint64_t{1} << 20;
 // Densities are given in basis points (1/10000) because benchmark arguments are integers.
 constexpr double kBasisPointsPerUnit = 10000.0;
 // A changed element gets one of its lowest kFlippedLowBits bits flipped: the 1-ulp-style change
-// an Adam step leaves in a bf16 weight (DESIGN.md, background).
+// an Adam step leaves in a bf16 weight (docs/architecture.md).
 constexpr int kFlippedLowBits = 2;
 constexpr uint64_t kSeed = 20240917;
 // The workload BM_TwoStreamRead reads (its content does not matter, only its size).

@@ -3,7 +3,7 @@
 # present are skipped, and apt is only consulted when something is missing.
 set -euo pipefail
 
-# Build + test dependencies (DESIGN.md "Dependencies").
+# Build + test dependencies (Debian 12 packages; nothing is downloaded at run time).
 packages=(
   build-essential cmake ninja-build pkg-config git
   libzstd-dev libxxhash-dev libhwy-dev

@@ -1,4 +1,4 @@
-// ControlServer: the receiver's HTTP control plane (DESIGN.md "Receiver", "Security").
+// ControlServer: the receiver's HTTP control plane (docs/protocol.md, docs/security.md).
 //
 // Routes (JSON bodies unless noted; every success body has "ok": true, every error body is
 // {"ok": false, "code": "<StatusCodeName>", "message": "…"}):

@@ -11,7 +11,7 @@
 //   4. Flush       every receiver waits for the declared payload counts, applies, verifies its
 //                  state digests against the producers' pending digests → prepared; each
 //                  replica is verified as a whole: the canonical digests of a shard group's
-//                  pieces must add up to the producers' (DESIGN.md "Receiver")
+//                  pieces must add up to the producers' (docs/architecture.md)
 //   5. Commit      every receiver commits (the decision point is the last successful Flush),
 //                  then every tracker commits its pending bits
 //
@@ -19,7 +19,7 @@
 // bit-exactly, trackers drop their pending bits, and Refit returns the first error with every
 // failure listed by place. The next Refit (a new transfer id) starts from the same base, without
 // restarting anything. Once every receiver is prepared the transfer is decided: a receiver whose
-// Commit reply is lost stays prepared and commits implicitly at the next Prepare (DESIGN.md
+// Commit reply is lost stays prepared and commits implicitly at the next Prepare (docs/protocol.md
 // "implied commit"), so step 5 reports such a receiver instead of failing the transfer.
 #pragma once
 

@@ -1,8 +1,8 @@
 // ProducerGroup: the W ranks of one trainer job (torchrun, Megatron, Ray, mpirun), as the
 // Publishers of those ranks exchange the small messages of a Sync — the plan, stream reports,
 // per-tensor digests and the decision. Two collectives, nothing more: rank 0 broadcasts to every
-// rank, and every rank's message is gathered at rank 0 (DESIGN.md "Publisher and producer
-// group").
+// rank, and every rank's message is gathered at rank 0 (docs/architecture.md, "One sync, step by
+// step").
 //
 //   rank 0 ──Broadcast──▶ ranks 1 … W−1        ranks 0 … W−1 ──Gather──▶ rank 0
 //

@@ -70,7 +70,7 @@ struct EncodeResult {
   uint64_t total_elements = 0;
 };
 
-/// The producer-side tracker of DESIGN.md.
+/// The producer-side tracker (docs/architecture.md).
 ///
 /// Thread-safety: Encode may run concurrently from many threads on distinct tensors or disjoint
 /// spans of one tensor. Begin, Commit, Abort and the accessors must not run concurrently with

@@ -75,7 +75,7 @@ struct PrepareResult {
   /// True when the transfer was already open with the same request (a retried control call).
   bool repeated = false;
   /// The transfer committed implicitly because this one is based on its target version
-  /// (DESIGN.md "implied commit": a lost Commit message cannot wedge the receiver).
+  /// (docs/protocol.md, "implied commit": a lost Commit message cannot wedge the receiver).
   std::optional<TransferId> implied_commit;
 };
 
@@ -97,7 +97,7 @@ struct FlushOptions {
 };
 
 /// What a receiver holds of one canonical tensor, for the coordinator's check of a replica
-/// (DESIGN.md "Receiver": digests stay in canonical coordinates). A receiver whose store maps
+/// (docs/architecture.md: digests stay in canonical coordinates). A receiver whose store maps
 /// canonical tensors onto its own layout (a loader, e.g. one tensor-parallel shard) holds
 /// *pieces*: rectangles of the canonical tensor, each with the partial state digest
 /// Σ h(canonical index, bits) over its elements. Two shards that hold the same rectangle (a

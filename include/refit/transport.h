@@ -97,14 +97,14 @@
 //     apply, as with in-flight corruption. disconnect_after=N: every Send after the first N
 //     fails with Unavailable without delivering. Listeners are the inner transport's.
 //
-// A relay tree (DESIGN.md's zmq://) fits the same interface: capabilities staged_ack and
+// A relay tree (zmq://, docs/protocol.md) fits the same interface: capabilities staged_ack and
 // fan_out_tree; SenderContext::endpoints lists the relays and a sender talks to its root,
 // endpoints[producer_id % n]; each relay's Listener gets the whole relay list as
 // ListenerContext::peers, delivers to its own sink and forwards what the sink staged to its
 // children until they ACK it (a kDuplicate whose subtree already ACKed is not forwarded again);
 // Finish is the relay flush with the producer's expected count.
 //
-// Transports move opaque bytes (STYLE.md rule 2): a sender may read the ids of a payload from its
+// Transports move opaque bytes (the layering rule of docs/architecture.md): a sender may read the ids of a payload from its
 // header with ValidatePayloadHeader — to name files, or to check that the payload belongs to the
 // sender's transfer — but never decodes the body; the codec never knows which transport carries
 // it. Receiving is transport-independent too: a Listener hands each payload to a PayloadSink, and

@@ -1,4 +1,4 @@
-// API-key authentication of the control plane (DESIGN.md "Security").
+// API-key authentication of the control plane (docs/security.md).
 #pragma once
 
 #include <array>
