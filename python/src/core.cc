@@ -34,6 +34,7 @@
 #include "refit/receiver_node.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/version.h"
 
 namespace py = pybind11;
 using namespace std::chrono_literals;
@@ -603,7 +604,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() =
       "refit's C++ core: ReceiverNode, Publisher, producer groups, loader specs and the "
       "configuration file. Use the refit package, not this module.";
-  m.attr("__version__") = REFIT_VERSION;
+  m.attr("__version__") = std::string(refit::VersionString());
 
   py::register_exception_translator([](std::exception_ptr pointer) {
     try {

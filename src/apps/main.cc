@@ -5,13 +5,14 @@
 
 #include "cli_common.h"
 #include "refit/logging.h"
+#include "refit/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{
       "refit: keep inference workers bit-identical to an RL trainer by sending only the "
       "weights that changed"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("refit 0.1.0"));
+  app.set_version_flag("--version", "refit " + std::string(refit::VersionString()));
   std::string log_level = "warn";
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical or off")
       ->capture_default_str();

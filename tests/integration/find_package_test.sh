@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# refit as an installed library, seen from a project outside the tree: install this build into a
+# fresh prefix, then build a tiny consumer against it twice — with CMake (find_package(refit),
+# refit::refit) and with pkg-config (refit.pc) — and check that each runs and prints the
+# project's version.
+#
+# Usage: find_package_test.sh BUILD_DIR WORK_DIR VERSION [CMAKE [CXX]]
+set -euo pipefail
+
+build_dir=$1
+work_dir=$2
+version=$3
+cmake=${4:-cmake}
+cxx=${5:-c++}
+
+rm -rf "$work_dir"
+mkdir -p "$work_dir"
+prefix=$work_dir/prefix
+consumer=$work_dir/consumer
+
+echo "== cmake --install $build_dir --prefix $prefix"
+"$cmake" --install "$build_dir" --prefix "$prefix" > "$work_dir/install.log"
+
+# What must be there: headers (with the generated version.h), the archives, the CLI, the package.
+libdir=
+for candidate in "$prefix"/lib "$prefix"/lib64 "$prefix"/lib/*-linux-gnu; do
+  if [[ -f $candidate/cmake/refit/refitConfig.cmake ]]; then libdir=$candidate; break; fi
+done
+[[ -n $libdir ]] || { echo "FAIL: no refitConfig.cmake under $prefix" >&2; exit 1; }
+for f in "$prefix/include/refit/version.h" "$prefix/include/refit/dtype.h" "$prefix/bin/refit" \
+         "$libdir/cmake/refit/refitConfigVersion.cmake" "$libdir/cmake/refit/refitTargets.cmake" \
+         "$libdir/pkgconfig/refit.pc"; do
+  [[ -e $f ]] || { echo "FAIL: not installed: $f" >&2; exit 1; }
+done
+for layer in util core codec pipeline receiver transport control node workload; do
+  [[ -f $libdir/librefit_$layer.a ]] || { echo "FAIL: not installed: librefit_$layer.a" >&2; exit 1; }
+done
+if grep -rq "$(cd "$(dirname "$0")/../.." && pwd)" "$libdir/cmake/refit" "$libdir/pkgconfig/refit.pc"; then
+  echo "FAIL: the installed package refers to the source tree:" >&2
+  grep -rn "$(cd "$(dirname "$0")/../.." && pwd)" "$libdir/cmake/refit" "$libdir/pkgconfig/refit.pc" >&2
+  exit 1
+fi
+cli_version=$("$prefix/bin/refit" --version)
+[[ $cli_version == "refit $version" ]] || { echo "FAIL: refit --version: '$cli_version'" >&2; exit 1; }
+
+mkdir -p "$consumer"
+cat > "$consumer/CMakeLists.txt" <<CMAKE
+cmake_minimum_required(VERSION 3.25)
+project(refit_consumer LANGUAGES CXX)
+set(CMAKE_CXX_STANDARD 20)
+set(CMAKE_CXX_STANDARD_REQUIRED ON)
+find_package(refit $version EXACT REQUIRED)
+if(NOT refit_VERSION STREQUAL "$version")
+  message(FATAL_ERROR "refit_VERSION is '\${refit_VERSION}', expected $version")
+endif()
+add_executable(consumer main.cc)
+target_link_libraries(consumer PRIVATE refit::refit)
+CMAKE
+cat > "$consumer/main.cc" <<'CXX'
+// Prints refit::VersionString() and nothing else on stdout; checks a few real API calls.
+#include <cstdio>
+#include <string>
+
+#include "refit/dtype.h"
+#include "refit/producer_group.h"
+#include "refit/version.h"
+#ifdef REFIT_HAVE_MPI
+#include "refit/mpi_producer_group.h"
+#endif
+
+int main() {
+  static_assert(refit::Version().major == REFIT_VERSION_MAJOR);
+  auto dtype = refit::ParseDType("bf16");
+  if (!dtype.ok() || refit::DTypeName(*dtype) != "bfloat16" || refit::DTypeSize(*dtype) != 2) {
+    std::fprintf(stderr, "ParseDType(\"bf16\") went wrong\n");
+    return 1;
+  }
+  // The top layer (refit_node) and so every archive below it.
+  auto group = refit::MakeInProcessGroup(2);
+  if (!group.ok() || group->size() != 2) {
+    std::fprintf(stderr, "MakeInProcessGroup(2) went wrong\n");
+    return 1;
+  }
+#ifdef REFIT_HAVE_MPI
+  // Pulls in the MPI group's object file, so its (private) MPI dependency must link.
+  using MakeMpi = decltype(&refit::MakeMpiGroup);
+  volatile MakeMpi make_mpi = &refit::MakeMpiGroup;
+  if (make_mpi == nullptr) return 1;
+#endif
+  auto v = refit::Version();
+  std::string joined = std::to_string(v.major) + "." + std::to_string(v.minor) + "." +
+                       std::to_string(v.patch);
+  if (joined != refit::VersionString()) {
+    std::fprintf(stderr, "Version() %s != VersionString()\n", joined.c_str());
+    return 1;
+  }
+  std::printf("%s\n", std::string(refit::VersionString()).c_str());
+  return 0;
+}
+CXX
+
+echo "== CMake consumer: find_package(refit), refit::refit"
+generator=()
+if command -v ninja > /dev/null; then generator=(-G Ninja); fi
+# A clean environment for the consumer: only the prefix, nothing from this build's cache.
+"$cmake" -S "$consumer" -B "$consumer/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_PREFIX_PATH="$prefix" > "$work_dir/consumer-configure.log" \
+  || { cat "$work_dir/consumer-configure.log" >&2; exit 1; }
+"$cmake" --build "$consumer/build" > "$work_dir/consumer-build.log" \
+  || { cat "$work_dir/consumer-build.log" >&2; exit 1; }
+out=$("$consumer/build/consumer")
+echo "consumer (CMake) printed: $out"
+[[ $out == "$version" ]] || { echo "FAIL: expected '$version'" >&2; exit 1; }
+
+echo "== pkg-config consumer: refit.pc"
+export PKG_CONFIG_PATH=$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+pc_version=$(pkg-config --modversion refit)
+[[ $pc_version == "$version" ]] || { echo "FAIL: pkg-config --modversion refit: '$pc_version'" >&2; exit 1; }
+flags=$(pkg-config --cflags --libs refit)
+echo "pkg-config --cflags --libs refit: $flags"
+# shellcheck disable=SC2086  # the flags are meant to be split
+"$cxx" -std=c++20 -o "$work_dir/consumer-pc" "$consumer/main.cc" $flags \
+  || { echo "FAIL: building against pkg-config's flags" >&2; exit 1; }
+out=$("$work_dir/consumer-pc")
+echo "consumer (pkg-config) printed: $out"
+[[ $out == "$version" ]] || { echo "FAIL: expected '$version'" >&2; exit 1; }
+
+echo "PASS"
