@@ -36,7 +36,7 @@ import dataclasses
 import socket
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import _core
+from . import _core, errors
 from ._tensors import TensorsLike, as_buffer_tensor, buffer_tensors
 from .errors import (
     AlreadyExists,
@@ -70,20 +70,7 @@ __all__ = [
     "in_process_group",
     "set_log_level",
     "log_level",
-    "Error",
-    "InvalidArgument",
-    "DataLoss",
-    "FailedPrecondition",
-    "Unavailable",
-    "DeadlineExceeded",
-    "ResourceExhausted",
-    "Cancelled",
-    "PermissionDenied",
-    "NotFound",
-    "AlreadyExists",
-    "IoError",
-    "Internal",
-]
+] + [name for name in errors.__all__ if name[0].isupper()]
 
 #: A refit configuration file (the YAML ``refit push`` and ``refit serve`` read):
 #: ``Config.load(path)`` or ``Config.parse(text)``. Pass it as ``config=`` to a Publisher or a

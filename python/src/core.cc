@@ -173,6 +173,47 @@ TensorView ViewOf(const BufferTensor& tensor) {
 
 // ---- Loader specs (dicts) ------------------------------------------------------------------------
 
+// The rule fields a loader dict may set, by kind of value (LoaderRule's members).
+constexpr std::pair<std::string_view, std::string LoaderRule::*> kRuleTexts[] = {
+    {"match", &LoaderRule::match}, {"to", &LoaderRule::to},     {"q", &LoaderRule::q},
+    {"k", &LoaderRule::k},         {"v", &LoaderRule::v},       {"gate", &LoaderRule::gate},
+    {"up", &LoaderRule::up}};
+constexpr std::pair<std::string_view, uint32_t LoaderRule::*> kRuleCounts[] = {
+    {"num_heads", &LoaderRule::num_heads}, {"num_kv_heads", &LoaderRule::num_kv_heads}};
+constexpr std::pair<std::string_view, uint64_t LoaderRule::*> kRuleSizes[] = {
+    {"vocab_size", &LoaderRule::vocab_size}, {"pad_to", &LoaderRule::pad_to}};
+
+// Set the member of `rule` named `field` from `value`; false for an unknown field.
+template <typename T, size_t N>
+bool SetRuleField(const std::pair<std::string_view, T LoaderRule::*> (&fields)[N],
+                  std::string_view field, const py::handle& value, LoaderRule& rule) {
+  for (const auto& [name, member] : fields) {
+    if (name == field) {
+      rule.*member = value.cast<T>();
+      return true;
+    }
+  }
+  return false;
+}
+
+LoaderRule LoaderRuleFromDict(const py::dict& dict, size_t index) {
+  LoaderRule rule;
+  for (const auto& [key, value] : dict) {
+    const std::string field = key.cast<std::string>();
+    if (field == "kind") {
+      rule.kind = Unwrap(ParseLoaderKind(value.cast<std::string>()));
+    } else if (!SetRuleField(kRuleTexts, field, value, rule) &&
+               !SetRuleField(kRuleCounts, field, value, rule) &&
+               !SetRuleField(kRuleSizes, field, value, rule)) {
+      Throw(InvalidArgument(
+          "loader rule {}: unknown key '{}'; known keys: kind, match, to, q, k, v, gate, up, "
+          "num_heads, num_kv_heads, vocab_size, pad_to",
+          index, field));
+    }
+  }
+  return rule;
+}
+
 LoaderSpec LoaderSpecFromDict(const py::dict& spec) {
   LoaderSpec out;
   for (const auto& [key, value] : spec) {
@@ -183,41 +224,7 @@ LoaderSpec LoaderSpecFromDict(const py::dict& spec) {
       out.tp_size = value.cast<uint32_t>();
     } else if (name == "rules") {
       for (const py::handle& item : value) {
-        LoaderRule rule;
-        for (const auto& [rule_key, rule_value] : item.cast<py::dict>()) {
-          const std::string field = rule_key.cast<std::string>();
-          if (field == "kind") {
-            rule.kind = Unwrap(ParseLoaderKind(rule_value.cast<std::string>()));
-          } else if (field == "match") {
-            rule.match = rule_value.cast<std::string>();
-          } else if (field == "to") {
-            rule.to = rule_value.cast<std::string>();
-          } else if (field == "q") {
-            rule.q = rule_value.cast<std::string>();
-          } else if (field == "k") {
-            rule.k = rule_value.cast<std::string>();
-          } else if (field == "v") {
-            rule.v = rule_value.cast<std::string>();
-          } else if (field == "gate") {
-            rule.gate = rule_value.cast<std::string>();
-          } else if (field == "up") {
-            rule.up = rule_value.cast<std::string>();
-          } else if (field == "num_heads") {
-            rule.num_heads = rule_value.cast<uint32_t>();
-          } else if (field == "num_kv_heads") {
-            rule.num_kv_heads = rule_value.cast<uint32_t>();
-          } else if (field == "vocab_size") {
-            rule.vocab_size = rule_value.cast<uint64_t>();
-          } else if (field == "pad_to") {
-            rule.pad_to = rule_value.cast<uint64_t>();
-          } else {
-            Throw(InvalidArgument(
-                "loader rule {}: unknown key '{}'; known keys: kind, match, to, q, k, v, gate, up, "
-                "num_heads, num_kv_heads, vocab_size, pad_to",
-                out.rules.size(), field));
-          }
-        }
-        out.rules.push_back(std::move(rule));
+        out.rules.push_back(LoaderRuleFromDict(item.cast<py::dict>(), out.rules.size()));
       }
     } else {
       Throw(InvalidArgument("loader: unknown key '{}'; known keys: tp_rank, tp_size, rules", name));
@@ -231,11 +238,8 @@ py::dict LoaderSpecToDict(const LoaderSpec& spec) {
   for (const LoaderRule& rule : spec.rules) {
     py::dict out;
     out["kind"] = std::string(LoaderKindName(rule.kind));
-    const std::pair<const char*, const std::string*> texts[] = {
-        {"match", &rule.match}, {"to", &rule.to}, {"q", &rule.q},       {"k", &rule.k},
-        {"v", &rule.v},         {"gate", &rule.gate}, {"up", &rule.up}};
-    for (const auto& [key, text] : texts) {
-      if (!text->empty()) out[key] = *text;
+    for (const auto& [key, member] : kRuleTexts) {
+      if (!(rule.*member).empty()) out[py::str(std::string(key))] = rule.*member;
     }
     if (rule.kind == LoaderKind::kQkv) {
       out["num_heads"] = rule.num_heads;
