@@ -18,6 +18,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <xxhash.h>
 #include <zstd.h>
 
 #include "refit/digest.h"
@@ -418,16 +419,10 @@ TEST_P(GoldenTest, EncoderReproducesTheFile) {
   options.byte_planes = c.byte_planes;
   ASSERT_OK_AND_ASSIGN(auto encoded, EncodePayload(c.ids, views_, options));
   if (Regenerating()) {
-    std::ofstream out(FilePath(c), std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(encoded.data()),
-              static_cast<std::streamsize>(encoded.size()));
-    ASSERT_TRUE(out.good()) << "cannot write " << FilePath(c);
-    FAIL() << "\n**************************************************************************\n"
-           << "GOLDEN FILE REGENERATED: " << FilePath(c) << " (" << encoded.size() << " bytes)\n"
-           << "This changes payload format v1 on disk. Review the diff, update\n"
-           << "docs/format/payload.md and tests/golden/v1/README.md if the format changed,\n"
-           << "and commit the files deliberately. Unset " << kRegenerateVariable << " to test.\n"
-           << "**************************************************************************";
+    FAIL() << "payload format v1 is frozen: its golden files are its definition and are never "
+              "rewritten. A format change is a new version, with files of its own in "
+              "tests/golden/v<N>/ (docs/format/payload.md, \"Version\"). Unset "
+           << kRegenerateVariable << ".";
   }
   const auto golden = ReadFile(FilePath(c));
   ASSERT_TRUE(golden.has_value()) << "missing golden file " << FilePath(c) << "; generate it with "
@@ -482,6 +477,30 @@ std::string CaseName(const ::testing::TestParamInfo<GoldenCase>& param_info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(V1, GoldenTest, ::testing::ValuesIn(GoldenCases()), CaseName);
+
+// The frozen bytes of v1: each file's size and XXH3-64, recorded when v1 was frozen. A rewritten
+// file fails here even if encoder and decoder changed with it.
+TEST(GoldenFreezeTest, V1FilesAreTheFrozenBytes) {
+  struct Frozen {
+    const char* file;
+    size_t size;
+    uint64_t xxh3;
+  };
+  constexpr Frozen kFrozen[] = {
+      {"add_with_demotions_planes.rfpl", 1265, 0xef4f5f894200db78},
+      {"empty.rfpl", 137, 0x3ab4264d49b8d417},
+      {"full_anchor_flat.rfpl", 552, 0x629443c84e1ec79a},
+      {"overwrite_encodings_flat.rfpl", 864, 0xfd77103ab5dbab19},
+      {"xor_all_dtypes_planes.rfpl", 1102, 0x4ff40fe7a526275f},
+  };
+  for (const Frozen& frozen : kFrozen) {
+    const std::string path = std::string(kGoldenDir) + "/" + frozen.file;
+    const auto bytes = ReadFile(path);
+    ASSERT_TRUE(bytes.has_value()) << "missing frozen golden file " << path;
+    EXPECT_EQ(bytes->size(), frozen.size) << path;
+    EXPECT_EQ(XXH3_64bits(bytes->data(), bytes->size()), frozen.xxh3) << path << " was rewritten";
+  }
+}
 
 TEST(GoldenCoverageTest, FilesCoverEveryDTypeOpEncodingAndFlag) {
   std::set<DType> dtypes;
