@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install dependencies, build (dev preset: -Werror, debug checks on) and run every test:
-# ctest labels unit, integration and slow. Usage: scripts/test.sh [extra ctest args]
+# ctest labels unit, integration and python. Usage: scripts/test.sh [extra ctest args]
 #
 # The s3:// integration tests need a real S3 server: this starts the project's single-node Ceph
 # RGW (scripts/s3-test-server.sh, http://127.0.0.1:7480) before ctest and exports its endpoint and
