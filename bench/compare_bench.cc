@@ -3,9 +3,9 @@
 // Comparing is memory bound: every element of both tensors is read once. Throughput is therefore
 // reported over both streams (2 × array bytes, printed as GB/s) and as the user counter
 // "ratio_vs_read": that throughput divided by the throughput of a plain two-stream SIMD read of
-// the same arrays (docs/benchmarking.md: speed claims are ratios measured side by side). The read runs in
-// the same process right after every timed iteration, with the benchmark's timer paused, so both
-// see the same machine load: on the shared 2-core machine a build next door can halve memory
+// the same arrays (docs/benchmarking.md: speed claims are ratios measured side by side). The read
+// runs in the same process right after every timed iteration, with the benchmark's timer paused, so
+// both see the same machine load: on the shared 2-core machine a build next door can halve memory
 // bandwidth for minutes, which moves absolute GB/s but not this ratio. BM_TwoStreamRead's own
 // ratio (read against read, ideally 1.0) shows how much noise is left.
 //

@@ -89,10 +89,10 @@ struct ReceiverSessionOptions {
   /// each payload is decoded and applied. It must not call into the session.
   std::function<void(const PayloadIds&)> before_apply;
 
-  /// Engine hooks (docs/architecture.md, "Layers": node/), for a receiver whose store is the memory an inference
-  /// engine serves from. None may call into the session; each runs without the session lock.
-  /// Called on the apply thread before the first payload of a transfer is applied: from then on
-  /// until the transfer commits or aborts the weights are a mix of two versions, so an engine
+  /// Engine hooks (docs/architecture.md, "Layers": node/), for a receiver whose store is the memory
+  /// an inference engine serves from. None may call into the session; each runs without the session
+  /// lock. Called on the apply thread before the first payload of a transfer is applied: from then
+  /// on until the transfer commits or aborts the weights are a mix of two versions, so an engine
   /// pauses generation here. A transfer that applies nothing (an empty delta) never calls it.
   std::function<void(const TransferId&)> before_first_apply;
   /// Called once a transfer committed (also an implied commit), with the version now held.

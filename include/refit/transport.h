@@ -104,11 +104,11 @@
 // children until they ACK it (a kDuplicate whose subtree already ACKed is not forwarded again);
 // Finish is the relay flush with the producer's expected count.
 //
-// Transports move opaque bytes (the layering rule of docs/architecture.md): a sender may read the ids of a payload from its
-// header with ValidatePayloadHeader — to name files, or to check that the payload belongs to the
-// sender's transfer — but never decodes the body; the codec never knows which transport carries
-// it. Receiving is transport-independent too: a Listener hands each payload to a PayloadSink, and
-// SessionSink adapts a ReceiverSession to that interface.
+// Transports move opaque bytes (the layering rule of docs/architecture.md): a sender may read the
+// ids of a payload from its header with ValidatePayloadHeader — to name files, or to check that the
+// payload belongs to the sender's transfer — but never decodes the body; the codec never knows
+// which transport carries it. Receiving is transport-independent too: a Listener hands each payload
+// to a PayloadSink, and SessionSink adapts a ReceiverSession to that interface.
 #pragma once
 
 #include <cstddef>

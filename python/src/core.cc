@@ -67,7 +67,8 @@ void RaiseStatus(const Status& status) {
   PyErr_SetString(cls.ptr(), status.message().c_str());
 }
 
-// ---- Python objects held by C++ -------------------------------------------------------------------
+// ---- Python objects held by C++
+// -------------------------------------------------------------------
 
 // A Python object owned by C++ code that may drop it on any thread, with or without the GIL.
 using HeldObject = std::shared_ptr<py::object>;
@@ -127,7 +128,8 @@ T RunInterruptible(std::function<T()> work, const std::function<void()>& cancel)
   return done.get();
 }
 
-// ---- Tensors -------------------------------------------------------------------------------------
+// ---- Tensors
+// -------------------------------------------------------------------------------------
 
 // One tensor as Python passes it: (name, dtype name, shape, buffer). The buffer must be
 // C-contiguous and hold exactly numel × dtype size bytes; it is never copied.
@@ -171,12 +173,13 @@ TensorView ViewOf(const BufferTensor& tensor) {
   return view;
 }
 
-// ---- Loader specs (dicts) ------------------------------------------------------------------------
+// ---- Loader specs (dicts)
+// ------------------------------------------------------------------------
 
 // The rule fields a loader dict may set, by kind of value (LoaderRule's members).
 constexpr std::pair<std::string_view, std::string LoaderRule::*> kRuleTexts[] = {
-    {"match", &LoaderRule::match}, {"to", &LoaderRule::to},     {"q", &LoaderRule::q},
-    {"k", &LoaderRule::k},         {"v", &LoaderRule::v},       {"gate", &LoaderRule::gate},
+    {"match", &LoaderRule::match}, {"to", &LoaderRule::to}, {"q", &LoaderRule::q},
+    {"k", &LoaderRule::k},         {"v", &LoaderRule::v},   {"gate", &LoaderRule::gate},
     {"up", &LoaderRule::up}};
 constexpr std::pair<std::string_view, uint32_t LoaderRule::*> kRuleCounts[] = {
     {"num_heads", &LoaderRule::num_heads}, {"num_kv_heads", &LoaderRule::num_kv_heads}};
@@ -264,8 +267,9 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   py::dict out;
   out["state"] = std::string(ReceiverStateName(status.state));
   out["version"] = status.version;
-  out["transfer_id"] = status.transfer_id.has_value() ? py::object(py::str(status.transfer_id->ToHex()))
-                                                      : py::object(py::none());
+  out["transfer_id"] = status.transfer_id.has_value()
+                           ? py::object(py::str(status.transfer_id->ToHex()))
+                           : py::object(py::none());
   out["base_version"] = status.base_version;
   out["target_version"] = status.target_version;
   out["staged_payloads"] = status.staged_payloads;
@@ -301,7 +305,8 @@ py::dict SyncReportToDict(const SyncReport& sync) {
   return out;
 }
 
-// ---- Producer groups ------------------------------------------------------------------------------
+// ---- Producer groups
+// ------------------------------------------------------------------------------
 
 // A producer group as Python holds it before a Publisher takes it over.
 struct GroupHandle {
@@ -333,9 +338,9 @@ class CallbackGroup final : public ProducerGroup {
 
   Result<std::string> Broadcast(std::string message, GroupClock::time_point deadline) override {
     py::gil_scoped_acquire gil;
-    Result<py::object> reply = Call(*broadcast_, "broadcast",
-                                    rank_ == 0 ? py::object(py::bytes(message)) : py::object(py::none()),
-                                    deadline);
+    Result<py::object> reply =
+        Call(*broadcast_, "broadcast",
+             rank_ == 0 ? py::object(py::bytes(message)) : py::object(py::none()), deadline);
     if (!reply.ok()) return reply.status();
     try {
       return reply->cast<std::string>();
@@ -354,8 +359,8 @@ class CallbackGroup final : public ProducerGroup {
     try {
       auto messages = reply->cast<std::vector<std::string>>();
       if (messages.size() != world_size_) {
-        return InvalidArgument("rank 0: gather returned {} messages for {} ranks",
-                               messages.size(), world_size_);
+        return InvalidArgument("rank 0: gather returned {} messages for {} ranks", messages.size(),
+                               world_size_);
       }
       return messages;
     } catch (const py::cast_error&) {
@@ -372,8 +377,8 @@ class CallbackGroup final : public ProducerGroup {
     try {
       return fn(message, timeout_s);
     } catch (py::error_already_set& error) {
-      const std::string text = fmt::format("rank {} of {}: {} failed: {}", rank_, world_size_,
-                                           what, error.what());
+      const std::string text =
+          fmt::format("rank {} of {}: {} failed: {}", rank_, world_size_, what, error.what());
       if (error.matches(PyExc_TimeoutError)) return DeadlineExceeded("{}", text);
       py::object code = py::module_::import("refit.errors").attr("code_of")(error.value());
       if (!code.is_none()) {
@@ -391,7 +396,8 @@ class CallbackGroup final : public ProducerGroup {
   HeldObject gather_;
 };
 
-// ---- Receiver -------------------------------------------------------------------------------------
+// ---- Receiver
+// -------------------------------------------------------------------------------------
 
 // A ReceiverNode and the Python buffers it applies into (kept alive as long as the node).
 class PyReceiver {
@@ -467,8 +473,9 @@ class PyReceiver {
       const double waited =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (timeout_s >= 0 && waited > timeout_s) {
-        Throw(DeadlineExceeded("receiver {}: still at version {} after {:.1f} s of waiting for version {}",
-                               node_->control_url(), held, waited, version));
+        Throw(DeadlineExceeded(
+            "receiver {}: still at version {} after {:.1f} s of waiting for version {}",
+            node_->control_url(), held, waited, version));
       }
     }
   }
@@ -480,17 +487,14 @@ class PyReceiver {
   std::vector<BufferTensor> buffers_;
 };
 
-ReceiverNodeOptions ReceiverOptionsFrom(const std::optional<cli::RefitConfig>& config,
-                                        const std::string& model_path, bool mmap,
-                                        std::optional<uint64_t> version,
-                                        const std::optional<py::dict>& loader,
-                                        const std::string& replica, std::optional<uint32_t> shard,
-                                        const std::optional<std::string>& transport,
-                                        const std::string& data_endpoint,
-                                        const std::string& data_bind,
-                                        const std::vector<std::string>& peers,
-                                        const std::string& control_host, uint16_t control_port,
-                                        const std::optional<std::string>& api_key) {
+ReceiverNodeOptions ReceiverOptionsFrom(
+    const std::optional<cli::RefitConfig>& config, const std::string& model_path, bool mmap,
+    std::optional<uint64_t> version, const std::optional<py::dict>& loader,
+    const std::string& replica, std::optional<uint32_t> shard,
+    const std::optional<std::string>& transport, const std::string& data_endpoint,
+    const std::string& data_bind, const std::vector<std::string>& peers,
+    const std::string& control_host, uint16_t control_port,
+    const std::optional<std::string>& api_key) {
   ReceiverNodeOptions options;
   if (config.has_value()) {
     options.session = cli::ToReceiverSessionOptions(*config);
@@ -517,13 +521,15 @@ ReceiverNodeOptions ReceiverOptionsFrom(const std::optional<cli::RefitConfig>& c
   return options;
 }
 
-// ---- Publisher ------------------------------------------------------------------------------------
+// ---- Publisher
+// ------------------------------------------------------------------------------------
 
 class PyPublisher {
  public:
   PyPublisher(PublisherOptions options, GroupHandle& group) {
     std::unique_ptr<ProducerGroup> owned = std::move(group.group);
-    if (owned == nullptr) Throw(FailedPrecondition("this producer group belongs to a Publisher already"));
+    if (owned == nullptr)
+      Throw(FailedPrecondition("this producer group belongs to a Publisher already"));
     py::gil_scoped_release release;
     publisher_ = Unwrap(Publisher::Make(options, std::move(owned)));
   }
@@ -581,8 +587,8 @@ PublisherOptions PublisherOptionsFrom(
     for (const cli::ReceiverConfig& receiver : config->receivers) {
       options.receivers.push_back({receiver.control, receiver.data});
     }
-    cli::ReceiverConfig any = config->receivers.empty() ? cli::ReceiverConfig{}
-                                                        : config->receivers.front();
+    cli::ReceiverConfig any =
+        config->receivers.empty() ? cli::ReceiverConfig{} : config->receivers.front();
     options.control = Unwrap(cli::ToControlClientOptions(*config, any));
   }
   if (receivers.has_value()) options.receivers = ReceiversFrom(*receivers);
@@ -626,7 +632,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "log_level", [] { return std::string(CurrentLogLevel()); }, "refit's current log level.");
   m.def(
-      "parse_dtype", [](const std::string& text) { return std::string(DTypeName(Unwrap(ParseDType(text)))); },
+      "parse_dtype",
+      [](const std::string& text) { return std::string(DTypeName(Unwrap(ParseDType(text)))); },
       py::arg("text"), "The canonical name of a dtype name or alias; InvalidArgument otherwise.");
 
   m.def(
@@ -638,15 +645,19 @@ PYBIND11_MODULE(_core, m) {
       "Parse a loader spec from YAML text into {tp_rank, tp_size, rules}.");
   m.def(
       "loader_from_file",
-      [](const std::string& path) { return LoaderSpecToDict(Unwrap(LoaderSpecFromYamlFile(path))); },
+      [](const std::string& path) {
+        return LoaderSpecToDict(Unwrap(LoaderSpecFromYamlFile(path)));
+      },
       py::arg("path"), "Read a loader spec YAML file into {tp_rank, tp_size, rules}.");
   m.def(
-      "check_loader", [](const py::dict& spec) { return LoaderSpecToDict(LoaderSpecFromDict(spec)); },
+      "check_loader",
+      [](const py::dict& spec) { return LoaderSpecToDict(LoaderSpecFromDict(spec)); },
       py::arg("spec"), "Validate a loader dict and return it normalised.");
 
-  py::class_<cli::RefitConfig>(m, "Config",
-                               "A refit configuration file (the YAML `refit push` and `refit serve` "
-                               "read; docs/configuration.md lists every key).")
+  py::class_<cli::RefitConfig>(
+      m, "Config",
+      "A refit configuration file (the YAML `refit push` and `refit serve` "
+      "read; docs/configuration.md lists every key).")
       .def_static(
           "load", [](const std::string& path) { return Unwrap(cli::LoadConfigFile(path)); },
           py::arg("path"), "Read and validate the configuration file at `path`.")
@@ -662,7 +673,8 @@ PYBIND11_MODULE(_core, m) {
           "receivers",
           [](const cli::RefitConfig& config) {
             std::vector<std::pair<std::string, std::string>> out;
-            for (const cli::ReceiverConfig& r : config.receivers) out.emplace_back(r.control, r.data);
+            for (const cli::ReceiverConfig& r : config.receivers)
+              out.emplace_back(r.control, r.data);
             return out;
           },
           "The fleet: (control URL, data endpoint) per receiver, in tree order.")
@@ -696,13 +708,14 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", [](const GroupHandle& g) { return g.get().rank(); })
       .def_property_readonly("world_size",
                              [](const GroupHandle& g) { return g.get().world_size(); })
-      .def_property_readonly("port", [](const GroupHandle& g) { return TcpGroupPort(g.get()); },
-                             "A TCP group's rank 0: the port it listens on; 0 otherwise.");
+      .def_property_readonly(
+          "port", [](const GroupHandle& g) { return TcpGroupPort(g.get()); },
+          "A TCP group's rank 0: the port it listens on; 0 otherwise.");
 
   m.def(
       "tcp_group",
-      [](const std::string& address, uint32_t rank, uint32_t world_size,
-         const std::string& api_key, double connect_timeout_s) {
+      [](const std::string& address, uint32_t rank, uint32_t world_size, const std::string& api_key,
+         double connect_timeout_s) {
         TcpGroupOptions options;
         options.address = address;
         options.rank = rank;
@@ -720,8 +733,8 @@ PYBIND11_MODULE(_core, m) {
       "callback_group",
       [](uint32_t rank, uint32_t world_size, py::function broadcast, py::function gather) {
         if (world_size == 0 || rank >= world_size) {
-          Throw(InvalidArgument("callback group: rank {} is not in a group of {}", rank,
-                                world_size));
+          Throw(
+              InvalidArgument("callback group: rank {} is not in a group of {}", rank, world_size));
         }
         return GroupHandle{std::make_unique<CallbackGroup>(rank, world_size, std::move(broadcast),
                                                            std::move(gather))};
@@ -741,8 +754,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("world_size"), "The W ranks of one group, for threads of one process.");
 
   py::class_<PyReceiver>(m, "Receiver", "A ReceiverNode embedded in this process.")
-      .def(py::init([](const std::optional<cli::RefitConfig>& config,
-                       const std::string& model_path, bool mmap, std::optional<uint64_t> version,
+      .def(py::init([](const std::optional<cli::RefitConfig>& config, const std::string& model_path,
+                       bool mmap, std::optional<uint64_t> version,
                        const std::optional<py::dict>& loader, const std::string& replica,
                        std::optional<uint32_t> shard, const std::optional<std::string>& transport,
                        const std::string& data_endpoint, const std::string& data_bind,
@@ -757,8 +770,8 @@ PYBIND11_MODULE(_core, m) {
                  before_first_apply, after_commit, after_abort);
            }),
            py::kw_only(), py::arg("config") = py::none(), py::arg("model_path") = "",
-           py::arg("mmap") = false, py::arg("version") = py::none(),
-           py::arg("loader") = py::none(), py::arg("replica") = "", py::arg("shard") = py::none(),
+           py::arg("mmap") = false, py::arg("version") = py::none(), py::arg("loader") = py::none(),
+           py::arg("replica") = "", py::arg("shard") = py::none(),
            py::arg("transport") = py::none(), py::arg("data_endpoint") = "",
            py::arg("data_bind") = "", py::arg("peers") = std::vector<std::string>(),
            py::arg("control_host") = "127.0.0.1", py::arg("control_port") = 0,
@@ -770,8 +783,7 @@ PYBIND11_MODULE(_core, m) {
       .def("stop", &PyReceiver::Stop)
       .def("wait_for_version", &PyReceiver::WaitForVersion, py::arg("version"),
            py::arg("timeout_s") = -1.0)
-      .def_property_readonly("control_url",
-                             [](PyReceiver& r) { return r.node().control_url(); })
+      .def_property_readonly("control_url", [](PyReceiver& r) { return r.node().control_url(); })
       .def_property_readonly("producer_endpoint",
                              [](PyReceiver& r) { return r.node().producer_endpoint(); })
       .def("status", [](PyReceiver& r) {
@@ -784,18 +796,18 @@ PYBIND11_MODULE(_core, m) {
       });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
-      .def(py::init([](GroupHandle& group, const std::optional<cli::RefitConfig>& config,
-                       const std::optional<std::vector<std::pair<std::string, std::string>>>&
-                           receivers,
-                       const std::optional<std::string>& transport,
-                       const std::optional<std::string>& api_key,
-                       std::optional<uint64_t> chunk_bytes, std::optional<uint64_t> bucket_bytes,
-                       std::optional<uint64_t> full_sync_interval, double transfer_timeout_s) {
-             return std::make_unique<PyPublisher>(
-                 PublisherOptionsFrom(config, receivers, transport, api_key, chunk_bytes,
-                                      bucket_bytes, full_sync_interval, transfer_timeout_s),
-                 group);
-           }),
+      .def(py::init(
+               [](GroupHandle& group, const std::optional<cli::RefitConfig>& config,
+                  const std::optional<std::vector<std::pair<std::string, std::string>>>& receivers,
+                  const std::optional<std::string>& transport,
+                  const std::optional<std::string>& api_key, std::optional<uint64_t> chunk_bytes,
+                  std::optional<uint64_t> bucket_bytes, std::optional<uint64_t> full_sync_interval,
+                  double transfer_timeout_s) {
+                 return std::make_unique<PyPublisher>(
+                     PublisherOptionsFrom(config, receivers, transport, api_key, chunk_bytes,
+                                          bucket_bytes, full_sync_interval, transfer_timeout_s),
+                     group);
+               }),
            py::arg("group"), py::kw_only(), py::arg("config") = py::none(),
            py::arg("receivers") = py::none(), py::arg("transport") = py::none(),
            py::arg("api_key") = py::none(), py::arg("chunk_bytes") = py::none(),

@@ -3,8 +3,8 @@
 // supports at run time.
 //
 // The kernels are tuned for the common case of a sparse change set (0.1–5 % of elements differ,
-// docs/architecture.md): they compare a group of vectors per iteration, fold the group's masks into one test
-// so an unchanged group costs only its loads, and extract index bits only from groups that
+// docs/architecture.md): they compare a group of vectors per iteration, fold the group's masks into
+// one test so an unchanged group costs only its loads, and extract index bits only from groups that
 // differ. Throughput is then bounded by reading both streams from memory
 // (bench/compare_bench.cc measures it against a plain two-stream read).
 

@@ -59,18 +59,26 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
   const auto is_string = [](const Json& v) { return v.is_string(); };
   const auto is_object = [](const Json& v) { return v.is_object(); };
   const auto is_strings = [](const Json& v) {
-    return v.is_array() && std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_string(); });
+    return v.is_array() &&
+           std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_string(); });
   };
   static const std::map<std::string_view, std::pair<Check, std::string_view>> kTop = {
-      {"protocol", {is_uint, "an unsigned integer"}}, {"op", {is_string, "a string"}},
-      {"ok", {is_bool, "a boolean"}},                 {"code", {is_string, "a string"}},
-      {"message", {is_string, "a string"}},           {"version", {is_uint, "an unsigned integer"}},
-      {"version_known", {is_bool, "a boolean"}},      {"wants_anchor", {is_bool, "a boolean"}},
-      {"open", {is_bool, "a boolean"}},               {"endpoints", {is_strings, "a list of strings"}},
-      {"transfer_id", {is_string, "a string"}},       {"anchor", {is_bool, "a boolean"}},
+      {"protocol", {is_uint, "an unsigned integer"}},
+      {"op", {is_string, "a string"}},
+      {"ok", {is_bool, "a boolean"}},
+      {"code", {is_string, "a string"}},
+      {"message", {is_string, "a string"}},
+      {"version", {is_uint, "an unsigned integer"}},
+      {"version_known", {is_bool, "a boolean"}},
+      {"wants_anchor", {is_bool, "a boolean"}},
+      {"open", {is_bool, "a boolean"}},
+      {"endpoints", {is_strings, "a list of strings"}},
+      {"transfer_id", {is_string, "a string"}},
+      {"anchor", {is_bool, "a boolean"}},
       {"base_version", {is_uint, "an unsigned integer"}},
       {"target_version", {is_uint, "an unsigned integer"}},
-      {"report", {is_object, "an object"}},           {"digests", {is_object, "an object"}}};
+      {"report", {is_object, "an object"}},
+      {"digests", {is_object, "an object"}}};
   for (const auto& [key, value] : body.items()) {
     auto it = kTop.find(key);
     if (it != kTop.end() && !it->second.first(value)) {
@@ -83,7 +91,8 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
       const bool seconds = key.size() > 2 && key.ends_with("_s");
       if (seconds ? !value.is_number() : !value.is_number_unsigned()) {
         return InvalidArgument("{}: field 'report.{}' of a producer-group message is {}, not {}",
-                               where, key, value.type_name(), seconds ? "a number" : "an unsigned integer");
+                               where, key, value.type_name(),
+                               seconds ? "a number" : "an unsigned integer");
       }
     }
   }

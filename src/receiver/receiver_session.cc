@@ -61,12 +61,13 @@ Status CheckExpectation(const TransferExpectation& expected) {
 /// transfer, and a digest for a tensor the receiver cannot hold could never verify.
 Status CheckDigestNamesKnown(const WeightStore& store, const TransferExpectation& expected) {
   for (const auto& [name, digest] : expected.digests) {
-    const Status known = store.has_loader() ? store.ResolveCanonical(name).status()
-                                            : store.Find(name).status();
+    const Status known =
+        store.has_loader() ? store.ResolveCanonical(name).status() : store.Find(name).status();
     if (!known.ok()) {
-      return NotFound("expected digest of tensor '{}', which this receiver does not hold ({} "
-                      "tensors here): {}",
-                      name, store.size(), known.message());
+      return NotFound(
+          "expected digest of tensor '{}', which this receiver does not hold ({} "
+          "tensors here): {}",
+          name, store.size(), known.message());
     }
   }
   return Status::OK();

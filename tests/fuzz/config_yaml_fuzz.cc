@@ -41,8 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)refit::cli::ToTransportUri(*config);
   // Parsing is a function of the text.
   refit::Result<refit::cli::RefitConfig> again = refit::cli::ParseConfig(text, "fuzz.yaml");
-  Check(again.ok() && again->receivers == config->receivers &&
-            again->transport == config->transport,
-        "ParseConfig is not deterministic");
+  Check(
+      again.ok() && again->receivers == config->receivers && again->transport == config->transport,
+      "ParseConfig is not deterministic");
   return 0;
 }

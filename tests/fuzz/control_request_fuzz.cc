@@ -109,7 +109,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check(parsed.status().code() == refit::StatusCode::kInvalidArgument,
           "a request error that is not InvalidArgument");
     // The reply the server sends: the message echoes hostile field names and values.
-    const std::string reply = refit::internal::DumpJson(refit::internal::ErrorBody(parsed.status()));
+    const std::string reply =
+        refit::internal::DumpJson(refit::internal::ErrorBody(parsed.status()));
     Check(refit::internal::ParseJson(reply, "error body").ok(), "an error body that is not JSON");
     return 0;
   }

@@ -60,7 +60,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view document(reinterpret_cast<const char*>(data), size);
   refit::Result<XmlElement> root = refit::internal::ParseXml(document);
   if (!root.ok()) {
-    Check(root.status().code() == refit::StatusCode::kDataLoss, "an XML error that is not DataLoss");
+    Check(root.status().code() == refit::StatusCode::kDataLoss,
+          "an XML error that is not DataLoss");
     return 0;
   }
   // What the S3 client reads of a reply.
