@@ -157,9 +157,6 @@ class DeltaTracker {
  private:
   struct State;
   explicit DeltaTracker(std::unique_ptr<State> state);
-  Result<EncodeResult> EncodeWithBaseline(const TensorView& current, uint64_t span_begin,
-                                          uint64_t span_end);
-
   std::unique_ptr<State> state_;
 };
 

@@ -302,6 +302,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
 
   std::lock_guard lock(entry->pending_mutex);
   PendingChanges& pending = entry->pending;
+  pending.encoded += end - begin;
   const bool same_layout =
       entry->buffer && entry->dtype == current.dtype && entry->shape == current.shape;
   if (same_layout && !pending.replacement) {
@@ -357,7 +358,11 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
       std::vector<uint64_t> changed,
       FindChangedLocations(baseline, current.bytes, width, begin, end, options.compare));
   result.changed_elements = changed.size();
-  if (changed.empty()) return result;
+  if (changed.empty()) {
+    std::lock_guard lock(entry.pending_mutex);
+    entry.pending.encoded += end - begin;
+    return result;
+  }
 
   Op op = options.op;
   if (overwrite_names.contains(current.name)) op = Op::kOverwrite;
@@ -406,6 +411,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
 
   std::lock_guard lock(entry.pending_mutex);
   PendingChanges& pending = entry.pending;
+  pending.encoded += end - begin;
   if (pending.locations.empty()) {  // The common case, one span per tensor: no copy.
     pending.locations = std::move(changed);
     pending.new_bits = std::move(new_bits);
@@ -429,19 +435,8 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
     return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
                            span_begin, span_end, numel);
   }
-  Result<EncodeResult> encoded = s.open->anchor ? s.EncodeAnchor(current, span_begin, span_end)
-                                                : EncodeWithBaseline(current, span_begin, span_end);
-  if (encoded.ok()) {
-    BaselineEntry* entry = s.FindEntry(current.name);
-    std::lock_guard lock(entry->pending_mutex);
-    entry->pending.encoded += span_end - span_begin;
-  }
-  return encoded;
-}
+  if (s.open->anchor) return s.EncodeAnchor(current, span_begin, span_end);
 
-Result<EncodeResult> DeltaTracker::EncodeWithBaseline(const TensorView& current,
-                                                      uint64_t span_begin, uint64_t span_end) {
-  State& s = *state_;
   BaselineEntry* entry = s.FindEntry(current.name);
   if (entry == nullptr || !entry->buffer) {
     return FailedPrecondition(
