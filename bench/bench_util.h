@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "refit/progress.h"
+#include "progress.h"
 #include "refit/status.h"
 
 namespace refit::bench {

@@ -56,19 +56,21 @@
 #include "bench_util.h"
 #include "cli_common.h"
 #include "config.h"
-#include "control/protocol.h"
-#include "core/half_float.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
+#include "progress.h"
 #include "refit/compare.h"
 #include "refit/control_client.h"
 #include "refit/digest.h"
+#include "refit/environment.h"
+#include "refit/half_float.h"
 #include "refit/producer_group.h"
-#include "refit/progress.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "table.h"
+#include "util/splitmix64.h"
 
 #ifndef REFIT_BINARY
 #error "REFIT_BINARY must name the refit executable (set by bench/CMakeLists.txt)"
@@ -374,24 +376,12 @@ constexpr uint16_t kBFloat16ExponentMask = 0x7F80;
 // 2^-53: a 53-bit integer times this is a double in [0, 1).
 constexpr double kTwoToMinus53 = 0x1.0p-53;
 
-// SplitMix64 (Steele, Lea, Flood 2014): a tiny, fast 64-bit generator (period 2^64), good enough
-// for drawing weights and positions, and seeded per (purpose, step, tensor) so that the model is
-// the same for any thread count.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // A uniform double in (0, 1].
-  double NextOpenUnit() { return static_cast<double>((Next() >> 11) + 1) * kTwoToMinus53; }
+// SplitMix64 is a tiny, fast generator, good enough for drawing weights and positions; it is
+// seeded per (purpose, step, tensor) so that the model is the same for any thread count.
+using internal::SplitMix64;
 
- private:
-  uint64_t state_;
-};
+// A uniform double in (0, 1] from the top 53 of 64 random bits.
+double OpenUnit(uint64_t random) { return static_cast<double>((random >> 11) + 1) * kTwoToMinus53; }
 
 uint64_t StreamSeed(uint64_t seed, uint64_t purpose, uint64_t step, uint64_t tensor) {
   SplitMix64 mix(seed ^ (purpose << 56) ^ (step << 32) ^ tensor);
@@ -475,7 +465,7 @@ class SyntheticModel {
         // Four 16-bit table indices per draw.
         if (i % 4 == 0) r = rng.Next();
         const float z = normal[static_cast<uint16_t>(r >> (16 * (i % 4)))];
-        out[i] = internal::FloatToBFloat16(mean + stddev * z);
+        out[i] = FloatToBFloat16(mean + stddev * z);
       }
       if (progress != nullptr) progress->Advance(n * sizeof(uint16_t));
     });
@@ -495,8 +485,8 @@ class SyntheticModel {
       const double n = static_cast<double>(numels_[t]);
       uint64_t count = 0;
       // Positions are tracked in double so that a huge gap cannot overflow before the check.
-      for (double position = std::floor(std::log(rng.NextOpenUnit()) / log_keep); position < n;
-           position += 1 + std::floor(std::log(rng.NextOpenUnit()) / log_keep)) {
+      for (double position = std::floor(std::log(OpenUnit(rng.Next())) / log_keep); position < n;
+           position += 1 + std::floor(std::log(OpenUnit(rng.Next())) / log_keep)) {
         const uint64_t i = static_cast<uint64_t>(position);
         bits[i] = NudgeOneUlp(bits[i], (rng.Next() & 1) != 0);
         ++count;
@@ -559,7 +549,8 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
     address.data_endpoints.push_back(receiver.data_endpoint);
   }
   address.transport_uri = fmt::format("zmq://?api_key_env={}", kApiKeyEnv);
-  address.api_key = std::getenv(kApiKeyEnv);
+  REFIT_ASSIGN_OR_RETURN(address.api_key,
+                         SecretFromEnvironment(kApiKeyEnv, "the bench fleet's key"));
   TrackerOptions tracker_options;
   // Parallelism comes from encoding chunks concurrently; a parallel compare inside each encode
   // would oversubscribe the cores.
@@ -1112,7 +1103,8 @@ Result<RefitReport> SyncDelta(std::vector<std::unique_ptr<Publisher>>& ranks,
 Status CheckReceiverHolds(const std::string& control_url, const std::vector<TensorView>& tensors) {
   ControlClientOptions options;
   options.base_url = control_url;
-  options.api_key = std::getenv(kApiKeyEnv);
+  REFIT_ASSIGN_OR_RETURN(options.api_key,
+                         SecretFromEnvironment(kApiKeyEnv, "the bench fleet's key"));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
   for (const TensorView& tensor : tensors) {
     REFIT_ASSIGN_OR_RETURN(OwnedTensor held, client->GetTensor(tensor.name));

@@ -44,11 +44,13 @@
 #include "cli_common.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
-#include "refit/progress.h"
-#include "refit/s3_client.h"
+#include "progress.h"
+#include "refit/environment.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
 #include "refit/transport.h"
+#include "table.h"
+#include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 
 #ifndef REFIT_BINARY
@@ -464,7 +466,8 @@ Status MakeCoordinator(const Args& args, const TransportUri& producer_uri,
   TransportUri uri = producer_uri;
   uri.params.emplace_back("api_key_env", kApiKeyEnv);
   address.transport_uri = uri.ToString();
-  address.api_key = std::getenv(kApiKeyEnv);
+  REFIT_ASSIGN_OR_RETURN(address.api_key,
+                         SecretFromEnvironment(kApiKeyEnv, "the bench fleet's key"));
   TrackerOptions tracker_options;
   // Parallelism comes from encoding chunks (and producers) concurrently; a parallel compare
   // inside each encode would oversubscribe the cores.

@@ -79,7 +79,7 @@ foreach(layer IN ITEMS node control transport pipeline receiver workload codec c
 endforeach()
 set(REFIT_PC_CFLAGS "")
 set(REFIT_PC_REQUIRES
-    "fmt spdlog libzstd libhwy nlohmann_json yaml-cpp libxxhash libzmq cpp-httplib libcurl libssl libcrypto prometheus-cpp-core")
+    "fmt spdlog libzstd libhwy nlohmann_json yaml-cpp pugixml libxxhash libzmq cpp-httplib libcurl libssl libcrypto prometheus-cpp-core")
 if(REFIT_WITH_MPI)
   string(APPEND REFIT_PC_CFLAGS " -DREFIT_HAVE_MPI=1")
   # The MPI implementation's own .pc name varies (ompi-cxx, mpich, …): its libraries by path.

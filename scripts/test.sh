@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Install dependencies, build (dev preset: -Werror, debug checks on) and run every test:
-# ctest labels unit, integration and python. Usage: scripts/test.sh [extra ctest args]
+# Install dependencies, build and run every test, then the sanitizer stage. Usage:
+#   scripts/test.sh [extra ctest args for the dev stage]
 #
-# The s3:// integration tests need a real S3 server: this starts the project's single-node Ceph
-# RGW (scripts/s3-test-server.sh, http://127.0.0.1:7480) before ctest and exports its endpoint and
-# keys, with REFIT_TEST_S3_REQUIRED=1 so that those tests fail instead of skipping when it is
-# unreachable. A server that was already running is reused and left running; one started here is
-# stopped on exit.
+# 1. dev preset (-Werror, debug checks on): every ctest label (unit, integration, slow, python).
+#    The s3:// integration tests need a real S3 server: this starts the project's single-node Ceph
+#    RGW (scripts/s3-test-server.sh, http://127.0.0.1:7480) and exports its endpoint and keys, with
+#    REFIT_TEST_S3_REQUIRED=1 so that those tests fail instead of skipping when it is unreachable.
+#    A server that was already running is reused and left running; one started here is stopped on
+#    exit.
+# 2. asan preset (clang-14, AddressSanitizer + UBSan, LeakSanitizer): the `unit` tests again,
+#    and a fuzz smoke — each libFuzzer target for REFIT_FUZZ_SMOKE_SECONDS (default 5) from its
+#    seed corpus. REFIT_TEST_SANITIZERS=0 skips this stage (a quicker local loop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,3 +27,13 @@ eval "$(bash scripts/s3-test-server.sh env)"
 export REFIT_TEST_S3_REQUIRED=1
 
 ctest --preset dev -j"$jobs" --timeout 900 "$@"
+
+if [[ "${REFIT_TEST_SANITIZERS:-1}" != 0 ]]; then
+  echo "test.sh: sanitizer stage (asan preset: ASan + UBSan, unit tests and fuzz smoke)"
+  cmake --preset asan >/dev/null
+  cmake --build --preset asan -j"$jobs"
+  # detect_leaks: LeakSanitizer is on by default on x86-64 Linux; say so, so that no one wonders.
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --preset asan -L unit -j"$jobs" --timeout 900
+  bash scripts/fuzz.sh --seconds "${REFIT_FUZZ_SMOKE_SECONDS:-5}"
+fi

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -67,6 +68,8 @@ struct FleetOptions {
   /// An s3:// chain receivers catch up from when a prepare finds them behind (as `refit serve
   /// --bootstrap` does); empty: none.
   std::string catch_up_chain = {};
+  /// Every receiver's transfer lease (ReceiverSessionOptions::transfer_lease).
+  std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
 };
 
 /// One receiver: what `refit serve` holds.
@@ -126,6 +129,7 @@ class Fleet {
     for (const OwnedTensor& t : tensors) ASSERT_OK(node.store->AddCopy(t.view()));
     node.store->set_version(version);
     ReceiverSessionOptions session_options;
+    session_options.transfer_lease = options_.transfer_lease;
     session_options.before_apply = [&node](const PayloadIds& ids) {
       if (node.before_apply) node.before_apply(ids);
     };
@@ -256,7 +260,14 @@ class Fleet {
 
  private:
   void MakeCoordinator() {
-    ASSERT_OK_AND_ASSIGN(sender_transport_, MakeTransport(sender_transport_uri_));
+    TransportOptions transport_options;
+    // Manifests (s3://) go to the receivers' control planes as the coordinator's calls do.
+    ControlClientOptions announcer_options;
+    announcer_options.timeout = std::chrono::seconds(5);
+    announcer_options.max_retries = 1;
+    transport_options.manifest_announcers = MakeControlManifestAnnouncers(announcer_options);
+    ASSERT_OK_AND_ASSIGN(sender_transport_,
+                         MakeTransport(sender_transport_uri_, transport_options));
     std::vector<CoordinatedProducer> producers;
     for (const std::unique_ptr<DeltaTracker>& tracker : trackers_) {
       producers.push_back({tracker.get(), [this](const TransferPlan&) -> Result<ChunkSource> {

@@ -15,7 +15,7 @@
 #include <random>
 #include <string>
 
-#include "refit/s3_client.h"
+#include "transport/s3/s3_client.h"
 
 namespace refit::testing {
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "refit/manifest_announcer.h"
 #include "refit/payload.h"
 #include "refit/receiver_session.h"
 #include "refit/status.h"
@@ -25,8 +26,11 @@ struct ControlClientOptions {
   std::string base_url;
   /// Sent as "Authorization: Bearer <key>" when not empty.
   std::string api_key;
-  /// Limit of connecting, and of each read and write of a request. A Flush waits its own timeout
-  /// on top of this.
+  /// Limit of one control call, every attempt together: connecting, writing the request and
+  /// reading the reply, however slowly the server sends it (DeadlineExceeded beyond it). A Flush
+  /// adds its own wait and a manifest the receiver's stage time. Bulk calls (SendPayload,
+  /// GetTensor) take as long as their bytes need: for them it limits each connect, read and
+  /// write. A caller with a budget of its own (`refit push --timeout`) sets at most that.
   std::chrono::milliseconds timeout{std::chrono::seconds(30)};
   /// Extra attempts after a connection error or an HTTP 502/503/504, with exponential backoff
   /// from retry_backoff, capped at max_retry_backoff. Every control call is safe to repeat:
@@ -69,7 +73,7 @@ std::string ControlStatusToJson(const ControlStatus& status);
 ///
 /// Thread-safety: every member function may be called concurrently from any thread. Idle
 /// connections are kept for reuse (keep-alive); each call uses one connection exclusively.
-class ControlClient final : public ReceiverControl {
+class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
  public:
   /// Validate the options; connects nothing yet.
   /// Errors: InvalidArgument (a base URL that is not http(s)://host:port[/prefix]; a negative
@@ -92,6 +96,13 @@ class ControlClient final : public ReceiverControl {
   /// POST /v1/payload with the payload's bytes (not copied). Errors: as ReceiverSession::Stage,
   /// ResourceExhausted beyond the server's body limit, Unavailable while it stops.
   Result<StageResult> SendPayload(std::span<const std::byte> payload);
+  /// POST /v1/manifest with `manifest` (JSON text of the data-plane transport, not parsed
+  /// here); the receiver's listener fetches, verifies and stages the payload it names before it
+  /// answers, within `stage_time` on top of options.timeout. Errors: as ReceiverSession::Stage
+  /// and the receiver's transport (DataLoss, PermissionDenied for a MAC); FailedPrecondition
+  /// from a receiver that takes no manifests; InvalidArgument for a negative stage time.
+  Result<StageResult> AnnounceManifest(std::string_view manifest,
+                                       std::chrono::milliseconds stage_time) override;
   /// GET /v1/status.
   Result<ControlStatus> GetStatus();
   /// GET /v1/tensors/{name}: download one tensor and check its bytes against the digest the
@@ -109,5 +120,12 @@ class ControlClient final : public ReceiverControl {
   explicit ControlClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+/// Return the announcers a transport with manifests (s3://) sends through: one ControlClient per
+/// receiver endpoint (its control-plane base URL), made from `options` with that base URL on
+/// first use and kept for reuse by later senders. Wire it in as
+/// TransportOptions::manifest_announcers. The factory may be called concurrently.
+/// Errors (of the factory): as ControlClient::Make, naming the endpoint.
+ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOptions& options);
 
 }  // namespace refit

@@ -7,7 +7,8 @@
 //                       "expected": {"producers": {"<id>": n, …}, "total": n},
 //                       "expected_digests": {"<tensor>": hex16, …}}       →
 //                       ReceiverSession::Prepare
-//                      → {"repeated": bool, "implied_commit": hex32 | null, "version": n}
+//                      → {"repeated": bool, "implied_commit": hex32 | null,
+//                         "implied_abort": hex32 | null, "version": n}
 //   POST /v1/flush     {"transfer_id", "timeout_ms", "expected", "expected_digests"}
 //                      → the FlushReport: {"transfer_id", "target_version", "payloads", "items",
 //                        "changed_elements", "duplicates", "digests": {"<tensor>": hex16}}
@@ -28,8 +29,10 @@
 //
 // Status codes map to HTTP as: InvalidArgument 400, PermissionDenied 403, NotFound 404,
 // FailedPrecondition and AlreadyExists 409, ResourceExhausted 413, DataLoss 422, Unavailable 503,
-// DeadlineExceeded 504, anything else 500. A request without a key gets 401, a wrong key 403;
-// neither changes any state.
+// DeadlineExceeded 504, anything else 500. A request without a key gets 401, a wrong key 403,
+// whatever its size: the key is checked before any of the body is read, and (plain HTTP) the
+// connection is closed after the reply instead of reading the body. Only an authenticated
+// request learns about size limits (413). Neither changes any state.
 #pragma once
 
 #include <chrono>
@@ -78,7 +81,10 @@ struct ControlServerOptions {
   /// payload PayloadLimits accepts by default.
   uint64_t max_request_bytes = uint64_t{4} << 30;
   /// The largest JSON body accepted on the JSON routes: enough for expected_digests of a model
-  /// with a million tensors (about 64 bytes each), small enough that parsing stays cheap.
+  /// with a million tensors (about 64 bytes each), small enough that parsing stays cheap. The
+  /// transfer routes (prepare, flush, commit, abort) take at most what naming every tensor of
+  /// the store needs: 1 MiB + tensors × (6 × the longest name + 24) bytes, so a body listing
+  /// names the model does not have is refused (413) before it is parsed.
   uint64_t max_json_bytes = uint64_t{64} << 20;
   /// Threads serving connections. A Flush holds one for up to its timeout and a Stage for as long
   /// as the apply queue is full, so there should be a few more than concurrent uploaders.
@@ -97,6 +103,20 @@ struct ControlServerOptions {
   std::function<Status(uint64_t base_version)> catch_up;
   /// This receiver's replica and shard, reported by GET /v1/status and as /metrics labels.
   ReplicaPlace place;
+  /// How long a connection may take to send a complete request line and headers, from its
+  /// accept or from its previous request's end (so it also ends an idle keep-alive connection).
+  /// With plain HTTP a connection holds no worker thread until its head is complete: clients
+  /// that drip their headers cost a socket each, never a worker, and are closed (408) at this
+  /// limit. (Members below were added last so that existing aggregate initializers stay valid.)
+  std::chrono::milliseconds request_head_timeout = std::chrono::seconds(10);
+  /// Limit of each read of a request body and each write of a reply (and, with TLS, of each
+  /// read of a head).
+  std::chrono::milliseconds io_timeout = std::chrono::seconds(30);
+  /// Open connections one peer address may hold (plain HTTP); more are answered 503 and closed
+  /// at accept, so one host cannot take the connections every other client needs.
+  size_t max_connections_per_peer = 64;
+  /// Open connections in all (plain HTTP); more are answered 503 and closed at accept.
+  size_t max_connections = 1024;
 };
 
 /// Serves the control plane of one receiver over HTTP(S), on its own threads.

@@ -20,7 +20,11 @@
 // failure listed by place. The next Refit (a new transfer id) starts from the same base, without
 // restarting anything. Once every receiver is prepared the transfer is decided: a receiver whose
 // Commit reply is lost stays prepared and commits implicitly at the next Prepare (docs/protocol.md
-// "implied commit"), so step 5 reports such a receiver instead of failing the transfer.
+// "implied commit"), so step 5 reports such a receiver instead of failing the transfer, and
+// commits the trackers whatever the receivers answered. The receivers are the decision record:
+// one that committed holds the target version, so the next transfer is based on it (a restarted
+// producer asks them) and the others commit implicitly; while none committed, the next transfer
+// comes from the base and every prepared receiver aborts implicitly ("implied abort").
 #pragma once
 
 #include <chrono>
@@ -144,6 +148,9 @@ struct ReceiverOutcome {
   /// OK, or why its Commit failed after the decision (it stays prepared and commits implicitly
   /// at the next transfer's Prepare).
   Status commit_status;
+  /// The prepared transfer this receiver rolled back at Prepare because this transfer comes
+  /// from its base (its coordinator never decided it), if any. (Last, with an initializer.)
+  std::optional<TransferId> implied_abort = std::nullopt;
 };
 
 /// What one successful Refit did.

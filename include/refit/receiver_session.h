@@ -69,6 +69,13 @@ struct ReceiverStatus {
   Status last_error;
   /// Bytes held by the undo log of the open transfer.
   uint64_t undo_bytes = 0;
+  /// While the open transfer is receiving under a lease (ReceiverSessionOptions::transfer_lease):
+  /// the milliseconds left before it is aborted for lack of progress. Unset otherwise (idle,
+  /// prepared, or no lease).
+  std::optional<uint64_t> lease_remaining_ms;
+  /// Transfers this session aborted and rolled back because their lease expired, since it was
+  /// made. The last one is named by last_error (DeadlineExceeded) until the next Prepare.
+  uint64_t expired_leases = 0;
 };
 
 /// Options of ReceiverSession::Make.
@@ -99,6 +106,20 @@ struct ReceiverSessionOptions {
   std::function<void(const TransferId&, uint64_t version)> after_commit;
   /// Called once an open transfer was aborted and rolled back, with the version held again.
   std::function<void(const TransferId&, uint64_t version)> after_abort;
+
+  /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes
+  /// no progress for this long is aborted and rolled back by the session itself, so a producer
+  /// that died (kill -9 after Prepare, mid-stream) cannot wedge the receiver. Progress is any
+  /// Prepare, payload (staged, duplicate or refused for room), applied payload, Flush or Commit
+  /// of that transfer; the lease never runs out while staged payloads wait to be applied. A
+  /// prepared transfer has no lease: it is decided by its coordinator and may already be
+  /// committed elsewhere, so only a decision ends it (Commit, Abort, or the next transfer's
+  /// Prepare: implied commit or implied abort, docs/protocol.md). The lease must exceed the
+  /// longest quiet gap of a live transfer: a producer comparing chunks that did not change sends
+  /// nothing for a while. Five minutes covers a scan of terabytes at memory bandwidth and is short
+  /// next to a training step of an RL job that waits for its weights. Zero: no lease (a transfer
+  /// stays open until it is aborted).
+  std::chrono::milliseconds transfer_lease{std::chrono::minutes(5)};
 };
 
 /// The receiver's transactional transfer state over one WeightStore.
@@ -107,7 +128,8 @@ struct ReceiverSessionOptions {
 /// - Prepare(T): kIdle → opens T if its base is the store's version. kReceiving/kPrepared with T
 ///   open and the same request → OK, repeated.
 /// - Prepare(U): kIdle → opens U. kPrepared with U based on T's target → commits T (implied
-///   commit), then opens U. Otherwise FailedPrecondition.
+///   commit), then opens U. kPrepared with U based on T's base → rolls T back (implied abort),
+///   then opens U. Otherwise FailedPrecondition (kReceiving: T still holds its lease).
 /// - Stage: only in kReceiving, for T's payloads, before T is sealed; FailedPrecondition
 ///   otherwise.
 /// - Flush(T): kReceiving → waits, seals, verifies → kPrepared. kPrepared → the same report
@@ -116,6 +138,10 @@ struct ReceiverSessionOptions {
 ///   Otherwise FailedPrecondition.
 /// - Abort(T): kReceiving/kPrepared → rolls back → kIdle at the base version. kIdle → OK unless
 ///   T was committed. Abort(U) while T is open → FailedPrecondition.
+///
+/// A transfer that is kReceiving and makes no progress within options.transfer_lease is aborted
+/// as Abort(T) does, by the session's apply thread: logged as a warning naming T, counted in
+/// ReceiverStatus::expired_leases, and reported as last_error (DeadlineExceeded).
 ///
 /// Finished transfer ids (committed or aborted) are remembered (remembered_transfers): their
 /// payloads and a new Prepare with their id are refused, because replaying an XOR delta reverts it.
@@ -139,7 +165,8 @@ class ReceiverSession final : public ReceiverControl {
 
   /// Create a session idle at store.version() and start its apply thread.
   /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
-  /// [1, kMax…]; ResourceExhausted when the OS refuses the thread.
+  /// [1, kMax…], or a negative transfer_lease; ResourceExhausted when the OS refuses the
+  /// thread.
   static Result<std::unique_ptr<ReceiverSession>> Make(const ReceiverSessionOptions& options,
                                                        WeightStore& store);
 
@@ -150,10 +177,14 @@ class ReceiverSession final : public ReceiverControl {
   ReceiverSession& operator=(const ReceiverSession&) = delete;
 
   /// Open a transfer (see the table). A repeat of the open transfer's request is OK and changes
-  /// nothing. In kPrepared, a request based on the open transfer's target commits it first.
+  /// nothing. In kPrepared, a request based on the open transfer's target commits it first
+  /// (PrepareResult::implied_commit); one based on its base version rolls it back first
+  /// (PrepareResult::implied_abort).
   /// Errors: InvalidArgument (inconsistent expectation; base version at the maximum);
-  /// FailedPrecondition (base_version is not the receiver's version; another transfer is open;
-  /// the id is open with a different request; the id belongs to a finished transfer).
+  /// FailedPrecondition (base_version is not the receiver's version; another transfer is
+  /// receiving, or prepared and the request is based on neither its base nor its target; the id
+  /// is open with a different request; the id belongs to a finished transfer); NotFound if the
+  /// rollback of an implied abort cannot find a tensor (the old transfer then stays open).
   Result<PrepareResult> Prepare(const PrepareRequest& request) override;
 
   /// Stage one payload of the open transfer, taking ownership of its bytes; block while the

@@ -77,6 +77,10 @@ struct PrepareResult {
   /// The transfer committed implicitly because this one is based on its target version
   /// (docs/protocol.md, "implied commit": a lost Commit message cannot wedge the receiver).
   std::optional<TransferId> implied_commit;
+  /// The prepared transfer that was rolled back because this one comes from its base version
+  /// under a new id (docs/protocol.md, "implied abort": its coordinator gave up on it before
+  /// any receiver committed it). (Last, with an initializer, for aggregate initializers.)
+  std::optional<TransferId> implied_abort = std::nullopt;
 };
 
 /// How a payload was staged. Either way the sender gets an ACK.

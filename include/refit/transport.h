@@ -11,91 +11,9 @@
 // TransportCapabilities so the coordinator can adapt (call a relay flush, post manifests, skip
 // declaring payload counts that the stream end already carries).
 //
-// The built-ins, as their URIs configure them (unknown parameters are refused):
-//
-//   inproc://<hub>
-//     Listeners bind endpoint names in a process-wide hub; Send delivers a copy to each endpoint's
-//     sink on the sending thread and returns the sink's verdict (staged ACK). No parameters.
-//
-//   file://<dir>[?poll_ms=100]
-//     <dir> is everything after "//" (file:///abs for an absolute path) and must exist: it is
-//     the shared mount. Each endpoint is an inbox, a sub-directory the listener creates ("" is
-//     <dir> itself). Send writes <inbox>/<transfer hex>/<producer %06u>/<payload %06u>.rfpl via a
-//     `.tmp` name, fsync and rename (names from ids only, never tensor names), and returns once it
-//     is durable; Finish writes `done` holding the payload count. The listener reads each payload
-//     (header checked, ids matched to the path), delivers it, removes it once staged, keeps and
-//     reports it when refused (retrying refusals that may pass, e.g. before Prepare), delivers
-//     the stream end once `done` is the last of the stream, and removes what the stream left.
-//     It polls every poll_ms on its own thread ("refit-file-poll"); poll_ms=0 leaves polling to
-//     Listener::Poll.
-//     A vanished <dir> or inbox is Unavailable, on both sides.
-//
-//   zmq://?timeout_ms=10000&retries=3[&api_key=K | &api_key_env=NAME][&curve_secret_key=FILE]
-//         [&curve_server_key=FILE][&curve_authorized_keys=FILE]
-//     Endpoints and peers are host:port relays. A sender's DEALER (one per sending thread)
-//     connects to its root relay endpoints[producer_id % n]; each relay's ROUTER stages the
-//     payload, forwards it along the binary heap rooted at that relay, and ACKs once its whole
-//     subtree has staged it. A duplicate is ACKed at once when the relay's earlier forward of it
-//     was ACKed, and otherwise only once its subtree has it (forwarded again, or the forward in
-//     flight awaited). Finish sends FLUSH with the payload count down the same tree; a relay
-//     refuses it (FailedPrecondition) unless its receiver has the transfer open, and from then on
-//     refuses that producer's payloads of that transfer ("sealed"), except an exact copy of one
-//     it staged (a duplicate). A relay refuses more than 65,536 producers per transfer
-//     (ResourceExhausted). Every refusal reaches the sender as Send's or Finish's error, also
-//     one made before the relay could read the request's ids (a wrong api key, a payload over
-//     the relay's limits). A listener binds its endpoint, or ListenerContext::bind_address with
-//     the endpoint's port. Frames: src/transport/zmq_transport.cc.
-//     CURVE (optional; capabilities().encrypted): key files hold one Z85 key (40 characters, as
-//     `refit keygen` writes them) and are read by MakeSender/MakeListener, whose errors
-//     (InvalidArgument) name the parameter and the file. Every relay of a fleet holds the same
-//     key pair. curve_secret_key: on a listener, the fleet's secret key (the ROUTER becomes a
-//     CURVE server; it forwards as a client with the same pair); on a sender, its own key pair
-//     (absent: an ephemeral one). It must be mode 0600 or stricter. curve_server_key: the
-//     fleet's public key; a sender needs it, and on a listener it must match the secret key.
-//     curve_authorized_keys (listener, needs curve_secret_key): one client public key per line,
-//     blank lines and '#' comments skipped, not writable by group or others; a ZAP handler
-//     admits only those keys and the fleet's own. A refused client key is PermissionDenied; a
-//     failed handshake (a wrong server key, CURVE on one side only) is Unavailable after the
-//     retries; either way nothing is staged. The api key, if set, is checked as well.
-//
-//   s3://<bucket>[/<prefix>]?endpoint=URL&region=R[&addressing=path|virtual][&part_size=B]
-//       [&parts_in_flight=N][&chain=1[&retain=N]][&mac_key_env=NAME][&api_key_env=NAME]
-//       [&access_key_env=NAME&secret_key_env=NAME&session_token_env=NAME][&timeout_ms=T]
-//       [&retries=N][&control_ca_cert=FILE]
-//     Through an object store, for receivers that share no network path with the trainer
-//     (capabilities needs_manifest and staged_ack). Endpoints are the receivers' control-plane
-//     URLs. Send uploads the payload to <prefix>/live/<transfer hex>/<producer %06u>/
-//     <payload %06u>.rfpl (multipart beyond part_size, default 64 MiB, ≥ 5 MiB; parts_in_flight
-//     at once, default 8), POSTs a manifest {ids, key, size, XXH3-128 checksum, MAC} to every
-//     receiver's /v1/manifest, and returns once each downloaded it, verified size, checksum and
-//     MAC before anything decodes it, and staged it; then DELETEs it (a failed DELETE is retried
-//     at Finish and when the transfer ends). A listener (Listener::AcceptManifest) takes only
-//     keys derived from the manifest's ids under its own bucket and prefix, so a manifest cannot
-//     point a receiver at other objects. As the coordinator's TransferObserver, an aborted
-//     transfer's objects and unfinished multipart uploads are deleted; with chain=1 committed
-//     payloads are kept under <prefix>/chain/ and each committed version is added to the chain
-//     index last (refit/s3_chain.h; `refit serve --bootstrap`), a transfer that cannot extend the
-//     chain is made an anchor (NeedsAnchor), an anchor not newer than the chain (a restarted run)
-//     replaces it, and versions older than the active chain and the newest `retain` are pruned.
-//     mac_key_env: HMAC-SHA256 under that shared secret over each payload and the chain index;
-//     receivers then refuse anything without a valid MAC (PermissionDenied). Credentials:
-//     AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN (or the variables named), region
-//     AWS_REGION or us-east-1; an endpoint (e.g. a local server) defaults to path addressing, AWS
-//     to virtual-host. api_key_env: the control planes' key, sent with each manifest. timeout_ms
-//     bounds one manifest POST (default 120000); retries applies to S3 requests and manifest POSTs
-//     (default 5).
-//
-//   fault+<scheme>://<target>?seed=N&drop=p&drop_mode=error|silent&delay_ms=d&duplicate=p
-//                            &corrupt=p&disconnect_after=N[&<inner parameters>]
-//     The transport of <scheme>, whose senders inject faults, each decided by a hash of (seed,
-//     producer id, payload id, attempt number of that id, fault kind): reproducible for a seed
-//     and a sequence of payload ids, whatever the thread timing. drop: Send delivers nothing and
-//     returns Unavailable (drop_mode=error, the default: a failed network send) or OK
-//     (drop_mode=silent: a message lost after its ACK, seen only at the receiver's Flush).
-//     delay_ms: every Send waits first. duplicate: delivered twice. corrupt: one byte of a copy,
-//     inside the body, is flipped — the header check passes and the body checksum fails at
-//     apply, as with in-flight corruption. disconnect_after=N: every Send after the first N
-//     fails with Unavailable without delivering. Listeners are the inner transport's.
+// What each built-in does with its URI (inproc://, file://, zmq://, s3://, fault+<scheme>://) is
+// the user-facing reference docs/transports.md; this header is the interface a transport
+// implements.
 //
 // A relay tree (zmq://, docs/protocol.md) fits the same interface: capabilities staged_ack and
 // fan_out_tree; SenderContext::endpoints lists the relays and a sender talks to its root,
@@ -124,12 +42,15 @@
 #include <utility>
 #include <vector>
 
+#include "refit/manifest_announcer.h"
 #include "refit/payload.h"
 #include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 
 namespace refit {
+
+class TransportRegistry;
 
 // ---- URIs -------------------------------------------------------------------------------------
 
@@ -195,6 +116,13 @@ struct TransportOptions {
   /// Limits for untrusted payloads: senders check each payload's header before sending it;
   /// listeners check a payload's size before reading it and its header before delivering it.
   PayloadLimits limits;
+  /// Senders of transports with needs_manifest (s3://) announce each payload through the
+  /// announcer this makes for each endpoint; without it their MakeSender fails. Node wires in
+  /// the control plane's client (MakeControlManifestAnnouncers in refit/control_client.h).
+  ManifestAnnouncerFactory manifest_announcers = nullptr;
+  /// The registry a wrapper transport (fault+) makes its inner transport in. Set by
+  /// TransportRegistry::Make; null means DefaultTransportRegistry().
+  const TransportRegistry* registry = nullptr;
 };
 
 // ---- Producer side ----------------------------------------------------------------------------
@@ -414,23 +342,61 @@ class Transport : public TransferObserver {
 using TransportFactory = std::function<Result<std::unique_ptr<Transport>>(
     const TransportUri& uri, const TransportOptions& options)>;
 
-/// Register `factory` for URIs of scheme `scheme` (case-insensitive).
-/// Errors: InvalidArgument (a malformed scheme, a null factory); AlreadyExists (the scheme, or a
-/// built-in, is registered).
-Status RegisterTransport(std::string_view scheme, TransportFactory factory);
+/// The transports a process can make, by URI scheme, in the shape of Arrow Flight's
+/// TransportRegistry: an object, so that a program (or a test) can hold a registry of its own
+/// with only the schemes it allows, and a process-wide default (DefaultTransportRegistry()) that
+/// MakeTransport uses and everything in refit that takes a URI resolves it in.
+///
+/// Thread-safety: every method may be called concurrently; factories run outside the lock.
+class TransportRegistry {
+ public:
+  /// An empty registry: no scheme is known until it is registered.
+  TransportRegistry() = default;
+  /// A registry holding the built-ins: inproc, file, zmq, s3 and the fault+ wrapper.
+  static std::unique_ptr<TransportRegistry> MakeWithBuiltins();
 
-/// Register `factory` for every scheme `<prefix>+<inner>` not registered as a whole: the factory
-/// gets the whole URI and makes the inner transport itself (see `fault+`).
-/// Errors: as RegisterTransport; InvalidArgument for a prefix containing '+'.
-Status RegisterTransportWrapper(std::string_view prefix, TransportFactory factory);
+  TransportRegistry(const TransportRegistry&) = delete;
+  TransportRegistry& operator=(const TransportRegistry&) = delete;
 
-/// Return the registered schemes, sorted, with each wrapper as "<prefix>+<scheme>".
-std::vector<std::string> RegisteredTransportSchemes();
+  /// Register `factory` for URIs of scheme `scheme` (case-insensitive).
+  /// Errors: InvalidArgument (a malformed scheme, a null factory); AlreadyExists (the scheme, or
+  /// a built-in, is registered).
+  Status Register(std::string_view scheme, TransportFactory factory);
 
-/// Make the transport that `uri` names. The built-ins (inproc, file, zmq, s3, fault+) are always
-/// registered; no static initialisation order is involved.
-/// Errors: InvalidArgument for a malformed URI or an unknown scheme (listing the registered
-/// ones), and whatever the factory returns (a bad target or parameter, naming the URI).
+  /// Register `factory` for every scheme `<prefix>+<inner>` not registered as a whole: the
+  /// factory gets the whole URI and makes the inner transport itself, in the registry that
+  /// TransportOptions::registry names (see `fault+`).
+  /// Errors: as Register; InvalidArgument for a prefix containing '+'.
+  Status RegisterWrapper(std::string_view prefix, TransportFactory factory);
+
+  /// Return the registered schemes, sorted, with each wrapper as "<prefix>+<scheme>".
+  std::vector<std::string> Schemes() const;
+
+  /// Make the transport that `uri` names. The factory gets `options` with `registry` set to
+  /// this registry, so that a wrapper resolves its inner scheme here too.
+  /// Errors: InvalidArgument for a malformed URI or an unknown scheme (listing the registered
+  /// ones), and whatever the factory returns (a bad target or parameter, naming the URI).
+  Result<std::unique_ptr<Transport>> Make(std::string_view uri,
+                                          const TransportOptions& options = {}) const;
+  Result<std::unique_ptr<Transport>> Make(const TransportUri& uri,
+                                          const TransportOptions& options = {}) const;
+
+ private:
+  Status Add(std::string_view scheme, TransportFactory factory, bool wrapper);
+  // The factory for `scheme`: an exact match, else the wrapper of its '+' prefix; null if none.
+  TransportFactory Find(const std::string& scheme) const;
+
+  mutable std::mutex mutex_;
+  std::map<std::string, TransportFactory> schemes_;   // guarded by mutex_
+  std::map<std::string, TransportFactory> wrappers_;  // guarded by mutex_
+};
+
+/// The process-wide registry, holding the built-ins from its first use (a function-local static:
+/// no static initialisation order is involved). Register a scheme here to make it available to
+/// refit's own URI-taking APIs (Publisher, ReceiverNode, the CLI's --transport).
+TransportRegistry& DefaultTransportRegistry();
+
+/// DefaultTransportRegistry().Make(uri, options).
 Result<std::unique_ptr<Transport>> MakeTransport(std::string_view uri,
                                                  const TransportOptions& options = {});
 Result<std::unique_ptr<Transport>> MakeTransport(const TransportUri& uri,

@@ -20,17 +20,9 @@ struct AbortArgs {
 };
 
 Status RunAbort(const AbortArgs& args) {
-  ControlClientOptions options;
-  options.base_url = args.url;
-  if (!args.api_key_env.empty()) {
-    const char* key = std::getenv(args.api_key_env.c_str());
-    if (key == nullptr || *key == '\0') {
-      return InvalidArgument("abort: environment variable {} (--api-key-env) is unset or empty",
-                             args.api_key_env);
-    }
-    options.api_key = key;
-  }
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
+  Result<ControlClientOptions> options = ControlClientOptionsFor(args.url, args.api_key_env);
+  if (!options.ok()) return options.status().WithContext("abort");
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(*options));
   TransferId id;
   if (!args.transfer.empty()) {
     Result<TransferId> given = TransferId::FromHex(args.transfer);

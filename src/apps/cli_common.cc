@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <chrono>
 
+#include "refit/environment.h"
+
 namespace refit::cli {
 
 Result<std::vector<std::byte>> ReadFile(const std::string& path) {
@@ -72,31 +74,14 @@ double NowSeconds() {
 
 namespace refit::cli {
 
-Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
-                                                         const std::vector<Item>& items,
-                                                         uint64_t bucket_bytes,
-                                                         const PayloadEncodeOptions& options) {
-  std::vector<std::vector<std::byte>> payloads;
-  std::vector<ItemView> bucket;
-  uint64_t bucket_fill = 0;
-  PayloadIds next = ids;
-  auto flush = [&]() -> Status {
-    if (bucket.empty()) return Status::OK();
-    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload, EncodePayload(next, bucket, options));
-    payloads.push_back(std::move(payload));
-    ++next.payload_id;
-    bucket.clear();
-    bucket_fill = 0;
-    return Status::OK();
-  };
-  for (const Item& item : items) {
-    const uint64_t size = item.values.size() + item.locations.size();
-    if (!bucket.empty() && bucket_fill + size > bucket_bytes) REFIT_RETURN_NOT_OK(flush());
-    bucket.push_back(item.view());
-    bucket_fill += size;
+Result<ControlClientOptions> ControlClientOptionsFor(const std::string& url,
+                                                     const std::string& api_key_env) {
+  ControlClientOptions options;
+  options.base_url = url;
+  if (!api_key_env.empty()) {
+    REFIT_ASSIGN_OR_RETURN(options.api_key, SecretFromEnvironment(api_key_env, "--api-key-env"));
   }
-  REFIT_RETURN_NOT_OK(flush());
-  return payloads;
+  return options;
 }
 
 Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,

@@ -43,6 +43,7 @@ double NowSeconds();
 
 }  // namespace refit::cli
 
+#include "refit/control_client.h"
 #include "refit/item.h"
 #include "refit/payload.h"
 #include "refit/safetensors.h"
@@ -50,12 +51,12 @@ double NowSeconds();
 
 namespace refit::cli {
 
-/// Pack `items` into payloads of at most ~`bucket_bytes` of item values each (an item larger
-/// than the bucket gets a payload of its own), numbering payload ids from 0.
-Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
-                                                         const std::vector<Item>& items,
-                                                         uint64_t bucket_bytes,
-                                                         const PayloadEncodeOptions& options);
+/// Return the options of a client of the control plane at `url`, holding the key environment
+/// variable `api_key_env` names (none when it is empty): what `--api-key-env` means to every
+/// subcommand that talks to one receiver. Errors: InvalidArgument when the variable is unset or
+/// empty.
+Result<ControlClientOptions> ControlClientOptionsFor(const std::string& url,
+                                                     const std::string& api_key_env);
 
 /// Split a `.rfp` file — one or more payloads back to back — into payloads, checking each header.
 /// Errors: as ValidatePayloadHeader, naming the byte offset of the bad payload.

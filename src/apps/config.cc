@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "cli_common.h"
+#include "refit/environment.h"
 #include "refit/transport.h"
 #include "refit/values.h"
 
@@ -90,8 +91,8 @@ constexpr std::pair<std::string_view, std::string_view> kUpstreamTransports[] = 
     {"vllm_s3_sparse", "s3://"},
 };
 
-// The zmq transport's bound on `retries` (src/transport/zmq_transport.cc): beyond it a value is
-// a mistake, and reporting it here names the key and line.
+// The zmq transport's bound on `retries` (kMaxRetries, src/transport/zmq/zmq_config.h): beyond it a
+// value is a mistake, and reporting it here names the key and line.
 constexpr int64_t kMaxZmqRetries = 100;
 
 // A day: longer than any control request may sensibly take, so that a value in milliseconds
@@ -390,8 +391,9 @@ Status ReadZstdThreads(ConfigReader& reader, const YAML::Node& node, const Where
   return Status::OK();
 }
 
+// `zero_allowed`: 0 is a value of its own (e.g. "no lease"), not a mistake.
 Status ReadSeconds(ConfigReader& reader, const YAML::Node& node, const Where& where,
-                   std::chrono::milliseconds* out) {
+                   std::chrono::milliseconds* out, bool zero_allowed = false) {
   REFIT_ASSIGN_OR_RETURN(const std::string text, reader.ReadScalar(node, where));
   double seconds = 0;
   auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), seconds);
@@ -399,9 +401,9 @@ Status ReadSeconds(ConfigReader& reader, const YAML::Node& node, const Where& wh
       !std::isfinite(seconds)) {
     return reader.Error(where, fmt::format("expected a number of seconds, got '{}'", text));
   }
-  if (seconds <= 0 || seconds > kMaxRequestTimeoutSeconds) {
-    return reader.Error(
-        where, fmt::format("{} is outside (0, {}] seconds", text, kMaxRequestTimeoutSeconds));
+  if (seconds < 0 || (seconds == 0 && !zero_allowed) || seconds > kMaxRequestTimeoutSeconds) {
+    return reader.Error(where, fmt::format("{} is outside {}0, {}] seconds", text,
+                                           zero_allowed ? "[" : "(", kMaxRequestTimeoutSeconds));
   }
   *out = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
   return Status::OK();
@@ -634,6 +636,10 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.tls_key); }},
       {"ready_file",
        [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.ready_file); }},
+      {"transfer_lease_s",
+       [&](R& r, const N& v, const W& w) {
+         return ReadSeconds(r, v, w, &server.transfer_lease, /*zero_allowed=*/true);
+       }},
       {"curve_secret_key",
        [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_secret_key); }},
       {"curve_server_key",
@@ -692,12 +698,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
 Result<std::string> ResolveApiKey(const RefitConfig& config) {
   const std::string& name = config.http_refit_api_key_env_var;
   if (name.empty()) return std::string();
-  const char* value = std::getenv(name.c_str());
-  if (value == nullptr || *value == '\0') {
-    return InvalidArgument(
-        "http_refit_api_key_env_var names environment variable {}, which is unset or empty", name);
-  }
-  return std::string(value);
+  return SecretFromEnvironment(name, "http_refit_api_key_env_var");
 }
 
 }  // namespace
@@ -819,6 +820,7 @@ ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
 ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
   ReceiverSessionOptions options;
   options.apply_queue_depth = config.tuning.apply_queue_depth;
+  options.transfer_lease = config.server.transfer_lease;
   return options;
 }
 

@@ -92,6 +92,9 @@ struct ServerConfig {
   std::string curve_secret_key;
   std::string curve_server_key;
   std::string curve_authorized_keys;
+  /// `transfer_lease_s`: how long a receiving transfer may go without progress before the
+  /// receiver aborts it itself (ReceiverSessionOptions::transfer_lease); 0 = no lease.
+  std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
 };
 
 /// Every setting of a configuration file. A plain value type.

@@ -18,9 +18,10 @@
 #include "config.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
-#include "refit/progress.h"
+#include "progress.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "table.h"
 
 namespace refit::cli {
 namespace {

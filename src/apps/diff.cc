@@ -5,8 +5,10 @@
 #include <iostream>
 
 #include "cli_common.h"
+#include "progress.h"
 #include "refit/locations.h"
-#include "refit/progress.h"
+#include "refit/pipeline.h"
+#include "table.h"
 
 namespace refit::cli {
 namespace {

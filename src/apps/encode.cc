@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "cli_common.h"
+#include "refit/pipeline.h"
 
 namespace refit::cli {
 namespace {
@@ -13,7 +14,9 @@ struct EncodeArgs {
   std::string op = "xor";
   std::string add_dtype = "bfloat16";
   std::string force_encoding;
-  std::string bucket = "256MiB";
+  // ProducerStreamOptions' default, which `refit push` also uses (sparse_bucket_size_bytes), so
+  // that encode writes the payloads push sends for the same checkpoints and settings.
+  std::string bucket = "32MiB";
   int level = 1;
   bool no_byte_planes = false;
   bool full = false;
@@ -91,7 +94,10 @@ void RegisterEncode(CLI::App& app, Status* result) {
   cmd->add_option("--add-dtype", args->add_dtype, "Delta dtype of --op add")->capture_default_str();
   cmd->add_option("--force-encoding", args->force_encoding,
                   "Pin the location encoding: range, gap16, gap32, gap64, bitmask");
-  cmd->add_option("--bucket", args->bucket, "Item bytes per payload")->capture_default_str();
+  cmd->add_option(
+         "--bucket", args->bucket,
+         "Item bytes per payload, bucketed as push buckets them (sparse_bucket_size_bytes)")
+      ->capture_default_str();
   cmd->add_option("--level", args->level, "zstd level")->capture_default_str();
   cmd->add_flag("--no-byte-planes", args->no_byte_planes, "Do not split values into byte planes");
   cmd->add_flag("--full", args->full, "Write a FULL (anchor) transfer of NEW");

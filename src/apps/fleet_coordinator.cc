@@ -16,7 +16,12 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     const std::vector<TensorView>* baseline) {
   if (address.control_urls.empty()) return InvalidArgument("no receivers to refit");
   std::unique_ptr<FleetCoordinator> fleet(new FleetCoordinator());
-  REFIT_ASSIGN_OR_RETURN(fleet->transport_, MakeTransport(address.transport_uri));
+  ControlClientOptions announcer_options = address.client;
+  announcer_options.api_key = address.api_key;
+  TransportOptions transport_options;
+  transport_options.manifest_announcers = MakeControlManifestAnnouncers(announcer_options);
+  REFIT_ASSIGN_OR_RETURN(fleet->transport_,
+                         MakeTransport(address.transport_uri, transport_options));
   // An object store's payloads are announced on each receiver's control plane.
   const bool manifests = fleet->transport_->capabilities().needs_manifest;
   fleet->endpoints_ = manifests ? address.control_urls : address.data_endpoints;

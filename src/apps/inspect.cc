@@ -4,7 +4,8 @@
 #include <iostream>
 
 #include "cli_common.h"
-#include "refit/progress.h"
+#include "progress.h"
+#include "table.h"
 
 namespace refit::cli {
 namespace {

@@ -15,9 +15,10 @@
 
 #include "cli_common.h"
 #include "config.h"
+#include "progress.h"
 #include "refit/control_client.h"
+#include "refit/environment.h"
 #include "refit/producer_group.h"
-#include "refit/progress.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
 
@@ -86,7 +87,10 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
 
 // The newest version the receivers hold: what --base is (the receivers that loaded it and
 // followed the trainer). A receiver behind it (restarted from an older checkpoint) is refit by
-// an anchor, which Publisher decides at Sync. Every receiver must be idle.
+// an anchor, which Publisher decides at Sync. A receiver that is prepared (its push died before
+// the decision) is resolved by this push's prepare (implied commit or abort, docs/protocol.md);
+// one still receiving is another push's, until that push finishes or the transfer's lease
+// expires.
 Result<uint64_t> FleetVersion(const PublisherOptions& options) {
   std::optional<uint64_t> version;
   for (const PublisherReceiver& receiver : options.receivers) {
@@ -96,11 +100,19 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options) {
                            ControlClient::Make(client_options));
     REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());
     const std::string& url = receiver.control_url;
-    if (status.receiver.state != ReceiverState::kIdle) {
+    if (status.receiver.state == ReceiverState::kReceiving) {
+      const std::string id =
+          status.receiver.transfer_id ? status.receiver.transfer_id->ToHex() : std::string("?");
+      if (status.receiver.lease_remaining_ms.has_value()) {
+        return FailedPrecondition(
+            "receiver {} is receiving transfer {}: wait for it (its lease expires in {} ms "
+            "without progress) or abort it first (refit abort {})",
+            url, id, *status.receiver.lease_remaining_ms, url);
+      }
       return FailedPrecondition(
-          "receiver {} is {} (transfer {}): wait for it or abort it first", url,
-          ReceiverStateName(status.receiver.state),
-          status.receiver.transfer_id ? status.receiver.transfer_id->ToHex() : std::string("?"));
+          "receiver {} is receiving transfer {} (no lease): wait for it or abort it first "
+          "(refit abort {})",
+          url, id, url);
     }
     version = std::max(version.value_or(0), status.receiver.version);
   }
@@ -236,15 +248,13 @@ Status RunPush(const PushArgs& args) {
       options.receivers.push_back({receiver.control, receiver.data});
       REFIT_ASSIGN_OR_RETURN(options.control, ToControlClientOptions(config, receiver));
     }
+    // A control call never outlives the transfer's own budget, whatever a receiver does.
+    options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
     api_key = options.control.api_key;
     REFIT_ASSIGN_OR_RETURN(fleet_version, FleetVersion(options));
   } else if (!config.http_refit_api_key_env_var.empty()) {
-    const char* key = std::getenv(config.http_refit_api_key_env_var.c_str());
-    if (key == nullptr || *key == '\0') {
-      return InvalidArgument("environment variable {} (--api-key-env) is unset or empty",
-                             config.http_refit_api_key_env_var);
-    }
-    api_key = key;
+    REFIT_ASSIGN_OR_RETURN(
+        api_key, SecretFromEnvironment(config.http_refit_api_key_env_var, "--api-key-env"));
   }
   REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<ProducerGroup>> groups,
                          MakeGroups(args, api_key));

@@ -10,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +29,7 @@
 
 #include "cli_common.h"
 #include "config.h"
+#include "refit/environment.h"
 #include "refit/loader.h"
 #include "refit/logging.h"
 #include "refit/receiver_node.h"
@@ -64,6 +67,9 @@ struct ServeSettings {
   std::string tls_key_path;
   /// Payloads staged but not yet applied (ReceiverSessionOptions::apply_queue_depth).
   size_t apply_queue_depth = ReceiverSessionOptions{}.apply_queue_depth;
+  /// How long a receiving transfer may make no progress before this receiver aborts it
+  /// (ReceiverSessionOptions::transfer_lease); zero: no lease.
+  std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
   /// The largest payload (header + compressed body) either plane accepts; it bounds the memory
   /// one message can take.
   uint64_t max_payload_bytes = PayloadLimits{}.max_payload_bytes;
@@ -132,14 +138,12 @@ const std::string& AdvertisedHost(const ServeSettings& settings) {
   return settings.advertise_address.empty() ? settings.bind_address : settings.advertise_address;
 }
 
-// Return the value of environment variable `name`. Errors: InvalidArgument when unset or empty.
+// Return the key held by the variable --api-key-env names. Errors: InvalidArgument when unset
+// or empty.
 Result<std::string> ApiKeyFromEnv(const std::string& name) {
-  const char* value = std::getenv(name.c_str());
-  if (value == nullptr || *value == '\0') {
-    return InvalidArgument("serve: environment variable {} (--api-key-env) is unset or empty",
-                           name);
-  }
-  return std::string(value);
+  Result<std::string> key = SecretFromEnvironment(name, "--api-key-env");
+  if (!key.ok()) return key.status().WithContext("serve");
+  return key;
 }
 
 // Return the transport URI with the data-plane key named by --api-key-env added, unless the URI
@@ -237,6 +241,7 @@ Status RunServe(const ServeSettings& settings) {
   options.control.tls_key_path = settings.tls_key_path;
   options.control.max_request_bytes = settings.max_payload_bytes;
   options.session.apply_queue_depth = settings.apply_queue_depth;
+  options.session.transfer_lease = settings.transfer_lease;
   options.session.limits.max_payload_bytes = settings.max_payload_bytes;
   // The decompressed body too: otherwise a small payload that declares a huge body (a
   // decompression bomb) is decompressed up to the default 4 GiB before anything refuses it.
@@ -330,6 +335,7 @@ Result<ServeSettings> SettingsFromConfig(const std::string& path) {
   settings.tls_cert_path = config.server.tls_cert;
   settings.tls_key_path = config.server.tls_key;
   settings.apply_queue_depth = config.tuning.apply_queue_depth;
+  settings.transfer_lease = config.server.transfer_lease;
   settings.ready_file = config.server.ready_file;
   // The key travels as --api-key-env does (serve adds api_key_env itself), so take the URI
   // without it and add what only a relay needs: its CURVE key files.
@@ -391,6 +397,17 @@ void RegisterServe(CLI::App& app, Status* result) {
   cmd->add_option("--apply-queue-depth", settings->apply_queue_depth,
                   "Payloads staged but not yet applied")
       ->capture_default_str();
+  cmd->add_option_function<double>(
+         "--transfer-lease",
+         [settings](const double& seconds) {
+           // Whole milliseconds, rounded up, so that a tiny positive lease is not "no lease".
+           settings->transfer_lease =
+               std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
+         },
+         "Seconds a transfer may go without progress (prepare, payload, apply, flush) while "
+         "receiving before this receiver aborts and rolls it back itself; 0: no lease (default "
+         "300). A prepared transfer has no lease: it waits for commit or abort")
+      ->check(CLI::Range(0.0, 86400.0));
   cmd->add_option_function<std::string>(
       "--max-payload-bytes",
       [settings](const std::string& text) {
@@ -447,6 +464,7 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--tls-cert")) merged.tls_cert_path = flags.tls_cert_path;
     if (given("--tls-key")) merged.tls_key_path = flags.tls_key_path;
     if (given("--apply-queue-depth")) merged.apply_queue_depth = flags.apply_queue_depth;
+    if (given("--transfer-lease")) merged.transfer_lease = flags.transfer_lease;
     if (given("--max-payload-bytes")) merged.max_payload_bytes = flags.max_payload_bytes;
     if (given("--version")) merged.version = flags.version;
     if (given("--ready-file")) merged.ready_file = flags.ready_file;

@@ -4,9 +4,10 @@
 #include <iostream>
 
 #include "cli_common.h"
+#include "progress.h"
 #include "refit/compare.h"
-#include "refit/progress.h"
 #include "refit/simulator.h"
+#include "table.h"
 
 namespace refit::cli {
 namespace {

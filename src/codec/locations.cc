@@ -52,9 +52,12 @@
 #include <string>
 
 #include "util/check.h"
+#include "util/endian.h"
 
 namespace refit {
 namespace {
+
+using internal::LoadLittleEndian;
 
 /// Returned by EstimateLocationBytes for an encoding that cannot represent the locations.
 constexpr uint64_t kNotRepresentable = std::numeric_limits<uint64_t>::max();
@@ -72,32 +75,6 @@ constexpr uint64_t kBitsPerByte = 8;
 /// Locations decoded per step by ValidateAll and DecodeAllLocations: 32 KiB of uint64_t, which
 /// stays in L1 while keeping the per-call overhead negligible.
 constexpr size_t kDecodeBatch = 4096;
-
-// Byte-swap for big-endian hosts; the wire is little-endian.
-template <typename T>
-T ByteSwap(T value) {
-  if constexpr (sizeof(T) == 2) {
-    return __builtin_bswap16(value);
-  } else if constexpr (sizeof(T) == 4) {
-    return __builtin_bswap32(value);
-  } else {
-    return __builtin_bswap64(value);
-  }
-}
-
-template <typename T>
-T LoadLittleEndian(const uint8_t* source) {
-  T value;
-  std::memcpy(&value, source, sizeof(T));
-  if constexpr (std::endian::native == std::endian::big) value = ByteSwap(value);
-  return value;
-}
-
-template <typename T>
-void StoreLittleEndian(uint8_t* destination, T value) {
-  if constexpr (std::endian::native == std::endian::big) value = ByteSwap(value);
-  std::memcpy(destination, &value, sizeof(T));
-}
 
 uint64_t VarintSize(uint64_t value) {
   return std::max<uint64_t>(1, (std::bit_width(value) + kVarintValueBits - 1) / kVarintValueBits);

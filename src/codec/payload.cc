@@ -26,6 +26,7 @@
 #include "refit/tensor.h"
 #include "refit/values.h"
 #include "util/check.h"
+#include "util/endian.h"
 
 namespace refit {
 namespace {
@@ -72,32 +73,15 @@ constexpr size_t kGroupHeaderBytes = sizeof(uint8_t) + sizeof(uint64_t);
 /// Value widths in bytes; a group per width that occurs.
 constexpr std::array<uint32_t, 4> kValueWidths = {1, 2, 4, 8};
 
-// ---- Little-endian helpers (byte-wise: correct on any host, compiled to plain loads). ---------
-template <typename T>
-T LoadLE(const void* p) {
-  const auto* bytes = static_cast<const unsigned char*>(p);
-  std::make_unsigned_t<T> value = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) {
-    value |= static_cast<std::make_unsigned_t<T>>(bytes[i]) << (8 * i);
-  }
-  return static_cast<T>(value);
-}
-
-template <typename T>
-void StoreLE(void* p, T value) {
-  auto* bytes = static_cast<unsigned char*>(p);
-  const auto bits = static_cast<std::make_unsigned_t<T>>(value);
-  for (size_t i = 0; i < sizeof(T); ++i) {
-    bytes[i] = static_cast<unsigned char>((bits >> (8 * i)) & 0xFFu);
-  }
-}
+using internal::LoadLittleEndian;
+using internal::StoreLittleEndian;
 
 /// The 16 wire bytes of an XXH3-128 checksum: low 64 bits LE, then high 64 bits LE.
 std::array<uint8_t, 16> ChecksumBytes(std::span<const std::byte> data) {
   const XXH128_hash_t hash = XXH3_128bits(data.data(), data.size());
   std::array<uint8_t, 16> out;
-  StoreLE(out.data(), static_cast<uint64_t>(hash.low64));
-  StoreLE(out.data() + sizeof(uint64_t), static_cast<uint64_t>(hash.high64));
+  StoreLittleEndian(out.data(), static_cast<uint64_t>(hash.low64));
+  StoreLittleEndian(out.data() + sizeof(uint64_t), static_cast<uint64_t>(hash.high64));
   return out;
 }
 
@@ -109,7 +93,7 @@ template <typename T>
 void AppendLE(std::vector<std::byte>* out, T value) {
   const size_t at = out->size();
   out->resize(at + sizeof(T));
-  StoreLE(out->data() + at, value);
+  StoreLittleEndian(out->data() + at, value);
 }
 
 /// Render an untrusted name for an error message: printable ASCII as is, anything else as \xNN.
@@ -278,6 +262,69 @@ ZSTD_DCtx* ThreadDecompressionContext() {
   return dctx.get();
 }
 
+// ---- Encoder scratch, one per thread and reused (STYLE rule 11). --------------------------------
+
+/// Working bytes that keep their capacity between uses and are never zero-filled: the compressor
+/// overwrites what it uses, and clearing a compressBound-sized buffer per payload cost a memset
+/// of about the body's size.
+class ScratchBytes {
+ public:
+  /// Return room for `size` bytes, valid until the next call; the contents are unspecified.
+  std::byte* Reserve(size_t size) {
+    if (size > capacity_) {
+      bytes_ = std::make_unique_for_overwrite<std::byte[]>(size);
+      capacity_ = size;
+    }
+    return bytes_.get();
+  }
+  size_t capacity() const { return capacity_; }
+  void Release() {
+    bytes_.reset();
+    capacity_ = 0;
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> bytes_;
+  size_t capacity_ = 0;
+};
+
+/// The encoder's working buffers: the uncompressed body, one value group gathered for the
+/// byte-plane split, and the compressed body. Every EncodePayload on a thread reuses them, so a
+/// stream of payloads allocates only the payloads it returns.
+struct EncoderScratch {
+  std::vector<std::byte> body;
+  std::vector<std::byte> group_values;
+  ScratchBytes compressed;
+};
+
+/// Capacity a thread keeps after a payload. Twice the default bucket (ProducerStreamOptions,
+/// 32 MiB) of item bytes: a producer's payloads stay below it and reuse their buffers, while a
+/// single huge payload (`refit encode` of a whole model in one bucket) does not pin its size on
+/// the thread for the rest of the process.
+constexpr size_t kMaxRetainedScratchBytes = size_t{64} << 20;
+
+EncoderScratch& ThreadEncoderScratch() {
+  thread_local EncoderScratch scratch;
+  return scratch;
+}
+
+/// Give back what exceeds kMaxRetainedScratchBytes, on every return path of the encoder.
+class ScratchTrim {
+ public:
+  explicit ScratchTrim(EncoderScratch& scratch) : scratch_(scratch) {}
+  ScratchTrim(const ScratchTrim&) = delete;
+  ScratchTrim& operator=(const ScratchTrim&) = delete;
+  ~ScratchTrim() {
+    for (std::vector<std::byte>* buffer : {&scratch_.body, &scratch_.group_values}) {
+      if (buffer->capacity() > kMaxRetainedScratchBytes) std::vector<std::byte>().swap(*buffer);
+    }
+    if (scratch_.compressed.capacity() > kMaxRetainedScratchBytes) scratch_.compressed.Release();
+  }
+
+ private:
+  EncoderScratch& scratch_;
+};
+
 // ---- Encoder. ----------------------------------------------------------------------------------
 
 /// Validate one encoder input; every failure is InvalidArgument (bad input from the caller).
@@ -338,24 +385,24 @@ void WriteHeader(const PayloadIds& ids, uint16_t flags, uint32_t item_count, uin
                  std::span<const std::byte> compressed, std::byte* header) {
   std::memset(header, 0, kPayloadHeaderSize);
   std::memcpy(header + kOffsetMagic, kMagic.data(), kMagic.size());
-  StoreLE(header + kOffsetFormatVersion, kPayloadFormatVersion);
-  StoreLE(header + kOffsetFlags, flags);
+  StoreLittleEndian(header + kOffsetFormatVersion, kPayloadFormatVersion);
+  StoreLittleEndian(header + kOffsetFlags, flags);
   std::memcpy(header + kOffsetTransferId, ids.transfer_id.bytes.data(),
               ids.transfer_id.bytes.size());
-  StoreLE(header + kOffsetProducerId, ids.producer_id);
-  StoreLE(header + kOffsetPayloadId, ids.payload_id);
-  StoreLE(header + kOffsetBaseVersion, ids.base_version);
-  StoreLE(header + kOffsetTargetVersion, ids.target_version);
-  StoreLE(header + kOffsetItemCount, item_count);
-  StoreLE(header + kOffsetCompression, kCompressionZstd);
-  StoreLE(header + kOffsetMacAlgorithm, kMacNone);
-  StoreLE(header + kOffsetBodyBytes, body_bytes);
-  StoreLE(header + kOffsetCompressedBytes, static_cast<uint64_t>(compressed.size()));
+  StoreLittleEndian(header + kOffsetProducerId, ids.producer_id);
+  StoreLittleEndian(header + kOffsetPayloadId, ids.payload_id);
+  StoreLittleEndian(header + kOffsetBaseVersion, ids.base_version);
+  StoreLittleEndian(header + kOffsetTargetVersion, ids.target_version);
+  StoreLittleEndian(header + kOffsetItemCount, item_count);
+  StoreLittleEndian(header + kOffsetCompression, kCompressionZstd);
+  StoreLittleEndian(header + kOffsetMacAlgorithm, kMacNone);
+  StoreLittleEndian(header + kOffsetBodyBytes, body_bytes);
+  StoreLittleEndian(header + kOffsetCompressedBytes, static_cast<uint64_t>(compressed.size()));
   const std::array<uint8_t, 16> checksum = ChecksumBytes(compressed);
   std::memcpy(header + kOffsetChecksum, checksum.data(), checksum.size());
   // The MAC field stays zero: mac_algorithm is kMacNone in v1.
-  StoreLE(header + kOffsetHeaderChecksum,
-          static_cast<uint64_t>(XXH3_64bits(header, kOffsetHeaderChecksum)));
+  StoreLittleEndian(header + kOffsetHeaderChecksum,
+                    static_cast<uint64_t>(XXH3_64bits(header, kOffsetHeaderChecksum)));
 }
 
 // ---- Decoder. ----------------------------------------------------------------------------------
@@ -384,7 +431,7 @@ class BodyReader {
   template <typename T, typename Describe>
   Result<T> Read(const Describe& describe) {
     REFIT_ASSIGN_OR_RETURN(auto bytes, Take(sizeof(T), describe));
-    return LoadLE<T>(bytes.data());
+    return LoadLittleEndian<T>(bytes.data());
   }
 
  private:
@@ -437,10 +484,12 @@ Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, si
   REFIT_ASSIGN_OR_RETURN(auto dims, reader->Take(uint64_t{rank} * sizeof(int64_t), context));
   item.shape.resize(rank);
   for (size_t d = 0; d < rank; ++d) {
-    item.shape[d] = LoadLE<int64_t>(dims.data() + d * sizeof(int64_t));
+    item.shape[d] = LoadLittleEndian<int64_t>(dims.data() + d * sizeof(int64_t));
   }
   REFIT_ASSIGN_OR_RETURN(auto tail, reader->Take(kItemTailBytes, context));
-  const auto field = [&](size_t i) { return LoadLE<uint64_t>(tail.data() + i * sizeof(uint64_t)); };
+  const auto field = [&](size_t i) {
+    return LoadLittleEndian<uint64_t>(tail.data() + i * sizeof(uint64_t));
+  };
   item.span_begin = field(0);
   item.span_end = field(1);
   item.count = field(2);
@@ -452,7 +501,7 @@ Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, si
 Status CheckZstdFrame(std::span<const std::byte> compressed, const PayloadHeader& header) {
   const std::string context = PayloadContext(header.ids);
   if (compressed.size() < sizeof(uint32_t) ||
-      LoadLE<uint32_t>(compressed.data()) != ZSTD_MAGICNUMBER) {
+      LoadLittleEndian<uint32_t>(compressed.data()) != ZSTD_MAGICNUMBER) {
     return DataLoss("{}: compressed body is not a zstd frame", context);
   }
   const unsigned long long content_size =
@@ -547,16 +596,17 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   // keeps every name length inside its u16 field.
   constexpr PayloadLimits limits;
   static_assert(limits.max_name_length <= std::numeric_limits<uint16_t>::max());
-  const std::string context = PayloadContext(ids);
+  // Formatted only on failure: a successful call formats nothing.
+  const auto context = [&ids] { return PayloadContext(ids); };
   if (ids.target_version <= ids.base_version) {
-    return InvalidArgument("{}: target_version {} must be > base_version {}", context,
+    return InvalidArgument("{}: target_version {} must be > base_version {}", context(),
                            ids.target_version, ids.base_version);
   }
   if (items.size() > limits.max_items) {
-    return InvalidArgument("{}: {} items > limit {}", context, items.size(), limits.max_items);
+    return InvalidArgument("{}: {} items > limit {}", context(), items.size(), limits.max_items);
   }
   if (options.zstd_level < ZSTD_minCLevel() || options.zstd_level > ZSTD_maxCLevel()) {
-    return InvalidArgument("{}: zstd level {} outside [{}, {}]", context, options.zstd_level,
+    return InvalidArgument("{}: zstd level {} outside [{}, {}]", context(), options.zstd_level,
                            ZSTD_minCLevel(), ZSTD_maxCLevel());
   }
   for (size_t i = 0; i < items.size(); ++i) {
@@ -577,17 +627,20 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   body_bytes += plan.groups.size() * kGroupHeaderBytes;
   if (body_bytes > limits.max_body_bytes) {
     return InvalidArgument("{}: body of {} bytes > limit {}; split the items over payloads",
-                           context, body_bytes, limits.max_body_bytes);
+                           context(), body_bytes, limits.max_body_bytes);
   }
 
-  std::vector<std::byte> body;
+  EncoderScratch& scratch = ThreadEncoderScratch();
+  const ScratchTrim trim(scratch);
+  std::vector<std::byte>& body = scratch.body;
+  body.clear();
   body.reserve(body_bytes);
   for (const ItemView& item : items) AppendItemEntry(item, &body);
   for (const ItemView& item : items) {
     const auto* locations = reinterpret_cast<const std::byte*>(item.locations.data());
     body.insert(body.end(), locations, locations + item.locations.size());
   }
-  std::vector<std::byte> group_values;  // Gathered values of one group, for the plane split.
+  std::vector<std::byte>& group_values = scratch.group_values;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     const GroupPlan::Group& group = plan.groups[g];
     AppendLE(&body, static_cast<uint8_t>(group.width));
@@ -610,7 +663,7 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   REFIT_DCHECK(body.size() == body_bytes, "body size differs from its plan");
 
   ZSTD_CCtx* cctx = ThreadCompressionContext();
-  if (cctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context);
+  if (cctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context());
   ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
   // Content size in the frame header lets the decoder bound its allocation before decompressing;
   // zstd's own checksum is redundant with the header's XXH3-128 over the compressed bytes.
@@ -618,18 +671,20 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1);
   ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0);
 
-  std::vector<std::byte> payload(kPayloadHeaderSize + ZSTD_compressBound(body.size()));
-  const size_t compressed =
-      ZSTD_compress2(cctx, payload.data() + kPayloadHeaderSize, payload.size() - kPayloadHeaderSize,
-                     body.data(), body.size());
+  // Compressed into scratch, then copied into a payload of exactly its size: the payload is the
+  // one allocation per call, and one held in flight pins no compressBound-sized capacity.
+  const size_t bound = ZSTD_compressBound(body.size());
+  std::byte* compressed_bytes = scratch.compressed.Reserve(bound);
+  const size_t compressed = ZSTD_compress2(cctx, compressed_bytes, bound, body.data(), body.size());
   if (ZSTD_isError(compressed)) {
-    return Internal("{}: zstd compression failed: {}", context, ZSTD_getErrorName(compressed));
+    return Internal("{}: zstd compression failed: {}", context(), ZSTD_getErrorName(compressed));
   }
-  payload.resize(kPayloadHeaderSize + compressed);
-  if (payload.size() > limits.max_payload_bytes) {
+  if (kPayloadHeaderSize + compressed > limits.max_payload_bytes) {
     return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
-                           context, payload.size(), limits.max_payload_bytes);
+                           context(), kPayloadHeaderSize + compressed, limits.max_payload_bytes);
   }
+  std::vector<std::byte> payload(kPayloadHeaderSize + compressed);
+  std::memcpy(payload.data() + kPayloadHeaderSize, compressed_bytes, compressed);
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
               std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
@@ -645,7 +700,7 @@ Result<uint64_t> PayloadSizeAt(std::span<const std::byte> stream, const PayloadL
   }
   // The length field is only trusted for slicing; ValidatePayloadHeader then checks the header
   // checksum that covers it and every limit.
-  const uint64_t compressed = LoadLE<uint64_t>(stream.data() + kOffsetCompressedBytes);
+  const uint64_t compressed = LoadLittleEndian<uint64_t>(stream.data() + kOffsetCompressedBytes);
   if (compressed > stream.size() - kPayloadHeaderSize) {
     return DataLoss("payload declares {} body bytes but only {} follow its header", compressed,
                     stream.size() - kPayloadHeaderSize);
@@ -669,12 +724,12 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   }
   // The version decides the header layout, so it is read before the v1 header checksum.
   PayloadHeader header;
-  header.format_version = LoadLE<uint16_t>(h + kOffsetFormatVersion);
+  header.format_version = LoadLittleEndian<uint16_t>(h + kOffsetFormatVersion);
   if (header.format_version != kPayloadFormatVersion) {
     return InvalidArgument("payload format version {} is not supported (this decoder reads {})",
                            header.format_version, kPayloadFormatVersion);
   }
-  const uint64_t stored_header_checksum = LoadLE<uint64_t>(h + kOffsetHeaderChecksum);
+  const uint64_t stored_header_checksum = LoadLittleEndian<uint64_t>(h + kOffsetHeaderChecksum);
   const uint64_t header_checksum = XXH3_64bits(h, kOffsetHeaderChecksum);
   if (stored_header_checksum != header_checksum) {
     return DataLoss("payload header checksum {:016x} != computed {:016x}", stored_header_checksum,
@@ -683,14 +738,14 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   // From here on the fields are what the producer wrote, so messages can name the payload.
   std::memcpy(header.ids.transfer_id.bytes.data(), h + kOffsetTransferId,
               header.ids.transfer_id.bytes.size());
-  header.ids.producer_id = LoadLE<uint32_t>(h + kOffsetProducerId);
-  header.ids.payload_id = LoadLE<uint32_t>(h + kOffsetPayloadId);
-  header.ids.base_version = LoadLE<uint64_t>(h + kOffsetBaseVersion);
-  header.ids.target_version = LoadLE<uint64_t>(h + kOffsetTargetVersion);
-  header.flags = LoadLE<uint16_t>(h + kOffsetFlags);
-  header.item_count = LoadLE<uint32_t>(h + kOffsetItemCount);
-  header.body_bytes = LoadLE<uint64_t>(h + kOffsetBodyBytes);
-  header.compressed_bytes = LoadLE<uint64_t>(h + kOffsetCompressedBytes);
+  header.ids.producer_id = LoadLittleEndian<uint32_t>(h + kOffsetProducerId);
+  header.ids.payload_id = LoadLittleEndian<uint32_t>(h + kOffsetPayloadId);
+  header.ids.base_version = LoadLittleEndian<uint64_t>(h + kOffsetBaseVersion);
+  header.ids.target_version = LoadLittleEndian<uint64_t>(h + kOffsetTargetVersion);
+  header.flags = LoadLittleEndian<uint16_t>(h + kOffsetFlags);
+  header.item_count = LoadLittleEndian<uint32_t>(h + kOffsetItemCount);
+  header.body_bytes = LoadLittleEndian<uint64_t>(h + kOffsetBodyBytes);
+  header.compressed_bytes = LoadLittleEndian<uint64_t>(h + kOffsetCompressedBytes);
   std::memcpy(header.checksum.data(), h + kOffsetChecksum, header.checksum.size());
   // Formatted only on failure: the success path allocates nothing.
   auto context = [&] { return PayloadContext(header.ids); };
@@ -699,17 +754,17 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
     return InvalidArgument("{}: unknown flag bits 0x{:04x}", context(),
                            header.flags & ~kKnownFlags);
   }
-  const uint8_t compression = LoadLE<uint8_t>(h + kOffsetCompression);
+  const uint8_t compression = LoadLittleEndian<uint8_t>(h + kOffsetCompression);
   if (compression != kCompressionZstd) {
     return InvalidArgument("{}: unsupported compression {} (v1 knows 1 = zstd)", context(),
                            compression);
   }
-  const uint8_t mac_algorithm = LoadLE<uint8_t>(h + kOffsetMacAlgorithm);
+  const uint8_t mac_algorithm = LoadLittleEndian<uint8_t>(h + kOffsetMacAlgorithm);
   if (mac_algorithm != kMacNone) {
     return InvalidArgument("{}: unsupported MAC algorithm {} (v1 knows 0 = none)", context(),
                            mac_algorithm);
   }
-  const uint16_t reserved = LoadLE<uint16_t>(h + kOffsetReserved);
+  const uint16_t reserved = LoadLittleEndian<uint16_t>(h + kOffsetReserved);
   if (reserved != 0) {
     return InvalidArgument("{}: reserved field is 0x{:04x}, must be 0", context(), reserved);
   }

@@ -17,8 +17,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/half_float.h"
+#include "refit/half_float.h"
 #include "util/check.h"
+#include "util/endian.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "codec/values.cc"
@@ -162,32 +163,15 @@ bool JoinBytePlanesSimd(const uint8_t* planes, size_t count, uint32_t width, uin
 
 namespace {
 
-template <typename T>
-T ByteSwap(T value) {
-  if constexpr (sizeof(T) == 1) {
-    return value;
-  } else if constexpr (sizeof(T) == 2) {
-    return __builtin_bswap16(value);
-  } else if constexpr (sizeof(T) == 4) {
-    return __builtin_bswap32(value);
-  } else {
-    return __builtin_bswap64(value);
-  }
-}
-
 // Element `index` of little-endian `bytes` as a host integer.
 template <typename T>
 T LoadElement(const std::byte* bytes, uint64_t index) {
-  T value;
-  std::memcpy(&value, bytes + index * sizeof(T), sizeof(T));
-  if constexpr (std::endian::native == std::endian::big) value = ByteSwap(value);
-  return value;
+  return internal::LoadLittleEndian<T>(bytes + index * sizeof(T));
 }
 
 template <typename T>
 void StoreElement(std::byte* bytes, uint64_t index, T value) {
-  if constexpr (std::endian::native == std::endian::big) value = ByteSwap(value);
-  std::memcpy(bytes + index * sizeof(T), &value, sizeof(T));
+  internal::StoreLittleEndian(bytes + index * sizeof(T), value);
 }
 
 // Call `visitor(std::type_identity<T>{})` with T the unsigned integer of `width` bytes.
@@ -210,13 +194,13 @@ void VisitWidth(uint32_t width, Visitor&& visitor) {
 // The four ADD formats: their bits, exact widening to double and RNE narrowing from double.
 struct Half {
   using Bits = uint16_t;
-  static double Widen(Bits bits) { return internal::HalfToFloat(bits); }
-  static Bits Narrow(double value) { return internal::DoubleToHalf(value); }
+  static double Widen(Bits bits) { return HalfToFloat(bits); }
+  static Bits Narrow(double value) { return DoubleToHalf(value); }
 };
 struct BFloat16 {
   using Bits = uint16_t;
-  static double Widen(Bits bits) { return internal::BFloat16ToFloat(bits); }
-  static Bits Narrow(double value) { return internal::DoubleToBFloat16(value); }
+  static double Widen(Bits bits) { return BFloat16ToFloat(bits); }
+  static Bits Narrow(double value) { return DoubleToBFloat16(value); }
 };
 struct Single {
   using Bits = uint32_t;

@@ -1,8 +1,5 @@
 #include "control/auth.h"
 
-#include <openssl/crypto.h>
-#include <openssl/sha.h>
-
 #include <cctype>
 
 namespace refit::internal {
@@ -43,24 +40,6 @@ std::optional<std::string_view> PresentedApiKey(std::string_view authorization_h
   const std::string_view api_key = TrimSpaces(api_key_header);
   if (!api_key.empty()) return api_key;
   return std::nullopt;
-}
-
-ApiKeyVerifier::ApiKeyVerifier(std::string_view api_key)
-    : enabled_(!api_key.empty()), key_digest_(Hash(api_key)) {}
-
-ApiKeyVerifier::Sha256 ApiKeyVerifier::Hash(std::string_view text) {
-  Sha256 digest{};
-  SHA256(reinterpret_cast<const unsigned char*>(text.data()), text.size(), digest.data());
-  return digest;
-}
-
-AuthResult ApiKeyVerifier::Check(std::optional<std::string_view> presented) const {
-  if (!enabled_) return AuthResult::kAllowed;
-  if (!presented.has_value()) return AuthResult::kMissing;
-  const Sha256 presented_digest = Hash(*presented);
-  return CRYPTO_memcmp(presented_digest.data(), key_digest_.data(), kSha256Bytes) == 0
-             ? AuthResult::kAllowed
-             : AuthResult::kWrong;
 }
 
 }  // namespace refit::internal

@@ -1,52 +1,18 @@
-// API-key authentication of the control plane (docs/security.md).
+// API-key authentication of the control plane (docs/security.md): which key an HTTP request
+// presents. The check itself is core/api_key.h's ApiKeyVerifier, shared with the zmq:// relay.
 #pragma once
 
-#include <array>
-#include <cstdint>
 #include <optional>
-#include <string>
 #include <string_view>
 
-namespace refit::internal {
+#include "core/api_key.h"
 
-/// The outcome of checking one request's credentials.
-enum class AuthResult : uint8_t {
-  /// The key matches, or the verifier has no key (authentication disabled).
-  kAllowed,
-  /// No key was presented (HTTP 401).
-  kMissing,
-  /// A key was presented and differs (HTTP 403).
-  kWrong,
-};
+namespace refit::internal {
 
 /// Return the key a request presents: the token of "Authorization: Bearer <token>" (the scheme is
 /// case-insensitive, RFC 9110 §11.1), else the value of the X-Refit-Api-Key header, else nullopt.
 /// An Authorization header with another scheme (e.g. Basic) presents nothing.
 std::optional<std::string_view> PresentedApiKey(std::string_view authorization_header,
                                                 std::string_view api_key_header);
-
-/// Checks presented API keys against the configured one in constant time.
-///
-/// Both keys are hashed with SHA-256 and the digests compared with CRYPTO_memcmp, so the time a
-/// check takes depends on neither the content nor the length of the configured key: a timing
-/// attacker learns nothing byte by byte (the upstream review ask, PR #2444).
-///
-/// Thread-safety: immutable after construction; Check may run concurrently from any thread.
-class ApiKeyVerifier {
- public:
-  /// `api_key` empty disables authentication (every request is allowed).
-  explicit ApiKeyVerifier(std::string_view api_key);
-
-  bool enabled() const { return enabled_; }
-  AuthResult Check(std::optional<std::string_view> presented) const;
-
- private:
-  static constexpr size_t kSha256Bytes = 32;
-  using Sha256 = std::array<uint8_t, kSha256Bytes>;
-  static Sha256 Hash(std::string_view text);
-
-  bool enabled_ = false;
-  Sha256 key_digest_{};
-};
 
 }  // namespace refit::internal

@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <new>
+#include <stop_token>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -155,6 +160,86 @@ Status ReplyFieldError(const Status& status) {
 
 Json TransferBody(const TransferId& id) { return Json{{"transfer_id", id.ToHex()}}; }
 
+using Clock = std::chrono::steady_clock;
+
+// Cuts the connection of a request that runs past its deadline. httplib's timeouts bound each
+// connect, read and write, not a request: a receiver that accepts and then drips one byte per
+// read timeout would hold a call, and the coordinator behind it, for as long as it likes.
+//
+// Thread-safety: every member function may be called concurrently. After Disarm returns, the
+// watchdog no longer touches that client.
+class RequestWatchdog {
+ public:
+  ~RequestWatchdog() {
+    if (thread_.joinable()) {
+      thread_.request_stop();
+      changed_.notify_all();
+      thread_.join();
+    }
+  }
+
+  // Stop `client` (shut its socket down, so the request fails at once) at `deadline`, unless
+  // the returned token is disarmed first. Errors: ResourceExhausted when the OS refuses the
+  // watchdog's thread.
+  Result<uint64_t> Arm(Clock::time_point deadline, httplib::Client* client) {
+    std::lock_guard lock(mutex_);
+    if (!thread_.joinable()) {
+      // std::thread reports an OS refusal only by throwing; no exception may leave the library.
+      try {
+        thread_ = std::jthread([this](std::stop_token stop) { Run(stop); });
+      } catch (const std::system_error& error) {
+        return ResourceExhausted("control client: cannot start its deadline thread: {}",
+                                 error.what());
+      }
+    }
+    const uint64_t token = next_token_++;
+    armed_.emplace(token, Armed{deadline, client});
+    // The new deadline may be the earliest: the thread must look again.
+    ++generation_;
+    changed_.notify_all();
+    return token;
+  }
+
+  void Disarm(uint64_t token) {
+    std::lock_guard lock(mutex_);
+    armed_.erase(token);
+  }
+
+ private:
+  struct Armed {
+    Clock::time_point deadline;
+    httplib::Client* client;
+  };
+
+  void Run(std::stop_token stop) {
+    std::unique_lock lock(mutex_);
+    while (!stop.stop_requested()) {
+      Clock::time_point next = Clock::time_point::max();
+      const Clock::time_point now = Clock::now();
+      for (auto it = armed_.begin(); it != armed_.end();) {
+        if (it->second.deadline <= now) {
+          // Under the lock, so that Disarm (and the client's destruction after it) waits.
+          it->second.client->stop();
+          it = armed_.erase(it);
+        } else {
+          next = std::min(next, it->second.deadline);
+          ++it;
+        }
+      }
+      const uint64_t seen = generation_;
+      changed_.wait_until(lock, stop, next, [&] { return generation_ != seen; });
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable_any changed_;
+  std::map<uint64_t, Armed> armed_;
+  uint64_t next_token_ = 0;
+  // Counts Arm calls, so the thread notices a deadline earlier than the one it waits for.
+  uint64_t generation_ = 0;
+  std::jthread thread_;
+};
+
 }  // namespace
 
 struct ControlClient::Impl {
@@ -164,6 +249,8 @@ struct ControlClient::Impl {
 
   std::mutex idle_mutex;
   std::vector<std::unique_ptr<httplib::Client>> idle;
+  // Declared after `idle`: destroyed first, so it never stops a client that is gone.
+  RequestWatchdog watchdog;
 
   // One request, made on a borrowed connection; called once per attempt.
   using Request =
@@ -175,21 +262,32 @@ struct ControlClient::Impl {
     httplib::Headers headers;
   };
 
-  std::unique_ptr<httplib::Client> Borrow(std::chrono::milliseconds extra_read_timeout);
+  // A connection whose connect, read and write timeouts end at `deadline` at the latest.
+  std::unique_ptr<httplib::Client> Borrow(std::optional<Clock::time_point> deadline);
   void Return(std::unique_ptr<httplib::Client> client);
   // Run `request` with retries; return the last reply, whatever its status (only connection
-  // failures become an error here).
-  Result<Reply> Call(std::string_view what, const Request& request,
-                     std::chrono::milliseconds extra_read_timeout = {});
-  // POST a JSON body and return the parsed success reply, or the error the server reported.
+  // failures become an error here). Every attempt together ends within options.timeout plus
+  // `server_time` (how long the server may take to answer: a flush's wait), whatever the
+  // server does: DeadlineExceeded then. Without `server_time` (bulk bytes whose duration
+  // depends on their size and on the server's apply queue) only each connect, read and write
+  // is limited, to options.timeout.
+  Result<Reply> Call(
+      std::string_view what, const Request& request,
+      std::optional<std::chrono::milliseconds> server_time = std::chrono::milliseconds(0));
+  // POST a body of `content_type` and return the parsed success reply, or the error the
+  // server reported.
+  Result<Json> PostText(std::string_view path, const std::string& text,
+                        std::string_view content_type, std::chrono::milliseconds server_time = {});
   Result<Json> PostJson(std::string_view path, const Json& body,
-                        std::chrono::milliseconds extra_read_timeout = {});
+                        std::chrono::milliseconds server_time = {}) {
+    return PostText(path, internal::DumpJson(body), internal::kJsonContentType, server_time);
+  }
   Result<Json> GetJson(std::string_view path);
   std::string Path(std::string_view route) const { return url.prefix + std::string(route); }
 };
 
 std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
-    std::chrono::milliseconds extra_read_timeout) {
+    std::optional<Clock::time_point> deadline) {
   std::unique_ptr<httplib::Client> client;
   {
     std::lock_guard lock(idle_mutex);
@@ -207,9 +305,21 @@ std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
     if (!options.tls_ca_cert_path.empty()) client->set_ca_cert_path(options.tls_ca_cert_path);
     client->enable_server_certificate_verification(options.tls_verify);
   }
-  client->set_connection_timeout(options.timeout);
-  client->set_read_timeout(options.timeout + extra_read_timeout);
-  client->set_write_timeout(options.timeout);
+  // Each connect, read and write gives up at the deadline too; the watchdog (Call) covers the
+  // sum of many reads and writes that each stay within their own limit.
+  std::chrono::milliseconds limit = options.timeout;
+  std::chrono::milliseconds read_limit = options.timeout;
+  if (deadline.has_value()) {
+    const auto left =
+        std::max(std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()),
+                 std::chrono::milliseconds(1));
+    limit = std::min(left, options.timeout);
+    // A flush's reply comes after its wait on the server: one read may take the whole budget.
+    read_limit = left;
+  }
+  client->set_connection_timeout(limit);
+  client->set_read_timeout(read_limit);
+  client->set_write_timeout(limit);
   return client;
 }
 
@@ -219,23 +329,39 @@ void ControlClient::Impl::Return(std::unique_ptr<httplib::Client> client) {
 }
 
 Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
-    std::string_view what, const Request& request, std::chrono::milliseconds extra_read_timeout) {
+    std::string_view what, const Request& request,
+    std::optional<std::chrono::milliseconds> server_time) {
   httplib::Headers headers;
   if (!options.api_key.empty()) headers.emplace("Authorization", "Bearer " + options.api_key);
   const std::string description = fmt::format("{} {}", base_url, what);
+  const std::chrono::milliseconds budget = options.timeout + server_time.value_or(options.timeout);
+  const std::optional<Clock::time_point> deadline =
+      server_time.has_value() ? std::optional(Clock::now() + budget) : std::nullopt;
+  auto past_deadline = [&](int attempt) {
+    return DeadlineExceeded("{}: no complete answer within {} ms (attempt {} of {})", description,
+                            budget.count(), attempt + 1, options.max_retries + 1);
+  };
   Status last_error;
   std::chrono::milliseconds backoff = options.retry_backoff;
   for (int attempt = 0; attempt <= options.max_retries; ++attempt) {
     if (attempt > 0) {
+      // A retry that could not finish in time is not made: the caller's budget is the limit.
+      if (deadline.has_value() && Clock::now() + backoff >= *deadline) return last_error;
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, options.max_retry_backoff);
     }
     // httplib and the allocator report failures by throwing; no exception may leave the library.
     try {
-      std::unique_ptr<httplib::Client> client = Borrow(extra_read_timeout);
+      std::unique_ptr<httplib::Client> client = Borrow(deadline);
+      std::optional<uint64_t> token;
+      if (deadline.has_value()) {
+        REFIT_ASSIGN_OR_RETURN(token, watchdog.Arm(*deadline, client.get()));
+      }
       httplib::Result result = request(*client, headers);
+      if (token.has_value()) watchdog.Disarm(*token);
       if (!result) {
         // The connection is in an unknown state: drop it rather than return it to the pool.
+        if (deadline.has_value() && Clock::now() >= *deadline) return past_deadline(attempt);
         last_error =
             Unavailable("{}: {} (attempt {} of {})", description,
                         httplib::to_string(result.error()), attempt + 1, options.max_retries + 1);
@@ -257,18 +383,18 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
   return last_error;
 }
 
-Result<Json> ControlClient::Impl::PostJson(std::string_view path, const Json& body,
-                                           std::chrono::milliseconds extra_read_timeout) {
-  const std::string text = internal::DumpJson(body);
+Result<Json> ControlClient::Impl::PostText(std::string_view path, const std::string& text,
+                                           std::string_view content_type,
+                                           std::chrono::milliseconds server_time) {
   const std::string full_path = Path(path);
   REFIT_ASSIGN_OR_RETURN(const Reply reply,
                          Call(
                              fmt::format("POST {}", path),
                              [&](httplib::Client& client, const httplib::Headers& headers) {
                                return client.Post(full_path, headers, text,
-                                                  std::string(internal::kJsonContentType));
+                                                  std::string(content_type));
                              },
-                             extra_read_timeout));
+                             server_time));
   if (reply.status != kHttpOk) {
     return ErrorFromResponse(reply.status, reply.body, fmt::format("{} POST {}", base_url, path));
   }
@@ -325,6 +451,10 @@ Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   Result<std::optional<TransferId>> implied = fields.OptionalTransfer("implied_commit");
   if (!implied.ok()) return ReplyFieldError(implied.status());
   result.implied_commit = *implied;
+  // Absent from receivers older than implied aborts.
+  Result<std::optional<TransferId>> aborted = fields.OptionalTransfer("implied_abort");
+  if (!aborted.ok()) return ReplyFieldError(aborted.status());
+  result.implied_abort = *aborted;
   return result;
 }
 
@@ -356,15 +486,19 @@ Result<StageResult> ControlClient::SendPayload(std::span<const std::byte> payloa
   const std::string what = fmt::format("POST {}", internal::kPayloadPath);
   REFIT_ASSIGN_OR_RETURN(
       const Impl::Reply reply,
-      impl_->Call(what, [&](httplib::Client& client, const httplib::Headers& headers) {
-        // A content provider streams the caller's bytes without copying them into the request.
-        return client.Post(
-            path, headers, payload.size(),
-            [payload](size_t offset, size_t length, httplib::DataSink& sink) {
-              return sink.write(reinterpret_cast<const char*>(payload.data() + offset), length);
-            },
-            std::string(internal::kOctetStreamContentType));
-      }));
+      impl_->Call(
+          what,
+          [&](httplib::Client& client, const httplib::Headers& headers) {
+            // A content provider streams the caller's bytes without copying them into the
+            // request.
+            return client.Post(
+                path, headers, payload.size(),
+                [payload](size_t offset, size_t length, httplib::DataSink& sink) {
+                  return sink.write(reinterpret_cast<const char*>(payload.data() + offset), length);
+                },
+                std::string(internal::kOctetStreamContentType));
+          },
+          std::nullopt));
   if (reply.status != kHttpOk) {
     return ErrorFromResponse(reply.status, reply.body, impl_->base_url + what);
   }
@@ -375,6 +509,23 @@ Result<StageResult> ControlClient::SendPayload(std::span<const std::byte> payloa
   if (*result == "accepted") return StageResult::kAccepted;
   if (*result == "duplicate") return StageResult::kDuplicate;
   return DataLoss("payload reply: unknown result '{}'", *result);
+}
+
+Result<StageResult> ControlClient::AnnounceManifest(std::string_view manifest,
+                                                    std::chrono::milliseconds stage_time) {
+  if (stage_time.count() < 0) {
+    return InvalidArgument("manifest stage time {} ms is negative", stage_time.count());
+  }
+  // The server fetches and stages the payload before it answers.
+  REFIT_ASSIGN_OR_RETURN(const Json reply,
+                         impl_->PostText(internal::kManifestPath, std::string(manifest),
+                                         internal::kJsonContentType, stage_time));
+  const JsonFields fields(reply, "manifest reply");
+  Result<std::string> result = fields.String("result");
+  if (!result.ok()) return ReplyFieldError(result.status());
+  if (*result == "accepted") return StageResult::kAccepted;
+  if (*result == "duplicate") return StageResult::kDuplicate;
+  return DataLoss("manifest reply: unknown result '{}'", *result);
 }
 
 Result<ControlStatus> ControlClient::GetStatus() {
@@ -396,29 +547,32 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
   int http_status = 0;
   REFIT_ASSIGN_OR_RETURN(
       const Impl::Reply reply,
-      impl_->Call(what, [&](httplib::Client& client, const httplib::Headers& headers) {
-        bytes.clear();
-        return client.Get(
-            path, headers,
-            [&](const httplib::Response& response) {
-              http_status = response.status;
-              if (http_status == kHttpOk) {
-                bytes.reserve(response.get_header_value<uint64_t>("Content-Length"));
-              }
-              return true;
-            },
-            [&](const char* data, size_t length) {
-              // An error body is kept only as far as it can be quoted.
-              const size_t keep =
-                  http_status == kHttpOk
-                      ? length
-                      : std::min(length,
-                                 kMaxErrorBodyBytes - std::min(bytes.size(), kMaxErrorBodyBytes));
-              const auto* begin = reinterpret_cast<const std::byte*>(data);
-              bytes.insert(bytes.end(), begin, begin + keep);
-              return true;
-            });
-      }));
+      impl_->Call(
+          what,
+          [&](httplib::Client& client, const httplib::Headers& headers) {
+            bytes.clear();
+            return client.Get(
+                path, headers,
+                [&](const httplib::Response& response) {
+                  http_status = response.status;
+                  if (http_status == kHttpOk) {
+                    bytes.reserve(response.get_header_value<uint64_t>("Content-Length"));
+                  }
+                  return true;
+                },
+                [&](const char* data, size_t length) {
+                  // An error body is kept only as far as it can be quoted.
+                  const size_t keep =
+                      http_status == kHttpOk
+                          ? length
+                          : std::min(length, kMaxErrorBodyBytes -
+                                                 std::min(bytes.size(), kMaxErrorBodyBytes));
+                  const auto* begin = reinterpret_cast<const std::byte*>(data);
+                  bytes.insert(bytes.end(), begin, begin + keep);
+                  return true;
+                });
+          },
+          std::nullopt));
   if (reply.status != kHttpOk) {
     const std::string_view body(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     return ErrorFromResponse(reply.status, body, impl_->base_url + what);
@@ -459,6 +613,32 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
                     internal::DigestToHex(actual), digest_hex);
   }
   return tensor;
+}
+
+ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOptions& options) {
+  // One client per receiver, kept for the factory's life: its idle connections are reused from
+  // one transfer's senders to the next.
+  struct Clients {
+    std::mutex mutex;
+    std::map<std::string, std::shared_ptr<ControlClient>> by_url;
+  };
+  auto clients = std::make_shared<Clients>();
+  return [options,
+          clients](const std::string& endpoint) -> Result<std::shared_ptr<ManifestAnnouncer>> {
+    std::lock_guard lock(clients->mutex);
+    std::shared_ptr<ControlClient>& client = clients->by_url[endpoint];
+    if (client == nullptr) {
+      ControlClientOptions receiver = options;
+      receiver.base_url = endpoint;
+      Result<std::unique_ptr<ControlClient>> made = ControlClient::Make(receiver);
+      if (!made.ok()) {
+        clients->by_url.erase(endpoint);
+        return made.status();
+      }
+      client = std::shared_ptr<ControlClient>(std::move(made).ValueOrDie());
+    }
+    return std::shared_ptr<ManifestAnnouncer>(client);
+  };
 }
 
 std::string ControlStatusToJson(const ControlStatus& status) {

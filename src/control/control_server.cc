@@ -1,6 +1,5 @@
 #include "refit/control_server.h"
 
-#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -23,11 +22,13 @@
 #include <httplib.h>
 
 #include "control/auth.h"
+#include "control/http_connections.h"
 #include "control/metrics.h"
 #include "control/protocol.h"
 #include "refit/digest.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
+#include "util/thread_name.h"
 
 namespace refit {
 namespace {
@@ -37,11 +38,19 @@ using internal::JsonFields;
 
 // OS thread names (Linux keeps at most 15 bytes).
 constexpr const char* kListenerThreadName = "refit-http";
-constexpr std::string_view kWorkerThreadPrefix = "refit-http-";
+constexpr std::string_view kWorkerThreadPrefix = "refit-http";
 
 // Accepted connections that may wait for a worker, per worker. The accept loop blocks beyond it,
 // so further clients wait in the kernel's listen backlog instead of in our memory.
 constexpr size_t kPendingConnectionsPerWorker = 4;
+
+// The JSON body limit of the transfer routes (JsonLimit): each expected_digests entry is
+// "<name>":"<16 hex digits>", (21 bytes besides the name), and a name may grow 6-fold when JSON
+// escapes it (\u00XX per control byte). The slack covers the rest of the body, including
+// "expected" with the payload counts of up to 65,536 producers (about 16 bytes each).
+constexpr uint64_t kJsonBytesPerDigestEntry = 24;
+constexpr uint64_t kJsonEscapeFactor = 6;
+constexpr uint64_t kJsonBodySlackBytes = uint64_t{1} << 20;
 
 // Bytes handed to the socket per write while streaming a tensor. OpenSSL's SSL_write takes an
 // int length, so a multi-GiB tensor must go out in pieces; 4 MiB amortises the per-call cost.
@@ -64,11 +73,6 @@ constexpr int kHttpNotFound = 404;
 constexpr int kHttpPayloadTooLarge = 413;
 
 constexpr std::string_view kMetricsContentType = "text/plain; version=0.0.4; charset=utf-8";
-
-void NameCurrentThread(const std::string& name) {
-  // Naming is a debugging aid; a failure is harmless, so the result is ignored.
-  pthread_setname_np(pthread_self(), name.c_str());
-}
 
 // httplib's TaskQueue over named worker threads and a bounded queue of accepted connections.
 // Shutdown drains the queue: every accepted connection runs (and closes its socket).
@@ -113,7 +117,7 @@ class WorkerQueue final : public httplib::TaskQueue {
   }
 
   void Run(size_t index) {
-    NameCurrentThread(std::string(kWorkerThreadPrefix) + std::to_string(index));
+    internal::NameCurrentThread(kWorkerThreadPrefix, static_cast<int>(index));
     // Pop drains what is queued after Close() before it returns nullopt.
     while (std::optional<std::function<void()>> connection = connections_.Pop()) (*connection)();
   }
@@ -180,16 +184,30 @@ void DrainBody(const httplib::ContentReader& reader) {
   reader([](const char*, size_t) { return true; });
 }
 
+// Refuse the rest of a request's body: close the connection after the reply where the server
+// can (GuardedHttpServer, plain HTTP), so a refused peer costs neither the time nor the bytes of
+// a body it may drip or inflate; else (TLS) drain it, keeping the refusal's status (a drain that
+// fails, e.g. beyond the size limit, would otherwise set httplib's own 400 or 413 under our
+// body).
+void RefuseRestOfBody(const httplib::ContentReader& reader, httplib::Response& response) {
+  if (internal::GuardedHttpServer::CloseConnectionAfterReply(response)) return;
+  const int status = response.status;
+  DrainBody(reader);
+  response.status = status;
+}
+
 // Read the whole request body into `body`, a container of bytes, keeping at most `limit` bytes.
-// Beyond the limit the rest is drained (see MethodCarriesBody) and ResourceExhausted returned.
+// Beyond the limit ResourceExhausted naming `limit_reason` is returned and the rest is refused
+// (RefuseRestOfBody, see MethodCarriesBody).
 template <typename Bytes>
-Status ReadBody(const httplib::Request& request, const httplib::ContentReader& reader,
-                uint64_t limit, Bytes& body) {
+Status ReadBody(const httplib::Request& request, httplib::Response& response,
+                const httplib::ContentReader& reader, uint64_t limit, Bytes& body,
+                std::string_view limit_reason = "") {
   const uint64_t declared = request.get_header_value<uint64_t>("Content-Length");
   if (declared > limit) {
-    DrainBody(reader);
-    return ResourceExhausted("request body of {} bytes exceeds the limit of {} bytes", declared,
-                             limit);
+    RefuseRestOfBody(reader, response);
+    return ResourceExhausted("{} {}: request body of {} bytes exceeds the limit of {} bytes{}",
+                             request.method, request.path, declared, limit, limit_reason);
   }
   body.reserve(declared);
   bool over_limit = false;
@@ -202,7 +220,8 @@ Status ReadBody(const httplib::Request& request, const httplib::ContentReader& r
     return true;
   });
   if (over_limit) {
-    return ResourceExhausted("request body exceeds the limit of {} bytes", limit);
+    return ResourceExhausted("{} {}: request body exceeds the limit of {} bytes{}", request.method,
+                             request.path, limit, limit_reason);
   }
   if (!complete) {
     return InvalidArgument("request body ended after {} of {} bytes", body.size(), declared);
@@ -226,7 +245,17 @@ struct ControlServer::Impl {
   const internal::ApiKeyVerifier verifier;
   std::unique_ptr<internal::ControlMetrics> metrics;
   std::unique_ptr<httplib::Server> http;
+  // `http` itself when it serves plain HTTP (connections wait for their head without a
+  // worker); null with TLS, which httplib's own connection handling serves.
+  internal::GuardedHttpServer* guarded = nullptr;
   bool tls = false;
+
+  // The JSON body limit of the transfer routes for the store's tensors (JsonLimit), cached for
+  // the store size it was computed at.
+  std::mutex json_limit_mutex;
+  size_t json_limit_tensors = 0;
+  uint64_t json_limit_bytes = 0;
+  size_t json_limit_longest_name = 0;
 
   // Readers of the store's bytes and digests hold it shared; Prepare, Commit and Abort hold it
   // exclusively, so no transfer starts or ends under a read (see the class comment).
@@ -255,6 +284,9 @@ struct ControlServer::Impl {
   using BodyHandler = std::function<void(const httplib::Request&, httplib::Response&,
                                          const httplib::ContentReader&)>;
   httplib::Server::HandlerWithContentReader BodyRoute(BodyHandler handler);
+  // The largest JSON body a transfer route takes: what expected_digests naming every tensor of
+  // the store can need, within options.max_json_bytes. Sets `reason` to the explanation.
+  uint64_t JsonLimit(std::string& reason);
   // A POST route whose body and reply are JSON.
   using JsonHandler = std::function<Result<Json>(const JsonFields& body)>;
   void PostJson(std::string_view path, std::span<const std::string_view> fields,
@@ -279,7 +311,9 @@ httplib::Server::HandlerWithContentReader ControlServer::Impl::BodyRoute(BodyHan
                                               httplib::Response& response,
                                               const httplib::ContentReader& reader) {
     Guarded(response, [&] {
-      if (!Authorize(request, response)) return DrainBody(reader);
+      // Authenticate first: a peer without the key learns 401/403 whatever it sends, and none
+      // of its body is read (docs/security.md).
+      if (!Authorize(request, response)) return RefuseRestOfBody(reader, response);
       handler(request, response, reader);
     });
   };
@@ -292,7 +326,9 @@ void ControlServer::Impl::PostJson(std::string_view path, std::span<const std::s
                            const httplib::Request& request, httplib::Response& response,
                            const httplib::ContentReader& reader) {
                std::string text;
-               Status read = ReadBody(request, reader, options.max_json_bytes, text);
+               std::string reason;
+               const uint64_t limit = JsonLimit(reason);
+               Status read = ReadBody(request, response, reader, limit, text, reason);
                if (!read.ok()) return ReplyError(response, read);
                Result<Json> body = internal::ParseJson(text, "request body");
                if (!body.ok()) return ReplyError(response, body.status());
@@ -303,6 +339,26 @@ void ControlServer::Impl::PostJson(std::string_view path, std::span<const std::s
                if (!reply.ok()) return ReplyError(response, reply.status());
                ReplyJson(response, kHttpOk, *reply);
              }));
+}
+
+uint64_t ControlServer::Impl::JsonLimit(std::string& reason) {
+  std::lock_guard lock(json_limit_mutex);
+  const size_t tensors = store.size();
+  if (tensors != json_limit_tensors || json_limit_bytes == 0) {
+    size_t longest = 0;
+    for (const TensorView& tensor : store.tensors())
+      longest = std::max(longest, tensor.name.size());
+    const uint64_t per_tensor = kJsonEscapeFactor * longest + kJsonBytesPerDigestEntry;
+    json_limit_tensors = tensors;
+    json_limit_longest_name = longest;
+    json_limit_bytes = std::min<uint64_t>(options.max_json_bytes,
+                                          kJsonBodySlackBytes + uint64_t{tensors} * per_tensor);
+  }
+  reason = json_limit_bytes < options.max_json_bytes
+               ? fmt::format(" (bounded by the model: {} tensors, names up to {} bytes)",
+                             json_limit_tensors, json_limit_longest_name)
+               : "";
+  return json_limit_bytes;
 }
 
 Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
@@ -324,13 +380,18 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
   }
   REFIT_ASSIGN_OR_RETURN(const PrepareResult prepared, session.Prepare(request));
   if (prepared.implied_commit.has_value()) metrics->RecordCommitted();
+  if (prepared.implied_abort.has_value()) metrics->RecordAborted();
   if (!prepared.repeated) metrics->RecordPrepared(request.transfer_id);
   Json reply{{"ok", true},
              {"repeated", prepared.repeated},
              {"implied_commit", nullptr},
+             {"implied_abort", nullptr},
              {"version", session.GetStatus().version}};
   if (prepared.implied_commit.has_value()) {
     reply["implied_commit"] = prepared.implied_commit->ToHex();
+  }
+  if (prepared.implied_abort.has_value()) {
+    reply["implied_abort"] = prepared.implied_abort->ToHex();
   }
   return reply;
 }
@@ -384,13 +445,13 @@ void ControlServer::Impl::StagePayload(const httplib::Request& request, httplib:
   auto stage = [&]() -> Result<StageResult> {
     const std::string content_type = request.get_header_value("Content-Type");
     if (content_type != internal::kOctetStreamContentType) {
-      DrainBody(reader);
+      RefuseRestOfBody(reader, response);
       return InvalidArgument(
           "payload Content-Type '{}' is not {}: the body must be the raw payload bytes",
           content_type, internal::kOctetStreamContentType);
     }
     std::vector<std::byte> payload;
-    REFIT_RETURN_NOT_OK(ReadBody(request, reader, options.max_request_bytes, payload));
+    REFIT_RETURN_NOT_OK(ReadBody(request, response, reader, options.max_request_bytes, payload));
     received = payload.size();
     Result<StageResult> staged = session.Stage(std::move(payload), stopping.get_token());
     if (!staged.ok() && stopping.stop_requested() &&
@@ -413,13 +474,13 @@ void ControlServer::Impl::StageManifest(const httplib::Request& request,
                                         const httplib::ContentReader& reader) {
   auto stage = [&]() -> Result<StagedManifest> {
     if (!options.manifest_handler) {
-      DrainBody(reader);
+      RefuseRestOfBody(reader, response);
       return FailedPrecondition(
           "this receiver takes no manifests: its data plane delivers payloads itself (manifests "
           "are for s3://)");
     }
     std::string manifest;
-    REFIT_RETURN_NOT_OK(ReadBody(request, reader, options.max_json_bytes, manifest));
+    REFIT_RETURN_NOT_OK(ReadBody(request, response, reader, options.max_json_bytes, manifest));
     Result<StagedManifest> staged = options.manifest_handler(manifest, stopping.get_token());
     if (!staged.ok() && stopping.stop_requested() &&
         staged.status().code() == StatusCode::kCancelled) {
@@ -517,7 +578,11 @@ httplib::Server::HandlerResponse ControlServer::Impl::PreRoute(const httplib::Re
   }
   HandlerResponse outcome = HandlerResponse::Unhandled;
   Guarded(response, [&] {
-    if (!Authorize(request, response)) outcome = HandlerResponse::Handled;
+    if (!Authorize(request, response)) {
+      outcome = HandlerResponse::Handled;
+      // A body sent with the refused request must not be read as the next request.
+      internal::GuardedHttpServer::CloseConnectionAfterReply(response);
+    }
   });
   return outcome;
 }
@@ -564,8 +629,8 @@ void ControlServer::Impl::InstallRoutes() {
   // the body of an unmatched route into memory, up to max_request_bytes, before answering.)
   const auto no_route = BodyRoute([](const httplib::Request& request, httplib::Response& response,
                                      const httplib::ContentReader& reader) {
-    DrainBody(reader);
     ReplyError(response, NotFound("no route {} {}", request.method, request.path));
+    RefuseRestOfBody(reader, response);
   });
   constexpr std::string_view kAnyPath = ".*";
   http->Post(std::string(kAnyPath), no_route);
@@ -660,7 +725,15 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOp
                                                         options.tls_key_path.c_str());
       impl->tls = true;
     } else {
-      impl->http = std::make_unique<httplib::Server>();
+      REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::GuardedHttpServer> guarded,
+                             internal::GuardedHttpServer::Make(internal::HttpConnectionLimits{
+                                 .worker_threads = options.worker_threads,
+                                 .head_timeout = options.request_head_timeout,
+                                 .io_timeout = options.io_timeout,
+                                 .max_connections_per_peer = options.max_connections_per_peer,
+                                 .max_connections = options.max_connections}));
+      impl->guarded = guarded.get();
+      impl->http = std::move(guarded);
     }
     if (!impl->http->is_valid()) {
       return InvalidArgument(
@@ -671,6 +744,10 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOp
     impl->http->set_payload_max_length(options.max_request_bytes);
     impl->http->set_tcp_nodelay(true);
     impl->http->set_keep_alive_timeout(kKeepAliveTimeoutSeconds);
+    // TLS connections are served by httplib's own loop: each read and write is limited, a
+    // request head as a whole is not (docs/security.md, known gaps).
+    impl->http->set_read_timeout(options.io_timeout);
+    impl->http->set_write_timeout(options.io_timeout);
     // httplib's default socket options set SO_REUSEPORT, which lets a second server bind a port
     // that is in use and silently steal half its connections. SO_REUSEADDR alone still allows a
     // restart while old connections linger in TIME_WAIT, but reports a port in use.
@@ -692,10 +769,14 @@ Status ControlServer::Start() {
     return FailedPrecondition("control server already {}",
                               impl.lifecycle == Impl::Lifecycle::kRunning ? "started" : "stopped");
   }
-  REFIT_ASSIGN_OR_RETURN(impl.workers, WorkerQueue::Make(impl.options.worker_threads));
-  // httplib takes ownership of the queue it gets from new_task_queue (its API wants a raw
-  // pointer); it asks exactly once, when the listener starts.
-  impl.http->new_task_queue = [&impl]() -> httplib::TaskQueue* { return impl.workers.release(); };
+  if (impl.guarded != nullptr) {
+    REFIT_RETURN_NOT_OK(impl.guarded->StartThreads());
+  } else {
+    REFIT_ASSIGN_OR_RETURN(impl.workers, WorkerQueue::Make(impl.options.worker_threads));
+    // httplib takes ownership of the queue it gets from new_task_queue (its API wants a raw
+    // pointer); it asks exactly once, when the listener starts.
+    impl.http->new_task_queue = [&impl]() -> httplib::TaskQueue* { return impl.workers.release(); };
+  }
   int bound_port = 0;
   if (impl.options.port == 0) {
     bound_port = impl.http->bind_to_any_port(impl.options.bind_address);
@@ -714,7 +795,7 @@ Status ControlServer::Start() {
   impl.port = static_cast<uint16_t>(bound_port);
   try {
     impl.listener = std::jthread([&impl] {
-      NameCurrentThread(kListenerThreadName);
+      internal::NameCurrentThread(kListenerThreadName);
       impl.http->listen_after_bind();
       impl.listener_done = true;
     });

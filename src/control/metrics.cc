@@ -54,6 +54,9 @@ Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make(const ReplicaPlace&
                     "Transfers committed through the control plane (including implied commits)");
     metrics->transfers_aborted_ = &AddCounter(registry, "refit_transfers_aborted_total",
                                               "Open transfers aborted through the control plane");
+    metrics->leases_expired_ = &AddCounter(
+        registry, "refit_transfer_leases_expired_total",
+        "Transfers the receiver aborted and rolled back itself: no progress within their lease");
     metrics->payloads_accepted_ = &AddCounter(registry, "refit_payloads_staged_total",
                                               "Payloads POSTed and queued for apply");
     metrics->payloads_duplicate_ =
@@ -134,6 +137,14 @@ std::string ControlMetrics::Render(const ReceiverStatus& status) {
   undo_bytes_->Set(static_cast<double>(status.undo_bytes));
   queued_payloads_->Set(static_cast<double>(status.queued_payloads));
   transfer_open_->Set(status.transfer_id.has_value() ? 1 : 0);
+  {
+    // Under a lock: two concurrent scrapes must not both add the same expiries.
+    std::lock_guard lock(timer_mutex_);
+    const auto counted = static_cast<uint64_t>(leases_expired_->Value());
+    if (status.expired_leases > counted) {
+      leases_expired_->Increment(static_cast<double>(status.expired_leases - counted));
+    }
+  }
   return prometheus::TextSerializer().Serialize(registry_->Collect());
 }
 

@@ -76,6 +76,8 @@ class ControlMetrics {
   prometheus::Gauge* undo_bytes_ = nullptr;
   prometheus::Gauge* queued_payloads_ = nullptr;
   prometheus::Gauge* transfer_open_ = nullptr;
+  // Mirrors ReceiverStatus::expired_leases (the session counts; Render adds what is new).
+  prometheus::Counter* leases_expired_ = nullptr;
 
   // The transfer whose apply time is being measured, and when it was prepared.
   std::mutex timer_mutex_;

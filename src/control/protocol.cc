@@ -339,6 +339,8 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"queued_payloads", receiver.queued_payloads},
             {"duplicate_payloads", receiver.duplicate_payloads},
             {"undo_bytes", receiver.undo_bytes},
+            {"lease_remaining_ms", nullptr},
+            {"expired_leases", receiver.expired_leases},
             {"last_error", nullptr},
             {"tensors", status.tensors},
             {"state_fingerprint", nullptr},
@@ -346,6 +348,9 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"shard", status.place.shard},
             {"shards", status.place.shards}};
   if (receiver.transfer_id.has_value()) body["transfer_id"] = receiver.transfer_id->ToHex();
+  if (receiver.lease_remaining_ms.has_value()) {
+    body["lease_remaining_ms"] = *receiver.lease_remaining_ms;
+  }
   if (!receiver.last_error.ok()) {
     body["last_error"] = Json{{"code", std::string(StatusCodeName(receiver.last_error.code()))},
                               {"message", receiver.last_error.message()}};
@@ -372,6 +377,11 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   REFIT_ASSIGN_OR_RETURN(receiver.queued_payloads, fields.Uint("queued_payloads"));
   REFIT_ASSIGN_OR_RETURN(receiver.duplicate_payloads, fields.Uint("duplicate_payloads"));
   REFIT_ASSIGN_OR_RETURN(receiver.undo_bytes, fields.Uint("undo_bytes"));
+  // Both absent from receivers older than transfer leases.
+  REFIT_ASSIGN_OR_RETURN(receiver.lease_remaining_ms, fields.OptionalUint("lease_remaining_ms"));
+  if (fields.Has("expired_leases")) {
+    REFIT_ASSIGN_OR_RETURN(receiver.expired_leases, fields.Uint("expired_leases"));
+  }
   if (const Json* error = fields.Find("last_error"); error != nullptr) {
     const JsonFields error_fields(*error, fields.Name("last_error"));
     REFIT_ASSIGN_OR_RETURN(const std::string code_name, error_fields.String("code"));

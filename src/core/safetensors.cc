@@ -22,6 +22,7 @@
 
 #include "core/mapped_file.h"
 #include "util/check.h"
+#include "util/endian.h"
 
 namespace refit {
 namespace {
@@ -30,6 +31,7 @@ using Json = nlohmann::json;
 
 // Bytes of the little-endian u64 that precedes the JSON header (safetensors spec).
 constexpr size_t kLengthFieldBytes = 8;
+static_assert(kLengthFieldBytes == sizeof(uint64_t), "the length field is one u64");
 // Largest header accepted or written. The upstream library caps headers at 100 MB; real models
 // need a few MB (about 100 bytes per tensor), so this only stops hostile lengths from driving a
 // huge allocation and parse.
@@ -96,14 +98,6 @@ std::optional<uint64_t> NonNegativeInteger(const Json& value, uint64_t max) {
     }
   }
   return std::nullopt;
-}
-
-uint64_t LoadLittleEndian64(std::span<const std::byte> bytes) {
-  uint64_t value = 0;
-  for (size_t i = 0; i < kLengthFieldBytes; ++i) {
-    value |= static_cast<uint64_t>(bytes[i]) << (8 * i);
-  }
-  return value;
 }
 
 // Check what the JSON parser would accept but the format does not, in one cheap pass before
@@ -447,9 +441,7 @@ Result<std::string> BuildHeader(const std::vector<TensorView>& tensors,
 Status WriteContents(int fd, const std::string& header, const std::vector<TensorView>& tensors,
                      const std::string& tmp_path) {
   std::array<std::byte, kLengthFieldBytes> length_field;
-  for (size_t i = 0; i < kLengthFieldBytes; ++i) {
-    length_field[i] = static_cast<std::byte>((uint64_t{header.size()} >> (8 * i)) & 0xff);
-  }
+  internal::StoreLittleEndian(length_field.data(), uint64_t{header.size()});
   REFIT_RETURN_NOT_OK(WriteAll(fd, length_field, tmp_path));
   REFIT_RETURN_NOT_OK(WriteAll(fd, std::as_bytes(std::span(header)), tmp_path));
   // Tensor bytes go straight from the caller's buffers to the file: no second copy of the model.
@@ -514,7 +506,7 @@ Result<std::vector<TensorView>> ParseSafetensors(std::span<const std::byte> file
     return InvalidArgument("{}: file of {} bytes is shorter than the {}-byte header length", origin,
                            file_bytes.size(), kLengthFieldBytes);
   }
-  const uint64_t header_size = LoadLittleEndian64(file_bytes);
+  const uint64_t header_size = internal::LoadLittleEndian<uint64_t>(file_bytes.data());
   if (header_size > kMaxHeaderBytes) {
     return InvalidArgument("{}: header length {} exceeds the limit of {} bytes", origin,
                            header_size, kMaxHeaderBytes);

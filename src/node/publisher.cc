@@ -354,8 +354,22 @@ class GroupProducers final : public ProducerSet {
     }
     // No rank knows its version (all adopted a checkpoint): the receivers' is the base.
     uint64_t base = known.value_or(0);
+    uint64_t newest_held = 0;
+    for (uint64_t held : receiver_versions_) newest_held = std::max(newest_held, held);
     if (!known.has_value()) {
-      for (uint64_t held : receiver_versions_) base = std::max(base, held);
+      base = std::max(base, newest_held);
+    } else if (newest_held > base) {
+      // A receiver committed a version no rank knows: rank 0 stopped after committing some
+      // receivers and before the trackers (the other ranks dropped their pending bits). That
+      // transfer was decided, so the next one is based on it: receivers still prepared for it
+      // commit implicitly instead of rolling back, versions only move forward, and the anchor
+      // rebuilds every tracker's baseline.
+      REFIT_LOG_INFO(
+          "transfer {}: a receiver holds version {}, newer than the producers' {}: an anchor "
+          "based on it",
+          id.ToHex(), newest_held, base);
+      base = newest_held;
+      anchor = true;
     }
     for (uint32_t r = 0; r < proposals.size(); ++r) {
       const uint64_t version = proposals[r].value("version", uint64_t{0});
@@ -662,7 +676,11 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   stream.num_producers = group->world_size();
   REFIT_ASSIGN_OR_RETURN(impl->stream, ProducerStream::Make(stream));
   REFIT_ASSIGN_OR_RETURN(impl->tracker, DeltaTracker::Make(options.tracker));
-  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(options.transport_uri));
+  // An object store's payloads are announced on the receivers' control planes, through the
+  // same client settings (key, TLS, timeouts) as the coordinator's own calls.
+  TransportOptions transport_options;
+  transport_options.manifest_announcers = MakeControlManifestAnnouncers(options.control);
+  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(options.transport_uri, transport_options));
   impl->group = std::move(group);
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }

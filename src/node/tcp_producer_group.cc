@@ -35,7 +35,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -69,7 +68,9 @@
 #include <fmt/ranges.h>
 
 #include "refit/producer_group.h"
+#include "util/endian.h"
 #include "util/logging.h"
+#include "util/thread_name.h"
 
 namespace refit {
 namespace {
@@ -121,22 +122,11 @@ constexpr char kAcceptThreadName[] = "refit-group";
 
 std::string ErrnoText(int errnum) { return std::generic_category().message(errnum); }
 
-void StoreLe32(uint32_t value, char* out) {
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>(value >> (8 * i));
-}
-void StoreLe64(uint64_t value, char* out) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(value >> (8 * i));
-}
-uint32_t LoadLe32(const char* in) {
-  uint32_t value = 0;
-  for (int i = 0; i < 4; ++i) value |= uint32_t{static_cast<unsigned char>(in[i])} << (8 * i);
-  return value;
-}
-uint64_t LoadLe64(const char* in) {
-  uint64_t value = 0;
-  for (int i = 0; i < 8; ++i) value |= uint64_t{static_cast<unsigned char>(in[i])} << (8 * i);
-  return value;
-}
+// The frame's integer fields (see the wire at the top of this file).
+void StoreLe32(uint32_t value, char* out) { internal::StoreLittleEndian(out, value); }
+void StoreLe64(uint64_t value, char* out) { internal::StoreLittleEndian(out, value); }
+uint32_t LoadLe32(const char* in) { return internal::LoadLittleEndian<uint32_t>(in); }
+uint64_t LoadLe64(const char* in) { return internal::LoadLittleEndian<uint64_t>(in); }
 
 std::string SizeBody(uint64_t size) {
   std::string body(8, '\0');
@@ -769,8 +759,7 @@ Result<std::unique_ptr<TcpRootGroup>> TcpRootGroup::Make(const TcpGroupOptions& 
 }
 
 void TcpRootGroup::RunAccept(const std::stop_token& stop) {
-  // A debugging aid (visible in top and gdb), so failure is ignored.
-  pthread_setname_np(pthread_self(), kAcceptThreadName);
+  internal::NameCurrentThread(kAcceptThreadName);
   std::list<PendingJoin> joins;
   std::vector<pollfd> entries;
   while (!stop.stop_requested()) {

@@ -366,6 +366,12 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
         failures.Add(receivers[r].name, prepared.status());
       } else {
         report.receivers[r].implied_commit = prepared->implied_commit;
+        report.receivers[r].implied_abort = prepared->implied_abort;
+        if (prepared->implied_abort.has_value()) {
+          REFIT_LOG_INFO(
+              "transfer {}: {} rolled back transfer {}, which was prepared but never decided",
+              id.ToHex(), receivers[r].name, prepared->implied_abort->ToHex());
+        }
       }
     });
     if (!failures.empty()) return FailTransfer(id, "prepare", failures.Take());
@@ -426,7 +432,11 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   report.flush_s = SecondsSince(flush_start);
 
-  // 5. Commit. Every receiver is prepared and verified: the transfer is decided.
+  // 5. Commit. Every receiver is prepared and verified: the transfer is decided. From here on
+  // nothing aborts it: a receiver whose Commit fails stays prepared and commits implicitly at
+  // the next transfer, which is based on the target because the trackers commit below whatever
+  // the receivers answered. Aborting now could split the fleet: a receiver that committed
+  // cannot roll back.
   const Clock::time_point commit_start = Clock::now();
   ForEachConcurrently(receivers.size(), [&](size_t r) {
     Status committed = receivers[r].control->Commit(id);

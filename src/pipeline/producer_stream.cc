@@ -14,8 +14,6 @@
 //
 // Cancellation: the first error requests stop on `stop_`. Every blocking wait takes that token,
 // so all stages wind down promptly, while the caller thread keeps draining the source.
-#include <pthread.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -40,25 +38,19 @@
 #include "refit/pipeline.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
+#include "util/thread_name.h"
 
 namespace refit {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using internal::BoundedQueue;
+using internal::NameCurrentThread;
 
 // Owned chunks in flight per encode thread when max_chunks_in_flight is 0: one being encoded and
 // one queued behind it, so a thread that finishes finds work at once (upstream bounds in-flight
 // encodes at 2 × workers).
 constexpr size_t kChunksInFlightPerEncodeThread = 2;
-
-// Linux limits thread names to 15 bytes plus the terminating NUL.
-constexpr size_t kMaxThreadNameBytes = 15;
-
-// Name the calling thread (visible in top and gdb); a debugging aid, so failure is ignored.
-void NameCurrentThread(const std::string& name) {
-  pthread_setname_np(pthread_self(), name.substr(0, kMaxThreadNameBytes).c_str());
-}
 
 // Busy time of one stage, summed over the threads that add to it.
 class StageTime {
@@ -167,9 +159,6 @@ struct SerializedPayload {
   std::vector<std::byte> bytes;
 };
 
-// Location and value bytes of an item: what bucket_bytes limits.
-uint64_t ItemBytes(const Item& item) { return item.locations.size() + item.values.size(); }
-
 // The state and threads of one ProducerStream::Run.
 //
 // Thread-safety: Run is called once, on the caller's thread; the loops run on the threads Run
@@ -184,6 +173,7 @@ class StreamRun {
         cleanup_(cleanup),
         context_(fmt::format("producer {}", options.producer_id)),
         chunker_(options.chunk_bytes),
+        bucketer_(options.bucket_bytes),
         chunk_credits_(options.max_chunks_in_flight),
         payload_credits_(options.max_payloads_in_flight),
         ordered_(options.max_chunks_in_flight, "ordered chunk queue"),
@@ -235,6 +225,7 @@ class StreamRun {
   uint64_t owned_chunks_ = 0;
 
   // Bucketer thread only.
+  PayloadBucketer bucketer_;
   std::vector<Item> bucket_;
   uint64_t bucket_bytes_ = 0;
   uint64_t next_payload_id_ = 0;
@@ -495,15 +486,13 @@ void StreamRun::BucketChunks() {
 }
 
 bool StreamRun::AddToBucket(Item item) {
-  const uint64_t bytes = ItemBytes(item);
-  // A non-empty bucket holds fewer than bucket_bytes (it is emitted on reaching them), so the
-  // subtraction cannot wrap.
-  if (!bucket_.empty() && bytes > options_.bucket_bytes - bucket_bytes_ && !EmitBucket()) {
-    return false;
-  }
+  const uint64_t bytes = BucketedBytes(item.view());
+  // A full bucket was emitted at once (below), so a bucket is left here only by an item that does
+  // not fit in it.
+  if (bucketer_.Add(bytes) && !bucket_.empty() && !EmitBucket()) return false;
   bucket_bytes_ += bytes;
   bucket_.push_back(std::move(item));
-  return bucket_bytes_ < options_.bucket_bytes || EmitBucket();
+  return !bucketer_.full() || EmitBucket();
 }
 
 bool StreamRun::EmitBucket() {

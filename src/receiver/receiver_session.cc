@@ -1,7 +1,5 @@
 #include "refit/receiver_session.h"
 
-#include <pthread.h>
-
 #include <array>
 #include <condition_variable>
 #include <deque>
@@ -20,6 +18,7 @@
 #include "refit/apply.h"
 #include "util/check.h"
 #include "util/logging.h"
+#include "util/thread_name.h"
 
 namespace refit {
 namespace {
@@ -30,6 +29,14 @@ constexpr size_t kMaxNamedMissingPayloads = 8;
 
 /// The OS name of the apply thread (Linux keeps at most 15 bytes).
 constexpr const char* kApplyThreadName = "refit-apply";
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t MillisecondsBetween(Clock::time_point from, Clock::time_point to) {
+  if (to <= from) return 0;
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::milliseconds>(to - from).count());
+}
 
 /// How a finished transfer ended.
 enum class Outcome : uint8_t { kCommitted, kAborted };
@@ -130,6 +137,10 @@ struct ReceiverSession::Impl {
     bool anchor = false;
     /// Whether before_first_apply was called for this transfer.
     bool apply_started = false;
+    /// The last Prepare, payload, apply or Flush of this transfer: its lease runs from here.
+    Clock::time_point last_progress = Clock::now();
+    /// Whether the warning that a prepared transfer outwaited the lease was logged.
+    bool decision_wait_logged = false;
   };
 
   Impl(const ReceiverSessionOptions& session_options, WeightStore& session_store)
@@ -142,9 +153,91 @@ struct ReceiverSession::Impl {
 
   std::string DescribeLocked() const {
     if (!transfer) return fmt::format("the receiver is idle at version {}", version);
-    return fmt::format("the receiver is {} transfer {} (version {} -> {})",
-                       ReceiverStateName(StateLocked()), transfer->id.ToHex(),
-                       transfer->base_version, transfer->target_version);
+    std::string described = fmt::format("the receiver is {} transfer {} (version {} -> {})",
+                                        ReceiverStateName(StateLocked()), transfer->id.ToHex(),
+                                        transfer->base_version, transfer->target_version);
+    // Say when it ends by itself, so whoever is refused knows whether waiting helps.
+    const Clock::time_point now = Clock::now();
+    if (std::optional<Clock::time_point> deadline = LeaseDeadlineLocked()) {
+      described += fmt::format(", no progress for {} ms, its lease expires in {} ms",
+                               MillisecondsBetween(transfer->last_progress, now),
+                               MillisecondsBetween(now, *deadline));
+    } else if (transfer->report) {
+      described += fmt::format(", waiting {} ms for commit or abort",
+                               MillisecondsBetween(transfer->last_progress, now));
+    }
+    return described;
+  }
+
+  // ---- Lease. ---------------------------------------------------------------------------------
+
+  /// Record progress of the open transfer: its lease starts again.
+  void TouchLocked() {
+    if (transfer) transfer->last_progress = Clock::now();
+  }
+
+  /// When the open transfer's lease expires: only while it is receiving, under a lease, and
+  /// not already being aborted.
+  std::optional<Clock::time_point> LeaseDeadlineLocked() const {
+    if (!transfer || transfer->report || transfer->aborting) return std::nullopt;
+    if (options.transfer_lease.count() == 0) return std::nullopt;
+    return transfer->last_progress + options.transfer_lease;
+  }
+
+  /// When the apply thread must look at the lease next: the lease deadline, or, for a prepared
+  /// transfer, when to warn once that it has outwaited a lease.
+  std::optional<Clock::time_point> NextLeaseEventLocked() const {
+    if (std::optional<Clock::time_point> deadline = LeaseDeadlineLocked()) return deadline;
+    if (transfer && transfer->report && !transfer->decision_wait_logged &&
+        options.transfer_lease.count() > 0) {
+      return transfer->last_progress + options.transfer_lease;
+    }
+    return std::nullopt;
+  }
+
+  /// On the apply thread, with nothing queued or applying: abort a receiving transfer whose
+  /// lease ran out; warn once about a prepared one that waits longer than a lease.
+  void WatchLeaseLocked(std::unique_lock<std::mutex>& lock) {
+    if (!transfer || applying || !queue.empty()) return;
+    const Clock::time_point now = Clock::now();
+    if (transfer->report) {
+      if (transfer->decision_wait_logged || options.transfer_lease.count() == 0 ||
+          now < transfer->last_progress + options.transfer_lease) {
+        return;
+      }
+      transfer->decision_wait_logged = true;
+      // No lease ends it: it may be committed on other receivers already.
+      REFIT_LOG_WARN(
+          "receiver: transfer {} (version {} -> {}) is prepared and has waited {} ms for commit "
+          "or abort; it stays prepared: the next transfer based on version {} commits it, one "
+          "based on version {} aborts it (or `refit abort`)",
+          transfer->id.ToHex(), transfer->base_version, transfer->target_version,
+          MillisecondsBetween(transfer->last_progress, now), transfer->target_version,
+          transfer->base_version);
+      return;
+    }
+    const std::optional<Clock::time_point> deadline = LeaseDeadlineLocked();
+    if (!deadline || now < *deadline) return;
+    const TransferId id = transfer->id;
+    const Status expired = DeadlineExceeded(
+        "transfer {} (version {} -> {}): its lease of {} ms expired with no prepare, payload, "
+        "flush or commit for {} ms ({} payloads staged, {} applied); aborted and rolled back to "
+        "version {}",
+        id.ToHex(), transfer->base_version, transfer->target_version,
+        options.transfer_lease.count(), MillisecondsBetween(transfer->last_progress, now),
+        transfer->staged.size(), transfer->applied, version);
+    REFIT_LOG_WARN("receiver: {}", expired.message());
+    // Recorded before the abort: it runs after_abort without the lock, and a Prepare that
+    // slips in then must find this transfer's expiry already reported, not see it afterwards.
+    ++expired_leases;
+    last_error = expired;
+    const Status aborted = AbortOpenLocked(lock, "lease expired, aborted");
+    if (!aborted.ok()) {
+      // Still open (AbortOpenLocked reported the failed rollback in last_error).
+      --expired_leases;
+      REFIT_LOG_ERROR("receiver: transfer {}: the lease expired but the rollback failed: {}",
+                      id.ToHex(), aborted.ToString());
+    }
   }
 
   std::optional<Outcome> FinishedLocked(const TransferId& id) const {
@@ -238,8 +331,11 @@ struct ReceiverSession::Impl {
               ids.payload_id, ids.producer_id, ids.transfer_id.ToHex());
         }
         ++transfer->duplicates;
+        TouchLocked();
         return StageResult::kDuplicate;
       }
+      // A sender that offers a payload of the open transfer is alive, even if it must wait.
+      TouchLocked();
       if (queue.size() < options.apply_queue_depth) break;
       if (!block) {
         return ResourceExhausted(
@@ -286,10 +382,25 @@ struct ReceiverSession::Impl {
   }
 
   void RunApply(const std::stop_token& stop) {
-    // Naming is a debugging aid; failing to name the thread is harmless, so the result is ignored.
-    pthread_setname_np(pthread_self(), kApplyThreadName);
+    internal::NameCurrentThread(kApplyThreadName);
     std::unique_lock lock(mutex);
-    while (work.wait(lock, stop, [this] { return !queue.empty(); })) {
+    // The apply thread also keeps the lease: it is the one that knows the receiver itself has
+    // nothing left to do, and an abort it starts never waits for a payload being applied.
+    while (!stop.stop_requested()) {
+      if (queue.empty()) {
+        WatchLeaseLocked(lock);
+        if (!queue.empty()) continue;
+        const uint64_t generation = lease_generation;
+        const auto woken = [this, generation] {
+          return !queue.empty() || lease_generation != generation;
+        };
+        if (const std::optional<Clock::time_point> wake = NextLeaseEventLocked()) {
+          work.wait_until(lock, stop, *wake, woken);
+        } else {
+          work.wait(lock, stop, woken);
+        }
+        continue;
+      }
       QueuedPayload payload = std::move(queue.front());
       queue.pop_front();
       // Every queued payload belongs to the open transfer: Abort empties the queue before the
@@ -310,6 +421,7 @@ struct ReceiverSession::Impl {
       lock.lock();
       applying = false;
       undo_bytes = bytes;
+      TouchLocked();
       if (outcome.status.ok()) {
         ++transfer->applied;
         transfer->items += outcome.items;
@@ -446,9 +558,7 @@ struct ReceiverSession::Impl {
         return holdings.status().WithContext(fmt::format("flush of transfer {}", id));
       }
       report.holdings = *std::move(holdings);
-      transfer->report = report;
-      progress.notify_all();
-      return report;
+      return PreparedLocked(std::move(report));
     }
     for (const auto& [name, digest] : expected.digests) {
       auto it = report.digests.find(name);
@@ -462,7 +572,15 @@ struct ReceiverSession::Impl {
             id, name, it->second, digest);
       }
     }
+    return PreparedLocked(std::move(report));
+  }
+
+  /// Move the open transfer to kPrepared with `report`; from now on it waits for a decision.
+  FlushReport PreparedLocked(FlushReport report) {
     transfer->report = report;
+    TouchLocked();
+    ++lease_generation;
+    work.notify_one();
     progress.notify_all();
     return report;
   }
@@ -479,6 +597,7 @@ struct ReceiverSession::Impl {
       last_error = status;
       return status;
     };
+    TouchLocked();
     if (!transfer->report) {
       Status merged = MergeExpectationLocked(options_given.expected);
       if (!merged.ok()) return finish(merged);
@@ -537,6 +656,15 @@ struct ReceiverSession::Impl {
       REFIT_LOG_INFO("receiver: aborted transfer {} before it was prepared here", id.ToHex());
       return Status::OK();
     }
+    return AbortOpenLocked(lock, "aborted");
+  }
+
+  /// Abort the open transfer: discard its queue, wait for the payload being applied, roll back,
+  /// remember the id as aborted, and call after_abort without the lock (re-locked on return).
+  /// `why` says who ended it, for the log.
+  Status AbortOpenLocked(std::unique_lock<std::mutex>& lock, std::string_view why) {
+    REFIT_DCHECK(transfer && !transfer->aborting, "AbortOpenLocked needs an open transfer");
+    const TransferId id = transfer->id;
     transfer->aborting = true;
     const uint64_t discarded = queue.size();
     queue.clear();
@@ -553,15 +681,18 @@ struct ReceiverSession::Impl {
       return last_error;
     }
     REFIT_LOG_INFO(
-        "receiver: aborted transfer {} ({} payloads applied and rolled back, {} discarded "
+        "receiver: {} transfer {} ({} payloads applied and rolled back, {} discarded "
         "unapplied): back at version {}",
-        id.ToHex(), transfer->applied, discarded, version);
+        why, id.ToHex(), transfer->applied, discarded, version);
     RememberLocked(id, Outcome::kAborted);
     transfer.reset();
     progress.notify_all();
     const uint64_t held = version;
-    lock.unlock();
-    if (options.after_abort) options.after_abort(id, held);
+    if (options.after_abort) {
+      lock.unlock();
+      options.after_abort(id, held);
+      lock.lock();
+    }
     return Status::OK();
   }
 
@@ -582,6 +713,11 @@ struct ReceiverSession::Impl {
   std::deque<QueuedPayload> queue;
   /// True while the apply thread works on a payload without the lock.
   bool applying = false;
+  /// Transfers aborted because their lease expired (ReceiverStatus::expired_leases).
+  uint64_t expired_leases = 0;
+  /// Bumped whenever a new lease event may come sooner than the apply thread's wake-up (a
+  /// transfer opened or prepared), so that it wakes and looks again.
+  uint64_t lease_generation = 0;
   /// Written by the apply thread without the lock while `applying`; by Commit and Abort only
   /// when the apply thread is idle.
   UndoLog undo;
@@ -606,6 +742,10 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
   if (options.remembered_transfers == 0 || options.remembered_transfers > kMaxRememberedTransfers) {
     return InvalidArgument("receiver session: remembered_transfers {} is outside [1, {}]",
                            options.remembered_transfers, kMaxRememberedTransfers);
+  }
+  if (options.transfer_lease.count() < 0) {
+    return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",
+                           options.transfer_lease.count());
   }
   auto impl = std::make_unique<Impl>(options, store);
   // std::jthread reports an OS refusal (EAGAIN: thread or memory limit) only by throwing; turn it
@@ -658,6 +798,7 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
           s.transfer->base_version);
     }
     result.repeated = true;
+    s.TouchLocked();
     return result;
   }
   if (std::optional<Outcome> outcome = s.FinishedLocked(request.transfer_id)) {
@@ -680,8 +821,28 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
       s.WaitForAbortLocked(lock);
     }
   }
+  if (s.transfer && s.transfer->report && request.base_version == s.transfer->base_version) {
+    // A new transfer from T's base under a new id: T's coordinator gave up on T (or died) and
+    // never committed it anywhere, or the new coordinator would have seen a receiver at T's
+    // target and based the transfer on it (docs/protocol.md, "implied abort").
+    const TransferId old = s.transfer->id;
+    REFIT_LOG_INFO("receiver: transfer {} is based on version {}: implied abort of transfer {}", id,
+                   request.base_version, old.ToHex());
+    REFIT_RETURN_NOT_OK(s.AbortOpenLocked(lock, "implied abort of")
+                            .WithContext(fmt::format("prepare of transfer {}", id)));
+    result.implied_abort = old;
+    s.WaitForAbortLocked(lock);
+  }
+  if (s.transfer && s.transfer->report) {
+    return FailedPrecondition(
+        "prepare of transfer {} (based on version {}): {}; a transfer based on version {} "
+        "commits it, one based on version {} aborts it, version {} is neither",
+        id, request.base_version, s.DescribeLocked(), s.transfer->target_version,
+        s.transfer->base_version, request.base_version);
+  }
   if (s.transfer) {
-    return FailedPrecondition("prepare of transfer {}: {}", id, s.DescribeLocked());
+    return FailedPrecondition("prepare of transfer {}: {}: wait for it or abort it", id,
+                              s.DescribeLocked());
   }
   if (request.base_version != s.version && !request.anchor) {
     return FailedPrecondition(
@@ -702,6 +863,9 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   transfer.expected = request.expected;
   s.last_error = Status::OK();
   s.undo_bytes = 0;
+  // Wake the apply thread: this lease may expire before whatever it sleeps for.
+  ++s.lease_generation;
+  s.work.notify_one();
   REFIT_LOG_DEBUG("receiver: prepared transfer {} (version {} -> {})", id, transfer.base_version,
                   transfer.target_version);
   return result;
@@ -753,6 +917,10 @@ ReceiverStatus ReceiverSession::GetStatus() const {
   status.version = s.version;
   status.last_error = s.last_error;
   status.undo_bytes = s.undo_bytes;
+  status.expired_leases = s.expired_leases;
+  if (std::optional<Clock::time_point> deadline = s.LeaseDeadlineLocked()) {
+    status.lease_remaining_ms = MillisecondsBetween(Clock::now(), *deadline);
+  }
   if (s.transfer) {
     status.transfer_id = s.transfer->id;
     status.base_version = s.transfer->base_version;

@@ -1,7 +1,7 @@
 // fault+<scheme>://…: wraps the sender of any transport with seeded, reproducible fault
 // injection, for tests of retries, dedupe, flush timeouts and checksum failures.
 //
-// Parameters (every other parameter goes to the inner transport, made by MakeTransport from the
+// Parameters (every other parameter goes to the inner transport, made in the same registry from the
 // URI without the "fault+" prefix and without these):
 //   seed=N              the seed of every decision (default 0);
 //   drop=p              probability that a Send does not deliver;
@@ -43,6 +43,7 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/splitmix64.h"
 
 namespace refit::internal {
 namespace {
@@ -53,11 +54,6 @@ constexpr std::array<std::string_view, 7> kFaultParams = {
 // A minute: a longer injected delay is a mistyped value, not a test.
 constexpr uint64_t kMaxDelayMs = 60'000;
 
-// SplitMix64 (Steele, Lea, Flood: "Fast splittable pseudorandom number generators", 2014): the
-// golden-ratio increment and the two multipliers of its finaliser, a bijective 64-bit mix.
-constexpr uint64_t kSplitMixIncrement = 0x9e3779b97f4a7c15;
-constexpr uint64_t kSplitMixMultiplier1 = 0xbf58476d1ce4e5b9;
-constexpr uint64_t kSplitMixMultiplier2 = 0x94d049bb133111eb;
 // A double has 53 significant bits: the top 53 bits of a hash, scaled by 2^-53, are uniform in
 // [0, 1).
 constexpr int kDoubleMantissaBits = 53;
@@ -65,12 +61,8 @@ constexpr double kTwoToMinus53 = 0x1.0p-53;
 // Nonzero XOR masks of one byte: 1 … 255.
 constexpr uint64_t kByteMasks = 255;
 
-uint64_t Mix(uint64_t x) {
-  x += kSplitMixIncrement;
-  x = (x ^ (x >> 30)) * kSplitMixMultiplier1;
-  x = (x ^ (x >> 27)) * kSplitMixMultiplier2;
-  return x ^ (x >> 31);
-}
+// A bijective 64-bit mix: the faults a seed injects are the same on every run and host.
+constexpr uint64_t Mix(uint64_t x) { return internal::SplitMix64Hash(x); }
 
 // The decisions drawn per attempt; each gets an independent hash.
 enum class Draw : uint64_t { kDrop = 1, kDuplicate, kCorrupt, kCorruptPosition, kCorruptMask };
@@ -219,7 +211,10 @@ Result<std::unique_ptr<Transport>> MakeFaultTransport(const TransportUri& uri,
       inner_uri.params.push_back(param);
     }
   }
-  Result<std::unique_ptr<Transport>> inner = MakeTransport(inner_uri, options);
+  // In the registry this wrapper was found in, so a registry of its own stays closed.
+  const TransportRegistry& registry =
+      options.registry != nullptr ? *options.registry : DefaultTransportRegistry();
+  Result<std::unique_ptr<Transport>> inner = registry.Make(inner_uri, options);
   if (!inner.ok()) {
     return inner.status().WithContext(
         fmt::format("transport URI '{}': inner transport", Printable(uri.ToString())));

@@ -2,8 +2,6 @@
 // built-in transports share.
 #include "refit/transport.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <cctype>
 #include <charconv>
@@ -22,7 +20,7 @@
 
 namespace refit {
 namespace internal {
-// zmq://, defined in zmq_transport.cc; declared here, next to the only caller, so the relay
+// zmq://, defined in zmq/zmq_transport.cc; declared here, next to the only caller, so the relay
 // transport adds no edit to the shared internal header.
 Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
                                                     const TransportOptions& options);
@@ -34,9 +32,6 @@ Result<std::unique_ptr<Transport>> MakeS3Transport(const TransportUri& uri,
 namespace {
 
 using internal::Printable;
-
-// Linux limits thread names to 15 bytes plus the terminating NUL.
-constexpr size_t kMaxThreadNameBytes = 15;
 
 int HexValue(char c) {
   if (c >= '0' && c <= '9') return c - '0';
@@ -104,65 +99,6 @@ Result<std::string> NormalizeScheme(std::string_view scheme, std::string_view wh
     lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(scheme[i]))));
   }
   return lower;
-}
-
-// The registry: a function-local static, so registration needs no static initialisers (which a
-// static library drops when nothing references their file) and has no initialisation order.
-class Registry {
- public:
-  Registry() {
-    schemes_.emplace("inproc", internal::MakeInprocTransport);
-    schemes_.emplace("file", internal::MakeFileTransport);
-    schemes_.emplace("zmq", internal::MakeZmqTransport);
-    schemes_.emplace("s3", internal::MakeS3Transport);
-    wrappers_.emplace("fault", internal::MakeFaultTransport);
-  }
-
-  Status Register(std::string_view scheme, TransportFactory factory, bool wrapper) {
-    const std::string what = fmt::format("registering transport scheme '{}'", Printable(scheme));
-    REFIT_ASSIGN_OR_RETURN(std::string name, NormalizeScheme(scheme, what));
-    if (!factory) return InvalidArgument("{}: null factory", what);
-    if (wrapper && name.find('+') != std::string::npos) {
-      return InvalidArgument("{}: a wrapper prefix cannot contain '+'", what);
-    }
-    std::lock_guard lock(mutex_);
-    auto& table = wrapper ? wrappers_ : schemes_;
-    if (!table.emplace(std::move(name), std::move(factory)).second) {
-      return AlreadyExists("{}: already registered", what);
-    }
-    return Status::OK();
-  }
-
-  // Return the factory for `scheme`: an exact match, else the wrapper of its '+' prefix.
-  TransportFactory Find(const std::string& scheme) const {
-    std::lock_guard lock(mutex_);
-    if (auto it = schemes_.find(scheme); it != schemes_.end()) return it->second;
-    if (const size_t plus = scheme.find('+'); plus != std::string::npos) {
-      if (auto it = wrappers_.find(scheme.substr(0, plus)); it != wrappers_.end()) {
-        return it->second;
-      }
-    }
-    return nullptr;
-  }
-
-  std::vector<std::string> Schemes() const {
-    std::lock_guard lock(mutex_);
-    std::vector<std::string> names;
-    for (const auto& [name, factory] : schemes_) names.push_back(name);
-    for (const auto& [name, factory] : wrappers_) names.push_back(name + "+<scheme>");
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::map<std::string, TransportFactory> schemes_;
-  std::map<std::string, TransportFactory> wrappers_;
-};
-
-Registry& GetRegistry() {
-  static Registry registry;
-  return registry;
 }
 
 std::string VersionStep(uint64_t base, uint64_t target) {
@@ -288,34 +224,95 @@ std::map<uint32_t, uint32_t> SessionSink::DeclaredPayloads(const TransferId& tra
   return {};
 }
 
-// ---- Registry --------------------------------------------------------------------------------
+// ---- TransportRegistry -----------------------------------------------------------------------
 
-Status RegisterTransport(std::string_view scheme, TransportFactory factory) {
-  return GetRegistry().Register(scheme, std::move(factory), /*wrapper=*/false);
+std::unique_ptr<TransportRegistry> TransportRegistry::MakeWithBuiltins() {
+  // Registered by hand rather than by static initialisers in each file, which a static library
+  // drops when nothing else references that file.
+  auto registry = std::make_unique<TransportRegistry>();
+  registry->schemes_.emplace("inproc", internal::MakeInprocTransport);
+  registry->schemes_.emplace("file", internal::MakeFileTransport);
+  registry->schemes_.emplace("zmq", internal::MakeZmqTransport);
+  registry->schemes_.emplace("s3", internal::MakeS3Transport);
+  registry->wrappers_.emplace("fault", internal::MakeFaultTransport);
+  return registry;
 }
 
-Status RegisterTransportWrapper(std::string_view prefix, TransportFactory factory) {
-  return GetRegistry().Register(prefix, std::move(factory), /*wrapper=*/true);
+Status TransportRegistry::Register(std::string_view scheme, TransportFactory factory) {
+  return Add(scheme, std::move(factory), /*wrapper=*/false);
 }
 
-std::vector<std::string> RegisteredTransportSchemes() { return GetRegistry().Schemes(); }
+Status TransportRegistry::RegisterWrapper(std::string_view prefix, TransportFactory factory) {
+  return Add(prefix, std::move(factory), /*wrapper=*/true);
+}
+
+Status TransportRegistry::Add(std::string_view scheme, TransportFactory factory, bool wrapper) {
+  const std::string what = fmt::format("registering transport scheme '{}'", Printable(scheme));
+  REFIT_ASSIGN_OR_RETURN(std::string name, NormalizeScheme(scheme, what));
+  if (!factory) return InvalidArgument("{}: null factory", what);
+  if (wrapper && name.find('+') != std::string::npos) {
+    return InvalidArgument("{}: a wrapper prefix cannot contain '+'", what);
+  }
+  std::lock_guard lock(mutex_);
+  auto& table = wrapper ? wrappers_ : schemes_;
+  if (!table.emplace(std::move(name), std::move(factory)).second) {
+    return AlreadyExists("{}: already registered", what);
+  }
+  return Status::OK();
+}
+
+TransportFactory TransportRegistry::Find(const std::string& scheme) const {
+  std::lock_guard lock(mutex_);
+  if (auto it = schemes_.find(scheme); it != schemes_.end()) return it->second;
+  if (const size_t plus = scheme.find('+'); plus != std::string::npos) {
+    if (auto it = wrappers_.find(scheme.substr(0, plus)); it != wrappers_.end()) {
+      return it->second;
+    }
+  }
+  return nullptr;
+}
+
+std::vector<std::string> TransportRegistry::Schemes() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& [name, factory] : schemes_) names.push_back(name);
+  for (const auto& [name, factory] : wrappers_) names.push_back(name + "+<scheme>");
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Result<std::unique_ptr<Transport>> TransportRegistry::Make(std::string_view uri,
+                                                           const TransportOptions& options) const {
+  REFIT_ASSIGN_OR_RETURN(TransportUri parsed, TransportUri::Parse(uri));
+  return Make(parsed, options);
+}
+
+Result<std::unique_ptr<Transport>> TransportRegistry::Make(const TransportUri& uri,
+                                                           const TransportOptions& options) const {
+  // Called outside the lock: a wrapper's factory makes its inner transport here too.
+  const TransportFactory factory = Find(uri.scheme);
+  if (!factory) {
+    return InvalidArgument("transport URI '{}': unknown scheme '{}' (registered: {})",
+                           Printable(uri.ToString()), uri.scheme, fmt::join(Schemes(), ", "));
+  }
+  TransportOptions resolved = options;
+  resolved.registry = this;
+  return factory(uri, resolved);
+}
+
+TransportRegistry& DefaultTransportRegistry() {
+  static const std::unique_ptr<TransportRegistry> registry = TransportRegistry::MakeWithBuiltins();
+  return *registry;
+}
 
 Result<std::unique_ptr<Transport>> MakeTransport(std::string_view uri,
                                                  const TransportOptions& options) {
-  REFIT_ASSIGN_OR_RETURN(TransportUri parsed, TransportUri::Parse(uri));
-  return MakeTransport(parsed, options);
+  return DefaultTransportRegistry().Make(uri, options);
 }
 
 Result<std::unique_ptr<Transport>> MakeTransport(const TransportUri& uri,
                                                  const TransportOptions& options) {
-  // Called outside the registry lock: a wrapper's factory makes its inner transport here too.
-  const TransportFactory factory = GetRegistry().Find(uri.scheme);
-  if (!factory) {
-    return InvalidArgument("transport URI '{}': unknown scheme '{}' (registered: {})",
-                           Printable(uri.ToString()), uri.scheme,
-                           fmt::join(RegisteredTransportSchemes(), ", "));
-  }
-  return factory(uri, options);
+  return DefaultTransportRegistry().Make(uri, options);
 }
 
 // ---- Helpers of the built-ins ----------------------------------------------------------------
@@ -440,11 +437,6 @@ Status SenderProgress::CheckFinish(const SenderContext& context, uint64_t payloa
         context.producer_id, context.transfer_id.ToHex(), payloads, max_sent_id);
   }
   return Status::OK();
-}
-
-void NameCurrentThread(const char* name) {
-  const std::string truncated = std::string(name).substr(0, kMaxThreadNameBytes);
-  pthread_setname_np(pthread_self(), truncated.c_str());
 }
 
 }  // namespace internal

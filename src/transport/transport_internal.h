@@ -13,6 +13,8 @@
 #include "refit/payload.h"
 #include "refit/status.h"
 #include "refit/transport.h"
+// NameCurrentThread, for the transports' own threads.
+#include "util/thread_name.h"
 
 namespace refit::internal {
 
@@ -64,10 +66,6 @@ class SenderProgress {
   // -1 while nothing was sent.
   std::atomic<int64_t> max_sent_id_{-1};
 };
-
-/// Name the calling thread (top, gdb); Linux keeps 15 bytes. A debugging aid: failure is
-/// ignored.
-void NameCurrentThread(const char* name);
 
 /// The built-in factories, installed by the registry on first use.
 Result<std::unique_ptr<Transport>> MakeInprocTransport(const TransportUri& uri,

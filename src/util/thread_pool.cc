@@ -1,7 +1,5 @@
 #include "util/thread_pool.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <string>
 #include <system_error>
@@ -11,21 +9,10 @@
 
 #include "util/check.h"
 #include "util/logging.h"
+#include "util/thread_name.h"
 
 namespace refit::internal {
 namespace {
-
-// Linux limits thread names to 15 bytes plus the terminating NUL.
-constexpr size_t kMaxThreadNameBytes = 15;
-
-// Name the calling thread "<prefix>-<index>", shortening the prefix so the index survives.
-void NameCurrentThread(const std::string& prefix, int index) {
-  const std::string suffix = fmt::format("-{}", index);
-  const size_t prefix_bytes = kMaxThreadNameBytes - std::min(suffix.size(), kMaxThreadNameBytes);
-  const std::string name = prefix.substr(0, prefix_bytes) + suffix;
-  // Naming is a debugging aid; failing to name a thread is harmless, so the result is ignored.
-  pthread_setname_np(pthread_self(), name.c_str());
-}
 
 // The pool whose worker is running on this thread, to catch Stop() from inside a task.
 thread_local const ThreadPool* current_pool = nullptr;

@@ -14,9 +14,10 @@
 #include <thread>
 #include <utility>
 
-#include "core/half_float.h"
+#include "refit/half_float.h"
 #include "refit/safetensors.h"
 #include "util/check.h"
+#include "util/splitmix64.h"
 
 namespace refit {
 namespace {
@@ -44,7 +45,7 @@ constexpr int kCalibrationIterations = 30;
 // --- Counter-based random numbers -------------------------------------------------------------
 
 // splitmix64's increment, 2^64 / φ: consecutive counters map to well-separated hash inputs.
-constexpr uint64_t kGoldenGamma = 0x9E3779B97F4A7C15ull;
+constexpr uint64_t kGoldenGamma = internal::kSplitMix64Gamma;
 
 // Purposes of the random streams, so that no two purposes share a stream.
 enum class StreamPurpose : uint64_t {
@@ -54,13 +55,8 @@ enum class StreamPurpose : uint64_t {
   kCalibrationSample = 4,
 };
 
-// splitmix64's output function (Stafford's "Mix13"): a bijection of 64-bit words with full
-// avalanche, so hashing a counter gives independent-looking uniform bits.
-inline uint64_t Mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+// splitmix64's output function: hashing a counter gives independent-looking uniform bits.
+constexpr uint64_t Mix64(uint64_t z) { return internal::SplitMix64Finalize(z); }
 
 // The key of one stream: (seed, purpose, step, tensor position). Elements of the stream are
 // ElementBits(key, index), so any element can be drawn without drawing the others.
@@ -163,9 +159,9 @@ std::optional<ExportKind> ExportKindOf(DType dtype) {
 template <ExportKind kKind>
 inline uint32_t ExportBits(float weight) {
   if constexpr (kKind == ExportKind::kBFloat16) {
-    return internal::FloatToBFloat16(weight);
+    return FloatToBFloat16(weight);
   } else if constexpr (kKind == ExportKind::kFloat16) {
-    return internal::FloatToHalf(weight);
+    return FloatToHalf(weight);
   } else {
     return std::bit_cast<uint32_t>(weight);
   }
@@ -296,8 +292,8 @@ void InitializeRange(TensorState& tensor, const InitialWeights& initial, uint64_
   std::memcpy(exported + begin, source + begin * sizeof(uint16_t),
               (end - begin) * sizeof(uint16_t));
   for (uint64_t i = begin; i < end; ++i) {
-    master[i] = tensor.kind == ExportKind::kBFloat16 ? internal::BFloat16ToFloat(exported[i])
-                                                     : internal::HalfToFloat(exported[i]);
+    master[i] = tensor.kind == ExportKind::kBFloat16 ? BFloat16ToFloat(exported[i])
+                                                     : HalfToFloat(exported[i]);
   }
 }
 

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "loopback.h"
-#include "refit/s3_client.h"
 #include "s3_test_env.h"
 #include "test_util.h"
+#include "transport/s3/s3_client.h"
 
 namespace refit {
 namespace {

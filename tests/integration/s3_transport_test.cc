@@ -25,9 +25,9 @@
 #include "fleet.h"
 #include "refit/digest.h"
 #include "refit/s3_chain.h"
-#include "refit/s3_client.h"
 #include "s3_test_env.h"
 #include "test_util.h"
+#include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 
 namespace refit {

@@ -3,7 +3,7 @@
 
 `refit serve` runs on free loopback ports with an api key; this script talks to it with nothing but
 Python's urllib (the HTTP control plane) and pyzmq (a DEALER speaking the zmq:// relay protocol of
-src/transport/zmq_transport.cc), and checks that:
+src/transport/zmq/), and checks that:
   * the ready file and the ready line report the pid, control URL, data endpoint, the version from
     the model's "refit.version" metadata and the tensor count;
   * `refit status` prints the table and --json, and fails clearly when unauthorized or unreachable;
@@ -63,7 +63,7 @@ DISCONNECT_WATCH_S = 2
 # --max-payload-bytes of the daemon under test: small, so that an oversized frame is cheap.
 MAX_PAYLOAD_BYTES = 1 << 20
 # ZeroMQ's per-frame limit is the payload limit plus this slack for the other frames
-# (kFrameSlackBytes in zmq_transport.cc).
+# (kFrameSlackBytes in src/transport/zmq/zmq_frames.h).
 FRAME_SLACK_BYTES = 4096
 MODEL_VERSION = 7
 
@@ -525,13 +525,15 @@ def test_malformed_frames(receiver):
     # Access: the key, then the root index, checked before a byte of the payload is read. So the
     # refusal names no ids (the sender takes it as the answer to its one outstanding request),
     # and a payload that would fail the header check gets the access error, not the header's.
-    for name, wrong in [("missing api key", b""), ("wrong api key", b"x" * len(key)),
-                        ("api key prefix", key[:-1]), ("api key with a suffix", key + b"\0")]:
-        receiver.expect_nack(name, data_request(good(), key=wrong), PERMISSION_DENIED,
-                          "wrong api key")
+    # A missing key and a wrong one are told apart (as the control plane's 401 and 403 are).
+    for name, wrong, reason in [("missing api key", b"", "no api key"),
+                                ("wrong api key", b"x" * len(key), "wrong api key"),
+                                ("api key prefix", key[:-1], "wrong api key"),
+                                ("api key with a suffix", key + b"\0", "wrong api key")]:
+        receiver.expect_nack(name, data_request(good(), key=wrong), PERMISSION_DENIED, reason)
     receiver.expect_nack("garbage payload without the api key",
                       data_request(secrets.token_bytes(300), key=b""), PERMISSION_DENIED,
-                      "wrong api key")
+                      "no api key")
     receiver.expect_nack("root index out of range", data_request(good(), root=1), INVALID_ARGUMENT,
                       "root relay index")
     receiver.expect_nack("root index of 2^32-1", data_request(good(), root=0xFFFFFFFF),
@@ -608,10 +610,10 @@ def test_malformed_frames(receiver):
                       [PROTOCOL, b"FLUSH", key, root, tid, root, b"\xff\xff\xff"],
                       INVALID_ARGUMENT, "malformed FLUSH")
     receiver.expect_nack("FLUSH without the api key", flush_request(tid, 0, 1, key=b""),
-                      PERMISSION_DENIED, "wrong api key")
+                      PERMISSION_DENIED, "no api key")
     receiver.expect_nack("malformed FLUSH without the api key",
                       [PROTOCOL, b"FLUSH", b"", root, bytes(15), root, root], PERMISSION_DENIED,
-                      "wrong api key")
+                      "no api key")
     receiver.expect_nack("FLUSH with a bad root", flush_request(tid, 0, 1, root=7), INVALID_ARGUMENT,
                       "root relay index")
     # The coordinator prepares every receiver before producers stream: a stream end of a transfer

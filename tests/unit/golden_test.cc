@@ -28,6 +28,7 @@
 #include "refit/payload.h"
 #include "refit/values.h"
 #include "test_util.h"
+#include "util/splitmix64.h"
 
 namespace refit {
 namespace {
@@ -37,14 +38,9 @@ constexpr const char* kRegenerateVariable = "REFIT_REGENERATE_GOLDEN";
 
 // ---- Fixed inputs. -----------------------------------------------------------------------------
 
-/// splitmix64: the element bits of the golden inputs are a pure function of (seed, index), fixed
-/// here rather than taken from a standard library generator whose output may differ by vendor.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+/// splitmix64: the element bits of the golden inputs are a pure function of (seed, index), the
+/// same on every host (util/splitmix64.h).
+constexpr uint64_t Mix(uint64_t x) { return internal::SplitMix64Hash(x); }
 
 uint64_t WidthMask(uint32_t width) {
   return width == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * width)) - 1;

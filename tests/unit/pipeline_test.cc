@@ -523,6 +523,75 @@ TEST(ProducerStreamTest, PayloadsFollowTheBucketRuleInCanonicalOrder) {
   }
 }
 
+TEST(PayloadBucketerTest, FollowsTheChunkingRuleOverItemBytes) {
+  PayloadBucketer bucketer(100);
+  EXPECT_TRUE(bucketer.Add(60));  // The first item opens the first bucket.
+  EXPECT_FALSE(bucketer.full());
+  EXPECT_FALSE(bucketer.Add(40));  // Fits exactly: the bucket is now full…
+  EXPECT_TRUE(bucketer.full());
+  EXPECT_TRUE(bucketer.Add(0));  // …so even an empty item starts the next one.
+  EXPECT_FALSE(bucketer.Add(70));
+  EXPECT_TRUE(bucketer.Add(31));   // Would overflow 70: starts the next bucket.
+  EXPECT_TRUE(bucketer.Add(250));  // Larger than a bucket: travels alone.
+  EXPECT_TRUE(bucketer.full());
+  EXPECT_TRUE(bucketer.Add(1));
+  PayloadBucketer every_item(0);
+  EXPECT_TRUE(every_item.Add(0));
+  EXPECT_TRUE(every_item.full());
+  EXPECT_TRUE(every_item.Add(5));
+}
+
+// `refit encode` (src/apps/encode.cc) encodes every tensor of NEW with a tracker whose baseline
+// is OLD and packs the items with PackPayloads; `refit push` streams the same tensors through a
+// Publisher's ProducerStream. For the same checkpoints, transfer and options both must give the
+// same payload bytes, so that a .rfp file is what push would have sent.
+TEST(PackPayloadsTest, EncodeWritesThePayloadsPushSends) {
+  std::vector<OwnedTensor> v0 = MakeModel(5);
+  // An empty tensor: its FULL item has no bytes, the corner where the two rules once differed.
+  v0.insert(v0.begin() + 2, RandomTensor("model.empty_buffer", DType::kFloat32, {0}, 7));
+  const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.1, 400);
+  for (const uint64_t bucket_bytes :
+       {uint64_t{1}, kBucketBytes / 3, kBucketBytes, uint64_t{32} << 20}) {
+    for (const bool anchor : {true, false}) {
+      SCOPED_TRACE(fmt::format("bucket {} bytes, {}", bucket_bytes, anchor ? "anchor" : "delta"));
+      const TransferId id = TransferId::Random();
+      ProducerStreamOptions options = SmallOptions();
+      options.bucket_bytes = bucket_bytes;
+      options.payload.zstd_level = 3;
+
+      auto push_tracker = TrackerAt(v0);
+      ASSERT_OK(push_tracker->Begin(id, anchor).status());
+      ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
+      PayloadCollector collector;
+      ASSERT_OK(
+          stream->Run(*push_tracker, TensorListSource(Views(v1), kChunkBytes), collector.Sender())
+              .status());
+
+      auto encode_tracker = TrackerAt(v0);
+      ASSERT_OK_AND_ASSIGN(const TransferPlan plan, encode_tracker->Begin(id, anchor));
+      std::vector<Item> items;
+      for (const OwnedTensor& tensor : v1) {
+        ASSERT_OK_AND_ASSIGN(EncodeResult encoded, encode_tracker->Encode(id, tensor.view()));
+        for (Item& item : encoded.items) items.push_back(std::move(item));
+      }
+      const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
+      ASSERT_OK_AND_ASSIGN(const std::vector<std::vector<std::byte>> encoded,
+                           PackPayloads(ids, items, bucket_bytes, options.payload));
+
+      ASSERT_EQ(encoded.size(), collector.payloads().size());
+      // Small buckets make many payloads, so that the boundaries are what is compared.
+      if (bucket_bytes < kBucketBytes) {
+        EXPECT_GT(encoded.size(), 3u);
+      }
+      for (const auto& [payload_id, bytes] : collector.payloads()) {
+        EXPECT_EQ(bytes, encoded.at(payload_id)) << "payload " << payload_id;
+      }
+      ASSERT_OK(push_tracker->Abort(id));
+      ASSERT_OK(encode_tracker->Abort(id));
+    }
+  }
+}
+
 TEST(ProducerStreamTest, PayloadsAreIdenticalWhateverTheThreadCountsAndTiming) {
   const std::vector<OwnedTensor> v0 = MakeModel(4);
   const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.1, 300);

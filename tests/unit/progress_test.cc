@@ -1,4 +1,4 @@
-#include "refit/progress.h"
+#include "progress.h"
 
 #include <algorithm>
 #include <atomic>
@@ -10,9 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "refit/logging.h"
 #include "test_util.h"
-#include "util/logging.h"
 
 namespace refit {
 namespace {
@@ -59,38 +57,6 @@ TEST(FormatDurationTest, PicksTheUnit) {
   EXPECT_EQ(FormatDuration(-0.045), "-45 ms");
   EXPECT_EQ(FormatDuration(std::numeric_limits<double>::quiet_NaN()), "?");
 }
-
-TEST(TableTest, ExactLayout) {
-  Table table({"step", "tensor", "changed", "wire"});
-  table.AddRow({"1", "model.embed_tokens.weight", "1.20%", "1.50 MiB"});
-  table.AddRow({"12", "lm_head.weight", "0.05%", "310 KiB"});
-  table.AddRow({"-", "model.norm.weight", "-", "-"});
-  EXPECT_EQ(table.num_rows(), 3u);
-  EXPECT_EQ(table.ToString(),
-            "step  tensor                     changed      wire\n"
-            "----  -------------------------  -------  --------\n"
-            "   1  model.embed_tokens.weight    1.20%  1.50 MiB\n"
-            "  12  lm_head.weight               0.05%   310 KiB\n"
-            "   -  model.norm.weight                -         -\n");
-}
-
-TEST(TableTest, RaggedRowsAndMixedColumns) {
-  Table table({"name", "value"});
-  table.AddRow({"a"});
-  table.AddRow({"bb", "n/a", "extra"});
-  table.AddRow({"ccc", "-7"});
-  std::ostringstream out;
-  table.Print(out);
-  // "value" mixes text and a number, so it stays left-aligned; the extra column has no header.
-  EXPECT_EQ(out.str(),
-            "name  value\n"
-            "----  -----  -----\n"
-            "a\n"
-            "bb    n/a    extra\n"
-            "ccc   -7\n");
-}
-
-TEST(TableTest, HeaderOnly) { EXPECT_EQ(Table({"a", "bc"}).ToString(), "a  bc\n-  --\n"); }
 
 ProgressReporter::Options CapturedOptions(std::ostringstream* out, ProgressMode mode) {
   ProgressReporter::Options options;
@@ -212,45 +178,6 @@ TEST(ProgressReporterTest, MakeRejectsBadOptions) {
   options.unit = "B";
   options.status_interval_s = -1;
   EXPECT_STATUS_MSG(InvalidArgument, "status_interval_s -1", ProgressReporter::Make(options));
-}
-
-// Logging has no test binary of its own; its user-facing surface is small enough to live here
-// with the other human-facing output.
-TEST(LoggingTest, SetLogLevelAcceptsEveryLevelCaseInsensitively) {
-  for (std::string_view level : {"trace", "debug", "info", "warn", "error", "critical", "off"}) {
-    ASSERT_OK(SetLogLevel(level));
-    EXPECT_EQ(CurrentLogLevel(), level);
-  }
-  ASSERT_OK(SetLogLevel("DeBuG"));
-  EXPECT_EQ(CurrentLogLevel(), "debug");
-  EXPECT_EQ(internal::Logger().level(), spdlog::level::debug);
-  ASSERT_OK(SetLogLevel("info"));
-}
-
-TEST(LoggingTest, SetLogLevelRejectsUnknownNamesAndKeepsTheLevel) {
-  ASSERT_OK(SetLogLevel("warn"));
-  EXPECT_STATUS_MSG(
-      InvalidArgument,
-      "log level 'verbose' is not one of trace, debug, info, warn, error, critical, off",
-      SetLogLevel("verbose"));
-  EXPECT_STATUS(InvalidArgument, SetLogLevel(""));
-  EXPECT_EQ(CurrentLogLevel(), "warn");
-  ASSERT_OK(SetLogLevel("info"));
-}
-
-TEST(LoggingTest, DisabledLevelsDoNotEvaluateArguments) {
-  ASSERT_OK(SetLogLevel("error"));
-  int evaluated = 0;
-  auto count = [&] { return ++evaluated; };
-  REFIT_LOG_TRACE("trace {}", count());
-  REFIT_LOG_DEBUG("debug {}", count());
-  REFIT_LOG_INFO("info {}", count());
-  REFIT_LOG_WARN("warn {}", count());
-  EXPECT_EQ(evaluated, 0);
-  // Enabled: evaluated exactly once (the line goes to stderr).
-  REFIT_LOG_ERROR("logging test: an enabled line evaluates its arguments once ({})", count());
-  EXPECT_EQ(evaluated, 1);
-  ASSERT_OK(SetLogLevel("info"));
 }
 
 }  // namespace

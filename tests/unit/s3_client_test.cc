@@ -3,7 +3,7 @@
 // every request's SigV4 signature against the bytes that actually arrived, so what the client
 // signs is what libcurl sends. Behaviour against a real server is in
 // tests/integration/s3_client_integration_test.cc.
-#include "refit/s3_client.h"
+#include "transport/s3/s3_client.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -25,10 +25,10 @@
 #include <httplib.h>
 
 #include "loopback.h"
-#include "refit/sigv4.h"
 #include "test_util.h"
 #include "transport/s3/s3_request.h"
 #include "transport/s3/s3_xml.h"
+#include "transport/s3/sigv4.h"
 
 namespace refit {
 namespace {
@@ -429,17 +429,47 @@ TEST(S3XmlTest, RejectsMalformedDocuments) {
   std::string deep;
   for (int i = 0; i < 40; ++i) deep += "<a>";
   for (int i = 0; i < 40; ++i) deep += "</a>";
-  for (const std::string& bad :
-       {std::string(""), std::string("text"), std::string("<a>"), std::string("<a></b>"),
-        std::string("<a></a><b/>"), std::string("<a>&unknown;</a>"), std::string("<a>&amp</a>"),
-        std::string("<a>&#0;</a>"), std::string("<a>&#xD800;</a>"),
-        std::string("<a>&#x110000;</a>"), std::string("<a>&#12x;</a>"),
-        std::string("<!DOCTYPE a [<!ENTITY e 'x'>]><a>&e;</a>"), std::string("<a b=c></a>"),
-        std::string("<a b='c></a>"), std::string("<a><![CDATA[x</a>"), std::string("<a><!-- x</a>"),
-        deep}) {
+  for (const std::string& bad : {std::string(""),
+                                 std::string("text"),
+                                 std::string("<a>"),
+                                 std::string("<a></b>"),
+                                 std::string("<a></a><b/>"),
+                                 std::string("<a>&unknown;</a>"),
+                                 std::string("<a>&amp</a>"),
+                                 std::string("<a>&#0;</a>"),
+                                 std::string("<a>&#xD800;</a>"),
+                                 std::string("<a>&#x110000;</a>"),
+                                 std::string("<a>&#12x;</a>"),
+                                 std::string("<!DOCTYPE a [<!ENTITY e 'x'>]><a>&e;</a>"),
+                                 std::string("<a b=c></a>"),
+                                 std::string("<a b='c></a>"),
+                                 std::string("<a><![CDATA[x</a>"),
+                                 std::string("<a><!-- x</a>"),
+                                 deep,
+                                 std::string("text<a/>"),
+                                 std::string("<a/>text"),
+                                 std::string("<a><!DOCTYPE a></a>"),
+                                 std::string("<a>x</a>\0<b/>", 13),
+                                 std::string("<a>x\0</a>", 9)}) {
     SCOPED_TRACE(bad);
     EXPECT_STATUS(DataLoss, internal::ParseXml(bad));
   }
+}
+
+TEST(S3XmlTest, ErrorsNameTheDefectAndItsOffset) {
+  EXPECT_STATUS_MSG(DataLoss, "unknown entity '&e;' at offset 5",
+                    internal::ParseXml("<a>x &e;</a>"));
+  EXPECT_STATUS_MSG(DataLoss, "DOCTYPE or other markup declaration (refused)",
+                    internal::ParseXml("<!DOCTYPE a [<!ENTITY e 'x'>]><a/>"));
+  EXPECT_STATUS_MSG(DataLoss, "content after the root element", internal::ParseXml("<a/><b/>"));
+  // pugixml would stop at the NUL and accept what came before it.
+  EXPECT_STATUS_MSG(DataLoss, "NUL byte at offset 8",
+                    internal::ParseXml(std::string("<a>x</a>\0<b/>", 13)));
+  EXPECT_STATUS_MSG(DataLoss, "at offset", internal::ParseXml("<a><b></a>"));
+  // Whitespace around the root, comments and processing instructions are fine.
+  ASSERT_OK_AND_ASSIGN(internal::XmlElement root,
+                       internal::ParseXml("\n<?xml version='1.0'?>\n<a><!-- c --><?p?>t</a>\n"));
+  EXPECT_EQ(root.text, "t");
 }
 
 TEST(S3XmlTest, EscapeRoundTrips) {

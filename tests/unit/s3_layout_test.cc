@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "refit/control_client.h"
 #include "refit/transport.h"
 #include "test_util.h"
 
@@ -523,7 +524,7 @@ SenderContext SampleSenderContext(std::vector<std::string> endpoints) {
 }
 
 TEST_F(S3LayoutTest, TransportIsRegisteredWithManifestCapabilities) {
-  const std::vector<std::string> schemes = RegisteredTransportSchemes();
+  const std::vector<std::string> schemes = DefaultTransportRegistry().Schemes();
   EXPECT_NE(std::find(schemes.begin(), schemes.end(), "s3"), schemes.end());
   ASSERT_OK_AND_ASSIGN(auto transport, MakeTransport(Uri("refit-test-bucket/fleet")));
   const TransportCapabilities caps = transport->capabilities();
@@ -540,8 +541,16 @@ TEST_F(S3LayoutTest, TransportIsRegisteredWithManifestCapabilities) {
                                               kBucket, kUnsetVar, kSecretKeyVar)));
 }
 
-TEST_F(S3LayoutTest, SendersNeedControlPlaneUrls) {
+TEST_F(S3LayoutTest, SendersNeedAnAnnouncer) {
   ASSERT_OK_AND_ASSIGN(auto transport, MakeTransport(Uri("refit-test-bucket/fleet")));
+  EXPECT_STATUS_MSG(FailedPrecondition, "manifest_announcers",
+                    transport->MakeSender(SampleSenderContext({"http://127.0.0.1:1"})));
+}
+
+TEST_F(S3LayoutTest, SendersNeedControlPlaneUrls) {
+  TransportOptions options;
+  options.manifest_announcers = MakeControlManifestAnnouncers({});
+  ASSERT_OK_AND_ASSIGN(auto transport, MakeTransport(Uri("refit-test-bucket/fleet"), options));
   for (const char* endpoint : {"127.0.0.1:8080", "zmq://127.0.0.1:5555", "inbox", "ftp://host"}) {
     SCOPED_TRACE(endpoint);
     EXPECT_STATUS_MSG(InvalidArgument, endpoint,

@@ -12,7 +12,7 @@
 //           (https://docs.aws.amazon.com/AmazonS3/latest/API/sig-v4-header-based-auth.html).
 //           Credentials AKIAIOSFODNN7EXAMPLE / wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY,
 //           us-east-1, s3, 20130524T000000Z.
-#include "refit/sigv4.h"
+#include "transport/s3/sigv4.h"
 
 #include <gtest/gtest.h>
 

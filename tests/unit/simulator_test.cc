@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "core/half_float.h"
+#include "refit/half_float.h"
 #include "refit/safetensors.h"
 #include "test_util.h"
 
@@ -279,9 +279,9 @@ TEST(TrainingSimulatorTest, ExportIsRoundToNearestEvenOfMaster) {
       ASSERT_EQ(fp16_views[t].dtype, DType::kFloat16);
       for (uint64_t i = 0; i < masters[t].numel(); i += kSampleStride) {
         const float weight = Element32(masters[t], i);
-        ASSERT_EQ(Element16(bf16_views[t], i), internal::FloatToBFloat16(weight))
+        ASSERT_EQ(Element16(bf16_views[t], i), FloatToBFloat16(weight))
             << masters[t].name << "[" << i << "] step " << step;
-        ASSERT_EQ(Element16(fp16_views[t], i), internal::FloatToHalf(weight))
+        ASSERT_EQ(Element16(fp16_views[t], i), FloatToHalf(weight))
             << masters[t].name << "[" << i << "] step " << step;
       }
     }
@@ -372,13 +372,13 @@ TEST(TrainingSimulatorTest, InitFromSafetensorsRoundTripsAndTrainsFloatingTensor
   };
   for (uint64_t i = 0; i < 256 * 300; ++i) {
     const float value = (static_cast<float>(next_random() % 2001) - 1000.0f) * 4e-5f;
-    const uint16_t bits = internal::FloatToBFloat16(value);
+    const uint16_t bits = FloatToBFloat16(value);
     tensors[0].bytes.resize(tensors[0].bytes.size() + 2);
     std::memcpy(tensors[0].bytes.data() + 2 * i, &bits, 2);
   }
   for (uint64_t i = 0; i < 300; ++i) {
     const uint16_t bits = i % 50 == 0 ? static_cast<uint16_t>(0x8000u | i)  // −0, subnormals
-                                      : internal::FloatToHalf(1.0f + (next_random() % 64) / 512.0f);
+                                      : FloatToHalf(1.0f + (next_random() % 64) / 512.0f);
     tensors[1].bytes.resize(tensors[1].bytes.size() + 2);
     std::memcpy(tensors[1].bytes.data() + 2 * i, &bits, 2);
   }

@@ -90,7 +90,7 @@ TEST(TransportUriTest, RefusesMalformedUrisNamingThem) {
 // Registry and capabilities
 
 TEST(TransportRegistryTest, BuiltinsAreRegistered) {
-  const std::vector<std::string> schemes = RegisteredTransportSchemes();
+  const std::vector<std::string> schemes = DefaultTransportRegistry().Schemes();
   for (const std::string name : {"file", "inproc", "fault+<scheme>"}) {
     EXPECT_NE(std::find(schemes.begin(), schemes.end(), name), schemes.end()) << name;
   }
@@ -116,37 +116,52 @@ TEST(TransportRegistryTest, RegistersSchemesAndWrappersOnce) {
     ++calls;
     return MakeTransport(TransportUri{"inproc", uri.target, {}}, options);
   };
-  // The registry is process-wide: a repeated run (--gtest_repeat) registers fresh names.
-  static int run = 0;
-  const std::string suffix = std::to_string(run++);
-  const std::string scheme = "test-loopback" + suffix;
-  const std::string wrapper = "test-pass" + suffix;
-  ASSERT_OK(RegisterTransport("Test-Loopback" + suffix, loopback));  // Case-insensitive.
-  ASSERT_OK_AND_ASSIGN(auto transport, MakeTransport(scheme + "://hub"));
+  std::unique_ptr<TransportRegistry> registry = TransportRegistry::MakeWithBuiltins();
+  ASSERT_OK(registry->Register("Test-Loopback", loopback));  // Case-insensitive.
+  ASSERT_OK_AND_ASSIGN(auto transport, registry->Make("test-loopback://hub"));
   EXPECT_EQ(calls.load(), 1);
   EXPECT_EQ(transport->uri().scheme, "inproc");
-  EXPECT_STATUS(AlreadyExists, RegisterTransport(scheme, loopback));
-  EXPECT_STATUS(AlreadyExists, RegisterTransport("FILE", loopback));
-  EXPECT_STATUS(InvalidArgument, RegisterTransport("bad scheme", loopback));
-  EXPECT_STATUS(InvalidArgument, RegisterTransport("", loopback));
-  EXPECT_STATUS(InvalidArgument, RegisterTransport("test-null", nullptr));
-  const auto schemes = RegisteredTransportSchemes();
-  EXPECT_NE(std::find(schemes.begin(), schemes.end(), scheme), schemes.end());
+  EXPECT_STATUS(AlreadyExists, registry->Register("test-loopback", loopback));
+  EXPECT_STATUS(AlreadyExists, registry->Register("FILE", loopback));
+  EXPECT_STATUS(InvalidArgument, registry->Register("bad scheme", loopback));
+  EXPECT_STATUS(InvalidArgument, registry->Register("", loopback));
+  EXPECT_STATUS(InvalidArgument, registry->Register("test-null", nullptr));
+  const auto schemes = registry->Schemes();
+  EXPECT_NE(std::find(schemes.begin(), schemes.end(), "test-loopback"), schemes.end());
+  // A registry of its own leaves the default one as it was.
+  EXPECT_STATUS_MSG(InvalidArgument, "unknown scheme", MakeTransport("test-loopback://hub"));
 
-  // A wrapper sees the whole URI and makes its inner transport.
+  // A wrapper sees the whole URI and makes its inner transport in the registry it was found in.
   TransportFactory passthrough = [&calls](const TransportUri& uri,
                                           const TransportOptions& options) {
     ++calls;
     TransportUri inner = uri;
     inner.scheme = uri.scheme.substr(uri.scheme.find('+') + 1);
-    return MakeTransport(inner, options);
+    if (options.registry == nullptr)
+      return Result<std::unique_ptr<Transport>>(Internal("no registry"));
+    return options.registry->Make(inner, options);
   };
-  EXPECT_STATUS(InvalidArgument, RegisterTransportWrapper("a+b", passthrough));
-  EXPECT_STATUS(AlreadyExists, RegisterTransportWrapper("fault", passthrough));
-  ASSERT_OK(RegisterTransportWrapper(wrapper, passthrough));
-  ASSERT_OK_AND_ASSIGN(auto wrapped, MakeTransport(wrapper + "+" + scheme + "://hub"));
+  EXPECT_STATUS(InvalidArgument, registry->RegisterWrapper("a+b", passthrough));
+  EXPECT_STATUS(AlreadyExists, registry->RegisterWrapper("fault", passthrough));
+  ASSERT_OK(registry->RegisterWrapper("test-pass", passthrough));
+  ASSERT_OK_AND_ASSIGN(auto wrapped, registry->Make("test-pass+test-loopback://hub"));
   EXPECT_EQ(calls.load(), 3);  // The wrapper, then the loopback it made.
   EXPECT_EQ(wrapped->capabilities(), Make("inproc://x")->capabilities());
+  // The built-in fault+ wrapper resolves its inner scheme in the same registry.
+  ASSERT_OK(registry->Make("fault+test-loopback://hub?seed=1").status());
+  EXPECT_EQ(calls.load(), 4);
+}
+
+TEST(TransportRegistryTest, AnEmptyRegistryKnowsNoScheme) {
+  TransportRegistry registry;
+  EXPECT_TRUE(registry.Schemes().empty());
+  EXPECT_STATUS_MSG(InvalidArgument, "unknown scheme 'file'", registry.Make("file:///tmp"));
+  ASSERT_OK(
+      registry.Register("inproc", [](const TransportUri& uri, const TransportOptions& options) {
+        return DefaultTransportRegistry().Make(uri, options);
+      }));
+  EXPECT_EQ(registry.Schemes(), std::vector<std::string>{"inproc"});
+  ASSERT_OK(registry.Make("inproc://hub").status());
 }
 
 TEST(TransportRegistryTest, BuiltinsRefuseBadTargetsAndParameters) {

@@ -1,5 +1,5 @@
 // Tests of the value operations (src/codec/values.cc) and of the exact half / bfloat16
-// conversions they rest on (src/core/half_float.h).
+// conversions they rest on (include/refit/half_float.h).
 #include "refit/values.h"
 
 #include <algorithm>
@@ -11,19 +11,12 @@
 #include <random>
 #include <vector>
 
-#include "core/half_float.h"
 #include "refit/dtype.h"
+#include "refit/half_float.h"
 #include "test_util.h"
 
 namespace refit {
 namespace {
-
-using internal::BFloat16ToFloat;
-using internal::DoubleToBFloat16;
-using internal::DoubleToHalf;
-using internal::FloatToBFloat16;
-using internal::FloatToHalf;
-using internal::HalfToFloat;
 
 constexpr DType kAddDTypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32,
                                 DType::kFloat64};

@@ -1105,7 +1105,7 @@ TEST_F(ZmqTransportTest, AStreamEndOfATransferNotOpenIsRefusedAndSealsNothing) {
 }
 
 TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
-  // kMaxStreamsPerTransfer of zmq_transport.cc.
+  // kMaxStreamsPerTransfer of src/transport/zmq/zmq_relay.cc.
   constexpr uint32_t kMaxProducers = 1u << 16;
   // Requests in flight at once: well below ZeroMQ's default high-water mark (1000 messages),
   // beyond which a ROUTER drops replies.

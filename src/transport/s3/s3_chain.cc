@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/digest.h"
-#include "refit/s3_client.h"
 #include "refit/transport.h"
+#include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"

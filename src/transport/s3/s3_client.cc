@@ -1,7 +1,7 @@
 // S3Client on libcurl: SigV4 signing per attempt, retries with jittered backoff, reply checks
 // (lengths, ranges, error documents) and the operations. Where a request goes and what a failure
 // means are in s3_request.h; the XML the replies carry is read by s3_xml.h.
-#include "refit/s3_client.h"
+#include "transport/s3/s3_client.h"
 
 #include <curl/curl.h>
 
@@ -19,6 +19,7 @@
 #include <thread>
 #include <utility>
 
+#include "refit/environment.h"
 #include "transport/s3/s3_request.h"
 #include "transport/s3/s3_xml.h"
 #include "transport/transport_internal.h"
@@ -399,20 +400,24 @@ class CurlOptions {
 }  // namespace
 
 Result<SigV4Credentials> S3CredentialsFromEnvironment() {
-  const auto read = [](const char* name) -> std::string {
-    const char* value = std::getenv(name);
-    return value == nullptr ? std::string() : std::string(value);
+  // NotFound rather than SecretFromEnvironment's InvalidArgument: no credentials in the
+  // environment is a missing source, not a bad setting.
+  const auto required = [](const char* name, std::string_view what) -> Result<std::string> {
+    Result<std::string> value = SecretFromEnvironment(name, what);
+    if (!value.ok()) return Status(StatusCode::kNotFound, value.status().message());
+    return value;
   };
   SigV4Credentials credentials;
-  credentials.access_key_id = read("AWS_ACCESS_KEY_ID");
-  if (credentials.access_key_id.empty()) {
-    return NotFound("environment variable AWS_ACCESS_KEY_ID is unset or empty");
+  REFIT_ASSIGN_OR_RETURN(credentials.access_key_id,
+                         required("AWS_ACCESS_KEY_ID", "the S3 access key id"));
+  REFIT_ASSIGN_OR_RETURN(credentials.secret_access_key,
+                         required("AWS_SECRET_ACCESS_KEY", "the S3 secret access key"));
+  // Only temporary credentials have a session token.
+  if (Result<std::string> token =
+          SecretFromEnvironment("AWS_SESSION_TOKEN", "the S3 session token");
+      token.ok()) {
+    credentials.session_token = std::move(*token);
   }
-  credentials.secret_access_key = read("AWS_SECRET_ACCESS_KEY");
-  if (credentials.secret_access_key.empty()) {
-    return NotFound("environment variable AWS_SECRET_ACCESS_KEY is unset or empty");
-  }
-  credentials.session_token = read("AWS_SESSION_TOKEN");
   return credentials;
 }
 

@@ -13,6 +13,7 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
+#include "refit/environment.h"
 #include "transport/transport_internal.h"
 
 namespace refit::internal {
@@ -38,13 +39,12 @@ Result<std::string> EnvParam(const TransportUri& uri, const std::string& shown,
                              std::string_view what) {
   const std::string* named = uri.Param(param);
   const std::string variable = named != nullptr ? *named : std::string(fallback_variable);
-  const char* value = std::getenv(variable.c_str());
-  if (value == nullptr || *value == '\0') {
-    if (!required && named == nullptr) return std::string();
-    return InvalidArgument("transport URI '{}': environment variable {} ({}) is unset or empty",
-                           shown, Printable(variable), what);
-  }
-  return std::string(value);
+  Result<std::string> value = SecretFromEnvironment(variable, what);
+  if (value.ok()) return value;
+  if (!required && named == nullptr) return std::string();
+  // The variable's name came in the URI: shown escaped, like the URI.
+  return InvalidArgument("transport URI '{}': environment variable {} ({}) is unset or empty",
+                         shown, Printable(variable), what);
 }
 
 std::string JoinKey(const S3TransportConfig& config, std::string_view rest) {

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "refit/payload.h"
-#include "refit/s3_client.h"
 #include "refit/status.h"
 #include "refit/transport.h"
+#include "transport/s3/s3_client.h"
 
 namespace refit::internal {
 

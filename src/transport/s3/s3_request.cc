@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "refit/sigv4.h"
+#include "transport/s3/sigv4.h"
 #include "transport/transport_internal.h"
 
 namespace refit::internal {

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "refit/s3_client.h"
 #include "refit/status.h"
+#include "transport/s3/s3_client.h"
 
 namespace refit::internal {
 
@@ -73,7 +73,7 @@ S3RequestTarget BuildS3RequestTarget(const S3Endpoint& endpoint, S3Addressing ad
 /// repeating: 5xx, 408, 429, or a throttling or internal-error code whatever the status.
 bool IsRetryableS3Error(long http_status, std::string_view s3_code);
 
-/// The StatusCode of a failed reply (see the mapping in refit/s3_client.h).
+/// The StatusCode of a failed reply (see the mapping in s3_client.h).
 StatusCode S3ErrorStatusCode(long http_status, std::string_view s3_code);
 
 /// The ceiling of the random delay before retry number `retry` (0 for the first retry):

@@ -1,9 +1,10 @@
 // s3://<bucket>[/<prefix>]?endpoint=…: payloads through an object store (upstream's
 // vllm_s3_sparse), for receivers that share no network path with the trainer.
 //
-//   Send:    upload (multipart beyond part_size, bounded parts in flight) → POST the manifest
-//            to every receiver's /v1/manifest (each downloads, verifies the checksum and MAC
-//            before anything decodes it, stages, then answers) → DELETE once all ACKed
+//   Send:    upload (multipart beyond part_size, bounded parts in flight) → announce the
+//            manifest to every receiver through its ManifestAnnouncer (each downloads, verifies
+//            the checksum and MAC before anything decodes it, stages, then answers; the
+//            announcer, the control plane's client, owns the HTTP) → DELETE once all ACKed
 //            (chain=1: keep it for the chain). A failed DELETE is retried at Finish and again
 //            when the transfer ends.
 //   Abort:   every object under the transfer's key prefixes is deleted and its unfinished
@@ -12,8 +13,6 @@
 //            ends. An unfinished sender deletes what it stored on destruction.
 //   Commit:  chain=1 appends the version to <prefix>/chain/index.json, written last, then
 //            prunes past the retention (TransferCommitted; see refit/s3_chain.h).
-#include <curl/curl.h>
-
 #include <algorithm>
 #include <iterator>
 #include <map>
@@ -26,27 +25,18 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "refit/digest.h"
+#include "refit/manifest_announcer.h"
 #include "refit/s3_chain.h"
-#include "refit/s3_client.h"
 #include "refit/transport.h"
+#include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
 
 namespace refit::internal {
 namespace {
-
-using Json = nlohmann::json;
-
-constexpr long kHttpOk = 200;
-constexpr auto kManifestBackoff = std::chrono::milliseconds(50);
-constexpr auto kMaxManifestBackoff = std::chrono::seconds(1);
-// Error bodies are JSON of a few hundred bytes; a proxy's page is cut to this much.
-constexpr size_t kMaxErrorBodyShown = 512;
-constexpr std::string_view kManifestRoute = "/v1/manifest";
 
 // ---- What a transport instance uploaded, per transfer ----------------------------------------
 
@@ -153,117 +143,19 @@ std::vector<std::string> SweepPrefixes(S3Client& client, const std::vector<std::
   return failed;
 }
 
-// ---- The manifest POST ---------------------------------------------------------------------
-
-Status StatusFromErrorBody(long http_status, const std::string& body, std::string_view url) {
-  Json reply = Json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (reply.is_object() && reply.contains("code") && reply["code"].is_string() &&
-      reply.contains("message") && reply["message"].is_string()) {
-    const std::string name = reply["code"].get<std::string>();
-    for (int c = static_cast<int>(StatusCode::kInvalidArgument);
-         c <= static_cast<int>(StatusCode::kInternal); ++c) {
-      const auto code = static_cast<StatusCode>(c);
-      if (StatusCodeName(code) == name) {
-        return Status(code,
-                      fmt::format("receiver {}: {}", url, reply["message"].get<std::string>()));
-      }
-    }
-  }
-  const StatusCode code = http_status == 401 || http_status == 403 ? StatusCode::kPermissionDenied
-                          : http_status >= 500                     ? StatusCode::kUnavailable
-                                                                   : StatusCode::kInvalidArgument;
-  return Status(code, fmt::format("receiver {}: HTTP {}: {}", url, http_status,
-                                  Printable(body.substr(0, kMaxErrorBodyShown))));
-}
-
-size_t AppendToString(char* data, size_t size, size_t count, void* out) {
-  static_cast<std::string*>(out)->append(data, size * count);
-  return size * count;
-}
-
-struct CurlEasyDeleter {
-  void operator()(CURL* curl) const { curl_easy_cleanup(curl); }
-};
-using CurlEasy = std::unique_ptr<CURL, CurlEasyDeleter>;
-
-struct CurlListDeleter {
-  void operator()(curl_slist* list) const { curl_slist_free_all(list); }
-};
-
-// POST `manifest` to one receiver's control plane; retry connection errors and 502/503/504 (the
-// receiver deduplicates a repeated payload, so a retry is safe).
-Result<StageResult> PostManifest(const S3TransportConfig& config, const std::string& base_url,
-                                 const std::string& manifest) {
-  std::string url = base_url;
-  while (!url.empty() && url.back() == '/') url.pop_back();
-  url += kManifestRoute;
-  CurlEasy curl(curl_easy_init());
-  if (curl == nullptr) return Internal("curl_easy_init failed");
-  std::unique_ptr<curl_slist, CurlListDeleter> headers;
-  auto add_header = [&headers](const std::string& line) {
-    headers.reset(curl_slist_append(headers.release(), line.c_str()));
-  };
-  add_header("Content-Type: application/json");
-  add_header("Expect:");
-  if (!config.api_key.empty()) add_header("Authorization: Bearer " + config.api_key);
-  std::string body;
-  curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
-  curl_easy_setopt(curl.get(), CURLOPT_POST, 1L);
-  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDS, manifest.data());
-  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE_LARGE,
-                   static_cast<curl_off_t>(manifest.size()));
-  curl_easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers.get());
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &body);
-  curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS,
-                   static_cast<long>(config.manifest_timeout.count()));
-  curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-  if (!config.control_ca_cert.empty()) {
-    curl_easy_setopt(curl.get(), CURLOPT_CAINFO, config.control_ca_cert.c_str());
-  }
-  std::chrono::milliseconds backoff = kManifestBackoff;
-  for (int attempt = 0;; ++attempt) {
-    body.clear();
-    const CURLcode code = curl_easy_perform(curl.get());
-    long http_status = 0;
-    curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http_status);
-    Status failure;
-    bool retryable = false;
-    if (code != CURLE_OK) {
-      failure = code == CURLE_OPERATION_TIMEDOUT
-                    ? DeadlineExceeded("receiver {}: no answer to the manifest within {} ms", url,
-                                       config.manifest_timeout.count())
-                    : Unavailable("receiver {}: {}", url, curl_easy_strerror(code));
-      retryable = code != CURLE_OPERATION_TIMEDOUT;
-    } else if (http_status == kHttpOk) {
-      Json reply = Json::parse(body, nullptr, /*allow_exceptions=*/false);
-      if (!reply.is_object() || !reply.contains("result") || !reply["result"].is_string()) {
-        return DataLoss("receiver {}: manifest reply is not the control plane's JSON: {}", url,
-                        Printable(body.substr(0, kMaxErrorBodyShown)));
-      }
-      return reply["result"] == "duplicate" ? StageResult::kDuplicate : StageResult::kAccepted;
-    } else {
-      failure = StatusFromErrorBody(http_status, body, url);
-      retryable = http_status == 502 || http_status == 503 || http_status == 504;
-    }
-    if (!retryable || attempt >= config.manifest_retries) return failure;
-    std::this_thread::sleep_for(backoff);
-    backoff = std::min(backoff * 2,
-                       std::chrono::duration_cast<std::chrono::milliseconds>(kMaxManifestBackoff));
-  }
-}
-
 // ---- Sender --------------------------------------------------------------------------------
 
 class S3Sender final : public TransportSender {
  public:
   S3Sender(SenderContext context, std::shared_ptr<const S3TransportConfig> config,
-           std::shared_ptr<S3Client> client, std::shared_ptr<UploadLog> log, PayloadLimits limits)
+           std::shared_ptr<S3Client> client, std::shared_ptr<UploadLog> log, PayloadLimits limits,
+           std::vector<std::shared_ptr<ManifestAnnouncer>> announcers)
       : context_(std::move(context)),
         config_(std::move(config)),
         client_(std::move(client)),
         log_(std::move(log)),
-        limits_(limits) {}
+        limits_(limits),
+        announcers_(std::move(announcers)) {}
 
   // A stream that failed is not finished: delete what it stored, so an aborted transfer leaves
   // nothing behind even without a coordinator to tell the transport.
@@ -329,14 +221,18 @@ class S3Sender final : public TransportSender {
   }
 
  private:
-  // POST the manifest to every receiver concurrently; the first failure is Send's error.
+  // Announce the manifest to every receiver concurrently; the first failure is Send's error.
   Status Announce(const PayloadManifest& manifest) {
     const std::string text = ManifestToJson(manifest);
-    const size_t n = context_.endpoints.size();
+    const size_t n = announcers_.size();
     std::vector<Status> results(n);
     auto post = [&](size_t r) {
-      Result<StageResult> staged = PostManifest(*config_, context_.endpoints[r], text);
-      results[r] = staged.status();
+      Result<StageResult> staged =
+          announcers_[r]->AnnounceManifest(text, config_->manifest_timeout);
+      if (!staged.ok()) {
+        results[r] = staged.status().WithContext(fmt::format(
+            "announcing payload {} of producer {}", manifest.payload_id, manifest.producer_id));
+      }
     };
     {
       std::vector<std::jthread> threads;
@@ -352,6 +248,8 @@ class S3Sender final : public TransportSender {
   const std::shared_ptr<S3Client> client_;
   const std::shared_ptr<UploadLog> log_;
   const PayloadLimits limits_;
+  // One per endpoint, in the order of context_.endpoints.
+  const std::vector<std::shared_ptr<ManifestAnnouncer>> announcers_;
   SenderProgress progress_;
   std::mutex mutex_;
   // Objects stored and not deleted (chain objects, or live ones awaiting their ACKs).
@@ -469,16 +367,29 @@ class S3Transport final : public Transport {
 
   Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) override {
     REFIT_RETURN_NOT_OK(CheckSenderContext(uri(), context));
-    for (const std::string& endpoint : context.endpoints) {
-      if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://")) {
-        return InvalidArgument(
-            "transport URI '{}': endpoint '{}' is not a receiver's control-plane URL "
-            "(http(s)://host:port): s3:// announces payloads through the control plane",
-            config_->shown_uri, Printable(endpoint));
-      }
+    if (!options_.manifest_announcers) {
+      return FailedPrecondition(
+          "transport URI '{}': s3:// announces each payload to the receivers' control planes, "
+          "but no announcer was given (TransportOptions::manifest_announcers)",
+          config_->shown_uri);
     }
-    return std::unique_ptr<TransportSender>(
-        std::make_unique<S3Sender>(context, config_, client_, log_, options_.limits));
+    std::vector<std::shared_ptr<ManifestAnnouncer>> announcers;
+    for (const std::string& endpoint : context.endpoints) {
+      Result<std::shared_ptr<ManifestAnnouncer>> announcer = options_.manifest_announcers(endpoint);
+      if (!announcer.ok()) {
+        return announcer.status().WithContext(
+            fmt::format("transport URI '{}': endpoint '{}' (s3:// endpoints are the receivers' "
+                        "control planes)",
+                        config_->shown_uri, Printable(endpoint)));
+      }
+      if (*announcer == nullptr) {
+        return Internal("transport URI '{}': the announcer factory gave none for endpoint '{}'",
+                        config_->shown_uri, Printable(endpoint));
+      }
+      announcers.push_back(*std::move(announcer));
+    }
+    return std::unique_ptr<TransportSender>(std::make_unique<S3Sender>(
+        context, config_, client_, log_, options_.limits, std::move(announcers)));
   }
 
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
@@ -611,6 +522,14 @@ class S3Transport final : public Transport {
 Result<std::unique_ptr<Transport>> MakeS3Transport(const TransportUri& uri,
                                                    const TransportOptions& options) {
   REFIT_ASSIGN_OR_RETURN(S3TransportConfig config, ParseS3TransportUri(uri));
+  // Both belong to the control plane's client now, which prepare and flush need configured
+  // anyway; a URI that still sets them keeps working.
+  if (!config.api_key.empty() || !config.control_ca_cert.empty()) {
+    REFIT_LOG_WARN(
+        "transport URI '{}': api_key_env and control_ca_cert are ignored; manifests are "
+        "announced with the control client's API key and CA",
+        config.shown_uri);
+  }
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<S3Client> client, S3Client::Make(config.client));
   return std::unique_ptr<Transport>(std::make_unique<S3Transport>(
       uri, std::make_shared<const S3TransportConfig>(std::move(config)),

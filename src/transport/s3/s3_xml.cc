@@ -1,10 +1,21 @@
-// ParseXml's recursive-descent reader and XmlEscape; see s3_xml.h.
+// ParseXml on pugixml, and XmlEscape; see s3_xml.h.
+//
+// pugixml reads the structure: tags, attributes, comments, processing instructions, CDATA, and
+// whether a DOCTYPE is present. Everything this file accepts beyond that is checked here, because
+// pugixml is lenient where an S3 reply never is (several root elements, text beside the root,
+// unknown entities kept as text, input cut short at a NUL byte), and character references are
+// decoded here so that an unknown or malformed one is an error rather than literal text.
 #include "transport/s3/s3_xml.h"
 
-#include <algorithm>
+#include <pugixml.hpp>
+
 #include <charconv>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "transport/transport_internal.h"
 
@@ -12,131 +23,63 @@ namespace refit::internal {
 namespace {
 
 // Nesting deeper than any S3 reply (ListBucketResult/Contents/Owner/ID is 4 deep): a document
-// nested deeper is not one of S3's, and the bound keeps the recursive parser's stack small.
+// nested deeper is not one of S3's, and the bound keeps the recursive conversion's stack small
+// (pugixml's own parser is not recursive).
 constexpr int kMaxXmlDepth = 32;
 
-// The recursive-descent reader behind ParseXml.
-class XmlReader {
- public:
-  explicit XmlReader(std::string_view document) : doc_(document) {}
+// What pugixml is asked to do. Character data keeps its whitespace (parse_ws_pcdata) and its
+// bytes as sent: no end-of-line normalisation and no entity decoding (done here, strictly).
+// parse_doctype only records that a DOCTYPE was there, so that it can be refused; pugixml never
+// reads entity declarations or expands entities, with or without it. parse_fragment keeps text
+// outside the root element as nodes, so that it is refused instead of dropped. Comments,
+// processing instructions and the declaration are skipped (their flags are off).
+constexpr unsigned kParseFlags =
+    pugi::parse_cdata | pugi::parse_ws_pcdata | pugi::parse_doctype | pugi::parse_fragment;
 
-  Result<XmlElement> ReadDocument() {
-    REFIT_RETURN_NOT_OK(SkipMisc());
-    if (AtEnd() || doc_[pos_] != '<') return Error("no root element");
-    REFIT_ASSIGN_OR_RETURN(XmlElement root, ReadElement(1));
-    REFIT_RETURN_NOT_OK(SkipMisc());
-    if (!AtEnd()) return Error("content after the root element");
-    return root;
+Status XmlError(std::string_view what, ptrdiff_t offset) {
+  return DataLoss("XML reply: {} at offset {}", what, offset);
+}
+
+bool IsXmlSpace(char ch) { return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n'; }
+
+bool IsBlank(std::string_view text) {
+  for (char ch : text) {
+    if (!IsXmlSpace(ch)) return false;
   }
+  return true;
+}
 
- private:
-  bool AtEnd() const { return pos_ >= doc_.size(); }
-  bool LookingAt(std::string_view text) const { return doc_.substr(pos_).starts_with(text); }
-
-  Status Error(std::string_view what) const {
-    return DataLoss("XML reply: {} at offset {}", what, pos_);
+void AppendUtf8(uint32_t code_point, std::string& out) {
+  if (code_point < 0x80) {
+    out.push_back(static_cast<char>(code_point));
+  } else if (code_point < 0x800) {
+    out.push_back(static_cast<char>(0xC0 | (code_point >> 6)));
+    out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
+  } else if (code_point < 0x10000) {
+    out.push_back(static_cast<char>(0xE0 | (code_point >> 12)));
+    out.push_back(static_cast<char>(0x80 | ((code_point >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
+  } else {
+    out.push_back(static_cast<char>(0xF0 | (code_point >> 18)));
+    out.push_back(static_cast<char>(0x80 | ((code_point >> 12) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | ((code_point >> 6) & 0x3F)));
+    out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
   }
+}
 
-  void SkipSpace() {
-    while (!AtEnd() &&
-           (doc_[pos_] == ' ' || doc_[pos_] == '\t' || doc_[pos_] == '\r' || doc_[pos_] == '\n')) {
-      ++pos_;
-    }
-  }
-
-  // Skip past `terminator`, which must follow.
-  Status SkipPast(std::string_view terminator, std::string_view what) {
-    const size_t end = doc_.find(terminator, pos_);
-    if (end == std::string_view::npos) return Error(fmt::format("unterminated {}", what));
-    pos_ = end + terminator.size();
-    return Status::OK();
-  }
-
-  // Whitespace, comments and processing instructions (including the declaration) around the
-  // root element.
-  Status SkipMisc() {
-    for (;;) {
-      SkipSpace();
-      if (LookingAt("<?")) {
-        REFIT_RETURN_NOT_OK(SkipPast("?>", "processing instruction"));
-      } else if (LookingAt("<!--")) {
-        REFIT_RETURN_NOT_OK(SkipPast("-->", "comment"));
-      } else if (LookingAt("<!")) {
-        return Error("DOCTYPE or other markup declaration (refused)");
-      } else {
-        return Status::OK();
-      }
-    }
-  }
-
-  static bool IsNameChar(char ch) {
-    return !(ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n' || ch == '/' || ch == '>' ||
-             ch == '<' || ch == '=' || ch == '"' || ch == '\'' || ch == '&');
-  }
-
-  // A name, returned without its "prefix:".
-  Result<std::string_view> ReadName() {
-    const size_t start = pos_;
-    while (!AtEnd() && IsNameChar(doc_[pos_])) ++pos_;
-    if (pos_ == start) return Error("expected a name");
-    std::string_view name = doc_.substr(start, pos_ - start);
-    if (const size_t colon = name.rfind(':'); colon != std::string_view::npos) {
-      name.remove_prefix(colon + 1);
-    }
-    return name;
-  }
-
-  // Skip the attributes of a start tag; return whether the tag is self-closing ("/>").
-  Result<bool> SkipAttributes() {
-    for (;;) {
-      SkipSpace();
-      if (AtEnd()) return Error("unterminated start tag");
-      if (LookingAt("/>")) {
-        pos_ += 2;
-        return true;
-      }
-      if (doc_[pos_] == '>') {
-        ++pos_;
-        return false;
-      }
-      REFIT_RETURN_NOT_OK(ReadName().status());
-      SkipSpace();
-      if (AtEnd() || doc_[pos_] != '=') return Error("attribute without '='");
-      ++pos_;
-      SkipSpace();
-      if (AtEnd() || (doc_[pos_] != '"' && doc_[pos_] != '\'')) {
-        return Error("attribute value without quotes");
-      }
-      const char quote = doc_[pos_++];
-      const size_t end = doc_.find(quote, pos_);
-      if (end == std::string_view::npos) return Error("unterminated attribute value");
-      pos_ = end + 1;
-    }
-  }
-
-  static void AppendUtf8(uint32_t code_point, std::string& out) {
-    if (code_point < 0x80) {
-      out.push_back(static_cast<char>(code_point));
-    } else if (code_point < 0x800) {
-      out.push_back(static_cast<char>(0xC0 | (code_point >> 6)));
-      out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
-    } else if (code_point < 0x10000) {
-      out.push_back(static_cast<char>(0xE0 | (code_point >> 12)));
-      out.push_back(static_cast<char>(0x80 | ((code_point >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
-    } else {
-      out.push_back(static_cast<char>(0xF0 | (code_point >> 18)));
-      out.push_back(static_cast<char>(0x80 | ((code_point >> 12) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | ((code_point >> 6) & 0x3F)));
-      out.push_back(static_cast<char>(0x80 | (code_point & 0x3F)));
-    }
-  }
-
-  // Decode the entity or character reference at pos_ (on '&') and append it to `out`.
-  Status ReadReference(std::string& out) {
-    const size_t end = doc_.find(';', pos_);
-    if (end == std::string_view::npos) return Error("unterminated entity reference");
-    const std::string_view name = doc_.substr(pos_ + 1, end - pos_ - 1);
+// Append `text`, raw character data that starts at `offset` in the document, to `out`, decoding
+// the five predefined entities and numeric character references: the only references a document
+// without a DTD can hold.
+Status AppendCharacterData(std::string_view text, ptrdiff_t offset, std::string& out) {
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const size_t amp = text.find('&', pos);
+    out.append(text.substr(pos, amp == std::string_view::npos ? amp : amp - pos));
+    if (amp == std::string_view::npos) break;
+    const ptrdiff_t where = offset + static_cast<ptrdiff_t>(amp);
+    const size_t end = text.find(';', amp);
+    if (end == std::string_view::npos) return XmlError("unterminated entity reference", where);
+    const std::string_view name = text.substr(amp + 1, end - amp - 1);
     if (name == "lt") {
       out.push_back('<');
     } else if (name == "gt") {
@@ -160,69 +103,49 @@ class XmlReader {
       if (digits.empty() || ec != std::errc() || ptr != digits.data() + digits.size() ||
           code_point == 0 || code_point > kMaxCodePoint ||
           (code_point >= kFirstSurrogate && code_point <= kLastSurrogate)) {
-        return Error(fmt::format("bad character reference '&{};'", Printable(name)));
+        return XmlError(fmt::format("bad character reference '&{};'", Printable(name)), where);
       }
       AppendUtf8(code_point, out);
     } else {
-      return Error(fmt::format("unknown entity '&{};'", Printable(name)));
+      return XmlError(fmt::format("unknown entity '&{};'", Printable(name)), where);
     }
-    pos_ = end + 1;
-    return Status::OK();
+    pos = end + 1;
   }
+  return Status::OK();
+}
 
-  // pos_ is on the '<' of a start tag.
-  Result<XmlElement> ReadElement(int depth) {
-    if (depth > kMaxXmlDepth) return Error("elements nested too deep");
-    ++pos_;
-    XmlElement element;
-    REFIT_ASSIGN_OR_RETURN(std::string_view name, ReadName());
-    element.name = std::string(name);
-    REFIT_ASSIGN_OR_RETURN(bool self_closing, SkipAttributes());
-    if (self_closing) return element;
-    for (;;) {
-      if (AtEnd()) return Error(fmt::format("element '{}' is not closed", Printable(name)));
-      if (LookingAt("</")) {
-        pos_ += 2;
-        REFIT_ASSIGN_OR_RETURN(std::string_view end_name, ReadName());
-        if (end_name != name) {
-          return Error(
-              fmt::format("end tag '{}' closes '{}'", Printable(end_name), Printable(name)));
-        }
-        SkipSpace();
-        if (AtEnd() || doc_[pos_] != '>') return Error("unterminated end tag");
-        ++pos_;
-        return element;
+// The local name: "s3:Key" is "Key".
+std::string_view LocalName(std::string_view name) {
+  const size_t colon = name.rfind(':');
+  return colon == std::string_view::npos ? name : name.substr(colon + 1);
+}
+
+Result<XmlElement> Convert(const pugi::xml_node& node, int depth) {
+  if (depth > kMaxXmlDepth) return XmlError("elements nested too deep", node.offset_debug());
+  XmlElement element;
+  element.name = std::string(LocalName(node.name()));
+  for (const pugi::xml_node& child : node.children()) {
+    switch (child.type()) {
+      case pugi::node_element: {
+        REFIT_ASSIGN_OR_RETURN(XmlElement converted, Convert(child, depth + 1));
+        element.children.push_back(std::move(converted));
+        break;
       }
-      if (LookingAt("<!--")) {
-        REFIT_RETURN_NOT_OK(SkipPast("-->", "comment"));
-      } else if (LookingAt("<![CDATA[")) {
-        constexpr std::string_view kCdataOpen = "<![CDATA[";
-        constexpr std::string_view kCdataClose = "]]>";
-        const size_t start = pos_ + kCdataOpen.size();
-        const size_t end = doc_.find(kCdataClose, start);
-        if (end == std::string_view::npos) return Error("unterminated CDATA section");
-        element.text.append(doc_.substr(start, end - start));
-        pos_ = end + kCdataClose.size();
-      } else if (LookingAt("<?")) {
-        REFIT_RETURN_NOT_OK(SkipPast("?>", "processing instruction"));
-      } else if (LookingAt("<!")) {
-        return Error("markup declaration inside an element");
-      } else if (doc_[pos_] == '<') {
-        REFIT_ASSIGN_OR_RETURN(XmlElement child, ReadElement(depth + 1));
-        element.children.push_back(std::move(child));
-      } else if (doc_[pos_] == '&') {
-        REFIT_RETURN_NOT_OK(ReadReference(element.text));
-      } else {
-        const size_t end = std::min(doc_.find_first_of("<&", pos_), doc_.size());
-        element.text.append(doc_.substr(pos_, end - pos_));
-        pos_ = end;
-      }
+      case pugi::node_pcdata:
+        REFIT_RETURN_NOT_OK(AppendCharacterData(child.value(), child.offset_debug(), element.text));
+        break;
+      case pugi::node_cdata:
+        element.text.append(child.value());
+        break;
+      case pugi::node_doctype:
+        return XmlError("markup declaration inside an element", child.offset_debug());
+      default:
+        // Comments, processing instructions and declarations are not kept (kParseFlags).
+        break;
     }
   }
-
-  std::string_view doc_;
-  size_t pos_ = 0;
-};
+  return element;
+}
 
 }  // namespace
 
@@ -239,7 +162,36 @@ const std::string* XmlElement::ChildText(std::string_view child_name) const {
 }
 
 Result<XmlElement> ParseXml(std::string_view document) {
-  return XmlReader(document).ReadDocument();
+  // XML has no U+0000, and pugixml would end the document at one, ignoring what follows.
+  if (const void* nul = std::memchr(document.data(), '\0', document.size()); nul != nullptr) {
+    return XmlError("NUL byte", static_cast<const char*>(nul) - document.data());
+  }
+  pugi::xml_document parsed;
+  const pugi::xml_parse_result result =
+      parsed.load_buffer(document.data(), document.size(), kParseFlags, pugi::encoding_utf8);
+  if (!result) return XmlError(result.description(), result.offset);
+  pugi::xml_node root;
+  for (const pugi::xml_node& node : parsed.children()) {
+    switch (node.type()) {
+      case pugi::node_element:
+        if (root) return XmlError("content after the root element", node.offset_debug());
+        root = node;
+        break;
+      case pugi::node_doctype:
+        // S3 never sends one, and it could declare entities.
+        return XmlError("DOCTYPE or other markup declaration (refused)", node.offset_debug());
+      case pugi::node_pcdata:
+        if (!IsBlank(node.value())) {
+          return XmlError(root ? "content after the root element" : "text before the root element",
+                          node.offset_debug());
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  if (!root) return XmlError("no root element", static_cast<ptrdiff_t>(document.size()));
+  return Convert(root, 1);
 }
 
 std::string XmlEscape(std::string_view text) {

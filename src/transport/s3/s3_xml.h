@@ -1,8 +1,9 @@
-// A small XML reader and escaper for the documents S3 exchanges: listings, upload ids, error
-// replies (read) and CompleteMultipartUpload / CreateBucket bodies (written). S3 uses only a tiny,
-// well-formed subset of XML, so this covers that subset instead of pulling in an XML library, and
-// it refuses DOCTYPE so that a reply cannot declare entities. Kept apart from the S3 client so
-// that it can be tested alone (tests/unit/s3_client_test.cc).
+// The XML reader and escaper for the documents S3 exchanges: listings, upload ids, error replies
+// (read) and CompleteMultipartUpload / CreateBucket bodies (written). Replies are untrusted, so
+// the reader (on pugixml, which never expands entities) accepts only what S3 sends: one root
+// element, no DOCTYPE (a reply cannot declare entities), no unknown entity, no NUL byte, a bounded
+// depth. Kept apart from the S3 client so that it can be tested alone
+// (tests/unit/s3_client_test.cc) and fuzzed (tests/fuzz/s3_xml_fuzz.cc).
 #pragma once
 
 #include <string>
@@ -27,10 +28,12 @@ struct XmlElement {
   const std::string* ChildText(std::string_view child_name) const;
 };
 
-/// Parse a whole XML document (a small non-validating subset: declaration, comments,
-/// processing instructions, elements, attributes, character data, CDATA, the five predefined
-/// entities and numeric character references). Errors: DataLoss describing the first defect
-/// and its offset; a DOCTYPE is refused (S3 never sends one, and it could declare entities).
+/// Parse a whole XML document (non-validating: declaration, comments, processing instructions,
+/// elements, attributes, character data, CDATA, the five predefined entities and numeric
+/// character references). The document is UTF-8 and taken byte for byte: no end-of-line
+/// normalisation. Errors: DataLoss describing the first defect and its byte offset; a DOCTYPE is
+/// refused (S3 never sends one, and it could declare entities), as are several root elements,
+/// text outside the root, an unknown entity, a NUL byte and nesting deeper than 32 elements.
 Result<XmlElement> ParseXml(std::string_view document);
 
 /// Escape `text` for XML character data.

@@ -1,5 +1,5 @@
 // AWS Signature Version 4: canonical request, string to sign, signing key, signature.
-#include "refit/sigv4.h"
+#include "transport/s3/sigv4.h"
 
 #include <openssl/evp.h>
 #include <openssl/hmac.h>

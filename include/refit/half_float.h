@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace refit::internal {
+namespace refit {
 
 /// Widen bfloat16 bits to float (exact).
 inline float BFloat16ToFloat(uint16_t bits) {
@@ -121,4 +121,4 @@ inline uint16_t DoubleToHalf(double value) {
 /// Narrow a float to binary16 bits with round-to-nearest-even.
 inline uint16_t FloatToHalf(float value) { return DoubleToHalf(static_cast<double>(value)); }
 
-}  // namespace refit::internal
+}  // namespace refit

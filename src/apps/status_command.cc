@@ -6,8 +6,9 @@
 #include <string>
 
 #include "cli_common.h"
+#include "progress.h"
 #include "refit/control_client.h"
-#include "refit/progress.h"
+#include "table.h"
 
 namespace refit::cli {
 namespace {
@@ -52,17 +53,9 @@ Table StatusTable(const std::string& url, const ControlStatus& status) {
 }
 
 Status RunStatus(const StatusArgs& args) {
-  ControlClientOptions options;
-  options.base_url = args.url;
-  if (!args.api_key_env.empty()) {
-    const char* key = std::getenv(args.api_key_env.c_str());
-    if (key == nullptr || *key == '\0') {
-      return InvalidArgument("status: environment variable {} (--api-key-env) is unset or empty",
-                             args.api_key_env);
-    }
-    options.api_key = key;
-  }
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
+  Result<ControlClientOptions> options = ControlClientOptionsFor(args.url, args.api_key_env);
+  if (!options.ok()) return options.status().WithContext("status");
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(*options));
   Result<ControlStatus> status = client->GetStatus();
   if (!status.ok()) {
     const Status& error = status.status();

@@ -1,5 +1,5 @@
 // S3Client: the subset of the Amazon S3 REST API the s3:// transport needs, on libcurl with our
-// own SigV4 signer (refit/sigv4.h), so that every request is signed the same way whatever the
+// own SigV4 signer (sigv4.h), so that every request is signed the same way whatever the
 // libcurl version (curl's built-in CURLOPT_AWS_SIGV4 neither adds x-amz-content-sha256 nor sorts
 // query parameters).
 //
@@ -38,8 +38,8 @@
 #include <string_view>
 #include <vector>
 
-#include "refit/sigv4.h"
 #include "refit/status.h"
+#include "transport/s3/sigv4.h"
 
 namespace refit {
 

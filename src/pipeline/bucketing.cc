@@ -1,0 +1,37 @@
+// The payload bucketing rule and the in-memory packer built on it.
+#include <cstdint>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "refit/pipeline.h"
+
+namespace refit {
+
+uint64_t BucketedBytes(const ItemView& item) { return item.locations.size() + item.values.size(); }
+
+Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
+                                                         std::span<const Item> items,
+                                                         uint64_t bucket_bytes,
+                                                         const PayloadEncodeOptions& options) {
+  std::vector<std::vector<std::byte>> payloads;
+  PayloadBucketer bucketer(bucket_bytes);
+  std::vector<ItemView> bucket;
+  PayloadIds next = ids;
+  auto emit = [&]() -> Status {
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload, EncodePayload(next, bucket, options));
+    payloads.push_back(std::move(payload));
+    ++next.payload_id;
+    bucket.clear();
+    return Status::OK();
+  };
+  for (const Item& item : items) {
+    const ItemView view = item.view();
+    if (bucketer.Add(BucketedBytes(view)) && !bucket.empty()) REFIT_RETURN_NOT_OK(emit());
+    bucket.push_back(view);
+  }
+  if (!bucket.empty()) REFIT_RETURN_NOT_OK(emit());
+  return payloads;
+}
+
+}  // namespace refit

@@ -1,0 +1,277 @@
+// The DEALER of zmq:// and a producer's sender (zmq_client.h).
+#include "transport/zmq/zmq_client.h"
+
+#include <zmq.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "transport/transport_internal.h"
+#include "transport/zmq/zmq_messages.h"
+
+namespace refit::internal::zmq {
+namespace {
+
+// Backoff between attempts doubles from the first value up to the cap.
+constexpr int kFirstBackoffMs = 50;
+constexpr int kMaxBackoffMs = 500;
+
+// Each DEALER's handshake monitor gets its own name: "<prefix><counter>".
+constexpr std::string_view kMonitorPrefix = "inproc://refit-zmq-monitor-";
+// A monitor event is two frames: event id (u16) and value (u32), then the endpoint.
+constexpr size_t kMonitorEventFrames = 2;
+constexpr size_t kMonitorEventBytes = 6;
+
+// Why a handshake failed, from a monitor event: PermissionDenied when the relay refused this
+// client's key (final), Unavailable otherwise (the next attempt may reach a relay that is ready).
+Status HandshakeFailure(uint16_t event, uint32_t value, const std::string& endpoint) {
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+    return PermissionDenied(
+        "zmq endpoint {} refused this client's CURVE key (ZAP status {}): list its public key in "
+        "the relays' {}",
+        endpoint, value, kAuthorizedKeysParam);
+  }
+  if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
+    if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
+      return Unavailable(
+          "zmq endpoint {}: security mechanism mismatch in the handshake (CURVE is configured "
+          "on one side only)",
+          endpoint);
+    }
+    return Unavailable("zmq endpoint {}: handshake failed with ZMTP protocol error {:#x}", endpoint,
+                       value);
+  }
+  return Unavailable(
+      "zmq endpoint {} closed the connection during the handshake ({} is not the relays' public "
+      "key, or CURVE is configured on one side only?)",
+      endpoint, kServerKeyParam);
+}
+
+class ZmqSender final : public TransportSender {
+ public:
+  ZmqSender(ZmqContext context, ZmqConfig config, std::optional<CurveClientKeys> curve,
+            SenderContext sender, PayloadLimits limits)
+      : context_(std::move(context)),
+        config_(std::move(config)),
+        curve_(std::move(curve)),
+        sender_(std::move(sender)),
+        limits_(limits),
+        root_index_(sender_.producer_id % sender_.endpoints.size()),
+        root_(sender_.endpoints[root_index_]) {}
+
+  ~ZmqSender() override {
+    // Sockets close before the context terminates (zmq_ctx_term waits for them).
+    connections_.clear();
+  }
+
+  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckOpen(sender_));
+    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(sender_, payload_id, payload, limits_).status());
+    progress_.RecordSent(payload_id);
+    const std::string root = U32Bytes(root_index_);
+    const ReplyKey key{sender_.transfer_id.ToHex(), U32Bytes(sender_.producer_id),
+                       U32Bytes(payload_id)};
+    return ThreadConnection()
+        .Request({kProtocol, kKindData, config_.api_key, root, AsText(payload)}, key)
+        .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
+                                 sender_.producer_id, root_));
+  }
+
+  void CleanupThread() override {
+    std::lock_guard lock(mutex_);
+    connections_.erase(std::this_thread::get_id());
+  }
+
+  Status Finish(uint64_t payloads) override {
+    REFIT_RETURN_NOT_OK(progress_.CheckFinish(sender_, payloads));
+    const std::string root = U32Bytes(root_index_);
+    const auto& id = sender_.transfer_id.bytes;
+    const std::string transfer(reinterpret_cast<const char*>(id.data()), id.size());
+    const std::string producer = U32Bytes(sender_.producer_id);
+    const std::string count = U32Bytes(static_cast<uint32_t>(payloads));
+    const ReplyKey key{sender_.transfer_id.ToHex(), producer, ""};
+    REFIT_RETURN_NOT_OK(
+        ThreadConnection()
+            .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key)
+            .WithContext(fmt::format("finishing producer {} ({} payloads) at root relay {}",
+                                     sender_.producer_id, payloads, root_)));
+    progress_.MarkFinished();
+    return Status::OK();
+  }
+
+ private:
+  // The calling thread's connection to the root; only this thread uses it until CleanupThread.
+  Connection& ThreadConnection() {
+    std::lock_guard lock(mutex_);
+    std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
+    if (connection == nullptr) {
+      connection = std::make_unique<Connection>(context_.get(), root_, config_, curve_);
+    }
+    return *connection;
+  }
+
+  const ZmqContext context_;
+  const ZmqConfig config_;
+  const std::optional<CurveClientKeys> curve_;
+  const SenderContext sender_;
+  const PayloadLimits limits_;
+  const uint32_t root_index_;
+  const std::string root_;
+  SenderProgress progress_;
+  std::mutex mutex_;
+  std::map<std::thread::id, std::unique_ptr<Connection>> connections_;
+};
+
+}  // namespace
+
+Status Connection::Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
+                           const std::stop_token& stop) {
+  return RequestWith([&](void* socket) { return SendFrames(socket, frames, endpoint_); }, key,
+                     stop);
+}
+
+Status Connection::Request(const std::vector<Frame>& frames, const ReplyKey& key,
+                           const std::stop_token& stop) {
+  return RequestWith([&](void* socket) { return SendSharedFrames(socket, frames, endpoint_); }, key,
+                     stop);
+}
+
+Status Connection::RequestWith(const SendRequest& send, const ReplyKey& key,
+                               const std::stop_token& stop) {
+  Status last;
+  int backoff_ms = kFirstBackoffMs;
+  for (int attempt = 0; attempt <= config_.retries; ++attempt) {
+    if (attempt > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
+      backoff_ms = std::min(2 * backoff_ms, kMaxBackoffMs);
+    }
+    if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
+    Result<std::optional<Status>> reply = Attempt(send, key, stop);
+    if (!reply.ok()) {
+      last = reply.status();
+      // A fresh socket drops what the old one queued and any reply still on its way.
+      Disconnect();
+      continue;
+    }
+    if (reply->has_value()) return **reply;
+    last = DeadlineExceeded("no reply from zmq endpoint {} within {} ms", endpoint_,
+                            config_.timeout_ms);
+    Disconnect();
+  }
+  return last.WithContext(
+      fmt::format("zmq endpoint {}, {} attempts", endpoint_, config_.retries + 1));
+}
+
+Status Connection::Connect() {
+  if (socket_ != nullptr) return Status::OK();
+  ZmqSocket socket(zmq_socket(context_, ZMQ_DEALER));
+  ZmqSocket monitor(zmq_socket(context_, ZMQ_PAIR));
+  if (socket == nullptr || monitor == nullptr) {
+    return Unavailable("zmq DEALER for {}: {}", endpoint_, ZmqError());
+  }
+  const int linger = 0;
+  for (void* s : {socket.get(), monitor.get()}) {
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+  }
+  if (curve_.has_value()) {
+    REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SERVERKEY, curve_->server_key));
+    REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_PUBLICKEY, curve_->own.public_key));
+    REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SECRETKEY, curve_->own.secret_key));
+  }
+  // Watch the handshake: a refused key or a mechanism mismatch would otherwise look like a
+  // silent relay until the timeout. The monitor is connected before the DEALER, so it sees
+  // every event.
+  static std::atomic<uint64_t> next_monitor{0};
+  const std::string monitor_endpoint = fmt::format("{}{}", kMonitorPrefix, next_monitor++);
+  if (zmq_socket_monitor(socket.get(), monitor_endpoint.c_str(),
+                         ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                             ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                             ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+      zmq_connect(monitor.get(), monitor_endpoint.c_str()) != 0) {
+    return Unavailable("zmq handshake monitor for {}: {}", endpoint_, ZmqError());
+  }
+  if (zmq_connect(socket.get(), TcpAddress(endpoint_).c_str()) != 0) {
+    return Unavailable("zmq connect to {}: {}", endpoint_, ZmqError());
+  }
+  socket_ = std::move(socket);
+  monitor_ = std::move(monitor);
+  return Status::OK();
+}
+
+void Connection::Disconnect() {
+  socket_.reset();
+  monitor_.reset();
+}
+
+Status Connection::ReadHandshakeFailure() {
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> event,
+                         ReceiveFrames(monitor_.get(), kMonitorEventFrames));
+  if (event.empty() || event[0].size() != kMonitorEventBytes) {
+    return Unavailable("zmq endpoint {}: malformed handshake monitor event", endpoint_);
+  }
+  uint16_t id = 0;
+  std::memcpy(&id, event[0].data(), sizeof(id));
+  const std::optional<uint32_t> value = ReadU32(std::string_view(event[0]).substr(sizeof(id)));
+  return HandshakeFailure(id, value.value_or(0), endpoint_);
+}
+
+Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const ReplyKey& key,
+                                                  const std::stop_token& stop) {
+  REFIT_RETURN_NOT_OK(Connect());
+  REFIT_RETURN_NOT_OK(send(socket_.get()));
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.timeout_ms);
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return std::optional<Status>();
+    if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
+    std::array<zmq_pollitem_t, 2> items{
+        {{socket_.get(), 0, ZMQ_POLLIN, 0}, {monitor_.get(), 0, ZMQ_POLLIN, 0}}};
+    // Wake up at least every kStopCheckMs to notice a stop request.
+    const int ready = zmq_poll(items.data(), items.size(),
+                               static_cast<long>(std::min<int64_t>(left.count(), kStopCheckMs)));
+    if (ready < 0) {
+      if (zmq_errno() == EINTR) continue;
+      return Unavailable("zmq poll on {}: {}", endpoint_, ZmqError());
+    }
+    if ((items[1].revents & ZMQ_POLLIN) != 0) {
+      const Status failure = ReadHandshakeFailure();
+      // The connection is dead either way (libzmq does not retry a refused key).
+      Disconnect();
+      // A refused key stays refused: final, like a NACK. Anything else is this attempt's.
+      if (failure.code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
+      return failure;
+    }
+    if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::string> reply,
+                           ReceiveFrames(socket_.get(), kReplyFrames));
+    // Not ours (another protocol, a reply naming another request): keep waiting.
+    if (std::optional<Status> answer = ReadReply(reply, key, endpoint_)) return answer;
+  }
+}
+
+std::unique_ptr<TransportSender> MakeZmqSender(ZmqContext context, ZmqConfig config,
+                                               std::optional<CurveClientKeys> curve,
+                                               SenderContext sender, PayloadLimits limits) {
+  return std::make_unique<ZmqSender>(std::move(context), std::move(config), std::move(curve),
+                                     std::move(sender), limits);
+}
+
+}  // namespace refit::internal::zmq

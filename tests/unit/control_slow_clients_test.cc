@@ -1,0 +1,295 @@
+// The control plane against slow and oversized clients (issue 13): peers that drip request
+// heads must not take the workers /healthz needs; a receiver that drips its reply must not hold
+// the control client past its deadline; a prepare body is bounded by the model's tensor count;
+// an unauthenticated request is answered 401, whatever its size.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include "refit/control_client.h"
+#include "refit/control_server.h"
+#include "test_data.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr const char* kApiKey = "slow-clients-test-key";
+// Slack on top of a deadline for scheduling on a loaded CI machine.
+constexpr auto kSlack = std::chrono::milliseconds(750);
+
+// A socket connected to 127.0.0.1:`port`, from `source` (any 127/8 address is loopback on
+// Linux, so tests can be several peers); -1 on failure.
+int Connect(uint16_t port, const char* source = "127.0.0.1") {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source, &from.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(port);
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+class ControlSlowClientsTest : public ::testing::Test {
+ protected:
+  void StartServer(ControlServerOptions options) {
+    store_ = WeightStore::Make();
+    for (int t = 0; t < 3; ++t) {
+      ASSERT_OK(
+          store_->AddCopy(testing::RandomTensor("layers." + std::to_string(t) + ".weight",
+                                                DType::kFloat32, {64}, static_cast<uint64_t>(t))
+                              .view()));
+    }
+    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make({}, *store_));
+    options.api_key = kApiKey;
+    ASSERT_OK_AND_ASSIGN(server_, ControlServer::Make(options, *session_, *store_));
+    ASSERT_OK(server_->Start());
+  }
+
+  void TearDown() override {
+    for (int fd : drippers_) ::close(fd);
+    if (server_ != nullptr) server_->Stop();
+  }
+
+  // Open `n` connections from `source` that send the start of a request head and then one
+  // byte at a time, never finishing it.
+  void StartDripping(size_t n, const char* source) {
+    for (size_t i = 0; i < n; ++i) {
+      const int fd = Connect(server_->port(), source);
+      if (fd < 0) continue;
+      const std::string start = "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Drip: ";
+      ::send(fd, start.data(), start.size(), MSG_NOSIGNAL);
+      drippers_.push_back(fd);
+    }
+    drip_ = std::jthread([this](std::stop_token stop) {
+      while (!stop.stop_requested()) {
+        for (int fd : drippers_) ::send(fd, "a", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+  }
+
+  // GET /healthz on a fresh connection; the time it took, or nullopt when it failed.
+  std::optional<std::chrono::milliseconds> TimeHealthz() {
+    ControlClientOptions options;
+    options.base_url = server_->base_url();
+    options.timeout = std::chrono::seconds(3);
+    options.max_retries = 0;
+    auto client = ControlClient::Make(options);
+    if (!client.ok()) return std::nullopt;
+    const Clock::time_point start = Clock::now();
+    if (!(*client)->CheckHealth().ok()) return std::nullopt;
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  }
+
+  std::unique_ptr<WeightStore> store_;
+  std::unique_ptr<ReceiverSession> session_;
+  std::unique_ptr<ControlServer> server_;
+  std::vector<int> drippers_;
+  std::jthread drip_;
+};
+
+TEST_F(ControlSlowClientsTest, HeadDrippersAsManyAsWorkersDoNotStopHealthz) {
+  ControlServerOptions options;
+  options.worker_threads = 4;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  // Twice as many as workers, from the health checker's own address.
+  StartDripping(2 * options.worker_threads, "127.0.0.1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::optional<std::chrono::milliseconds> took = TimeHealthz();
+  ASSERT_TRUE(took.has_value()) << "/healthz did not answer while heads were dripping";
+  EXPECT_LT(*took, std::chrono::seconds(1));
+}
+
+TEST_F(ControlSlowClientsTest, ManyDrippersFromOnePeerAreCappedAndOthersStillConnect) {
+  ControlServerOptions options;
+  options.max_connections_per_peer = 16;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  StartDripping(200, "127.0.0.2");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::optional<std::chrono::milliseconds> took = TimeHealthz();
+  ASSERT_TRUE(took.has_value()) << "/healthz did not answer beside 200 dripping connections";
+  EXPECT_LT(*took, std::chrono::seconds(1));
+  // Beyond its cap, the dripping peer's connections were answered 503 and closed.
+  size_t closed = 0;
+  for (int fd : drippers_) {
+    pollfd entry{fd, POLLIN, 0};
+    char byte = 0;
+    if (::poll(&entry, 1, 0) > 0 && ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) >= 0) ++closed;
+  }
+  EXPECT_GE(closed, 200u - options.max_connections_per_peer);
+}
+
+TEST_F(ControlSlowClientsTest, HeadThatNeverEndsIsClosedAtTheHeadTimeout) {
+  ControlServerOptions options;
+  options.request_head_timeout = std::chrono::milliseconds(500);
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  StartDripping(1, "127.0.0.1");
+  ASSERT_EQ(drippers_.size(), 1u);
+  pollfd entry{drippers_[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&entry, 1, 500 + static_cast<int>(kSlack.count()) * 2), 1);
+  char reply[64] = {};
+  ASSERT_GT(::recv(drippers_[0], reply, sizeof reply - 1, 0), 0);
+  EXPECT_TRUE(std::string(reply).starts_with("HTTP/1.1 408")) << reply;
+}
+
+// A receiver that accepts, reads the request and then sends its reply one byte at a time, each
+// byte well within any per-read timeout.
+class DrippingReceiver {
+ public:
+  DrippingReceiver() {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof address);
+    ::listen(listen_fd_, 16);
+    socklen_t length = sizeof address;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::jthread([this](std::stop_token stop) { Serve(stop); });
+  }
+  ~DrippingReceiver() {
+    thread_.request_stop();
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(listen_fd_);
+  }
+  std::string url() const { return fmt::format("http://127.0.0.1:{}", port_); }
+
+ private:
+  void Serve(std::stop_token stop) {
+    const std::string reply =
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+        "{\"ok\": true, \"version\": 1, \"pad\": \"....\"}";
+    while (!stop.stop_requested()) {
+      const int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) return;
+      char buffer[4096];
+      ::recv(fd, buffer, sizeof buffer, 0);
+      for (char c : reply) {
+        if (stop.stop_requested() || ::send(fd, &c, 1, MSG_NOSIGNAL) != 1) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      ::close(fd);
+    }
+  }
+
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::jthread thread_;
+};
+
+TEST(ControlClientDeadlineTest, DrippingReceiverDoesNotHoldTheClientPastItsTimeout) {
+  DrippingReceiver receiver;
+  ControlClientOptions options;
+  options.base_url = receiver.url();
+  options.timeout = std::chrono::seconds(1);
+  options.max_retries = 2;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client, ControlClient::Make(options));
+  const Clock::time_point start = Clock::now();
+  // The reply takes about 10 s to drip; every byte comes within 100 ms.
+  const Status committed = client->Commit(TransferId::Random());
+  const auto took = Clock::now() - start;
+  EXPECT_STATUS(DeadlineExceeded, committed);
+  EXPECT_LT(took, options.timeout + kSlack);
+}
+
+TEST(ControlClientDeadlineTest, ManifestAnnouncementIsBoundedByTimeoutPlusStageTime) {
+  DrippingReceiver receiver;
+  ControlClientOptions options;
+  options.timeout = std::chrono::milliseconds(500);
+  ManifestAnnouncerFactory announcers = MakeControlManifestAnnouncers(options);
+  ASSERT_OK_AND_ASSIGN(std::shared_ptr<ManifestAnnouncer> announcer, announcers(receiver.url()));
+  const Clock::time_point start = Clock::now();
+  Result<StageResult> staged = announcer->AnnounceManifest("{}", std::chrono::milliseconds(500));
+  EXPECT_STATUS(DeadlineExceeded, staged);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(1) + kSlack);
+}
+
+// ---- Body limits ---------------------------------------------------------------------------
+
+httplib::Result Post(uint16_t port, const std::string& path, const std::string& body,
+                     bool with_key) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(std::chrono::seconds(10));
+  httplib::Headers headers;
+  if (with_key) headers.emplace("Authorization", std::string("Bearer ") + kApiKey);
+  return client.Post(path.c_str(), headers, body, "application/json");
+}
+
+// A prepare body listing `count` tensors the model does not have, about 48 bytes each.
+std::string PrepareListing(size_t count) {
+  std::string body = R"({"transfer_id": "0123456789abcdef0123456789abcdef", "base_version": 0,)"
+                     R"( "expected_digests": {)";
+  for (size_t i = 0; i < count; ++i) {
+    body += fmt::format(R"({}"model.layers.{:08}.not_in_this_model":"0000000000000000")",
+                        i == 0 ? "" : ",", i);
+  }
+  return body + "}}";
+}
+
+TEST_F(ControlSlowClientsTest, PrepareBodyIsBoundedByTheModelsTensorCount) {
+  ASSERT_NO_FATAL_FAILURE(StartServer({}));
+  // 3 tensors: a listing of 100,000 names (about 6 MB, far below max_json_bytes) is refused
+  // before parsing, naming the limit.
+  httplib::Result reply = Post(server_->port(), "/v1/prepare", PrepareListing(100000), true);
+  ASSERT_TRUE(reply) << httplib::to_string(reply.error());
+  EXPECT_EQ(reply->status, 413) << reply->body;
+  const json body = json::parse(reply->body, nullptr, false);
+  EXPECT_EQ(body.value("code", ""), "ResourceExhausted") << reply->body;
+  EXPECT_NE(body.value("message", "").find("3 tensors"), std::string::npos) << reply->body;
+  // Naming every tensor the model has still fits.
+  std::string fits = R"({"transfer_id": "0123456789abcdef0123456789abcdef", "base_version": 0})";
+  reply = Post(server_->port(), "/v1/prepare", fits, true);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->status, 200) << reply->body;
+}
+
+TEST_F(ControlSlowClientsTest, UnauthenticatedOversizedRequestsGet401) {
+  ControlServerOptions options;
+  options.max_request_bytes = 1 << 20;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  const std::string big(2 << 20, 'x');
+  for (const char* path : {"/v1/prepare", "/v1/payload", "/v1/manifest", "/v1/nowhere"}) {
+    SCOPED_TRACE(path);
+    httplib::Result reply = Post(server_->port(), path, big, /*with_key=*/false);
+    ASSERT_TRUE(reply) << httplib::to_string(reply.error());
+    EXPECT_EQ(reply->status, 401) << reply->body;
+    const json body = json::parse(reply->body, nullptr, false);
+    EXPECT_EQ(body.value("code", ""), "PermissionDenied") << reply->body;
+  }
+  // With the key, the same size is refused for its size.
+  httplib::Result reply = Post(server_->port(), "/v1/prepare", big, /*with_key=*/true);
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->status, 413) << reply->body;
+}
+
+}  // namespace
+}  // namespace refit
