@@ -25,12 +25,14 @@
 
 #include <fmt/format.h>
 
+#include "loopback.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "zmq_raw_client.h"
 
 namespace {
 
@@ -82,25 +84,6 @@ std::string U32(uint32_t value) {
   return out;
 }
 
-// `n` distinct loopback ports nobody listens on now.
-std::vector<std::string> FreeEndpoints(size_t n) {
-  std::vector<int> fds;
-  std::vector<std::string> endpoints;
-  for (size_t i = 0; i < n; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-    fds.push_back(fd);
-    endpoints.push_back(fmt::format("127.0.0.1:{}", ntohs(address.sin_port)));
-  }
-  for (const int fd : fds) ::close(fd);
-  return endpoints;
-}
-
 // Tracks allocations for its lifetime; copies of `bytes` bytes are counted.
 class AllocationWatch {
  public:
@@ -115,50 +98,6 @@ class AllocationWatch {
 
   size_t largest() const { return g_largest.load(); }
   int copies() const { return g_in_window.load(); }
-};
-
-// A raw DEALER, to send what no correct sender would.
-class RawClient {
- public:
-  explicit RawClient(const std::string& endpoint)
-      : context_(zmq_ctx_new()), socket_(zmq_socket(context_, ZMQ_DEALER)) {
-    const int linger = 0;
-    zmq_setsockopt(socket_, ZMQ_LINGER, &linger, sizeof(linger));
-    EXPECT_EQ(zmq_connect(socket_, ("tcp://" + endpoint).c_str()), 0);
-  }
-  ~RawClient() {
-    zmq_close(socket_);
-    zmq_ctx_term(context_);
-  }
-
-  void Send(const std::vector<std::string>& frames) {
-    for (size_t i = 0; i < frames.size(); ++i) {
-      EXPECT_GE(zmq_send(socket_, frames[i].data(), frames[i].size(),
-                         i + 1 < frames.size() ? ZMQ_SNDMORE : 0),
-                0);
-    }
-  }
-
-  // The next reply's frames, or empty after `wait_ms` without one.
-  std::vector<std::string> Receive(int wait_ms) {
-    zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(&item, 1, wait_ms) <= 0) return {};
-    std::vector<std::string> frames;
-    int more = 1;
-    while (more != 0) {
-      zmq_msg_t message;
-      zmq_msg_init(&message);
-      EXPECT_GE(zmq_msg_recv(&message, socket_, 0), 0);
-      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&message)), zmq_msg_size(&message));
-      more = zmq_msg_more(&message);
-      zmq_msg_close(&message);
-    }
-    return frames;
-  }
-
- private:
-  void* context_;
-  void* socket_;
 };
 
 struct Receiver {
@@ -224,10 +163,10 @@ class ZmqDataPortTest : public ::testing::Test {
 
 TEST_F(ZmqDataPortTest, ARequestWithAWrongKeyIsRefusedWithoutCopyingItsPayload) {
   ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
-  const std::string endpoint = FreeEndpoints(1)[0];
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(*keyed, endpoint, {});
   ASSERT_NE(receiver.listener, nullptr);
-  RawClient client(endpoint);
+  testing::RawZmqClient client(endpoint);
   // Connected and answered once, so the watch below sees only the large request.
   client.Send({"refit-zmq/1", "DATA", "open sesamE", U32(0), "x"});
   ASSERT_EQ(client.Receive(kReplyWaitMs).size(), 7u);
@@ -255,14 +194,14 @@ TEST_F(ZmqDataPortTest, AFrameOverThePayloadLimitIsDroppedWithoutTheRelayAllocat
   TransportOptions options;
   options.limits.max_payload_bytes = kSmallAllocationBytes;
   ASSERT_OK_AND_ASSIGN(auto limited, MakeTransport("zmq://", options));
-  const std::string endpoint = FreeEndpoints(1)[0];
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(*limited, endpoint, {});
   ASSERT_NE(receiver.listener, nullptr);
   const std::vector<std::string> request{"refit-zmq/1", "DATA", "", U32(0),
                                          std::string(kLargeFrameBytes, 'x')};
   size_t largest = 0;
   {
-    RawClient client(endpoint);
+    testing::RawZmqClient client(endpoint);
     AllocationWatch watch;
     client.Send(request);
     // ZeroMQ refuses the frame (ZMQ_MAXMSGSIZE) and drops the connection: no reply.
@@ -275,7 +214,7 @@ TEST_F(ZmqDataPortTest, AFrameOverThePayloadLimitIsDroppedWithoutTheRelayAllocat
 
 TEST_F(ZmqDataPortTest, APayloadIsCopiedOncePerRelayOnItsWayDownTheTree) {
   ASSERT_OK_AND_ASSIGN(auto transport, MakeTransport("zmq://"));
-  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(2);
   // Producer 0's root is relay 0, which forwards to relay 1.
   Receiver root = MakeReceiver(*transport, endpoints[0], endpoints);
   Receiver child = MakeReceiver(*transport, endpoints[1], endpoints);

@@ -31,12 +31,14 @@
 
 #include <fmt/format.h>
 
+#include "loopback.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "zmq_raw_client.h"
 
 namespace refit {
 namespace {
@@ -66,30 +68,6 @@ std::vector<OwnedTensor> MakeModel(uint64_t seed) {
           RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, seed + 2),
           RandomTensor("model.norm.weight", DType::kBFloat16, {257}, seed + 3)};
 }
-
-// `n` distinct loopback ports nobody listens on now: bind port 0 `n` times, all at once (so the
-// kernel cannot hand out one port twice), read the ports, release them.
-std::vector<std::string> FreeEndpoints(size_t n) {
-  std::vector<int> fds;
-  std::vector<std::string> endpoints;
-  for (size_t i = 0; i < n; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    EXPECT_GE(fd, 0);
-    sockaddr_in address{};
-    address.sin_family = AF_INET;
-    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    address.sin_port = 0;
-    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-    socklen_t length = sizeof(address);
-    EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
-    fds.push_back(fd);
-    endpoints.push_back(fmt::format("127.0.0.1:{}", ntohs(address.sin_port)));
-  }
-  for (const int fd : fds) ::close(fd);
-  return endpoints;
-}
-
-std::string FreeEndpoint() { return FreeEndpoints(1)[0]; }
 
 std::string U32(uint32_t value) {
   std::string out(4, '\0');
@@ -171,50 +149,6 @@ class RefusingSink final : public PayloadSink {
   }
 };
 
-// A raw DEALER speaking (or not) the protocol, to send what no correct sender would.
-class RawClient {
- public:
-  explicit RawClient(const std::string& endpoint)
-      : context_(zmq_ctx_new()), socket_(zmq_socket(context_, ZMQ_DEALER)) {
-    const int linger = 0;
-    zmq_setsockopt(socket_, ZMQ_LINGER, &linger, sizeof(linger));
-    EXPECT_EQ(zmq_connect(socket_, ("tcp://" + endpoint).c_str()), 0);
-  }
-  ~RawClient() {
-    zmq_close(socket_);
-    zmq_ctx_term(context_);
-  }
-
-  void Send(const std::vector<std::string>& frames) {
-    for (size_t i = 0; i < frames.size(); ++i) {
-      EXPECT_GE(zmq_send(socket_, frames[i].data(), frames[i].size(),
-                         i + 1 < frames.size() ? ZMQ_SNDMORE : 0),
-                0);
-    }
-  }
-
-  // The next reply's frames, or empty after `wait_ms` without one.
-  std::vector<std::string> Receive(int wait_ms) {
-    zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(&item, 1, wait_ms) <= 0) return {};
-    std::vector<std::string> frames;
-    int more = 1;
-    while (more != 0) {
-      zmq_msg_t message;
-      zmq_msg_init(&message);
-      EXPECT_GE(zmq_msg_recv(&message, socket_, 0), 0);
-      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&message)), zmq_msg_size(&message));
-      more = zmq_msg_more(&message);
-      zmq_msg_close(&message);
-    }
-    return frames;
-  }
-
- private:
-  void* context_;
-  void* socket_;
-};
-
 class ZmqTransportTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -255,7 +189,7 @@ class ZmqTransportTest : public ::testing::Test {
 
   std::vector<Receiver> MakeRelays(size_t n, std::vector<std::string>& endpoints,
                                    Transport* transport = nullptr) {
-    endpoints = FreeEndpoints(n);
+    endpoints = testing::FreeLoopbackEndpoints(n);
     std::vector<Receiver> relays;
     for (const std::string& endpoint : endpoints) {
       relays.push_back(MakeReceiver(endpoint, endpoints, transport));
@@ -482,7 +416,7 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   TransportOptions options;
   options.limits.max_payload_bytes = kTestMaxPayloadBytes;
   ASSERT_OK_AND_ASSIGN(auto limited, MakeTransport("zmq://", options));
-  const std::string endpoint = FreeEndpoint();
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(endpoint, {endpoint}, limited.get());
   ASSERT_NE(receiver.listener, nullptr);
   const Step step = EncodeStep(1, 0);
@@ -490,7 +424,7 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   const std::string payload0(reinterpret_cast<const char*>(step.payloads[0].data()),
                              step.payloads[0].size());
 
-  RawClient client(endpoint);
+  testing::RawZmqClient client(endpoint);
   // Speaks the protocol, wrong frame count: NACK.
   client.Send({"refit-zmq/1", "DATA"});
   std::vector<std::string> reply = client.Receive(kReplyWaitMs);
@@ -533,7 +467,7 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
 
   // A frame beyond the size limit: ZeroMQ drops it and the connection.
   {
-    RawClient huge(endpoint);
+    testing::RawZmqClient huge(endpoint);
     huge.Send({"refit-zmq/1", "DATA", "", U32(0), std::string(4 * kTestMaxPayloadBytes, 'x')});
     EXPECT_TRUE(huge.Receive(kSilenceWaitMs).empty());
   }
@@ -552,7 +486,7 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
 TEST_F(ZmqTransportTest, ASenderToADeadEndpointFailsAfterItsRetries) {
   ASSERT_OK_AND_ASSIGN(auto impatient, MakeTransport("zmq://?timeout_ms=100&retries=2"));
   const Step step = EncodeStep(1, 0);
-  auto sender = SenderFor(step, {FreeEndpoint()}, impatient.get());
+  auto sender = SenderFor(step, {testing::FreeLoopbackEndpoint()}, impatient.get());
   ASSERT_NE(sender, nullptr);
   const Status status = sender->Send(0, step.payloads[0]);
   EXPECT_STATUS(DeadlineExceeded, status);
@@ -583,7 +517,7 @@ TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
                 step.plan.transfer_id, 0, step.plan.base_version, step.plan.target_version, {bad}})
             .status());
   }
-  Receiver receiver = MakeReceiver(FreeEndpoint(), {});
+  Receiver receiver = MakeReceiver(testing::FreeLoopbackEndpoint(), {});
   ASSERT_NE(receiver.listener, nullptr);
   EXPECT_STATUS(FailedPrecondition, receiver.listener->Start());
   EXPECT_STATUS(
@@ -618,7 +552,7 @@ TEST_F(ZmqTransportTest, ARelaySealsAProducersStreamAtItsFlush) {
   auto late = SenderFor(step, endpoints);
   ASSERT_NE(late, nullptr);
   EXPECT_STATUS_MSG(FailedPrecondition, "sealed", late->Send(2, step.payloads[2]));
-  RawClient child(endpoints[2]);
+  testing::RawZmqClient child(endpoints[2]);
   child.Send({"refit-zmq/1", "DATA", "", U32(0),
               std::string(reinterpret_cast<const char*>(step.payloads[2].data()),
                           step.payloads[2].size())});
@@ -849,14 +783,16 @@ TEST_F(ZmqTransportTest, BadCurveKeyFilesAreInvalidArgumentNamingTheParameterAnd
     SCOPED_TRACE(c.what);
     ASSERT_OK_AND_ASSIGN(auto transport, MakeZmq(c.params));
     const Status status =
-        c.listener ? transport->MakeListener(ListenerContext{FreeEndpoint(), {}}, sink).status()
-                   : transport
-                         ->MakeSender(SenderContext{step.plan.transfer_id,
-                                                    0,
-                                                    step.plan.base_version,
-                                                    step.plan.target_version,
-                                                    {FreeEndpoint()}})
-                         .status();
+        c.listener
+            ? transport->MakeListener(ListenerContext{testing::FreeLoopbackEndpoint(), {}}, sink)
+                  .status()
+            : transport
+                  ->MakeSender(SenderContext{step.plan.transfer_id,
+                                             0,
+                                             step.plan.base_version,
+                                             step.plan.target_version,
+                                             {testing::FreeLoopbackEndpoint()}})
+                  .status();
     EXPECT_STATUS(InvalidArgument, status);
     for (const std::string& part : c.message_parts) {
       EXPECT_NE(status.message().find(part), std::string::npos)
@@ -875,14 +811,14 @@ TEST_F(ZmqTransportTest, BadCurveKeyFilesAreInvalidArgumentNamingTheParameterAnd
 
 TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead) {
   ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
-  const std::string endpoint = FreeEndpoint();
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(endpoint, {}, keyed.get());
   ASSERT_NE(receiver.listener, nullptr);
   const Step step = EncodeStep(1, 0);
   Prepare(receiver, step);
   const std::string payload0(reinterpret_cast<const char*>(step.payloads[0].data()),
                              step.payloads[0].size());
-  RawClient client(endpoint);
+  testing::RawZmqClient client(endpoint);
   const auto expect_nack = [&](const std::vector<std::string>& request, StatusCode code,
                                const std::string& what) {
     SCOPED_TRACE(what);
@@ -926,7 +862,7 @@ TEST_F(ZmqTransportTest, ARefusalMadeBeforeTheIdsAreReadReachesTheSender) {
   cramped_options.limits.max_payload_bytes = smallest - 1;
   ASSERT_OK_AND_ASSIGN(auto roomy, MakeTransport(uri));
   ASSERT_OK_AND_ASSIGN(auto cramped, MakeTransport(uri, cramped_options));
-  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(2);
   Receiver relay0 = MakeReceiver(endpoints[0], endpoints, roomy.get());
   Receiver relay1 = MakeReceiver(endpoints[1], endpoints, cramped.get());
   ASSERT_NE(relay0.listener, nullptr);
@@ -952,7 +888,7 @@ TEST_F(ZmqTransportTest, ARefusalMadeBeforeTheIdsAreReadReachesTheSender) {
 TEST_F(ZmqTransportTest, ARetryAfterAFailedForwardReachesTheChildThatWasDown) {
   // Relays give up on a silent child after one attempt of 300 ms.
   ASSERT_OK_AND_ASSIGN(auto impatient, MakeTransport("zmq://?timeout_ms=300&retries=0"));
-  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(2);
   const Step step = EncodeStep(1, 0);
   Receiver root = MakeReceiver(endpoints[0], endpoints, impatient.get());
   ASSERT_NE(root.listener, nullptr);
@@ -1026,7 +962,7 @@ class GatedSink final : public PayloadSink {
 };
 
 TEST_F(ZmqTransportTest, ADuplicateOfAPayloadBeingForwardedWaitsForTheSubtree) {
-  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(2);
   const Step step = EncodeStep(1, 0);
   Receiver root = MakeReceiver(endpoints[0], endpoints);
   ASSERT_NE(root.listener, nullptr);
@@ -1110,7 +1046,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
   // Requests in flight at once: well below ZeroMQ's default high-water mark (1000 messages),
   // beyond which a ROUTER drops replies.
   constexpr uint32_t kBatch = 500;
-  const std::string endpoint = FreeEndpoint();
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(endpoint, {});
   ASSERT_NE(receiver.listener, nullptr);
   const Step step = EncodeStep(1, 0);
@@ -1121,7 +1057,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
     return std::vector<std::string>{"refit-zmq/1", "FLUSH",       "",    U32(0),
                                     transfer,      U32(producer), U32(0)};
   };
-  RawClient client(endpoint);
+  testing::RawZmqClient client(endpoint);
   uint32_t acked = 0;
   for (uint32_t first = 0; first < kMaxProducers; first += kBatch) {
     const uint32_t end = std::min(first + kBatch, kMaxProducers);
@@ -1161,7 +1097,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
 }
 
 TEST_F(ZmqTransportTest, ARelayBoundOnEveryInterfaceIsReachedAtItsAdvertisedEndpoint) {
-  const std::vector<std::string> endpoints = FreeEndpoints(2);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(2);
   std::vector<Receiver> relays;
   relays.push_back(MakeReceiver(endpoints[0], endpoints, nullptr, "0.0.0.0"));
   relays.push_back(MakeReceiver(endpoints[1], endpoints));
@@ -1186,7 +1122,8 @@ TEST_F(ZmqTransportTest, BindAddressesAreCheckedAndOnlyZmqTakesOne) {
     SCOPED_TRACE(bad);
     EXPECT_STATUS_MSG(
         InvalidArgument, "bind address",
-        transport_->MakeListener(ListenerContext{FreeEndpoint(), {}, bad}, sink).status());
+        transport_->MakeListener(ListenerContext{testing::FreeLoopbackEndpoint(), {}, bad}, sink)
+            .status());
   }
   ASSERT_OK_AND_ASSIGN(auto inproc, MakeTransport("inproc://zmq-bind-test"));
   EXPECT_STATUS_MSG(InvalidArgument, "bind address",
