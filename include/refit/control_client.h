@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
 #include "refit/payload.h"
 #include "refit/receiver_session.h"
@@ -46,6 +47,12 @@ struct ControlClientOptions {
   std::string tls_ca_cert_path;
   /// HTTPS: verify the server's certificate and host name. Turn off only for tests.
   bool tls_verify = true;
+  /// Carry the JSON routes (prepare, flush, commit, abort, status) some other way than HTTP: an
+  /// MPI communicator (mpi://, refit/control_message.h). `base_url` then only names the receiver
+  /// in errors (e.g. "mpi://rank/3"), and the bulk routes (SendPayload, GetTensor, manifests)
+  /// fail with FailedPrecondition: the carrier's transport moves payloads itself. Connection
+  /// retries are the carrier's business. (Last, with an initializer.)
+  ControlCarrier carrier = nullptr;
 };
 
 /// What GET /v1/status reports.

@@ -44,6 +44,7 @@
 #include <string>
 #include <string_view>
 
+#include "refit/control_message.h"
 #include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/weight_store.h"
@@ -162,6 +163,14 @@ class ControlServer {
   uint16_t port() const;
   /// "http://<bind address>:<port>" or "https://…"; empty before Start.
   std::string base_url() const;
+
+  /// Answer one request of a JSON route (POST prepare, flush, commit, abort; GET status, healthz)
+  /// that came some other way than HTTP: the control channel of a transport that carries its own
+  /// (mpi://, refit/control_message.h). Same validation, limits, session and metrics as over
+  /// HTTP; no API key is checked, since the carrier (an MPI communicator) is the job's own trust
+  /// boundary. Other routes answer 404. Works before Start and after Stop (the session decides).
+  /// Thread-safe; a Flush blocks for up to its timeout.
+  ControlReply Serve(const ControlRequest& request);
 
  private:
   struct Impl;

@@ -38,9 +38,10 @@ struct MpiGroupOptions {
 /// communicator. Collective: every rank of the communicator must call it, and it blocks (with
 /// no deadline) until they all have.
 ///
-/// Initializes MPI (MPI_Init_thread with MPI_THREAD_SERIALIZED: the group's calls may come from
-/// any one thread at a time) unless the caller already did; finalizing is the caller's business,
-/// after every group is destroyed.
+/// Initializes MPI (MPI_Init_thread asking for MPI_THREAD_MULTIPLE, which an mpi:// transport in
+/// the same process needs; the group itself needs only MPI_THREAD_SERIALIZED: its calls may come
+/// from any one thread at a time) unless the caller already did; finalizing is the caller's
+/// business, after every group is destroyed (FinalizeMpi in refit/mpi.h).
 ///
 /// Thread-safety: as ProducerGroup. If the caller initialized MPI with less than
 /// MPI_THREAD_SERIALIZED, the group must be used from the thread MPI allows.

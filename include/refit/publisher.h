@@ -54,7 +54,9 @@ struct PublisherOptions {
   ProducerStreamOptions stream;
   /// The transport every rank sends its payloads through (each rank makes its own).
   std::string transport_uri = "zmq://";
-  /// Rank 0: the fleet. Other ranks ignore it and learn the data endpoints from rank 0.
+  /// Rank 0: the fleet. Other ranks ignore it and learn the data endpoints from rank 0. Empty
+  /// with a transport that carries its own control channel (mpi://): every receiver of the job,
+  /// reached on the job's communicator.
   std::vector<PublisherReceiver> receivers;
   /// Rank 0: how to reach the control planes (api key, TLS, timeouts); base_url is set per
   /// receiver.

@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
 #include "refit/payload.h"
 #include "refit/receiver_session.h"
@@ -107,6 +108,11 @@ struct TransportCapabilities {
   /// Finish carries each producer's payload count to every listener's sink (PayloadSink::
   /// EndOfStream), so receivers learn the expectation without the control plane.
   bool reports_stream_end = false;
+  /// The transport carries the control plane too (mpi://: the prepare/flush/commit/abort calls
+  /// travel on the job's communicator): the coordinator reaches the receivers through
+  /// Transport::ListReceivers, and each receiver's Listener answers them with
+  /// ListenerContext::control_handler. No HTTP is needed. (Last, with an initializer.)
+  bool carries_control = false;
 
   friend bool operator==(const TransportCapabilities&, const TransportCapabilities&) = default;
 };
@@ -138,6 +144,9 @@ struct SenderContext {
   /// of each receiver). Transports without fan_out_tree deliver to every one; a relay tree sends
   /// to one root and lets the relays forward. At least one.
   std::vector<std::string> endpoints;
+  /// The transfer is an anchor (FULL): mpi:// labels its messages `full` instead of `delta`.
+  /// (Last, with an initializer.)
+  bool anchor = false;
 };
 
 /// Sends the payloads of one producer's share of one transfer.
@@ -230,6 +239,10 @@ struct ListenerContext {
   /// relays use. Transports that do not bind (inproc, file) refuse a non-empty value.
   /// (Last, with an initializer, so that `ListenerContext{endpoint, peers}` stays valid.)
   std::string bind_address = {};
+  /// For transports with carries_control: how this receiver answers the control requests that
+  /// arrive on the transport (ControlServer::Serve), for as long as the listener runs. Other
+  /// transports ignore it.
+  ControlHandler control_handler = nullptr;
 };
 
 /// A failed delivery, kept by the transport for a later attempt or for an operator.
@@ -307,6 +320,16 @@ class Listener {
 
 // ---- Transports and their registry ------------------------------------------------------------
 
+/// A receiver as a transport with its own control channel knows it (carries_control).
+struct TransportReceiver {
+  /// How errors and reports name it, e.g. "mpi://rank/3".
+  std::string name;
+  /// What SenderContext::endpoints lists for it.
+  std::string data_endpoint;
+  /// Its control channel, for ControlClientOptions::carrier.
+  ControlCarrier carrier;
+};
+
 /// One configured transport: a factory of senders and listeners. As a TransferObserver (the
 /// coordinator's CoordinatorOptions::observer), it learns what became of the transfers it
 /// carried; the built-ins other than s3:// keep nothing per transfer and ignore it.
@@ -329,6 +352,11 @@ class Transport : public TransferObserver {
   /// Errors: InvalidArgument (a malformed endpoint, peers for a transport without relays).
   virtual Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
                                                          PayloadSink& sink) = 0;
+
+  /// Transports with carries_control: every receiver of the job, in order, with its control
+  /// channel. Errors: FailedPrecondition for other transports, and on a rank that does not
+  /// coordinate (mpi://: producers other than 0, receivers).
+  virtual Result<std::vector<TransportReceiver>> ListReceivers();
 
  protected:
   explicit Transport(TransportUri uri) : uri_(std::move(uri)) {}

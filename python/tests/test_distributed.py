@@ -13,7 +13,8 @@ import refit.torch as rt
 
 RANK = textwrap.dedent(
     """
-    import json, os, sys
+    import faulthandler, json, os, sys
+    faulthandler.enable()  # a crash prints every thread's Python stack
     import torch, torch.distributed as dist
     import refit, refit.torch as rt
     rank, world, init, receivers, die_at = int(sys.argv[1]), 2, sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
@@ -38,6 +39,10 @@ RANK = textwrap.dedent(
         print(json.dumps({"rank": rank, "step": step, "version": report.version, "payloads": report.payloads,
                           "world": report.world_size}), flush=True)
     torch.save(model, os.environ["REFIT_TEST_OUT"] + f".{rank}")
+    # Tear down in order, as a trainer should: the publisher (its group's callables hold the
+    # process group), then torch.distributed, rather than leave both to interpreter shutdown.
+    del publisher
+    dist.destroy_process_group()
     """
 )
 

@@ -114,7 +114,6 @@ constexpr std::pair<std::string_view, std::string_view> kUpstreamOnlyKeys[] = {
     {"verify_samples_per_payload",
      "refit verifies the whole model state by digests at every flush, so sampled checks have no "
      "counterpart"},
-    {"delta_compression.enabled", "refit always sends deltas after the first anchor"},
     {"delta_compression.delta_load_batch_size_bytes",
      "a refit receiver applies each payload in place, with no dense delta batches to size"},
     {"tuning.apply_batch_size",
@@ -595,6 +594,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        [&](R& r, const N& v, const W& w) {
          return r.ReadStringList(v, w, &delta.overwrite_names);
        }},
+      {"enabled", [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &delta.enabled); }},
   };
   const KeySpec baseline_keys[] = {
       {"in_memory",
@@ -799,7 +799,8 @@ TrackerOptions ToTrackerOptions(const RefitConfig& config) {
   options.baseline_storage =
       config.baseline.in_memory ? BaselineStorage::kMemory : BaselineStorage::kFile;
   options.baseline_dir = config.baseline.mmap_dir;
-  options.full_sync_interval = delta.full_sync_interval;
+  // Without delta compression every transfer is an anchor.
+  options.full_sync_interval = delta.enabled ? delta.full_sync_interval : 1;
   options.op = delta.encoding;
   options.add_delta_dtype = delta.dtype;
   options.overwrite_names = delta.overwrite_names;

@@ -40,6 +40,9 @@ struct DeltaCompressionConfig {
   int zstd_level = PayloadEncodeOptions{}.zstd_level;
   /// `overwrite_names`: tensors always sent as OVERWRITE in delta transfers.
   std::vector<std::string> overwrite_names;
+  /// `enabled` (upstream's name): false sends every transfer as an anchor (FULL), the dense
+  /// path, as full_sync_interval 1 does.
+  bool enabled = true;
 };
 
 /// `baseline:` — where the producer keeps the last committed weights.

@@ -18,6 +18,7 @@
 #include "config.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
+#include "mpi_demo.h"
 #include "progress.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
@@ -90,6 +91,24 @@ nlohmann::json StepJson(const StepRow& row, const RefitReport& full) {
 }
 
 Status RunDemo(const DemoArgs& args) {
+  if (args.transport.starts_with("mpi://")) {
+    if (!args.config.empty()) {
+      return InvalidArgument("demo: --config is not supported with --transport mpi:// (yet)");
+    }
+    MpiDemoSettings settings;
+    settings.transport = args.transport;
+    REFIT_ASSIGN_OR_RETURN(settings.model_bytes, ParseByteSize(args.model_bytes));
+    settings.dtype = args.dtype;
+    settings.op = args.op;
+    settings.steps = args.steps;
+    settings.densities = args.densities;
+    settings.receivers = static_cast<uint32_t>(args.receivers);
+    settings.producers = args.producers;
+    settings.seed = args.seed;
+    settings.threads = args.threads;
+    settings.json = args.json;
+    return RunMpiDemo(settings);
+  }
   SimulatorOptions sim_options;
   REFIT_ASSIGN_OR_RETURN(sim_options.export_dtype, ParseDType(args.dtype));
   REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, ParseByteSize(args.model_bytes));
@@ -254,7 +273,9 @@ void RegisterDemo(CLI::App& app, Status* result) {
   cmd->add_flag("--json", args->json, "One JSON metrics line per step instead of the table");
   cmd->add_option("--transport", args->transport,
                   "Send through this s3:// URI instead of the zmq:// relay tree, e.g. "
-                  "'s3://bucket/run?endpoint=http://127.0.0.1:7480' (credentials from "
+                  "'s3://bucket/run?endpoint=http://127.0.0.1:7480', or run the demo as an MPI "
+                  "job with mpi:// (it starts mpirun with producers + receivers ranks). s3: "
+                  "credentials from "
                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; add chain=1 to keep a chain that "
                   "`refit serve --bootstrap` replays)");
   cmd->callback([args, result] { *result = RunDemo(*args); });

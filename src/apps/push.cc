@@ -18,9 +18,14 @@
 #include "progress.h"
 #include "refit/control_client.h"
 #include "refit/environment.h"
+#if REFIT_HAVE_MPI
+#include "refit/mpi.h"
+#include "refit/mpi_producer_group.h"
+#endif
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
+#include "refit/transport.h"
 
 namespace refit::cli {
 namespace {
@@ -47,6 +52,11 @@ struct PushArgs {
   bool threads_given = false;
 };
 
+// Whether `uri` names the collective transport, whose job knows the ranks and the receivers.
+bool IsMpiUri(std::string_view uri) {
+  return uri.starts_with("mpi://") || uri.find("+mpi://") != std::string_view::npos;
+}
+
 // The configuration file (or the defaults) with the flags applied on top.
 Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
   RefitConfig config;
@@ -71,12 +81,12 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
       config.receivers.push_back({spec.substr(0, equals), spec.substr(equals + 1)});
     }
   }
-  if (config.receivers.empty() && leader) {
+  if (args.transport_given) config.transport = args.transport;
+  if (config.receivers.empty() && leader && !IsMpiUri(config.transport)) {
     return InvalidArgument(
         "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
-        "file with a receivers list");
+        "file with a receivers list (or run under mpirun with --transport mpi://)");
   }
-  if (args.transport_given) config.transport = args.transport;
   if (!args.api_key_env.empty()) config.http_refit_api_key_env_var = args.api_key_env;
   if (args.threads_given) {
     config.tuning.encode_workers = args.threads;
@@ -221,10 +231,43 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
   }
 }
 
+// Under mpirun with mpi://: this process is producer `info.index` of the job; its group is the
+// job's producer ranks, and the receivers are the job's other ranks.
+struct MpiRank {
+  bool active = false;
+  uint32_t index = 0;
+};
+
+Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
+  if (!IsMpiUri(transport_uri)) return MpiRank{};
+#if REFIT_HAVE_MPI
+  // Making the transport joins the job with the URI's layout (collective over the world).
+  REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> joined, MakeTransport(transport_uri));
+  REFIT_ASSIGN_OR_RETURN(const MpiJobInfo info, CurrentMpiJob());
+  if (!info.producer) {
+    return InvalidArgument(
+        "push: rank {} is receiver {} of the MPI job ({} producer rank(s)): run `refit serve` on "
+        "the receiver ranks (mpirun -np P refit push … : -np R refit serve …)",
+        info.rank, info.index, info.producers);
+  }
+  return MpiRank{true, info.index};
+#else
+  return FailedPrecondition("push: this refit was built without MPI: mpi:// is not available");
+#endif
+}
+
 Status RunPush(const PushArgs& args) {
-  const bool leader = args.rank == 0;
+  RefitConfig resolved;
+  { REFIT_ASSIGN_OR_RETURN(resolved, ResolveConfig(args, /*leader=*/false)); }
+  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, ToTransportUri(resolved));
+  REFIT_ASSIGN_OR_RETURN(const MpiRank mpi, JoinMpiIfAsked(transport_uri));
+  if (mpi.active && (!args.group.empty() || args.producers != 1)) {
+    return InvalidArgument(
+        "push: under mpi:// the producers are the job's first ranks (mpi://?producers=P): "
+        "--group and --producers do not apply");
+  }
+  const bool leader = mpi.active ? mpi.index == 0 : args.rank == 0;
   REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader));
-  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, ToTransportUri(config));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
                          SafetensorsFile::Open(args.checkpoint));
   const std::vector<TensorView> model = checkpoint->tensors();
@@ -243,7 +286,10 @@ Status RunPush(const PushArgs& args) {
   options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
   std::string api_key;
   std::optional<uint64_t> fleet_version;
-  if (leader) {
+  if (leader && mpi.active) {
+    // The receivers are the job's ranks, asked at Sync; the first Sync takes their version.
+    options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
+  } else if (leader) {
     for (const ReceiverConfig& receiver : config.receivers) {
       options.receivers.push_back({receiver.control, receiver.data});
       REFIT_ASSIGN_OR_RETURN(options.control, ToControlClientOptions(config, receiver));
@@ -256,8 +302,18 @@ Status RunPush(const PushArgs& args) {
     REFIT_ASSIGN_OR_RETURN(
         api_key, SecretFromEnvironment(config.http_refit_api_key_env_var, "--api-key-env"));
   }
-  REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<ProducerGroup>> groups,
-                         MakeGroups(args, api_key));
+  std::vector<std::unique_ptr<ProducerGroup>> groups;
+  if (mpi.active) {
+#if REFIT_HAVE_MPI
+    REFIT_ASSIGN_OR_RETURN(const MpiJobInfo info, CurrentMpiJob());
+    MpiGroupOptions group_options;
+    group_options.communicator = info.producer_communicator;
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerGroup> group, MakeMpiGroup(group_options));
+    groups.push_back(std::move(group));
+#endif
+  } else {
+    REFIT_ASSIGN_OR_RETURN(groups, MakeGroups(args, api_key));
+  }
   std::vector<std::unique_ptr<Publisher>> publishers;
   for (std::unique_ptr<ProducerGroup>& group : groups) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
@@ -280,6 +336,17 @@ Status RunPush(const PushArgs& args) {
     }
     results[0] = publishers[0]->Sync(model, anchor);
   }
+#if REFIT_HAVE_MPI
+  if (mpi.active) {
+    // The job ends with this push: the receivers' `refit serve` exit once every producer closed.
+    publishers.clear();
+    groups.clear();
+    const Status closed = CloseMpiJob();
+    FinalizeMpi();
+    REFIT_RETURN_NOT_OK(results[0].status());
+    REFIT_RETURN_NOT_OK(closed);
+  }
+#endif
   REFIT_RETURN_NOT_OK(results[0].status());
   uint64_t model_bytes = 0;
   for (const TensorView& tensor : model) model_bytes += tensor.bytes.size();

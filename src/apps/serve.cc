@@ -7,6 +7,7 @@
 // from a versioned chain (refit/s3_chain.h). At shutdown the node rolls an open transfer back to
 // the committed version bit-exactly.
 #include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -33,7 +35,11 @@
 #include "refit/loader.h"
 #include "refit/logging.h"
 #include "refit/receiver_node.h"
+#include "refit/safetensors.h"
 #include "refit/transport.h"
+#if REFIT_HAVE_MPI
+#include "refit/mpi.h"
+#endif
 
 namespace refit::cli {
 namespace {
@@ -77,6 +83,9 @@ struct ServeSettings {
   std::optional<uint64_t> version;
   /// Written atomically once both planes listen; removed at a clean shutdown.
   std::string ready_file;
+  /// Where to write the weights held at a clean shutdown (safetensors, with their version):
+  /// what an MPI job's receivers keep when the job ends. Empty: nothing is written.
+  std::string save_on_exit;
   /// An s3:// chain to catch up from before serving (empty: serve the model as loaded).
   std::string bootstrap_uri;
   /// A loader spec (YAML) mapping canonical tensors onto this receiver's (e.g. one TP shard).
@@ -170,6 +179,7 @@ sigset_t BlockShutdownSignals() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGUSR1);
   // The mask is never restored: serve is the process's last act, and unblocking after shutdown
   // would let a second signal kill the process before it reports how it ended.
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
@@ -208,6 +218,9 @@ Status RunServe(const ServeSettings& settings) {
   // The flags a data plane needs depend on its kind (a relay tree binds a data port).
   REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> kind, MakeTransport(uri));
   const bool relay = kind->capabilities().fan_out_tree;
+  // A collective (mpi://): this process is one receiver rank of an MPI job, which ends when the
+  // producers close it.
+  const bool collective = kind->capabilities().carries_control;
   REFIT_RETURN_NOT_OK(CheckSettings(settings, relay));
 
   ReceiverNodeOptions options;
@@ -219,6 +232,19 @@ Status RunServe(const ServeSettings& settings) {
   }
   options.place.replica = settings.replica;
   options.transport_uri = uri.ToString();
+#if REFIT_HAVE_MPI
+  if (collective) {
+    REFIT_ASSIGN_OR_RETURN(const MpiJobInfo info, CurrentMpiJob());
+    if (info.producer) {
+      return InvalidArgument(
+          "serve: rank {} is producer {} of the MPI job: run `refit push` on the first {} "
+          "rank(s) (mpirun -np P refit push … : -np R refit serve …)",
+          info.rank, info.index, info.producers);
+    }
+    // The job's layout says where this rank sits (mpi://?shard_group=G), unless --replica does.
+    if (settings.replica.empty()) options.place = info.place;
+  }
+#endif
   if (relay) {
     options.data_endpoint = fmt::format("{}:{}", AdvertisedHost(settings), settings.data_port);
     if (!settings.peers.empty() &&
@@ -285,7 +311,10 @@ Status RunServe(const ServeSettings& settings) {
       relay ? fmt::format("{} ({} relay{})", node->producer_endpoint(),
                           std::max<size_t>(settings.peers.size(), 1),
                           settings.peers.size() > 1 ? "s" : "")
-            : fmt::format("{}://{} (manifests on the control plane)", uri.scheme, uri.target);
+      : collective
+          ? fmt::format("{} (an MPI job: payloads and control on its communicator)",
+                        node->producer_endpoint())
+          : fmt::format("{}://{} (manifests on the control plane)", uri.scheme, uri.target);
   const std::string place =
       options.place.replica.empty() && !options.loader.has_value()
           ? std::string()
@@ -296,12 +325,25 @@ Status RunServe(const ServeSettings& settings) {
               tensors, place.c_str());
   std::fflush(stdout);
 
+  // An MPI job ends when its producers close it: a thread waits for that and wakes the sigwait
+  // below with SIGUSR1 (blocked like the others, so it is only ever taken here).
+  std::jthread job_end;
+#if REFIT_HAVE_MPI
+  if (collective) {
+    job_end = std::jthread([](const std::stop_token& stop) {
+      if (WaitForMpiJobEnd(stop).ok()) kill(getpid(), SIGUSR1);
+    });
+  }
+#endif
   int signal_number = 0;
   if (const int error = sigwait(&shutdown_signals, &signal_number); error != 0) {
     return Internal("serve: sigwait: {}", std::strerror(error));
   }
-  const std::string_view signal_name = signal_number == SIGTERM ? "SIGTERM" : "SIGINT";
+  const std::string_view signal_name = signal_number == SIGTERM  ? "SIGTERM"
+                                       : signal_number == SIGINT ? "SIGINT"
+                                                                 : "the end of the MPI job";
   ServeLogger().info("serve: {} received; shutting down", signal_name);
+  job_end.request_stop();
   const ReceiverStatus open = node->status();
   if (open.state != ReceiverState::kIdle) {
     ServeLogger().warn(
@@ -311,7 +353,18 @@ Status RunServe(const ServeSettings& settings) {
         open.applied_payloads, open.base_version);
   }
   node->Stop();
+#if REFIT_HAVE_MPI
+  if (collective) FinalizeMpi();
+#endif
   if (!settings.ready_file.empty()) std::remove(settings.ready_file.c_str());
+  if (!settings.save_on_exit.empty()) {
+    const uint64_t held = node->store().version();
+    REFIT_RETURN_NOT_OK(WriteSafetensors(settings.save_on_exit, node->store().tensors(),
+                                         {{kWeightVersionMetadataKey, std::to_string(held)}})
+                            .WithContext("serve: --save-on-exit"));
+    std::printf("refit serve: wrote version %llu to %s\n", static_cast<unsigned long long>(held),
+                settings.save_on_exit.c_str());
+  }
   std::printf("refit serve: clean shutdown on %s at version %llu\n",
               std::string(signal_name).c_str(),
               static_cast<unsigned long long>(node->store().version()));
@@ -438,6 +491,9 @@ void RegisterServe(CLI::App& app, Status* result) {
   cmd->add_option("--ready-file", settings->ready_file,
                   "Write {pid, control_url, data_endpoint, version, tensors} as JSON here once "
                   "both planes listen; removed at a clean shutdown");
+  cmd->add_option("--save-on-exit", settings->save_on_exit,
+                  "Write the weights held at a clean shutdown to this safetensors file, with "
+                  "their version (what an MPI job's receivers keep when the job ends)");
   cmd->callback([cmd, config_path, settings, result] {
     if (config_path->empty()) {
       *result = RunServe(*settings);
@@ -468,6 +524,7 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--max-payload-bytes")) merged.max_payload_bytes = flags.max_payload_bytes;
     if (given("--version")) merged.version = flags.version;
     if (given("--ready-file")) merged.ready_file = flags.ready_file;
+    if (given("--save-on-exit")) merged.save_on_exit = flags.save_on_exit;
     if (given("--bootstrap")) merged.bootstrap_uri = flags.bootstrap_uri;
     if (given("--loader")) merged.loader_path = flags.loader_path;
     if (given("--replica")) merged.replica = flags.replica;

@@ -283,6 +283,14 @@ struct ControlClient::Impl {
     return PostText(path, internal::DumpJson(body), internal::kJsonContentType, server_time);
   }
   Result<Json> GetJson(std::string_view path);
+  // The same exchange through options.carrier instead of HTTP.
+  Result<Json> Carry(std::string_view method, std::string_view path, std::string body,
+                     std::chrono::milliseconds server_time);
+  // FailedPrecondition for the bulk routes, which a carrier does not take.
+  Status RefuseBulk(std::string_view what) const {
+    return FailedPrecondition("{}: {} is not carried by the control channel of this transport",
+                              base_url, what);
+  }
   std::string Path(std::string_view route) const { return url.prefix + std::string(route); }
 };
 
@@ -383,9 +391,21 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
   return last_error;
 }
 
+Result<Json> ControlClient::Impl::Carry(std::string_view method, std::string_view path,
+                                        std::string body, std::chrono::milliseconds server_time) {
+  const std::string what = fmt::format("{} {} {}", base_url, method, path);
+  Result<ControlReply> reply =
+      options.carrier(ControlRequest{std::string(method), std::string(path), std::move(body)},
+                      options.timeout + server_time);
+  if (!reply.ok()) return reply.status().WithContext(what);
+  if (reply->status != kHttpOk) return ErrorFromResponse(reply->status, reply->body, what);
+  return ParseSuccessBody(reply->body, fmt::format("{} {}", method, path));
+}
+
 Result<Json> ControlClient::Impl::PostText(std::string_view path, const std::string& text,
                                            std::string_view content_type,
                                            std::chrono::milliseconds server_time) {
+  if (options.carrier) return Carry("POST", path, text, server_time);
   const std::string full_path = Path(path);
   REFIT_ASSIGN_OR_RETURN(const Reply reply,
                          Call(
@@ -402,6 +422,7 @@ Result<Json> ControlClient::Impl::PostText(std::string_view path, const std::str
 }
 
 Result<Json> ControlClient::Impl::GetJson(std::string_view path) {
+  if (options.carrier) return Carry("GET", path, std::string(), std::chrono::milliseconds(0));
   const std::string full_path = Path(path);
   REFIT_ASSIGN_OR_RETURN(const Reply reply,
                          Call(fmt::format("GET {}", path),
@@ -430,6 +451,11 @@ Result<std::unique_ptr<ControlClient>> ControlClient::Make(const ControlClientOp
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (options.carrier) {
+    if (options.base_url.empty()) return InvalidArgument("control client: a carrier needs a name");
+    impl->base_url = options.base_url;
+    return std::unique_ptr<ControlClient>(new ControlClient(std::move(impl)));
+  }
   REFIT_ASSIGN_OR_RETURN(impl->url, ParseBaseUrl(options.base_url));
   impl->base_url = impl->url.origin + impl->url.prefix;
   return std::unique_ptr<ControlClient>(new ControlClient(std::move(impl)));
@@ -482,6 +508,7 @@ Status ControlClient::Abort(const TransferId& id) {
 }
 
 Result<StageResult> ControlClient::SendPayload(std::span<const std::byte> payload) {
+  if (impl_->options.carrier) return impl_->RefuseBulk("POST /v1/payload");
   const std::string path = impl_->Path(internal::kPayloadPath);
   const std::string what = fmt::format("POST {}", internal::kPayloadPath);
   REFIT_ASSIGN_OR_RETURN(
@@ -516,6 +543,7 @@ Result<StageResult> ControlClient::AnnounceManifest(std::string_view manifest,
   if (stage_time.count() < 0) {
     return InvalidArgument("manifest stage time {} ms is negative", stage_time.count());
   }
+  if (impl_->options.carrier) return impl_->RefuseBulk("POST /v1/manifest");
   // The server fetches and stages the payload before it answers.
   REFIT_ASSIGN_OR_RETURN(const Json reply,
                          impl_->PostText(internal::kManifestPath, std::string(manifest),
@@ -539,6 +567,7 @@ Result<ControlStatus> ControlClient::GetStatus() {
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
 
 Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
+  if (impl_->options.carrier) return impl_->RefuseBulk("GET /v1/tensors");
   const std::string route =
       std::string(internal::kTensorsPathPrefix) + internal::PercentEncode(name);
   const std::string path = impl_->Path(route);

@@ -292,6 +292,12 @@ struct ControlServer::Impl {
   void PostJson(std::string_view path, std::span<const std::string_view> fields,
                 JsonHandler handler);
 
+  // Parse `text`, check its fields and run `handler`: the JSON routes' common part, for HTTP and
+  // for other carriers (Serve).
+  Result<Json> RunJson(std::string_view text, std::span<const std::string_view> fields,
+                       const JsonHandler& handler);
+  ControlReply Serve(const ControlRequest& request);
+
   Result<Json> Prepare(const JsonFields& body);
   Result<Json> Flush(const JsonFields& body);
   Result<Json> Commit(const JsonFields& body);
@@ -330,15 +336,68 @@ void ControlServer::Impl::PostJson(std::string_view path, std::span<const std::s
                const uint64_t limit = JsonLimit(reason);
                Status read = ReadBody(request, response, reader, limit, text, reason);
                if (!read.ok()) return ReplyError(response, read);
-               Result<Json> body = internal::ParseJson(text, "request body");
-               if (!body.ok()) return ReplyError(response, body.status());
-               const JsonFields body_fields(*body, "request body");
-               Status checked = body_fields.CheckObject(fields);
-               if (!checked.ok()) return ReplyError(response, checked);
-               Result<Json> reply = handler(body_fields);
+               Result<Json> reply = RunJson(text, fields, handler);
                if (!reply.ok()) return ReplyError(response, reply.status());
                ReplyJson(response, kHttpOk, *reply);
              }));
+}
+
+Result<Json> ControlServer::Impl::RunJson(std::string_view text,
+                                          std::span<const std::string_view> fields,
+                                          const JsonHandler& handler) {
+  REFIT_ASSIGN_OR_RETURN(const Json body, internal::ParseJson(text, "request body"));
+  const JsonFields body_fields(body, "request body");
+  REFIT_RETURN_NOT_OK(body_fields.CheckObject(fields));
+  return handler(body_fields);
+}
+
+ControlReply ControlServer::Impl::Serve(const ControlRequest& request) {
+  const auto reply = [](const Result<Json>& result) {
+    if (!result.ok()) {
+      return ControlReply{internal::HttpStatusFor(result.status().code()),
+                          internal::DumpJson(internal::ErrorBody(result.status()))};
+    }
+    return ControlReply{kHttpOk, internal::DumpJson(*result)};
+  };
+  // Exceptions (bad_alloc) become a 500 here as they do for HTTP: none may reach the carrier.
+  try {
+    if (request.method == "GET" && request.path == internal::kStatusPath) {
+      return reply(StatusBody());
+    }
+    if (request.method == "GET" && request.path == internal::kHealthPath) {
+      return reply(Json{{"ok", true}});
+    }
+    struct JsonRoute {
+      std::string_view path;
+      std::span<const std::string_view> fields;
+      Result<Json> (Impl::*handler)(const JsonFields&);
+    };
+    const JsonRoute routes[] = {
+        {internal::kPreparePath, internal::kPrepareFields, &Impl::Prepare},
+        {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
+        {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
+        {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort}};
+    for (const JsonRoute& route : routes) {
+      if (request.method != "POST" || request.path != route.path) continue;
+      std::string reason;
+      const uint64_t limit = JsonLimit(reason);
+      if (request.body.size() > limit) {
+        return reply(ResourceExhausted("{} {}: the body of {} bytes exceeds the limit of {}{}",
+                                       request.method, request.path, request.body.size(), limit,
+                                       reason));
+      }
+      return reply(RunJson(request.body, route.fields, [this, &route](const JsonFields& body) {
+        return (this->*route.handler)(body);
+      }));
+    }
+    return reply(NotFound("no route {} {} on the control channel", request.method, request.path));
+  } catch (const std::bad_alloc&) {
+    return reply(
+        ResourceExhausted("control request {} {}: out of memory", request.method, request.path));
+  } catch (const std::exception& error) {
+    return reply(Internal("control request {} {}: unexpected exception: {}", request.method,
+                          request.path, error.what()));
+  }
 }
 
 uint64_t ControlServer::Impl::JsonLimit(std::string& reason) {
@@ -840,6 +899,8 @@ void ControlServer::Stop() {
 }
 
 uint16_t ControlServer::port() const { return impl_->port; }
+
+ControlReply ControlServer::Serve(const ControlRequest& request) { return impl_->Serve(request); }
 
 std::string ControlServer::base_url() const {
   const uint16_t port = impl_->port;

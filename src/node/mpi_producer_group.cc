@@ -294,13 +294,14 @@ Result<std::unique_ptr<ProducerGroup>> MakeMpiGroup(const MpiGroupOptions& optio
   MPI_Initialized(&initialized);
   if (initialized == 0) {
     int provided = MPI_THREAD_SINGLE;
-    if (const int error = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (const int error = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
         error != MPI_SUCCESS) {
       return Unavailable("mpi group: MPI_Init_thread: {}", MpiErrorText(error));
     }
     if (provided < MPI_THREAD_SERIALIZED) {
       REFIT_LOG_WARN(
-          "mpi group: MPI provides thread level {} only (asked for MPI_THREAD_SERIALIZED): use "
+          "mpi group: MPI provides thread level {} only (the group needs MPI_THREAD_SERIALIZED): "
+          "use "
           "the group from the thread that initialized MPI",
           provided);
     }

@@ -256,6 +256,7 @@ struct PublisherRank {
     context.base_version = open->base_version;
     context.target_version = open->target_version;
     context.endpoints = endpoints;
+    context.anchor = open->anchor;
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender, transport->MakeSender(context));
     TransportSender* channel = sender.get();
     const PayloadSender send = [this, channel, deadline](uint32_t payload_id,
@@ -555,21 +556,35 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   std::vector<std::unique_ptr<ControlClient>> clients;
   std::vector<CoordinatedReceiver> receivers;
   std::vector<uint64_t> versions;
-  for (const PublisherReceiver& receiver : options.receivers) {
-    ControlClientOptions client_options = options.control;
-    client_options.base_url = receiver.control_url;
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
-                           ControlClient::Make(client_options));
-    Result<ControlStatus> status = client->GetStatus();
-    if (!status.ok()) return status.status().WithContext("receiver " + receiver.control_url);
-    versions.push_back(status->receiver.version);
-    receivers.push_back({receiver.control_url, client.get(), status->place});
-    clients.push_back(std::move(client));
-  }
-  const bool manifests = transport->capabilities().needs_manifest;
   std::vector<std::string> fleet;
-  for (const PublisherReceiver& receiver : options.receivers) {
-    fleet.push_back(manifests ? receiver.control_url : receiver.data_endpoint);
+  const TransportCapabilities caps = transport->capabilities();
+  // Each receiver's control plane: its HTTP server, or the transport's own control channel
+  // (mpi://), through the same client and the same JSON.
+  std::vector<ControlClientOptions> links;
+  if (options.receivers.empty() && caps.carries_control) {
+    REFIT_ASSIGN_OR_RETURN(std::vector<TransportReceiver> listed, transport->ListReceivers());
+    for (TransportReceiver& receiver : listed) {
+      ControlClientOptions link = options.control;
+      link.base_url = receiver.name;
+      link.carrier = std::move(receiver.carrier);
+      links.push_back(std::move(link));
+      fleet.push_back(receiver.data_endpoint);
+    }
+  } else {
+    for (const PublisherReceiver& receiver : options.receivers) {
+      ControlClientOptions link = options.control;
+      link.base_url = receiver.control_url;
+      links.push_back(std::move(link));
+      fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
+    }
+  }
+  for (const ControlClientOptions& link : links) {
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
+    Result<ControlStatus> status = client->GetStatus();
+    if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
+    versions.push_back(status->receiver.version);
+    receivers.push_back({link.base_url, client.get(), status->place});
+    clients.push_back(std::move(client));
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions));
   CoordinatorOptions coordinator_options;
@@ -662,9 +677,7 @@ struct Publisher::Impl : PublisherRank {};
 Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& options,
                                                    std::unique_ptr<ProducerGroup> group) {
   if (group == nullptr) return InvalidArgument("publisher: no producer group");
-  if (group->rank() == 0 && options.receivers.empty()) {
-    return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
-  }
+
   if (options.transfer_timeout.count() <= 0) {
     return InvalidArgument("publisher: transfer_timeout must be positive, got {} ms",
                            options.transfer_timeout.count());
@@ -681,6 +694,10 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   TransportOptions transport_options;
   transport_options.manifest_announcers = MakeControlManifestAnnouncers(options.control);
   REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(options.transport_uri, transport_options));
+  if (group->rank() == 0 && options.receivers.empty() &&
+      !impl->transport->capabilities().carries_control) {
+    return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+  }
   impl->group = std::move(group);
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }

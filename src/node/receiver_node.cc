@@ -46,10 +46,10 @@ Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptio
   transport_options.limits = options.session.limits;
   REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(impl->uri, transport_options));
   const TransportCapabilities caps = impl->transport->capabilities();
-  if (!caps.fan_out_tree && !caps.needs_manifest) {
+  if (!caps.fan_out_tree && !caps.needs_manifest && !caps.carries_control) {
     return InvalidArgument(
-        "receiver node: transport '{}' is neither a relay tree (zmq://) nor an object store "
-        "(s3://)",
+        "receiver node: transport '{}' is neither a relay tree (zmq://), an object store (s3://) "
+        "nor a collective (mpi://)",
         impl->uri.scheme);
   }
   if (caps.fan_out_tree && options.data_endpoint.empty()) {
@@ -60,7 +60,8 @@ Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptio
   if (!caps.fan_out_tree && (!options.data_endpoint.empty() || !options.peers.empty())) {
     return InvalidArgument(
         "receiver node: data_endpoint and peers are for relay-tree transports (zmq://); an "
-        "object store announces payloads through the control plane");
+        "object store announces payloads through the control plane, and a collective (mpi://) "
+        "knows its ranks");
   }
   ReplicaPlace& place = impl->options.place;
   if (options.loader.has_value() && options.loader->tp_size > 1) {
@@ -139,26 +140,9 @@ Status ReceiverNode::Impl::Start() {
   session = std::move(made).ValueOrDie();
   sink = std::make_unique<SessionSink>(*session);
 
-  // The data plane. An object store's listener binds nothing; it is named by the control plane
-  // that hands it the manifests.
+  // The control plane, made before the data plane and started after it: a transport that
+  // carries its own control channel (mpi://) answers it through the server's Serve.
   const TransportCapabilities caps = transport->capabilities();
-  ListenerContext context;
-  if (caps.fan_out_tree) {
-    context.endpoint = options.data_endpoint;
-    context.peers = options.peers;
-    context.bind_address = options.data_bind_address;
-  } else {
-    context.endpoint = fmt::format("{}://{}", uri.scheme, uri.target);
-  }
-  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(context, *sink);
-  if (!listener_made.ok()) {
-    return listener_made.status().WithContext(
-        "receiver node: data plane (the peers must list this receiver's data endpoint exactly)");
-  }
-  listener = std::move(listener_made).ValueOrDie();
-  REFIT_RETURN_NOT_OK(listener->Start().WithContext("receiver node: data plane"));
-
-  // The control plane.
   ControlServerOptions control = options.control;
   control.place = options.place;
   if (!options.bootstrap_uri.empty()) {
@@ -188,6 +172,30 @@ Status ReceiverNode::Impl::Start() {
       ControlServer::Make(control, *session, *store);
   if (!server_made.ok()) return server_made.status().WithContext("receiver node: control plane");
   server = std::move(server_made).ValueOrDie();
+
+  // The data plane. An object store's listener binds nothing; it is named by the control plane
+  // that hands it the manifests.
+  ListenerContext context;
+  if (caps.fan_out_tree) {
+    context.endpoint = options.data_endpoint;
+    context.peers = options.peers;
+    context.bind_address = options.data_bind_address;
+  } else {
+    context.endpoint = fmt::format("{}://{}", uri.scheme, uri.target);
+  }
+  if (caps.carries_control) {
+    ControlServer* served = server.get();
+    context.control_handler = [served](const ControlRequest& request) {
+      return served->Serve(request);
+    };
+  }
+  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(context, *sink);
+  if (!listener_made.ok()) {
+    return listener_made.status().WithContext(
+        "receiver node: data plane (the peers must list this receiver's data endpoint exactly)");
+  }
+  listener = std::move(listener_made).ValueOrDie();
+  REFIT_RETURN_NOT_OK(listener->Start().WithContext("receiver node: data plane"));
   REFIT_RETURN_NOT_OK(server->Start().WithContext("receiver node: control plane"));
 
   const bool data_plane_keyed =
@@ -199,7 +207,9 @@ Status ReceiverNode::Impl::Start() {
         options.transport_uri, options.data_endpoint);
   }
   // Producers address an object-store receiver by its control plane, where manifests go.
-  producer_endpoint = caps.fan_out_tree ? context.endpoint : server->base_url();
+  producer_endpoint = caps.fan_out_tree      ? context.endpoint
+                      : caps.carries_control ? listener->endpoint()
+                                             : server->base_url();
   return Status::OK();
 }
 

@@ -170,6 +170,10 @@ class FaultTransport final : public Transport {
     return inner_->MakeListener(context, sink);
   }
 
+  Result<std::vector<TransportReceiver>> ListReceivers() override {
+    return inner_->ListReceivers();
+  }
+
  private:
   const FaultPlan plan_;
   const std::unique_ptr<Transport> inner_;

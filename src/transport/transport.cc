@@ -27,6 +27,16 @@ Result<std::unique_ptr<Transport>> MakeZmqTransport(const TransportUri& uri,
 // s3://, defined in s3/s3_transport.cc.
 Result<std::unique_ptr<Transport>> MakeS3Transport(const TransportUri& uri,
                                                    const TransportOptions& options);
+#if REFIT_HAVE_MPI
+// mpi://, defined in mpi/mpi_transport.cc (builds that found MPI).
+Result<std::unique_ptr<Transport>> MakeMpiTransport(const TransportUri& uri,
+                                                    const TransportOptions& options);
+#endif
+#if REFIT_HAVE_NCCL
+// nccl://, defined in mpi/nccl_collective.cc (builds that found MPI, CUDA and NCCL).
+Result<std::unique_ptr<Transport>> MakeNcclTransport(const TransportUri& uri,
+                                                     const TransportOptions& options);
+#endif
 }  // namespace internal
 
 namespace {
@@ -224,6 +234,13 @@ std::map<uint32_t, uint32_t> SessionSink::DeclaredPayloads(const TransferId& tra
   return {};
 }
 
+Result<std::vector<TransportReceiver>> Transport::ListReceivers() {
+  return FailedPrecondition(
+      "transport '{}' has no control channel of its own: reach the receivers "
+      "through their control planes",
+      uri().scheme);
+}
+
 // ---- TransportRegistry -----------------------------------------------------------------------
 
 std::unique_ptr<TransportRegistry> TransportRegistry::MakeWithBuiltins() {
@@ -234,6 +251,12 @@ std::unique_ptr<TransportRegistry> TransportRegistry::MakeWithBuiltins() {
   registry->schemes_.emplace("file", internal::MakeFileTransport);
   registry->schemes_.emplace("zmq", internal::MakeZmqTransport);
   registry->schemes_.emplace("s3", internal::MakeS3Transport);
+#if REFIT_HAVE_MPI
+  registry->schemes_.emplace("mpi", internal::MakeMpiTransport);
+#endif
+#if REFIT_HAVE_NCCL
+  registry->schemes_.emplace("nccl", internal::MakeNcclTransport);
+#endif
   registry->wrappers_.emplace("fault", internal::MakeFaultTransport);
   return registry;
 }

@@ -254,6 +254,18 @@ TEST(ConfigTest, UpstreamKeysRefitDoesNotUseSayWhy) {
                     Parse("tuning: {apply_batch_size: 8}\n"));
 }
 
+TEST(ConfigTest, DeltaCompressionDisabledMakesEveryTransferAnAnchor) {
+  ASSERT_OK_AND_ASSIGN(const RefitConfig off,
+                       Parse("delta_compression: {enabled: false, full_sync_interval: 20}\n"));
+  EXPECT_FALSE(off.delta_compression.enabled);
+  EXPECT_EQ(ToTrackerOptions(off).full_sync_interval, 1u);
+  ASSERT_OK_AND_ASSIGN(const RefitConfig on,
+                       Parse("delta_compression: {enabled: true, full_sync_interval: 20}\n"));
+  EXPECT_EQ(ToTrackerOptions(on).full_sync_interval, 20u);
+  EXPECT_STATUS_MSG(InvalidArgument, "delta_compression.enabled",
+                    Parse("delta_compression: {enabled: maybe}\n"));
+}
+
 TEST(ConfigTest, DuplicateKeysAreRejected) {
   EXPECT_STATUS_MSG(InvalidArgument,
                     "test.yaml:3:3: tuning.encode_workers: duplicate key (first at line 2)",

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Run the nccl:// tests on a machine with CUDA devices, NCCL and Open MPI. Usage:
+#   scripts/gpu-tests.sh
+#
+# Builds the dev preset (CMake finds CUDA under /usr/local/cuda, or CUDAToolkit_ROOT, and NCCL
+# beside it; the configure log says "refit: nccl:// with CUDA …"), checks that a device is
+# visible, then runs the ctest label `nccl`: mpi_transport_test's whole scenario (deltas, an empty
+# delta, a forced anchor, a corrupted payload rolled back, the additive mode) with every
+# broadcast of the data plane made by ncclBroadcast, for 1 producer -> 1 receiver and
+# 2 producers -> 2 receivers. Each rank takes device (local rank % devices); one GPU serves all.
+# Elsewhere those tests exit 77 and ctest reports them skipped, which this script refuses.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-tests.sh: no CUDA device visible (nvidia-smi -L failed): run this on a GPU machine" >&2
+  exit 1
+fi
+nvidia-smi -L
+bash scripts/setup.sh
+cmake --preset dev | grep -E "refit: nccl://" || {
+  echo "gpu-tests.sh: CMake did not find CUDA and NCCL (set CUDAToolkit_ROOT)" >&2
+  exit 1
+}
+cmake --build --preset dev -j"$(nproc)" --target mpi_transport_test
+ctest --preset dev -L nccl --output-on-failure --timeout 600 | tee /tmp/refit-gpu-tests.log
+if grep -q "Skipped" /tmp/refit-gpu-tests.log; then
+  echo "gpu-tests.sh: a nccl test was skipped although a device is visible" >&2
+  exit 1
+fi
