@@ -14,8 +14,12 @@
 
 namespace refit {
 
-/// The old bits of every element a transfer has touched, kept until commit or abort.
-/// Memory is O(changes) for deltas (locations + old bits) and O(span) for FULL items.
+/// What undoes every element a transfer has touched, kept until commit or abort.
+/// Memory is O(changes) for OVERWRITE and ADD items (locations + old bits: 10 bytes per changed
+/// bf16 element), O(span) for FULL items, and O(wire) for XOR items applied with their payload's
+/// bytes (ApplyPayload's `payload_bytes`): XOR is its own inverse, so the log keeps the compressed
+/// payload (about 1–2 bytes per changed element) and rolls such an item back by applying it
+/// again, instead of keeping its old bits.
 ///
 /// Thread-safety: none; owned by the receiver's single apply stage.
 class UndoLog {
@@ -32,8 +36,10 @@ class UndoLog {
   /// Forget everything (the transfer committed).
   void Clear();
 
-  /// Bytes held (locations + old bits).
+  /// Bytes held (locations + old bits + kept payloads).
   uint64_t bytes() const;
+  /// Bytes of the payloads kept to undo XOR items by applying them again.
+  uint64_t payload_bytes() const;
   /// Number of records (one per item applied without a loader; one per item and touched piece
   /// through a loader).
   size_t records() const;
@@ -42,9 +48,14 @@ class UndoLog {
   struct Record;
 
  private:
-  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*);
-  Status RollbackTo(WeightStore& store, size_t savepoint);
+  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*,
+                             std::vector<std::byte>*);
+  // Undo the records from `savepoint` on. `current` is the payload being applied, whose XOR
+  // records are not yet bound to kept bytes.
+  Status RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current = nullptr);
   std::vector<Record> records_;
+  // The payloads whose XOR items are undone by applying them again (Record::payload).
+  std::vector<std::vector<std::byte>> payloads_;
 };
 
 /// Apply every item of a decoded (fully validated) payload to `store`, recording old bits in
@@ -61,6 +72,12 @@ class UndoLog {
 /// keeping both the local tensors' digests and the piece digests current. The producer's
 /// per-item digest is checked only where one piece holds the whole tensor; a shard's partial
 /// digests are verified by the coordinator, which sums them over the shard group.
-Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo);
+///
+/// `payload_bytes`: the bytes `payload` was decoded from. When given, XOR items applied without
+/// a loader are recorded without their old bits; instead, on success, the bytes are moved into
+/// the log (left empty here), which rolls those items back by decoding and applying them again
+/// (O(wire) memory instead of 10 bytes per changed element). Null: old bits, as for every other op.
+Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
+                    std::vector<std::byte>* payload_bytes = nullptr);
 
 }  // namespace refit

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
+#include <optional>
 
 #include "refit/digest.h"
 #include "refit/loader.h"
@@ -51,37 +53,102 @@ struct UndoLog::Record {
   std::string canonical{};
   size_t piece = 0;
   uint64_t piece_digest_before = 0;
+  /// An XOR item undone by applying it again: item `item` of the kept payload `payload`
+  /// (UndoLog::payloads_), or of the payload being applied while it is kCurrentPayload. Such a
+  /// record holds no locations and no old bits.
+  bool reapply = false;
+  size_t payload = 0;
+  size_t item = 0;
 };
+
+namespace {
+// Record::payload of a record whose payload is still being applied (not yet kept).
+constexpr size_t kCurrentPayload = SIZE_MAX;
+}  // namespace
 
 UndoLog::UndoLog() = default;
 UndoLog::~UndoLog() = default;
 UndoLog::UndoLog(UndoLog&&) noexcept = default;
 UndoLog& UndoLog::operator=(UndoLog&&) noexcept = default;
 
-void UndoLog::Clear() { records_.clear(); }
+void UndoLog::Clear() {
+  records_.clear();
+  payloads_.clear();
+}
 
 size_t UndoLog::records() const { return records_.size(); }
 
 uint64_t UndoLog::bytes() const {
-  uint64_t total = 0;
+  uint64_t total = payload_bytes();
   for (const Record& r : records_)
     total += r.locations.size() * sizeof(uint64_t) + r.old_bits.size();
   return total;
 }
 
+uint64_t UndoLog::payload_bytes() const {
+  uint64_t total = 0;
+  for (const std::vector<std::byte>& payload : payloads_) total += payload.size();
+  return total;
+}
+
 Status UndoLog::Rollback(WeightStore& store) { return RollbackTo(store, 0); }
 
-Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint) {
+Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current) {
   for (size_t i = savepoint; i < records_.size(); ++i) {
     if (!store.Find(records_[i].tensor).ok()) {
       return NotFound("rollback: tensor '{}' is no longer in the store", records_[i].tensor);
     }
   }
+  // The kept payload the XOR records being undone come from, decoded once for all its items
+  // (records are undone newest first, so one payload's records are consecutive).
+  std::optional<DecodedPayload> decoded;
+  size_t decoded_slot = SIZE_MAX;
+  std::array<uint64_t, kLocationBatch> batch;
   // Newest first, so an element touched twice ends at its oldest recorded bits.
   for (size_t i = records_.size(); i > savepoint; --i) {
     Record& r = records_[i - 1];
     MutableTensorView tensor = *store.Find(r.tensor);
-    if (r.full) {
+    if (r.reapply) {
+      const DecodedPayload* source = current;
+      if (r.payload != kCurrentPayload) {
+        if (decoded_slot != r.payload) {
+          // These bytes were verified when they were applied; only their size bounds the decode.
+          const std::vector<std::byte>& kept = payloads_[r.payload];
+          PayloadLimits limits;
+          limits.max_payload_bytes = kept.size();
+          limits.max_body_bytes = std::numeric_limits<uint64_t>::max();
+          limits.max_items = std::numeric_limits<uint32_t>::max();
+          limits.max_name_length = std::numeric_limits<uint32_t>::max();
+          limits.max_rank = std::numeric_limits<uint32_t>::max();
+          Result<DecodedPayload> again = DecodePayload(kept, limits);
+          if (!again.ok()) {
+            return again.status().WithContext(
+                fmt::format("rollback: decoding kept payload {} of '{}'", r.payload, r.tensor));
+          }
+          decoded = std::move(again).ValueOrDie();
+          decoded_slot = r.payload;
+        }
+        source = &*decoded;
+      }
+      if (source == nullptr || r.item >= source->items().size()) {
+        return Internal("rollback: the payload of an XOR record of '{}' is gone", r.tensor);
+      }
+      const ItemView& item = source->items()[r.item];
+      REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                             LocationDecoder::Make(item.location_encoding, item.locations,
+                                                   item.count, item.span_begin, item.span_end));
+      const uint32_t value_width = DTypeSize(item.value_dtype);
+      uint64_t done = 0;
+      while (true) {
+        REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(batch));
+        if (n == 0) break;
+        // XOR is its own inverse: applying the values again restores the old bits.
+        ApplyOpValues(Op::kXor, item.dtype, item.value_dtype, tensor.bytes,
+                      std::span<const uint64_t>(batch.data(), n),
+                      item.values.subspan(done * value_width, n * value_width), nullptr);
+        done += n;
+      }
+    } else if (r.full) {
       std::memcpy(tensor.bytes.data() + r.span_begin * r.width, r.old_bits.data(),
                   r.old_bits.size());
     } else {
@@ -96,6 +163,12 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint) {
     }
   }
   records_.resize(savepoint);
+  // Kept payloads no remaining record refers to go too.
+  size_t kept = 0;
+  for (const Record& r : records_) {
+    if (r.reapply && r.payload != kCurrentPayload) kept = std::max(kept, r.payload + 1);
+  }
+  payloads_.resize(std::min(payloads_.size(), kept));
   return Status::OK();
 }
 
@@ -418,7 +491,8 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
 
 }  // namespace
 
-Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo) {
+Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
+                    std::vector<std::byte>* payload_bytes) {
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
   // The loader path is separate so that a store without one runs exactly the loop below.
   if (store.has_loader()) {
@@ -433,12 +507,15 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
 
   const size_t savepoint = undo->records_.size();
   auto fail = [&](Status status) {
-    Status rollback = undo->RollbackTo(store, savepoint);
+    Status rollback = undo->RollbackTo(store, savepoint, &payload);
     if (!rollback.ok()) return rollback.WithContext(status.ToString());
     return status;
   };
 
   std::array<uint64_t, kLocationBatch> batch;
+  // The old bits of one batch of an XOR item that the log does not keep (for its digest only).
+  std::vector<std::byte> batch_old_bits;
+  bool reapplied = false;
   for (size_t i = 0; i < items.size(); ++i) {
     const ItemView& item = items[i];
     MutableTensorView tensor = *store.Find(item.name);
@@ -471,8 +548,17 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
                            LocationDecoder::Make(item.location_encoding, item.locations, item.count,
                                                  item.span_begin, item.span_end));
-    record.locations.reserve(item.count);
-    record.old_bits.reserve(item.count * width);
+    // An XOR item is undone by applying it again when the log can keep its payload.
+    const bool reapply = payload_bytes != nullptr && item.op == Op::kXor;
+    if (reapply) {
+      record.reapply = true;
+      record.payload = kCurrentPayload;
+      record.item = i;
+      reapplied = true;
+    } else {
+      record.locations.reserve(item.count);
+      record.old_bits.reserve(item.count * width);
+    }
     uint64_t digest_delta = 0;
     uint64_t applied = 0;
     while (true) {
@@ -481,11 +567,15 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       const size_t n = *decoded;
       if (n == 0) break;
       const std::span<const uint64_t> locations(batch.data(), n);
-      const size_t old_start = record.old_bits.size();
+      std::vector<std::byte>& old_out = reapply ? batch_old_bits : record.old_bits;
+      if (reapply) batch_old_bits.clear();
+      const size_t old_start = old_out.size();
       ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor.bytes, locations,
-                    item.values.subspan(applied * value_width, n * value_width), &record.old_bits);
-      record.locations.insert(record.locations.end(), locations.begin(), locations.end());
-      const std::span<const std::byte> old_bits(record.old_bits.data() + old_start, n * width);
+                    item.values.subspan(applied * value_width, n * value_width), &old_out);
+      if (!reapply) {
+        record.locations.insert(record.locations.end(), locations.begin(), locations.end());
+      }
+      const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
       for (size_t k = 0; k < n; ++k) {
         digest_delta += ElementHash(locations[k], LoadBits(tensor.bytes, width, locations[k])) -
                         ElementHash(locations[k], LoadBits(old_bits, width, k));
@@ -500,6 +590,15 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
                    item.digest, header.ids.base_version));
     }
     REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, digest_delta));
+  }
+  if (reapplied) {
+    // The whole payload applied: bind its XOR records to the bytes the log now keeps.
+    const size_t slot = undo->payloads_.size();
+    undo->payloads_.push_back(std::move(*payload_bytes));
+    payload_bytes->clear();
+    for (size_t r = savepoint; r < undo->records_.size(); ++r) {
+      if (undo->records_[r].reapply) undo->records_[r].payload = slot;
+    }
   }
   return Status::OK();
 }

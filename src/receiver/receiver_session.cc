@@ -365,7 +365,7 @@ struct ReceiverSession::Impl {
 
   // ---- Apply thread. --------------------------------------------------------------------------
 
-  ApplyOutcome ApplyOne(const QueuedPayload& payload) {
+  ApplyOutcome ApplyOne(QueuedPayload& payload) {
     if (options.before_apply) options.before_apply(payload.ids);
     ApplyOutcome outcome;
     Result<DecodedPayload> decoded = DecodePayload(payload.bytes, options.limits);
@@ -377,7 +377,9 @@ struct ReceiverSession::Impl {
       ++outcome.items;
       outcome.changed_elements += item.count;
     }
-    outcome.status = ApplyPayload(*decoded, store, &undo);
+    // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
+    // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
+    outcome.status = ApplyPayload(*decoded, store, &undo, &payload.bytes);
     return outcome;
   }
 

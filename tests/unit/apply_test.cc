@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "refit/digest.h"
 #include "refit/tracker.h"
 #include "store_snapshot.h"
@@ -104,6 +106,41 @@ TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
   ASSERT_OK(tracker_->Abort(id));
 }
 
+// What the receiver's session does: each payload's bytes go with it into the undo log, which then
+// undoes XOR items by applying them again and keeps old bits only for the other ops.
+TEST_P(ApplyTest, RollbackThroughKeptPayloadsRestoresTheBaseBitExactly) {
+  const Op op = std::get<1>(GetParam());
+  const StoreSnapshot before = TakeSnapshot(*store_);
+  const std::map<std::string, uint64_t> digests_before = store_->Digests();
+  std::vector<OwnedTensor> next;
+  for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.3, 77));
+  const TransferId id = TransferId::Random();
+  UndoLog undo;
+  uint64_t wire = 0;
+  for (auto& payload : EncodeStep(next, id)) {
+    wire += payload.size();
+    ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, &payload));
+    // The log took the bytes exactly when it undoes by re-applying (XOR items).
+    EXPECT_EQ(payload.empty(), op == Op::kXor);
+  }
+  EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
+  if (op == Op::kXor) {
+    // O(wire): the kept payloads are all the log holds.
+    EXPECT_EQ(undo.payload_bytes(), wire);
+    EXPECT_EQ(undo.bytes(), wire);
+  } else {
+    EXPECT_EQ(undo.payload_bytes(), 0u);
+    EXPECT_GT(undo.bytes(), 0u);
+  }
+  ASSERT_OK(undo.Rollback(*store_));
+  EXPECT_EQ(TakeSnapshot(*store_), before);
+  EXPECT_EQ(store_->Digests(), digests_before);
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+  EXPECT_EQ(undo.bytes(), 0u);
+  ASSERT_OK(tracker_->Abort(id));
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypesAndOps, ApplyTest,
                          ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16,
                                                               DType::kFloat32, DType::kFloat8E4M3FN,
@@ -200,6 +237,30 @@ TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
   EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(decoded, *store_, &undo));
   EXPECT_EQ(TakeSnapshot(*store_), diverged);
   EXPECT_EQ(undo.records(), 0u);
+}
+
+TEST_F(ApplyRejectionTest, AFailedApplyWithKeptBytesUndoesItsXorItemsAndKeepsNothing) {
+  // The XOR item of 'w' applies first, then the payload fails at 'other' (not at its base): the
+  // XOR item is undone by applying it again from the payload being applied, and the log does
+  // not take the bytes.
+  auto payload = MakePayload();
+  ASSERT_OK_AND_ASSIGN(DecodedPayload good, DecodePayload(payload));
+  UndoLog undo;
+  std::vector<std::byte> kept = payload;
+  ASSERT_OK(ApplyPayload(good, *store_, &undo, &kept));
+  EXPECT_TRUE(kept.empty());
+  const StoreSnapshot after_first = TakeSnapshot(*store_);
+  // The same payload again: the receiver is no longer at its base, so its digest check fails
+  // after the XOR was applied, and that payload is undone.
+  std::vector<std::byte> again = payload;
+  EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(good, *store_, &undo, &again));
+  EXPECT_EQ(again, payload);
+  EXPECT_EQ(TakeSnapshot(*store_), after_first);
+  EXPECT_EQ(undo.payload_bytes(), payload.size());
+  ASSERT_OK(undo.Rollback(*store_));
+  ASSERT_OK_AND_ASSIGN(TensorView w, std::as_const(*store_).Find("w"));
+  EXPECT_TRUE(std::equal(w.bytes.begin(), w.bytes.end(), base_.bytes.begin()));
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
 }
 
 TEST_F(ApplyRejectionTest, DivergenceOutsideTheChangesShowsInTheTensorDigest) {
