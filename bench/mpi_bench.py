@@ -6,7 +6,8 @@ with the same simulated model, seed and densities (1 %, 3 %, 5 %): once as an MP
 (--transport mpi://, which also times a plain MPI_Bcast of the model's bytes to every rank: the
 raw-copy yardstick), once over the zmq:// relay tree to `refit serve` daemons. Every step of
 both runs is verified by the demo (state digests at every flush, every receiver's bytes at the
-end). Prints a table and, with --json, one JSON object.
+end). Each layout and transport runs --repeats times (default 3); every figure is the median, with
+the min-max spread. Prints a table and, with --json, one JSON object.
 
     /usr/bin/python3 bench/mpi_bench.py [--refit build/dev/src/apps/refit] [--model-bytes 64MiB]
 """
@@ -14,6 +15,7 @@ end). Prints a table and, with --json, one JSON object.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -40,34 +42,51 @@ def main():
     parser.add_argument("--model-bytes", default="64MiB")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each layout and transport")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
 
     results = []
     for producers, receivers in LAYOUTS:
-        mpi = run_demo(args.refit, "mpi://", producers, receivers, args)
-        zmq = run_demo(args.refit, "", producers, receivers, args)
-        raw = mpi[0]["raw_copy_s"]
-        for m, z in zip(mpi, zmq):
+        # Each run `--repeats` times, alternating: a figure is the median over the runs (the same
+        # steps every time: same seed and densities), with its spread.
+        mpi_runs, zmq_runs = [], []
+        for _ in range(args.repeats):
+            mpi_runs.append(run_demo(args.refit, "mpi://", producers, receivers, args))
+            zmq_runs.append(run_demo(args.refit, "", producers, receivers, args))
+        raw_runs = [run[0]["raw_copy_s"] for run in mpi_runs]
+        raw = statistics.median(raw_runs)
+        for k, m in enumerate(mpi_runs[0]):
+            z = zmq_runs[0][k]
+            mpi_times = [run[k]["time_s"] for run in mpi_runs]
+            zmq_times = [run[k]["time_s"] for run in zmq_runs]
+            mpi_time, zmq_time = statistics.median(mpi_times), statistics.median(zmq_times)
             results.append({
                 "layout": f"{producers}p->{receivers}r", "step": m["step"], "kind": m["kind"],
                 "density": m["density"], "zmq_density": z["density"],
-                "mpi_time_s": m["time_s"], "zmq_time_s": z["time_s"], "raw_bcast_s": raw,
-                "mpi_vs_raw": m["time_s"] / raw, "mpi_vs_zmq": m["time_s"] / max(z["time_s"], 1e-9),
+                "mpi_time_s": mpi_time, "mpi_time_spread_s": [min(mpi_times), max(mpi_times)],
+                "zmq_time_s": zmq_time, "zmq_time_spread_s": [min(zmq_times), max(zmq_times)],
+                "raw_bcast_s": raw, "raw_bcast_spread_s": [min(raw_runs), max(raw_runs)],
+                "mpi_vs_raw": mpi_time / raw, "mpi_vs_zmq": mpi_time / max(zmq_time, 1e-9),
                 "mpi_wire_bytes": m["wire_bytes"], "zmq_wire_bytes": z["wire_bytes"],
-                "model_bytes": m["full_wire_bytes"] if m["kind"] == "full" else None,
             })
     if args.json:
-        print(json.dumps({"model_bytes": args.model_bytes, "threads": args.threads, "steps": results}))
+        print(json.dumps({"model_bytes": args.model_bytes, "threads": args.threads, "repeats": args.repeats,
+                          "steps": results}))
         return
     header = ["layout", "step", "kind", "density", "mpi time", "zmq time", "raw bcast", "mpi/raw",
               "mpi/zmq", "mpi wire", "zmq wire"]
+    def ms(value, spread):
+        return f"{value * 1e3:.1f} ms ({spread[0] * 1e3:.0f}-{spread[1] * 1e3:.0f})"
+
     rows = [[r["layout"], str(r["step"]), r["kind"], f"{100 * r['density']:.2f}%",
-             f"{r['mpi_time_s'] * 1e3:.1f} ms", f"{r['zmq_time_s'] * 1e3:.1f} ms", f"{r['raw_bcast_s'] * 1e3:.1f} ms",
+             ms(r["mpi_time_s"], r["mpi_time_spread_s"]), ms(r["zmq_time_s"], r["zmq_time_spread_s"]),
+             ms(r["raw_bcast_s"], r["raw_bcast_spread_s"]),
              f"{r['mpi_vs_raw']:.2f}x", f"{r['mpi_vs_zmq']:.2f}x", f"{r['mpi_wire_bytes'] / 2**20:.2f} MiB",
              f"{r['zmq_wire_bytes'] / 2**20:.2f} MiB"] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    print(f"mpi:// vs raw MPI_Bcast of the dense model vs zmq://, {args.model_bytes} bf16 model, same steps")
+    print(f"mpi:// vs raw MPI_Bcast of the dense model vs zmq://, {args.model_bytes} bf16 model, same steps; "
+          f"median of {args.repeats} runs (min-max)")
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("  ".join("-" * w for w in widths))
     for row in rows:

@@ -1,11 +1,15 @@
 #include "refit/tracker.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <unordered_map>
+
+#include <fmt/format.h>
 
 #include "core/mapped_file.h"
 #include "refit/digest.h"
@@ -40,10 +44,43 @@ class BaselineBuffer {
   std::span<std::byte> bytes_;
 };
 
+/// The changed locations of one span (one Encode call), kept until Commit in the smallest of the
+/// payload format's location encodings (about 2 bytes each at the usual densities) rather than
+/// as 8-byte indices: the producer's memory per changed element is this plus the new bits.
+struct PendingRun {
+  LocationEncoding encoding = LocationEncoding::kGap64;
+  std::vector<uint8_t> bytes;
+  uint64_t count = 0;
+  uint64_t span_begin = 0;
+  uint64_t span_end = 0;
+};
+
+Result<PendingRun> MakePendingRun(std::span<const uint64_t> locations, uint64_t span_begin,
+                                  uint64_t span_end) {
+  PendingRun run;
+  run.count = locations.size();
+  run.span_begin = span_begin;
+  run.span_end = span_end;
+  uint64_t smallest = UINT64_MAX;
+  for (const LocationEncoding encoding :
+       {LocationEncoding::kAll, LocationEncoding::kRange, LocationEncoding::kGap16,
+        LocationEncoding::kGap32, LocationEncoding::kGap64, LocationEncoding::kBitmask}) {
+    const uint64_t bytes = EstimateLocationBytes(encoding, locations, span_begin, span_end);
+    if (bytes < smallest) {
+      smallest = bytes;
+      run.encoding = encoding;
+    }
+  }
+  REFIT_RETURN_NOT_OK(EncodeLocations(run.encoding, locations, span_begin, span_end, &run.bytes));
+  run.bytes.shrink_to_fit();
+  return run;
+}
+
 /// Changes of one tensor recorded by Encode and applied by Commit.
 struct PendingChanges {
-  /// New bits at changed locations of an existing baseline (unsorted across spans).
-  std::vector<uint64_t> locations;
+  /// Changed locations of an existing baseline, span by span, and their new bits in the same
+  /// order.
+  std::vector<PendingRun> runs;
   std::vector<std::byte> new_bits;
   /// A tensor introduced or reshaped at an anchor: its complete new baseline.
   std::unique_ptr<BaselineBuffer> replacement;
@@ -136,6 +173,29 @@ void ScatterBits(std::span<std::byte> baseline, uint32_t width, std::span<const 
     std::memcpy(baseline.data() + locations[k] * width, bits.data() + k * width, run * width);
     k += run;
   }
+}
+
+/// Scatter `bits` (the runs' new bits, in order) into `baseline` at the runs' locations.
+/// Errors: DataLoss if a run does not decode — bytes the tracker encoded itself, so only a bug
+/// gets there, and Commit then reports it rather than guess.
+Status ScatterRuns(std::span<std::byte> baseline, uint32_t width, std::span<const PendingRun> runs,
+                   std::span<const std::byte> bits) {
+  constexpr size_t kBatch = 4096;
+  std::array<uint64_t, kBatch> batch;
+  size_t done = 0;
+  for (const PendingRun& run : runs) {
+    REFIT_ASSIGN_OR_RETURN(
+        LocationDecoder decoder,
+        LocationDecoder::Make(run.encoding, run.bytes, run.count, run.span_begin, run.span_end));
+    while (true) {
+      REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(batch));
+      if (n == 0) break;
+      ScatterBits(baseline, width, std::span<const uint64_t>(batch.data(), n),
+                  bits.subspan(done * width, n * width));
+      done += n;
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -315,7 +375,10 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
     const size_t old_bits = pending.new_bits.size();
     pending.new_bits.resize(old_bits + changed.size() * width);
     GatherBits(current.bytes, width, changed, pending.new_bits.data() + old_bits);
-    pending.locations.insert(pending.locations.end(), changed.begin(), changed.end());
+    if (!changed.empty()) {
+      REFIT_ASSIGN_OR_RETURN(PendingRun run, MakePendingRun(changed, begin, end));
+      pending.runs.push_back(std::move(run));
+    }
     pending.changed += changed.size();
     result.changed_elements = changed.size();
   } else {
@@ -409,14 +472,18 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     }
   }
 
+  // Encoded outside the lock: other spans of the tensor may be encoding concurrently.
+  std::optional<PendingRun> run;
+  if (!changed.empty()) {
+    REFIT_ASSIGN_OR_RETURN(run, MakePendingRun(changed, begin, end));
+  }
   std::lock_guard lock(entry.pending_mutex);
   PendingChanges& pending = entry.pending;
   pending.encoded += end - begin;
-  if (pending.locations.empty()) {  // The common case, one span per tensor: no copy.
-    pending.locations = std::move(changed);
+  if (run.has_value()) pending.runs.push_back(*std::move(run));
+  if (pending.new_bits.empty()) {  // The common case, one span per tensor: no copy.
     pending.new_bits = std::move(new_bits);
   } else {
-    pending.locations.insert(pending.locations.end(), changed.begin(), changed.end());
     pending.new_bits.insert(pending.new_bits.end(), new_bits.begin(), new_bits.end());
   }
   pending.changed += result.changed_elements;
@@ -536,8 +603,10 @@ Status DeltaTracker::Commit(const TransferId& id) {
       entry->shape = p.replacement_shape;
       entry->numel = entry->buffer->bytes().size() / DTypeSize(entry->dtype);
       entry->digest = p.digest_delta;
-    } else if (!p.locations.empty()) {
-      ScatterBits(entry->buffer->bytes(), DTypeSize(entry->dtype), p.locations, p.new_bits);
+    } else if (!p.runs.empty()) {
+      REFIT_RETURN_NOT_OK(
+          ScatterRuns(entry->buffer->bytes(), DTypeSize(entry->dtype), p.runs, p.new_bits)
+              .WithContext(fmt::format("commit of tensor '{}'", name)));
       entry->digest += p.digest_delta;
     }
     p = PendingChanges{};
@@ -598,7 +667,8 @@ uint64_t DeltaTracker::pending_bytes() const {
   uint64_t total = 0;
   for (const auto& [name, entry] : state_->entries) {
     const PendingChanges& p = entry->pending;
-    total += p.locations.size() * sizeof(uint64_t) + p.new_bits.size();
+    total += p.new_bits.size();
+    for (const PendingRun& run : p.runs) total += run.bytes.size() + sizeof(PendingRun);
     if (p.replacement) total += p.replacement->bytes().size();
   }
   return total;

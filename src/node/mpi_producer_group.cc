@@ -13,7 +13,7 @@
 // deadline passes first, the request cannot be cancelled (MPI forbids it for collectives) and
 // MPI may still write into those buffers, so the wait keeps the object with the request; the
 // group then refuses every call. At destruction a request that still has not completed keeps its
-// buffers for the rest of the process (AbandonForever): a deliberate leak, the only safe end.
+// buffers for the rest of the process (KeepForever): a deliberate leak, the only safe end.
 #include "refit/mpi_producer_group.h"
 
 #include <mpi.h>
@@ -35,10 +35,15 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "transport/mpi/mpi_job.h"
 #include "util/logging.h"
 
 namespace refit {
 namespace {
+
+using internal::CommFromHandle;
+using internal::KeepForever;
+using internal::MpiErrorText;
 
 /// MPI_Test is polled with a pause that doubles from the first to the last: a collective among
 /// processes of one node completes within microseconds, and a slow one should not cost a core.
@@ -46,34 +51,6 @@ constexpr std::chrono::microseconds kFirstTestPause{20};
 constexpr std::chrono::microseconds kMaxTestPause{1000};
 /// The most bytes one MPI call moves: its counts and displacements are ints.
 constexpr uint64_t kMaxSliceBytes = uint64_t{1} << 30;
-
-std::string MpiErrorText(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) {
-    return fmt::format("MPI error {}", code);
-  }
-  return std::string(text, static_cast<size_t>(length));
-}
-
-/// The communicator behind an integer handle: MPI_Comm is a pointer in Open MPI, an int in
-/// MPICH.
-template <typename Comm>
-Comm CommFromHandle(uintptr_t handle) {
-  if constexpr (std::is_pointer_v<Comm>) {
-    return reinterpret_cast<Comm>(handle);
-  } else {
-    return static_cast<Comm>(handle);
-  }
-}
-
-/// Keep `buffers` alive until the process exits: MPI may still write into them.
-void AbandonForever(std::shared_ptr<void> buffers) {
-  static std::mutex mutex;
-  static std::vector<std::shared_ptr<void>> abandoned;
-  std::lock_guard lock(mutex);
-  abandoned.push_back(std::move(buffers));
-}
 
 /// What one Broadcast hands to MPI.
 struct BroadcastBuffers {
@@ -109,7 +86,7 @@ class MpiGroup final : public ProducerGroup {
     if (abandoned_) {
       int done = 0;
       if (MPI_Test(&abandoned_->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || done == 0) {
-        AbandonForever(std::move(abandoned_->buffers));
+        KeepForever(std::move(abandoned_->buffers));
       }
     }
     // Pending operations on it complete normally; MPI frees it after them.

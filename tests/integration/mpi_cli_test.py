@@ -25,14 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_roundtrip_test import read_safetensors, realistic_pair, write_safetensors  # noqa: E402
+from push_demo_test import check  # noqa: E402
 
 TIMEOUT_S = 240
-
-
-def check(condition, message):
-    if not condition:
-        raise AssertionError(message)
-    print(f"ok: {message}")
 
 
 def mpirun():

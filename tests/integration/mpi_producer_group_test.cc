@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 
 #include "refit/mpi_producer_group.h"
+#include "transport/mpi/mpi_job.h"
 
 namespace refit {
 namespace {
@@ -51,15 +52,7 @@ std::string Payload(uint32_t round, uint32_t rank) {
   return payload;
 }
 
-/// The integer handle MpiGroupOptions::communicator takes.
-template <typename Comm>
-uintptr_t HandleOf(Comm comm) {
-  if constexpr (std::is_pointer_v<Comm>) {
-    return reinterpret_cast<uintptr_t>(comm);
-  } else {
-    return static_cast<uintptr_t>(comm);
-  }
-}
+using internal::HandleOf;
 
 void CheckGather(ProducerGroup& group, uint32_t round, std::string_view what) {
   Result<std::vector<std::string>> got = group.Gather(Payload(round, group.rank()), Soon());

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <thread>
-#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -21,24 +20,6 @@ constexpr std::chrono::microseconds kMaxPause{1000};
 // the layout, all of which must agree.
 constexpr int64_t kHandshakeMagic = 0x69706d2d74696665;  // "efit-mpi", little-endian
 constexpr int kHandshakeFields = 4;
-
-template <typename Comm>
-Comm CommFromHandle(uintptr_t handle) {
-  if constexpr (std::is_pointer_v<Comm>) {
-    return reinterpret_cast<Comm>(handle);
-  } else {
-    return static_cast<Comm>(handle);
-  }
-}
-
-template <typename Comm>
-uintptr_t HandleOf(Comm comm) {
-  if constexpr (std::is_pointer_v<Comm>) {
-    return reinterpret_cast<uintptr_t>(comm);
-  } else {
-    return static_cast<uintptr_t>(comm);
-  }
-}
 
 // MPI's own broadcast on the job's data communicators.
 class MpiBroadcast final : public DataCollective {

@@ -23,6 +23,7 @@
 #include <mutex>
 #include <stop_token>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "refit/mpi.h"
@@ -41,6 +42,27 @@ inline constexpr int kMpiCloseTag = 3;
 inline constexpr uint64_t kMpiSliceBytes = uint64_t{1} << 30;
 
 std::string MpiErrorText(int code);
+
+/// The communicator behind an integer handle (MpiJobOptions::communicator): MPI_Comm is a
+/// pointer in Open MPI, an int in MPICH.
+template <typename Comm = MPI_Comm>
+Comm CommFromHandle(uintptr_t handle) {
+  if constexpr (std::is_pointer_v<Comm>) {
+    return reinterpret_cast<Comm>(handle);
+  } else {
+    return static_cast<Comm>(handle);
+  }
+}
+
+/// The integer handle of `comm`, as MpiJobOptions::communicator and MakeMpiGroup take it.
+template <typename Comm>
+uintptr_t HandleOf(Comm comm) {
+  if constexpr (std::is_pointer_v<Comm>) {
+    return reinterpret_cast<uintptr_t>(comm);
+  } else {
+    return static_cast<uintptr_t>(comm);
+  }
+}
 
 /// Keep `buffers` alive until the process exits: MPI may still write into them.
 void KeepForever(std::shared_ptr<void> buffers);
