@@ -161,6 +161,9 @@ Result<std::string> ApiKeyFromEnv(const std::string& name) {
 Result<TransportUri> DataPlaneUri(const ServeSettings& settings) {
   REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(settings.transport_uri));
   if (settings.api_key_env.empty()) return uri;
+  // A collective's data plane is the job's communicator, which takes no key (the HTTP control
+  // plane still does).
+  if (uri.scheme == "mpi" || uri.scheme == "nccl") return uri;
   const std::string* env = uri.Param(kUriKeyEnvParam);
   if (uri.Param(kUriKeyParam) != nullptr || (env != nullptr && *env != settings.api_key_env)) {
     return InvalidArgument(
