@@ -91,7 +91,9 @@ nlohmann::json StepJson(const StepRow& row, const RefitReport& full) {
 }
 
 Status RunDemo(const DemoArgs& args) {
-  if (args.transport.starts_with("mpi://")) {
+  // The collectives (mpi://, nccl://) run as an MPI job, which the demo starts under mpirun
+  // before any transport exists: the scheme is all it can go by.
+  if (args.transport.starts_with("mpi://") || args.transport.starts_with("nccl://")) {
     if (!args.config.empty()) {
       return InvalidArgument("demo: --config is not supported with --transport mpi:// (yet)");
     }

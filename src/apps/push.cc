@@ -52,13 +52,9 @@ struct PushArgs {
   bool threads_given = false;
 };
 
-// Whether `uri` names the collective transport, whose job knows the ranks and the receivers.
-bool IsMpiUri(std::string_view uri) {
-  return uri.starts_with("mpi://") || uri.find("+mpi://") != std::string_view::npos;
-}
-
 // The configuration file (or the defaults) with the flags applied on top.
-Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
+// `collective`: the transport knows the receivers itself (mpi://, nccl://).
+Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collective) {
   RefitConfig config;
   if (!args.config.empty()) {
     REFIT_ASSIGN_OR_RETURN(config, LoadConfigFile(args.config));
@@ -82,7 +78,7 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader) {
     }
   }
   if (args.transport_given) config.transport = args.transport;
-  if (config.receivers.empty() && leader && !IsMpiUri(config.transport)) {
+  if (config.receivers.empty() && leader && !collective) {
     return InvalidArgument(
         "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
         "file with a receivers list (or run under mpirun with --transport mpi://)");
@@ -238,11 +234,13 @@ struct MpiRank {
   uint32_t index = 0;
 };
 
+// A transport that carries its own control channel is an MPI job's (mpi://, nccl://): making it
+// joins the job with the URI's layout (collective over the world). Other transports' factories
+// do no I/O, so asking costs nothing.
 Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
-  if (!IsMpiUri(transport_uri)) return MpiRank{};
+  REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> transport, MakeTransport(transport_uri));
+  if (!transport->capabilities().carries_control) return MpiRank{};
 #if REFIT_HAVE_MPI
-  // Making the transport joins the job with the URI's layout (collective over the world).
-  REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> joined, MakeTransport(transport_uri));
   REFIT_ASSIGN_OR_RETURN(const MpiJobInfo info, CurrentMpiJob());
   if (!info.producer) {
     return InvalidArgument(
@@ -252,13 +250,16 @@ Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
   }
   return MpiRank{true, info.index};
 #else
-  return FailedPrecondition("push: this refit was built without MPI: mpi:// is not available");
+  return FailedPrecondition(
+      "push: transport '{}' carries its own control channel, which this "
+      "build cannot drive",
+      transport_uri);
 #endif
 }
 
 Status RunPush(const PushArgs& args) {
   RefitConfig resolved;
-  { REFIT_ASSIGN_OR_RETURN(resolved, ResolveConfig(args, /*leader=*/false)); }
+  { REFIT_ASSIGN_OR_RETURN(resolved, ResolveConfig(args, /*leader=*/false, /*collective=*/false)); }
   REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, ToTransportUri(resolved));
   REFIT_ASSIGN_OR_RETURN(const MpiRank mpi, JoinMpiIfAsked(transport_uri));
   if (mpi.active && (!args.group.empty() || args.producers != 1)) {
@@ -267,7 +268,7 @@ Status RunPush(const PushArgs& args) {
         "--group and --producers do not apply");
   }
   const bool leader = mpi.active ? mpi.index == 0 : args.rank == 0;
-  REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader));
+  REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader, mpi.active));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
                          SafetensorsFile::Open(args.checkpoint));
   const std::vector<TensorView> model = checkpoint->tensors();

@@ -161,9 +161,6 @@ Result<std::string> ApiKeyFromEnv(const std::string& name) {
 Result<TransportUri> DataPlaneUri(const ServeSettings& settings) {
   REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(settings.transport_uri));
   if (settings.api_key_env.empty()) return uri;
-  // A collective's data plane is the job's communicator, which takes no key (the HTTP control
-  // plane still does).
-  if (uri.scheme == "mpi" || uri.scheme == "nccl") return uri;
   const std::string* env = uri.Param(kUriKeyEnvParam);
   if (uri.Param(kUriKeyParam) != nullptr || (env != nullptr && *env != settings.api_key_env)) {
     return InvalidArgument(
@@ -217,9 +214,14 @@ Status RunServe(const ServeSettings& settings) {
   if (!settings.api_key_env.empty()) {
     REFIT_ASSIGN_OR_RETURN(api_key, ApiKeyFromEnv(settings.api_key_env));
   }
-  REFIT_ASSIGN_OR_RETURN(const TransportUri uri, DataPlaneUri(settings));
   // The flags a data plane needs depend on its kind (a relay tree binds a data port).
+  REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(settings.transport_uri));
   REFIT_ASSIGN_OR_RETURN(const std::unique_ptr<Transport> kind, MakeTransport(uri));
+  // A collective's data plane is the job's communicator, which takes no key (its HTTP control
+  // plane still does); the others carry --api-key-env's key.
+  if (!kind->capabilities().carries_control) {
+    REFIT_ASSIGN_OR_RETURN(uri, DataPlaneUri(settings));
+  }
   const bool relay = kind->capabilities().fan_out_tree;
   // A collective (mpi://): this process is one receiver rank of an MPI job, which ends when the
   // producers close it.

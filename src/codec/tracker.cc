@@ -55,25 +55,24 @@ struct PendingRun {
   uint64_t span_end = 0;
 };
 
+/// The run of `locations` in the encoding a payload would use for them (ChooseLocationEncoding:
+/// gap16 at the usual densities, a bitmask or ranges when dense).
 Result<PendingRun> MakePendingRun(std::span<const uint64_t> locations, uint64_t span_begin,
                                   uint64_t span_end) {
   PendingRun run;
   run.count = locations.size();
   run.span_begin = span_begin;
   run.span_end = span_end;
-  uint64_t smallest = UINT64_MAX;
-  for (const LocationEncoding encoding :
-       {LocationEncoding::kAll, LocationEncoding::kRange, LocationEncoding::kGap16,
-        LocationEncoding::kGap32, LocationEncoding::kGap64, LocationEncoding::kBitmask}) {
-    const uint64_t bytes = EstimateLocationBytes(encoding, locations, span_begin, span_end);
-    if (bytes < smallest) {
-      smallest = bytes;
-      run.encoding = encoding;
-    }
-  }
+  REFIT_ASSIGN_OR_RETURN(run.encoding, ChooseLocationEncoding(locations, span_begin, span_end));
   REFIT_RETURN_NOT_OK(EncodeLocations(run.encoding, locations, span_begin, span_end, &run.bytes));
-  run.bytes.shrink_to_fit();
   return run;
+}
+
+/// The run of an item that carries every changed location of its span (XOR, OVERWRITE): a copy
+/// of the locations the item already encoded, rather than encoding them a second time.
+PendingRun PendingRunOf(const Item& item) {
+  return PendingRun{item.location_encoding, item.locations, item.count, item.span_begin,
+                    item.span_end};
 }
 
 /// Changes of one tensor recorded by Encode and applied by Commit.
@@ -445,13 +444,18 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   const uint64_t digest_total =
       GatherChanges(baseline, current.bytes, width, changed,
                     op == Op::kXor ? xor_values.data() : nullptr, new_bits.data());
+  // What Commit scatters the new bits to. Encoded outside the lock: other spans of the tensor
+  // may be encoding concurrently.
+  std::optional<PendingRun> run;
   if (op == Op::kXor) {
     REFIT_ASSIGN_OR_RETURN(Item item, MakeItem(current, op, value_dtype, begin, end, changed,
                                                std::move(xor_values), digest_total));
+    if (!changed.empty()) run = PendingRunOf(item);
     result.items.push_back(std::move(item));
   } else if (op == Op::kOverwrite) {
     REFIT_ASSIGN_OR_RETURN(
         Item item, MakeItem(current, op, value_dtype, begin, end, changed, new_bits, digest_total));
+    if (!changed.empty()) run = PendingRunOf(item);
     result.items.push_back(std::move(item));
   } else {
     REFIT_ASSIGN_OR_RETURN(OpValues values, MakeOpValues(op, current.dtype, value_dtype, baseline,
@@ -472,9 +476,8 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     }
   }
 
-  // Encoded outside the lock: other spans of the tensor may be encoding concurrently.
-  std::optional<PendingRun> run;
-  if (!changed.empty()) {
+  // ADD splits the changes between an ADD and an OVERWRITE item: the run covers them all.
+  if (!run.has_value() && !changed.empty()) {
     REFIT_ASSIGN_OR_RETURN(run, MakePendingRun(changed, begin, end));
   }
   std::lock_guard lock(entry.pending_mutex);

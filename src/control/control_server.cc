@@ -302,6 +302,17 @@ struct ControlServer::Impl {
   Result<Json> Flush(const JsonFields& body);
   Result<Json> Commit(const JsonFields& body);
   Result<Json> Abort(const JsonFields& body);
+  // The transfer routes, for HTTP (InstallRoutes) and for other carriers (Serve) alike.
+  struct JsonRoute {
+    std::string_view path;
+    std::span<const std::string_view> fields;
+    Result<Json> (Impl::*handler)(const JsonFields&);
+  };
+  static constexpr JsonRoute kJsonRoutes[] = {
+      {internal::kPreparePath, internal::kPrepareFields, &Impl::Prepare},
+      {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
+      {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
+      {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort}};
   void StagePayload(const httplib::Request& request, httplib::Response& response,
                     const httplib::ContentReader& reader);
   // POST /v1/manifest: hand the manifest to the data plane's listener, which fetches and
@@ -367,17 +378,7 @@ ControlReply ControlServer::Impl::Serve(const ControlRequest& request) {
     if (request.method == "GET" && request.path == internal::kHealthPath) {
       return reply(Json{{"ok", true}});
     }
-    struct JsonRoute {
-      std::string_view path;
-      std::span<const std::string_view> fields;
-      Result<Json> (Impl::*handler)(const JsonFields&);
-    };
-    const JsonRoute routes[] = {
-        {internal::kPreparePath, internal::kPrepareFields, &Impl::Prepare},
-        {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
-        {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
-        {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort}};
-    for (const JsonRoute& route : routes) {
+    for (const JsonRoute& route : kJsonRoutes) {
       if (request.method != "POST" || request.path != route.path) continue;
       std::string reason;
       const uint64_t limit = JsonLimit(reason);
@@ -666,14 +667,10 @@ void ControlServer::Impl::FillErrorBody(const httplib::Request& request,
 }
 
 void ControlServer::Impl::InstallRoutes() {
-  PostJson(internal::kPreparePath, internal::kPrepareFields,
-           [this](const JsonFields& body) { return Prepare(body); });
-  PostJson(internal::kFlushPath, internal::kFlushFields,
-           [this](const JsonFields& body) { return Flush(body); });
-  PostJson(internal::kCommitPath, internal::kTransferOnlyFields,
-           [this](const JsonFields& body) { return Commit(body); });
-  PostJson(internal::kAbortPath, internal::kTransferOnlyFields,
-           [this](const JsonFields& body) { return Abort(body); });
+  for (const JsonRoute& route : kJsonRoutes) {
+    PostJson(route.path, route.fields,
+             [this, &route](const JsonFields& body) { return (this->*route.handler)(body); });
+  }
   http->Post(std::string(internal::kPayloadPath),
              BodyRoute([this](const httplib::Request& request, httplib::Response& response,
                               const httplib::ContentReader& reader) {

@@ -91,8 +91,8 @@ Status BroadcastHeader(MpiJob& job, uint32_t producer, const Header& header,
 
 class MpiSender final : public TransportSender {
  public:
-  MpiSender(MpiJob& job, TransportUri uri, SenderContext context, PayloadLimits limits)
-      : job_(job), uri_(std::move(uri)), context_(std::move(context)), limits_(limits) {}
+  MpiSender(MpiJob& job, SenderContext context, PayloadLimits limits)
+      : job_(job), context_(std::move(context)), limits_(limits) {}
 
   Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
     REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
@@ -108,7 +108,7 @@ class MpiSender final : public TransportSender {
         fmt::format("mpi: producer {} payload {} of transfer {}", context_.producer_id, payload_id,
                     context_.transfer_id.ToHex());
     std::lock_guard lock(job_.data_mutex());
-    REFIT_RETURN_NOT_OK(SendHeader(header, what));
+    REFIT_RETURN_NOT_OK(BroadcastHeader(job_, context_.producer_id, header, what));
     REFIT_RETURN_NOT_OK(job_.data_plane().Broadcast(context_.producer_id, owned->data(),
                                                     owned->size(), Deadline(), {}, owned, what));
     job_.CountSent(owned->size());
@@ -120,10 +120,10 @@ class MpiSender final : public TransportSender {
     REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
     REFIT_RETURN_NOT_OK(job_.CheckUsable());
     std::lock_guard lock(job_.data_mutex());
-    REFIT_RETURN_NOT_OK(
-        SendHeader({kDone, kNoPayload, static_cast<int64_t>(payloads), 0},
-                   fmt::format("mpi: producer {} done of transfer {}", context_.producer_id,
-                               context_.transfer_id.ToHex())));
+    REFIT_RETURN_NOT_OK(BroadcastHeader(
+        job_, context_.producer_id, {kDone, kNoPayload, static_cast<int64_t>(payloads), 0},
+        fmt::format("mpi: producer {} done of transfer {}", context_.producer_id,
+                    context_.transfer_id.ToHex())));
     progress_.MarkFinished();
     return Status::OK();
   }
@@ -131,12 +131,7 @@ class MpiSender final : public TransportSender {
  private:
   Clock::time_point Deadline() const { return Clock::now() + job_.options().timeout; }
 
-  Status SendHeader(const Header& header, const std::string& what) {
-    return BroadcastHeader(job_, context_.producer_id, header, what);
-  }
-
   MpiJob& job_;
-  const TransportUri uri_;
   const SenderContext context_;
   const PayloadLimits limits_;
   SenderProgress progress_;
@@ -498,8 +493,7 @@ class MpiTransport final : public Transport {
           context.producer_id, info.rank, info.world_size, info.producer ? "producer" : "receiver",
           info.index);
     }
-    return std::unique_ptr<TransportSender>(
-        std::make_unique<MpiSender>(job_, uri(), context, limits_));
+    return std::unique_ptr<TransportSender>(std::make_unique<MpiSender>(job_, context, limits_));
   }
 
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
