@@ -59,11 +59,13 @@
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "progress.h"
+#include "refit/apply.h"
 #include "refit/compare.h"
 #include "refit/control_client.h"
 #include "refit/digest.h"
 #include "refit/environment.h"
 #include "refit/half_float.h"
+#include "refit/pipeline.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
@@ -71,6 +73,7 @@
 #include "refit/simulator.h"
 #include "table.h"
 #include "util/splitmix64.h"
+#include "zmq_raw_copy.h"
 
 #ifndef REFIT_BINARY
 #error "REFIT_BINARY must name the refit executable (set by bench/CMakeLists.txt)"
@@ -125,6 +128,15 @@ constexpr uint64_t kVocabPadTo = 64;
 // rank of the producers section's persistent rank processes.
 constexpr std::string_view kEmbeddedChildFlag = "--internal-embedded-receiver";
 constexpr std::string_view kProducerRankFlag = "--internal-producer-rank";
+// argv[1] of this executable re-executed as the raw-copy yardstick's receiving process.
+constexpr std::string_view kRawCopySinkFlag = "--internal-raw-copy-sink";
+// Targets of the throughput figures (the table), each printed MET or NOT MET.
+constexpr double kTargetFullOverRaw = 1.3;
+constexpr double kTargetDeltaOverRaw = 0.5;
+constexpr double kTargetReceiverBytesPerChanged = 2.0;
+constexpr double kTargetProducerBytesPerChanged = 12.0;
+constexpr double kTargetFullPeakOverModel = 1.1;
+constexpr double kTargetCommitShare = 0.05;
 
 // --- Arguments ------------------------------------------------------------------------------
 
@@ -142,6 +154,11 @@ struct Args {
   int threads = 2;
   // Receivers read the model into memory (default) or map it copy-on-write.
   bool receiver_mmap = false;
+  // The daemons' anchor undo policy and the producer's anchor compression.
+  AnchorUndo anchor_undo = AnchorUndo::kMemory;
+  AnchorCompression anchor_compression = ProducerStreamOptions{}.anchor_compression;
+  // Measure the raw-copy yardstick in the end-to-end section.
+  bool raw_copy = true;
   // Download every tensor of the end-to-end daemon after the last refit and compare.
   bool verify_end_to_end = true;
   bool skip_end_to_end = false;
@@ -175,6 +192,8 @@ constexpr std::string_view kUsage =
     "                 [--densities D,D,...] [--fanout N,N,...] [--fanout-model-mib N]\n"
     "                 [--fanout-density D] [--chunk-mib N] [--bucket-mib N] [--threads N]\n"
     "                 [--mmap] [--no-verify] [--skip-end-to-end] [--skip-fanout]\n"
+    "                 [--anchor-undo memory|file|none] [--anchor-compression auto|zstd|none]\n"
+    "                 [--no-raw-copy]\n"
     "                 [--sections S,S,...] [--producers W,W,...] [--producers-model-mib N]\n"
     "                 [--producers-receivers N] [--tp T,T,...] [--tp-model-mib N]\n"
     "                 [--embedded-model-mib N] [--steps N] [--step-density D]\n"
@@ -256,6 +275,14 @@ Result<Args> ParseArgs(int argc, char** argv) {
       args.receiver_mmap = true;
     } else if (flag == "--no-verify") {
       args.verify_end_to_end = false;
+    } else if (flag == "--anchor-undo") {
+      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
+      REFIT_ASSIGN_OR_RETURN(args.anchor_undo, ParseAnchorUndo(text));
+    } else if (flag == "--anchor-compression") {
+      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
+      REFIT_ASSIGN_OR_RETURN(args.anchor_compression, ParseAnchorCompression(text));
+    } else if (flag == "--no-raw-copy") {
+      args.raw_copy = false;
     } else if (flag == "--skip-end-to-end") {
       args.skip_end_to_end = true;
     } else if (flag == "--skip-fanout") {
@@ -539,6 +566,8 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   fleet_options.api_key_env = kApiKeyEnv;
   fleet_options.work_dir = work_dir;
   if (args.receiver_mmap) fleet_options.extra_args.push_back("--mmap");
+  fleet_options.extra_args.push_back("--anchor-undo");
+  fleet_options.extra_args.push_back(std::string(AnchorUndoName(args.anchor_undo)));
   const double t0 = Now();
   REFIT_ASSIGN_OR_RETURN(fleet.daemons, cli::LocalFleet::Start(fleet_options));
   fleet.start_s = Now() - t0;
@@ -563,6 +592,7 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   options.stream.send_threads = args.threads;
   // ProducerStream's default rule (2 × send threads) for the thread count actually used.
   options.stream.max_payloads_in_flight = 2 * static_cast<size_t>(args.threads);
+  options.stream.anchor_compression = args.anchor_compression;
   REFIT_ASSIGN_OR_RETURN(fleet.coordinator,
                          cli::FleetCoordinator::Make(address, &model, /*producers=*/1,
                                                      tracker_options, options, &model));
@@ -659,6 +689,10 @@ std::optional<MemoryFit> FitMemory(const std::vector<std::pair<double, double>>&
   return fit;
 }
 
+// The raw-copy yardstick (below, after the child-process flags it uses).
+Result<nlohmann::json> MeasureRawCopy(const Args& args, const std::string& work_dir,
+                                      const std::vector<TensorView>& model);
+
 // --- End to end -------------------------------------------------------------------------------
 
 struct RefitRow {
@@ -741,6 +775,13 @@ nlohmann::json RowJson(const RefitRow& row, const RefitRow& full, uint64_t model
         {"wall_s", s.timings.wall_s},
         {"peak_chunks_in_flight", s.peak_chunks_in_flight},
         {"peak_payloads_in_flight", s.peak_payloads_in_flight}}},
+      {"anchor_compression",
+       {{"compressed_payloads", s.anchor_compression.compressed_payloads},
+        {"raw_payloads", s.anchor_compression.raw_payloads},
+        {"measured", s.anchor_compression.measured},
+        {"compress_bytes_per_s", s.anchor_compression.compress_bytes_per_s},
+        {"ratio", s.anchor_compression.ratio},
+        {"link_bytes_per_s", s.anchor_compression.link_bytes_per_s}}},
       {"rss_reset_per_refit", row.rss.reset},
       {"producer_rss_before", row.rss.producer_before},
       {"producer_peak_rss", row.rss.producer_peak},
@@ -753,6 +794,73 @@ nlohmann::json RowJson(const RefitRow& row, const RefitRow& full, uint64_t model
       {"receiver_over_model_bytes", over(row.rss.receiver_peak, model_bytes)},
       {"receiver_peak_over_before_bytes", over(row.rss.receiver_peak, row.rss.receiver_before)},
       {"receivers", receivers}};
+}
+
+// One figure against its target: {figure, value, target, met} (value null: not measured).
+nlohmann::json TargetFigure(std::string figure, std::optional<double> value, double target,
+                            std::string note = "") {
+  return {{"figure", std::move(figure)},
+          {"value", value ? nlohmann::json(*value) : nullptr},
+          {"target", target},
+          {"met", value ? nlohmann::json(*value <= target) : nullptr},
+          {"note", std::move(note)}};
+}
+
+// The throughput targets that the end-to-end section measures, each a ratio or a slope
+// of one run: every one printed MET or NOT MET, never adjusted.
+nlohmann::json ThroughputTargets(const nlohmann::json& e2e, const nlohmann::json* target_row,
+                                 uint64_t model_bytes) {
+  const nlohmann::json* full = nullptr;
+  for (const nlohmann::json& row : e2e["rows"]) {
+    if (row["kind"] == "full") full = &row;
+  }
+  const auto ratio = [](const nlohmann::json* row, std::string_view key) {
+    return row != nullptr && !(*row)[key].is_null() ? std::optional<double>((*row)[key])
+                                                    : std::nullopt;
+  };
+  const auto slope = [&](std::string_view who) -> std::optional<double> {
+    if (!e2e.contains("memory_fit") || !e2e["memory_fit"].contains(who)) return std::nullopt;
+    return e2e["memory_fit"][who]["bytes_per_changed"].get<double>();
+  };
+  nlohmann::json targets = nlohmann::json::array();
+  targets.push_back(TargetFigure("FULL time / raw-copy time", ratio(full, "time_over_raw_copy"),
+                                 kTargetFullOverRaw));
+  targets.push_back(TargetFigure("3% delta time / raw-copy time",
+                                 ratio(target_row, "time_over_raw_copy"), kTargetDeltaOverRaw));
+  targets.push_back(TargetFigure("receiver bytes per changed element (XOR deltas)",
+                                 slope("receiver"), kTargetReceiverBytesPerChanged));
+  targets.push_back(TargetFigure("producer bytes per changed element over model + baseline",
+                                 slope("producer"), kTargetProducerBytesPerChanged));
+  std::optional<double> full_peak;
+  if (full != nullptr) {
+    full_peak = (*full)["receiver_peak_rss"].get<double>() / static_cast<double>(model_bytes);
+  }
+  const std::string undo = e2e["anchor_undo"];
+  targets.push_back(TargetFigure(
+      "receiver peak during a FULL / model", full_peak, kTargetFullPeakOverModel,
+      undo == "none" ? "anchor_undo none" : "anchor_undo " + undo + " (the target is for none)"));
+  std::optional<double> commit_share;
+  if (target_row != nullptr) {
+    commit_share = (*target_row)["commit_s"].get<double>() / (*target_row)["time_s"].get<double>();
+  }
+  targets.push_back(
+      TargetFigure("commit phase / delta time at 3%", commit_share, kTargetCommitShare));
+  return targets;
+}
+
+void PrintTargets(const nlohmann::json& targets) {
+  Table table({"figure", "measured", "target", "result"});
+  for (const nlohmann::json& t : targets) {
+    const bool measured = !t["value"].is_null();
+    table.AddRow(
+        {t["figure"].get<std::string>() + (t["note"].get<std::string>().empty()
+                                               ? ""
+                                               : " (" + t["note"].get<std::string>() + ")"),
+         measured ? fmt::format("{:.3f}", t["value"].get<double>()) : "-",
+         fmt::format("<= {:.2f}", t["target"].get<double>()),
+         measured ? (t["met"].get<bool>() ? "MET" : "NOT MET") : "not measured"});
+  }
+  table.Print(std::cout);
 }
 
 Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir) {
@@ -810,9 +918,22 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   }
   out["verified_bit_identical"] = args.verify_end_to_end;
   REFIT_RETURN_NOT_OK(fleet.daemons->Stop());
+  out["anchor_undo"] = std::string(AnchorUndoName(args.anchor_undo));
+  out["anchor_compression"] = std::string(AnchorCompressionName(args.anchor_compression));
+  // The yardstick, after the daemon is gone (its memory with it): the same bytes, the same
+  // loopback and send threads, nothing but the copy.
+  double raw_s = 0;
+  if (args.raw_copy) {
+    REFIT_ASSIGN_OR_RETURN(out["raw_copy"], MeasureRawCopy(args, work_dir, model.views()));
+    raw_s = out["raw_copy"]["seconds"];
+  }
 
   out["rows"] = nlohmann::json::array();
-  for (const RefitRow& row : rows) out["rows"].push_back(RowJson(row, full, model.bytes()));
+  for (const RefitRow& row : rows) {
+    nlohmann::json json = RowJson(row, full, model.bytes());
+    json["time_over_raw_copy"] = raw_s > 0 ? nlohmann::json(row.report.total_s / raw_s) : nullptr;
+    out["rows"].push_back(std::move(json));
+  }
   // The target row: the density closest to kTargetDensity, if one was measured close enough.
   const nlohmann::json* target_row = nullptr;
   for (const nlohmann::json& row : out["rows"]) {
@@ -846,6 +967,7 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   } else {
     out["target"]["met"] = nullptr;
   }
+  out["targets"] = ThroughputTargets(out, target_row, model.bytes());
   return out;
 }
 
@@ -858,7 +980,8 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
       e2e["receiver_mode"].get<std::string>(), FormatBytes(args.chunk_bytes),
       FormatBytes(args.bucket_bytes), args.threads);
   Table table({"kind", "density", "changed", "payloads", "wire", "wire/full", "time", "stream",
-               "flush", "commit", "speedup", "prod peak", "prod over", "recv peak", "recv over"});
+               "flush", "commit", "speedup", "vs raw", "prod peak", "prod over", "recv peak",
+               "recv over"});
   for (const nlohmann::json& row : e2e["rows"]) {
     const bool full = row["kind"] == "full";
     table.AddRow(
@@ -870,10 +993,37 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
          FormatDuration(row["stream_s"]), FormatDuration(row["flush_s"]),
          FormatDuration(row["commit_s"]),
          fmt::format("{:.1f}x", row["speedup_vs_full"].get<double>()),
+         row["time_over_raw_copy"].is_null()
+             ? std::string("-")
+             : fmt::format("{:.2f}", row["time_over_raw_copy"].get<double>()),
          FormatBytes(row["producer_peak_rss"]), SignedBytes(row["producer_over_held_bytes"]),
          FormatBytes(row["receiver_peak_rss"]), SignedBytes(row["receiver_over_model_bytes"])});
   }
   table.Print(std::cout);
+  if (e2e.contains("raw_copy")) {
+    const nlohmann::json& raw = e2e["raw_copy"];
+    std::cout << fmt::format(
+        "raw copy (the yardstick): {} over ZeroMQ/TCP loopback into another process in {} "
+        "({:.0f} MB/s), {} messages of {} from {} threads, no codec, digest or apply; checksum "
+        "verified. vs raw = refit time / raw-copy time\n",
+        FormatBytes(raw["bytes"]), FormatDuration(raw["seconds"]),
+        raw["bytes_per_s"].get<double>() / 1e6, raw["messages"].get<uint64_t>(),
+        FormatBytes(raw["message_bytes"]), raw["threads"].get<int>());
+  }
+  for (const nlohmann::json& row : e2e["rows"]) {
+    if (row["kind"] != "full") continue;
+    const nlohmann::json& c = row["anchor_compression"];
+    std::cout << fmt::format(
+        "FULL: anchor_compression {} -> {} payloads zstd, {} raw{}; receivers' anchor_undo {}\n",
+        e2e["anchor_compression"].get<std::string>(), c["compressed_payloads"].get<uint64_t>(),
+        c["raw_payloads"].get<uint64_t>(),
+        c["measured"].get<bool>()
+            ? fmt::format(" (measured: zstd {:.0f} MB/s to {:.3f} of the body, link {:.0f} MB/s)",
+                          c["compress_bytes_per_s"].get<double>() / 1e6, c["ratio"].get<double>(),
+                          c["link_bytes_per_s"].get<double>() / 1e6)
+            : "",
+        e2e["anchor_undo"].get<std::string>());
+  }
   const nlohmann::json& target = e2e["target"];
   if (target["met"].is_null()) {
     std::cout << fmt::format(
@@ -901,6 +1051,8 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
         "model {}\n",
         term(e2e["memory_fit"]["producer"]), term(e2e["memory_fit"]["receiver"]));
   }
+  std::cout << "throughput targets (one run; each figure a ratio or slope of this run):\n";
+  PrintTargets(e2e["targets"]);
   std::cout << fmt::format(
       "model generated in {}, written in {}, daemon loaded it in {}{}\n\n",
       FormatDuration(e2e["generate_s"]), FormatDuration(e2e["write_s"]),
@@ -1136,6 +1288,16 @@ uint64_t FingerprintOf(const std::vector<TensorView>& tensors) {
 }
 
 // The flags of this executable re-executed as a child (argv[2…], as --name value pairs).
+// Stops a child process (SIGTERM, then SIGKILL after kChildStopGrace) on every early return,
+// unless `done` says it was waited for.
+struct ChildGuard {
+  pid_t pid;
+  bool done = false;
+  ~ChildGuard() {
+    if (!done) TerminateProcess(pid, kChildStopGrace).status().IgnoreError();
+  }
+};
+
 class ChildFlags {
  public:
   static Result<ChildFlags> Parse(int argc, char** argv, std::string_view mode) {
@@ -1161,6 +1323,64 @@ class ChildFlags {
   std::string mode_;
   std::map<std::string, std::string, std::less<>> values_;
 };
+
+// --- Raw-copy yardstick ------------------------------------------------------------------------
+
+// The receiving process of the raw copy: this executable re-executed with kRawCopySinkFlag.
+Status RunRawCopySinkChild(const ChildFlags& flags) {
+  REFIT_ASSIGN_OR_RETURN(const std::string endpoint, flags.Text("--endpoint"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t bytes, flags.Number("--bytes"));
+  REFIT_ASSIGN_OR_RETURN(const std::string ready_file, flags.Text("--ready-file"));
+  REFIT_ASSIGN_OR_RETURN(const std::string result_file, flags.Text("--result-file"));
+  REFIT_ASSIGN_OR_RETURN(RawCopySinkResult result, RunZmqRawCopySink(endpoint, bytes, ready_file));
+  const nlohmann::json out = {{"bytes", result.bytes},
+                              {"messages", result.messages},
+                              {"checksum", fmt::format("{:016x}", result.checksum)}};
+  return WriteTextFileAtomically(result_file, out.dump() + "\n");
+}
+
+// The model's bytes, uncompressed, over ZeroMQ into another process on loopback, in messages of
+// the bucket size from the same number of send threads as the refits: no codec, digest or apply.
+Result<nlohmann::json> MeasureRawCopy(const Args& args, const std::string& work_dir,
+                                      const std::vector<TensorView>& model) {
+  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
+  const std::string endpoint = fmt::format("tcp://127.0.0.1:{}", port[0]);
+  uint64_t bytes = 0;
+  for (const TensorView& tensor : model) bytes += tensor.bytes.size();
+  const std::string ready_path = work_dir + "/raw-copy.ready";
+  const std::string result_path = work_dir + "/raw-copy.result";
+  const std::string log_path = work_dir + "/raw-copy.log";
+  REFIT_ASSIGN_OR_RETURN(const pid_t pid,
+                         SpawnProcess({self, std::string(kRawCopySinkFlag), "--endpoint", endpoint,
+                                       "--bytes", std::to_string(bytes), "--ready-file", ready_path,
+                                       "--result-file", result_path},
+                                      log_path, log_path));
+  ChildGuard guard{pid};
+  REFIT_RETURN_NOT_OK(WaitForReadyFile(ready_path, pid, kChildStartTimeout, log_path).status());
+  REFIT_ASSIGN_OR_RETURN(RawCopyResult copy,
+                         ZmqRawCopy(endpoint, model, args.bucket_bytes, args.threads));
+  REFIT_ASSIGN_OR_RETURN(const ChildExit exit, WaitProcess(pid, kChildStartTimeout));
+  guard.done = true;
+  if (!exit.ok()) {
+    return Internal("the raw-copy receiver ended with {}: {}", exit.Describe(), FileTail(log_path));
+  }
+  std::ifstream result_file(result_path);
+  const nlohmann::json received = nlohmann::json::parse(result_file, nullptr, false);
+  if (received.is_discarded() || received.value("bytes", uint64_t{0}) != copy.bytes ||
+      received.value("checksum", std::string()) != fmt::format("{:016x}", copy.checksum)) {
+    return DataLoss("the raw-copy receiver got {} but {} bytes with checksum {:016x} were sent",
+                    received.dump(), copy.bytes, copy.checksum);
+  }
+  return nlohmann::json{{"seconds", copy.seconds},
+                        {"bytes", copy.bytes},
+                        {"messages", copy.messages},
+                        {"message_bytes", args.bucket_bytes},
+                        {"threads", args.threads},
+                        {"bytes_per_s", copy.bytes / std::max(copy.seconds, 1e-9)},
+                        {"receiver_peak_rss", exit.peak_rss_bytes},
+                        {"verified", true}};
+}
 
 // `refit serve` daemons started one by one, each with its own model file and optionally a loader
 // and a replica, forming one relay tree (the same --peers list on each, in start order).
@@ -2328,13 +2548,7 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
                                          result_path};
   REFIT_ASSIGN_OR_RETURN(const pid_t pid, SpawnProcess(argv, log_path, log_path));
   // Stops the receiver process on every early return.
-  struct ChildGuard {
-    pid_t pid;
-    bool done = false;
-    ~ChildGuard() {
-      if (!done) TerminateProcess(pid, kChildStopGrace).status().IgnoreError();
-    }
-  } guard{pid};
+  ChildGuard guard{pid};
   REFIT_ASSIGN_OR_RETURN(const std::string ready_text,
                          WaitForReadyFile(ready_path, pid, kChildStartTimeout, log_path));
   const nlohmann::json ready = nlohmann::json::parse(ready_text, nullptr, false);
@@ -2603,11 +2817,15 @@ Status Run(const Args& args) {
 
 int Main(int argc, char** argv) {
   if (argc >= 2 && (std::string_view(argv[1]) == kEmbeddedChildFlag ||
-                    std::string_view(argv[1]) == kProducerRankFlag)) {
+                    std::string_view(argv[1]) == kProducerRankFlag ||
+                    std::string_view(argv[1]) == kRawCopySinkFlag)) {
     Status status;
     if (std::string_view(argv[1]) == kEmbeddedChildFlag) {
       Result<EmbeddedChildArgs> child = ParseEmbeddedChildArgs(argc, argv);
       status = child.ok() ? RunEmbeddedChild(*child) : child.status();
+    } else if (std::string_view(argv[1]) == kRawCopySinkFlag) {
+      Result<ChildFlags> flags = ChildFlags::Parse(argc, argv, kRawCopySinkFlag);
+      status = flags.ok() ? RunRawCopySinkChild(*flags) : flags.status();
     } else {
       Result<ChildFlags> flags = ChildFlags::Parse(argc, argv, kProducerRankFlag);
       status = flags.ok() ? RunProducerRank(*flags) : flags.status();

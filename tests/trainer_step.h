@@ -19,6 +19,8 @@ struct TrainerStep {
   TransferId id;
   uint64_t base_version = 0;
   uint64_t target_version = 0;
+  /// An anchor: every element sent in FULL.
+  bool anchor = false;
   std::vector<std::vector<std::byte>> payloads;
   std::vector<PayloadIds> ids;
   /// The items of each payload (to re-encode them differently).
@@ -33,15 +35,17 @@ struct TrainerStep {
 
 /// Open a transfer on `tracker` and encode `current` perturbed at `density`: every tensor split
 /// into `spans` element ranges, one payload per range, range k of all tensors going to producer
-/// k % producers (the upstream `chunk % W` ownership). The caller commits or aborts the tracker.
+/// k % producers (the upstream `chunk % W` ownership); `anchor`: a FULL transfer. The caller
+/// commits or aborts the tracker.
 inline TrainerStep EncodeTrainerStep(DeltaTracker& tracker, const std::vector<OwnedTensor>& current,
                                      uint64_t seed, double density, uint32_t producers = 2,
-                                     uint64_t spans = 1) {
+                                     uint64_t spans = 1, bool anchor = false) {
   TrainerStep step;
   step.id = TransferId::Random();
-  auto plan = tracker.Begin(step.id);
+  auto plan = tracker.Begin(step.id, anchor);
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
   if (!plan.ok()) return step;
+  step.anchor = plan->anchor;
   step.base_version = plan->base_version;
   step.target_version = plan->target_version;
   std::map<uint32_t, uint32_t> next_payload_id;

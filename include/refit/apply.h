@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "refit/payload.h"
@@ -14,30 +15,75 @@
 
 namespace refit {
 
+/// What an undo log keeps of the bits a FULL item (an anchor) overwrites. An anchor rewrites the
+/// whole model, so its old bits are as large as the model: this is the receiver's memory policy
+/// during a FULL (docs/benchmarking.md, "Receiver memory during an anchor").
+enum class AnchorUndo : uint8_t {
+  /// Old bits in memory: the receiver holds about 2× the model during a FULL; an abort restores
+  /// the base at memory speed. The default.
+  kMemory,
+  /// Old bits spilled to a file (UndoLogOptions::spill_directory, unlinked as soon as it is
+  /// made): about 1× the model in memory and 1× on disk during a FULL; an abort restores the base
+  /// at disk speed.
+  kFile,
+  /// Nothing kept: about 1× the model during a FULL. An abort after a FULL item was applied
+  /// cannot restore the base; the receiver then needs an anchor (ReceiverStatus::needs_anchor)
+  /// and refuses deltas until one commits.
+  kNone,
+};
+
+/// Return "memory", "file" or "none".
+std::string_view AnchorUndoName(AnchorUndo policy);
+/// Parse AnchorUndoName's spelling. Errors: InvalidArgument naming the value and the choices.
+Result<AnchorUndo> ParseAnchorUndo(std::string_view name);
+
+/// Options of an UndoLog.
+struct UndoLogOptions {
+  AnchorUndo anchor_undo = AnchorUndo::kMemory;
+  /// kFile: the directory of the spill file; empty: $TMPDIR, or /tmp.
+  std::string spill_directory{};
+};
+
 /// What undoes every element a transfer has touched, kept until commit or abort.
 /// Memory is O(changes) for OVERWRITE and ADD items (locations + old bits: 10 bytes per changed
-/// bf16 element), O(span) for FULL items, and O(wire) for XOR items applied with their payload's
-/// bytes (ApplyPayload's `payload_bytes`): XOR is its own inverse, so the log keeps the compressed
-/// payload (about 1–2 bytes per changed element) and rolls such an item back by applying it
-/// again, instead of keeping its old bits.
+/// bf16 element), O(span) for FULL items (or none, by UndoLogOptions::anchor_undo), and O(wire)
+/// for XOR items applied with their payload's bytes (ApplyPayload's `payload_bytes`): XOR is its
+/// own inverse, so the log keeps the compressed payload (about 1–2 bytes per changed element) and
+/// rolls such an item back by applying it again, instead of keeping its old bits.
 ///
 /// Thread-safety: none; owned by the receiver's single apply stage.
 class UndoLog {
  public:
   UndoLog();
+  explicit UndoLog(UndoLogOptions options);
   ~UndoLog();
   UndoLog(UndoLog&&) noexcept;
   UndoLog& operator=(UndoLog&&) noexcept;
 
-  /// Restore every recorded element and digest, newest first, then clear. After Rollback the
-  /// store is bit-identical to its state when the log was last cleared.
-  /// Errors: NotFound if a recorded tensor vanished from the store (nothing is restored then).
+  /// Check the options (a kFile spill directory that is not a writable directory is
+  /// InvalidArgument naming it). The log opens its spill file only when it first needs it.
+  static Status Validate(const UndoLogOptions& options);
+
+  /// Restore every recorded element and digest, newest first, then clear. When exact(), the
+  /// store is afterwards bit-identical to its state when the log was last cleared. Otherwise
+  /// (AnchorUndo::kNone after a FULL item) the spans whose old bits were not kept keep the bits
+  /// they were given, and the digests of their tensors are recomputed from the bytes, so that the
+  /// store stays self-consistent for the anchor that must follow.
+  /// Errors: NotFound if a recorded tensor vanished from the store (nothing is restored then);
+  /// IoError if the spill file cannot be read back (the records not yet restored are kept).
   Status Rollback(WeightStore& store);
-  /// Forget everything (the transfer committed).
+  /// Forget everything (the transfer committed), and give the spill file's space back.
   void Clear();
 
-  /// Bytes held (locations + old bits + kept payloads).
+  /// Whether a Rollback now restores the store bit-exactly: false once a FULL item was applied
+  /// under AnchorUndo::kNone, until the log is emptied (Clear or Rollback; a failed payload's own
+  /// rollback does not make it exact again: its FULL spans stay written).
+  bool exact() const { return exact_; }
+
+  /// Bytes held in memory (locations + old bits + kept payloads).
   uint64_t bytes() const;
+  /// Bytes of old bits in the spill file (AnchorUndo::kFile).
+  uint64_t spilled_bytes() const { return spill_end_; }
   /// Bytes of the payloads kept to undo XOR items by applying them again.
   uint64_t payload_bytes() const;
   /// Number of records (one per item applied without a loader; one per item and touched piece
@@ -53,9 +99,24 @@ class UndoLog {
   // Undo the records from `savepoint` on. `current` is the payload being applied, whose XOR
   // records are not yet bound to kept bytes.
   Status RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current = nullptr);
+  // Keep the old bits of a FULL record's span, as the anchor_undo policy says, before they are
+  // overwritten. Errors: IoError when the spill file cannot be made or written.
+  Status KeepFullSpan(Record& record, std::span<const std::byte> old_bits);
+  // Read `length` spilled bytes at `offset` back into `out`. Errors: IoError.
+  Status ReadSpill(uint64_t offset, std::span<std::byte> out) const;
+  // Shrink the spill file to what the remaining records use.
+  void TrimSpill();
+
+  UndoLogOptions options_;
   std::vector<Record> records_;
   // The payloads whose XOR items are undone by applying them again (Record::payload).
   std::vector<std::vector<std::byte>> payloads_;
+  // kFile: the spill file (unlinked; -1 until first needed), its path for messages, and the end
+  // of what this transfer wrote.
+  int spill_fd_ = -1;
+  std::string spill_path_;
+  uint64_t spill_end_ = 0;
+  bool exact_ = true;
 };
 
 /// Apply every item of a decoded (fully validated) payload to `store`, recording old bits in

@@ -56,6 +56,10 @@ struct PayloadEncodeOptions {
   /// Split each value group into byte planes before compression: XOR values of 1-ulp changes
   /// are mostly low bits, so planes compress far better.
   bool byte_planes = true;
+  /// false: store the body in raw zstd blocks, a valid v1 body that costs a copy instead of
+  /// compression work (zstd_level is then unused, and byte planes would only cost a pass). For
+  /// anchors on links faster than the compressor (ProducerStreamOptions::anchor_compression).
+  bool compress = true;
 };
 
 /// Hard limits applied while decoding untrusted payloads.

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "refit/item.h"
@@ -153,6 +154,27 @@ using ChunkSource = std::function<Result<std::optional<ExportChunk>>()>;
 ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_bytes);
 
 /// Options of ProducerStream::Make.
+/// How an anchor's payloads are compressed (ProducerStreamOptions::anchor_compression). An anchor
+/// sends every element, so its time is set by whichever is slower, the compressor or the link:
+/// zstd shrinks bf16 weights by only about a quarter, at a few hundred MB/s per thread, which is
+/// slower than a fast link and pays only on a slow one.
+enum class AnchorCompression : uint8_t {
+  /// Measure, then decide per anchor: its first payloads are compressed while the serializers'
+  /// compression rate, the ratio and the senders' wire rate are measured; from then on the
+  /// anchor is compressed only if that makes its payloads flow faster than raw ones would
+  /// (the compressed rate, min(compressor, link ÷ ratio), beats the link by 10 %).
+  kAuto,
+  /// Always zstd at PayloadEncodeOptions::zstd_level, as deltas.
+  kZstd,
+  /// Never: raw zstd blocks, no byte planes (PayloadEncodeOptions::compress = false).
+  kNone,
+};
+
+/// Return "auto", "zstd" or "none".
+std::string_view AnchorCompressionName(AnchorCompression mode);
+/// Parse AnchorCompressionName's spelling. Errors: InvalidArgument naming the value.
+Result<AnchorCompression> ParseAnchorCompression(std::string_view name);
+
 struct ProducerStreamOptions {
   /// This producer's rank p and the number of producers W; p owns chunk k iff k % W == p.
   uint32_t producer_id = 0;
@@ -184,6 +206,25 @@ struct ProducerStreamOptions {
   size_t max_payloads_in_flight = 8;
   /// How payloads are compressed.
   PayloadEncodeOptions payload;
+  /// How an anchor's payloads are compressed: `payload` as it is (kZstd), raw (kNone), or as
+  /// measured (kAuto). Deltas always use `payload`.
+  AnchorCompression anchor_compression = AnchorCompression::kAuto;
+};
+
+/// What a stream decided about an anchor's compression, and the rates it decided from.
+struct AnchorCompressionReport {
+  /// The transfer was an anchor.
+  bool anchor = false;
+  /// Payloads sent compressed (zstd) and raw.
+  uint64_t compressed_payloads = 0;
+  uint64_t raw_payloads = 0;
+  /// kAuto: whether the probe finished (enough payloads were sent to measure), and what it
+  /// measured: the serializers' compression rate over their threads (body bytes per second),
+  /// the compressed ÷ body ratio, and the senders' wire rate over their threads (bytes/s).
+  bool measured = false;
+  double compress_bytes_per_s = 0;
+  double ratio = 0;
+  double link_bytes_per_s = 0;
 };
 
 /// Summed busy time of each stage, in seconds. Stages run concurrently, so the sum of stage
@@ -224,12 +265,14 @@ struct StreamReport {
   uint64_t peak_chunks_in_flight = 0;
   uint64_t peak_payloads_in_flight = 0;
   StageTimings timings;
+  AnchorCompressionReport anchor_compression{};
 };
 
 /// Runs transfers for one producer: pulls every export chunk, encodes the owned ones with a
 /// DeltaTracker, coalesces their items into payloads of at most bucket_bytes (in chunk order,
 /// then tensor order, then item order), serializes and compresses them, and hands them to a
-/// sender. Payload ids and payload bytes are a function of the inputs only.
+/// sender. Payload ids and payload bytes are a function of the inputs only, except the bytes of
+/// an anchor under AnchorCompression::kAuto, whose compression follows the measured rates.
 ///
 /// Memory is bounded by the options, never by the model: about max_chunks_in_flight chunks
 /// (source bytes plus encoded items) + one partly filled bucket + max_payloads_in_flight payloads.

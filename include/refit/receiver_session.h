@@ -26,6 +26,7 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/apply.h"
 #include "refit/payload.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
@@ -76,6 +77,13 @@ struct ReceiverStatus {
   /// Transfers this session aborted and rolled back because their lease expired, since it was
   /// made. The last one is named by last_error (DeadlineExceeded) until the next Prepare.
   uint64_t expired_leases = 0;
+  /// The store holds a mix of versions that no rollback can undo: a transfer that applied FULL
+  /// items under AnchorUndo::kNone was aborted. Only an anchor is accepted until one commits;
+  /// `needs_anchor_reason` names the transfer.
+  bool needs_anchor = false;
+  std::string needs_anchor_reason{};
+  /// Bytes of old bits the open transfer's undo log spilled to its file (AnchorUndo::kFile).
+  uint64_t undo_file_bytes = 0;
 };
 
 /// Options of ReceiverSession::Make.
@@ -104,8 +112,18 @@ struct ReceiverSessionOptions {
   std::function<void(const TransferId&)> before_first_apply;
   /// Called once a transfer committed (also an implied commit), with the version now held.
   std::function<void(const TransferId&, uint64_t version)> after_commit;
-  /// Called once an open transfer was aborted and rolled back, with the version held again.
+  /// Called once an open transfer was aborted and rolled back, with the version held again. Not
+  /// called when the abort leaves the store needing an anchor (anchor_undo kNone): its weights
+  /// are then a mix of versions, so an engine stays paused until the anchor's after_commit.
   std::function<void(const TransferId&, uint64_t version)> after_abort;
+
+  /// What the undo log keeps of the bits an anchor's FULL items overwrite (AnchorUndo): the
+  /// receiver's memory during a FULL (about 2× the model with kMemory, 1× with kFile or kNone)
+  /// against what an aborted anchor leaves (the base restored, or a receiver that needs the
+  /// next anchor). docs/configuration.md has the trade-off.
+  AnchorUndo anchor_undo = AnchorUndo::kMemory;
+  /// kFile: where the undo log's spill file is made (unlinked at once); empty: $TMPDIR or /tmp.
+  std::string anchor_undo_directory{};
 
   /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes
   /// no progress for this long is aborted and rolled back by the session itself, so a producer
@@ -125,6 +143,8 @@ struct ReceiverSessionOptions {
 /// The receiver's transactional transfer state over one WeightStore.
 ///
 /// What each call does by state (T = the open transfer, U = any other id):
+/// - Any Prepare that is not an anchor, while the store needs an anchor (an aborted transfer's
+///   FULL items could not be undone, AnchorUndo::kNone): FailedPrecondition naming why.
 /// - Prepare(T): kIdle → opens T if its base is the store's version. kReceiving/kPrepared with T
 ///   open and the same request → OK, repeated.
 /// - Prepare(U): kIdle → opens U. kPrepared with U based on T's target → commits T (implied
@@ -165,8 +185,8 @@ class ReceiverSession final : public ReceiverControl {
 
   /// Create a session idle at store.version() and start its apply thread.
   /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
-  /// [1, kMax…], or a negative transfer_lease; ResourceExhausted when the OS refuses the
-  /// thread.
+  /// [1, kMax…], a negative transfer_lease, or an anchor_undo_directory that is not a writable
+  /// directory (kFile); ResourceExhausted when the OS refuses the thread.
   static Result<std::unique_ptr<ReceiverSession>> Make(const ReceiverSessionOptions& options,
                                                        WeightStore& store);
 

@@ -74,6 +74,10 @@ class WeightStore {
   Status SetDigest(std::string_view name, uint64_t digest);
   /// Recompute every digest from the bytes (O(model)); for verification tools and tests.
   std::map<std::string, uint64_t> RecomputeDigests() const;
+  /// Set the digest of local tensor `name`, and the partial digest of every resolved piece it
+  /// holds, to what its bytes give (O(tensor)). For a rollback that could not restore the bytes
+  /// (UndoLog under AnchorUndo::kNone). Errors: NotFound.
+  Status RehashTensor(std::string_view name);
 
   /// Attach the loader that maps canonical tensors onto this store's (local) tensors; it must have
   /// been made for this store. From then on ApplyPayload routes every item through it. Piece

@@ -205,6 +205,9 @@ class ReceiverStatus:
     queued_payloads: int
     #: Bytes of the open transfer's undo log (the old bits of every element it touched).
     undo_bytes: int
+    #: True when an aborted anchor left the weights a mix of versions (``anchor_undo="none"``):
+    #: deltas are refused until an anchor commits, and a Publisher sends one at its next sync.
+    needs_anchor: bool
     #: Why the open (or last) transfer failed, or None.
     last_error: Optional[str]
 
@@ -271,6 +274,11 @@ class Receiver:
       relay's endpoint in tree order, for a relay tree of receivers;
     - ``control_host``, ``control_port``: where the control plane listens (0: a free port);
     - ``api_key``: the shared secret of the control plane (default: none, or the config's);
+    - ``anchor_undo``: what undoes an anchor (a FULL sync) if it aborts: ``"memory"`` (the
+      default: the old bits in RAM, about 2× the model during a FULL), ``"file"`` (spilled to
+      ``anchor_undo_dir``, default ``$TMPDIR``), or ``"none"`` (about 1× the model; an aborted
+      anchor leaves :attr:`ReceiverStatus.needs_anchor` set and ``after_abort`` is not called,
+      so generation stays paused until the next anchor commits);
     - ``config``: a :class:`Config`; explicit arguments override it;
     - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
       ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
@@ -293,6 +301,8 @@ class Receiver:
         control_host: str = "127.0.0.1",
         control_port: int = 0,
         api_key: Optional[str] = None,
+        anchor_undo: Optional[str] = None,
+        anchor_undo_dir: Optional[str] = None,
         config: Optional[Config] = None,
         before_first_apply: Hook = None,
         after_commit: Hook = None,
@@ -318,6 +328,8 @@ class Receiver:
             control_host=control_host,
             control_port=control_port,
             api_key=api_key,
+            anchor_undo=anchor_undo,
+            anchor_undo_dir=None if anchor_undo_dir is None else str(anchor_undo_dir),
             before_first_apply=before_first_apply,
             after_commit=after_commit,
             after_abort=after_abort,

@@ -276,6 +276,7 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   out["applied_payloads"] = status.applied_payloads;
   out["queued_payloads"] = status.queued_payloads;
   out["undo_bytes"] = status.undo_bytes;
+  out["needs_anchor"] = status.needs_anchor;
   out["last_error"] = status.last_error.ok() ? py::object(py::none())
                                              : py::object(py::str(status.last_error.ToString()));
   return out;
@@ -494,7 +495,8 @@ ReceiverNodeOptions ReceiverOptionsFrom(
     const std::optional<std::string>& transport, const std::string& data_endpoint,
     const std::string& data_bind, const std::vector<std::string>& peers,
     const std::string& control_host, uint16_t control_port,
-    const std::optional<std::string>& api_key) {
+    const std::optional<std::string>& api_key, const std::optional<std::string>& anchor_undo,
+    const std::optional<std::string>& anchor_undo_dir) {
   ReceiverNodeOptions options;
   if (config.has_value()) {
     options.session = cli::ToReceiverSessionOptions(*config);
@@ -518,6 +520,8 @@ ReceiverNodeOptions ReceiverOptionsFrom(
   options.control.bind_address = control_host;
   options.control.port = control_port;
   if (api_key.has_value()) options.control.api_key = *api_key;
+  if (anchor_undo.has_value()) options.session.anchor_undo = Unwrap(ParseAnchorUndo(*anchor_undo));
+  if (anchor_undo_dir.has_value()) options.session.anchor_undo_directory = *anchor_undo_dir;
   return options;
 }
 
@@ -761,12 +765,14 @@ PYBIND11_MODULE(_core, m) {
                        const std::string& data_endpoint, const std::string& data_bind,
                        const std::vector<std::string>& peers, const std::string& control_host,
                        uint16_t control_port, const std::optional<std::string>& api_key,
+                       const std::optional<std::string>& anchor_undo,
+                       const std::optional<std::string>& anchor_undo_dir,
                        const py::object& before_first_apply, const py::object& after_commit,
                        const py::object& after_abort) {
              return std::make_unique<PyReceiver>(
                  ReceiverOptionsFrom(config, model_path, mmap, version, loader, replica, shard,
                                      transport, data_endpoint, data_bind, peers, control_host,
-                                     control_port, api_key),
+                                     control_port, api_key, anchor_undo, anchor_undo_dir),
                  before_first_apply, after_commit, after_abort);
            }),
            py::kw_only(), py::arg("config") = py::none(), py::arg("model_path") = "",
@@ -775,7 +781,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("transport") = py::none(), py::arg("data_endpoint") = "",
            py::arg("data_bind") = "", py::arg("peers") = std::vector<std::string>(),
            py::arg("control_host") = "127.0.0.1", py::arg("control_port") = 0,
-           py::arg("api_key") = py::none(), py::arg("before_first_apply") = py::none(),
+           py::arg("api_key") = py::none(), py::arg("anchor_undo") = py::none(),
+           py::arg("anchor_undo_dir") = py::none(), py::arg("before_first_apply") = py::none(),
            py::arg("after_commit") = py::none(), py::arg("after_abort") = py::none())
       .def("register", &PyReceiver::Register, py::arg("tensor"),
            "Register (name, dtype, shape, writable buffer) as a tensor, zero-copy, before start.")

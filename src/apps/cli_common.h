@@ -19,6 +19,7 @@ void RegisterEncode(CLI::App& app, Status* result);
 void RegisterApply(CLI::App& app, Status* result);
 void RegisterInspect(CLI::App& app, Status* result);
 void RegisterSimulate(CLI::App& app, Status* result);
+void RegisterEstimate(CLI::App& app, Status* result);
 void RegisterDemo(CLI::App& app, Status* result);
 void RegisterServe(CLI::App& app, Status* result);
 void RegisterPush(CLI::App& app, Status* result);

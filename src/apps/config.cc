@@ -590,6 +590,15 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
          return r.ReadInteger(v, w, ZSTD_minCLevel(), ZSTD_maxCLevel(), &delta.zstd_level);
        }},
       {"zstd_threads", [](R& r, const N& v, const W& w) { return ReadZstdThreads(r, v, w); }},
+      {"anchor_compression",
+       [&](R& r, const N& v, const W& w) {
+         std::string name;
+         REFIT_RETURN_NOT_OK(r.ReadString(v, w, &name));
+         Result<AnchorCompression> mode = ParseAnchorCompression(name);
+         if (!mode.ok()) return r.Error(w, mode.status().message());
+         delta.anchor_compression = *mode;
+         return Status::OK();
+       }},
       {"overwrite_names",
        [&](R& r, const N& v, const W& w) {
          return r.ReadStringList(v, w, &delta.overwrite_names);
@@ -640,6 +649,17 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        [&](R& r, const N& v, const W& w) {
          return ReadSeconds(r, v, w, &server.transfer_lease, /*zero_allowed=*/true);
        }},
+      {"anchor_undo",
+       [&](R& r, const N& v, const W& w) {
+         std::string name;
+         REFIT_RETURN_NOT_OK(r.ReadString(v, w, &name));
+         Result<AnchorUndo> policy = ParseAnchorUndo(name);
+         if (!policy.ok()) return r.Error(w, policy.status().message());
+         server.anchor_undo = *policy;
+         return Status::OK();
+       }},
+      {"anchor_undo_dir",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.anchor_undo_dir); }},
       {"curve_secret_key",
        [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_secret_key); }},
       {"curve_server_key",
@@ -815,6 +835,7 @@ ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
   options.serialize_threads = config.tuning.serialize_workers;
   options.send_threads = config.tuning.transfer_workers;
   options.payload.zstd_level = config.delta_compression.zstd_level;
+  options.anchor_compression = config.delta_compression.anchor_compression;
   return options;
 }
 
@@ -822,6 +843,8 @@ ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
   ReceiverSessionOptions options;
   options.apply_queue_depth = config.tuning.apply_queue_depth;
   options.transfer_lease = config.server.transfer_lease;
+  options.anchor_undo = config.server.anchor_undo;
+  options.anchor_undo_directory = config.server.anchor_undo_dir;
   return options;
 }
 

@@ -38,6 +38,9 @@ struct DeltaCompressionConfig {
   uint64_t full_sync_interval = TrackerOptions{}.full_sync_interval;
   /// `zstd_level`: the compression level of payload bodies.
   int zstd_level = PayloadEncodeOptions{}.zstd_level;
+  /// `anchor_compression`: auto | zstd | none, how an anchor's payloads are compressed
+  /// (ProducerStreamOptions::anchor_compression).
+  AnchorCompression anchor_compression = ProducerStreamOptions{}.anchor_compression;
   /// `overwrite_names`: tensors always sent as OVERWRITE in delta transfers.
   std::vector<std::string> overwrite_names;
   /// `enabled` (upstream's name): false sends every transfer as an anchor (FULL), the dense
@@ -98,6 +101,10 @@ struct ServerConfig {
   /// `transfer_lease_s`: how long a receiving transfer may go without progress before the
   /// receiver aborts it itself (ReceiverSessionOptions::transfer_lease); 0 = no lease.
   std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
+  /// `anchor_undo`: memory | file | none, what the receiver keeps to undo an anchor
+  /// (ReceiverSessionOptions::anchor_undo); `anchor_undo_dir`: the spill directory for `file`.
+  AnchorUndo anchor_undo = ReceiverSessionOptions{}.anchor_undo;
+  std::string anchor_undo_dir;
 };
 
 /// Every setting of a configuration file. A plain value type.

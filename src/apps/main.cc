@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   refit::cli::RegisterApply(app, &result);
   refit::cli::RegisterInspect(app, &result);
   refit::cli::RegisterSimulate(app, &result);
+  refit::cli::RegisterEstimate(app, &result);
 
   CLI11_PARSE(app, argc, argv);
   if (!result.ok()) {

@@ -46,6 +46,7 @@ struct PushArgs {
   int threads = 4;
   double timeout_s = 600;
   bool anchor = false;
+  std::optional<AnchorCompression> anchor_compression;
   bool json = false;
   // Which flags were given, so that they override the configuration file.
   bool transport_given = false;
@@ -87,6 +88,9 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collec
   if (args.threads_given) {
     config.tuning.encode_workers = args.threads;
     config.tuning.transfer_workers = args.threads;
+  }
+  if (args.anchor_compression) {
+    config.delta_compression.anchor_compression = *args.anchor_compression;
   }
   return config;
 }
@@ -376,6 +380,18 @@ void RegisterPush(CLI::App& app, Status* result) {
                   "FULL anchor)")
       ->check(CLI::ExistingFile);
   cmd->add_flag("--anchor", args->anchor, "Send every element even with --base");
+  cmd->add_option_function<std::string>(
+         "--anchor-compression",
+         [args](const std::string& name) {
+           Result<AnchorCompression> mode = ParseAnchorCompression(name);
+           if (!mode.ok()) {
+             throw CLI::ValidationError("--anchor-compression", mode.status().message());
+           }
+           args->anchor_compression = *mode;
+         },
+         "How an anchor's payloads are compressed: auto (measure the compressor against the "
+         "link, compress only if it is faster), zstd, none (raw)")
+      ->default_str("auto");
   cmd->add_option("--transport", args->transport,
                   "Transport URI for the payloads (zmq://?timeout_ms=…&api_key_env=…&curve_…)")
       ->capture_default_str();

@@ -76,6 +76,10 @@ struct ServeSettings {
   /// How long a receiving transfer may make no progress before this receiver aborts it
   /// (ReceiverSessionOptions::transfer_lease); zero: no lease.
   std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
+  /// What the receiver keeps to undo an anchor, and where `file` spills it
+  /// (ReceiverSessionOptions::anchor_undo, anchor_undo_directory).
+  AnchorUndo anchor_undo = ReceiverSessionOptions{}.anchor_undo;
+  std::string anchor_undo_dir;
   /// The largest payload (header + compressed body) either plane accepts; it bounds the memory
   /// one message can take.
   uint64_t max_payload_bytes = PayloadLimits{}.max_payload_bytes;
@@ -273,6 +277,8 @@ Status RunServe(const ServeSettings& settings) {
   options.control.max_request_bytes = settings.max_payload_bytes;
   options.session.apply_queue_depth = settings.apply_queue_depth;
   options.session.transfer_lease = settings.transfer_lease;
+  options.session.anchor_undo = settings.anchor_undo;
+  options.session.anchor_undo_directory = settings.anchor_undo_dir;
   options.session.limits.max_payload_bytes = settings.max_payload_bytes;
   // The decompressed body too: otherwise a small payload that declares a huge body (a
   // decompression bomb) is decompressed up to the default 4 GiB before anything refuses it.
@@ -394,6 +400,8 @@ Result<ServeSettings> SettingsFromConfig(const std::string& path) {
   settings.tls_key_path = config.server.tls_key;
   settings.apply_queue_depth = config.tuning.apply_queue_depth;
   settings.transfer_lease = config.server.transfer_lease;
+  settings.anchor_undo = config.server.anchor_undo;
+  settings.anchor_undo_dir = config.server.anchor_undo_dir;
   settings.ready_file = config.server.ready_file;
   // The key travels as --api-key-env does (serve adds api_key_env itself), so take the URI
   // without it and add what only a relay needs: its CURVE key files.
@@ -467,6 +475,19 @@ void RegisterServe(CLI::App& app, Status* result) {
          "300). A prepared transfer has no lease: it waits for commit or abort")
       ->check(CLI::Range(0.0, 86400.0));
   cmd->add_option_function<std::string>(
+         "--anchor-undo",
+         [settings](const std::string& name) {
+           Result<AnchorUndo> policy = ParseAnchorUndo(name);
+           if (!policy.ok()) throw CLI::ValidationError("--anchor-undo", policy.status().message());
+           settings->anchor_undo = *policy;
+         },
+         "What undoes an anchor (FULL): memory (old bits in RAM, ~2x the model during a FULL), "
+         "file (old bits spilled to --anchor-undo-dir, ~1x), none (~1x; an aborted FULL leaves "
+         "the receiver needing the next anchor, refusing deltas)")
+      ->default_str("memory");
+  cmd->add_option("--anchor-undo-dir", settings->anchor_undo_dir,
+                  "Directory of the spill file of --anchor-undo file (default: $TMPDIR or /tmp)");
+  cmd->add_option_function<std::string>(
       "--max-payload-bytes",
       [settings](const std::string& text) {
         Result<uint64_t> bytes = ParseByteSize(text);
@@ -526,6 +547,8 @@ void RegisterServe(CLI::App& app, Status* result) {
     if (given("--tls-key")) merged.tls_key_path = flags.tls_key_path;
     if (given("--apply-queue-depth")) merged.apply_queue_depth = flags.apply_queue_depth;
     if (given("--transfer-lease")) merged.transfer_lease = flags.transfer_lease;
+    if (given("--anchor-undo")) merged.anchor_undo = flags.anchor_undo;
+    if (given("--anchor-undo-dir")) merged.anchor_undo_dir = flags.anchor_undo_dir;
     if (given("--max-payload-bytes")) merged.max_payload_bytes = flags.max_payload_bytes;
     if (given("--version")) merged.version = flags.version;
     if (given("--ready-file")) merged.ready_file = flags.ready_file;

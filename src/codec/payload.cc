@@ -303,6 +303,46 @@ struct EncoderScratch {
 /// the thread for the rest of the process.
 constexpr size_t kMaxRetainedScratchBytes = size_t{64} << 20;
 
+// A zstd frame of raw (stored) blocks (RFC 8878 §3.1.1): what PayloadEncodeOptions::compress =
+// false writes. Any zstd decoder reads it as it reads a compressed frame, and writing it costs a
+// copy, so an anchor on a link faster than the compressor is sent at the link's speed without a
+// new payload format. The frame declares its content size (8 bytes) and a 128 KiB window, so a
+// decoder's memory for it is bounded as for our compressed frames.
+constexpr size_t kRawBlockBytes = size_t{128} << 10;    // The largest block RFC 8878 allows.
+constexpr size_t kRawFrameHeaderBytes = 4 + 1 + 1 + 8;  // Magic, descriptor, window, content size.
+constexpr size_t kBlockHeaderBytes = 3;
+
+uint64_t RawZstdFrameBytes(uint64_t body_bytes) {
+  const uint64_t blocks = std::max<uint64_t>(1, (body_bytes + kRawBlockBytes - 1) / kRawBlockBytes);
+  return kRawFrameHeaderBytes + blocks * kBlockHeaderBytes + body_bytes;
+}
+
+void WriteRawZstdFrame(std::span<const std::byte> body, std::span<std::byte> out) {
+  REFIT_DCHECK(out.size() == RawZstdFrameBytes(body.size()), "raw frame buffer size");
+  std::byte* at = out.data();
+  StoreLittleEndian(at, uint32_t{ZSTD_MAGICNUMBER});
+  // Frame header descriptor: an 8-byte content size (FCS flag 3), not single-segment, no
+  // checksum (the payload header's XXH3-128 covers these bytes), no dictionary.
+  at[4] = std::byte{0xC0};
+  // Window descriptor: exponent 7, mantissa 0 → 2^(10 + 7) = 128 KiB, one raw block.
+  at[5] = std::byte{7 << 3};
+  StoreLittleEndian(at + 6, static_cast<uint64_t>(body.size()));
+  at += kRawFrameHeaderBytes;
+  size_t done = 0;
+  do {
+    const size_t n = std::min(kRawBlockBytes, body.size() - done);
+    const bool last = done + n == body.size();
+    // Block header, 3 bytes little-endian: bit 0 last block, bits 1-2 type (0 = raw), size.
+    const uint32_t block_header = (static_cast<uint32_t>(n) << 3) | (last ? 1u : 0u);
+    at[0] = static_cast<std::byte>(block_header & 0xff);
+    at[1] = static_cast<std::byte>((block_header >> 8) & 0xff);
+    at[2] = static_cast<std::byte>((block_header >> 16) & 0xff);
+    if (n > 0) std::memcpy(at + kBlockHeaderBytes, body.data() + done, n);
+    at += kBlockHeaderBytes + n;
+    done += n;
+  } while (done < body.size());
+}
+
 EncoderScratch& ThreadEncoderScratch() {
   thread_local EncoderScratch scratch;
   return scratch;
@@ -662,6 +702,20 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   }
   REFIT_DCHECK(body.size() == body_bytes, "body size differs from its plan");
 
+  const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
+  if (!options.compress) {
+    const uint64_t frame_bytes = RawZstdFrameBytes(body.size());
+    if (kPayloadHeaderSize + frame_bytes > limits.max_payload_bytes) {
+      return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
+                             context(), kPayloadHeaderSize + frame_bytes, limits.max_payload_bytes);
+    }
+    std::vector<std::byte> payload(kPayloadHeaderSize + frame_bytes);
+    WriteRawZstdFrame(body, std::span<std::byte>(payload).subspan(kPayloadHeaderSize));
+    WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
+                std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
+    return payload;
+  }
+
   ZSTD_CCtx* cctx = ThreadCompressionContext();
   if (cctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context());
   ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
@@ -685,7 +739,6 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   }
   std::vector<std::byte> payload(kPayloadHeaderSize + compressed);
   std::memcpy(payload.data() + kPayloadHeaderSize, compressed_bytes, compressed);
-  const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
               std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
   return payload;

@@ -78,6 +78,13 @@ Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make(const ReplicaPlace&
                                   "The committed weight version the receiver holds");
     metrics->undo_bytes_ =
         &AddGauge(registry, "refit_undo_bytes", "Bytes held by the undo log of the open transfer");
+    metrics->undo_file_bytes_ =
+        &AddGauge(registry, "refit_undo_file_bytes",
+                  "Bytes the open transfer's undo log spilled to disk (anchor_undo: file)");
+    metrics->needs_anchor_ = &AddGauge(
+        registry, "refit_needs_anchor",
+        "1 while the weights are a mix of versions that only an anchor heals (an aborted FULL "
+        "under anchor_undo: none); deltas are refused");
     metrics->queued_payloads_ = &AddGauge(registry, "refit_queued_payloads",
                                           "Payloads staged and waiting for the apply thread");
     metrics->transfer_open_ = &AddGauge(registry, "refit_transfer_open",
@@ -135,6 +142,8 @@ void ControlMetrics::RecordAborted() { transfers_aborted_->Increment(); }
 std::string ControlMetrics::Render(const ReceiverStatus& status) {
   version_->Set(static_cast<double>(status.version));
   undo_bytes_->Set(static_cast<double>(status.undo_bytes));
+  undo_file_bytes_->Set(static_cast<double>(status.undo_file_bytes));
+  needs_anchor_->Set(status.needs_anchor ? 1 : 0);
   queued_payloads_->Set(static_cast<double>(status.queued_payloads));
   transfer_open_->Set(status.transfer_id.has_value() ? 1 : 0);
   {

@@ -74,6 +74,8 @@ class ControlMetrics {
   prometheus::Histogram* apply_seconds_ = nullptr;
   prometheus::Gauge* version_ = nullptr;
   prometheus::Gauge* undo_bytes_ = nullptr;
+  prometheus::Gauge* undo_file_bytes_ = nullptr;
+  prometheus::Gauge* needs_anchor_ = nullptr;
   prometheus::Gauge* queued_payloads_ = nullptr;
   prometheus::Gauge* transfer_open_ = nullptr;
   // Mirrors ReceiverStatus::expired_leases (the session counts; Render adds what is new).

@@ -339,6 +339,9 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"queued_payloads", receiver.queued_payloads},
             {"duplicate_payloads", receiver.duplicate_payloads},
             {"undo_bytes", receiver.undo_bytes},
+            {"undo_file_bytes", receiver.undo_file_bytes},
+            {"needs_anchor", receiver.needs_anchor},
+            {"needs_anchor_reason", nullptr},
             {"lease_remaining_ms", nullptr},
             {"expired_leases", receiver.expired_leases},
             {"last_error", nullptr},
@@ -351,6 +354,7 @@ Json StatusToJson(const ControlStatusFields& status) {
   if (receiver.lease_remaining_ms.has_value()) {
     body["lease_remaining_ms"] = *receiver.lease_remaining_ms;
   }
+  if (receiver.needs_anchor) body["needs_anchor_reason"] = receiver.needs_anchor_reason;
   if (!receiver.last_error.ok()) {
     body["last_error"] = Json{{"code", std::string(StatusCodeName(receiver.last_error.code()))},
                               {"message", receiver.last_error.message()}};
@@ -381,6 +385,14 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   REFIT_ASSIGN_OR_RETURN(receiver.lease_remaining_ms, fields.OptionalUint("lease_remaining_ms"));
   if (fields.Has("expired_leases")) {
     REFIT_ASSIGN_OR_RETURN(receiver.expired_leases, fields.Uint("expired_leases"));
+  }
+  // Absent from receivers older than the anchor_undo policy, which always undo an anchor.
+  if (fields.Has("needs_anchor")) {
+    REFIT_ASSIGN_OR_RETURN(receiver.needs_anchor, fields.Bool("needs_anchor"));
+    REFIT_ASSIGN_OR_RETURN(receiver.undo_file_bytes, fields.Uint("undo_file_bytes"));
+    if (receiver.needs_anchor) {
+      REFIT_ASSIGN_OR_RETURN(receiver.needs_anchor_reason, fields.String("needs_anchor_reason"));
+    }
   }
   if (const Json* error = fields.Find("last_error"); error != nullptr) {
     const JsonFields error_fields(*error, fields.Name("last_error"));

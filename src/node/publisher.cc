@@ -583,6 +583,11 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     Result<ControlStatus> status = client->GetStatus();
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
     versions.push_back(status->receiver.version);
+    if (status->receiver.needs_anchor && !force_anchor) {
+      REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
+                     status->receiver.needs_anchor_reason);
+      force_anchor = true;
+    }
     receivers.push_back({link.base_url, client.get(), status->place});
     clients.push_back(std::move(client));
   }

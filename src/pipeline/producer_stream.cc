@@ -35,6 +35,7 @@
 
 #include <fmt/format.h>
 
+#include "anchor_compression.h"
 #include "refit/pipeline.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
@@ -53,6 +54,10 @@ using internal::NameCurrentThread;
 constexpr size_t kChunksInFlightPerEncodeThread = 2;
 
 // Busy time of one stage, summed over the threads that add to it.
+double SecondsSince(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
 class StageTime {
  public:
   void Add(Clock::time_point since) {
@@ -157,6 +162,8 @@ struct PayloadJob {
 struct SerializedPayload {
   uint32_t payload_id = 0;
   std::vector<std::byte> bytes;
+  /// Encoded with zstd (else raw blocks: AnchorCompression).
+  bool compressed = true;
 };
 
 // The state and threads of one ProducerStream::Run.
@@ -209,6 +216,8 @@ class StreamRun {
   const PayloadSender& send_;
   const SenderCleanup& cleanup_;
   TransferPlan plan_;
+  // Set once the plan is known, before the threads start.
+  std::optional<internal::AnchorCompressionChooser> compression_;
   // "producer P of transfer T": the prefix of every error message.
   std::string context_;
 
@@ -306,6 +315,7 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
   std::optional<TransferPlan> plan = tracker_.open_transfer();
   if (plan) {
     plan_ = *plan;
+    compression_.emplace(options_, plan_.anchor);
     context_ =
         fmt::format("producer {} of transfer {}", options_.producer_id, plan_.transfer_id.ToHex());
     StartThreads();
@@ -340,6 +350,7 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
   report.timings.serialize_s = serialize_time_.seconds();
   report.timings.send_s = send_time_.seconds();
   report.timings.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
+  if (compression_) report.anchor_compression = compression_->report();
   REFIT_LOG_DEBUG(
       "{}: {} of {} chunks owned, {} payloads, {} items, {}/{} elements changed, {} wire bytes",
       context_, report.owned_chunks, report.chunks, report.payloads, report.items,
@@ -519,9 +530,15 @@ void StreamRun::SerializeLoop() {
     for (const Item& item : job->items) views.push_back(item.view());
     const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id,
                          plan_.base_version, plan_.target_version};
+    const PayloadEncodeOptions encode = compression_->Next();
     const Clock::time_point start = Clock::now();
-    Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, options_.payload);
+    Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, encode);
     serialize_time_.Add(start);
+    if (bytes.ok()) {
+      uint64_t body_bytes = 0;
+      for (const ItemView& view : views) body_bytes += view.locations.size() + view.values.size();
+      compression_->RecordEncoded(encode, body_bytes, bytes->size(), SecondsSince(start));
+    }
     if (!bytes.ok()) {
       Fail(bytes.status().WithContext(fmt::format("{}, payload {}", context_, job->payload_id)));
       break;
@@ -530,7 +547,10 @@ void StreamRun::SerializeLoop() {
     // Free the items before waiting for room downstream.
     views.clear();
     job.reset();
-    if (!send_queue_.Push(SerializedPayload{payload_id, std::move(*bytes)}, stop_).ok()) break;
+    if (!send_queue_.Push(SerializedPayload{payload_id, std::move(*bytes), encode.compress}, stop_)
+             .ok()) {
+      break;
+    }
   }
   if (serializers_running_.fetch_sub(1) == 1) send_queue_.Close();
 }
@@ -540,6 +560,9 @@ void StreamRun::SendLoop() {
     const Clock::time_point start = Clock::now();
     Status sent = send_(payload->payload_id, payload->bytes);
     send_time_.Add(start);
+    if (sent.ok()) {
+      compression_->RecordSent(payload->compressed, payload->bytes.size(), SecondsSince(start));
+    }
     if (!sent.ok()) {
       Fail(sent.WithContext(fmt::format("{}, payload {}", context_, payload->payload_id)));
       break;

@@ -1,15 +1,23 @@
 #include "refit/apply.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 
 #include "refit/digest.h"
 #include "refit/loader.h"
 #include "refit/locations.h"
 #include "refit/values.h"
+#include "util/check.h"
 
 namespace refit {
 namespace {
@@ -17,6 +25,8 @@ namespace {
 /// Locations decoded per batch: large enough to amortise the decoder call, small enough (32 KiB)
 /// to stay in L1/L2 while the values are applied.
 constexpr size_t kLocationBatch = 4096;
+/// Bytes of a FULL item applied at a time: hashed, kept, copied and hashed again while in L2.
+constexpr uint64_t kFullApplyBlockBytes = uint64_t{256} << 10;
 
 Status CheckApplicable(const PayloadHeader& header, size_t index, const ItemView& item,
                        const WeightStore& store) {
@@ -42,9 +52,13 @@ struct UndoLog::Record {
   /// The (local) tensor written.
   std::string tensor{};
   uint32_t width = 0;
-  /// A FULL item: old_bits hold the whole span starting at span_begin.
+  /// A FULL item: its old bits cover `full_bytes` bytes starting at element span_begin, in
+  /// old_bits, in the spill file at spill_offset, or nowhere (UndoLog::KeepFullSpan).
   bool full = false;
   uint64_t span_begin = 0;
+  uint64_t full_bytes = 0;
+  uint64_t spill_offset = kNotSpilled;
+  bool full_bits_lost = false;
   std::vector<uint64_t> locations{};
   std::vector<std::byte> old_bits{};
   uint64_t digest_before = 0;
@@ -59,21 +73,163 @@ struct UndoLog::Record {
   bool reapply = false;
   size_t payload = 0;
   size_t item = 0;
+
+  static constexpr uint64_t kNotSpilled = UINT64_MAX;
 };
 
 namespace {
 // Record::payload of a record whose payload is still being applied (not yet kept).
 constexpr size_t kCurrentPayload = SIZE_MAX;
+
+constexpr std::pair<AnchorUndo, std::string_view> kAnchorUndoNames[] = {
+    {AnchorUndo::kMemory, "memory"}, {AnchorUndo::kFile, "file"}, {AnchorUndo::kNone, "none"}};
+
+std::string SpillDirectory(const UndoLogOptions& options) {
+  if (!options.spill_directory.empty()) return options.spill_directory;
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+}
 }  // namespace
 
+std::string_view AnchorUndoName(AnchorUndo policy) {
+  for (const auto& [value, name] : kAnchorUndoNames) {
+    if (value == policy) return name;
+  }
+  return "unknown";
+}
+
+Result<AnchorUndo> ParseAnchorUndo(std::string_view name) {
+  for (const auto& [value, spelled] : kAnchorUndoNames) {
+    if (spelled == name) return value;
+  }
+  return InvalidArgument("anchor_undo '{}' is not one of memory, file, none", name);
+}
+
 UndoLog::UndoLog() = default;
-UndoLog::~UndoLog() = default;
-UndoLog::UndoLog(UndoLog&&) noexcept = default;
-UndoLog& UndoLog::operator=(UndoLog&&) noexcept = default;
+UndoLog::UndoLog(UndoLogOptions options) : options_(std::move(options)) {}
+
+UndoLog::~UndoLog() {
+  if (spill_fd_ >= 0) ::close(spill_fd_);
+}
+
+UndoLog::UndoLog(UndoLog&& other) noexcept
+    : options_(std::move(other.options_)),
+      records_(std::move(other.records_)),
+      payloads_(std::move(other.payloads_)),
+      spill_fd_(std::exchange(other.spill_fd_, -1)),
+      spill_path_(std::move(other.spill_path_)),
+      spill_end_(std::exchange(other.spill_end_, 0)),
+      exact_(std::exchange(other.exact_, true)) {}
+
+UndoLog& UndoLog::operator=(UndoLog&& other) noexcept {
+  if (this != &other) {
+    if (spill_fd_ >= 0) ::close(spill_fd_);
+    options_ = std::move(other.options_);
+    records_ = std::move(other.records_);
+    payloads_ = std::move(other.payloads_);
+    spill_fd_ = std::exchange(other.spill_fd_, -1);
+    spill_path_ = std::move(other.spill_path_);
+    spill_end_ = std::exchange(other.spill_end_, 0);
+    exact_ = std::exchange(other.exact_, true);
+  }
+  return *this;
+}
+
+Status UndoLog::Validate(const UndoLogOptions& options) {
+  if (options.anchor_undo != AnchorUndo::kFile) return Status::OK();
+  const std::string directory = SpillDirectory(options);
+  struct stat info {};
+  if (::stat(directory.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    return InvalidArgument("anchor_undo file: spill directory '{}' is not a directory", directory);
+  }
+  if (::access(directory.c_str(), W_OK | X_OK) != 0) {
+    return InvalidArgument("anchor_undo file: spill directory '{}' is not writable", directory);
+  }
+  return Status::OK();
+}
 
 void UndoLog::Clear() {
   records_.clear();
   payloads_.clear();
+  exact_ = true;
+  TrimSpill();
+}
+
+void UndoLog::TrimSpill() {
+  uint64_t end = 0;
+  for (const Record& r : records_) {
+    if (r.spill_offset != Record::kNotSpilled) end = std::max(end, r.spill_offset + r.full_bytes);
+  }
+  if (end == spill_end_) return;
+  spill_end_ = end;
+  // Give the disk space back; the (unlinked) file stays open for the next anchor. Should the
+  // truncation fail, an empty log gives the file up instead, and a log still holding spilled
+  // spans keeps it as it is (the next spill writes past `end` over what was there).
+  if (::ftruncate(spill_fd_, static_cast<off_t>(end)) != 0 && end == 0) {
+    ::close(spill_fd_);
+    spill_fd_ = -1;
+  }
+}
+
+Status UndoLog::KeepFullSpan(Record& record, std::span<const std::byte> old_bits) {
+  switch (options_.anchor_undo) {
+    case AnchorUndo::kMemory:
+      record.old_bits.insert(record.old_bits.end(), old_bits.begin(), old_bits.end());
+      record.full_bytes += old_bits.size();
+      return Status::OK();
+    case AnchorUndo::kNone:
+      record.full_bits_lost = true;
+      record.full_bytes += old_bits.size();
+      exact_ = false;
+      return Status::OK();
+    case AnchorUndo::kFile:
+      break;
+  }
+  if (spill_fd_ < 0) {
+    std::string path = SpillDirectory(options_) + "/refit-anchor-undo-XXXXXX";
+    const int fd = ::mkstemp(path.data());
+    if (fd < 0) return IoErrorFromErrno(errno, fmt::format("anchor_undo file: creating {}", path));
+    // Unlinked at once: a receiver killed mid-anchor leaves nothing on disk.
+    ::unlink(path.c_str());
+    spill_fd_ = fd;
+    spill_path_ = std::move(path);
+  }
+  // A record's spans are kept in order and nothing else spills in between (one apply thread),
+  // so its bytes lie back to back from its first offset.
+  REFIT_DCHECK(record.spill_offset == Record::kNotSpilled ||
+                   record.spill_offset + record.full_bytes == spill_end_,
+               "a record's spilled spans must be contiguous");
+  const uint64_t offset = spill_end_;
+  for (size_t done = 0; done < old_bits.size();) {
+    const ssize_t n = ::pwrite(spill_fd_, old_bits.data() + done, old_bits.size() - done,
+                               static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return IoErrorFromErrno(n < 0 ? errno : ENOSPC,
+                              fmt::format("anchor_undo file: writing {} bytes of '{}' to {}",
+                                          old_bits.size(), record.tensor, spill_path_));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (record.spill_offset == Record::kNotSpilled) record.spill_offset = offset;
+  record.full_bytes += old_bits.size();
+  spill_end_ += old_bits.size();
+  return Status::OK();
+}
+
+Status UndoLog::ReadSpill(uint64_t offset, std::span<std::byte> out) const {
+  for (size_t done = 0; done < out.size();) {
+    const ssize_t n =
+        ::pread(spill_fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return IoErrorFromErrno(
+          n < 0 ? errno : EIO,
+          fmt::format("anchor_undo file: reading {} bytes back from {}", out.size(), spill_path_));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::OK();
 }
 
 size_t UndoLog::records() const { return records_.size(); }
@@ -104,6 +260,8 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
   std::optional<DecodedPayload> decoded;
   size_t decoded_slot = SIZE_MAX;
   std::array<uint64_t, kLocationBatch> batch;
+  // Records whose FULL span kept no old bits (AnchorUndo::kNone).
+  std::vector<size_t> lost;
   // Newest first, so an element touched twice ends at its oldest recorded bits.
   for (size_t i = records_.size(); i > savepoint; --i) {
     Record& r = records_[i - 1];
@@ -149,8 +307,23 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
         done += n;
       }
     } else if (r.full) {
-      std::memcpy(tensor.bytes.data() + r.span_begin * r.width, r.old_bits.data(),
-                  r.old_bits.size());
+      const std::span<std::byte> span = tensor.bytes.subspan(r.span_begin * r.width, r.full_bytes);
+      if (r.full_bits_lost) {
+        // Nothing to restore: the span keeps the anchor's bits, and the digests are recomputed
+        // from the bytes below, once, after every record (AnchorUndo::kNone).
+        lost.push_back(i - 1);
+        continue;
+      }
+      if (r.spill_offset != Record::kNotSpilled) {
+        Status read = ReadSpill(r.spill_offset, span);
+        if (!read.ok()) {
+          for (size_t k : lost) (void)store.RehashTensor(records_[k].tensor);
+          records_.resize(i);
+          return read.WithContext(fmt::format("rollback of '{}'", r.tensor));
+        }
+      } else {
+        std::memcpy(span.data(), r.old_bits.data(), r.old_bits.size());
+      }
     } else {
       for (size_t k = 0; k < r.locations.size(); ++k) {
         std::memcpy(tensor.bytes.data() + r.locations[k] * r.width, r.old_bits.data() + k * r.width,
@@ -162,7 +335,13 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
       REFIT_RETURN_NOT_OK(store.SetPieceDigest(r.canonical, r.piece, r.piece_digest_before));
     }
   }
+  // The tensors a lost span touched hold bits no digest recorded: hash them again, so that the
+  // store's digests match its bytes for the anchor that has to follow.
+  for (size_t i : lost) REFIT_RETURN_NOT_OK(store.RehashTensor(records_[i].tensor));
   records_.resize(savepoint);
+  TrimSpill();
+  // Emptied, the log starts afresh; a payload's own rollback leaves its FULL spans written.
+  if (savepoint == 0) exact_ = true;
   // Kept payloads no remaining record refers to go too.
   size_t kept = 0;
   for (const Record& r : records_) {
@@ -360,13 +539,16 @@ void DigestSegment(std::span<const std::byte> local_bytes, uint32_t width, uint6
 
 /// Apply a FULL item (span [span_begin, span_end) of canonical elements) to the receiver's
 /// pieces: one memcpy per piece for whole-row pieces, one per row segment for column blocks.
-void ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, WeightStore& store,
-                       std::vector<PieceWrite>& writes, std::vector<UndoLog::Record>* records) {
+/// `keep_full(record, old_bits)` keeps the old bits of the local range as the log's policy says.
+template <typename KeepFull>
+Status ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, WeightStore& store,
+                         std::vector<PieceWrite>& writes, std::vector<UndoLog::Record>* records,
+                         KeepFull&& keep_full) {
   const uint32_t width = DTypeSize(item.dtype);
   const uint64_t cols = layout.cols;
   const uint64_t span_begin = item.span_begin;
   const uint64_t span_end = item.span_end;
-  if (span_begin >= span_end) return;
+  if (span_begin >= span_end) return Status::OK();
   for (size_t p = 0; p < layout.pieces.size(); ++p) {
     const CanonicalPiece& piece = layout.pieces[p];
     PieceWrite& write = writes[p];
@@ -408,8 +590,9 @@ void ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, Weig
     });
     if (local_lo >= local_hi) continue;
     UndoLog::Record& record = TouchPiece(item, layout, p, true, local_lo, store, write, records);
-    record.old_bits.assign(write.local.bytes.begin() + local_lo * width,
-                           write.local.bytes.begin() + local_hi * width);
+    REFIT_RETURN_NOT_OK(
+        keep_full(record, std::span<const std::byte>(write.local.bytes)
+                              .subspan(local_lo * width, (local_hi - local_lo) * width)));
     uint64_t local_old = 0;
     uint64_t local_new = 0;
     uint64_t piece_old = 0;
@@ -425,13 +608,16 @@ void ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, Weig
     write.local_delta = local_new - local_old;
     write.piece_delta = write.span_digest - piece_old;
   }
+  return Status::OK();
 }
 
 /// ApplyPayload through the store's loader. `rollback_to(savepoint)` undoes the records from
-/// `savepoint` on (UndoLog::RollbackTo, which only ApplyPayload may call).
-template <typename RollbackTo>
+/// `savepoint` on (UndoLog::RollbackTo) and `keep_full` keeps a FULL record's old bits
+/// (UndoLog::KeepFullSpan), both of which only ApplyPayload may call.
+template <typename RollbackTo, typename KeepFull>
 Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
-                          std::vector<UndoLog::Record>* records, RollbackTo&& rollback_to) {
+                          std::vector<UndoLog::Record>* records, RollbackTo&& rollback_to,
+                          KeepFull&& keep_full) {
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
   std::vector<const CanonicalLayout*> layouts(items.size());
@@ -458,7 +644,8 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
       writes[p].local = *store.Find(layout.pieces[p].local_tensor);
     }
     if (item.op == Op::kFull) {
-      ApplyFullToPieces(item, layout, store, writes, records);
+      Status applied = ApplyFullToPieces(item, layout, store, writes, records, keep_full);
+      if (!applied.ok()) return fail(applied);
     } else {
       Status applied = ApplyDeltaToPieces(item, layout, store, writes, *scratch, records);
       if (!applied.ok()) return fail(applied);
@@ -496,8 +683,12 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
   // The loader path is separate so that a store without one runs exactly the loop below.
   if (store.has_loader()) {
-    return ApplyThroughLoader(payload, store, &undo->records_,
-                              [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); });
+    return ApplyThroughLoader(
+        payload, store, &undo->records_,
+        [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); },
+        [&](UndoLog::Record& record, std::span<const std::byte> old_bits) {
+          return undo->KeepFullSpan(record, old_bits);
+        });
   }
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
@@ -529,19 +720,35 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     UndoLog::Record& record = undo->records_.back();
 
     if (item.op == Op::kFull) {
-      const size_t offset = item.span_begin * width;
-      const size_t length = (item.span_end - item.span_begin) * width;
-      const uint64_t old_digest = DigestRange(tensor.bytes, width, item.span_begin, item.span_end);
-      record.old_bits.assign(tensor.bytes.begin() + offset, tensor.bytes.begin() + offset + length);
-      if (length > 0) std::memcpy(tensor.bytes.data() + offset, item.values.data(), length);
-      const uint64_t new_digest = DigestRange(tensor.bytes, width, item.span_begin, item.span_end);
+      // Block by block, so that each block's old bits are hashed and kept and its new bits copied
+      // and hashed while it is in cache: one pass over memory instead of four. A span that is the
+      // whole tensor needs no old digest: the new one replaces it.
+      const bool whole = item.span_begin == 0 && item.span_end == tensor.numel();
+      uint64_t old_digest = 0;
+      uint64_t new_digest = 0;
+      const uint64_t block = std::max<uint64_t>(1, kFullApplyBlockBytes / width);
+      for (uint64_t begin = item.span_begin; begin < item.span_end; begin += block) {
+        const uint64_t end = std::min(item.span_end, begin + block);
+        const std::span<std::byte> bytes =
+            tensor.bytes.subspan(begin * width, (end - begin) * width);
+        if (!whole) old_digest += DigestRange(tensor.bytes, width, begin, end);
+        Status kept = undo->KeepFullSpan(record, bytes);
+        if (!kept.ok()) return fail(kept);
+        std::memcpy(bytes.data(), item.values.data() + (begin - item.span_begin) * width,
+                    bytes.size());
+        new_digest += DigestRange(tensor.bytes, width, begin, end);
+      }
       if (new_digest != item.digest) {
         return fail(DataLoss(
             "payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
             "producer's {:#018x}",
             header.ids.payload_id, header.ids.producer_id, i, item.name, new_digest, item.digest));
       }
-      REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, new_digest - old_digest));
+      if (whole) {
+        REFIT_RETURN_NOT_OK(store.SetDigest(item.name, new_digest));
+      } else {
+        REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, new_digest - old_digest));
+      }
       continue;
     }
 

@@ -144,7 +144,11 @@ struct ReceiverSession::Impl {
   };
 
   Impl(const ReceiverSessionOptions& session_options, WeightStore& session_store)
-      : options(session_options), store(session_store), version(session_store.version()) {}
+      : options(session_options),
+        store(session_store),
+        version(session_store.version()),
+        undo(UndoLogOptions{.anchor_undo = session_options.anchor_undo,
+                            .spill_directory = session_options.anchor_undo_directory}) {}
 
   ReceiverState StateLocked() const {
     if (!transfer) return ReceiverState::kIdle;
@@ -266,6 +270,12 @@ struct ReceiverSession::Impl {
     store.set_version(version);
     undo.Clear();
     undo_bytes = 0;
+    undo_file_bytes = 0;
+    if (needs_anchor && transfer->anchor) {
+      REFIT_LOG_INFO("receiver: anchor {} committed: the store no longer needs an anchor",
+                     transfer->id.ToHex());
+      needs_anchor.reset();
+    }
     RememberLocked(transfer->id, Outcome::kCommitted);
     REFIT_LOG_INFO("receiver: committed transfer {} ({} payloads): now at version {}",
                    transfer->id.ToHex(), transfer->applied, version);
@@ -420,9 +430,11 @@ struct ReceiverSession::Impl {
       ApplyOutcome outcome = ApplyOne(payload);
       // O(records) but records grow by one per item, so this stays small next to the apply.
       const uint64_t bytes = undo.bytes();
+      const uint64_t file_bytes = undo.spilled_bytes();
       lock.lock();
       applying = false;
       undo_bytes = bytes;
+      undo_file_bytes = file_bytes;
       TouchLocked();
       if (outcome.status.ok()) {
         ++transfer->applied;
@@ -674,23 +686,37 @@ struct ReceiverSession::Impl {
     progress.wait(lock, [this] { return !applying; });
     // Under the lock: the apply thread is idle and the queue empty, so nothing else touches the
     // store; O(changes of the transfer), like applying it.
+    const bool exact = undo.exact();
     Status rollback = undo.Rollback(store);
     undo_bytes = undo.bytes();
+    undo_file_bytes = undo.spilled_bytes();
     if (!rollback.ok()) {
       transfer->aborting = false;
       last_error = rollback.WithContext(fmt::format("abort of transfer {}", id.ToHex()));
       progress.notify_all();
       return last_error;
     }
-    REFIT_LOG_INFO(
-        "receiver: {} transfer {} ({} payloads applied and rolled back, {} discarded "
-        "unapplied): back at version {}",
-        why, id.ToHex(), transfer->applied, discarded, version);
+    if (exact) {
+      REFIT_LOG_INFO(
+          "receiver: {} transfer {} ({} payloads applied and rolled back, {} discarded "
+          "unapplied): back at version {}",
+          why, id.ToHex(), transfer->applied, discarded, version);
+    } else {
+      needs_anchor = fmt::format(
+          "transfer {} (version {} -> {}) was aborted after {} payloads had overwritten FULL "
+          "spans whose old bits anchor_undo 'none' does not keep: the weights are a mix of "
+          "versions",
+          id.ToHex(), transfer->base_version, transfer->target_version, transfer->applied);
+      REFIT_LOG_WARN("receiver: {} transfer {}: {}; only an anchor is accepted until one commits",
+                     why, id.ToHex(), *needs_anchor);
+    }
     RememberLocked(id, Outcome::kAborted);
     transfer.reset();
     progress.notify_all();
     const uint64_t held = version;
-    if (options.after_abort) {
+    // Weights that need an anchor must not be served: the engine stays paused (no after_abort)
+    // until the anchor's after_commit.
+    if (options.after_abort && exact) {
       lock.unlock();
       options.after_abort(id, held);
       lock.lock();
@@ -724,6 +750,9 @@ struct ReceiverSession::Impl {
   /// when the apply thread is idle.
   UndoLog undo;
   uint64_t undo_bytes = 0;
+  uint64_t undo_file_bytes = 0;
+  /// Why the store needs an anchor (ReceiverStatus::needs_anchor); unset while it does not.
+  std::optional<std::string> needs_anchor;
   Status last_error;
   /// Finished transfers, and their ids oldest first (for forgetting).
   std::map<std::array<uint8_t, 16>, Outcome> finished;
@@ -749,6 +778,10 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
     return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",
                            options.transfer_lease.count());
   }
+  REFIT_RETURN_NOT_OK(
+      UndoLog::Validate(UndoLogOptions{.anchor_undo = options.anchor_undo,
+                                       .spill_directory = options.anchor_undo_directory})
+          .WithContext("receiver session"));
   auto impl = std::make_unique<Impl>(options, store);
   // std::jthread reports an OS refusal (EAGAIN: thread or memory limit) only by throwing; turn it
   // into a Status so no exception leaves the library.
@@ -769,8 +802,14 @@ ReceiverSession::~ReceiverSession() {
   std::lock_guard lock(impl_->mutex);
   if (!impl_->transfer) return;
   const std::string id = impl_->transfer->id.ToHex();
+  const bool exact = impl_->undo.exact();
   Status rollback = impl_->undo.Rollback(impl_->store);
-  if (rollback.ok()) {
+  if (rollback.ok() && !exact) {
+    REFIT_LOG_ERROR(
+        "receiver: transfer {} was still open at shutdown and applied FULL spans anchor_undo "
+        "'none' cannot undo: the store is a mix of versions and needs an anchor",
+        id);
+  } else if (rollback.ok()) {
     REFIT_LOG_WARN("receiver: transfer {} was still open at shutdown; rolled back to version {}",
                    id, impl_->version);
   } else {
@@ -846,6 +885,13 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
     return FailedPrecondition("prepare of transfer {}: {}: wait for it or abort it", id,
                               s.DescribeLocked());
   }
+  if (s.needs_anchor && !request.anchor) {
+    return FailedPrecondition(
+        "prepare of transfer {}: the receiver needs an anchor and refuses a delta: {}; an anchor "
+        "(FULL) transfer heals it, and a Publisher sends one when a receiver's status says "
+        "needs_anchor",
+        id, *s.needs_anchor);
+  }
   if (request.base_version != s.version && !request.anchor) {
     return FailedPrecondition(
         "prepare of transfer {}: it is based on version {} but the receiver is at version {}", id,
@@ -865,6 +911,7 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   transfer.expected = request.expected;
   s.last_error = Status::OK();
   s.undo_bytes = 0;
+  s.undo_file_bytes = 0;
   // Wake the apply thread: this lease may expire before whatever it sleeps for.
   ++s.lease_generation;
   s.work.notify_one();
@@ -920,6 +967,9 @@ ReceiverStatus ReceiverSession::GetStatus() const {
   status.last_error = s.last_error;
   status.undo_bytes = s.undo_bytes;
   status.expired_leases = s.expired_leases;
+  status.undo_file_bytes = s.undo_file_bytes;
+  status.needs_anchor = s.needs_anchor.has_value();
+  if (s.needs_anchor) status.needs_anchor_reason = *s.needs_anchor;
   if (std::optional<Clock::time_point> deadline = s.LeaseDeadlineLocked()) {
     status.lease_remaining_ms = MillisecondsBetween(Clock::now(), *deadline);
   }

@@ -156,6 +156,21 @@ std::map<std::string, uint64_t> WeightStore::RecomputeDigests() const {
   return out;
 }
 
+Status WeightStore::RehashTensor(std::string_view name) {
+  Entry* entry = FindEntry(name);
+  if (entry == nullptr) return NotFound("unknown tensor '{}'", name);
+  entry->digest = TensorDigest(entry->view.AsConst());
+  std::lock_guard lock(pieces_mutex_);
+  for (auto& [canonical, state] : pieces_) {
+    for (size_t p = 0; p < state.layout->pieces.size(); ++p) {
+      const CanonicalPiece& piece = state.layout->pieces[p];
+      if (piece.local_tensor != name) continue;
+      state.digests[p] = PieceDigestOf(piece, state.layout->cols, entry->view.AsConst());
+    }
+  }
+  return Status::OK();
+}
+
 Status WeightStore::AttachLoader(std::unique_ptr<Loader> loader) {
   if (loader == nullptr) return InvalidArgument("AttachLoader: the loader is null");
   if (&loader->store() != this) {

@@ -480,6 +480,47 @@ TEST_P(LoaderGroupTest, RollbackRestoresBytesAndHoldingsExactly) {
   }
 }
 
+// An anchor's old bits spilled to a file undo it as exactly as in memory; kept nowhere, the
+// rollback leaves the anchor's bits and digests (local and piece) that match them, for the anchor
+// that must follow.
+TEST_P(LoaderGroupTest, AnAnchorIsUndoneFromItsSpillFileOrLeftSelfConsistentWhenNotKept) {
+  const ShardGroup::GroupSnapshot before = group_.Snapshot();
+  for (AnchorUndo policy : {AnchorUndo::kFile, AnchorUndo::kNone}) {
+    SCOPED_TRACE(AnchorUndoName(policy));
+    for (UndoLog& undo : group_.undo_) undo = UndoLog(UndoLogOptions{.anchor_undo = policy});
+    const std::vector<OwnedTensor> next = PerturbModel(group_.model_, 0.3, 91);
+    const Step step = EncodeStep(*group_.tracker_, next, /*anchor=*/true);
+    ASSERT_NO_FATAL_FAILURE(group_.Apply(step));
+    for (uint32_t rank = 0; rank < group_.tp_; ++rank) {
+      UndoLog& undo = group_.undo_[rank];
+      EXPECT_EQ(undo.exact(), policy == AnchorUndo::kFile);
+      EXPECT_EQ(undo.spilled_bytes() > 0, policy == AnchorUndo::kFile);
+      EXPECT_EQ(undo.bytes(), 0u) << "an anchor's old bits stay out of memory";
+      ASSERT_OK(undo.Rollback(*group_.shards_[rank]));
+    }
+    if (policy == AnchorUndo::kFile) {
+      EXPECT_EQ(group_.Snapshot(), before);
+    } else {
+      // Every element was overwritten by the anchor and kept: the shards hold `next`, and their
+      // digests were recomputed (ExpectShardsHold compares them with the bytes).
+      group_.ExpectShardsHold(next);
+      for (uint32_t rank = 0; rank < group_.tp_; ++rank) {
+        EXPECT_TRUE(group_.undo_[rank].exact()) << "Rollback clears the log";
+      }
+    }
+    ASSERT_OK(group_.tracker_->Abort(step.id));
+    if (policy == AnchorUndo::kNone) {
+      // Put the base back, as the next anchor would, for the loop's next policy.
+      for (UndoLog& undo : group_.undo_) undo = UndoLog();
+      const Step heal = EncodeStep(*group_.tracker_, group_.model_, /*anchor=*/true);
+      ASSERT_NO_FATAL_FAILURE(group_.Apply(heal));
+      ASSERT_OK(group_.tracker_->Abort(heal.id));
+      for (UndoLog& undo : group_.undo_) undo.Clear();
+      EXPECT_EQ(group_.Snapshot(), before);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(TpAndOps, LoaderGroupTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 4u),
                                             ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),

@@ -533,6 +533,37 @@ TEST(PayloadTest, FullItemOverEmptySpanAndScalar) {
   ExpectSameItems(decoded.items(), Views(items));
 }
 
+// compress = false writes the body as a zstd frame of raw blocks: the same items decode, the
+// payload is the body plus 14 bytes of frame header and 3 per 128 KiB block, and an empty body
+// is one empty last block.
+TEST(PayloadTest, ARawBlockBodyDecodesToTheSameItems) {
+  PayloadEncodeOptions raw;
+  raw.compress = false;
+  raw.byte_planes = false;
+  Item big =
+      MakeItem("big", DType::kBFloat16, Op::kFull, DType::kBFloat16, LocationEncoding::kAll, 1);
+  // 300 KiB of values: three blocks, the last one partial.
+  big.shape = {150 * 1024};
+  big.span_begin = 0;
+  big.span_end = big.count = 150 * 1024;
+  big.values = RandomBytes(150 * 1024 * 2, 9);
+  std::vector<Item> items = MixedItems();
+  items.push_back(big);
+  for (const std::vector<ItemView>& views : {Views(items), std::vector<ItemView>{}}) {
+    ASSERT_OK_AND_ASSIGN(auto payload, EncodePayload(TestIds(), views, raw));
+    ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
+    ExpectSameItems(decoded.items(), views);
+    const uint64_t body = decoded.header().body_bytes;
+    const uint64_t blocks = std::max<uint64_t>(1, (body + (128 << 10) - 1) / (128 << 10));
+    EXPECT_EQ(payload.size(), kPayloadHeaderSize + 14 + 3 * blocks + body);
+    EXPECT_EQ(decoded.header().flags, 0u);
+  }
+  // A raw frame that lies about its size is refused like a compressed one.
+  ASSERT_OK_AND_ASSIGN(auto payload, EncodePayload(TestIds(), Views(items), raw));
+  payload.pop_back();
+  EXPECT_FALSE(DecodePayload(payload).ok());
+}
+
 TEST(PayloadTest, EncodingIsDeterministic) {
   const std::vector<Item> items = MixedItems();
   const auto views = Views(items);

@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "pipeline/anchor_compression.h"
 #include "refit/apply.h"
 #include "refit/digest.h"
 #include "refit/tracker.h"
@@ -457,6 +458,103 @@ TEST(ProducerStreamTest, UnchangedChunksSendNothingButCountInTheTotals) {
   EXPECT_EQ(report.total_elements, TotalElements(v0));
 }
 
+/// Whether a payload's body is a frame of raw zstd blocks (the descriptor PayloadEncodeOptions::
+/// compress = false writes) rather than compressed.
+bool IsRawFrame(const std::vector<std::byte>& payload) {
+  return payload.size() > kPayloadHeaderSize + 5 &&
+         payload[kPayloadHeaderSize + 4] == std::byte{0xC0} &&
+         payload[kPayloadHeaderSize + 5] == std::byte{0x38};
+}
+
+// kNone sends an anchor in raw blocks, kZstd compressed; deltas are compressed either way, and
+// the receiver reproduces both exactly.
+TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
+  const std::vector<OwnedTensor> v0 = MakeModel(3);
+  const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.05, 31);
+  for (AnchorCompression mode : {AnchorCompression::kNone, AnchorCompression::kZstd}) {
+    SCOPED_TRACE(AnchorCompressionName(mode));
+    ProducerStreamOptions options = SmallOptions();
+    options.anchor_compression = mode;
+    ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
+    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    std::unique_ptr<WeightStore> store = ZeroStore(v0);
+    for (const auto* model : {&v0, &v1}) {
+      const bool anchor = model == &v0;
+      const TransferId id = TransferId::Random();
+      ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
+      ASSERT_EQ(plan.anchor, anchor);
+      PayloadCollector collector;
+      ASSERT_OK_AND_ASSIGN(
+          StreamReport report,
+          stream->Run(*tracker, TensorListSource(Views(*model), kChunkBytes), collector.Sender()));
+      ASSERT_GT(report.payloads, 1u);
+      const bool raw = anchor && mode == AnchorCompression::kNone;
+      EXPECT_EQ(report.anchor_compression.anchor, anchor);
+      EXPECT_EQ(report.anchor_compression.raw_payloads, raw ? report.payloads : 0u);
+      EXPECT_EQ(report.anchor_compression.compressed_payloads, raw ? 0u : report.payloads);
+      EXPECT_FALSE(report.anchor_compression.measured);
+      for (const auto& [payload_id, bytes] : collector.payloads()) {
+        EXPECT_EQ(IsRawFrame(bytes), raw) << "payload " << payload_id;
+      }
+      UndoLog undo;
+      ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
+      ExpectStoreHolds(*store, *model);
+      ASSERT_OK(tracker->Commit(id));
+    }
+  }
+}
+
+// The payloads an auto anchor sends compressed before it decides, with SmallOptions' threads.
+constexpr uint64_t kAutoProbePayloads =
+    std::max<uint64_t>(internal::AnchorCompressionChooser::kMinProbePayloads, 2 + 2);
+
+// kAuto measures the anchor's first payloads: with a link far slower than the compressor and
+// weights that compress, it keeps compressing; with a link that costs nothing (a memory copy) it
+// sends the rest raw. Either way the anchor arrives exactly.
+TEST(ProducerStreamTest, AutoAnchorCompressionFollowsTheMeasuredRates) {
+  std::vector<OwnedTensor> compressible = MakeModel(4);
+  for (OwnedTensor& t : compressible) std::fill(t.bytes.begin(), t.bytes.end(), std::byte{0x11});
+  for (const bool slow_link : {true, false}) {
+    SCOPED_TRACE(slow_link ? "slow link, compressible weights" : "free link");
+    const std::vector<OwnedTensor> model = slow_link ? compressible : MakeModel(5);
+    ProducerStreamOptions options = SmallOptions();
+    options.anchor_compression = AnchorCompression::kAuto;
+    ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
+    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    const TransferId id = TransferId::Random();
+    ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
+    PayloadCollector collector;
+    PayloadSender collect = collector.Sender();
+    const PayloadSender send = [&](uint32_t payload_id, std::span<const std::byte> bytes) {
+      // 10 ms per payload of at most ~1 KiB: about 0.2 MB/s over two senders.
+      if (slow_link) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      return collect(payload_id, bytes);
+    };
+    ASSERT_OK_AND_ASSIGN(StreamReport report,
+                         stream->Run(*tracker, TensorListSource(Views(model), kChunkBytes), send));
+    const AnchorCompressionReport& decided = report.anchor_compression;
+    ASSERT_GT(report.payloads, 2 * kAutoProbePayloads);
+    EXPECT_TRUE(decided.measured);
+    EXPECT_GT(decided.compress_bytes_per_s, 0);
+    EXPECT_GT(decided.link_bytes_per_s, 0);
+    EXPECT_EQ(decided.compressed_payloads + decided.raw_payloads, report.payloads);
+    if (slow_link) {
+      EXPECT_LT(decided.ratio, 0.5);
+      EXPECT_EQ(decided.raw_payloads, 0u);
+    } else {
+      // The probe's payloads (and any compressed while it finished) went compressed; the
+      // decision sends the rest raw.
+      EXPECT_GT(decided.raw_payloads, 0u);
+      EXPECT_GE(decided.compressed_payloads, kAutoProbePayloads);
+    }
+    std::unique_ptr<WeightStore> store = ZeroStore(model);
+    UndoLog undo;
+    ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
+    ExpectStoreHolds(*store, model);
+    ASSERT_OK(tracker->Commit(id));
+  }
+}
+
 /// Expect the payloads (ids 0..n-1) to follow the bucket rule exactly and to carry the items in
 /// canonical tensor order.
 void ExpectBucketRule(const PayloadMap& payloads, uint64_t bucket_bytes,
@@ -558,6 +656,8 @@ TEST(PackPayloadsTest, EncodeWritesThePayloadsPushSends) {
       ProducerStreamOptions options = SmallOptions();
       options.bucket_bytes = bucket_bytes;
       options.payload.zstd_level = 3;
+      // `refit encode` compresses anchors; auto would pick raw blocks for an in-memory sender.
+      options.anchor_compression = AnchorCompression::kZstd;
 
       auto push_tracker = TrackerAt(v0);
       ASSERT_OK(push_tracker->Begin(id, anchor).status());

@@ -1,0 +1,436 @@
+// refit estimate: the bandwidth calculator. From a model size, a density, the producers (W), the
+// receivers and the link (or an object store's) bandwidth, predict the time and wire bytes of a
+// delta refit, a FULL (anchor) and a raw copy of the same bytes. Every rate comes from a short
+// local calibration of refit's own stages on this machine, one thread each, printed with the
+// prediction, so that each figure can be traced to what it was computed from.
+//
+// The model (docs/benchmarking.md, "refit estimate"): a refit is a pipeline, so its time is that
+// of its slowest stage — the producers' compare + encode and serialize over their threads, the
+// link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
+// single apply thread — or, where stages share cores (--same-host), the total CPU work over those
+// cores if that is longer; a delta then adds the producers' commit.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_common.h"
+#include "progress.h"
+#include "refit/apply.h"
+#include "refit/half_float.h"
+#include "refit/payload.h"
+#include "refit/pipeline.h"
+#include "refit/tracker.h"
+#include "refit/weight_store.h"
+#include "table.h"
+
+namespace refit::cli {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+struct EstimateArgs {
+  double model_gib = 0;
+  double model_mib = 0;
+  double density = 0.03;
+  uint32_t producers = 1;
+  uint32_t receivers = 1;
+  /// Link bandwidth per host in bytes per second (from --link-gbps or --link-bytes-per-s).
+  double link_gbps = 0;
+  double link_bytes_per_s = 0;
+  int threads = 4;
+  int cores = 0;
+  bool same_host = false;
+  std::string anchor_compression = "auto";
+  uint64_t bucket_bytes = ProducerStreamOptions{}.bucket_bytes;
+  uint64_t calibrate_mib = 64;
+  bool json = false;
+};
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// Seconds per unit of each stage, one thread, measured on this machine.
+struct Calibration {
+  uint64_t bytes = 0;
+  uint64_t changed = 0;
+  double density = 0;
+  // Delta: compare + encode per model byte; serialize (zstd) per model byte; apply (decode +
+  // apply) per changed element; tracker commit per changed element; wire bytes per changed.
+  double delta_encode_s_per_byte = 0;
+  double delta_serialize_s_per_byte = 0;
+  double delta_apply_s_per_changed = 0;
+  double commit_s_per_changed = 0;
+  double wire_bytes_per_changed = 0;
+  // FULL: encode (copy + digests) per byte; serialize per byte with zstd and raw; the zstd ratio;
+  // apply (decode + copy + digests) per byte of a zstd and of a raw payload.
+  double full_encode_s_per_byte = 0;
+  double full_zstd_s_per_byte = 0;
+  double full_raw_s_per_byte = 0;
+  double full_zstd_ratio = 1;
+  double full_apply_zstd_s_per_byte = 0;
+  double full_apply_raw_s_per_byte = 0;
+};
+
+/// A bf16 tensor with a weight-like spread of values, and the same tensor after a step that
+/// moves `density` of its elements by one ulp (what an optimizer step at a small learning rate
+/// does to most changed bf16 weights).
+std::pair<OwnedTensor, OwnedTensor> CalibrationTensors(uint64_t bytes, double density) {
+  OwnedTensor base;
+  base.name = "calibration.weight";
+  base.dtype = DType::kBFloat16;
+  const uint64_t numel = bytes / 2;
+  base.shape = {static_cast<int64_t>(numel)};
+  base.bytes.resize(numel * 2);
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  const auto next = [&state] {
+    state += 0x9E3779B97F4A7C15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (uint64_t i = 0; i < numel; ++i) {
+    // Sum of four uniforms: close enough to a normal of std 0.02 for the compressor.
+    const uint64_t r = next();
+    const double u =
+        ((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48)) / 65536.0 - 2.0;
+    const uint16_t bits = FloatToBFloat16(static_cast<float>(u * 0.0346));
+    std::memcpy(base.bytes.data() + i * 2, &bits, 2);
+  }
+  OwnedTensor next_step = base;
+  const auto threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+  for (uint64_t i = 0; i < numel; ++i) {
+    if (next() >= threshold) continue;
+    uint16_t bits = 0;
+    std::memcpy(&bits, next_step.bytes.data() + i * 2, 2);
+    bits = static_cast<uint16_t>(bits ^ 1u);
+    std::memcpy(next_step.bytes.data() + i * 2, &bits, 2);
+  }
+  return {std::move(base), std::move(next_step)};
+}
+
+/// Encode `items` into payloads of at most `bucket_bytes` item bytes.
+Result<std::vector<std::vector<std::byte>>> Serialize(const std::vector<Item>& items,
+                                                      const TransferPlan& plan,
+                                                      uint64_t bucket_bytes,
+                                                      const PayloadEncodeOptions& options) {
+  REFIT_ASSIGN_OR_RETURN(
+      std::vector<std::vector<std::byte>> payloads,
+      PackPayloads(PayloadIds{plan.transfer_id, 0, 0, plan.base_version, plan.target_version},
+                   items, bucket_bytes, options));
+  return payloads;
+}
+
+/// Decode and apply every payload to `store` as a receiver's session does (the payload's bytes
+/// handed to the undo log, anchors not kept); the seconds it took. Takes a copy, made before the
+/// clock starts, because the log keeps the bytes.
+Result<double> ApplyAll(std::vector<std::vector<std::byte>> payloads, WeightStore& store) {
+  UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kNone});
+  const auto start = std::chrono::steady_clock::now();
+  for (std::vector<std::byte>& payload : payloads) {
+    REFIT_ASSIGN_OR_RETURN(DecodedPayload decoded, DecodePayload(payload));
+    REFIT_RETURN_NOT_OK(ApplyPayload(decoded, store, &undo, &payload));
+  }
+  return SecondsSince(start);
+}
+
+uint64_t TotalBytes(const std::vector<std::vector<std::byte>>& payloads) {
+  uint64_t total = 0;
+  for (const auto& payload : payloads) total += payload.size();
+  return total;
+}
+
+Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_bytes) {
+  Calibration c;
+  auto [base, step] = CalibrationTensors(bytes, density);
+  c.bytes = base.bytes.size();
+  TrackerOptions tracker_options;
+  tracker_options.compare.threads = 1;
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker,
+                         DeltaTracker::Make(tracker_options));
+  REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(base.view()));
+  auto store = WeightStore::Make();
+  REFIT_RETURN_NOT_OK(store->AddCopy(base.view()));
+
+  // A delta.
+  const TransferId delta_id = TransferId::Random();
+  REFIT_ASSIGN_OR_RETURN(const TransferPlan delta_plan, tracker->Begin(delta_id));
+  auto start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(EncodeResult delta, tracker->Encode(delta_id, step.view()));
+  c.delta_encode_s_per_byte = SecondsSince(start) / c.bytes;
+  c.changed = delta.changed_elements;
+  c.density = static_cast<double>(c.changed) / (c.bytes / 2.0);
+  if (c.changed == 0) return InvalidArgument("estimate: the calibration step changed nothing");
+  start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(auto delta_payloads,
+                         Serialize(delta.items, delta_plan, bucket_bytes, PayloadEncodeOptions{}));
+  c.delta_serialize_s_per_byte = SecondsSince(start) / c.bytes;
+  c.wire_bytes_per_changed = static_cast<double>(TotalBytes(delta_payloads)) / c.changed;
+  REFIT_ASSIGN_OR_RETURN(const double delta_apply_s, ApplyAll(delta_payloads, *store));
+  c.delta_apply_s_per_changed = delta_apply_s / c.changed;
+  start = std::chrono::steady_clock::now();
+  REFIT_RETURN_NOT_OK(tracker->Commit(delta_id));
+  c.commit_s_per_changed = SecondsSince(start) / c.changed;
+
+  // A FULL of the same weights.
+  const TransferId full_id = TransferId::Random();
+  REFIT_ASSIGN_OR_RETURN(const TransferPlan full_plan, tracker->Begin(full_id, true));
+  start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(EncodeResult full, tracker->Encode(full_id, step.view()));
+  c.full_encode_s_per_byte = SecondsSince(start) / c.bytes;
+  start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(auto zstd_payloads,
+                         Serialize(full.items, full_plan, bucket_bytes, PayloadEncodeOptions{}));
+  c.full_zstd_s_per_byte = SecondsSince(start) / c.bytes;
+  c.full_zstd_ratio = static_cast<double>(TotalBytes(zstd_payloads)) / c.bytes;
+  PayloadEncodeOptions raw;
+  raw.compress = false;
+  raw.byte_planes = false;
+  start = std::chrono::steady_clock::now();
+  REFIT_ASSIGN_OR_RETURN(auto raw_payloads, Serialize(full.items, full_plan, bucket_bytes, raw));
+  c.full_raw_s_per_byte = SecondsSince(start) / c.bytes;
+  REFIT_ASSIGN_OR_RETURN(const double apply_zstd_s, ApplyAll(zstd_payloads, *store));
+  c.full_apply_zstd_s_per_byte = apply_zstd_s / c.bytes;
+  REFIT_ASSIGN_OR_RETURN(const double apply_raw_s, ApplyAll(raw_payloads, *store));
+  c.full_apply_raw_s_per_byte = apply_raw_s / c.bytes;
+  REFIT_RETURN_NOT_OK(tracker->Abort(full_id));
+  return c;
+}
+
+/// One predicted refit: its wire bytes, its time, the stage that bounds it, and each stage's
+/// time.
+struct Prediction {
+  std::string kind;
+  uint64_t wire_bytes = 0;
+  double seconds = 0;
+  std::string bound;
+  nlohmann::json stages;
+};
+
+/// The time of a pipeline of `stages` (name, seconds, CPU seconds): its slowest stage, or the
+/// total CPU work over `shared_cores` when the stages share them and that is longer; plus
+/// `serial_s` after it.
+Prediction Pipeline(std::string kind, uint64_t wire_bytes,
+                    const std::vector<std::tuple<std::string, double, double>>& stages,
+                    int shared_cores, double serial_s = 0, std::string serial_name = "") {
+  Prediction p;
+  p.kind = std::move(kind);
+  p.wire_bytes = wire_bytes;
+  double cpu = 0;
+  for (const auto& [name, seconds, cpu_s] : stages) {
+    p.stages[name] = seconds;
+    cpu += cpu_s;
+    if (seconds > p.seconds) {
+      p.seconds = seconds;
+      p.bound = name;
+    }
+  }
+  if (shared_cores > 0) {
+    const double cpu_bound = cpu / shared_cores;
+    p.stages["cpu over shared cores"] = cpu_bound;
+    if (cpu_bound > p.seconds) {
+      p.seconds = cpu_bound;
+      p.bound = "cpu over shared cores";
+    }
+  }
+  if (serial_s > 0) {
+    p.stages[serial_name] = serial_s;
+    p.seconds += serial_s;
+  }
+  return p;
+}
+
+nlohmann::json CalibrationJson(const Calibration& c) {
+  const auto per_core = [](double s_per_byte) { return s_per_byte > 0 ? 1.0 / s_per_byte : 0.0; };
+  return {{"bytes", c.bytes},
+          {"changed", c.changed},
+          {"density", c.density},
+          {"delta_encode_bytes_per_s", per_core(c.delta_encode_s_per_byte)},
+          {"delta_serialize_bytes_per_s", per_core(c.delta_serialize_s_per_byte)},
+          {"delta_apply_changed_per_s", per_core(c.delta_apply_s_per_changed)},
+          {"commit_changed_per_s", per_core(c.commit_s_per_changed)},
+          {"wire_bytes_per_changed", c.wire_bytes_per_changed},
+          {"full_encode_bytes_per_s", per_core(c.full_encode_s_per_byte)},
+          {"full_zstd_bytes_per_s", per_core(c.full_zstd_s_per_byte)},
+          {"full_raw_bytes_per_s", per_core(c.full_raw_s_per_byte)},
+          {"full_zstd_ratio", c.full_zstd_ratio},
+          {"full_apply_zstd_bytes_per_s", per_core(c.full_apply_zstd_s_per_byte)},
+          {"full_apply_raw_bytes_per_s", per_core(c.full_apply_raw_s_per_byte)}};
+}
+
+Status RunEstimate(const EstimateArgs& args) {
+  const double model_bytes =
+      args.model_gib > 0 ? args.model_gib * 1024 * 1024 * 1024 : args.model_mib * 1024 * 1024;
+  if (model_bytes < 2) return InvalidArgument("estimate: give --model-gib or --model-mib > 0");
+  if (args.density <= 0 || args.density > 1) {
+    return InvalidArgument("estimate: --density {} is outside (0, 1]", args.density);
+  }
+  const double link = args.link_bytes_per_s > 0 ? args.link_bytes_per_s : args.link_gbps * 1e9 / 8;
+  if (link <= 0) return InvalidArgument("estimate: give --link-gbps or --link-bytes-per-s > 0");
+  REFIT_ASSIGN_OR_RETURN(const AnchorCompression anchor_mode,
+                         ParseAnchorCompression(args.anchor_compression));
+  const int cores = args.cores > 0
+                        ? args.cores
+                        : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = std::max(args.threads, 1);
+  const double W = args.producers;
+  // A producer's stages run on its own cores: at most `threads` of them at once.
+  const double producer_parallel = std::min(threads, cores);
+
+  if (!args.json) {
+    std::cout << fmt::format("calibrating on {} of bf16 at {:.2f}% (one thread per stage)...\n",
+                             FormatBytes(args.calibrate_mib * kMiB), 100 * args.density);
+  }
+  REFIT_ASSIGN_OR_RETURN(const Calibration c,
+                         Calibrate(args.calibrate_mib * kMiB, args.density, args.bucket_bytes));
+  const double elements = model_bytes / 2;
+  const double changed = elements * c.density;
+  // A relay forwards every payload to up to two children, so its link carries up to twice the
+  // wire bytes out; a lone receiver only takes them in.
+  const double relay = args.receivers > 1 ? 2.0 : 1.0;
+  // Cores the stages share: on one host (loopback) every producer and receiver stage competes.
+  const int shared = args.same_host ? cores : 0;
+
+  std::vector<Prediction> predictions;
+  {
+    const double encode_cpu = model_bytes * c.delta_encode_s_per_byte;
+    const double serialize_cpu = model_bytes * c.delta_serialize_s_per_byte;
+    const double apply_cpu = changed * c.delta_apply_s_per_changed;
+    const double wire = changed * c.wire_bytes_per_changed;
+    predictions.push_back(
+        Pipeline("delta", static_cast<uint64_t>(wire),
+                 {{"producer compare + encode", encode_cpu / W / producer_parallel, encode_cpu},
+                  {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+                  {"link", wire * relay / link, 0.0},
+                  {"receiver apply (one thread)", apply_cpu, apply_cpu * args.receivers}},
+                 shared, changed * c.commit_s_per_changed / W, "producer commit"));
+  }
+  {
+    const bool compress_zstd = [&] {
+      if (anchor_mode == AnchorCompression::kZstd) return true;
+      if (anchor_mode == AnchorCompression::kNone) return false;
+      // As the stream's auto rule: compress when the compressed path is 10 % faster.
+      const double compressor = W * producer_parallel / c.full_zstd_s_per_byte;
+      return std::min(compressor, link / c.full_zstd_ratio) > 1.10 * link;
+    }();
+    const double serialize_s_per_byte =
+        compress_zstd ? c.full_zstd_s_per_byte : c.full_raw_s_per_byte;
+    const double apply_s_per_byte =
+        compress_zstd ? c.full_apply_zstd_s_per_byte : c.full_apply_raw_s_per_byte;
+    const double wire = model_bytes * (compress_zstd ? c.full_zstd_ratio : 1.0);
+    const double encode_cpu = model_bytes * c.full_encode_s_per_byte;
+    const double serialize_cpu = model_bytes * serialize_s_per_byte;
+    const double apply_cpu = model_bytes * apply_s_per_byte;
+    Prediction full =
+        Pipeline(compress_zstd ? "FULL (zstd)" : "FULL (raw blocks)", static_cast<uint64_t>(wire),
+                 {{"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
+                  {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+                  {"link", wire * relay / link, 0.0},
+                  {"receiver apply (one thread)", apply_cpu, apply_cpu * args.receivers}},
+                 shared);
+    predictions.push_back(std::move(full));
+  }
+  predictions.push_back(Pipeline("raw copy", static_cast<uint64_t>(model_bytes),
+                                 {{"link", model_bytes * relay / link, 0.0}}, 0));
+
+  nlohmann::json out = {{"inputs",
+                         {{"model_bytes", model_bytes},
+                          {"density", args.density},
+                          {"producers", args.producers},
+                          {"receivers", args.receivers},
+                          {"link_bytes_per_s", link},
+                          {"threads", threads},
+                          {"cores", cores},
+                          {"same_host", args.same_host},
+                          {"anchor_compression", args.anchor_compression}}},
+                        {"calibration", CalibrationJson(c)},
+                        {"predictions", nlohmann::json::array()}};
+  const double raw_s = predictions.back().seconds;
+  for (const Prediction& p : predictions) {
+    out["predictions"].push_back({{"kind", p.kind},
+                                  {"wire_bytes", p.wire_bytes},
+                                  {"seconds", p.seconds},
+                                  {"over_raw_copy", p.seconds / raw_s},
+                                  {"bound", p.bound},
+                                  {"stages", p.stages}});
+  }
+  if (args.json) {
+    std::cout << out.dump() << "\n";
+    return Status::OK();
+  }
+  const nlohmann::json& cal = out["calibration"];
+  std::cout << fmt::format(
+      "calibration (per thread): delta compare+encode {:.2f} GB/s, serialize {:.2f} GB/s, apply "
+      "{:.1f} M changed/s, commit {:.1f} M changed/s, {:.2f} wire B per changed; FULL encode "
+      "{:.2f} GB/s, zstd {:.2f} GB/s to {:.3f} of the bytes, raw blocks {:.2f} GB/s, apply "
+      "{:.2f} GB/s (zstd) / {:.2f} GB/s (raw)\n",
+      cal["delta_encode_bytes_per_s"].get<double>() / 1e9,
+      cal["delta_serialize_bytes_per_s"].get<double>() / 1e9,
+      cal["delta_apply_changed_per_s"].get<double>() / 1e6,
+      cal["commit_changed_per_s"].get<double>() / 1e6, c.wire_bytes_per_changed,
+      cal["full_encode_bytes_per_s"].get<double>() / 1e9,
+      cal["full_zstd_bytes_per_s"].get<double>() / 1e9, c.full_zstd_ratio,
+      cal["full_raw_bytes_per_s"].get<double>() / 1e9,
+      cal["full_apply_zstd_bytes_per_s"].get<double>() / 1e9,
+      cal["full_apply_raw_bytes_per_s"].get<double>() / 1e9);
+  std::cout << fmt::format(
+      "model {}, {:.2f}% changed, W = {} producers x {} threads, {} receivers, link {:.2f} "
+      "GB/s{}\n",
+      FormatBytes(static_cast<uint64_t>(model_bytes)), 100 * args.density, args.producers, threads,
+      args.receivers, link / 1e9,
+      args.same_host ? fmt::format(", one host of {} cores", cores) : "");
+  Table table({"refit", "wire", "time", "vs raw copy", "bound by"});
+  for (const nlohmann::json& p : out["predictions"]) {
+    table.AddRow({p["kind"].get<std::string>(), FormatBytes(p["wire_bytes"].get<uint64_t>()),
+                  FormatDuration(p["seconds"].get<double>()),
+                  fmt::format("{:.2f}", p["over_raw_copy"].get<double>()),
+                  p["bound"].get<std::string>()});
+  }
+  table.Print(std::cout);
+  std::cout << "each time is the slowest pipeline stage (--json lists every stage's)"
+            << (args.same_host ? " or the CPU work over the shared cores" : "")
+            << "; a delta adds the producers' commit\n";
+  return Status::OK();
+}
+
+}  // namespace
+
+void RegisterEstimate(CLI::App& app, Status* result) {
+  auto args = std::make_shared<EstimateArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "estimate",
+      "Predict refit time and wire bytes (delta, FULL, raw copy) from a local calibration");
+  cmd->add_option("--model-gib", args->model_gib, "Model size in GiB (bf16)");
+  cmd->add_option("--model-mib", args->model_mib, "Model size in MiB (bf16)");
+  cmd->add_option("--density", args->density, "Fraction of elements a step changes")
+      ->capture_default_str();
+  cmd->add_option("--producers", args->producers, "Producer ranks W")->capture_default_str();
+  cmd->add_option("--receivers", args->receivers, "Receivers (a relay tree beyond one)")
+      ->capture_default_str();
+  cmd->add_option("--link-gbps", args->link_gbps,
+                  "Link (or object store) bandwidth per host in Gbit/s");
+  cmd->add_option("--link-bytes-per-s", args->link_bytes_per_s,
+                  "The same in bytes per second (e.g. a measured raw copy)");
+  cmd->add_option("--threads", args->threads, "Threads per producer stage")->capture_default_str();
+  cmd->add_option("--cores", args->cores, "Cores per host (default: this machine's)");
+  cmd->add_flag("--same-host", args->same_host,
+                "Producers and receivers share one host's cores (loopback)");
+  cmd->add_option("--anchor-compression", args->anchor_compression, "auto, zstd or none")
+      ->capture_default_str();
+  cmd->add_option("--calibrate-mib", args->calibrate_mib, "Bytes the calibration measures")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  cmd->add_flag("--json", args->json, "Print one JSON document");
+  cmd->callback([args, result] { *result = RunEstimate(*args); });
+}
+
+}  // namespace refit::cli

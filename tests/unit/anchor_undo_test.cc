@@ -1,0 +1,269 @@
+// The receiver's memory policy for anchors (AnchorUndo): what an aborted FULL leaves behind under
+// each policy, the needs_anchor state of `none`, and the spill file of `file`.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "refit/apply.h"
+#include "refit/receiver_session.h"
+#include "refit/tracker.h"
+#include "test_data.h"
+#include "test_util.h"
+#include "trainer_step.h"
+
+namespace refit {
+namespace {
+
+using Step = testing::TrainerStep;
+using testing::EncodeTrainerStep;
+using testing::Perturb;
+using testing::RandomTensor;
+
+constexpr auto kGenerousTimeout = std::chrono::seconds(60);
+
+TEST(AnchorUndoNameTest, ParsesItsOwnNamesAndNamesABadOne) {
+  for (AnchorUndo policy : {AnchorUndo::kMemory, AnchorUndo::kFile, AnchorUndo::kNone}) {
+    ASSERT_OK_AND_ASSIGN(AnchorUndo parsed, ParseAnchorUndo(AnchorUndoName(policy)));
+    EXPECT_EQ(parsed, policy);
+  }
+  EXPECT_STATUS_MSG(InvalidArgument, "'disk' is not one of memory, file, none",
+                    ParseAnchorUndo("disk"));
+}
+
+/// A trainer and one receiver store that start from the same weights, and a session over the
+/// store under the policy of the test's parameter.
+class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
+ protected:
+  void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    store_ = WeightStore::Make();
+    current_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, 1),
+                RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, 3),
+                RandomTensor("model.norm.weight", DType::kBFloat16, {257}, 6)};
+    for (const OwnedTensor& t : current_) {
+      ASSERT_OK(store_->AddCopy(t.view()));
+      ASSERT_OK(tracker_->AdoptBaseline(t.view()));
+    }
+    ReceiverSessionOptions options;
+    options.anchor_undo = GetParam();
+    options.after_abort = [this](const TransferId&, uint64_t) { ++after_abort_calls_; };
+    options.after_commit = [this](const TransferId&, uint64_t) { ++after_commit_calls_; };
+    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make(options, *store_));
+  }
+
+  uint64_t ModelBytes() const {
+    uint64_t total = 0;
+    for (const OwnedTensor& t : current_) total += t.bytes.size();
+    return total;
+  }
+
+  Step EncodeStep(uint64_t seed, bool anchor) {
+    return EncodeTrainerStep(*tracker_, current_, seed, 0.05, /*producers=*/2, /*spans=*/2, anchor);
+  }
+
+  static PrepareRequest Request(const Step& step) {
+    return PrepareRequest{step.id, step.base_version, step.expected, step.anchor};
+  }
+
+  /// Prepare, stage and flush `step` (every payload applied and verified).
+  void Deliver(const Step& step) {
+    ASSERT_OK(session_->Prepare(Request(step)));
+    for (const auto& payload : step.payloads) ASSERT_OK(session_->Stage(payload));
+    FlushOptions flush;
+    flush.timeout = kGenerousTimeout;
+    ASSERT_OK(session_->Flush(step.id, flush));
+  }
+
+  void Commit(const Step& step) {
+    ASSERT_OK(session_->Commit(step.id));
+    ASSERT_OK(tracker_->Commit(step.id));
+    current_ = step.next;
+  }
+
+  bool StoreHolds(const std::vector<OwnedTensor>& tensors) const {
+    for (const OwnedTensor& t : tensors) {
+      Result<TensorView> got = std::as_const(*store_).Find(t.name);
+      if (!got.ok() ||
+          !std::equal(got->bytes.begin(), got->bytes.end(), t.bytes.begin(), t.bytes.end())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<WeightStore> store_;
+  std::vector<OwnedTensor> current_;
+  std::unique_ptr<ReceiverSession> session_;
+  std::atomic<int> after_abort_calls_{0};
+  std::atomic<int> after_commit_calls_{0};
+};
+
+TEST_P(AnchorUndoTest, AnAbortedAnchorRestoresTheBaseOrLeavesTheReceiverNeedingAnAnchor) {
+  const AnchorUndo policy = GetParam();
+  // A delta first: the version moves, and a delta's undo is the same under every policy.
+  const Step delta = EncodeStep(1, /*anchor=*/false);
+  ASSERT_NO_FATAL_FAILURE(Deliver(delta));
+  Commit(delta);
+  const std::vector<OwnedTensor> base = current_;
+
+  const Step anchor = EncodeStep(2, /*anchor=*/true);
+  ASSERT_TRUE(anchor.anchor);
+  ASSERT_NO_FATAL_FAILURE(Deliver(anchor));
+  const ReceiverStatus during = session_->GetStatus();
+  // What holds the anchor's old bits while it is open: memory, the spill file, or nothing.
+  switch (policy) {
+    case AnchorUndo::kMemory:
+      EXPECT_EQ(during.undo_bytes, ModelBytes());
+      EXPECT_EQ(during.undo_file_bytes, 0u);
+      break;
+    case AnchorUndo::kFile:
+      EXPECT_EQ(during.undo_bytes, 0u);
+      EXPECT_EQ(during.undo_file_bytes, ModelBytes());
+      break;
+    case AnchorUndo::kNone:
+      EXPECT_EQ(during.undo_bytes, 0u);
+      EXPECT_EQ(during.undo_file_bytes, 0u);
+      break;
+  }
+  ASSERT_OK(session_->Abort(anchor.id));
+  ASSERT_OK(tracker_->Abort(anchor.id));
+
+  const ReceiverStatus after = session_->GetStatus();
+  EXPECT_EQ(after.state, ReceiverState::kIdle);
+  EXPECT_EQ(after.version, delta.target_version);
+  EXPECT_EQ(after.undo_file_bytes, 0u);
+  // Whatever the policy, the digests match the bytes: the next anchor's checks depend on it.
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+  if (policy != AnchorUndo::kNone) {
+    EXPECT_FALSE(after.needs_anchor);
+    EXPECT_TRUE(StoreHolds(base)) << "the base is restored bit-exactly";
+    EXPECT_EQ(after_abort_calls_, 1);
+    return;
+  }
+  EXPECT_TRUE(after.needs_anchor);
+  EXPECT_NE(after.needs_anchor_reason.find(anchor.id.ToHex()), std::string::npos)
+      << after.needs_anchor_reason;
+  EXPECT_TRUE(StoreHolds(anchor.next)) << "the anchor's bits stay: nothing kept the old ones";
+  EXPECT_EQ(after_abort_calls_, 0) << "an engine must stay paused: its weights need an anchor";
+
+  // A delta is refused at prepare, by name, and nothing is opened.
+  const Step refused = EncodeStep(3, /*anchor=*/false);
+  EXPECT_STATUS_MSG(FailedPrecondition, "needs an anchor and refuses a delta",
+                    session_->Prepare(Request(refused)));
+  EXPECT_EQ(session_->GetStatus().state, ReceiverState::kIdle);
+  ASSERT_OK(tracker_->Abort(refused.id));
+
+  // The next anchor heals it; deltas flow again after it.
+  const Step heal = EncodeStep(4, /*anchor=*/true);
+  ASSERT_NO_FATAL_FAILURE(Deliver(heal));
+  Commit(heal);
+  EXPECT_FALSE(session_->GetStatus().needs_anchor);
+  EXPECT_TRUE(StoreHolds(current_));
+  const Step next = EncodeStep(5, /*anchor=*/false);
+  ASSERT_NO_FATAL_FAILURE(Deliver(next));
+  Commit(next);
+  EXPECT_TRUE(StoreHolds(current_));
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+}
+
+TEST_P(AnchorUndoTest, AnAnchorAbortedBeforeItsFlushEndsTheSameWay) {
+  // Half the anchor's payloads applied, the rest never sent (a producer killed mid-stream).
+  const std::vector<OwnedTensor> base = current_;
+  const Step anchor = EncodeStep(7, /*anchor=*/true);
+  ASSERT_GE(anchor.payloads.size(), 2u);
+  ASSERT_OK(session_->Prepare(Request(anchor)));
+  ASSERT_OK(session_->Stage(anchor.payloads[0]));
+  const auto deadline = std::chrono::steady_clock::now() + kGenerousTimeout;
+  while (session_->GetStatus().applied_payloads < 1 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_OK(session_->Abort(anchor.id));
+  ASSERT_OK(tracker_->Abort(anchor.id));
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+  EXPECT_EQ(session_->GetStatus().needs_anchor, GetParam() == AnchorUndo::kNone);
+  if (GetParam() != AnchorUndo::kNone) {
+    EXPECT_TRUE(StoreHolds(base));
+  }
+}
+
+TEST_P(AnchorUndoTest, ADeltaAbortIsExactUnderEveryPolicy) {
+  const std::vector<OwnedTensor> base = current_;
+  const Step delta = EncodeStep(9, /*anchor=*/false);
+  ASSERT_NO_FATAL_FAILURE(Deliver(delta));
+  ASSERT_OK(session_->Abort(delta.id));
+  ASSERT_OK(tracker_->Abort(delta.id));
+  EXPECT_FALSE(session_->GetStatus().needs_anchor);
+  EXPECT_TRUE(StoreHolds(base));
+  EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, AnchorUndoTest,
+                         ::testing::Values(AnchorUndo::kMemory, AnchorUndo::kFile,
+                                           AnchorUndo::kNone),
+                         [](const auto& param_info) {
+                           return std::string(AnchorUndoName(param_info.param));
+                         });
+
+TEST(AnchorUndoOptionsTest, ASpillDirectoryThatCannotHoldTheFileIsRefusedAtMakeNamingIt) {
+  auto store = WeightStore::Make();
+  ReceiverSessionOptions options;
+  options.anchor_undo = AnchorUndo::kFile;
+  options.anchor_undo_directory = "/nonexistent/refit-spill";
+  EXPECT_STATUS_MSG(InvalidArgument, "'/nonexistent/refit-spill' is not a directory",
+                    ReceiverSession::Make(options, *store));
+  // Only kFile uses the directory.
+  options.anchor_undo = AnchorUndo::kNone;
+  EXPECT_OK(ReceiverSession::Make(options, *store));
+}
+
+// A spill file that cannot be written (here: past RLIMIT_FSIZE, as on a full disk) fails the
+// payload with an IoError that names the file, and leaves the store as it was.
+TEST(AnchorUndoSpillTest, AFailedSpillWriteFailsThePayloadAndAppliesNothing) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  auto store = WeightStore::Make();
+  const OwnedTensor base = RandomTensor("big.weight", DType::kFloat32, {64, 64}, 11);
+  ASSERT_OK(store->AddCopy(base.view()));
+  ASSERT_OK(tracker->AdoptBaseline(base.view()));
+  const Step step = EncodeTrainerStep(*tracker, {base}, 12, 0.5, 1, 1, /*anchor=*/true);
+  ASSERT_EQ(step.payloads.size(), 1u);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(step.payloads[0]));
+
+  const std::string directory =
+      (std::filesystem::temp_directory_path() / fmt::format("refit-spill-{}", ::getpid())).string();
+  std::filesystem::create_directories(directory);
+  UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kFile, .spill_directory = directory});
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto previous_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = saved;
+  small.rlim_cur = 4096;  // The tensor's old bits are 16 KiB.
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const Status applied = ApplyPayload(decoded, *store, &undo);
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous_handler);
+  std::filesystem::remove_all(directory);
+
+  EXPECT_EQ(applied.code(), StatusCode::kIoError) << applied.ToString();
+  EXPECT_NE(applied.message().find("refit-anchor-undo-"), std::string::npos) << applied.ToString();
+  ASSERT_OK_AND_ASSIGN(TensorView held, std::as_const(*store).Find("big.weight"));
+  EXPECT_TRUE(
+      std::equal(held.bytes.begin(), held.bytes.end(), base.bytes.begin(), base.bytes.end()));
+  EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+  EXPECT_EQ(undo.records(), 0u);
+}
+
+}  // namespace
+}  // namespace refit
