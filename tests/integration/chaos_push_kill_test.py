@@ -209,7 +209,7 @@ class HoldingProxy:
 # ---- Daemons --------------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, refit, workdir, name, model, data_port, peers, lease_s, env):
+    def __init__(self, refit, workdir, name, model, data_port, peers, lease_s, env, extra=()):
         self.name, self.data = name, f"127.0.0.1:{data_port}"
         ready = os.path.join(workdir, f"{name}.ready")
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -218,7 +218,7 @@ class Daemon:
                 [refit, "serve", "--model", model, "--data-port", str(data_port),
                  "--control-port", "0", "--peers", ",".join(peers), "--api-key-env", KEY_ENV,
                  "--ready-file", ready] +
-                ([] if lease_s < 0 else ["--transfer-lease", str(lease_s)]),
+                ([] if lease_s < 0 else ["--transfer-lease", str(lease_s)]) + list(extra),
                 stdout=log, stderr=subprocess.STDOUT, env=env)
         self.ready = ready
 
