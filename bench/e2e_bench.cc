@@ -2739,6 +2739,11 @@ Status Run(const Args& args) {
   const uint64_t disk =
       std::max({e2e_bytes, fanout_bytes, 2 * producers_bytes, tp_bytes}) + kDiskMarginBytes;
   const std::string temp_dir = std::filesystem::temp_directory_path().string();
+  if (!args.work_dir.empty()) {
+    std::error_code made;
+    std::filesystem::create_directories(args.work_dir, made);
+    if (made) return IoError("--work-dir {}: cannot create it: {}", args.work_dir, made.message());
+  }
   REFIT_RETURN_NOT_OK(CheckRoom(args.work_dir.empty() ? temp_dir : args.work_dir, disk, memory,
                                 "the model and the tracker's baseline in this process; per daemon "
                                 "its model and, during the FULL, an undo log as large",

@@ -8,7 +8,8 @@
   codec.json  `codec_bench --json codec.json`
 
 Charts, each only when its input is given:
-  refit_time.png     time per refit against density: delta and FULL (e2e_bench, zmq://), and
+  refit_time.png     time per refit against density: delta, FULL and the raw copy (e2e_bench,
+                     zmq://), and
                      mpi:// delta, zmq:// delta and the raw MPI_Bcast yardstick (mpi_bench)
   memory.png         memory over the model (receiver) and over model + baseline (producer)
                      against changed elements, with the least-squares lines e2e_bench fitted
@@ -47,6 +48,10 @@ def refit_time(plt, e2e, mpi, out):
                 label=f"delta, zmq:// (e2e_bench, {e2e['end_to_end']['model_bytes'] / 2**30:.1f} GiB)")
         for r in full:
             ax.axhline(r["time_s"], color="C1", linestyle="--", label="FULL, zmq:// (e2e_bench)")
+        raw = e2e["end_to_end"].get("raw_copy")
+        if raw:
+            ax.axhline(raw["seconds"], color="black", linestyle=":",
+                       label="raw copy, ZeroMQ loopback (e2e_bench yardstick)")
     if mpi:
         for layout in sorted({s["layout"] for s in mpi["steps"]}):
             steps = [s for s in mpi["steps"] if s["layout"] == layout and s["kind"] == "delta"]

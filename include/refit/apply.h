@@ -94,8 +94,8 @@ class UndoLog {
   struct Record;
 
  private:
-  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*,
-                             std::vector<std::byte>*);
+  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*, std::vector<std::byte>*,
+                             int);
   // Undo the records from `savepoint` on. `current` is the payload being applied, whose XOR
   // records are not yet bound to kept bytes.
   Status RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current = nullptr);
@@ -106,6 +106,12 @@ class UndoLog {
   Status ReadSpill(uint64_t offset, std::span<std::byte> out) const;
   // Shrink the spill file to what the remaining records use.
   void TrimSpill();
+  // Make the spill file if there is none. Errors: IoError.
+  Status OpenSpillFile();
+  // Before FULL spans of `records` (of `span_bytes` each) are kept from several threads at once:
+  // set aside each record's range of the spill file, size its memory, or mark the log inexact,
+  // so that KeepFullSpan of distinct records touches nothing shared. Errors: IoError.
+  Status ReserveFullSpans(std::span<Record> records, std::span<const uint64_t> span_bytes);
 
   UndoLogOptions options_;
   std::vector<Record> records_;
@@ -138,7 +144,10 @@ class UndoLog {
 /// a loader are recorded without their old bits; instead, on success, the bytes are moved into
 /// the log (left empty here), which rolls those items back by decoding and applying them again
 /// (O(wire) memory instead of 10 bytes per changed element). Null: old bits, as for every other op.
+///
+/// `threads` > 1: a payload whose items are all FULL (an anchor's) copies its tensors on up to
+/// that many threads, one tensor per thread at a time, with the same all-or-nothing result.
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    std::vector<std::byte>* payload_bytes = nullptr);
+                    std::vector<std::byte>* payload_bytes = nullptr, int threads = 1);
 
 }  // namespace refit

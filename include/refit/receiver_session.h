@@ -124,6 +124,10 @@ struct ReceiverSessionOptions {
   AnchorUndo anchor_undo = AnchorUndo::kMemory;
   /// kFile: where the undo log's spill file is made (unlinked at once); empty: $TMPDIR or /tmp.
   std::string anchor_undo_directory{};
+  /// Threads that copy an anchor's payload (its FULL items, one tensor per thread at a time),
+  /// so that a FULL is applied near memory bandwidth rather than at one core's hashing speed.
+  /// Deltas are applied by the session's apply thread alone. 1 to kMaxApplyThreads.
+  int apply_threads = 4;
 
   /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes
   /// no progress for this long is aborted and rolled back by the session itself, so a producer
@@ -182,10 +186,12 @@ class ReceiverSession final : public ReceiverControl {
   /// value, low enough that a mistyped one (e.g. a byte count) is reported.
   static constexpr size_t kMaxApplyQueueDepth = size_t{1} << 16;
   static constexpr size_t kMaxRememberedTransfers = size_t{1} << 20;
+  static constexpr int kMaxApplyThreads = 256;
 
   /// Create a session idle at store.version() and start its apply thread.
   /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
-  /// [1, kMax…], a negative transfer_lease, or an anchor_undo_directory that is not a writable
+  /// [1, kMax…], apply_threads outside [1, kMaxApplyThreads], a negative transfer_lease, or an
+  /// anchor_undo_directory that is not a writable
   /// directory (kFile); ResourceExhausted when the OS refuses the thread.
   static Result<std::unique_ptr<ReceiverSession>> Make(const ReceiverSessionOptions& options,
                                                        WeightStore& store);

@@ -7,14 +7,16 @@
 // The model (docs/benchmarking.md, "refit estimate"): a refit is a pipeline, so its time is that
 // of its slowest stage — the producers' compare + encode and serialize over their threads, the
 // link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
-// single apply thread — or, where stages share cores (--same-host), the total CPU work over those
-// cores if that is longer; a delta then adds the producers' commit.
+// apply (one thread for a delta; an anchor's copies on apply_threads) — or, where stages share
+// cores (--same-host), the total CPU work over those cores if that is longer; a delta then adds
+// the producers' commit.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +29,7 @@
 #include "refit/half_float.h"
 #include "refit/payload.h"
 #include "refit/pipeline.h"
+#include "refit/receiver_session.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "table.h"
@@ -46,6 +49,8 @@ struct EstimateArgs {
   double link_gbps = 0;
   double link_bytes_per_s = 0;
   int threads = 4;
+  /// The receiver's threads for an anchor's payloads (ReceiverSessionOptions::apply_threads).
+  int apply_threads = ReceiverSessionOptions{}.apply_threads;
   int cores = 0;
   bool same_host = false;
   std::string anchor_compression = "auto";
@@ -78,6 +83,9 @@ struct Calibration {
   double full_zstd_ratio = 1;
   double full_apply_zstd_s_per_byte = 0;
   double full_apply_raw_s_per_byte = 0;
+  // Of the apply: the decode alone (checksum, decompress or copy, parse), per byte.
+  double full_decode_zstd_s_per_byte = 0;
+  double full_decode_raw_s_per_byte = 0;
 };
 
 /// A bf16 tensor with a weight-like spread of values, and the same tensor after a step that
@@ -90,14 +98,8 @@ std::pair<OwnedTensor, OwnedTensor> CalibrationTensors(uint64_t bytes, double de
   const uint64_t numel = bytes / 2;
   base.shape = {static_cast<int64_t>(numel)};
   base.bytes.resize(numel * 2);
-  uint64_t state = 0x9E3779B97F4A7C15ull;
-  const auto next = [&state] {
-    state += 0x9E3779B97F4A7C15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
+  // Any uniform bits will do: the calibration measures rates, not a reproducible stream.
+  std::mt19937_64 next(0x5eed);
   for (uint64_t i = 0; i < numel; ++i) {
     // Sum of four uniforms: close enough to a normal of std 0.02 for the compressor.
     const uint64_t r = next();
@@ -130,17 +132,27 @@ Result<std::vector<std::vector<std::byte>>> Serialize(const std::vector<Item>& i
   return payloads;
 }
 
-/// Decode and apply every payload to `store` as a receiver's session does (the payload's bytes
-/// handed to the undo log, anchors not kept); the seconds it took. Takes a copy, made before the
-/// clock starts, because the log keeps the bytes.
-Result<double> ApplyAll(std::vector<std::vector<std::byte>> payloads, WeightStore& store) {
+/// Seconds to decode and apply every payload and, of those, to decode alone.
+struct ApplySeconds {
+  double total = 0;
+  double decode = 0;
+};
+
+/// Decode and apply every payload to `store` on one thread, as a receiver's session does (the
+/// payload's bytes handed to the undo log, anchors not kept). Takes a copy, made before the clock
+/// starts, because the log keeps the bytes.
+Result<ApplySeconds> ApplyAll(std::vector<std::vector<std::byte>> payloads, WeightStore& store) {
   UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kNone});
+  ApplySeconds seconds;
   const auto start = std::chrono::steady_clock::now();
   for (std::vector<std::byte>& payload : payloads) {
+    const auto decode_start = std::chrono::steady_clock::now();
     REFIT_ASSIGN_OR_RETURN(DecodedPayload decoded, DecodePayload(payload));
+    seconds.decode += SecondsSince(decode_start);
     REFIT_RETURN_NOT_OK(ApplyPayload(decoded, store, &undo, &payload));
   }
-  return SecondsSince(start);
+  seconds.total = SecondsSince(start);
+  return seconds;
 }
 
 uint64_t TotalBytes(const std::vector<std::vector<std::byte>>& payloads) {
@@ -175,8 +187,8 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
                          Serialize(delta.items, delta_plan, bucket_bytes, PayloadEncodeOptions{}));
   c.delta_serialize_s_per_byte = SecondsSince(start) / c.bytes;
   c.wire_bytes_per_changed = static_cast<double>(TotalBytes(delta_payloads)) / c.changed;
-  REFIT_ASSIGN_OR_RETURN(const double delta_apply_s, ApplyAll(delta_payloads, *store));
-  c.delta_apply_s_per_changed = delta_apply_s / c.changed;
+  REFIT_ASSIGN_OR_RETURN(const ApplySeconds delta_apply, ApplyAll(delta_payloads, *store));
+  c.delta_apply_s_per_changed = delta_apply.total / c.changed;
   start = std::chrono::steady_clock::now();
   REFIT_RETURN_NOT_OK(tracker->Commit(delta_id));
   c.commit_s_per_changed = SecondsSince(start) / c.changed;
@@ -198,10 +210,12 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   start = std::chrono::steady_clock::now();
   REFIT_ASSIGN_OR_RETURN(auto raw_payloads, Serialize(full.items, full_plan, bucket_bytes, raw));
   c.full_raw_s_per_byte = SecondsSince(start) / c.bytes;
-  REFIT_ASSIGN_OR_RETURN(const double apply_zstd_s, ApplyAll(zstd_payloads, *store));
-  c.full_apply_zstd_s_per_byte = apply_zstd_s / c.bytes;
-  REFIT_ASSIGN_OR_RETURN(const double apply_raw_s, ApplyAll(raw_payloads, *store));
-  c.full_apply_raw_s_per_byte = apply_raw_s / c.bytes;
+  REFIT_ASSIGN_OR_RETURN(const ApplySeconds apply_zstd, ApplyAll(zstd_payloads, *store));
+  c.full_apply_zstd_s_per_byte = apply_zstd.total / c.bytes;
+  c.full_decode_zstd_s_per_byte = apply_zstd.decode / c.bytes;
+  REFIT_ASSIGN_OR_RETURN(const ApplySeconds apply_raw, ApplyAll(raw_payloads, *store));
+  c.full_apply_raw_s_per_byte = apply_raw.total / c.bytes;
+  c.full_decode_raw_s_per_byte = apply_raw.decode / c.bytes;
   REFIT_RETURN_NOT_OK(tracker->Abort(full_id));
   return c;
 }
@@ -264,7 +278,9 @@ nlohmann::json CalibrationJson(const Calibration& c) {
           {"full_raw_bytes_per_s", per_core(c.full_raw_s_per_byte)},
           {"full_zstd_ratio", c.full_zstd_ratio},
           {"full_apply_zstd_bytes_per_s", per_core(c.full_apply_zstd_s_per_byte)},
-          {"full_apply_raw_bytes_per_s", per_core(c.full_apply_raw_s_per_byte)}};
+          {"full_apply_raw_bytes_per_s", per_core(c.full_apply_raw_s_per_byte)},
+          {"full_decode_zstd_bytes_per_s", per_core(c.full_decode_zstd_s_per_byte)},
+          {"full_decode_raw_bytes_per_s", per_core(c.full_decode_raw_s_per_byte)}};
 }
 
 Status RunEstimate(const EstimateArgs& args) {
@@ -330,13 +346,18 @@ Status RunEstimate(const EstimateArgs& args) {
     const double encode_cpu = model_bytes * c.full_encode_s_per_byte;
     const double serialize_cpu = model_bytes * serialize_s_per_byte;
     const double apply_cpu = model_bytes * apply_s_per_byte;
-    Prediction full =
-        Pipeline(compress_zstd ? "FULL (zstd)" : "FULL (raw blocks)", static_cast<uint64_t>(wire),
-                 {{"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
-                  {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
-                  {"link", wire * relay / link, 0.0},
-                  {"receiver apply (one thread)", apply_cpu, apply_cpu * args.receivers}},
-                 shared);
+    // The receiver decodes on its apply thread and copies an anchor's tensors on apply_threads.
+    const double decode_cpu = model_bytes * (compress_zstd ? c.full_decode_zstd_s_per_byte
+                                                           : c.full_decode_raw_s_per_byte);
+    const double receiver_parallel = std::min(std::max(args.apply_threads, 1), cores);
+    Prediction full = Pipeline(
+        compress_zstd ? "FULL (zstd)" : "FULL (raw blocks)", static_cast<uint64_t>(wire),
+        {{"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
+         {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+         {"link", wire * relay / link, 0.0},
+         {"receiver decode + apply", decode_cpu + (apply_cpu - decode_cpu) / receiver_parallel,
+          apply_cpu * args.receivers}},
+        shared);
     predictions.push_back(std::move(full));
   }
   predictions.push_back(Pipeline("raw copy", static_cast<uint64_t>(model_bytes),
@@ -421,6 +442,9 @@ void RegisterEstimate(CLI::App& app, Status* result) {
   cmd->add_option("--link-bytes-per-s", args->link_bytes_per_s,
                   "The same in bytes per second (e.g. a measured raw copy)");
   cmd->add_option("--threads", args->threads, "Threads per producer stage")->capture_default_str();
+  cmd->add_option("--apply-threads", args->apply_threads,
+                  "A receiver's threads for an anchor's payloads")
+      ->capture_default_str();
   cmd->add_option("--cores", args->cores, "Cores per host (default: this machine's)");
   cmd->add_flag("--same-host", args->same_host,
                 "Producers and receivers share one host's cores (loopback)");

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -18,6 +19,7 @@
 #include "refit/locations.h"
 #include "refit/values.h"
 #include "util/check.h"
+#include "util/thread_pool.h"
 
 namespace refit {
 namespace {
@@ -58,6 +60,8 @@ struct UndoLog::Record {
   uint64_t span_begin = 0;
   uint64_t full_bytes = 0;
   uint64_t spill_offset = kNotSpilled;
+  /// The spill range was set aside up front (ReserveFullSpans, for a parallel apply).
+  bool spill_reserved = false;
   bool full_bits_lost = false;
   std::vector<uint64_t> locations{};
   std::vector<std::byte> old_bits{};
@@ -180,26 +184,17 @@ Status UndoLog::KeepFullSpan(Record& record, std::span<const std::byte> old_bits
     case AnchorUndo::kNone:
       record.full_bits_lost = true;
       record.full_bytes += old_bits.size();
-      exact_ = false;
+      // Read before written: a parallel apply has cleared it already (ReserveFullSpans).
+      if (exact_) exact_ = false;
       return Status::OK();
     case AnchorUndo::kFile:
       break;
   }
-  if (spill_fd_ < 0) {
-    std::string path = SpillDirectory(options_) + "/refit-anchor-undo-XXXXXX";
-    const int fd = ::mkstemp(path.data());
-    if (fd < 0) return IoErrorFromErrno(errno, fmt::format("anchor_undo file: creating {}", path));
-    // Unlinked at once: a receiver killed mid-anchor leaves nothing on disk.
-    ::unlink(path.c_str());
-    spill_fd_ = fd;
-    spill_path_ = std::move(path);
-  }
-  // A record's spans are kept in order and nothing else spills in between (one apply thread),
-  // so its bytes lie back to back from its first offset.
-  REFIT_DCHECK(record.spill_offset == Record::kNotSpilled ||
-                   record.spill_offset + record.full_bytes == spill_end_,
-               "a record's spilled spans must be contiguous");
-  const uint64_t offset = spill_end_;
+  REFIT_RETURN_NOT_OK(OpenSpillFile());
+  if (record.spill_offset == Record::kNotSpilled) record.spill_offset = spill_end_;
+  // A record's spans are kept in order, so its bytes lie back to back from its first offset:
+  // appended at the end of the file, or into the range ReserveFullSpans set aside.
+  const uint64_t offset = record.spill_offset + record.full_bytes;
   for (size_t done = 0; done < old_bits.size();) {
     const ssize_t n = ::pwrite(spill_fd_, old_bits.data() + done, old_bits.size() - done,
                                static_cast<off_t>(offset + done));
@@ -211,9 +206,40 @@ Status UndoLog::KeepFullSpan(Record& record, std::span<const std::byte> old_bits
     }
     done += static_cast<size_t>(n);
   }
-  if (record.spill_offset == Record::kNotSpilled) record.spill_offset = offset;
   record.full_bytes += old_bits.size();
-  spill_end_ += old_bits.size();
+  if (!record.spill_reserved) spill_end_ = offset + old_bits.size();
+  return Status::OK();
+}
+
+Status UndoLog::OpenSpillFile() {
+  if (spill_fd_ >= 0) return Status::OK();
+  std::string path = SpillDirectory(options_) + "/refit-anchor-undo-XXXXXX";
+  const int fd = ::mkstemp(path.data());
+  if (fd < 0) return IoErrorFromErrno(errno, fmt::format("anchor_undo file: creating {}", path));
+  // Unlinked at once: a receiver killed mid-anchor leaves nothing on disk.
+  ::unlink(path.c_str());
+  spill_fd_ = fd;
+  spill_path_ = std::move(path);
+  return Status::OK();
+}
+
+Status UndoLog::ReserveFullSpans(std::span<Record> records, std::span<const uint64_t> span_bytes) {
+  switch (options_.anchor_undo) {
+    case AnchorUndo::kMemory:
+      for (size_t i = 0; i < records.size(); ++i) records[i].old_bits.reserve(span_bytes[i]);
+      return Status::OK();
+    case AnchorUndo::kNone:
+      exact_ = false;
+      return Status::OK();
+    case AnchorUndo::kFile:
+      break;
+  }
+  REFIT_RETURN_NOT_OK(OpenSpillFile());
+  for (size_t i = 0; i < records.size(); ++i) {
+    records[i].spill_offset = spill_end_;
+    records[i].spill_reserved = true;
+    spill_end_ += span_bytes[i];
+  }
   return Status::OK();
 }
 
@@ -678,8 +704,54 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
 
 }  // namespace
 
+namespace {
+
+/// The digests of a FULL span: after the copy, and before it unless the span is the whole
+/// tensor (whose digest the new one then replaces).
+struct FullSpanDigests {
+  bool whole = false;
+  uint64_t before = 0;
+  uint64_t after = 0;
+};
+
+/// Copy FULL item `item` into `tensor` block by block, so that each block's old bits are hashed
+/// and kept (`keep(old_bits)`) and its new bits copied and hashed while it is in cache: one pass
+/// over memory instead of four.
+template <typename Keep>
+Status CopyFullSpan(const ItemView& item, const MutableTensorView& tensor, FullSpanDigests& digests,
+                    Keep&& keep) {
+  const uint32_t width = DTypeSize(item.dtype);
+  digests.whole = item.span_begin == 0 && item.span_end == tensor.numel();
+  const uint64_t block = std::max<uint64_t>(1, kFullApplyBlockBytes / width);
+  for (uint64_t begin = item.span_begin; begin < item.span_end; begin += block) {
+    const uint64_t end = std::min(item.span_end, begin + block);
+    const std::span<std::byte> bytes = tensor.bytes.subspan(begin * width, (end - begin) * width);
+    if (!digests.whole) digests.before += DigestRange(tensor.bytes, width, begin, end);
+    REFIT_RETURN_NOT_OK(keep(std::span<const std::byte>(bytes)));
+    std::memcpy(bytes.data(), item.values.data() + (begin - item.span_begin) * width, bytes.size());
+    digests.after += DigestRange(tensor.bytes, width, begin, end);
+  }
+  return Status::OK();
+}
+
+/// Check a copied FULL span against the producer's digest and move the tensor's digest.
+Status SetFullSpanDigest(const PayloadHeader& header, size_t index, const ItemView& item,
+                         const FullSpanDigests& digests, WeightStore& store) {
+  if (digests.after != item.digest) {
+    return DataLoss(
+        "payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
+        "producer's {:#018x}",
+        header.ids.payload_id, header.ids.producer_id, index, item.name, digests.after,
+        item.digest);
+  }
+  if (digests.whole) return store.SetDigest(item.name, digests.after);
+  return store.AdjustDigest(item.name, digests.after - digests.before);
+}
+
+}  // namespace
+
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    std::vector<std::byte>* payload_bytes) {
+                    std::vector<std::byte>* payload_bytes, int threads) {
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
   // The loader path is separate so that a store without one runs exactly the loop below.
   if (store.has_loader()) {
@@ -703,6 +775,55 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     return status;
   };
 
+  // An anchor's payload (every item FULL) of more than one tensor: its tensors are copied in
+  // parallel, each on one thread (spans of one tensor stay together: they share its digest), and
+  // their digests checked and moved in item order afterwards. Still all or nothing: any error
+  // rolls back every item of the payload.
+  const bool all_full = std::all_of(items.begin(), items.end(),
+                                    [](const ItemView& item) { return item.op == Op::kFull; });
+  if (threads > 1 && all_full && items.size() > 1) {
+    std::vector<uint64_t> span_bytes;
+    std::map<std::string_view, std::vector<size_t>> by_tensor;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const ItemView& item = items[i];
+      const uint32_t width = DTypeSize(item.dtype);
+      undo->records_.push_back(UndoLog::Record{.tensor = std::string(item.name),
+                                               .width = width,
+                                               .full = true,
+                                               .span_begin = item.span_begin,
+                                               .digest_before = *store.Digest(item.name)});
+      span_bytes.push_back((item.span_end - item.span_begin) * width);
+      by_tensor[item.name].push_back(i);
+    }
+    const std::span<UndoLog::Record> records =
+        std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
+    Status reserved = undo->ReserveFullSpans(records, span_bytes);
+    if (!reserved.ok()) return fail(reserved);
+    std::vector<std::vector<size_t>> groups;
+    for (auto& [name, indices] : by_tensor) groups.push_back(std::move(indices));
+    std::vector<FullSpanDigests> digests(items.size());
+    Status copied = internal::ParallelFor(
+        std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
+        [&](uint64_t begin, uint64_t end) -> Status {
+          for (uint64_t g = begin; g < end; ++g) {
+            for (size_t i : groups[g]) {
+              const MutableTensorView tensor = *store.Find(items[i].name);
+              REFIT_RETURN_NOT_OK(
+                  CopyFullSpan(items[i], tensor, digests[i], [&](std::span<const std::byte> bits) {
+                    return undo->KeepFullSpan(records[i], bits);
+                  }));
+            }
+          }
+          return Status::OK();
+        });
+    if (!copied.ok()) return fail(copied);
+    for (size_t i = 0; i < items.size(); ++i) {
+      Status updated = SetFullSpanDigest(header, i, items[i], digests[i], store);
+      if (!updated.ok()) return fail(updated);
+    }
+    return Status::OK();
+  }
+
   std::array<uint64_t, kLocationBatch> batch;
   // The old bits of one batch of an XOR item that the log does not keep (for its digest only).
   std::vector<std::byte> batch_old_bits;
@@ -720,35 +841,13 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     UndoLog::Record& record = undo->records_.back();
 
     if (item.op == Op::kFull) {
-      // Block by block, so that each block's old bits are hashed and kept and its new bits copied
-      // and hashed while it is in cache: one pass over memory instead of four. A span that is the
-      // whole tensor needs no old digest: the new one replaces it.
-      const bool whole = item.span_begin == 0 && item.span_end == tensor.numel();
-      uint64_t old_digest = 0;
-      uint64_t new_digest = 0;
-      const uint64_t block = std::max<uint64_t>(1, kFullApplyBlockBytes / width);
-      for (uint64_t begin = item.span_begin; begin < item.span_end; begin += block) {
-        const uint64_t end = std::min(item.span_end, begin + block);
-        const std::span<std::byte> bytes =
-            tensor.bytes.subspan(begin * width, (end - begin) * width);
-        if (!whole) old_digest += DigestRange(tensor.bytes, width, begin, end);
-        Status kept = undo->KeepFullSpan(record, bytes);
-        if (!kept.ok()) return fail(kept);
-        std::memcpy(bytes.data(), item.values.data() + (begin - item.span_begin) * width,
-                    bytes.size());
-        new_digest += DigestRange(tensor.bytes, width, begin, end);
-      }
-      if (new_digest != item.digest) {
-        return fail(DataLoss(
-            "payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
-            "producer's {:#018x}",
-            header.ids.payload_id, header.ids.producer_id, i, item.name, new_digest, item.digest));
-      }
-      if (whole) {
-        REFIT_RETURN_NOT_OK(store.SetDigest(item.name, new_digest));
-      } else {
-        REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, new_digest - old_digest));
-      }
+      FullSpanDigests digests;
+      Status copied = CopyFullSpan(item, tensor, digests, [&](std::span<const std::byte> bits) {
+        return undo->KeepFullSpan(record, bits);
+      });
+      if (!copied.ok()) return fail(copied);
+      Status updated = SetFullSpanDigest(header, i, item, digests, store);
+      if (!updated.ok()) return fail(updated);
       continue;
     }
 

@@ -389,7 +389,7 @@ struct ReceiverSession::Impl {
     }
     // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
     // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
-    outcome.status = ApplyPayload(*decoded, store, &undo, &payload.bytes);
+    outcome.status = ApplyPayload(*decoded, store, &undo, &payload.bytes, options.apply_threads);
     return outcome;
   }
 
@@ -773,6 +773,10 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
   if (options.remembered_transfers == 0 || options.remembered_transfers > kMaxRememberedTransfers) {
     return InvalidArgument("receiver session: remembered_transfers {} is outside [1, {}]",
                            options.remembered_transfers, kMaxRememberedTransfers);
+  }
+  if (options.apply_threads < 1 || options.apply_threads > kMaxApplyThreads) {
+    return InvalidArgument("receiver session: apply_threads {} is outside [1, {}]",
+                           options.apply_threads, kMaxApplyThreads);
   }
   if (options.transfer_lease.count() < 0) {
     return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",

@@ -35,6 +35,7 @@
 #include "refit/mpi_producer_group.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
+#include "util/splitmix64.h"
 
 namespace refit {
 namespace {
@@ -51,13 +52,6 @@ void Check(bool condition, std::string_view what) {
 
 void CheckOk(const Status& status, std::string_view what) {
   Check(status.ok(), fmt::format("{}: {}", what, status.ToString()));
-}
-
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
 }
 
 // The model every rank computes for itself: odd names, a tensor smaller than any chunk, bf16
@@ -86,7 +80,9 @@ std::vector<OwnedTensor> InitialModel() {
     tensor.bytes.resize(numel * DTypeSize(spec.dtype));
     for (uint64_t i = 0; i < numel; ++i) {
       const float value =
-          static_cast<float>(static_cast<int64_t>(Mix(t * 1000003 + i) % 2001) - 1000) / 512.0f;
+          static_cast<float>(
+              static_cast<int64_t>(internal::SplitMix64Hash(t * 1000003 + i) % 2001) - 1000) /
+          512.0f;
       if (spec.dtype == DType::kBFloat16) {
         const uint16_t bits = FloatToBFloat16(value);
         std::memcpy(tensor.bytes.data() + 2 * i, &bits, 2);
@@ -106,7 +102,7 @@ void Update(std::vector<OwnedTensor>& model, uint32_t step) {
     OwnedTensor& tensor = model[t];
     const uint64_t numel = tensor.bytes.size() / DTypeSize(tensor.dtype);
     for (uint64_t i = 0; i < numel; ++i) {
-      const uint64_t h = Mix((uint64_t{step} << 40) ^ (t << 32) ^ i);
+      const uint64_t h = internal::SplitMix64Hash((uint64_t{step} << 40) ^ (t << 32) ^ i);
       if (h % 100 >= 3) continue;
       const float delta = static_cast<float>(static_cast<int64_t>(h >> 40) % 9 - 4) / 128.0f;
       if (tensor.dtype == DType::kBFloat16) {

@@ -217,6 +217,88 @@ INSTANTIATE_TEST_SUITE_P(Policies, AnchorUndoTest,
                            return std::string(AnchorUndoName(param_info.param));
                          });
 
+// An anchor's payload of several tensors (one of them in two spans) applied on 4 threads gives
+// the bytes and digests one thread gives; its rollback is as exact, and a forged item digest
+// fails the whole payload and leaves the store as it was, under every policy that keeps bits.
+TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExactly) {
+  const std::vector<OwnedTensor> base = {RandomTensor("a.weight", DType::kBFloat16, {300, 40}, 21),
+                                         RandomTensor("b.weight", DType::kFloat32, {77, 13}, 22),
+                                         RandomTensor("c.weight", DType::kFloat16, {5000}, 23),
+                                         RandomTensor("d.bias", DType::kBFloat16, {3}, 24)};
+  std::vector<OwnedTensor> next;
+  for (const OwnedTensor& t : base) next.push_back(Perturb(t, 0.5, 99));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  const TransferId id = TransferId::Random();
+  ASSERT_OK_AND_ASSIGN(const TransferPlan plan, tracker->Begin(id, /*force_anchor=*/true));
+  std::vector<Item> items;
+  for (const OwnedTensor& t : next) {
+    const uint64_t numel = t.view().numel();
+    // c.weight in two spans: they share its digest, so they stay on one thread.
+    const std::vector<uint64_t> cuts = t.name == "c.weight" ? std::vector<uint64_t>{0, 1234, numel}
+                                                            : std::vector<uint64_t>{0, numel};
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      ASSERT_OK_AND_ASSIGN(EncodeResult encoded,
+                           tracker->Encode(id, t.view(), cuts[k], cuts[k + 1]));
+      for (Item& item : encoded.items) items.push_back(std::move(item));
+    }
+  }
+  std::vector<ItemView> views;
+  for (const Item& item : items) views.push_back(item.view());
+  const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
+  ASSERT_OK_AND_ASSIGN(std::vector<std::byte> bytes, EncodePayload(ids, views));
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+  // The same payload with one item's digest forged (its values stay right).
+  std::vector<Item> forged_items = items;
+  forged_items[2].digest ^= 1;
+  std::vector<ItemView> forged_views;
+  for (const Item& item : forged_items) forged_views.push_back(item.view());
+  ASSERT_OK_AND_ASSIGN(std::vector<std::byte> forged_bytes, EncodePayload(ids, forged_views));
+  ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
+
+  const auto make_store = [&] {
+    auto store = WeightStore::Make();
+    for (const OwnedTensor& t : base) EXPECT_OK(store->AddCopy(t.view()));
+    return store;
+  };
+  const auto holds = [](const WeightStore& store, const std::vector<OwnedTensor>& model) {
+    for (const OwnedTensor& t : model) {
+      Result<TensorView> got = store.Find(t.name);
+      if (!got.ok() ||
+          !std::equal(got->bytes.begin(), got->bytes.end(), t.bytes.begin(), t.bytes.end())) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto serial = make_store();
+  UndoLog serial_undo;
+  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  ASSERT_TRUE(holds(*serial, next));
+  const std::string directory = std::filesystem::temp_directory_path().string();
+  for (AnchorUndo policy : {AnchorUndo::kMemory, AnchorUndo::kFile, AnchorUndo::kNone}) {
+    SCOPED_TRACE(AnchorUndoName(policy));
+    auto store = make_store();
+    UndoLog undo(UndoLogOptions{.anchor_undo = policy, .spill_directory = directory});
+    ASSERT_OK(ApplyPayload(decoded, *store, &undo, nullptr, /*threads=*/4));
+    EXPECT_TRUE(holds(*store, next));
+    EXPECT_EQ(store->Digests(), serial->Digests());
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+    EXPECT_EQ(undo.spilled_bytes() > 0, policy == AnchorUndo::kFile);
+    EXPECT_EQ(undo.exact(), policy != AnchorUndo::kNone);
+    ASSERT_OK(undo.Rollback(*store));
+    EXPECT_TRUE(holds(*store, policy == AnchorUndo::kNone ? next : base));
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+    if (policy == AnchorUndo::kNone) continue;
+    // The forged payload: refused, nothing of it left.
+    EXPECT_STATUS_MSG(DataLoss, "span digest after apply",
+                      ApplyPayload(forged, *store, &undo, nullptr, /*threads=*/4));
+    EXPECT_TRUE(holds(*store, base));
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+    EXPECT_EQ(undo.records(), 0u);
+  }
+  ASSERT_OK(tracker->Abort(id));
+}
+
 TEST(AnchorUndoOptionsTest, ASpillDirectoryThatCannotHoldTheFileIsRefusedAtMakeNamingIt) {
   auto store = WeightStore::Make();
   ReceiverSessionOptions options;
