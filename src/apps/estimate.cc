@@ -109,9 +109,11 @@ std::pair<OwnedTensor, OwnedTensor> CalibrationTensors(uint64_t bytes, double de
     std::memcpy(base.bytes.data() + i * 2, &bits, 2);
   }
   OwnedTensor next_step = base;
-  const auto threshold = static_cast<uint64_t>(density * 18446744073709551615.0);
+  // Element i moves when its draw falls below density × 2^64 (every element at density 1).
+  const uint64_t threshold =
+      density >= 1.0 ? UINT64_MAX : static_cast<uint64_t>(std::ldexp(density, 64));
   for (uint64_t i = 0; i < numel; ++i) {
-    if (next() >= threshold) continue;
+    if (next() >= threshold && density < 1.0) continue;
     uint16_t bits = 0;
     std::memcpy(&bits, next_step.bytes.data() + i * 2, 2);
     bits = static_cast<uint16_t>(bits ^ 1u);
@@ -292,8 +294,14 @@ Status RunEstimate(const EstimateArgs& args) {
   }
   const double link = args.link_bytes_per_s > 0 ? args.link_bytes_per_s : args.link_gbps * 1e9 / 8;
   if (link <= 0) return InvalidArgument("estimate: give --link-gbps or --link-bytes-per-s > 0");
-  REFIT_ASSIGN_OR_RETURN(const AnchorCompression anchor_mode,
-                         ParseAnchorCompression(args.anchor_compression));
+  if (args.producers == 0 || args.receivers == 0 || args.threads < 1) {
+    return InvalidArgument(
+        "estimate: --producers {}, --receivers {} and --threads {} must each be at least 1",
+        args.producers, args.receivers, args.threads);
+  }
+  Result<AnchorCompression> parsed = ParseAnchorCompression(args.anchor_compression);
+  if (!parsed.ok()) return parsed.status().WithContext("estimate: --anchor-compression");
+  const AnchorCompression anchor_mode = *parsed;
   const int cores = args.cores > 0
                         ? args.cores
                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
