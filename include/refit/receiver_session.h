@@ -124,8 +124,8 @@ struct ReceiverSessionOptions {
   AnchorUndo anchor_undo = AnchorUndo::kMemory;
   /// kFile: where the undo log's spill file is made (unlinked at once); empty: $TMPDIR or /tmp.
   std::string anchor_undo_directory{};
-  /// Threads that copy an anchor's payload (its FULL items, one tensor per thread at a time),
-  /// so that a FULL is applied near memory bandwidth rather than at one core's hashing speed.
+  /// Threads that copy an anchor's payload (its FULL items, one tensor per thread at a time):
+  /// a FULL's apply hashes every element, which one core does slower than it copies.
   /// Deltas are applied by the session's apply thread alone. 1 to kMaxApplyThreads.
   int apply_threads = 4;
 

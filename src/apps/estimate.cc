@@ -122,16 +122,9 @@ std::pair<OwnedTensor, OwnedTensor> CalibrationTensors(uint64_t bytes, double de
   return {std::move(base), std::move(next_step)};
 }
 
-/// Encode `items` into payloads of at most `bucket_bytes` item bytes.
-Result<std::vector<std::vector<std::byte>>> Serialize(const std::vector<Item>& items,
-                                                      const TransferPlan& plan,
-                                                      uint64_t bucket_bytes,
-                                                      const PayloadEncodeOptions& options) {
-  REFIT_ASSIGN_OR_RETURN(
-      std::vector<std::vector<std::byte>> payloads,
-      PackPayloads(PayloadIds{plan.transfer_id, 0, 0, plan.base_version, plan.target_version},
-                   items, bucket_bytes, options));
-  return payloads;
+/// The ids of a calibration transfer's payloads (producer 0, from payload 0).
+PayloadIds CalibrationIds(const TransferPlan& plan) {
+  return PayloadIds{plan.transfer_id, 0, 0, plan.base_version, plan.target_version};
 }
 
 /// Seconds to decode and apply every payload and, of those, to decode alone.
@@ -186,7 +179,7 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   if (c.changed == 0) return InvalidArgument("estimate: the calibration step changed nothing");
   start = std::chrono::steady_clock::now();
   REFIT_ASSIGN_OR_RETURN(auto delta_payloads,
-                         Serialize(delta.items, delta_plan, bucket_bytes, PayloadEncodeOptions{}));
+                         PackPayloads(CalibrationIds(delta_plan), delta.items, bucket_bytes));
   c.delta_serialize_s_per_byte = SecondsSince(start) / c.bytes;
   c.wire_bytes_per_changed = static_cast<double>(TotalBytes(delta_payloads)) / c.changed;
   REFIT_ASSIGN_OR_RETURN(const ApplySeconds delta_apply, ApplyAll(delta_payloads, *store));
@@ -203,14 +196,15 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   c.full_encode_s_per_byte = SecondsSince(start) / c.bytes;
   start = std::chrono::steady_clock::now();
   REFIT_ASSIGN_OR_RETURN(auto zstd_payloads,
-                         Serialize(full.items, full_plan, bucket_bytes, PayloadEncodeOptions{}));
+                         PackPayloads(CalibrationIds(full_plan), full.items, bucket_bytes));
   c.full_zstd_s_per_byte = SecondsSince(start) / c.bytes;
   c.full_zstd_ratio = static_cast<double>(TotalBytes(zstd_payloads)) / c.bytes;
   PayloadEncodeOptions raw;
   raw.compress = false;
   raw.byte_planes = false;
   start = std::chrono::steady_clock::now();
-  REFIT_ASSIGN_OR_RETURN(auto raw_payloads, Serialize(full.items, full_plan, bucket_bytes, raw));
+  REFIT_ASSIGN_OR_RETURN(auto raw_payloads,
+                         PackPayloads(CalibrationIds(full_plan), full.items, bucket_bytes, raw));
   c.full_raw_s_per_byte = SecondsSince(start) / c.bytes;
   REFIT_ASSIGN_OR_RETURN(const ApplySeconds apply_zstd, ApplyAll(zstd_payloads, *store));
   c.full_apply_zstd_s_per_byte = apply_zstd.total / c.bytes;

@@ -54,17 +54,13 @@ using internal::NameCurrentThread;
 constexpr size_t kChunksInFlightPerEncodeThread = 2;
 
 // Busy time of one stage, summed over the threads that add to it.
-double SecondsSince(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
 class StageTime {
  public:
-  void Add(Clock::time_point since) {
-    nanoseconds_.fetch_add(
-        static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since).count()),
-        std::memory_order_relaxed);
+  // Add the time since `since`, and return it in seconds (for a caller that also needs it).
+  double Add(Clock::time_point since) {
+    const auto elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - since);
+    nanoseconds_.fetch_add(static_cast<uint64_t>(elapsed.count()), std::memory_order_relaxed);
+    return std::chrono::duration<double>(elapsed).count();
   }
   double seconds() const {
     return static_cast<double>(nanoseconds_.load(std::memory_order_relaxed)) * 1e-9;
@@ -157,6 +153,8 @@ struct EncodeJob {
 struct PayloadJob {
   uint32_t payload_id = 0;
   std::vector<Item> items;
+  /// Their BucketedBytes: the body the payload encodes, before compression.
+  uint64_t item_bytes = 0;
 };
 
 struct SerializedPayload {
@@ -513,7 +511,7 @@ bool StreamRun::EmitBucket() {
     return false;
   }
   if (!payload_credits_.Acquire(stop_)) return false;
-  PayloadJob job{static_cast<uint32_t>(next_payload_id_), std::move(bucket_)};
+  PayloadJob job{static_cast<uint32_t>(next_payload_id_), std::move(bucket_), bucket_bytes_};
   items_ += job.items.size();
   item_bytes_ += bucket_bytes_;
   bucket_.clear();
@@ -533,12 +531,8 @@ void StreamRun::SerializeLoop() {
     const PayloadEncodeOptions encode = compression_->Next();
     const Clock::time_point start = Clock::now();
     Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, encode);
-    serialize_time_.Add(start);
-    if (bytes.ok()) {
-      uint64_t body_bytes = 0;
-      for (const ItemView& view : views) body_bytes += view.locations.size() + view.values.size();
-      compression_->RecordEncoded(encode, body_bytes, bytes->size(), SecondsSince(start));
-    }
+    const double encode_s = serialize_time_.Add(start);
+    if (bytes.ok()) compression_->RecordEncoded(encode, job->item_bytes, bytes->size(), encode_s);
     if (!bytes.ok()) {
       Fail(bytes.status().WithContext(fmt::format("{}, payload {}", context_, job->payload_id)));
       break;
@@ -559,10 +553,8 @@ void StreamRun::SendLoop() {
   while (std::optional<SerializedPayload> payload = send_queue_.Pop(stop_)) {
     const Clock::time_point start = Clock::now();
     Status sent = send_(payload->payload_id, payload->bytes);
-    send_time_.Add(start);
-    if (sent.ok()) {
-      compression_->RecordSent(payload->compressed, payload->bytes.size(), SecondsSince(start));
-    }
+    const double send_s = send_time_.Add(start);
+    if (sent.ok()) compression_->RecordSent(payload->compressed, payload->bytes.size(), send_s);
     if (!sent.ok()) {
       Fail(sent.WithContext(fmt::format("{}, payload {}", context_, payload->payload_id)));
       break;

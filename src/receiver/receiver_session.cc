@@ -107,6 +107,14 @@ std::string_view ReceiverStateName(ReceiverState state) {
   return "unknown";
 }
 
+namespace {
+/// The undo log's options from the session's.
+UndoLogOptions UndoLogOptionsOf(const ReceiverSessionOptions& options) {
+  return UndoLogOptions{.anchor_undo = options.anchor_undo,
+                        .spill_directory = options.anchor_undo_directory};
+}
+}  // namespace
+
 struct ReceiverSession::Impl {
   /// The open transfer.
   struct Transfer {
@@ -147,8 +155,7 @@ struct ReceiverSession::Impl {
       : options(session_options),
         store(session_store),
         version(session_store.version()),
-        undo(UndoLogOptions{.anchor_undo = session_options.anchor_undo,
-                            .spill_directory = session_options.anchor_undo_directory}) {}
+        undo(UndoLogOptionsOf(session_options)) {}
 
   ReceiverState StateLocked() const {
     if (!transfer) return ReceiverState::kIdle;
@@ -782,10 +789,7 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
     return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",
                            options.transfer_lease.count());
   }
-  REFIT_RETURN_NOT_OK(
-      UndoLog::Validate(UndoLogOptions{.anchor_undo = options.anchor_undo,
-                                       .spill_directory = options.anchor_undo_directory})
-          .WithContext("receiver session"));
+  REFIT_RETURN_NOT_OK(UndoLog::Validate(UndoLogOptionsOf(options)).WithContext("receiver session"));
   auto impl = std::make_unique<Impl>(options, store);
   // std::jthread reports an OS refusal (EAGAIN: thread or memory limit) only by throwing; turn it
   // into a Status so no exception leaves the library.
