@@ -59,6 +59,7 @@
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "progress.h"
+#include "raw_copy.h"
 #include "refit/apply.h"
 #include "refit/compare.h"
 #include "refit/control_client.h"
@@ -73,7 +74,6 @@
 #include "refit/simulator.h"
 #include "table.h"
 #include "util/splitmix64.h"
-#include "zmq_raw_copy.h"
 
 #ifndef REFIT_BINARY
 #error "REFIT_BINARY must name the refit executable (set by bench/CMakeLists.txt)"
@@ -128,8 +128,6 @@ constexpr uint64_t kVocabPadTo = 64;
 // rank of the producers section's persistent rank processes.
 constexpr std::string_view kEmbeddedChildFlag = "--internal-embedded-receiver";
 constexpr std::string_view kProducerRankFlag = "--internal-producer-rank";
-// argv[1] of this executable re-executed as the raw-copy yardstick's receiving process.
-constexpr std::string_view kRawCopySinkFlag = "--internal-raw-copy-sink";
 // Targets of the throughput figures (the table), each printed MET or NOT MET.
 constexpr double kTargetFullOverRaw = 1.3;
 constexpr double kTargetDeltaOverRaw = 0.5;
@@ -1003,7 +1001,8 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
   if (e2e.contains("raw_copy")) {
     const nlohmann::json& raw = e2e["raw_copy"];
     std::cout << fmt::format(
-        "raw copy (the yardstick): {} over ZeroMQ/TCP loopback into another process in {} "
+        "raw copy (the yardstick): {} over ZeroMQ/TCP loopback into a `refit raw-copy-sink` "
+        "process in {} "
         "({:.0f} MB/s), {} messages of {} from {} threads, no codec, digest or apply; checksum "
         "verified. vs raw = refit time / raw-copy time\n",
         FormatBytes(raw["bytes"]), FormatDuration(raw["seconds"]),
@@ -1326,59 +1325,25 @@ class ChildFlags {
 
 // --- Raw-copy yardstick ------------------------------------------------------------------------
 
-// The receiving process of the raw copy: this executable re-executed with kRawCopySinkFlag.
-Status RunRawCopySinkChild(const ChildFlags& flags) {
-  REFIT_ASSIGN_OR_RETURN(const std::string endpoint, flags.Text("--endpoint"));
-  REFIT_ASSIGN_OR_RETURN(const uint64_t bytes, flags.Number("--bytes"));
-  REFIT_ASSIGN_OR_RETURN(const std::string ready_file, flags.Text("--ready-file"));
-  REFIT_ASSIGN_OR_RETURN(const std::string result_file, flags.Text("--result-file"));
-  REFIT_ASSIGN_OR_RETURN(RawCopySinkResult result, RunZmqRawCopySink(endpoint, bytes, ready_file));
-  const nlohmann::json out = {{"bytes", result.bytes},
-                              {"messages", result.messages},
-                              {"checksum", fmt::format("{:016x}", result.checksum)}};
-  return WriteTextFileAtomically(result_file, out.dump() + "\n");
-}
-
 // The model's bytes, uncompressed, over ZeroMQ into another process on loopback, in messages of
 // the bucket size from the same number of send threads as the refits: no codec, digest or apply.
 Result<nlohmann::json> MeasureRawCopy(const Args& args, const std::string& work_dir,
                                       const std::vector<TensorView>& model) {
-  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
-  const std::string endpoint = fmt::format("tcp://127.0.0.1:{}", port[0]);
-  uint64_t bytes = 0;
-  for (const TensorView& tensor : model) bytes += tensor.bytes.size();
-  const std::string ready_path = work_dir + "/raw-copy.ready";
-  const std::string result_path = work_dir + "/raw-copy.result";
-  const std::string log_path = work_dir + "/raw-copy.log";
-  REFIT_ASSIGN_OR_RETURN(const pid_t pid,
-                         SpawnProcess({self, std::string(kRawCopySinkFlag), "--endpoint", endpoint,
-                                       "--bytes", std::to_string(bytes), "--ready-file", ready_path,
-                                       "--result-file", result_path},
-                                      log_path, log_path));
-  ChildGuard guard{pid};
-  REFIT_RETURN_NOT_OK(WaitForReadyFile(ready_path, pid, kChildStartTimeout, log_path).status());
-  REFIT_ASSIGN_OR_RETURN(RawCopyResult copy,
-                         ZmqRawCopy(endpoint, model, args.bucket_bytes, args.threads));
-  REFIT_ASSIGN_OR_RETURN(const ChildExit exit, WaitProcess(pid, kChildStartTimeout));
-  guard.done = true;
-  if (!exit.ok()) {
-    return Internal("the raw-copy receiver ended with {}: {}", exit.Describe(), FileTail(log_path));
-  }
-  std::ifstream result_file(result_path);
-  const nlohmann::json received = nlohmann::json::parse(result_file, nullptr, false);
-  if (received.is_discarded() || received.value("bytes", uint64_t{0}) != copy.bytes ||
-      received.value("checksum", std::string()) != fmt::format("{:016x}", copy.checksum)) {
-    return DataLoss("the raw-copy receiver got {} but {} bytes with checksum {:016x} were sent",
-                    received.dump(), copy.bytes, copy.checksum);
-  }
+  cli::RawCopyOptions options;
+  options.refit_binary = args.refit_binary;
+  options.work_dir = work_dir;
+  options.receivers = 1;
+  options.message_bytes = args.bucket_bytes;
+  options.threads = args.threads;
+  REFIT_ASSIGN_OR_RETURN(const cli::RawCopyMeasurement copy,
+                         cli::MeasureZmqRawCopy(model, options));
   return nlohmann::json{{"seconds", copy.seconds},
                         {"bytes", copy.bytes},
                         {"messages", copy.messages},
-                        {"message_bytes", args.bucket_bytes},
-                        {"threads", args.threads},
+                        {"message_bytes", copy.message_bytes},
+                        {"threads", copy.threads},
+                        {"receivers", copy.receivers},
                         {"bytes_per_s", copy.bytes / std::max(copy.seconds, 1e-9)},
-                        {"receiver_peak_rss", exit.peak_rss_bytes},
                         {"verified", true}};
 }
 
@@ -2822,15 +2787,11 @@ Status Run(const Args& args) {
 
 int Main(int argc, char** argv) {
   if (argc >= 2 && (std::string_view(argv[1]) == kEmbeddedChildFlag ||
-                    std::string_view(argv[1]) == kProducerRankFlag ||
-                    std::string_view(argv[1]) == kRawCopySinkFlag)) {
+                    std::string_view(argv[1]) == kProducerRankFlag)) {
     Status status;
     if (std::string_view(argv[1]) == kEmbeddedChildFlag) {
       Result<EmbeddedChildArgs> child = ParseEmbeddedChildArgs(argc, argv);
       status = child.ok() ? RunEmbeddedChild(*child) : child.status();
-    } else if (std::string_view(argv[1]) == kRawCopySinkFlag) {
-      Result<ChildFlags> flags = ChildFlags::Parse(argc, argv, kRawCopySinkFlag);
-      status = flags.ok() ? RunRawCopySinkChild(*flags) : flags.status();
     } else {
       Result<ChildFlags> flags = ChildFlags::Parse(argc, argv, kProducerRankFlag);
       status = flags.ok() ? RunProducerRank(*flags) : flags.status();

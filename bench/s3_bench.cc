@@ -9,9 +9,11 @@
 //        and the object is deleted once every daemon has ACKed;
 //   zmq  each payload goes once to the root of the zmq:// relay tree, relays forward it.
 // W producers (trackers over the same model, baseline = the model the daemons loaded) refit each
-// fleet. In order: a FULL through s3, a FULL through zmq, a store yardstick (this process
-// uploads the FULL's bytes in objects of its mean payload size, downloads each once per daemon
-// and deletes it: the store's floor without codec or control plane), then for each --densities
+// fleet. In order: a FULL through s3, a FULL through zmq, the raw-copy yardsticks (the model's
+// bytes uncompressed, in objects or messages of the payload size: through the store, this process
+// uploads each object, downloads it once per daemon and deletes it; over ZeroMQ, it sends every
+// byte to each of as many `refit raw-copy-sink` processes — no codec, digest, control plane or
+// apply; every refit time gets a "vs raw" ratio against its transport's), then for each --densities
 // value one optimizer step with the learning rate calibrated to that density and a delta refit
 // through s3 and through zmq — the same model bytes against the same committed baseline, so the
 // same delta. The run's prefix must be empty after every s3 refit (objects deleted after the
@@ -27,6 +29,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -34,6 +37,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -45,6 +49,7 @@
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "progress.h"
+#include "raw_copy.h"
 #include "refit/environment.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
@@ -339,11 +344,13 @@ void CleanStore(const Store& store) {
   }
 }
 
-// The store's floor for a FULL: `objects` objects of `object_bytes`, `concurrency` at a time
-// (the producers' sending threads), each uploaded, downloaded once per daemon (concurrently, as
-// the daemons do) and deleted — what the transport does per payload, without encoding,
-// manifests, staging or applying.
+// The store's raw copy, the s3 fleet's yardstick: the model's bytes, uncompressed, in objects of
+// `object_bytes` (the payload size), `concurrency` at a time (the producers' sending threads),
+// each uploaded, downloaded once per daemon (concurrently, as the daemons do) and deleted — what
+// the transport does per payload, without encoding, manifests, staging or applying. Every
+// download is compared with what was uploaded.
 struct StoreYardstick {
+  uint64_t bytes = 0;
   uint64_t objects = 0;
   uint64_t object_bytes = 0;
   size_t concurrency = 0;
@@ -355,25 +362,47 @@ struct StoreYardstick {
   double delete_s = 0;
 };
 
-Result<StoreYardstick> MeasureStore(const Store& store, uint64_t objects, uint64_t object_bytes,
-                                    size_t concurrency, size_t receivers) {
-  StoreYardstick out{.objects = objects,
+// Copy bytes [offset, offset + out.size()) of the tensors' concatenation into `out`.
+void CopyModelRange(const std::vector<TensorView>& model, uint64_t offset,
+                    std::span<std::byte> out) {
+  uint64_t start = 0;
+  size_t copied = 0;
+  for (const TensorView& tensor : model) {
+    const uint64_t size = tensor.bytes.size();
+    if (copied < out.size() && offset + copied < start + size) {
+      const uint64_t from = offset + copied - start;
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(size - from, out.size() - copied));
+      std::memcpy(out.data() + copied, tensor.bytes.data() + from, n);
+      copied += n;
+    }
+    start += size;
+  }
+}
+
+Result<StoreYardstick> MeasureStore(const Store& store, const std::vector<TensorView>& model,
+                                    uint64_t object_bytes, size_t concurrency, size_t receivers) {
+  uint64_t total = 0;
+  for (const TensorView& tensor : model) total += tensor.bytes.size();
+  object_bytes = std::max<uint64_t>(object_bytes, 1);
+  const uint64_t objects = (total + object_bytes - 1) / object_bytes;
+  StoreYardstick out{.bytes = total,
+                     .objects = objects,
                      .object_bytes = object_bytes,
                      .concurrency = concurrency,
                      .downloads_per_object = receivers};
-  // Bytes of no particular structure: the store neither compresses nor dedupes them anyway.
-  std::vector<std::byte> bytes(object_bytes);
-  std::mt19937_64 rng(object_bytes);
-  for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
   std::atomic<uint64_t> next{0};
   std::mutex mutex;
   Status first_error;
   auto worker = [&] {
     double upload_s = 0, download_s = 0, delete_s = 0;
+    std::vector<std::byte> bytes(object_bytes);
     for (uint64_t i = next++; i < objects; i = next++) {
+      const std::span<std::byte> object(bytes.data(),
+                                        std::min(object_bytes, total - i * object_bytes));
+      CopyModelRange(model, i * object_bytes, object);
       const std::string key = fmt::format("{}/{}/{:06}", store.prefix, kYardstickDir, i);
       double t0 = Now();
-      Status status = store.client->Upload(key, bytes, store.config.transfer);
+      Status status = store.client->Upload(key, object, store.config.transfer);
       upload_s += Now() - t0;
       t0 = Now();
       std::vector<Status> downloaded(receivers);
@@ -381,8 +410,14 @@ Result<StoreYardstick> MeasureStore(const Store& store, uint64_t objects, uint64
         std::vector<std::jthread> readers;
         for (size_t r = 0; status.ok() && r < receivers; ++r) {
           readers.emplace_back([&, r] {
-            downloaded[r] =
-                store.client->Download(key, object_bytes, store.config.transfer).status();
+            Result<std::vector<std::byte>> got =
+                store.client->Download(key, object.size(), store.config.transfer);
+            if (!got.ok()) {
+              downloaded[r] = got.status();
+            } else if (got->size() != object.size() ||
+                       std::memcmp(got->data(), object.data(), object.size()) != 0) {
+              downloaded[r] = DataLoss("{}: download {} differs from what was uploaded", key, r);
+            }
           });
         }
       }
@@ -528,8 +563,9 @@ double Ratio(double numerator, double denominator) {
 
 // `full`: the FULL through the same transport; `s3_full`: the FULL through s3; `zmq_peer`: for an
 // s3 row, the zmq row of the same step.
+// `raw_copy_s`: the raw copy through the same transport (0: not measured).
 nlohmann::json RowJson(const Row& row, const Row& full, const Row& s3_full, const Row* zmq_peer,
-                       size_t receivers) {
+                       size_t receivers, double raw_copy_s) {
   const RefitReport& r = row.report;
   nlohmann::json producers = nlohmann::json::array();
   for (const StreamReport& s : r.producers) {
@@ -575,6 +611,8 @@ nlohmann::json RowJson(const Row& row, const Row& full, const Row& s3_full, cons
       {"commit_s", r.commit_s},
       {"speedup_vs_full", Ratio(full.report.total_s, r.total_s)},
       {"speedup_vs_s3_full", Ratio(s3_full.report.total_s, r.total_s)},
+      {"time_over_raw_copy",
+       raw_copy_s > 0 ? nlohmann::json(Ratio(r.total_s, raw_copy_s)) : nlohmann::json(nullptr)},
       {"producers", producers},
       {"receivers", daemons}};
   if (row.transport == "s3") {
@@ -626,7 +664,7 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
   out["daemon_start_s"] = {{"s3", s3.start_s}, {"zmq", zmq.start_s}};
 
   std::unique_ptr<ProgressReporter> progress =
-      Progress("s3_bench", 2 * (1 + args.densities.size()) + (args.yardstick ? 1 : 0), "refits");
+      Progress("s3_bench", 2 * (1 + args.densities.size()) + (args.yardstick ? 2 : 0), "refits");
   auto advance = [&] {
     if (progress) progress->Advance(1);
   };
@@ -639,16 +677,19 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
   REFIT_ASSIGN_OR_RETURN(Row zmq_full_row, MeasureRefit(zmq, /*full=*/true, /*step=*/0));
   rows.push_back(std::move(zmq_full_row));
   advance();
+  // The yardsticks, while the daemons are idle: the model's bytes, uncompressed, in messages or
+  // objects of the payload size, from as many sending threads as the producers have together.
+  double store_raw_s = 0, zmq_raw_s = 0;
   if (args.yardstick) {
-    const RefitReport& s3_full = rows[0].report;
-    const uint64_t objects = std::max<uint64_t>(s3_full.payloads, 1);
-    REFIT_ASSIGN_OR_RETURN(
-        StoreYardstick yardstick,
-        MeasureStore(store, objects, std::max<uint64_t>(s3_full.wire_bytes / objects, 1),
-                     static_cast<size_t>(args.producers) * static_cast<size_t>(args.send_threads),
-                     args.receivers));
+    const size_t senders =
+        static_cast<size_t>(args.producers) * static_cast<size_t>(args.send_threads);
+    const uint64_t bucket_bytes = ProducerStreamOptions().bucket_bytes;
+    REFIT_ASSIGN_OR_RETURN(StoreYardstick yardstick,
+                           MeasureStore(store, model, bucket_bytes, senders, args.receivers));
     REFIT_RETURN_NOT_OK(CheckStoreEmpty(store, "the store yardstick"));
-    out["store_yardstick"] = {{"objects", yardstick.objects},
+    store_raw_s = yardstick.time_s;
+    out["store_yardstick"] = {{"bytes", yardstick.bytes},
+                              {"objects", yardstick.objects},
                               {"object_bytes", yardstick.object_bytes},
                               {"concurrency", yardstick.concurrency},
                               {"downloads_per_object", yardstick.downloads_per_object},
@@ -656,7 +697,21 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
                               {"upload_s", yardstick.upload_s},
                               {"download_s", yardstick.download_s},
                               {"delete_s", yardstick.delete_s},
-                              {"s3_full_over_yardstick", Ratio(s3_full.total_s, yardstick.time_s)}};
+                              {"verified", true}};
+    advance();
+    cli::RawCopyOptions raw_options;
+    raw_options.refit_binary = args.refit_binary;
+    raw_options.work_dir = work_dir;
+    raw_options.receivers = args.receivers;
+    raw_options.message_bytes = bucket_bytes;
+    raw_options.threads = static_cast<int>(senders);
+    REFIT_ASSIGN_OR_RETURN(const cli::RawCopyMeasurement raw,
+                           cli::MeasureZmqRawCopy(model, raw_options));
+    zmq_raw_s = raw.seconds;
+    out["zmq_raw_copy"] = {{"seconds", raw.seconds},   {"bytes", raw.bytes},
+                           {"messages", raw.messages}, {"message_bytes", raw.message_bytes},
+                           {"threads", raw.threads},   {"receivers", raw.receivers},
+                           {"verified", true}};
     advance();
   }
   for (size_t k = 0; k < args.densities.size(); ++k) {
@@ -705,7 +760,8 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
     const Row& full = row.transport == "s3" ? rows[0] : rows[1];
     // Rows come in (s3, zmq) pairs of the same step.
     const Row* zmq_peer = row.transport == "s3" ? &rows[i + 1] : nullptr;
-    out["rows"].push_back(RowJson(row, full, rows[0], zmq_peer, args.receivers));
+    out["rows"].push_back(RowJson(row, full, rows[0], zmq_peer, args.receivers,
+                                  row.transport == "s3" ? store_raw_s : zmq_raw_s));
   }
   out["load_average_end"] = LoadAverages();
   return out;
@@ -728,7 +784,8 @@ void PrintReport(const nlohmann::json& report, const Args& args) {
       FormatBytes(config["chunk_bytes"]), FormatBytes(config["bucket_bytes"]), args.threads,
       args.send_threads);
   Table table({"transport", "kind", "target", "density", "changed", "payloads", "wire", "wire/full",
-               "store traffic", "time", "stream", "flush", "commit", "speedup", "s3/zmq"});
+               "store traffic", "time", "stream", "flush", "commit", "speedup", "vs raw",
+               "s3/zmq"});
   for (const nlohmann::json& row : report["rows"]) {
     const bool full = row["kind"] == "full";
     const bool via_s3 = row["transport"] == "s3";
@@ -742,29 +799,43 @@ void PrintReport(const nlohmann::json& report, const Args& args) {
                   FormatDuration(row["time_s"]), FormatDuration(row["stream_s"]),
                   FormatDuration(row["flush_s"]), FormatDuration(row["commit_s"]),
                   fmt::format("{:.1f}x", row["speedup_vs_full"].get<double>()),
+                  row["time_over_raw_copy"].is_null()
+                      ? "-"
+                      : fmt::format("{:.2f}", row["time_over_raw_copy"].get<double>()),
                   via_s3 ? fmt::format("{:.2f}", row["s3_over_zmq_time"].get<double>()) : "-"});
   }
   table.Print(std::cout);
   std::cout << fmt::format(
       "wire = bytes out of the producers; wire/full and speedup (FULL time / this time) are "
       "against the FULL through the same transport; store traffic = wire x (1 upload + {} "
-      "downloads); s3/zmq = s3 time / zmq time on the same step\n",
+      "downloads); vs raw = this time / the raw copy through the same transport (below); s3/zmq "
+      "= s3 time / zmq time on the same step\n",
       args.receivers);
   if (report.contains("store_yardstick")) {
     const nlohmann::json& y = report["store_yardstick"];
     const double objects = static_cast<double>(y["objects"].get<uint64_t>());
-    const double bytes = objects * static_cast<double>(y["object_bytes"].get<uint64_t>());
     std::cout << fmt::format(
-        "store yardstick: {} objects of {} ({} at a time), each PUT, GET x{} and DELETE by this "
-        "process: {} ({} of objects; per object PUT {}, the GETs {}, DELETE {}); the s3 FULL "
-        "took {:.2f}x that\n",
-        y["objects"].get<uint64_t>(), FormatBytes(y["object_bytes"]),
+        "raw copy through the store (the s3 rows' yardstick): the model's {} uncompressed in {} "
+        "objects of {} ({} at a time), each PUT, GET x{} (compared with what was PUT) and DELETE "
+        "by this process: {} ({}; per object PUT {}, the GETs {}, DELETE {})\n",
+        FormatBytes(y["bytes"]), y["objects"].get<uint64_t>(), FormatBytes(y["object_bytes"]),
         y["concurrency"].get<size_t>(), y["downloads_per_object"].get<size_t>(),
-        FormatDuration(y["time_s"]), FormatRate(bytes / std::max(y["time_s"].get<double>(), 1e-9)),
+        FormatDuration(y["time_s"]),
+        FormatRate(static_cast<double>(y["bytes"].get<uint64_t>()) /
+                   std::max(y["time_s"].get<double>(), 1e-9)),
         FormatDuration(y["upload_s"].get<double>() / objects),
         FormatDuration(y["download_s"].get<double>() / objects),
-        FormatDuration(y["delete_s"].get<double>() / objects),
-        y["s3_full_over_yardstick"].get<double>());
+        FormatDuration(y["delete_s"].get<double>() / objects));
+  }
+  if (report.contains("zmq_raw_copy")) {
+    const nlohmann::json& raw = report["zmq_raw_copy"];
+    std::cout << fmt::format(
+        "raw copy over ZeroMQ (the zmq rows' yardstick): the model's {} uncompressed to each of {} "
+        "`refit raw-copy-sink` processes on loopback, {} messages of {} from {} thread(s) each, "
+        "checksums verified: {}\n",
+        FormatBytes(raw["bytes"]), raw["receivers"].get<size_t>(), raw["messages"].get<uint64_t>(),
+        FormatBytes(raw["message_bytes"]), raw["threads"].get<int>(),
+        FormatDuration(raw["seconds"]));
   }
   std::cout << fmt::format(
       "checks: every tensor of every daemon of both fleets bit-identical to the trainer's ({}); "

@@ -124,9 +124,11 @@ struct ReceiverSessionOptions {
   AnchorUndo anchor_undo = AnchorUndo::kMemory;
   /// kFile: where the undo log's spill file is made (unlinked at once); empty: $TMPDIR or /tmp.
   std::string anchor_undo_directory{};
-  /// Threads that copy an anchor's payload (its FULL items, one tensor per thread at a time):
-  /// a FULL's apply hashes every element, which one core does slower than it copies.
-  /// Deltas are applied by the session's apply thread alone. 1 to kMaxApplyThreads.
+  /// Threads that apply one payload, one tensor per thread at a time (ApplyPayload): an
+  /// anchor's FULL items, whose apply hashes every element, which one core does slower than it
+  /// copies; and a delta payload's items, whose locations are decoded and values applied and
+  /// hashed per element. Payloads are still applied one at a time, in arrival order.
+  /// 1 to kMaxApplyThreads.
   int apply_threads = 4;
 
   /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes

@@ -26,6 +26,7 @@ void RegisterPush(CLI::App& app, Status* result);
 void RegisterStatus(CLI::App& app, Status* result);
 void RegisterAbort(CLI::App& app, Status* result);
 void RegisterKeygen(CLI::App& app, Status* result);
+void RegisterRawCopySink(CLI::App& app, Status* result);
 
 /// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes. Errors: InvalidArgument naming the text.
 Result<uint64_t> ParseByteSize(const std::string& text);

@@ -4,8 +4,10 @@
 // through an object store, announced on each daemon's control plane), the coordinator drives each
 // daemon's HTTP control plane through prepare → flush (state digests compared with the
 // producers') → commit. A FULL transfer of the same model through the same fleet, measured first,
-// is the yardstick for bytes and time. At the end every tensor is downloaded from every daemon
-// and compared with the trainer's bytes.
+// is the yardstick for bytes, and a raw copy of the model's bytes (uncompressed, over ZeroMQ on
+// loopback to as many receiving processes, no codec, digest or apply) the yardstick for time:
+// what a plain broadcast of the weights costs. At the end every tensor is downloaded from every
+// daemon and compared with the trainer's bytes.
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -20,6 +22,7 @@
 #include "local_fleet.h"
 #include "mpi_demo.h"
 #include "progress.h"
+#include "raw_copy.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
 #include "table.h"
@@ -65,7 +68,7 @@ struct StepRow {
   RefitReport report;
 };
 
-nlohmann::json StepJson(const StepRow& row, const RefitReport& full) {
+nlohmann::json StepJson(const StepRow& row, const RefitReport& full, double raw_copy_s) {
   const RefitReport& r = row.report;
   const double density =
       r.total_elements ? static_cast<double>(r.changed_elements) / r.total_elements : 0;
@@ -86,6 +89,7 @@ nlohmann::json StepJson(const StepRow& row, const RefitReport& full) {
           {"flush_s", r.flush_s},
           {"commit_s", r.commit_s},
           {"speedup_vs_full", full.total_s / std::max(r.total_s, 1e-9)},
+          {"time_over_raw_copy", r.total_s / std::max(raw_copy_s, 1e-9)},
           {"receivers", r.receivers.size()},
           {"digests_verified", true}};
 }
@@ -192,12 +196,32 @@ Status RunDemo(const DemoArgs& args) {
   progress_options.unit = "steps";
   REFIT_ASSIGN_OR_RETURN(auto progress, ProgressReporter::Make(progress_options));
 
+  // The time yardstick, while the daemons are idle: the same bytes to as many receivers, in
+  // messages of the payload size from as many send threads, nothing but the copy.
+  RawCopyOptions raw_options;
+  raw_options.work_dir = work_dir;
+  raw_options.receivers = args.receivers;
+  raw_options.message_bytes = options.stream.bucket_bytes;
+  raw_options.threads = options.stream.send_threads;
+  REFIT_ASSIGN_OR_RETURN(const RawCopyMeasurement raw, MeasureZmqRawCopy(model, raw_options));
+  if (args.json) {
+    std::cout << nlohmann::json{{"raw_copy",
+                                 {{"seconds", raw.seconds},
+                                  {"bytes", raw.bytes},
+                                  {"receivers", raw.receivers},
+                                  {"message_bytes", raw.message_bytes},
+                                  {"threads", raw.threads},
+                                  {"verified", true}}}}
+                     .dump()
+              << std::endl;
+  }
+
   // Step 0: a FULL transfer of the unchanged model — what refitting costs without deltas.
   std::vector<StepRow> rows;
   REFIT_ASSIGN_OR_RETURN(RefitReport full, fleet->Refit(/*force_anchor=*/true));
   rows.push_back({0, true, 0.0, full});
   progress->Advance(1);
-  if (args.json) std::cout << StepJson(rows.back(), full).dump() << std::endl;
+  if (args.json) std::cout << StepJson(rows.back(), full, raw.seconds).dump() << std::endl;
   for (int step = 1; step <= args.steps; ++step) {
     if (!args.densities.empty()) {
       const double target = args.densities[(step - 1) % args.densities.size()];
@@ -207,7 +231,7 @@ Status RunDemo(const DemoArgs& args) {
     REFIT_ASSIGN_OR_RETURN(RefitReport report, fleet->Refit());
     rows.push_back({step, report.plan.anchor, simulator->learning_rate(), std::move(report)});
     progress->Advance(1);
-    if (args.json) std::cout << StepJson(rows.back(), full).dump() << std::endl;
+    if (args.json) std::cout << StepJson(rows.back(), full, raw.seconds).dump() << std::endl;
   }
   progress->Finish();
   REFIT_RETURN_NOT_OK(fleet->CheckReceiversHold(model));
@@ -216,9 +240,9 @@ Status RunDemo(const DemoArgs& args) {
   if (args.json) return Status::OK();
 
   Table table({"step", "kind", "version", "density", "changed", "payloads", "wire", "saved", "time",
-               "stream", "flush", "commit", "speedup", "digests"});
+               "stream", "flush", "commit", "speedup", "vs raw", "digests"});
   for (const StepRow& row : rows) {
-    const nlohmann::json j = StepJson(row, full);
+    const nlohmann::json j = StepJson(row, full, raw.seconds);
     const RefitReport& r = row.report;
     table.AddRow(
         {std::to_string(row.step), row.anchor ? "FULL" : "delta",
@@ -228,11 +252,18 @@ Status RunDemo(const DemoArgs& args) {
          fmt::format("{:.1f}%", 100 * j["bytes_saved"].get<double>()), FormatDuration(r.total_s),
          FormatDuration(r.stream_s), FormatDuration(r.flush_s), FormatDuration(r.commit_s),
          fmt::format("{:.1f}x", j["speedup_vs_full"].get<double>()),
+         fmt::format("{:.2f}", j["time_over_raw_copy"].get<double>()),
          fmt::format("ok x{}", r.receivers.size())});
   }
   table.Print(std::cout);
   std::cout << fmt::format(
-      "\nevery step committed on all {} daemons with state digests equal to the producers'; "
+      "\nspeedup = FULL time / step time; vs raw = step time / raw-copy time, where the raw copy "
+      "sent the model's {} uncompressed to {} receiving process(es) over ZeroMQ on loopback "
+      "({} messages of {} from {} thread(s) each, no codec, digest or apply) in {}\n",
+      FormatBytes(raw.bytes), raw.receivers, raw.messages, FormatBytes(raw.message_bytes),
+      raw.threads, FormatDuration(raw.seconds));
+  std::cout << fmt::format(
+      "every step committed on all {} daemons with state digests equal to the producers'; "
       "every tensor downloaded from every daemon equals the trainer's bytes\n",
       args.receivers);
   return Status::OK();

@@ -31,6 +31,8 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 // Characters of a daemon's log quoted in an error.
 constexpr std::streamoff kLogTailChars = 2000;
 
+}  // namespace
+
 std::string LogTail(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return "(no log)";
@@ -41,8 +43,6 @@ std::string LogTail(const std::string& path) {
   text << in.rdbuf();
   return text.str();
 }
-
-}  // namespace
 
 Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count) {
   std::vector<int> sockets;
@@ -78,11 +78,7 @@ Result<std::string> SelfExecutable() {
   return std::string(buffer.data(), static_cast<size_t>(n));
 }
 
-namespace {
-
-// Start `argv` with stdout and stderr appended to `log_path`. The child is put in its own process
-// group, so a Ctrl-C at the terminal reaches the demo, which then stops the daemons in order.
-Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log_path) {
+Result<pid_t> SpawnWithLog(const std::vector<std::string>& argv, const std::string& log_path) {
   const int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log < 0) return IoErrorFromErrno(errno, "open " + log_path);
   std::vector<char*> args;
@@ -106,8 +102,6 @@ Result<pid_t> Spawn(const std::vector<std::string>& argv, const std::string& log
   ::close(log);
   return pid;
 }
-
-}  // namespace
 
 Result<std::unique_ptr<LocalFleet>> LocalFleet::Start(const LocalFleetOptions& options) {
   if (options.receivers == 0) return InvalidArgument("local fleet: no receivers");
@@ -143,7 +137,7 @@ Result<std::unique_ptr<LocalFleet>> LocalFleet::Start(const LocalFleetOptions& o
       argv.insert(argv.end(), {"--api-key-env", options.api_key_env});
     }
     argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
-    Result<pid_t> pid = Spawn(argv, receiver.log_path);
+    Result<pid_t> pid = SpawnWithLog(argv, receiver.log_path);
     if (!pid.ok()) {
       fleet->Stop().IgnoreError();
       return pid.status();

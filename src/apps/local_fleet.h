@@ -82,6 +82,14 @@ class LocalFleet {
 /// Errors: IoError.
 Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
 
+/// Start `argv` (argv[0] a path) with stdout and stderr appended to `log_path`. The child is put
+/// in its own process group, so a Ctrl-C at the terminal reaches the parent, which then stops its
+/// children in order. Errors: IoError (the log cannot be opened, fork failed).
+Result<pid_t> SpawnWithLog(const std::vector<std::string>& argv, const std::string& log_path);
+
+/// The last 2000 characters of the file at `path` (a child's log), or "(no log)".
+std::string LogTail(const std::string& path);
+
 /// The path of this process's executable (/proc/self/exe). Errors: IoError.
 Result<std::string> SelfExecutable();
 

@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   refit::cli::RegisterInspect(app, &result);
   refit::cli::RegisterSimulate(app, &result);
   refit::cli::RegisterEstimate(app, &result);
+  refit::cli::RegisterRawCopySink(app, &result);
 
   CLI11_PARSE(app, argc, argv);
   if (!result.ok()) {

@@ -12,10 +12,12 @@
 #include <fmt/format.h>
 
 #include "core/mapped_file.h"
+#include "refit/compare.h"
 #include "refit/digest.h"
 #include "refit/locations.h"
 #include "refit/values.h"
 #include "util/check.h"
+#include "util/thread_pool.h"
 
 namespace refit {
 namespace {
@@ -104,13 +106,6 @@ struct BaselineEntry {
   PendingChanges pending;
 };
 
-void GatherBits(std::span<const std::byte> tensor, uint32_t width,
-                std::span<const uint64_t> locations, std::byte* out) {
-  for (size_t k = 0; k < locations.size(); ++k) {
-    std::memcpy(out + k * width, tensor.data() + locations[k] * width, width);
-  }
-}
-
 uint64_t DigestDelta(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
                      uint32_t width, std::span<const uint64_t> locations) {
   uint64_t delta = 0;
@@ -160,6 +155,95 @@ uint64_t GatherChanges(std::span<const std::byte> old_tensor, std::span<const st
       return GatherChangesOfWidth<uint64_t>(old_tensor.data(), new_tensor.data(), locations,
                                             xor_out, new_out);
   }
+}
+
+/// Elements the fused delta pass compares and then gathers at a time: 64 KiB of each tensor,
+/// still in L2 when the gather reads the changed elements again.
+constexpr uint64_t kFusedBlockBytes = uint64_t{64} << 10;
+/// Head-room over the density of the first block when sizing the outputs, so that most spans
+/// need no second allocation (growing by doubling copies millions of locations several times).
+constexpr double kFusedReserveHeadroom = 1.25;
+
+/// The changes of one span: their locations, new bits, XOR values (when asked for) and digest
+/// change Σ h(i, new) − h(i, old).
+struct GatheredChanges {
+  std::vector<uint64_t> locations;
+  std::vector<std::byte> new_bits;
+  std::vector<std::byte> xor_values;
+  uint64_t digest_delta = 0;
+};
+
+/// Compare [begin, end) block by block and gather each block's changes (GatherChanges) right
+/// after its compare, while the block is in cache: the two tensors are read from memory once,
+/// where a compare of the whole span followed by a gather reads them twice (at 3 % of bf16
+/// elements changed, 62 % of the cache lines hold a change).
+void CompareAndGather(std::span<const std::byte> old_bytes, std::span<const std::byte> new_bytes,
+                      uint32_t width, uint64_t begin, uint64_t end, bool with_xor,
+                      CompareKernel kernel, GatheredChanges& out) {
+  const uint64_t block = std::max<uint64_t>(1, kFusedBlockBytes / width);
+  for (uint64_t b = begin; b < end;) {
+    const uint64_t e = b + std::min(block, end - b);
+    const size_t first = out.locations.size();
+    AppendChangedLocations(old_bytes, new_bytes, width, b, e, &out.locations, kernel);
+    const size_t n = out.locations.size() - first;
+    if (b == begin && e < end && n > 0) {
+      const double density = static_cast<double>(n) / static_cast<double>(e - b);
+      const size_t expected =
+          n + static_cast<size_t>(density * kFusedReserveHeadroom * static_cast<double>(end - e));
+      out.locations.reserve(expected);
+      out.new_bits.reserve(expected * width);
+      if (with_xor) out.xor_values.reserve(expected * width);
+    }
+    if (n > 0) {
+      out.new_bits.resize((first + n) * width);
+      if (with_xor) out.xor_values.resize((first + n) * width);
+      out.digest_delta += GatherChanges(old_bytes, new_bytes, width,
+                                        std::span<const uint64_t>(out.locations).subspan(first, n),
+                                        with_xor ? out.xor_values.data() + first * width : nullptr,
+                                        out.new_bits.data() + first * width);
+    }
+    b = e;
+  }
+}
+
+/// CompareAndGather on `options.threads` threads over chunks of `options.chunk_elements`, the
+/// chunks' changes concatenated in order.
+Result<GatheredChanges> FindAndGatherChanges(std::span<const std::byte> old_bytes,
+                                             std::span<const std::byte> new_bytes, uint32_t width,
+                                             uint64_t begin, uint64_t end, bool with_xor,
+                                             const CompareOptions& options) {
+  const uint64_t count = end - begin;
+  const uint64_t chunk = std::max<uint64_t>(options.chunk_elements, 1);
+  const uint64_t chunks = count == 0 ? 0 : (count - 1) / chunk + 1;
+  if (options.threads <= 1 || chunks <= 1) {
+    GatheredChanges out;
+    CompareAndGather(old_bytes, new_bytes, width, begin, end, with_xor, options.kernel, out);
+    return out;
+  }
+  std::vector<GatheredChanges> parts(chunks);
+  REFIT_RETURN_NOT_OK(
+      internal::ParallelFor(options.threads, chunks, [&](uint64_t first, uint64_t last) -> Status {
+        for (uint64_t c = first; c < last; ++c) {
+          const uint64_t b = begin + c * chunk;
+          CompareAndGather(old_bytes, new_bytes, width, b, b + std::min(chunk, end - b), with_xor,
+                           options.kernel, parts[c]);
+        }
+        return Status::OK();
+      }));
+  GatheredChanges out;
+  size_t total = 0;
+  for (const GatheredChanges& part : parts) total += part.locations.size();
+  out.locations.reserve(total);
+  out.new_bits.reserve(total * width);
+  if (with_xor) out.xor_values.reserve(total * width);
+  for (GatheredChanges& part : parts) {
+    out.locations.insert(out.locations.end(), part.locations.begin(), part.locations.end());
+    out.new_bits.insert(out.new_bits.end(), part.new_bits.begin(), part.new_bits.end());
+    out.xor_values.insert(out.xor_values.end(), part.xor_values.begin(), part.xor_values.end());
+    out.digest_delta += part.digest_delta;
+    part = GatheredChanges{};
+  }
+  return out;
 }
 
 /// Scatter new bits into the baseline. A contiguous run of locations is one memcpy.
@@ -367,13 +451,13 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
   if (same_layout && !pending.replacement) {
     // Keep the pending state O(changes) even though the payload carries every element.
     const auto baseline = entry->buffer->bytes();
-    REFIT_ASSIGN_OR_RETURN(
-        std::vector<uint64_t> changed,
-        FindChangedLocations(baseline, current.bytes, width, begin, end, options.compare));
-    pending.digest_delta += DigestDelta(baseline, current.bytes, width, changed);
-    const size_t old_bits = pending.new_bits.size();
-    pending.new_bits.resize(old_bits + changed.size() * width);
-    GatherBits(current.bytes, width, changed, pending.new_bits.data() + old_bits);
+    REFIT_ASSIGN_OR_RETURN(GatheredChanges gathered,
+                           FindAndGatherChanges(baseline, current.bytes, width, begin, end,
+                                                /*with_xor=*/false, options.compare));
+    const std::vector<uint64_t>& changed = gathered.locations;
+    pending.digest_delta += gathered.digest_delta;
+    pending.new_bits.insert(pending.new_bits.end(), gathered.new_bits.begin(),
+                            gathered.new_bits.end());
     if (!changed.empty()) {
       REFIT_ASSIGN_OR_RETURN(PendingRun run, MakePendingRun(changed, begin, end));
       pending.runs.push_back(std::move(run));
@@ -416,15 +500,6 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   const auto baseline = entry.buffer->bytes();
   EncodeResult result;
   result.total_elements = end - begin;
-  REFIT_ASSIGN_OR_RETURN(
-      std::vector<uint64_t> changed,
-      FindChangedLocations(baseline, current.bytes, width, begin, end, options.compare));
-  result.changed_elements = changed.size();
-  if (changed.empty()) {
-    std::lock_guard lock(entry.pending_mutex);
-    entry.pending.encoded += end - begin;
-    return result;
-  }
 
   Op op = options.op;
   if (overwrite_names.contains(current.name)) op = Op::kOverwrite;
@@ -437,13 +512,22 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     }
   }
 
-  // One pass over the changes gathers the exact new bits (what commit installs, whatever op
-  // travels), the XOR values when XOR travels, and the digest change.
-  std::vector<std::byte> new_bits(changed.size() * width);
-  std::vector<std::byte> xor_values(op == Op::kXor ? changed.size() * width : 0);
-  const uint64_t digest_total =
-      GatherChanges(baseline, current.bytes, width, changed,
-                    op == Op::kXor ? xor_values.data() : nullptr, new_bits.data());
+  // One pass over the span finds the changes and gathers, block by block while in cache, the
+  // exact new bits (what commit installs, whatever op travels), the XOR values when XOR travels,
+  // and the digest change.
+  REFIT_ASSIGN_OR_RETURN(GatheredChanges gathered,
+                         FindAndGatherChanges(baseline, current.bytes, width, begin, end,
+                                              op == Op::kXor, options.compare));
+  std::vector<uint64_t>& changed = gathered.locations;
+  std::vector<std::byte>& new_bits = gathered.new_bits;
+  std::vector<std::byte>& xor_values = gathered.xor_values;
+  const uint64_t digest_total = gathered.digest_delta;
+  result.changed_elements = changed.size();
+  if (changed.empty()) {
+    std::lock_guard lock(entry.pending_mutex);
+    entry.pending.encoded += end - begin;
+    return result;
+  }
   // What Commit scatters the new bits to. Encoded outside the lock: other spans of the tensor
   // may be encoding concurrently.
   std::optional<PendingRun> run;

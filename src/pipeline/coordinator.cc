@@ -150,11 +150,14 @@ class LocalProducers final : public ProducerSet {
     return streamed;
   }
 
+  // Each tracker scatters its own changes into its own baseline: all at once.
   Status Commit(const TransferId& id) override {
-    for (size_t p = 0; p < producers_.size(); ++p) {
-      REFIT_RETURN_NOT_OK(
-          producers_[p].tracker->Commit(id).WithContext(fmt::format("producer {}", p)));
-    }
+    Failures failures;
+    ForEachConcurrently(producers_.size(), [&](size_t p) {
+      Status committed = producers_[p].tracker->Commit(id);
+      if (!committed.ok()) failures.Add(fmt::format("producer {}", p), committed);
+    });
+    if (!failures.empty()) return CombineFailures(failures.Take());
     return Status::OK();
   }
 
@@ -438,6 +441,10 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   // the receivers answered. Aborting now could split the fleet: a receiver that committed
   // cannot roll back.
   const Clock::time_point commit_start = Clock::now();
+  // The trackers commit (scatter their changes into their baselines) while the receivers do:
+  // neither depends on the other's answer.
+  Status producers_committed;
+  std::jthread producer_commit([&] { producers_committed = producers->Commit(id); });
   ForEachConcurrently(receivers.size(), [&](size_t r) {
     Status committed = receivers[r].control->Commit(id);
     if (!committed.ok()) {
@@ -448,7 +455,8 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     }
     report.receivers[r].commit_status = std::move(committed);
   });
-  if (Status committed = producers->Commit(id); !committed.ok()) {
+  producer_commit.join();
+  if (Status committed = std::move(producers_committed); !committed.ok()) {
     // The receivers hold the target version and a tracker does not: the fleet must be
     // re-anchored. Say so rather than leave the next delta to fail at a digest check.
     return Internal(

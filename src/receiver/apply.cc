@@ -748,6 +748,77 @@ Status SetFullSpanDigest(const PayloadHeader& header, size_t index, const ItemVi
   return store.AdjustDigest(item.name, digests.after - digests.before);
 }
 
+/// What applying one delta item needs besides the item: the decoded locations of a batch, and the
+/// old bits of a batch that the log does not keep (an XOR record's, for the digest only). One per
+/// applying thread.
+struct DeltaScratch {
+  std::array<uint64_t, kLocationBatch> batch;
+  std::vector<std::byte> batch_old_bits;
+};
+
+/// Apply delta item `item` (not FULL) to `tensor`, recording into `record` the old bits and
+/// locations unless the record is one that re-applies the item (Record::reapply), and return the
+/// change of the tensor's digest. Touches nothing but `tensor`, `record` and `scratch`, so that
+/// items of distinct tensors can be applied at once.
+Result<uint64_t> ApplyDeltaItem(const ItemView& item, const MutableTensorView& tensor,
+                                UndoLog::Record& record, DeltaScratch& scratch) {
+  const uint32_t width = DTypeSize(item.dtype);
+  const uint32_t value_width = DTypeSize(item.value_dtype);
+  REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                         LocationDecoder::Make(item.location_encoding, item.locations, item.count,
+                                               item.span_begin, item.span_end));
+  const bool reapply = record.reapply;
+  if (!reapply) {
+    record.locations.reserve(item.count);
+    record.old_bits.reserve(item.count * width);
+  }
+  uint64_t digest_delta = 0;
+  uint64_t applied = 0;
+  while (true) {
+    REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(scratch.batch));
+    if (n == 0) break;
+    const std::span<const uint64_t> locations(scratch.batch.data(), n);
+    std::vector<std::byte>& old_out = reapply ? scratch.batch_old_bits : record.old_bits;
+    if (reapply) scratch.batch_old_bits.clear();
+    const size_t old_start = old_out.size();
+    ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor.bytes, locations,
+                  item.values.subspan(applied * value_width, n * value_width), &old_out);
+    if (!reapply) {
+      record.locations.insert(record.locations.end(), locations.begin(), locations.end());
+    }
+    const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
+    for (size_t k = 0; k < n; ++k) {
+      digest_delta += ElementHash(locations[k], LoadBits(tensor.bytes, width, locations[k])) -
+                      ElementHash(locations[k], LoadBits(old_bits, width, k));
+    }
+    applied += n;
+  }
+  return digest_delta;
+}
+
+/// Check an applied delta item's digest change against the producer's.
+Status CheckDeltaDigest(const PayloadHeader& header, size_t index, const ItemView& item,
+                        uint64_t digest_delta) {
+  if (digest_delta == item.digest) return Status::OK();
+  return DataLoss(
+      "payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
+      "producer's {:#018x}: the receiver's tensor is not at base version {}",
+      header.ids.payload_id, header.ids.producer_id, index, item.name, digest_delta, item.digest,
+      header.ids.base_version);
+}
+
+/// The payload's items grouped by tensor, each group in item order: what one thread applies, so
+/// that the items of one tensor (which may overlap) keep their order and share nothing with the
+/// other groups.
+std::vector<std::vector<size_t>> GroupByTensor(std::span<const ItemView> items) {
+  std::map<std::string_view, std::vector<size_t>> by_tensor;
+  for (size_t i = 0; i < items.size(); ++i) by_tensor[items[i].name].push_back(i);
+  std::vector<std::vector<size_t>> groups;
+  groups.reserve(by_tensor.size());
+  for (auto& [name, indices] : by_tensor) groups.push_back(std::move(indices));
+  return groups;
+}
+
 }  // namespace
 
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
@@ -783,7 +854,6 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
                                     [](const ItemView& item) { return item.op == Op::kFull; });
   if (threads > 1 && all_full && items.size() > 1) {
     std::vector<uint64_t> span_bytes;
-    std::map<std::string_view, std::vector<size_t>> by_tensor;
     for (size_t i = 0; i < items.size(); ++i) {
       const ItemView& item = items[i];
       const uint32_t width = DTypeSize(item.dtype);
@@ -793,14 +863,12 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
                                                .span_begin = item.span_begin,
                                                .digest_before = *store.Digest(item.name)});
       span_bytes.push_back((item.span_end - item.span_begin) * width);
-      by_tensor[item.name].push_back(i);
     }
     const std::span<UndoLog::Record> records =
         std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
     Status reserved = undo->ReserveFullSpans(records, span_bytes);
     if (!reserved.ok()) return fail(reserved);
-    std::vector<std::vector<size_t>> groups;
-    for (auto& [name, indices] : by_tensor) groups.push_back(std::move(indices));
+    const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
     std::vector<FullSpanDigests> digests(items.size());
     Status copied = internal::ParallelFor(
         std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
@@ -824,17 +892,76 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     return Status::OK();
   }
 
-  std::array<uint64_t, kLocationBatch> batch;
-  // The old bits of one batch of an XOR item that the log does not keep (for its digest only).
-  std::vector<std::byte> batch_old_bits;
+  // Bind the payload's XOR records to its bytes, which the log keeps from now on: they are
+  // undone by applying them again.
+  auto keep_payload = [&] {
+    const size_t slot = undo->payloads_.size();
+    undo->payloads_.push_back(std::move(*payload_bytes));
+    payload_bytes->clear();
+    for (size_t r = savepoint; r < undo->records_.size(); ++r) {
+      if (undo->records_[r].reapply) undo->records_[r].payload = slot;
+    }
+  };
+
+  // A delta payload (no FULL item) of more than one tensor: its tensors are applied in parallel,
+  // each on one thread (the items of one tensor in order, on the same thread), and their digest
+  // changes checked and moved in item order afterwards. Still all or nothing: any error rolls
+  // back every item of the payload.
+  const bool any_full = std::any_of(items.begin(), items.end(),
+                                    [](const ItemView& item) { return item.op == Op::kFull; });
+  if (threads > 1 && !any_full && items.size() > 1) {
+    const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
+    if (groups.size() > 1) {
+      bool reapplied = false;
+      for (size_t i = 0; i < items.size(); ++i) {
+        const ItemView& item = items[i];
+        UndoLog::Record& record =
+            undo->records_.emplace_back(UndoLog::Record{.tensor = std::string(item.name),
+                                                        .width = DTypeSize(item.dtype),
+                                                        .digest_before = *store.Digest(item.name)});
+        if (payload_bytes != nullptr && item.op == Op::kXor) {
+          record.reapply = true;
+          record.payload = kCurrentPayload;
+          record.item = i;
+          reapplied = true;
+        }
+      }
+      const std::span<UndoLog::Record> records =
+          std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
+      std::vector<uint64_t> digest_deltas(items.size());
+      Status applied = internal::ParallelFor(
+          std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
+          [&](uint64_t begin, uint64_t end) -> Status {
+            auto scratch = std::make_unique<DeltaScratch>();
+            for (uint64_t g = begin; g < end; ++g) {
+              for (size_t i : groups[g]) {
+                REFIT_ASSIGN_OR_RETURN(
+                    digest_deltas[i],
+                    ApplyDeltaItem(items[i], *store.Find(items[i].name), records[i], *scratch));
+              }
+            }
+            return Status::OK();
+          });
+      if (!applied.ok()) return fail(applied);
+      for (size_t i = 0; i < items.size(); ++i) {
+        Status checked = CheckDeltaDigest(header, i, items[i], digest_deltas[i]);
+        if (!checked.ok()) return fail(checked);
+      }
+      for (size_t i = 0; i < items.size(); ++i) {
+        REFIT_RETURN_NOT_OK(store.AdjustDigest(items[i].name, digest_deltas[i]));
+      }
+      if (reapplied) keep_payload();
+      return Status::OK();
+    }
+  }
+
+  auto scratch = std::make_unique<DeltaScratch>();
   bool reapplied = false;
   for (size_t i = 0; i < items.size(); ++i) {
     const ItemView& item = items[i];
     MutableTensorView tensor = *store.Find(item.name);
-    const uint32_t width = DTypeSize(item.dtype);
-    const uint32_t value_width = DTypeSize(item.value_dtype);
     undo->records_.push_back(UndoLog::Record{.tensor = std::string(item.name),
-                                             .width = width,
+                                             .width = DTypeSize(item.dtype),
                                              .full = item.op == Op::kFull,
                                              .span_begin = item.span_begin,
                                              .digest_before = *store.Digest(item.name)});
@@ -851,9 +978,6 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       continue;
     }
 
-    REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
-                           LocationDecoder::Make(item.location_encoding, item.locations, item.count,
-                                                 item.span_begin, item.span_end));
     // An XOR item is undone by applying it again when the log can keep its payload.
     const bool reapply = payload_bytes != nullptr && item.op == Op::kXor;
     if (reapply) {
@@ -861,51 +985,14 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       record.payload = kCurrentPayload;
       record.item = i;
       reapplied = true;
-    } else {
-      record.locations.reserve(item.count);
-      record.old_bits.reserve(item.count * width);
     }
-    uint64_t digest_delta = 0;
-    uint64_t applied = 0;
-    while (true) {
-      Result<size_t> decoded = decoder.Next(batch);
-      if (!decoded.ok()) return fail(decoded.status());
-      const size_t n = *decoded;
-      if (n == 0) break;
-      const std::span<const uint64_t> locations(batch.data(), n);
-      std::vector<std::byte>& old_out = reapply ? batch_old_bits : record.old_bits;
-      if (reapply) batch_old_bits.clear();
-      const size_t old_start = old_out.size();
-      ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor.bytes, locations,
-                    item.values.subspan(applied * value_width, n * value_width), &old_out);
-      if (!reapply) {
-        record.locations.insert(record.locations.end(), locations.begin(), locations.end());
-      }
-      const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
-      for (size_t k = 0; k < n; ++k) {
-        digest_delta += ElementHash(locations[k], LoadBits(tensor.bytes, width, locations[k])) -
-                        ElementHash(locations[k], LoadBits(old_bits, width, k));
-      }
-      applied += n;
-    }
-    if (digest_delta != item.digest) {
-      return fail(
-          DataLoss("payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
-                   "producer's {:#018x}: the receiver's tensor is not at base version {}",
-                   header.ids.payload_id, header.ids.producer_id, i, item.name, digest_delta,
-                   item.digest, header.ids.base_version));
-    }
-    REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, digest_delta));
+    Result<uint64_t> digest_delta = ApplyDeltaItem(item, tensor, record, *scratch);
+    if (!digest_delta.ok()) return fail(digest_delta.status());
+    Status checked = CheckDeltaDigest(header, i, item, *digest_delta);
+    if (!checked.ok()) return fail(checked);
+    REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, *digest_delta));
   }
-  if (reapplied) {
-    // The whole payload applied: bind its XOR records to the bytes the log now keeps.
-    const size_t slot = undo->payloads_.size();
-    undo->payloads_.push_back(std::move(*payload_bytes));
-    payload_bytes->clear();
-    for (size_t r = savepoint; r < undo->records_.size(); ++r) {
-      if (undo->records_[r].reapply) undo->records_[r].payload = slot;
-    }
-  }
+  if (reapplied) keep_payload();
   return Status::OK();
 }
 

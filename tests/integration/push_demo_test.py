@@ -219,8 +219,16 @@ def main():
                   "--producers", "2", "--json", "--work-dir",
                   os.path.join(args.workdir, "demo")])
     check(result.returncode == 0, f"demo ran: {result.stderr[-2000:]}")
-    lines = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+    printed = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+    raw = [l["raw_copy"] for l in printed if "raw_copy" in l]
+    lines = [l for l in printed if "step" in l]
+    check(len(raw) == 1 and raw[0]["verified"] and raw[0]["receivers"] == 3 and
+          0.95 * (4 << 20) <= raw[0]["bytes"] <= 4 << 20 and raw[0]["seconds"] > 0,
+          f"demo printed its raw-copy yardstick: the ~4 MiB model to each of 3 receivers: {raw}")
     check(len(lines) == 4, "demo printed one JSON line per step (FULL + 3)")
+    check(all(abs(l["time_over_raw_copy"] - l["time_s"] / raw[0]["seconds"]) <=
+              1e-6 * l["time_over_raw_copy"] for l in lines),
+          "every step's time is put against the raw copy's")
     check(lines[0]["kind"] == "full" and all(l["kind"] == "delta" for l in lines[1:]),
           "step 0 is the FULL yardstick, then deltas")
     check(all(l["digests_verified"] and l["receivers"] == 3 for l in lines),

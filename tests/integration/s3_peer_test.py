@@ -67,7 +67,8 @@ def main():
              "--producers", "2", "--transport", uri, "--work-dir", demo_dir, "--json"],
             capture_output=True, text=True, timeout=TIMEOUT_S)
         check(demo.returncode == 0, f"refit demo through s3 succeeded: {demo.stderr[-2000:]}")
-        steps = [json.loads(line) for line in demo.stdout.splitlines() if line.startswith("{")]
+        steps = [json.loads(line) for line in demo.stdout.splitlines()
+                 if line.startswith("{") and "step" in json.loads(line)]
         check(len(steps) == 4 and all(s["digests_verified"] for s in steps),
               f"4 verified steps (FULL + 3 deltas): {[s['kind'] for s in steps]}")
 

@@ -141,6 +141,77 @@ TEST_P(ApplyTest, RollbackThroughKeptPayloadsRestoresTheBaseBitExactly) {
   ASSERT_OK(tracker_->Abort(id));
 }
 
+// A delta payload of several tensors (one of them in two spans, which share its digest and stay
+// on one thread) applied on 4 threads gives the bytes and digests one thread gives, and rolls
+// back as exactly, with and without the payload kept; a forged item digest fails the whole
+// payload and leaves the store as it was.
+TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
+  const StoreSnapshot before = TakeSnapshot(*store_);
+  const std::map<std::string, uint64_t> digests_before = store_->Digests();
+  std::vector<OwnedTensor> next;
+  for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.2, 55));
+  const TransferId id = TransferId::Random();
+  ASSERT_OK_AND_ASSIGN(const TransferPlan plan, tracker_->Begin(id));
+  std::vector<Item> items;
+  for (const OwnedTensor& t : next) {
+    const uint64_t numel = t.view().numel();
+    const std::vector<uint64_t> cuts = t.name == "model.embed.weight"
+                                           ? std::vector<uint64_t>{0, 1111, numel}
+                                           : std::vector<uint64_t>{0, numel};
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      ASSERT_OK_AND_ASSIGN(EncodeResult encoded,
+                           tracker_->Encode(id, t.view(), cuts[k], cuts[k + 1]));
+      for (Item& item : encoded.items) items.push_back(std::move(item));
+    }
+  }
+  ASSERT_GE(items.size(), 3u);
+  const auto encode = [&](const std::vector<Item>& of) {
+    std::vector<ItemView> views;
+    for (const Item& item : of) views.push_back(item.view());
+    Result<std::vector<std::byte>> bytes =
+        EncodePayload(PayloadIds{id, 0, 0, plan.base_version, plan.target_version}, views);
+    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+    return std::move(bytes).ValueOrDie();
+  };
+  const std::vector<std::byte> bytes = encode(items);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+
+  auto serial = WeightStore::Make();
+  for (const OwnedTensor& t : v0_) ASSERT_OK(serial->AddCopy(t.view()));
+  serial->set_version(store_->version());
+  UndoLog serial_undo;
+  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  for (const bool keep_payload : {false, true}) {
+    SCOPED_TRACE(keep_payload ? "payload kept" : "old bits kept");
+    UndoLog undo;
+    std::vector<std::byte> kept = bytes;
+    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, keep_payload ? &kept : nullptr,
+                           /*threads=*/4));
+    EXPECT_EQ(TakeSnapshot(*store_), TakeSnapshot(*serial));
+    EXPECT_EQ(store_->Digests(), serial->Digests());
+    EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
+    EXPECT_EQ(kept.empty(), keep_payload && std::get<1>(GetParam()) == Op::kXor);
+    ASSERT_OK(undo.Rollback(*store_));
+    EXPECT_EQ(TakeSnapshot(*store_), before);
+    EXPECT_EQ(store_->Digests(), digests_before);
+  }
+
+  // The last item's digest forged (its values stay right): every item of the payload undone.
+  std::vector<Item> forged_items = items;
+  forged_items.back().digest ^= 1;
+  const std::vector<std::byte> forged_bytes = encode(forged_items);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
+  UndoLog undo;
+  std::vector<std::byte> kept = forged_bytes;
+  EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
+                    ApplyPayload(forged, *store_, &undo, &kept, /*threads=*/4));
+  EXPECT_EQ(TakeSnapshot(*store_), before);
+  EXPECT_EQ(store_->Digests(), digests_before);
+  EXPECT_EQ(undo.records(), 0u);
+  EXPECT_EQ(kept, forged_bytes);
+  ASSERT_OK(tracker_->Abort(id));
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypesAndOps, ApplyTest,
                          ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16,
                                                               DType::kFloat32, DType::kFloat8E4M3FN,
