@@ -1003,7 +1003,8 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
     std::cout << fmt::format(
         "raw copy (the yardstick): {} over ZeroMQ/TCP loopback into a `refit raw-copy-sink` "
         "process in {} "
-        "({:.0f} MB/s), {} messages of {} from {} threads, no codec, digest or apply; checksum "
+        "({:.0f} MB/s), {} messages of at most {} from {} threads, no codec, digest or apply; "
+        "checksum "
         "verified. vs raw = refit time / raw-copy time\n",
         FormatBytes(raw["bytes"]), FormatDuration(raw["seconds"]),
         raw["bytes_per_s"].get<double>() / 1e6, raw["messages"].get<uint64_t>(),

@@ -831,7 +831,8 @@ void PrintReport(const nlohmann::json& report, const Args& args) {
     const nlohmann::json& raw = report["zmq_raw_copy"];
     std::cout << fmt::format(
         "raw copy over ZeroMQ (the zmq rows' yardstick): the model's {} uncompressed to each of {} "
-        "`refit raw-copy-sink` processes on loopback, {} messages of {} from {} thread(s) each, "
+        "`refit raw-copy-sink` processes on loopback, {} messages of at most {} from {} thread(s) "
+        "each, "
         "checksums verified: {}\n",
         FormatBytes(raw["bytes"]), raw["receivers"].get<size_t>(), raw["messages"].get<uint64_t>(),
         FormatBytes(raw["message_bytes"]), raw["threads"].get<int>(),

@@ -57,6 +57,11 @@ struct TrackerOptions {
   std::optional<LocationEncoding> force_location_encoding;
   /// Threads and kernel of the comparison inside one Encode call.
   CompareOptions compare;
+  /// Threads that scatter a transfer's pending changes into the baseline at Commit, one tensor
+  /// per thread at a time: Commit runs after every Encode, so these never compete with the
+  /// encode workers. 1 to kMaxCommitThreads.
+  int commit_threads = 4;
+  static constexpr int kMaxCommitThreads = 256;
   /// The version the tracker starts at (the receivers' version before the first transfer).
   uint64_t initial_version = 0;
 };

@@ -259,7 +259,7 @@ Status RunDemo(const DemoArgs& args) {
   std::cout << fmt::format(
       "\nspeedup = FULL time / step time; vs raw = step time / raw-copy time, where the raw copy "
       "sent the model's {} uncompressed to {} receiving process(es) over ZeroMQ on loopback "
-      "({} messages of {} from {} thread(s) each, no codec, digest or apply) in {}\n",
+      "({} messages of at most {} from {} thread(s) each, no codec, digest or apply) in {}\n",
       FormatBytes(raw.bytes), raw.receivers, raw.messages, FormatBytes(raw.message_bytes),
       raw.threads, FormatDuration(raw.seconds));
   std::cout << fmt::format(

@@ -354,6 +354,10 @@ Result<std::unique_ptr<DeltaTracker>> DeltaTracker::Make(const TrackerOptions& o
   if (options.compare.threads < 1) {
     return InvalidArgument("compare threads {} must be >= 1", options.compare.threads);
   }
+  if (options.commit_threads < 1 || options.commit_threads > TrackerOptions::kMaxCommitThreads) {
+    return InvalidArgument("commit_threads {} is outside [1, {}]", options.commit_threads,
+                           TrackerOptions::kMaxCommitThreads);
+  }
   auto state = std::make_unique<State>();
   state->options = options;
   state->overwrite_names.insert(options.overwrite_names.begin(), options.overwrite_names.end());
@@ -679,6 +683,9 @@ Status DeltaTracker::Commit(const TransferId& id) {
     }
   }
   uint64_t changed = 0;
+  // The tensors whose changes are scattered into their baselines: on commit_threads, one tensor
+  // per thread at a time (each touches only its own baseline).
+  std::vector<std::pair<const std::string*, BaselineEntry*>> scatters;
   for (auto& [name, entry] : s.entries) {
     PendingChanges& p = entry->pending;
     changed += p.changed;
@@ -691,13 +698,24 @@ Status DeltaTracker::Commit(const TransferId& id) {
       entry->numel = entry->buffer->bytes().size() / DTypeSize(entry->dtype);
       entry->digest = p.digest_delta;
     } else if (!p.runs.empty()) {
-      REFIT_RETURN_NOT_OK(
-          ScatterRuns(entry->buffer->bytes(), DTypeSize(entry->dtype), p.runs, p.new_bits)
-              .WithContext(fmt::format("commit of tensor '{}'", name)));
-      entry->digest += p.digest_delta;
+      scatters.emplace_back(&name, entry.get());
     }
-    p = PendingChanges{};
   }
+  const Status scattered = internal::ParallelFor(
+      std::clamp<int>(static_cast<int>(scatters.size()), 1, s.options.commit_threads),
+      scatters.size(), [&](uint64_t begin, uint64_t end) -> Status {
+        for (uint64_t k = begin; k < end; ++k) {
+          BaselineEntry& entry = *scatters[k].second;
+          REFIT_RETURN_NOT_OK(
+              ScatterRuns(entry.buffer->bytes(), DTypeSize(entry.dtype), entry.pending.runs,
+                          entry.pending.new_bits)
+                  .WithContext(fmt::format("commit of tensor '{}'", *scatters[k].first)));
+        }
+        return Status::OK();
+      });
+  REFIT_RETURN_NOT_OK(scattered);
+  for (auto& [name, entry] : scatters) entry->digest += entry->pending.digest_delta;
+  for (auto& [name, entry] : s.entries) entry->pending = PendingChanges{};
   // Entries without data (created by an anchor Encode that never received any, or not sent by
   // an anchor) stay out of the baseline.
   std::erase_if(s.entries, [](const auto& kv) { return !kv.second->buffer; });

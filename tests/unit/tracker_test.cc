@@ -411,6 +411,68 @@ TEST(TrackerOptionsTest, RejectsBadOptions) {
   options = {};
   options.max_drift_fraction = 2.0;
   EXPECT_STATUS(InvalidArgument, DeltaTracker::Make(options));
+  options = {};
+  options.commit_threads = 0;
+  EXPECT_STATUS_MSG(InvalidArgument, "commit_threads 0 is outside [1, 256]",
+                    DeltaTracker::Make(options));
+}
+
+// The compare runs block by block with each block's changes gathered right after it, on one
+// thread or over chunks on several, and Commit scatters on several threads: items (locations,
+// values, digests) and the committed baselines are the same whichever the split. The tensors
+// span many compare blocks and chunks that do not line up with them.
+TEST_P(TrackerTest, SplitCompareAndParallelCommitMatchTheOneThreadResult) {
+  for (Op op : {Op::kXor, Op::kOverwrite, Op::kAdd}) {
+    SCOPED_TRACE(std::string(OpName(op)));
+    const std::vector<OwnedTensor> v0 = {RandomTensor("a", DType::kBFloat16, {200003}, 31),
+                                         RandomTensor("b", DType::kFloat32, {70001}, 32),
+                                         RandomTensor("c", DType::kFloat16, {5}, 33)};
+    std::vector<OwnedTensor> v1;
+    for (const OwnedTensor& t : v0) v1.push_back(Perturb(t, 0.03, 34));
+    TrackerOptions one;
+    one.op = op;
+    one.add_delta_dtype = DType::kFloat32;
+    one.commit_threads = 1;
+    TrackerOptions split = one;
+    split.compare.threads = 3;
+    split.compare.chunk_elements = 50000;
+    split.commit_threads = 4;
+    auto serial = MakeTracker(one);
+    auto parallel = MakeTracker(split);
+    Anchor(*serial, v0);
+    Anchor(*parallel, v0);
+    const TransferId id = TransferId::Random();
+    ASSERT_OK(serial->Begin(id));
+    ASSERT_OK(parallel->Begin(id));
+    for (const OwnedTensor& t : v1) {
+      ASSERT_OK_AND_ASSIGN(EncodeResult a, serial->Encode(id, t.view()));
+      ASSERT_OK_AND_ASSIGN(EncodeResult b, parallel->Encode(id, t.view()));
+      EXPECT_EQ(a.changed_elements, b.changed_elements);
+      ASSERT_EQ(a.items.size(), b.items.size());
+      for (size_t k = 0; k < a.items.size(); ++k) {
+        EXPECT_EQ(a.items[k].locations, b.items[k].locations);
+        EXPECT_EQ(a.items[k].values, b.items[k].values);
+        EXPECT_EQ(a.items[k].digest, b.items[k].digest);
+      }
+      EXPECT_EQ(ApplyItems(t.name == "a"   ? v0[0]
+                           : t.name == "b" ? v0[1]
+                                           : v0[2],
+                           a.items)
+                    .bytes,
+                t.bytes);
+    }
+    EXPECT_EQ(serial->PendingDigests(), parallel->PendingDigests());
+    ASSERT_OK(serial->Commit(id));
+    ASSERT_OK(parallel->Commit(id));
+    EXPECT_EQ(serial->Digests(), parallel->Digests());
+    for (const OwnedTensor& t : v1) {
+      ASSERT_OK_AND_ASSIGN(TensorView baseline, parallel->Baseline(t.name));
+      EXPECT_TRUE(
+          std::equal(baseline.bytes.begin(), baseline.bytes.end(), t.bytes.begin(), t.bytes.end()))
+          << t.name;
+      EXPECT_EQ(parallel->Digests().at(t.name), TensorDigest(t.view()));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, TrackerTest,
