@@ -243,20 +243,6 @@ Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
   }
 }
 
-Status WriteTextFileAtomically(const std::string& path, std::string_view text) {
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.close();
-    if (!out) return IoError("cannot write {}", temporary);
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    return IoErrorFromErrno(errno, fmt::format("rename {} to {}", temporary, path));
-  }
-  return Status::OK();
-}
-
 std::string FileTail(const std::string& path, size_t max_chars) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return "(no log)";

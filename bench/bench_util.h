@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "local_fleet.h"
 #include "progress.h"
 #include "refit/status.h"
 
@@ -94,8 +95,7 @@ Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
                                      std::chrono::milliseconds timeout,
                                      const std::string& log_path);
 
-/// Write `text` to `path` atomically (a temporary file renamed into place). Errors: IoError.
-Status WriteTextFileAtomically(const std::string& path, std::string_view text);
+using cli::WriteTextFileAtomically;
 
 /// The last `max_chars` characters of the file at `path`, or "(no log)".
 std::string FileTail(const std::string& path, size_t max_chars = 2000);

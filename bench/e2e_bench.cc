@@ -74,6 +74,7 @@
 #include "refit/simulator.h"
 #include "table.h"
 #include "util/splitmix64.h"
+#include "util/thread_pool.h"
 
 #ifndef REFIT_BINARY
 #error "REFIT_BINARY must name the refit executable (set by bench/CMakeLists.txt)"
@@ -135,6 +136,10 @@ constexpr double kTargetReceiverBytesPerChanged = 2.0;
 constexpr double kTargetProducerBytesPerChanged = 12.0;
 constexpr double kTargetFullPeakOverModel = 1.1;
 constexpr double kTargetCommitShare = 0.05;
+constexpr double kTargetDeltaOverCompare = 2.0;
+// Elements the compare-only pass compares at a time: its locations go into one reused buffer of
+// this many, so that the pass allocates nothing the refit's memory figures would then carry.
+constexpr uint64_t kCompareOnlyBlock = uint64_t{1} << 20;
 
 // --- Arguments ------------------------------------------------------------------------------
 
@@ -155,6 +160,8 @@ struct Args {
   // The daemons' anchor undo policy and the producer's anchor compression.
   AnchorUndo anchor_undo = AnchorUndo::kMemory;
   AnchorCompression anchor_compression = ProducerStreamOptions{}.anchor_compression;
+  // The daemons' threads per payload (`refit serve --apply-threads`).
+  int apply_threads = ReceiverSessionOptions{}.apply_threads;
   // Measure the raw-copy yardstick in the end-to-end section.
   bool raw_copy = true;
   // Download every tensor of the end-to-end daemon after the last refit and compare.
@@ -191,6 +198,7 @@ constexpr std::string_view kUsage =
     "                 [--fanout-density D] [--chunk-mib N] [--bucket-mib N] [--threads N]\n"
     "                 [--mmap] [--no-verify] [--skip-end-to-end] [--skip-fanout]\n"
     "                 [--anchor-undo memory|file|none] [--anchor-compression auto|zstd|none]\n"
+    "                 [--apply-threads N]\n"
     "                 [--no-raw-copy]\n"
     "                 [--sections S,S,...] [--producers W,W,...] [--producers-model-mib N]\n"
     "                 [--producers-receivers N] [--tp T,T,...] [--tp-model-mib N]\n"
@@ -276,6 +284,14 @@ Result<Args> ParseArgs(int argc, char** argv) {
     } else if (flag == "--anchor-undo") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       REFIT_ASSIGN_OR_RETURN(args.anchor_undo, ParseAnchorUndo(text));
+    } else if (flag == "--apply-threads") {
+      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
+      REFIT_ASSIGN_OR_RETURN(const uint64_t threads, ParseUnsigned(flag, text));
+      if (threads < 1 || threads > static_cast<uint64_t>(ReceiverSession::kMaxApplyThreads)) {
+        return InvalidArgument("--apply-threads {} is outside [1, {}]", threads,
+                               ReceiverSession::kMaxApplyThreads);
+      }
+      args.apply_threads = static_cast<int>(threads);
     } else if (flag == "--anchor-compression") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       REFIT_ASSIGN_OR_RETURN(args.anchor_compression, ParseAnchorCompression(text));
@@ -566,6 +582,8 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   if (args.receiver_mmap) fleet_options.extra_args.push_back("--mmap");
   fleet_options.extra_args.push_back("--anchor-undo");
   fleet_options.extra_args.push_back(std::string(AnchorUndoName(args.anchor_undo)));
+  fleet_options.extra_args.push_back("--apply-threads");
+  fleet_options.extra_args.push_back(std::to_string(args.apply_threads));
   const double t0 = Now();
   REFIT_ASSIGN_OR_RETURN(fleet.daemons, cli::LocalFleet::Start(fleet_options));
   fleet.start_s = Now() - t0;
@@ -696,11 +714,55 @@ Result<nlohmann::json> MeasureRawCopy(const Args& args, const std::string& work_
 struct RefitRow {
   bool full = false;
   double target_density = 0;
+  // The compare alone of the same model against the same baseline on the same threads, just
+  // before this delta (0: not measured).
+  double compare_only_s = 0;
   uint64_t changed_by_step = 0;
   RefitReport report;
   RssWindow rss;
   uint64_t baseline_bytes = 0;
 };
+
+// The compare alone: every tensor of `model` against the producer's baseline, bit by bit, with
+// the changed indices extracted (AppendChangedLocations, what the tracker's compare does) on as
+// many threads as the producer encodes with, one tensor at a time per thread — what a delta
+// refit cannot do without. Only with one producer, whose tracker holds every tensor (zero
+// otherwise: not measured).
+Result<double> MeasureCompareOnly(const Fleet& fleet, const std::vector<TensorView>& model,
+                                  int threads) {
+  const auto& trackers = fleet.coordinator->trackers();
+  if (trackers.size() != 1) return 0.0;
+  const DeltaTracker& tracker = *trackers.front();
+  std::vector<TensorView> baselines;
+  for (const TensorView& tensor : model) {
+    REFIT_ASSIGN_OR_RETURN(TensorView baseline, tracker.Baseline(tensor.name));
+    baselines.push_back(baseline);
+  }
+  std::atomic<uint64_t> changed{0};
+  const double t0 = Now();
+  REFIT_RETURN_NOT_OK(
+      internal::ParallelFor(threads, model.size(), [&](uint64_t begin, uint64_t end) -> Status {
+        std::vector<uint64_t> locations;
+        locations.reserve(kCompareOnlyBlock);
+        uint64_t found = 0;
+        for (uint64_t t = begin; t < end; ++t) {
+          const uint32_t width = DTypeSize(model[t].dtype);
+          const uint64_t numel = model[t].bytes.size() / width;
+          for (uint64_t b = 0; b < numel; b += kCompareOnlyBlock) {
+            locations.clear();
+            AppendChangedLocations(baselines[t].bytes, model[t].bytes, width, b,
+                                   std::min(numel, b + kCompareOnlyBlock), &locations);
+            found += locations.size();
+          }
+        }
+        changed += found;
+        return Status::OK();
+      }));
+  const double seconds = Now() - t0;
+  // The compare must see the step's changes, or it measured nothing.
+  if (changed.load() == 0) return Internal("the compare-only pass found no change");
+  return seconds;
+}
 
 Result<RefitRow> MeasureRefit(Fleet& fleet, bool full) {
   RefitRow row;
@@ -764,6 +826,9 @@ nlohmann::json RowJson(const RefitRow& row, const RefitRow& full, uint64_t model
       {"flush_s", r.flush_s},
       {"commit_s", r.commit_s},
       {"speedup_vs_full", full.report.total_s / std::max(r.total_s, 1e-9)},
+      {"compare_only_s", row.compare_only_s > 0 ? nlohmann::json(row.compare_only_s) : nullptr},
+      {"time_over_compare_only",
+       row.compare_only_s > 0 ? nlohmann::json(r.total_s / row.compare_only_s) : nullptr},
       {"producer_stages",
        {{"source_s", s.timings.source_s},
         {"dispatch_wait_s", s.timings.dispatch_wait_s},
@@ -825,6 +890,9 @@ nlohmann::json ThroughputTargets(const nlohmann::json& e2e, const nlohmann::json
                                  kTargetFullOverRaw));
   targets.push_back(TargetFigure("3% delta time / raw-copy time",
                                  ratio(target_row, "time_over_raw_copy"), kTargetDeltaOverRaw));
+  targets.push_back(TargetFigure("3% delta time / compare-only time (same model, threads)",
+                                 ratio(target_row, "time_over_compare_only"),
+                                 kTargetDeltaOverCompare));
   targets.push_back(TargetFigure("receiver bytes per changed element (XOR deltas)",
                                  slope("receiver"), kTargetReceiverBytesPerChanged));
   targets.push_back(TargetFigure("producer bytes per changed element over model + baseline",
@@ -895,7 +963,10 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   std::vector<RefitRow> rows(1);
   for (size_t k = 0; k < densities.size(); ++k) {
     const uint64_t changed = model.Step(/*step=*/k + 1, densities[k]);
+    REFIT_ASSIGN_OR_RETURN(const double compare_only_s,
+                           MeasureCompareOnly(fleet, model.views(), args.threads));
     REFIT_ASSIGN_OR_RETURN(RefitRow row, MeasureRefit(fleet, /*full=*/false));
+    row.compare_only_s = compare_only_s;
     row.target_density = densities[k];
     row.changed_by_step = changed;
     if (row.report.changed_elements != changed) {
@@ -917,6 +988,7 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   out["verified_bit_identical"] = args.verify_end_to_end;
   REFIT_RETURN_NOT_OK(fleet.daemons->Stop());
   out["anchor_undo"] = std::string(AnchorUndoName(args.anchor_undo));
+  out["receiver_apply_threads"] = args.apply_threads;
   out["anchor_compression"] = std::string(AnchorCompressionName(args.anchor_compression));
   // The yardstick, after the daemon is gone (its memory with it): the same bytes, the same
   // loopback and send threads, nothing but the copy.
@@ -1014,7 +1086,8 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
     if (row["kind"] != "full") continue;
     const nlohmann::json& c = row["anchor_compression"];
     std::cout << fmt::format(
-        "FULL: anchor_compression {} -> {} payloads zstd, {} raw{}; receivers' anchor_undo {}\n",
+        "FULL: anchor_compression {} -> {} payloads zstd, {} raw{}; receivers' anchor_undo {}, "
+        "{} apply thread(s)\n",
         e2e["anchor_compression"].get<std::string>(), c["compressed_payloads"].get<uint64_t>(),
         c["raw_payloads"].get<uint64_t>(),
         c["measured"].get<bool>()
@@ -1022,7 +1095,7 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
                           c["compress_bytes_per_s"].get<double>() / 1e6, c["ratio"].get<double>(),
                           c["link_bytes_per_s"].get<double>() / 1e6)
             : "",
-        e2e["anchor_undo"].get<std::string>());
+        e2e["anchor_undo"].get<std::string>(), e2e["receiver_apply_threads"].get<int>());
   }
   const nlohmann::json& target = e2e["target"];
   if (target["met"].is_null()) {

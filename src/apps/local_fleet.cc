@@ -9,12 +9,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -42,6 +44,20 @@ std::string LogTail(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+Status WriteTextFileAtomically(const std::string& path, std::string_view text) {
+  const std::string temporary = path + ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.close();
+    if (!out) return IoError("cannot write {}", temporary);
+  }
+  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
+    return IoErrorFromErrno(errno, fmt::format("rename {} to {}", temporary, path));
+  }
+  return Status::OK();
 }
 
 Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count) {

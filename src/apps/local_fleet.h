@@ -87,6 +87,10 @@ Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
 /// children in order. Errors: IoError (the log cannot be opened, fork failed).
 Result<pid_t> SpawnWithLog(const std::vector<std::string>& argv, const std::string& log_path);
 
+/// Write `text` to `path` atomically (a temporary file renamed into place), as a child's ready
+/// and result files are written. Errors: IoError.
+Status WriteTextFileAtomically(const std::string& path, std::string_view text);
+
 /// The last 2000 characters of the file at `path` (a child's log), or "(no log)".
 std::string LogTail(const std::string& path);
 

@@ -68,20 +68,6 @@ double Now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view text) {
-  const std::string temporary = path + ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.close();
-    if (!out) return IoError("cannot write {}", temporary);
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    return IoErrorFromErrno(errno, fmt::format("rename {} to {}", temporary, path));
-  }
-  return Status::OK();
-}
-
 // Send every slice to `endpoint` from `threads` DEALERs; the first error wins.
 Status SendSlices(zmq::context_t& context, const std::string& endpoint,
                   const std::vector<Slice>& slices, int threads) {
@@ -209,7 +195,7 @@ Result<RawCopySinkResult> RunZmqRawCopySink(const std::string& endpoint, uint64_
     zmq::socket_t router(context, zmq::socket_type::router);
     router.set(zmq::sockopt::linger, 0);
     router.bind(endpoint);
-    REFIT_RETURN_NOT_OK(WriteFileAtomically(ready_file, "ready\n"));
+    REFIT_RETURN_NOT_OK(WriteTextFileAtomically(ready_file, "ready\n"));
     while (result.bytes < total_bytes) {
       zmq::message_t identity, offset_frame, data;
       if (!router.recv(identity) || !identity.more() || !router.recv(offset_frame) ||
@@ -308,7 +294,7 @@ Status RunRawCopySinkCommand(const std::string& endpoint, uint64_t bytes,
   const nlohmann::json out = {{"bytes", result.bytes},
                               {"messages", result.messages},
                               {"checksum", fmt::format("{:016x}", result.checksum)}};
-  return WriteFileAtomically(result_file, out.dump() + "\n");
+  return WriteTextFileAtomically(result_file, out.dump() + "\n");
 }
 
 }  // namespace refit::cli

@@ -80,6 +80,8 @@ struct ServeSettings {
   /// (ReceiverSessionOptions::anchor_undo, anchor_undo_directory).
   AnchorUndo anchor_undo = ReceiverSessionOptions{}.anchor_undo;
   std::string anchor_undo_dir;
+  /// Threads that apply one payload (ReceiverSessionOptions::apply_threads).
+  int apply_threads = ReceiverSessionOptions{}.apply_threads;
   /// The largest payload (header + compressed body) either plane accepts; it bounds the memory
   /// one message can take.
   uint64_t max_payload_bytes = PayloadLimits{}.max_payload_bytes;
@@ -279,6 +281,7 @@ Status RunServe(const ServeSettings& settings) {
   options.session.transfer_lease = settings.transfer_lease;
   options.session.anchor_undo = settings.anchor_undo;
   options.session.anchor_undo_directory = settings.anchor_undo_dir;
+  options.session.apply_threads = settings.apply_threads;
   options.session.limits.max_payload_bytes = settings.max_payload_bytes;
   // The decompressed body too: otherwise a small payload that declares a huge body (a
   // decompression bomb) is decompressed up to the default 4 GiB before anything refuses it.
@@ -487,6 +490,11 @@ void RegisterServe(CLI::App& app, Status* result) {
       ->default_str("memory");
   cmd->add_option("--anchor-undo-dir", settings->anchor_undo_dir,
                   "Directory of the spill file of --anchor-undo file (default: $TMPDIR or /tmp)");
+  cmd->add_option("--apply-threads", settings->apply_threads,
+                  "Threads that apply one payload, one tensor per thread at a time (an anchor's "
+                  "FULL items, a delta's items); payloads still apply in arrival order")
+      ->capture_default_str()
+      ->check(CLI::Range(1, ReceiverSession::kMaxApplyThreads));
   cmd->add_option_function<std::string>(
       "--max-payload-bytes",
       [settings](const std::string& text) {
