@@ -929,12 +929,16 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       const std::span<UndoLog::Record> records =
           std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
       std::vector<uint64_t> digest_deltas(items.size());
+      // Which items a thread began to apply: after an error, the others were never written, and
+      // their records must not re-apply them on rollback.
+      std::vector<char> started(items.size(), 0);
       Status applied = internal::ParallelFor(
           std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
           [&](uint64_t begin, uint64_t end) -> Status {
             auto scratch = std::make_unique<DeltaScratch>();
             for (uint64_t g = begin; g < end; ++g) {
               for (size_t i : groups[g]) {
+                started[i] = 1;
                 REFIT_ASSIGN_OR_RETURN(
                     digest_deltas[i],
                     ApplyDeltaItem(items[i], *store.Find(items[i].name), records[i], *scratch));
@@ -942,7 +946,12 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
             }
             return Status::OK();
           });
-      if (!applied.ok()) return fail(applied);
+      if (!applied.ok()) {
+        for (size_t i = 0; i < items.size(); ++i) {
+          if (!started[i]) records[i].reapply = false;
+        }
+        return fail(applied);
+      }
       for (size_t i = 0; i < items.size(); ++i) {
         Status checked = CheckDeltaDigest(header, i, items[i], digest_deltas[i]);
         if (!checked.ok()) return fail(checked);
