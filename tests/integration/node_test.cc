@@ -389,8 +389,9 @@ TEST_P(ShardGroupTest, EveryShardEqualsTheSliceAndACorruptShardAbortsTheTransfer
   const uint32_t tp = GetParam();
   std::vector<Canonical> model = MakeModel(3);
   // One TP group and one unsharded replica in the same relay tree.
-  std::vector<std::string> endpoints;
-  for (uint32_t i = 0; i <= tp; ++i) endpoints.push_back(testing::FreeLoopbackEndpoint());
+  // Chosen together, so that no two receivers get the same port (ports chosen one at a time can
+  // repeat once each is released).
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(tp + 1);
   std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
   for (uint32_t r = 0; r < tp; ++r) {
     fleet.push_back(
