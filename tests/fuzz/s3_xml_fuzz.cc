@@ -2,9 +2,10 @@
 // upload ids, error documents): hostile bytes must come back as DataLoss, never a crash, a
 // runaway recursion or an entity expansion.
 //
-// Invariant: a parsed tree written back as XML (names as parsed, text through XmlEscape, children
-// after the text) parses to the same tree. Trees whose names cannot be written back as a start
-// tag (an empty local name after "prefix:", or one starting with '!' or '?') are skipped.
+// Invariants: every name the parser accepts can be written back as a start tag (the parser refuses
+// names that are not XML names and documents that are not well-formed UTF-8), and a parsed tree
+// written back as XML (names as parsed, text through XmlEscape, children after the text) parses
+// to the same tree.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -72,7 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check((child == nullptr) == (text == nullptr), "Child and ChildText disagree");
     if (child != nullptr) Check(&child->text == text, "ChildText is not the child's text");
   }
-  if (!Writable(*root)) return 0;
+  Check(Writable(*root), "a parsed name that cannot be written back as a start tag");
   std::string written;
   Write(*root, written);
   refit::Result<XmlElement> again = refit::internal::ParseXml(written);

@@ -472,6 +472,47 @@ TEST(S3XmlTest, ErrorsNameTheDefectAndItsOffset) {
   EXPECT_EQ(root.text, "t");
 }
 
+// A strict reader of an untrusted server's replies: the document is well-formed UTF-8 of XML
+// characters, and element names are XML names (prefix:local, each an NCName). pugixml alone takes
+// any byte above 0x7F in a name, and the local name of "a:0b" would be "0b", which cannot be
+// written back as a start tag (the s3_xml_fuzz finding, in the corpus as regression-bad-name-utf8).
+TEST(S3XmlTest, RefusesBadNamesAndMalformedUtf8) {
+  EXPECT_STATUS_MSG(DataLoss, "malformed UTF-8 (byte 0xbb) at offset 6",
+                    internal::ParseXml("<Lcati\xbb\xff\xff\xff\x92"
+                                       "0:0\xc9/>"));
+  EXPECT_STATUS_MSG(DataLoss, "bad element name 'Lcati:0' at offset 1",
+                    internal::ParseXml("<Lcati:0/>"));
+  EXPECT_STATUS_MSG(DataLoss, "bad element name 'a:0b'", internal::ParseXml("<a:0b/>"));
+  EXPECT_STATUS_MSG(DataLoss, "character U+0001 is not allowed in XML at offset 3",
+                    internal::ParseXml("<a>\x01</a>"));
+  for (const std::string& bad :
+       {std::string("<a>\xc3</a>"),              // truncated sequence
+        std::string("<a>\xc0\xaf</a>"),          // overlong '/'
+        std::string("<a>\xed\xa0\x80</a>"),      // an encoded surrogate
+        std::string("<a>\xf4\x90\x80\x80</a>"),  // past U+10FFFF
+        std::string("<a>\xef\xbf\xbe</a>"),      // U+FFFE
+        std::string("<a>&#1;</a>"),              // a reference to a non-Char
+        std::string("<a>&#xFFFF;</a>"), std::string("<a:>x</a:>"), std::string("<:a>x</:a>"),
+        std::string("<a:b:c/>"), std::string("<-a/>"), std::string("<a><1/></a>"),
+        std::string("<\xc2\xb7"
+                    "a/>"),                         // U+00B7 is a NameChar, not a start
+        std::string("<a><b\xe2\x80\x8e/></a>")}) {  // U+200E (LRM) is not a NameChar
+    SCOPED_TRACE(bad);
+    EXPECT_STATUS(DataLoss, internal::ParseXml(bad));
+  }
+  // Names beyond ASCII that XML allows are kept as sent.
+  ASSERT_OK_AND_ASSIGN(internal::XmlElement root,
+                       internal::ParseXml("<s3:R\xc3\xa9sum\xc3\xa9><a\xc2\xb7"
+                                          "b-1.x_/>"
+                                          "<\xe4\xb8\xad/></s3:R\xc3\xa9sum\xc3\xa9>"));
+  EXPECT_EQ(root.name, "R\xc3\xa9sum\xc3\xa9");
+  ASSERT_EQ(root.children.size(), 2u);
+  EXPECT_EQ(root.children[0].name,
+            "a\xc2\xb7"
+            "b-1.x_");
+  EXPECT_EQ(root.children[1].name, "\xe4\xb8\xad");
+}
+
 TEST(S3XmlTest, EscapeRoundTrips) {
   const std::string text = "<a href=\"x\">'&'</a>";
   const std::string escaped = internal::XmlEscape(text);

@@ -42,6 +42,102 @@ Status XmlError(std::string_view what, ptrdiff_t offset) {
 
 bool IsXmlSpace(char ch) { return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n'; }
 
+// XML 1.0's Char production: what a document (and a character reference) may hold. Excludes the
+// C0 controls but tab, LF and CR, the UTF-16 surrogates, and U+FFFE / U+FFFF.
+bool IsXmlChar(uint32_t cp) {
+  return cp == 0x9 || cp == 0xA || cp == 0xD || (cp >= 0x20 && cp <= 0xD7FF) ||
+         (cp >= 0xE000 && cp <= 0xFFFD) || (cp >= 0x10000 && cp <= 0x10FFFF);
+}
+
+// XML 1.0 (5th edition) NameStartChar, without ':' (a namespace-aware name is prefix:local, each
+// part an NCName).
+bool IsNameStartChar(uint32_t cp) {
+  return (cp >= 'A' && cp <= 'Z') || (cp >= 'a' && cp <= 'z') || cp == '_' ||
+         (cp >= 0xC0 && cp <= 0xD6) || (cp >= 0xD8 && cp <= 0xF6) || (cp >= 0xF8 && cp <= 0x2FF) ||
+         (cp >= 0x370 && cp <= 0x37D) || (cp >= 0x37F && cp <= 0x1FFF) ||
+         (cp >= 0x200C && cp <= 0x200D) || (cp >= 0x2070 && cp <= 0x218F) ||
+         (cp >= 0x2C00 && cp <= 0x2FEF) || (cp >= 0x3001 && cp <= 0xD7FF) ||
+         (cp >= 0xF900 && cp <= 0xFDCF) || (cp >= 0xFDF0 && cp <= 0xFFFD) ||
+         (cp >= 0x10000 && cp <= 0xEFFFF);
+}
+
+bool IsNameChar(uint32_t cp) {
+  return IsNameStartChar(cp) || cp == '-' || cp == '.' || (cp >= '0' && cp <= '9') || cp == 0xB7 ||
+         (cp >= 0x300 && cp <= 0x36F) || (cp >= 0x203F && cp <= 0x2040);
+}
+
+// Decode the UTF-8 sequence at `text[pos]` into `cp` and advance `pos`; false for a malformed,
+// overlong or truncated sequence, or one that encodes a surrogate or a value past U+10FFFF.
+bool NextCodePoint(std::string_view text, size_t& pos, uint32_t& cp) {
+  const auto byte = [&](size_t i) { return static_cast<uint8_t>(text[i]); };
+  const uint8_t lead = byte(pos);
+  size_t length = 0;
+  uint32_t min = 0;
+  if (lead < 0x80) {
+    cp = lead;
+    ++pos;
+    return true;
+  } else if ((lead & 0xE0) == 0xC0) {
+    length = 2, cp = lead & 0x1F, min = 0x80;
+  } else if ((lead & 0xF0) == 0xE0) {
+    length = 3, cp = lead & 0x0F, min = 0x800;
+  } else if ((lead & 0xF8) == 0xF0) {
+    length = 4, cp = lead & 0x07, min = 0x10000;
+  } else {
+    return false;
+  }
+  if (text.size() - pos < length) return false;
+  for (size_t i = 1; i < length; ++i) {
+    if ((byte(pos + i) & 0xC0) != 0x80) return false;
+    cp = (cp << 6) | (byte(pos + i) & 0x3F);
+  }
+  if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+  pos += length;
+  return true;
+}
+
+// The whole document is well-formed UTF-8 of XML characters: a reply that is not is refused
+// before pugixml reads it (pugixml takes any byte above 0x7F in a name or in text).
+Status CheckCharacters(std::string_view document) {
+  size_t pos = 0;
+  while (pos < document.size()) {
+    const size_t start = pos;
+    uint32_t cp = 0;
+    if (!NextCodePoint(document, pos, cp)) {
+      return XmlError(
+          fmt::format("malformed UTF-8 (byte 0x{:02x})", static_cast<uint8_t>(document[start])),
+          static_cast<ptrdiff_t>(start));
+    }
+    if (!IsXmlChar(cp)) {
+      return XmlError(fmt::format("character U+{:04X} is not allowed in XML", cp),
+                      static_cast<ptrdiff_t>(start));
+    }
+  }
+  return Status::OK();
+}
+
+// An NCName: a NameStartChar (no ':'), then NameChars (no ':'). `name` is well-formed UTF-8.
+bool IsNcName(std::string_view name) {
+  size_t pos = 0;
+  uint32_t cp = 0;
+  if (name.empty() || !NextCodePoint(name, pos, cp) || !IsNameStartChar(cp)) return false;
+  while (pos < name.size()) {
+    if (!NextCodePoint(name, pos, cp) || !IsNameChar(cp)) return false;
+  }
+  return true;
+}
+
+// An element's name as Namespaces in XML writes it: "local" or "prefix:local", both NCNames.
+// pugixml accepts any bytes there; a name this refuses could not be written back as a start tag.
+Status CheckElementName(std::string_view name, ptrdiff_t offset) {
+  const size_t colon = name.find(':');
+  const bool ok = colon == std::string_view::npos
+                      ? IsNcName(name)
+                      : IsNcName(name.substr(0, colon)) && IsNcName(name.substr(colon + 1));
+  if (!ok) return XmlError(fmt::format("bad element name '{}'", Printable(name)), offset);
+  return Status::OK();
+}
+
 bool IsBlank(std::string_view text) {
   for (char ch : text) {
     if (!IsXmlSpace(ch)) return false;
@@ -91,18 +187,14 @@ Status AppendCharacterData(std::string_view text, ptrdiff_t offset, std::string&
     } else if (name == "apos") {
       out.push_back('\'');
     } else if (name.starts_with('#')) {
-      // The largest Unicode code point and the UTF-16 surrogate range, which XML excludes.
-      constexpr uint32_t kMaxCodePoint = 0x10FFFF;
-      constexpr uint32_t kFirstSurrogate = 0xD800;
-      constexpr uint32_t kLastSurrogate = 0xDFFF;
+      // A reference must name an XML Char, like the characters written out (no U+0001).
       const bool hex = name.size() > 1 && (name[1] == 'x' || name[1] == 'X');
       const std::string_view digits = name.substr(hex ? 2 : 1);
       uint32_t code_point = 0;
       const auto [ptr, ec] =
           std::from_chars(digits.data(), digits.data() + digits.size(), code_point, hex ? 16 : 10);
       if (digits.empty() || ec != std::errc() || ptr != digits.data() + digits.size() ||
-          code_point == 0 || code_point > kMaxCodePoint ||
-          (code_point >= kFirstSurrogate && code_point <= kLastSurrogate)) {
+          !IsXmlChar(code_point)) {
         return XmlError(fmt::format("bad character reference '&{};'", Printable(name)), where);
       }
       AppendUtf8(code_point, out);
@@ -122,6 +214,7 @@ std::string_view LocalName(std::string_view name) {
 
 Result<XmlElement> Convert(const pugi::xml_node& node, int depth) {
   if (depth > kMaxXmlDepth) return XmlError("elements nested too deep", node.offset_debug());
+  REFIT_RETURN_NOT_OK(CheckElementName(node.name(), node.offset_debug()));
   XmlElement element;
   element.name = std::string(LocalName(node.name()));
   for (const pugi::xml_node& child : node.children()) {
@@ -166,6 +259,7 @@ Result<XmlElement> ParseXml(std::string_view document) {
   if (const void* nul = std::memchr(document.data(), '\0', document.size()); nul != nullptr) {
     return XmlError("NUL byte", static_cast<const char*>(nul) - document.data());
   }
+  REFIT_RETURN_NOT_OK(CheckCharacters(document));
   pugi::xml_document parsed;
   const pugi::xml_parse_result result =
       parsed.load_buffer(document.data(), document.size(), kParseFlags, pugi::encoding_utf8);
