@@ -35,7 +35,7 @@ class CMakeBuild(build_ext):
             subprocess.run(
                 ["cmake", "-S", str(source), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
                  "-DREFIT_BUILD_TESTS=OFF", "-DREFIT_BUILD_BENCHMARKS=OFF",
-                 f"-DPython_EXECUTABLE={sys.executable}"],
+                 f"-DREFIT_PYTHON={sys.executable}"],
                 check=True,
             )
         jobs = str(os.cpu_count() or 2)

@@ -36,7 +36,11 @@ import dataclasses
 import socket
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import _core, errors
+from . import _cuda_libraries
+
+_cuda_libraries.preload()  # before _core: torch's CUDA libraries, not the system's (see there)
+
+from . import _core, errors  # noqa: E402
 from ._tensors import TensorsLike, as_buffer_tensor, buffer_tensors
 from .errors import (
     AlreadyExists,

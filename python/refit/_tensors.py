@@ -1,9 +1,9 @@
 """Zero-copy views of numpy arrays and torch tensors, as the core takes them.
 
 The core takes a tensor as ``(name, dtype, shape, buffer)``: ``buffer`` is a flat ``uint8`` numpy
-array over the tensor's own memory. Torch 1.13 gives no buffer protocol for bfloat16 (or any
-tensor), so a torch tensor is reinterpreted as bytes (``reshape(-1).view(torch.uint8)``) and handed
-over through ``.numpy()``, which shares its memory. Nothing is ever copied: a tensor that cannot
+array over the tensor's own memory. Torch tensors have no buffer protocol and numpy has no
+bfloat16, so a torch tensor is reinterpreted as bytes (``reshape(-1).view(torch.uint8)``) and
+handed over through ``.numpy()``, which shares its memory. Nothing is ever copied: a tensor that cannot
 be viewed in place (not contiguous, not on the CPU) is refused with a message naming it.
 """
 

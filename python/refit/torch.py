@@ -10,9 +10,9 @@
 - :func:`tp_loader` builds a tensor-parallel :class:`refit.Loader` from a sharded module's
   shapes and the canonical ones.
 
-Tensors cross to the C++ core zero-copy (a byte view of the tensor's storage: torch 1.13 has no
-buffer protocol for bfloat16). They must be contiguous and in host memory; ``attach(mirror=True)``
-keeps a host copy of device tensors and copies it in after each commit.
+Tensors cross to the C++ core zero-copy (a byte view of the tensor's storage: torch tensors have
+no buffer protocol, and numpy no bfloat16). They must be contiguous and in host memory;
+``attach(mirror=True)`` keeps a host copy of device tensors and copies it in after each commit.
 """
 
 from __future__ import annotations
@@ -54,12 +54,6 @@ def state_tensors(model: ModuleOrState) -> List[Tuple[str, torch.Tensor]]:
 # ---- Producer group ------------------------------------------------------------------------------
 
 
-def _global_rank(group: Any, group_rank: int) -> int:
-    if hasattr(dist, "get_global_rank"):  # torch ≥ 2.0
-        return dist.get_global_rank(group, group_rank)
-    return dist.distributed_c10d._get_global_rank(group, group_rank)  # torch 1.13
-
-
 class TorchGroup:
     """A refit producer group over torch.distributed.
 
@@ -78,7 +72,7 @@ class TorchGroup:
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self._root = _global_rank(process_group, 0)
+        self._root = dist.get_global_rank(process_group, 0)
 
     def broadcast(self, message: Optional[bytes], timeout_s: float) -> bytes:
         """Rank 0's ``message`` on every rank (length first, then the bytes)."""
@@ -152,11 +146,12 @@ class Publisher(refit.Publisher):
 def _module_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """Every parameter and buffer (persistent or not) of ``module``, by qualified name.
 
-    Tied tensors appear under each of their names (state_dict keeps duplicates; torch 1.13's
-    named_parameters has no remove_duplicate=False).
+    Tied tensors appear under each of their names (``remove_duplicate=False``).
     """
-    named: Dict[str, torch.Tensor] = {n: t.detach() for n, t in module.state_dict(keep_vars=True).items()}
-    for name, buffer in module.named_buffers():
+    named: Dict[str, torch.Tensor] = {
+        n: t.detach() for n, t in module.named_parameters(remove_duplicate=False)
+    }
+    for name, buffer in module.named_buffers(remove_duplicate=False):
         if buffer is not None:
             named.setdefault(name, buffer.detach())
     return list(named.items())

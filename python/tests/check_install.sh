@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The README's offline install, checked from the outside: a fresh venv that sees the system's
-# numpy and torch, `pip install --no-build-isolation --no-deps ./python` reusing a CMake build
-# tree, then the installed package imported and tested from a directory outside the checkout.
+# The README's install, checked from the outside: a fresh venv that sees the packages of PYTHON's
+# environment (the project venv's pinned torch, numpy, setuptools and pytest, through a .pth file;
+# or the system's, with --system-site-packages, when PYTHON is no venv's), then
+# `pip install --no-build-isolation --no-deps --no-index ./python` reusing a CMake build tree, then
+# the installed package imported and tested from a directory outside the checkout.
 # Usage: check_install.sh PYTHON BUILD_DIR WORK_DIR
 set -euo pipefail
 python=$1 build=$2 work=$3
@@ -9,7 +11,15 @@ checkout=$(cd "$(dirname "$0")/../.." && pwd)
 
 rm -rf "$work"
 mkdir -p "$work"
-"$python" -m venv --system-site-packages "$work/venv"
+read -r in_venv site_packages < <("$python" -c \
+  'import sys, sysconfig; print(int(sys.prefix != sys.base_prefix), sysconfig.get_paths()["purelib"])')
+if [ "$in_venv" = 1 ]; then
+  "$python" -m venv "$work/venv"
+  fresh_site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$site_packages" > "$fresh_site/project-venv.pth"
+else
+  "$python" -m venv --system-site-packages "$work/venv"
+fi
 REFIT_CMAKE_BUILD_DIR=$build "$work/venv/bin/pip" install --quiet --no-build-isolation \
   --no-deps --no-index "$checkout/python"
 
@@ -18,7 +28,8 @@ unset PYTHONPATH
 "$work/venv/bin/python" - "$work" <<'PY'
 import sys
 import refit, refit.torch, refit.vllm
+import torch
 assert refit.__file__.startswith(sys.argv[1]), f"imported {refit.__file__}, not the installed package"
-print("installed", refit.__version__, "at", refit.__file__)
+print("installed", refit.__version__, "at", refit.__file__, "with torch", torch.__version__)
 PY
 "$work/venv/bin/python" -m pytest -q -p no:cacheprovider "$checkout/python/tests/test_core.py"

@@ -1,4 +1,4 @@
-"""Tests of refit.vllm against stand-ins for vLLM (vLLM itself is not installable here).
+"""Tests of refit.vllm against stand-ins for vLLM (test_vllm_engine.py drives the real, pinned one).
 
 The stand-ins copy what refit.vllm relies on from vLLM main (2026-09):
 
@@ -8,8 +8,8 @@ The stand-ins copy what refit.vllm relies on from vLLM main (2026-09):
   weight-transfer methods keep the session flag the way ``gpu_worker.Worker`` does (a failing
   ``update_weights`` ends the session, a failing ``finish_weight_update`` does not);
 - an ``LLM`` whose ``collective_rpc`` runs the method on every worker, collects failures, and
-  returns the results through pickle (vLLM serializes them), and whose
-  ``finish_weight_update(weight_version)`` sets the version only after the RPC returned;
+  returns the results through pickle (vLLM serializes them), and whose ``llm_engine`` holds the
+  weight version (``set_weight_version``);
 - a module tree ``vllm.distributed[.weight_transfer.{base,factory}]``, ``vllm.config`` with the
   base classes, the lazy-import factory and the TP-rank accessors at their real paths.
 
@@ -267,11 +267,21 @@ def make_worker_class(extension: Optional[type] = rv.RefitWorkerExtension) -> ty
 
 
 class FakeLLM:
-    """``vllm.LLM``'s collective_rpc and weight-transfer methods, over in-process workers."""
+    """``vllm.LLM``'s ``collective_rpc`` over in-process workers, and its engine's weight version.
+
+    vLLM 0.34's offline ``LLM`` has no weight-transfer methods of its own: ``AsyncLLM`` runs each
+    phase as a worker RPC and sets the version after ``finish_weight_update`` returned, which is
+    what :class:`refit.vllm.LLMWeightSyncClient` does over this.
+    """
 
     def __init__(self, workers: List[FakeWorkerBase]):
         self.workers = workers
-        self.weight_version = "default"
+        self.llm_engine = SimpleNamespace(weight_version="default")
+        self.llm_engine.set_weight_version = lambda version: setattr(self.llm_engine, "weight_version", version)
+
+    @property
+    def weight_version(self) -> str:
+        return self.llm_engine.weight_version
 
     def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (), kwargs: Optional[dict] = None):
         results, failures = [], []
@@ -286,20 +296,6 @@ class FakeLLM:
         if failures:
             raise failures[0]
         return results
-
-    def init_weight_transfer_engine(self, request: dict) -> None:
-        self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request["init_info"]})
-
-    def start_weight_update(self) -> None:
-        self.collective_rpc("start_weight_update")
-
-    def update_weights(self, request: dict) -> None:
-        self.collective_rpc("update_weights", kwargs={"update_info": request["update_info"]})
-
-    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self.collective_rpc("finish_weight_update")
-        if weight_version is not None:
-            self.weight_version = weight_version
 
 
 def fake_vllm_modules() -> Dict[str, types.ModuleType]:
@@ -580,6 +576,21 @@ def test_forward_gate_holds_forward_until_opened():
     assert gate.in_flight == 0 and not gate.closed
 
 
+def test_forward_gate_counts_out_a_forward_pass_that_raises():
+    class Failing(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("forward failed")
+
+    model = Failing()
+    gate = rv.ForwardGate()
+    gate.install(model)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        model(torch.ones(1))
+    assert gate.in_flight == 0, "a raising forward pass stayed counted in flight"
+    assert gate.close(drain_timeout=0.1), "close waited for a forward pass that had raised"
+    gate.remove()
+
+
 def test_extension_mirror_mode_copies_in_after_commit(trainer):
     """mirror=True (the device-memory path) on host tensors: applied to a copy, copied in at commit."""
     worker_class = make_worker_class()
@@ -617,7 +628,7 @@ def engine_fleet(fake_vllm, trainer) -> tuple:
         worker.load_model()
     llm = FakeLLM(workers)
     # One broadcast init: fixed ports, so the engine's workers are the relay tree's peers.
-    llm.init_weight_transfer_engine({"init_info": dict(OPTIONS, wait_timeout=5.0, data_port=free_port_base(TP))})
+    rv.LLMWeightSyncClient(llm).init_weight_transfer_engine(dict(OPTIONS, wait_timeout=5.0, data_port=free_port_base(TP)))
     infos = llm.collective_rpc("refit_info")  # the extension reads the engine's receiver
     return llm, workers, infos
 
@@ -650,14 +661,14 @@ def test_engine_publishes_weight_version_only_after_commit(fake_vllm, trainer):
         perturb(trainer, 7)
         runtime0 = workers[0].weight_transfer_engine.refit_runtime
         runtime0._on_pause = lambda: time.sleep(3.0)
-        llm.start_weight_update()
+        client.start_weight_update()
         with pytest.raises(refit.Error):
             publisher.sync(trainer)
         runtime0._on_pause = None
         # A trainer that announces the version anyway, deferring the wait to finish:
-        llm.update_weights({"update_info": {"version": committed + 1, "wait": False}})
+        client.update_weights({"version": committed + 1, "wait": False})
         with pytest.raises(rv.WeightUpdateAborted):
-            llm.finish_weight_update("must-not-publish")
+            client.finish_weight_update("must-not-publish")
         assert llm.weight_version == str(committed)
         assert llm.collective_rpc("refit_version") == [committed] * TP
         for rank, worker in enumerate(workers):  # rolled back bit-exactly
@@ -667,16 +678,16 @@ def test_engine_publishes_weight_version_only_after_commit(fake_vllm, trainer):
         assert status0["last_event"]["kind"] == "abort" and status0["last_event"]["version"] == committed
         # vLLM's worker keeps a session whose finish raised; an "aborted" update closes it.
         with pytest.raises(RuntimeError, match="already active"):
-            llm.start_weight_update()
+            client.start_weight_update()
         with pytest.raises(rv.WeightUpdateAborted):
-            llm.update_weights({"update_info": {"aborted": True, "reason": "recover"}})
+            client.update_weights({"aborted": True, "reason": "recover"})
 
         # The default flow waits in update_weights, where a failure ends vLLM's session.
-        llm.start_weight_update()
+        client.start_weight_update()
         with pytest.raises(refit.DeadlineExceeded):
-            llm.update_weights({"update_info": {"version": committed + 1, "timeout": 0.3}})
+            client.update_weights({"version": committed + 1, "timeout": 0.3})
         with pytest.raises(RuntimeError, match="without a matching start"):
-            llm.finish_weight_update("must-not-publish")
+            client.finish_weight_update("must-not-publish")
         assert llm.weight_version == str(committed)
 
         # The fleet recovers: the next sync (a delta from the committed version) publishes.
@@ -711,9 +722,9 @@ def test_sync_weights_ends_the_session_when_the_sync_fails(fake_vllm, trainer):
         after = tensors_of(workers[1].model_runner.model)
         assert all(torch.equal(after[n].view(torch.int32), t.view(torch.int32)) for n, t in before.items())
 
-        llm.start_weight_update()
+        client.start_weight_update()
         with pytest.raises(refit.FailedPrecondition, match="no refit version"):
-            llm.finish_weight_update("bad")  # no version announced: nothing to publish
+            client.finish_weight_update("bad")  # no version announced: nothing to publish
         assert llm.weight_version == str(report.version)
     finally:
         llm.collective_rpc("shutdown")
@@ -726,7 +737,7 @@ def test_engine_rejects_unknown_init_keys(fake_vllm, trainer):
     worker = make_worker_class()(0, build_module(LOCAL, seed=9), WeightTransferConfig(backend="refit"))
     worker.load_model()
     with pytest.raises(ValueError, match="init_info"):
-        FakeLLM([worker]).init_weight_transfer_engine({"init_info": {"bogus": 1}})
+        rv.LLMWeightSyncClient(FakeLLM([worker])).init_weight_transfer_engine({"bogus": 1})
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,9 +162,8 @@ class ForwardGate:
     the ones in flight to return; :meth:`open` (``after_commit`` / ``after_abort``) lets them run
     again. A forward pass therefore sees either the old version or the new one, never a mix.
 
-    Thread-safety: every method may be called from any thread. A forward pass that raises does
-    not run the forward hook, so it stays counted in flight; :meth:`close` then gives up after
-    its timeout and logs it (torch 1.13 has no always-called forward hook).
+    Thread-safety: every method may be called from any thread. The forward hook is registered
+    with ``always_call=True``, so a forward pass that raises leaves the gate as well.
     """
 
     def __init__(self) -> None:
@@ -179,7 +178,7 @@ class ForwardGate:
         if self._handles:
             return
         self._handles.append(module.register_forward_pre_hook(self._enter))
-        self._handles.append(module.register_forward_hook(self._leave))
+        self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def remove(self) -> None:
         """Unhook the module and open the gate."""
