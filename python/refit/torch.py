@@ -331,9 +331,10 @@ def tp_loader(
     ``module``: the sharded local module (or {name: tensor or shape}); ``canonical_shapes``: the
     trainer's full shapes ({name: shape}, a state dict or a module). Every local tensor that has a
     canonical namesake is mapped by comparing shapes: equal → identity (replicated); dim 0 split
-    TP ways → ``row``; dim 1 split → ``column``; dim 0 padded and split as vLLM pads a vocabulary
-    (``pad_to`` per rank) → ``vocab``. Fused tensors (qkv, gate_up), whose names are not
-    canonical, are described by ``fused``: loader rules passed through first, e.g.
+    TP ways → ``row``; dim 1 split → ``column``; dim 0 padded and split as vLLM (V rounded up to
+    ``pad_to``) or Megatron (to ``pad_to`` × TP) pads a vocabulary → ``vocab``. Fused tensors
+    (qkv, gate_up), whose names are not canonical, are described by ``fused``: loader rules
+    passed through first, e.g.
     ``{"kind": "qkv", "q": r"(.*)\\.q_proj\\.weight", "k": …, "v": …, "to": "$1.qkv_proj.weight",
     "num_heads": 8, "num_kv_heads": 2}``. A shape that fits none of these raises InvalidArgument
     naming the tensor and both shapes.
@@ -353,8 +354,13 @@ def tp_loader(
             if len(shape) >= 2 and shape[1] * tp_size == full[1] and shape[0] == full[0] and tuple(shape[2:]) == tuple(full[2:]):
                 rules.append({"kind": "column", "match": exact})
                 continue
-            if shape[0] * tp_size == _round_up(full[0], pad_to * tp_size) and tuple(shape[1:]) == tuple(full[1:]):
-                rules.append({"kind": "vocab", "match": exact, "vocab_size": full[0], "pad_to": pad_to})
+            # Megatron pads V to a multiple of pad_to × TP, vLLM to a multiple of pad_to (then
+            # splits it evenly); either way each rank holds shape[0] rows of the padded vocabulary,
+            # which the vocab rule says exactly with pad_to = shape[0].
+            if shape[0] * tp_size in (_round_up(full[0], pad_to * tp_size), _round_up(full[0], pad_to)) and tuple(
+                shape[1:]
+            ) == tuple(full[1:]):
+                rules.append({"kind": "vocab", "match": exact, "vocab_size": full[0], "pad_to": shape[0]})
                 continue
         raise InvalidArgument(
             f"tp_loader: tensor '{name}' is {list(shape)} locally and {list(full)} canonically, "

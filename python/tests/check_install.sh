@@ -14,13 +14,15 @@ mkdir -p "$work"
 read -r in_venv site_packages < <("$python" -c \
   'import sys, sysconfig; print(int(sys.prefix != sys.base_prefix), sysconfig.get_paths()["purelib"])')
 if [ "$in_venv" = 1 ]; then
-  "$python" -m venv "$work/venv"
+  # No pip or setuptools of its own (ensurepip's older setuptools would shadow the pinned one):
+  # both come from the project venv, through the .pth file.
+  "$python" -m venv --without-pip "$work/venv"
   fresh_site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$site_packages" > "$fresh_site/project-venv.pth"
 else
   "$python" -m venv --system-site-packages "$work/venv"
 fi
-REFIT_CMAKE_BUILD_DIR=$build "$work/venv/bin/pip" install --quiet --no-build-isolation \
+REFIT_CMAKE_BUILD_DIR=$build "$work/venv/bin/python" -m pip install --quiet --no-build-isolation \
   --no-deps --no-index "$checkout/python"
 
 cd "$work"

@@ -263,3 +263,31 @@ def test_aborted_transfer_raises_and_publishes_no_version(fleet):
     assert not isinstance(failure.value, rv.WeightUpdateAborted)
     assert fleet.client.weight_version == "step-0"
     assert [worker._weight_update_active for worker in fleet.workers] == [False, False]
+
+
+def test_engine_derives_the_loader_of_vllm_parallel_layers(refit_plugin, tp_state):
+    """No loader options: each worker's loader follows from its model's vLLM layers, and a sync
+    leaves every rank holding what vLLM's own load_weights puts there."""
+    from test_vllm_probe import ARCHS, SENTINEL, build_rank_model, index_tensors, padding_rows, vllm_loaded  # noqa: PLC0415
+
+    arch = next(a for a in ARCHS if a.qkv_bias)  # Qwen2: qkv bias, 2 kv heads at TP=2
+    config = vllm_config()
+    workers = [make_worker(rank, build_rank_model(arch, rank, TP), config) for rank in range(TP)]
+    client = InProcessEngine(workers)
+    client.init_weight_transfer_engine({"wait_timeout": 5.0, "data_port": free_port_base(TP)})
+    try:
+        infos = [worker.weight_transfer_engine.refit_info() for worker in workers]
+        publisher = refit.torch.Publisher(receivers=rv.receivers_of(infos), transfer_timeout=5.0)
+        rv.sync_weights(client, publisher, index_tensors(arch), weight_version="probe")
+        assert client.weight_version == "probe"
+        want = vllm_loaded(arch, TP)
+        for rank, worker in enumerate(workers):
+            got = {n: t.detach().view(torch.int32) for n, t in worker.model_runner.model.named_parameters()}
+            for name, rows in padding_rows(arch, rank, TP).items():
+                assert bool((got[name][rows] == SENTINEL).all())
+                want[rank][name][rows] = SENTINEL  # vLLM zero-fills padding at load; refit never writes it
+            for name, bits in want[rank].items():
+                assert torch.equal(got[name], bits), f"rank {rank}: '{name}' differs from vLLM's load"
+    finally:
+        for worker in workers:
+            worker.shutdown_weight_transfer_engine()

@@ -56,6 +56,7 @@ from ._runtime import (
     parallel_coordinates,
 )
 from .extension import RefitWorkerExtension, peers_of, receivers_of
+from .loaders import loader_rules
 
 __all__ = [
     "BACKEND",
@@ -73,6 +74,7 @@ __all__ = [
     "WeightUpdateAborted",
     "WorkerRuntime",
     "check_host_resident",
+    "loader_rules",
     "parallel_coordinates",
     "peers_of",
     "receivers_of",

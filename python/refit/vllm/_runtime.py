@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import refit
 from refit.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
 
+from .loaders import loader_rules
+
 _LOG = logging.getLogger("refit.vllm")
 
 #: How often a waiter re-reads the receiver's committed version between hook notifications, in
@@ -636,13 +638,20 @@ class WorkerRuntime:
         if options.canonical_shapes is not None:
             shapes = {name: tuple(int(d) for d in shape) for name, shape in options.canonical_shapes.items()}
             return refit_torch.tp_loader(self._model, shapes, self.tp_rank, self.tp_size, fused=options.fused or None)
+        if options.fused:
+            raise InvalidArgument("refit.vllm: fused rules need canonical_shapes")
+        # A vLLM model: the rules follow from its parallel layers (refit.vllm.loaders), at any TP
+        # (its qkv_proj and gate_up_proj are fused even at TP=1). Raises InvalidArgument naming
+        # a parameter of a layer it cannot map.
+        rules = loader_rules(self._model)
+        if rules:
+            return refit.Loader(tp_rank=self.tp_rank, tp_size=self.tp_size, rules=rules)
         if self.tp_size > 1:
             raise InvalidArgument(
                 f"refit.vllm: tensor parallelism {self.tp_size} needs canonical_shapes (the "
-                "trainer's tensor shapes) or loader_rules to map the checkpoint onto this shard"
+                "trainer's tensor shapes) or loader_rules to map the checkpoint onto this shard "
+                "(the model has no vLLM parallel layers to derive them from)"
             )
-        if options.fused:
-            raise InvalidArgument("refit.vllm: fused rules need canonical_shapes")
         return None
 
     def _write_endpoints_file(self, directory: str) -> None:

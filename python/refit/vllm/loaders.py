@@ -1,0 +1,162 @@
+"""Loader rules of a vLLM model, derived from its layers (no rules written by hand).
+
+:func:`loader_rules` walks a vLLM model (the ``torch.nn.Module`` a worker holds) and returns the
+:class:`refit.Loader` rules that map the trainer's canonical (Hugging Face) tensors onto this
+worker's tensor-parallel shard, from vLLM's own layer objects:
+
+==================================  ===========================================================
+vLLM layer (``model_executor``)     rule
+==================================  ===========================================================
+``QKVParallelLinear``               ``qkv`` from the canonical ``q_proj``, ``k_proj``, ``v_proj``
+                                    (weight and bias), with the layer's ``total_num_heads`` and
+                                    ``total_num_kv_heads`` (kv heads replicated when fewer than
+                                    the TP ranks, as vLLM does)
+``MergedColumnParallelLinear``      ``gate_up`` from ``gate_proj`` and ``up_proj`` (two equal
+                                    outputs, per the model's ``packed_modules_mapping``)
+``ColumnParallelLinear``            ``row`` (dim 0 split)
+``RowParallelLinear``               ``column`` (dim 1 split); its bias is replicated
+``VocabParallelEmbedding``,         ``vocab`` with the layer's ``org_vocab_size``, and as
+``ParallelLMHead``                  ``pad_to`` its rows per rank (vLLM pads V to a multiple of
+                                    ``padding_size``, then splits it evenly; refit's rule pads to
+                                    pad_to × TP); a head tied to the embedding is ``skip``
+                                    (vLLM loads the tied tensor once, under the embedding's name)
+``ReplicatedLinear``, norms, and    identity
+parameters of plain modules
+==================================  ===========================================================
+
+The canonical names are the local ones with the packed module names unpacked (``qkv_proj`` →
+``q_proj`` / ``k_proj`` / ``v_proj``), which is what vLLM's ``hf_to_vllm_mapper`` inverts for
+the supported architectures (Llama, Qwen2, Qwen3, Mistral, Gemma-style tied heads). Any other
+vLLM parallel layer — ``FusedMoE`` expert stacks among them — raises InvalidArgument naming the
+parameter it could not map. The rules are checked element by element against vLLM's own
+``load_weights`` by python/tests/test_vllm_probe.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List
+
+from refit.errors import InvalidArgument
+
+__all__ = ["loader_rules"]
+
+#: vLLM layer classes whose parameters a rule below maps (class names, so that this module imports
+#: without vLLM). Subclasses count by their nearest known base.
+_QKV = "QKVParallelLinear"
+_GATE_UP = "MergedColumnParallelLinear"
+_COLUMN_PARALLEL = "ColumnParallelLinear"
+_ROW_PARALLEL = "RowParallelLinear"
+_VOCAB = "VocabParallelEmbedding"
+_REPLICATED = "ReplicatedLinear"
+_KNOWN = (_QKV, _GATE_UP, _COLUMN_PARALLEL, _ROW_PARALLEL, _VOCAB, _REPLICATED)
+
+#: Where vLLM's tensor- and expert-parallel layers live: a layer from these modules that is none
+#: of the known classes is one whose sharding refit does not know.
+_PARALLEL_LAYER_MODULES = (
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.vocab_parallel_embedding",
+    "vllm.model_executor.layers.fused_moe",
+)
+
+#: The packed modules of the supported architectures (vLLM's ``packed_modules_mapping``).
+_DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def _kind_of(module: Any) -> str:
+    """The nearest known vLLM layer class in ``module``'s MRO, "" for none, "?" for an unknown
+    vLLM parallel layer (one this module cannot map)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ in _KNOWN:
+            return cls.__name__
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith(_PARALLEL_LAYER_MODULES) or "MoE" in cls.__name__ or "Experts" in cls.__name__:
+            return "?"
+    return ""
+
+
+def _exact(name: str) -> str:
+    return re.escape(name)
+
+
+def loader_rules(model: Any) -> List[Dict[str, Any]]:
+    """Return the loader rules of ``model`` (a vLLM model on one TP rank), in module order.
+
+    Raises InvalidArgument naming the first parameter no rule can map (an unsupported vLLM
+    layer, or a packed layer whose parts the model's ``packed_modules_mapping`` does not name).
+    """
+    packed = dict(_DEFAULT_PACKED)
+    packed.update(getattr(type(model), "packed_modules_mapping", None) or {})
+    rules: List[Dict[str, Any]] = []
+    first_name_of: Dict[int, str] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        kind = _kind_of(module)
+        direct = list(module.named_parameters(prefix="", recurse=False, remove_duplicate=False))
+        if not direct:
+            continue
+        base = f"{prefix}." if prefix else ""
+        head, _, leaf = prefix.rpartition(".")
+        head = f"{head}." if head else ""
+        for pname, param in direct:
+            name = base + pname
+            first = first_name_of.setdefault(id(param), name)
+            if first != name:  # a tied alias: vLLM loads the tensor once, under its first name
+                rules.append({"kind": "skip", "match": _exact(name)})
+                continue
+            if kind in ("", _REPLICATED):
+                continue  # identity (a name no rule matches)
+            if kind == "?":
+                raise InvalidArgument(
+                    f"refit.vllm: parameter '{name}' belongs to {type(module).__name__}, a vLLM "
+                    "layer refit cannot map yet (supported: QKVParallelLinear, "
+                    "MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear, "
+                    "VocabParallelEmbedding/ParallelLMHead, ReplicatedLinear); pass loader_rules"
+                )
+            if kind == _QKV:
+                parts = packed.get(leaf)
+                if not parts or len(parts) != 3:
+                    raise InvalidArgument(
+                        f"refit.vllm: parameter '{name}': QKVParallelLinear '{prefix}' is not in the "
+                        f"model's packed_modules_mapping as three parts (got {parts})"
+                    )
+                q, k, v = (_exact(f"{head}{part}.{pname}") for part in parts)
+                rules.append(
+                    {
+                        "kind": "qkv", "q": q, "k": k, "v": v, "to": name,
+                        "num_heads": int(module.total_num_heads),
+                        "num_kv_heads": int(module.total_num_kv_heads),
+                    }
+                )
+            elif kind == _GATE_UP:
+                parts = packed.get(leaf)
+                sizes = list(getattr(module, "output_sizes", []))
+                if not parts or len(parts) != 2 or len(sizes) != 2 or sizes[0] != sizes[1]:
+                    raise InvalidArgument(
+                        f"refit.vllm: parameter '{name}': MergedColumnParallelLinear '{prefix}' with "
+                        f"outputs {sizes} and packed parts {parts} is not a gate/up pair"
+                    )
+                gate, up = (_exact(f"{head}{part}.{pname}") for part in parts)
+                rules.append({"kind": "gate_up", "gate": gate, "up": up, "to": name})
+            elif kind == _COLUMN_PARALLEL:
+                rules.append({"kind": "row", "match": _exact(name)})
+            elif kind == _ROW_PARALLEL:
+                if pname != "bias":  # RowParallelLinear's bias is whole on every rank
+                    rules.append({"kind": "column", "match": _exact(name)})
+            elif kind == _VOCAB:
+                added = int(module.num_embeddings) - int(module.org_vocab_size)
+                if added:
+                    raise InvalidArgument(
+                        f"refit.vllm: parameter '{name}': {added} added (LoRA) vocabulary rows are "
+                        "not mapped"
+                    )
+                # vLLM pads V to a multiple of padding_size and splits that evenly; refit's vocab
+                # rule pads to a multiple of pad_to × TP. With pad_to = the rows per rank both
+                # give the same Vp (checked by the probe).
+                rules.append(
+                    {
+                        "kind": "vocab", "match": _exact(name),
+                        "vocab_size": int(module.org_vocab_size),
+                        "pad_to": int(module.num_embeddings_per_partition),
+                    }
+                )
+    return rules
