@@ -8,8 +8,8 @@ The stand-ins copy what refit.vllm relies on from vLLM main (2026-09):
   weight-transfer methods keep the session flag the way ``gpu_worker.Worker`` does (a failing
   ``update_weights`` ends the session, a failing ``finish_weight_update`` does not);
 - an ``LLM`` whose ``collective_rpc`` runs the method on every worker, collects failures, and
-  returns the results through pickle (vLLM serializes them), and whose ``llm_engine`` holds the
-  weight version (``set_weight_version``);
+  returns the results through pickle (vLLM serializes them), and whose
+  ``finish_weight_update(weight_version)`` sets the version only after the RPC returned;
 - a module tree ``vllm.distributed[.weight_transfer.{base,factory}]``, ``vllm.config`` with the
   base classes, the lazy-import factory and the TP-rank accessors at their real paths.
 
@@ -267,21 +267,11 @@ def make_worker_class(extension: Optional[type] = rv.RefitWorkerExtension) -> ty
 
 
 class FakeLLM:
-    """``vllm.LLM``'s ``collective_rpc`` over in-process workers, and its engine's weight version.
-
-    vLLM 0.34's offline ``LLM`` has no weight-transfer methods of its own: ``AsyncLLM`` runs each
-    phase as a worker RPC and sets the version after ``finish_weight_update`` returned, which is
-    what :class:`refit.vllm.LLMWeightSyncClient` does over this.
-    """
+    """``vllm.LLM``'s collective_rpc and weight-transfer methods, over in-process workers."""
 
     def __init__(self, workers: List[FakeWorkerBase]):
         self.workers = workers
-        self.llm_engine = SimpleNamespace(weight_version="default")
-        self.llm_engine.set_weight_version = lambda version: setattr(self.llm_engine, "weight_version", version)
-
-    @property
-    def weight_version(self) -> str:
-        return self.llm_engine.weight_version
+        self.weight_version = "default"
 
     def collective_rpc(self, method: str, timeout: Optional[float] = None, args: tuple = (), kwargs: Optional[dict] = None):
         results, failures = [], []
@@ -296,6 +286,20 @@ class FakeLLM:
         if failures:
             raise failures[0]
         return results
+
+    def init_weight_transfer_engine(self, request: dict) -> None:
+        self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request["init_info"]})
+
+    def start_weight_update(self) -> None:
+        self.collective_rpc("start_weight_update")
+
+    def update_weights(self, request: dict) -> None:
+        self.collective_rpc("update_weights", kwargs={"update_info": request["update_info"]})
+
+    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        self.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self.weight_version = weight_version
 
 
 def fake_vllm_modules() -> Dict[str, types.ModuleType]:
@@ -628,7 +632,7 @@ def engine_fleet(fake_vllm, trainer) -> tuple:
         worker.load_model()
     llm = FakeLLM(workers)
     # One broadcast init: fixed ports, so the engine's workers are the relay tree's peers.
-    rv.LLMWeightSyncClient(llm).init_weight_transfer_engine(dict(OPTIONS, wait_timeout=5.0, data_port=free_port_base(TP)))
+    llm.init_weight_transfer_engine({"init_info": dict(OPTIONS, wait_timeout=5.0, data_port=free_port_base(TP))})
     infos = llm.collective_rpc("refit_info")  # the extension reads the engine's receiver
     return llm, workers, infos
 
@@ -661,14 +665,14 @@ def test_engine_publishes_weight_version_only_after_commit(fake_vllm, trainer):
         perturb(trainer, 7)
         runtime0 = workers[0].weight_transfer_engine.refit_runtime
         runtime0._on_pause = lambda: time.sleep(3.0)
-        client.start_weight_update()
+        llm.start_weight_update()
         with pytest.raises(refit.Error):
             publisher.sync(trainer)
         runtime0._on_pause = None
         # A trainer that announces the version anyway, deferring the wait to finish:
-        client.update_weights({"version": committed + 1, "wait": False})
+        llm.update_weights({"update_info": {"version": committed + 1, "wait": False}})
         with pytest.raises(rv.WeightUpdateAborted):
-            client.finish_weight_update("must-not-publish")
+            llm.finish_weight_update("must-not-publish")
         assert llm.weight_version == str(committed)
         assert llm.collective_rpc("refit_version") == [committed] * TP
         for rank, worker in enumerate(workers):  # rolled back bit-exactly
@@ -678,16 +682,16 @@ def test_engine_publishes_weight_version_only_after_commit(fake_vllm, trainer):
         assert status0["last_event"]["kind"] == "abort" and status0["last_event"]["version"] == committed
         # vLLM's worker keeps a session whose finish raised; an "aborted" update closes it.
         with pytest.raises(RuntimeError, match="already active"):
-            client.start_weight_update()
+            llm.start_weight_update()
         with pytest.raises(rv.WeightUpdateAborted):
-            client.update_weights({"aborted": True, "reason": "recover"})
+            llm.update_weights({"update_info": {"aborted": True, "reason": "recover"}})
 
         # The default flow waits in update_weights, where a failure ends vLLM's session.
-        client.start_weight_update()
+        llm.start_weight_update()
         with pytest.raises(refit.DeadlineExceeded):
-            client.update_weights({"version": committed + 1, "timeout": 0.3})
+            llm.update_weights({"update_info": {"version": committed + 1, "timeout": 0.3}})
         with pytest.raises(RuntimeError, match="without a matching start"):
-            client.finish_weight_update("must-not-publish")
+            llm.finish_weight_update("must-not-publish")
         assert llm.weight_version == str(committed)
 
         # The fleet recovers: the next sync (a delta from the committed version) publishes.
@@ -722,9 +726,9 @@ def test_sync_weights_ends_the_session_when_the_sync_fails(fake_vllm, trainer):
         after = tensors_of(workers[1].model_runner.model)
         assert all(torch.equal(after[n].view(torch.int32), t.view(torch.int32)) for n, t in before.items())
 
-        client.start_weight_update()
+        llm.start_weight_update()
         with pytest.raises(refit.FailedPrecondition, match="no refit version"):
-            client.finish_weight_update("bad")  # no version announced: nothing to publish
+            llm.finish_weight_update("bad")  # no version announced: nothing to publish
         assert llm.weight_version == str(report.version)
     finally:
         llm.collective_rpc("shutdown")
@@ -737,7 +741,7 @@ def test_engine_rejects_unknown_init_keys(fake_vllm, trainer):
     worker = make_worker_class()(0, build_module(LOCAL, seed=9), WeightTransferConfig(backend="refit"))
     worker.load_model()
     with pytest.raises(ValueError, match="init_info"):
-        rv.LLMWeightSyncClient(FakeLLM([worker])).init_weight_transfer_engine({"bogus": 1})
+        FakeLLM([worker]).init_weight_transfer_engine({"init_info": {"bogus": 1}})
 
 
 # --------------------------------------------------------------------------------------------

@@ -136,9 +136,10 @@ def make_worker(rank: int, model: torch.nn.Module, config: VllmConfig) -> Worker
 class InProcessEngine:
     """vLLM's engine-side weight-transfer calls over in-process workers, as a sync client.
 
-    The same steps as ``AsyncLLM``'s methods in vLLM 0.34 (``vllm/v1/engine/async_llm.py``, not
-    imported here: it pulls in the OpenAI server stack): ``init_weight_transfer_engine`` is
-    ``collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request.init_info})``
+    The same steps as the methods of ``LLM`` (``RLOfflineMixin``, vllm/entrypoints/rl/offline.py)
+    and ``AsyncLLM`` (vllm/v1/engine/async_llm.py) in vLLM 0.34, neither imported here (both pull
+    in the OpenAI server stack, which the venv does not install). ``init_weight_transfer_engine``
+    is ``collective_rpc("init_weight_transfer_engine", kwargs={"init_info": request.init_info})``
     on a ``WeightTransferInitRequest``; ``start_weight_update`` and ``update_weights`` (a
     ``WeightTransferUpdateRequest``) likewise; ``finish_weight_update(weight_version)`` runs the
     RPC and only then sets the version. ``collective_rpc`` runs the method on every worker and

@@ -135,35 +135,30 @@ class LLMWeightSyncClient:
 
     vLLM's ``VLLMWeightSyncClient`` protocol (``init_weight_transfer_engine``,
     ``start_weight_update``, ``update_weights``, ``finish_weight_update(weight_version)``) takes
-    plain dicts. vLLM 0.34's offline ``vllm.LLM`` has no such methods (``AsyncLLM`` and the HTTP
-    routes do); this client does what ``AsyncLLM``'s do, over ``LLM.collective_rpc`` and the
-    engine's ``set_weight_version``: the worker RPC of each phase on every worker, and for
-    ``finish_weight_update`` the version set only after the RPC returned on every worker.
-    vLLM's own HTTP and Ray clients (``vllm.distributed.weight_transfer.clients``) work with
-    :func:`sync_weights` unchanged.
+    plain dicts; ``vllm.LLM`` takes them wrapped (``{"init_info": ...}``, ``{"update_info":
+    ...}``). vLLM's own HTTP and Ray clients (``vllm.distributed.weight_transfer.clients``) work
+    with :func:`sync_weights` unchanged.
     """
 
     def __init__(self, llm: Any) -> None:
-        """Wrap ``llm`` (a ``vllm.LLM``: ``collective_rpc`` and ``llm_engine.set_weight_version``)."""
+        """Wrap ``llm`` (a ``vllm.LLM``, or anything with its four methods)."""
         self.llm = llm
 
     def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
         """Start the ``refit`` engine on every worker with ``init_info`` (RefitOptions keys)."""
-        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": dict(init_info)})
+        self.llm.init_weight_transfer_engine({"init_info": dict(init_info)})
 
     def start_weight_update(self) -> None:
         """Open a weight-update session on every worker."""
-        self.llm.collective_rpc("start_weight_update")
+        self.llm.start_weight_update()
 
     def update_weights(self, update_info: Mapping[str, Any]) -> None:
         """Send the ack of a refit sync (``{"version": N}``) to every worker."""
-        self.llm.collective_rpc("update_weights", kwargs={"update_info": dict(update_info)})
+        self.llm.update_weights({"update_info": dict(update_info)})
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        """Finish the session on every worker, then publish ``weight_version`` (if given)."""
-        self.llm.collective_rpc("finish_weight_update")
-        if weight_version is not None:
-            self.llm.llm_engine.set_weight_version(weight_version)
+        """Finish the session; vLLM publishes ``weight_version`` once every worker returned."""
+        self.llm.finish_weight_update(weight_version)
 
 
 def sync_weights(
