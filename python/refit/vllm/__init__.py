@@ -18,20 +18,16 @@ Two ways in, both pure Python, both running one :class:`refit.torch.Receiver` pe
    and raise if the transfer aborted, so vLLM publishes ``weight_version`` only for a committed
    update. :func:`sync_weights` drives the four phases from the trainer.
 
-vLLM interface followed: vLLM ``main`` as of September 2026, read from public sources, not from
-an installed vLLM. The sources are ``vllm/distributed/weight_transfer/base.py`` (the newest
-indexed version, plus the older one at ``aa1cd966f0c8``), ``factory.py`` at ``047c993cc49c``, the
-``Worker`` and ``LLM`` weight-transfer methods, a source-level audit of ``main`` at
-``00b7847c8036`` (2026-09-24), and the docs.vllm.ai weight-transfer pages for v0.25 to v0.32. The
-interface is ``WeightTransferEngine.__init__(config, vllm_config, device, model)``,
-``WeightTransferEngineFactory.register_engine(name, module, class)``, ``Worker.init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``,
-``LLM.finish_weight_update(weight_version)``, the ``vllm.general_plugins`` entry-point group, and
-``worker_extension_cls``.
+vLLM interface followed: vLLM 0.34.0, pinned in python/requirements-dev.txt and read from the
+installed code: ``WeightTransferEngine.__init__(config, vllm_config, device, model)``,
+``WeightTransferEngineFactory.register_engine(name, module, class)``, the ``Worker``'s
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+``finish_weight_update``, ``LLM.finish_weight_update(weight_version)``, the
+``vllm.general_plugins`` entry-point group, and ``worker_extension_cls``. The ``vllm`` tests
+(test_vllm_engine.py, test_vllm_probe.py) run the engine inside that vLLM's factory, plugin
+loader and ``Worker`` methods, and check :func:`loader_rules` element by element against its
+models' ``load_weights``; docs/vllm.md says what still needs a GPU.
 
-Not tested here: a real vLLM engine (vLLM is not installable in this project's environment).
-The tests drive the extension and the engine through stand-ins with the attributes, base classes
-and session rules that vLLM has. docs/vllm.md lists what those tests cover and what they do not.
 vLLM on a GPU keeps its weights in device memory, which refit cannot write. Starting a receiver
 over such a model therefore raises InvalidArgument, naming the tensor and its device, unless the
 ``mirror`` option is set (a host copy, copied in after each commit).

@@ -7,13 +7,13 @@ registered the backend — which the ``vllm.general_plugins`` entry point of the
 does in every vLLM process. vLLM imports this module lazily, by name, when it creates the
 engine; ``import refit.vllm`` alone never imports it.
 
-Interface followed: ``vllm/distributed/weight_transfer/base.py`` of vLLM ``main`` as of September
-2026. That is ``WeightTransferEngine.__init__(config, vllm_config, device, model)``; the abstract
-``init_transfer_engine``, ``start_weight_update``, ``finish_weight_update``,
-``receive_weights(update_info)`` and ``shutdown``; and the concrete ``parse_init_info`` and
-``parse_update_info``, which build ``init_info_cls(**dict)`` and ``update_info_cls(**dict)``. It
-was read from public sources, not from an installed vLLM, and was tested only against stand-ins
-(docs/vllm.md, "Interface version followed").
+Interface followed: ``vllm/distributed/weight_transfer/base.py`` of vLLM 0.34.0 (pinned in
+python/requirements-dev.txt, read from the installed code): ``WeightTransferEngine.__init__(config,
+vllm_config, device, model)``; the abstract ``init_transfer_engine``, ``start_weight_update``,
+``finish_weight_update``, ``receive_weights(update_info)`` and ``shutdown``; and the concrete
+``parse_init_info`` and ``parse_update_info``, which build ``init_info_cls(**dict)`` and
+``update_info_cls(**dict)``. python/tests/test_vllm_engine.py drives it through that vLLM's
+plugin loader, factory and ``Worker`` methods (docs/vllm.md, "Interface version followed").
 """
 
 from __future__ import annotations
