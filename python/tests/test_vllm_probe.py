@@ -312,3 +312,11 @@ def test_an_unsupported_layer_is_named():
     model.experts.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 4), requires_grad=False)
     with pytest.raises(refit.InvalidArgument, match="'experts.w13_weight'.*FusedMoEStandIn"):
         loader_rules(model)
+
+
+def test_a_quantized_parameter_is_named():
+    model = build_rank_model(ARCHS[0], 0, 2)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(1), requires_grad=False))
+    with pytest.raises(refit.InvalidArgument, match="'model.layers.0.self_attn.qkv_proj.weight_scale'"):
+        loader_rules(model)

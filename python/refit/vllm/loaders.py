@@ -112,6 +112,13 @@ def loader_rules(model: Any) -> List[Dict[str, Any]]:
                     "MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear, "
                     "VocabParallelEmbedding/ParallelLMHead, ReplicatedLinear); pass loader_rules"
                 )
+            if pname not in ("weight", "bias"):
+                raise InvalidArgument(
+                    f"refit.vllm: parameter '{name}' of {type(module).__name__}: only the "
+                    "unquantized 'weight' and 'bias' of vLLM's parallel layers are mapped (a "
+                    "quantized or repacked parameter is not a slice of a checkpoint tensor); "
+                    "pass loader_rules"
+                )
             if kind == _QKV:
                 parts = packed.get(leaf)
                 if not parts or len(parts) != 3:
