@@ -7,7 +7,8 @@
 #    holding exactly the pins of python/requirements-dev.txt (torch, numpy, pytest, vLLM, ...),
 #    installed with --no-deps. A stamp of that file's hash in the venv skips pip when nothing
 #    changed. The wheels are kept in a wheelhouse outside the venv (REFIT_WHEELHOUSE, default
-#    ~/.cache/refit/wheels) besides pip's own cache, so a venv made again installs offline.
+#    ~/.cache/refit/wheels), so a venv made again installs offline: pip's own cache stays on, but
+#    the package index this project reaches serves responses that pip's HTTP cache does not keep.
 #    CMake picks .venv/bin/python for the Python module and tests (CMakeLists.txt, REFIT_PYTHON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
