@@ -292,3 +292,57 @@ def test_engine_derives_the_loader_of_vllm_parallel_layers(refit_plugin, tp_stat
     finally:
         for worker in workers:
             worker.shutdown_weight_transfer_engine()
+
+
+def test_worker_extension_on_a_vllm_worker_of_vllm_layers(tp_state):
+    """RefitWorkerExtension mixed into vLLM's real Worker class the way WorkerWrapperBase does it
+    (the extension's names must not collide, then ``__bases__ += (extension,)``), over models of
+    vLLM's parallel layers at TP=2, with no loader options: the loaders are derived."""
+    from test_vllm_probe import ARCHS, SENTINEL, build_rank_model, index_tensors, padding_rows, vllm_loaded  # noqa: PLC0415
+
+    class ExtendedWorker(Worker):
+        pass
+
+    for attr in dir(rv.RefitWorkerExtension):
+        if not attr.startswith("__"):
+            assert not hasattr(ExtendedWorker, attr), f"the extension redefines vLLM Worker's {attr!r}"
+    ExtendedWorker.__bases__ = ExtendedWorker.__bases__ + (rv.RefitWorkerExtension,)
+
+    arch = ARCHS[0]  # Llama
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), parallel_config=ParallelConfig(tensor_parallel_size=TP))
+    workers = []
+    for rank in range(TP):
+        worker = ExtendedWorker.__new__(ExtendedWorker)
+        worker.rank = worker.local_rank = rank
+        worker.vllm_config = config
+        model = build_rank_model(arch, rank, TP)
+        worker.model_runner = SimpleNamespace(model=model, get_model=lambda model=model: model)
+        workers.append(worker)
+
+    def rpc(method: str, **kwargs: Any) -> list:
+        results = []
+        for worker in workers:
+            _CURRENT.worker = worker
+            try:
+                results.append(getattr(worker, method)(**kwargs))
+            finally:
+                _CURRENT.worker = None
+        return results
+
+    reservations = rpc("refit_reserve", options={})
+    infos = rpc("refit_start", options={"peers": rv.peers_of(reservations)})
+    try:
+        assert [info["tp_rank"] for info in infos] == [0, 1]
+        publisher = refit.torch.Publisher(receivers=rv.receivers_of(infos), transfer_timeout=5.0)
+        report = publisher.sync(index_tensors(arch))
+        assert rpc("refit_version") == [report.version] * TP
+        want = vllm_loaded(arch, TP)
+        for rank, worker in enumerate(workers):
+            got = {n: t.detach().view(torch.int32) for n, t in worker.model_runner.model.named_parameters()}
+            for name, rows in padding_rows(arch, rank, TP).items():
+                assert bool((got[name][rows] == SENTINEL).all())
+                want[rank][name][rows] = SENTINEL
+            for name, bits in want[rank].items():
+                assert torch.equal(got[name], bits), f"rank {rank}: '{name}' differs from vLLM's load"
+    finally:
+        rpc("refit_stop")
