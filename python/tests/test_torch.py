@@ -219,3 +219,13 @@ def test_ctrl_c_during_sync_aborts_cleanly_and_the_next_sync_works():
                           timeout=120, env=dict(os.environ))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "interrupted cleanly" in done.stdout
+
+
+def test_refit_imported_before_torch_leaves_torch_importable():
+    # A core built with CUDA links the system's libnccl.so.2 / libcudart.so.13; loaded first, they
+    # stood in for the newer copies PyPI's torch needs ("libtorch_cuda.so: undefined symbol:
+    # ncclCommResume"). refit loads the nvidia wheels' copies first (refit/_cuda_libraries.py).
+    code = "import refit\nimport torch\nprint(torch.zeros(2).add(1).sum().item())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("2.0")
