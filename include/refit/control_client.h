@@ -66,6 +66,9 @@ struct ControlStatus {
   std::optional<uint64_t> state_fingerprint;
   /// Its replica and shard (ControlServerOptions::place).
   ReplicaPlace place;
+  /// Its place in its relay tree (ControlServerOptions::relay); nullopt without relays, or from
+  /// a receiver older than this field. (Last, with an initializer, for aggregate initializers.)
+  std::optional<RelayPlace> relay = std::nullopt;
 };
 
 /// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stop_token>
 #include <string>
 #include <string_view>
@@ -104,6 +105,9 @@ struct ControlServerOptions {
   std::function<Status(uint64_t base_version)> catch_up;
   /// This receiver's replica and shard, reported by GET /v1/status and as /metrics labels.
   ReplicaPlace place;
+  /// This receiver's place in its relay tree, reported by GET /v1/status; nullopt for a data
+  /// plane without relays (s3://, mpi://).
+  std::optional<RelayPlace> relay;
   /// How long a connection may take to send a complete request line and headers, from its
   /// accept or from its previous request's end (so it also ends an idle keep-alive connection).
   /// With plain HTTP a connection holds no worker thread until its head is complete: clients

@@ -128,6 +128,18 @@ struct ReplicaPlace {
   friend bool operator==(const ReplicaPlace&, const ReplicaPlace&) = default;
 };
 
+/// Where a receiver's data plane sits in its relay tree (transports with fan_out_tree): its
+/// index in the peers list it was given, and that list's length (1 without peers: a tree of its
+/// own). Reported by the control plane, so that a publisher refuses at once a fleet whose
+/// receivers were given other trees than the one it sends to (the ones outside would never get
+/// a payload, and the sync would wait for its lease).
+struct RelayPlace {
+  uint32_t index = 0;
+  uint32_t relays = 1;
+
+  friend bool operator==(const RelayPlace&, const RelayPlace&) = default;
+};
+
 /// The result of a successful Flush.
 struct FlushReport {
   TransferId transfer_id;

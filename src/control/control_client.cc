@@ -561,7 +561,7 @@ Result<ControlStatus> ControlClient::GetStatus() {
   Result<internal::ControlStatusFields> fields = internal::StatusFromJson(body);
   if (!fields.ok()) return ReplyFieldError(fields.status());
   return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint,
-                       std::move(fields->place)};
+                       std::move(fields->place), fields->relay};
 }
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
@@ -672,7 +672,7 @@ ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOption
 
 std::string ControlStatusToJson(const ControlStatus& status) {
   internal::Json body = internal::StatusToJson(internal::ControlStatusFields{
-      status.receiver, status.tensors, status.state_fingerprint, status.place});
+      status.receiver, status.tensors, status.state_fingerprint, status.place, status.relay});
   body.erase("ok");
   return internal::DumpJson(body);
 }

@@ -565,6 +565,7 @@ Json ControlServer::Impl::StatusBody() {
   status.receiver = session.GetStatus();
   status.tensors = store.size();
   status.place = options.place;
+  status.relay = options.relay;
   if (status.receiver.state != ReceiverState::kReceiving) {
     status.state_fingerprint = StateFingerprint(std::as_const(store).Digests());
   }

@@ -362,6 +362,10 @@ Json StatusToJson(const ControlStatusFields& status) {
   if (status.state_fingerprint.has_value()) {
     body["state_fingerprint"] = DigestToHex(*status.state_fingerprint);
   }
+  if (status.relay.has_value()) {
+    body["relay_index"] = status.relay->index;
+    body["relays"] = status.relay->relays;
+  }
   return body;
 }
 
@@ -420,6 +424,15 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
     REFIT_ASSIGN_OR_RETURN(const std::string hex, fields.String("state_fingerprint"));
     REFIT_ASSIGN_OR_RETURN(status.state_fingerprint,
                            DigestFromHex(hex, fields.Name("state_fingerprint")));
+  }
+  // Absent from a data plane without relays, and from receivers older than relay places.
+  if (fields.Has("relays")) {
+    REFIT_ASSIGN_OR_RETURN(const uint64_t relays, fields.Uint("relays"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t index, fields.Uint("relay_index"));
+    if (relays == 0 || relays > UINT32_MAX || index >= relays) {
+      return InvalidArgument("{}: relay {} of {}", fields.Name("relay_index"), index, relays);
+    }
+    status.relay = RelayPlace{static_cast<uint32_t>(index), static_cast<uint32_t>(relays)};
   }
   return status;
 }

@@ -127,6 +127,7 @@ struct ControlStatusFields {
   uint64_t tensors = 0;
   std::optional<uint64_t> state_fingerprint;
   ReplicaPlace place;
+  std::optional<RelayPlace> relay = std::nullopt;
 };
 Json StatusToJson(const ControlStatusFields& status);
 Result<ControlStatusFields> StatusFromJson(const Json& body);

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/transport.h"
+#include "transport/transport_internal.h"
 #include "util/logging.h"
 
 namespace refit {
@@ -550,6 +551,45 @@ Result<SyncReport> PublisherRank::Lead(const ChunkSource& source, bool force_anc
   return led;
 }
 
+namespace {
+
+// A relay tree is the peers list each receiver was given: payloads go to one root, and relays
+// forward only to the peers they know. A receiver given another list (or none: a tree of its
+// own) than the fleet this publisher names would never get a payload, and the sync would wait
+// for the flush timeout; so it is refused here, before anything is sent. The check is on
+// positions, not on names: a receiver may be named by another host name than its peers use.
+Status CheckRelayPlace(const std::string& control_url, const std::optional<RelayPlace>& relay,
+                       size_t position, const std::vector<std::string>& fleet) {
+  const auto fix = [&] {
+    return fmt::format(
+        "give every receiver the same peers list, the data endpoints in the order this publisher "
+        "names the receivers ([{}]; Python: Receiver(peers=…), refit serve --peers)",
+        fmt::join(fleet, ", "));
+  };
+  if (!relay.has_value()) {
+    return FailedPrecondition(
+        "receiver {} reports no relay place (a refit older than relay places, or a data plane "
+        "without relays): this zmq:// fleet of {} cannot be checked; {}",
+        control_url, fleet.size(), fix());
+  }
+  if (relay->relays != fleet.size()) {
+    return FailedPrecondition(
+        "receiver {} (data endpoint {}) is in a relay tree of {} receiver{}, but this publisher "
+        "sends to {}: the receivers outside its tree would never get a payload; {}",
+        control_url, fleet[position], relay->relays, relay->relays == 1 ? "" : "s", fleet.size(),
+        fix());
+  }
+  if (relay->index != position) {
+    return FailedPrecondition(
+        "receiver {} (data endpoint {}) is relay {} of its tree, but this publisher names it "
+        "receiver {}: {}",
+        control_url, fleet[position], relay->index, position, fix());
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool force_anchor) {
   // The fleet as it is now: where each receiver sits (replica, shard) and what it holds. Asked
   // at every Sync, so a receiver that restarted or a group that changed is seen at once.
@@ -578,10 +618,14 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
     }
   }
-  for (const ControlClientOptions& link : links) {
+  for (size_t r = 0; r < links.size(); ++r) {
+    const ControlClientOptions& link = links[r];
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
     Result<ControlStatus> status = client->GetStatus();
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
+    if (caps.fan_out_tree) {
+      REFIT_RETURN_NOT_OK(CheckRelayPlace(link.base_url, status->relay, r, fleet));
+    }
     versions.push_back(status->receiver.version);
     if (status->receiver.needs_anchor && !force_anchor) {
       REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
@@ -698,7 +742,14 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   // same client settings (key, TLS, timeouts) as the coordinator's own calls.
   TransportOptions transport_options;
   transport_options.manifest_announcers = MakeControlManifestAnnouncers(options.control);
-  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(options.transport_uri, transport_options));
+  // One key for both planes. Only rank 0 reaches the control planes, so only there is a data-plane
+  // key without a control-plane key an error; the other ranks send with whichever key they got.
+  REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(options.transport_uri));
+  if (group->rank() == 0 || !options.control.api_key.empty()) {
+    REFIT_ASSIGN_OR_RETURN(
+        uri, internal::KeyDataPlane(std::move(uri), options.control.api_key, "publisher"));
+  }
+  REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(uri, transport_options));
   if (group->rank() == 0 && options.receivers.empty() &&
       !impl->transport->capabilities().carries_control) {
     return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");

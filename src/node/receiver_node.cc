@@ -1,5 +1,6 @@
 #include "refit/receiver_node.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -8,6 +9,7 @@
 
 #include "refit/safetensors.h"
 #include "refit/transport.h"
+#include "transport/transport_internal.h"
 #include "util/logging.h"
 
 namespace refit {
@@ -41,7 +43,9 @@ struct ReceiverNode::Impl {
 Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  REFIT_ASSIGN_OR_RETURN(impl->uri, TransportUri::Parse(options.transport_uri));
+  REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(options.transport_uri));
+  REFIT_ASSIGN_OR_RETURN(
+      impl->uri, internal::KeyDataPlane(std::move(uri), options.control.api_key, "receiver node"));
   TransportOptions transport_options;
   transport_options.limits = options.session.limits;
   REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(impl->uri, transport_options));
@@ -145,6 +149,13 @@ Status ReceiverNode::Impl::Start() {
   const TransportCapabilities caps = transport->capabilities();
   ControlServerOptions control = options.control;
   control.place = options.place;
+  if (caps.fan_out_tree) {
+    // The peers list holds the data endpoint exactly once (the listener refuses it otherwise).
+    const auto self = std::find(options.peers.begin(), options.peers.end(), options.data_endpoint);
+    control.relay = RelayPlace{
+        static_cast<uint32_t>(self == options.peers.end() ? 0 : self - options.peers.begin()),
+        static_cast<uint32_t>(std::max<size_t>(options.peers.size(), 1))};
+  }
   if (!options.bootstrap_uri.empty()) {
     // Fallen behind (the fleet moved on while this receiver was cut off): replay the chain's
     // deltas through the live session, then take the prepare.

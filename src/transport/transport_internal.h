@@ -22,6 +22,17 @@ namespace refit::internal {
 /// name untrusted or configured text.
 std::string Printable(std::string_view text);
 
+/// One key protects a node's two planes. Return `uri`, the data plane of a node whose control
+/// plane has the key `control_api_key`, with that key on the data plane where the data plane takes
+/// a shared key (zmq://, and wrappers of it) and the URI names none (api_key / api_key_env). A URI
+/// that names its own key keeps it (a different key per plane is an explicit choice). `who`
+/// prefixes errors ("receiver node", "publisher").
+/// Errors: InvalidArgument for a data-plane key without a control-plane key (a receiver whose
+/// control plane anyone can prepare, abort or read, or a publisher that could not reach keyed
+/// receivers' control planes): give the same key to both.
+Result<TransportUri> KeyDataPlane(TransportUri uri, std::string_view control_api_key,
+                                  std::string_view who);
+
 /// Refuse parameters of `uri` other than `known`, naming the first unknown one and the URI.
 Status CheckKnownParams(const TransportUri& uri, std::initializer_list<std::string_view> known);
 
