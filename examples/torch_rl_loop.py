@@ -93,10 +93,10 @@ CHUNK_BYTES = 64 << 10  # small export chunks, so that both trainer ranks own so
 BATCH_PER_RANK = 8
 SEQ_LEN = 32
 EVAL_BATCH = (4, 24)
-#: Every party proves this shared secret, on the control planes (HTTP) and the data plane (zmq);
-#: the driver makes a fresh one per run and hands it to its children in the environment.
+#: Every party proves this shared secret, given once as api_key: it protects the control planes
+#: (HTTP) and the data plane (zmq) alike. The driver makes a fresh one per run and hands it to its
+#: children in the environment.
 KEY_ENV = "REFIT_EXAMPLE_KEY"
-TRANSPORT = f"zmq://?api_key_env={KEY_ENV}"
 
 LAYER_KEYS = (
     "input_layernorm.weight",
@@ -560,7 +560,6 @@ def worker_main(args) -> None:
     gate = WeightsGate(args.timeout)
     options = dict(
         version=0,  # what the module holds now: the trainer adopts the same bits as version 0
-        transport=TRANSPORT,
         api_key=os.environ[KEY_ENV],
         data_endpoint=args.endpoint,
         peers=args.peers.split(","),  # one relay tree over every worker, the same list on each
@@ -665,7 +664,6 @@ def trainer_main(args) -> None:
             receivers = [tuple(r) for r in json.load(f)]
     publisher = rt.Publisher(
         receivers,  # rank 0: the fleet in tree order; rank 1: None (it learns them from rank 0)
-        transport=TRANSPORT,
         api_key=os.environ[KEY_ENV],
         chunk_bytes=CHUNK_BYTES,
         transfer_timeout=args.timeout,

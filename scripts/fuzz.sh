@@ -45,7 +45,8 @@ fi
 # A budget of runs makes the outcome a function of the commit alone (with a fixed seed); a budget
 # of seconds makes it depend on the machine's speed.
 if [[ -n "$runs" ]]; then
-  budget=(-runs="$runs")
+  # -reload=0: no periodic (time-driven) re-read of the corpus directory.
+  budget=(-runs="$runs" -reload=0)
   column=runs
 else
   budget=(-max_total_time="$seconds")
