@@ -415,6 +415,20 @@ TEST_F(ControlServerTest, ServerWithoutKeyAcceptsEveryone) {
   EXPECT_EQ(status.tensors, current_.size());
 }
 
+// A relay place set by the node is reported, and read back by the client; without one (a data
+// plane without relays) the fields are absent and the client reads nullopt.
+TEST_F(ControlServerTest, StatusReportsTheRelayPlace) {
+  ControlServerOptions options = DefaultOptions();
+  options.relay = RelayPlace{2, 3};
+  StartServer(options);
+  ASSERT_OK_AND_ASSIGN(ControlStatus status, client_->GetStatus());
+  ASSERT_TRUE(status.relay.has_value());
+  EXPECT_EQ(*status.relay, (RelayPlace{2, 3}));
+  EXPECT_NE(ControlStatusToJson(status).find("\"relay_index\":2"), std::string::npos);
+  status.relay.reset();
+  EXPECT_EQ(ControlStatusToJson(status).find("relay"), std::string::npos);
+}
+
 TEST_F(ControlServerTest, TensorDownloadEqualsTheStore) {
   StartServer();
   Transfer(EncodeStep(1));
