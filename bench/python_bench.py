@@ -30,7 +30,7 @@ runs the same library build.
 Prints a speed table and a memory table with the targets (MET / NOT MET, never adjusted), and
 with ``--json PATH`` every figure as JSON. See docs/benchmarking.md ("python_bench").
 
-    PYTHONPATH=python:build/dev/python /usr/bin/python3 bench/python_bench.py [--quick] [--json F]
+    PYTHONPATH=python:build/dev/python .venv/bin/python bench/python_bench.py [--quick] [--json F]
 
 Internal modes (this file re-executed as a child): ``--internal-trainer``, ``--internal-worker``.
 """
