@@ -35,7 +35,11 @@ RANK = textwrap.dedent(
             report = publisher.sync(model)
         except refit.Error as error:
             print(json.dumps({"rank": rank, "step": step, "error": type(error).__name__, "message": str(error)}), flush=True)
-            sys.exit(0)
+            # Leave without tearing down a gloo group whose peer died: under load, torch 2.14's
+            # interpreter-exit teardown of such a group aborted rank 0 once (SIGABRT after the
+            # failure was reported). What this test checks is the sync's failure and the fleet.
+            sys.stderr.flush()
+            os._exit(0)
         print(json.dumps({"rank": rank, "step": step, "version": report.version, "payloads": report.payloads,
                           "world": report.world_size}), flush=True)
     torch.save(model, os.environ["REFIT_TEST_OUT"] + f".{rank}")
@@ -90,8 +94,9 @@ def test_a_rank_that_dies_fails_the_sync_on_rank_0_and_the_fleet_keeps_its_versi
     with rt.Receiver().attach(worker, loader=loader).start() as receiver:
         ranks, outputs, lines = run_ranks(tmp_path, receiver, die_at=3)
         assert ranks[1].returncode == 3
-        assert ranks[0].returncode == 0, outputs[0]
         failure = lines[0][-1]
+        # The failure line first, so that an abort after it is told apart from one during the sync.
+        assert ranks[0].returncode == 0, (failure, outputs[0][1][-4000:])
         assert failure["step"] == 3 and failure["error"] in ("Unavailable", "DeadlineExceeded"), failure
         assert "rank 1" in failure["message"] or "broadcast" in failure["message"] or "gather" in failure["message"]
         status = receiver.status()
