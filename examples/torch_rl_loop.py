@@ -1,19 +1,57 @@
 #!/usr/bin/env python3
 """An RL-style training loop that refits inference workers after every optimizer step, bit-exactly.
 
+The models are Hugging Face ``transformers`` classes built from a small config with random
+weights (nothing is downloaded), so the tensors refit moves have exactly the names and shapes that
+users export (``model.state_dict()``). ``--model`` picks one:
+
+=============  =======================  ======================================================
+``llama``      ``LlamaForCausalLM``     GQA (4 heads, 2 kv heads); the default
+``qwen3``      ``Qwen3ForCausalLM``     GQA, qk-norm, head_dim 32 (q_proj 128 × 64), tied
+                                        embeddings (``lm_head.weight`` is ``embed_tokens``)
+``qwen3-moe``  ``Qwen3MoeForCausalLM``  qk-norm, 8 experts, top-2, in every layer
+``mixtral``    ``MixtralForCausalLM``   4 experts, top-2, in every layer
+=============  =======================  ======================================================
+
+With tied embeddings ``state_dict()`` gives both names over one storage, and the export carries
+both; each receiver registers that storage once and skips the other name's changes.
+
+The MoE models' experts, as transformers 5.x holds them (5.22 checked; ``E`` experts, hidden
+``H``, expert intermediate ``I``): one stacked 3-D parameter per projection and layer, with no
+``.weight`` suffix, and the router as a 2-D weight::
+
+    model.layers.N.mlp.experts.gate_up_proj   [E, 2I, H]  gate rows 0..I-1, then up rows I..2I-1
+    model.layers.N.mlp.experts.down_proj      [E, H, I]
+    model.layers.N.mlp.gate.weight            [E, H]      the router
+
+(qwen3-moe here: [8, 64, 64], [8, 64, 32], [8, 64]; mixtral: [4, 128, 64], [4, 64, 64],
+[4, 64].) That is what ``state_dict()`` gives and what the trainer exports. The checkpoint
+files differ: ``save_pretrained`` writes one 2-D tensor per expert (Qwen3-MoE
+``mlp.experts.M.{gate,up,down}_proj.weight``, Mixtral
+``block_sparse_moe.experts.M.{w1,w3,w2}.weight``) and ``from_pretrained`` stacks them on load.
+
 What runs (every process on this host, every link a loopback socket)::
 
     driver (this script)            spawns everyone, compares logits, prints the table
-    ├── trainer rank 0 ┐  torch.distributed (gloo): a small GPT, AdamW on fp32 master weights,
-    ├── trainer rank 1 ┘  gradients averaged with all_reduce; after each step both ranks copy_()
-    │                     the fp32 weights into one preallocated bf16 export and call
-    │                     refit.torch.Publisher.sync(export) together (SPMD: each rank encodes and
-    │                     sends the export chunks it owns; rank 0 runs the two-phase commit)
-    ├── worker "full"     refit.torch.Receiver over a bf16 GPT module in the canonical layout
+    ├── trainer rank 0 ┐  torch.distributed (gloo): the model in fp32, AdamW on fp32 master
+    ├── trainer rank 1 ┘  weights, gradients averaged with all_reduce; after each step both ranks
+    │                     copy_() the fp32 weights into one preallocated bf16 export (the bf16
+    │                     model's state_dict) and call refit.torch.Publisher.sync(export) together
+    │                     (SPMD: each rank encodes and sends the export chunks it owns; rank 0
+    │                     runs the two-phase commit)
+    ├── worker "full"     refit.torch.Receiver over the same transformers model in bf16
     ├── worker "tp2/0" ┐  one tensor-parallel replica ("tp2") of two receivers: each holds its
-    └── worker "tp2/1" ┘  shard, with fused qkv_proj (GQA: 4 heads, 2 kv heads) and gate_up_proj,
-                          column-parallel o_proj / down_proj, a padded vocabulary-parallel
-                          embedding and LM head, through a loader (refit.torch.tp_loader)
+    └── worker "tp2/1" ┘  shard, with fused qkv_proj (GQA: 4 heads, 2 kv heads) and, for the
+                          dense models, gate_up_proj, column-parallel o_proj / down_proj, a padded
+                          vocabulary-parallel embedding and LM head, through a loader
+                          (refit.torch.tp_loader)
+
+For the MoE models the TP pair splits the experts by expert index (expert parallelism over the
+TP group, as an engine with expert parallelism on does): rank r holds experts
+[r·E/2, (r+1)·E/2) of both stacked tensors, a dim-0 block that tp_loader maps with its ``row``
+kind; the router and the norms are replicated. A tensor-parallel split *inside* each expert (its
+intermediate dimension split over the ranks, gate and up fused per rank, as vLLM's FusedMoE
+``w13_weight`` / ``w2_weight`` without expert parallelism) is not shown here.
 
 The workers and the trainers talk only through refit: the workers start first and write their
 control URL and data endpoint to a file, which trainer rank 0 hands to its publisher. The driver
@@ -22,17 +60,20 @@ only reads what everyone saves (torch.save) into a scratch directory to compare 
 What is checked, after every step (and at step 0, the adopted baseline, before any sync):
 
 * the unsharded worker's logits on a fixed batch equal the trainer's bf16 logits bit for bit
-  (torch.equal): it runs the same forward code on the weights refit wrote into its module;
+  (torch.equal): both run the same transformers forward (eager attention, eager experts) on
+  bf16 weights, the worker on the weights refit wrote into its module;
 * every tensor of each TP shard equals the slice of the trainer's export that the layout says it
   holds (sliced here independently of refit's loader), and the padding rows of the vocabulary
   shards are untouched;
 * the TP pair's logits equal the trainer's bit for bit. Honestly: a *sharded* forward (a
   row-parallel matmul whose partial sums are all-reduced) adds in another order than an
   unsharded matmul and is not bit-comparable, so for this check the pair all-gathers its shards
-  (a byte copy, exact), unfuses qkv / gate_up back into q, k, v, gate, up, and runs the same
-  reference forward as the trainer. The sharded forward is run too, and the table reports its
-  largest difference from the reference logits ("tp fwd |d|": one or two bf16 ulps) for
-  information only;
+  (a byte copy, exact), unfuses qkv / gate_up and concatenates the expert blocks back into the
+  canonical tensors, loads them into the same transformers model, and runs the trainer's
+  forward. A sharded forward (written here, with all-reduced partial sums) is run too, and the
+  table reports its largest difference from the reference logits ("tp fwd |d|": a few bf16
+  ulps; larger for the MoE models, whose per-expert sums are added in another order too, and
+  where a token whose router scores nearly tie can pick another expert) for information only;
 * both trainer ranks hold the same export (SHA-256), and every sync is a sparse delta from the
   version before (the first from the baseline adopted as version 0, which the workers hold).
 
@@ -43,7 +84,8 @@ That wait is part of the sync's time. The three workers form one relay tree (eac
 worker's data endpoint), so each payload leaves a trainer rank once; every party proves a fresh
 shared key on the control planes and on the data plane.
 
-Run:  PYTHONPATH=python:build/dev/python python3 examples/torch_rl_loop.py [--steps N] [--quiet]
+Run:  PYTHONPATH=python:build/dev/python python3 examples/torch_rl_loop.py
+          [--model llama|qwen3|qwen3-moe|mixtral] [--steps N] [--quiet]
 
 It prints one row per step and, as its last line, a JSON summary; it exits non-zero if any check
 fails. Everything uses torch.set_num_threads(1), so that equal inputs give equal bits.
@@ -56,6 +98,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -65,6 +108,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -72,19 +116,80 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-# ---- The model -----------------------------------------------------------------------------------
+# ---- The models ----------------------------------------------------------------------------------
 
-#: A small Llama-style GPT: odd sizes on purpose (a vocabulary that is no multiple of the padding).
-CONFIG = dict(
-    vocab=250,
-    hidden=64,
-    layers=3,
-    heads=4,
-    kv_heads=2,  # GQA: two q heads share each kv head
-    mlp=160,
-    eps=1e-5,
-    rope_theta=10000.0,
+#: What every model shares: odd sizes on purpose (a vocabulary that is no multiple of the
+#: padding). Every size the layout needs is given here, not left to a config class's defaults.
+COMMON = dict(
+    vocab_size=250,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: two q heads share each kv head
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    # The plain eager paths: a forward is the same sequence of ops in every process that runs it.
+    attn_implementation="eager",
 )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformers class, its config class, and the config's arguments."""
+
+    hf_class: str
+    hf_config: str
+    config: dict
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3)
+
+    @property
+    def vocab(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def experts(self) -> int:
+        """The number of experts per layer (0: a dense model)."""
+        return self.config.get("num_experts", self.config.get("num_local_experts", 0))
+
+
+MODELS = {
+    "llama": ModelSpec("LlamaForCausalLM", "LlamaConfig", dict(COMMON, intermediate_size=160)),
+    "qwen3": ModelSpec(
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        dict(COMMON, head_dim=32, intermediate_size=160, tie_word_embeddings=True),
+        qk_norm=True,
+    ),
+    "qwen3-moe": ModelSpec(
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            experts_implementation="eager",  # a loop over the experts hit (the default may group)
+        ),
+        qk_norm=True,
+    ),
+    "mixtral": ModelSpec(
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(
+            COMMON,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            experts_implementation="eager",
+        ),
+    ),
+}
 SEED = 1234
 TP = 2
 PAD_TO = 8  # the vocabulary is padded to a multiple of PAD_TO * TP: 256, 128 rows per shard
@@ -98,26 +203,178 @@ EVAL_BATCH = (4, 24)
 #: children in the environment.
 KEY_ENV = "REFIT_EXAMPLE_KEY"
 
-LAYER_KEYS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+LAYER_TENSOR = re.compile(r"(model\.layers\.\d+\.)(.+)")
+FUSED_AWAY = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
+COLUMN_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def head_dim(cfg=CONFIG) -> int:
-    return cfg["hidden"] // cfg["heads"]
+def make_model(spec: ModelSpec, seed: int = SEED) -> nn.Module:
+    """The initial fp32 model, the same bits in every process (built from the config alone)."""
+    import transformers  # noqa: PLC0415 — the driver does not need it
+
+    config = getattr(transformers, spec.hf_config)(**spec.config)
+    torch.manual_seed(seed)
+    model = getattr(transformers, spec.hf_class)(config)
+    # Our own init, so that the bits do not depend on the class's init scheme (Qwen3-MoE's router
+    # starts at zero, which would route every token alike).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    return model
 
 
-def padded_vocab(cfg=CONFIG, tp=TP) -> int:
+def bf16_model(spec: ModelSpec) -> nn.Module:
+    """The inference copy: the initial model in bf16 (rotary buffers included), for reading."""
+    return make_model(spec).to(torch.bfloat16).requires_grad_(False).eval()
+
+
+def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The one forward everybody compares: the transformers model's own."""
+    return model(input_ids=tokens, use_cache=False).logits
+
+
+def head_dim(spec: ModelSpec) -> int:
+    return spec.config["head_dim"]
+
+
+def padded_vocab(spec: ModelSpec, tp: int = TP) -> int:
     multiple = PAD_TO * tp
-    return (cfg["vocab"] + multiple - 1) // multiple * multiple
+    return (spec.vocab + multiple - 1) // multiple * multiple
+
+
+# ---- The tensor-parallel layout ------------------------------------------------------------------
+
+
+def qkv_rows(tp_rank: int, spec: ModelSpec, tp: int = TP):
+    """The q rows and the k/v rows (ranges) that TP rank `tp_rank` holds in its fused qkv_proj."""
+    dim = head_dim(spec)
+    heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
+    q_heads = heads // tp
+    if kv_heads >= tp:
+        kv_count, kv_first = kv_heads // tp, tp_rank * (kv_heads // tp)
+    else:  # fewer kv heads than ranks: each is replicated on tp / kv_heads consecutive ranks
+        kv_count, kv_first = 1, tp_rank // (tp // kv_heads)
+    q = (tp_rank * q_heads * dim, (tp_rank + 1) * q_heads * dim)
+    kv = (kv_first * dim, (kv_first + kv_count) * dim)
+    return q, kv
+
+
+def split_name(name: str):
+    """('model.layers.N.', the rest) for a layer's tensor, ('', name) for any other."""
+    match = LAYER_TENSOR.fullmatch(name)
+    return match.groups() if match else ("", name)
+
+
+def shard_of(canonical: Dict[str, torch.Tensor], tp_rank: int, spec: ModelSpec, tp: int = TP):
+    """What TP rank `tp_rank` holds of the canonical weights, by plain slicing (not refit's loader).
+
+    Returns (tensors, canonical vocabulary rows per vocabulary shard): fused
+    qkv_proj = [q rows of its heads | k rows of its kv heads | v rows of its kv heads],
+    gate_up_proj = [gate block r | up block r], o_proj / down_proj column blocks, the experts'
+    stacks as blocks of E / tp whole experts, the embedding and LM head as padded vocabulary
+    blocks (padding rows zero); everything else (norms, qk-norms, the router) replicated.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    block = padded_vocab(spec, tp) // tp
+    first = tp_rank * block
+    held_rows = max(0, min(block, spec.vocab - first))
+    (q0, q1), (k0, k1) = qkv_rows(tp_rank, spec, tp)
+    for name, tensor in canonical.items():
+        layer, key = split_name(name)
+        if name in VOCAB_TENSORS:
+            shard = torch.zeros(block, *tensor.shape[1:], dtype=tensor.dtype)
+            shard[:held_rows] = tensor[first : first + held_rows]
+            out[name] = shard
+        elif key == "self_attn.q_proj.weight":
+            out[layer + "self_attn.qkv_proj.weight"] = torch.cat(
+                [
+                    tensor[q0:q1],
+                    canonical[layer + "self_attn.k_proj.weight"][k0:k1],
+                    canonical[layer + "self_attn.v_proj.weight"][k0:k1],
+                ]
+            )
+        elif key == "mlp.gate_proj.weight":
+            rows = tensor.shape[0] // tp
+            m0, m1 = tp_rank * rows, (tp_rank + 1) * rows
+            out[layer + "mlp.gate_up_proj.weight"] = torch.cat(
+                [tensor[m0:m1], canonical[layer + "mlp.up_proj.weight"][m0:m1]]
+            )
+        elif key in FUSED_AWAY:
+            continue
+        elif key in COLUMN_PARALLEL:
+            cols = tensor.shape[1] // tp
+            out[name] = tensor[:, tp_rank * cols : (tp_rank + 1) * cols].clone()
+        elif key in EXPERT_STACKS:
+            experts = tensor.shape[0] // tp
+            out[name] = tensor[tp_rank * experts : (tp_rank + 1) * experts].clone()
+        else:
+            out[name] = tensor.clone()
+    return out, held_rows
+
+
+def unshard(shards: List[Dict[str, torch.Tensor]], spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """The canonical weights from the TP shards (the inverse of shard_of; a pure byte copy)."""
+    tp = len(shards)
+    heads, kv_heads = spec.config["num_attention_heads"], spec.config["num_key_value_heads"]
+    q_rows = heads // tp * head_dim(spec)
+    kv_rows = (kv_heads // tp if kv_heads >= tp else 1) * head_dim(spec)
+    replicas = 1 if kv_heads >= tp else tp // kv_heads
+    out: Dict[str, torch.Tensor] = {}
+    for name in shards[0]:
+        layer, key = split_name(name)
+        parts = [s[name] for s in shards]
+        if name in VOCAB_TENSORS:
+            out[name] = torch.cat(parts)[: spec.vocab]
+        elif key == "self_attn.qkv_proj.weight":
+            out[layer + "self_attn.q_proj.weight"] = torch.cat([t[:q_rows] for t in parts])
+            kv_owners = parts[::replicas]  # one copy of each replicated kv head
+            out[layer + "self_attn.k_proj.weight"] = torch.cat(
+                [t[q_rows : q_rows + kv_rows] for t in kv_owners]
+            )
+            out[layer + "self_attn.v_proj.weight"] = torch.cat(
+                [t[q_rows + kv_rows :] for t in kv_owners]
+            )
+        elif key == "mlp.gate_up_proj.weight":
+            rows = parts[0].shape[0] // 2
+            out[layer + "mlp.gate_proj.weight"] = torch.cat([t[:rows] for t in parts])
+            out[layer + "mlp.up_proj.weight"] = torch.cat([t[rows:] for t in parts])
+        elif key in COLUMN_PARALLEL:
+            out[name] = torch.cat(parts, dim=1)
+        elif key in EXPERT_STACKS:
+            out[name] = torch.cat(parts)
+        else:
+            out[name] = parts[0]
+    return out
+
+
+class ShardModule(nn.Module):
+    """A parameter container whose named_parameters() are exactly the given names (dots nest).
+
+    ``tied``: {name: other name} registers the other name's parameter under ``name`` as well (one
+    storage under two names, as a tied LM head).
+    """
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], tied: Optional[Dict[str, str]] = None):
+        super().__init__()
+        tied = tied or {}
+        made: Dict[str, nn.Parameter] = {}
+        for name in [n for n in tensors if n not in tied] + list(tied):
+            owner: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            if name in tied:
+                made[name] = made[tied[name]]
+            else:
+                made[name] = nn.Parameter(tensors[name].clone(), requires_grad=False)
+            owner.register_parameter(leaf, made[name])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,9 +384,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, theta: float):
-    """Rotary position embedding of q, k [B, heads, T, D], computed here (no buffers to sync)."""
+    """Rotary position embedding of q, k [B, heads, T, D], as transformers' default rope."""
     seq, dim = q.shape[-2], q.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # The model's inv_freq buffer went to bf16 with the module (module.to(bfloat16)).
+    inv = inv.to(q.dtype).float()
     angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(q.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(q.dtype)
@@ -153,263 +412,87 @@ def attention(q, k, v, kv_repeat: int) -> torch.Tensor:
     return probs @ v
 
 
-def reference_forward(w: Dict[str, torch.Tensor], tokens: torch.Tensor, cfg=CONFIG) -> torch.Tensor:
-    """Logits [B, T, V] of the canonical weights `w` (name → tensor) on `tokens` [B, T].
-
-    The one forward everybody compares: the trainer (fp32 for training, bf16 for the reference
-    logits), the unsharded worker, and the TP pair on its reassembled weights.
-    """
-    batch, seq = tokens.shape
-    heads, kv_heads, dim = cfg["heads"], cfg["kv_heads"], head_dim(cfg)
-    x = F.embedding(tokens, w["model.embed_tokens.weight"])
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
-        q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(batch, seq, heads, dim)
-        k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(batch, seq, kv_heads, dim)
-        v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(batch, seq, kv_heads, dim)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cfg["rope_theta"])
-        o = attention(q, k, v.transpose(1, 2), heads // kv_heads)
-        o = o.transpose(1, 2).reshape(batch, seq, heads * dim)
-        x = x + F.linear(o, w[p + "self_attn.o_proj.weight"])
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
-        gate = F.linear(h, w[p + "mlp.gate_proj.weight"])
-        up = F.linear(h, w[p + "mlp.up_proj.weight"])
-        x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-    x = rms_norm(x, w["model.norm.weight"], cfg["eps"])
-    return F.linear(x, w["lm_head.weight"])
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        hidden, dim = cfg["hidden"], head_dim(cfg)
-        self.q_proj = nn.Linear(hidden, cfg["heads"] * dim, bias=False)
-        self.k_proj = nn.Linear(hidden, cfg["kv_heads"] * dim, bias=False)
-        self.v_proj = nn.Linear(hidden, cfg["kv_heads"] * dim, bias=False)
-        self.o_proj = nn.Linear(cfg["heads"] * dim, hidden, bias=False)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg["hidden"], cfg["mlp"], bias=False)
-        self.up_proj = nn.Linear(cfg["hidden"], cfg["mlp"], bias=False)
-        self.down_proj = nn.Linear(cfg["mlp"], cfg["hidden"], bias=False)
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg["hidden"])
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg["hidden"])
-        self.mlp = MLP(cfg)
-
-
-class Body(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab"], cfg["hidden"])
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg["layers"]))
-        self.norm = RMSNorm(cfg["hidden"])
-
-
-class GPT(nn.Module):
-    """The canonical model: Hugging Face Llama names (model.layers.0.self_attn.q_proj.weight …)."""
-
-    def __init__(self, cfg=CONFIG):
-        super().__init__()
-        self.cfg = cfg
-        self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg["hidden"], cfg["vocab"], bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return reference_forward(dict(self.named_parameters()), tokens, self.cfg)
-
-
-def make_model(seed: int = SEED) -> GPT:
-    """The initial fp32 model, the same bits in every process."""
-    torch.manual_seed(seed)
-    model = GPT(CONFIG)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)
-    return model
-
-
-def initial_bf16_state(seed: int = SEED) -> Dict[str, torch.Tensor]:
-    """The canonical bf16 weights at version 0: what the trainer's export holds before step 1."""
-    return {n: t.detach().to(torch.bfloat16) for n, t in make_model(seed).state_dict().items()}
-
-
-# ---- The tensor-parallel layout ------------------------------------------------------------------
-
-
-def qkv_rows(tp_rank: int, tp: int = TP, cfg=CONFIG):
-    """The q rows and the k/v rows (ranges) that TP rank `tp_rank` holds in its fused qkv_proj."""
-    dim = head_dim(cfg)
-    q_heads = cfg["heads"] // tp
-    if cfg["kv_heads"] >= tp:
-        kv_count, kv_first = cfg["kv_heads"] // tp, tp_rank * (cfg["kv_heads"] // tp)
-    else:  # fewer kv heads than ranks: each is replicated on tp / kv_heads consecutive ranks
-        kv_count, kv_first = 1, tp_rank // (tp // cfg["kv_heads"])
-    q = (tp_rank * q_heads * dim, (tp_rank + 1) * q_heads * dim)
-    kv = (kv_first * dim, (kv_first + kv_count) * dim)
-    return q, kv
-
-
-def shard_of(canonical: Dict[str, torch.Tensor], tp_rank: int, tp: int = TP, cfg=CONFIG):
-    """What TP rank `tp_rank` holds of the canonical weights, by plain slicing (not refit's loader).
-
-    Returns (tensors, canonical vocabulary rows per vocabulary shard): fused
-    qkv_proj = [q rows of its heads | k rows of its kv heads | v rows of its kv heads],
-    gate_up_proj = [gate block r | up block r], o_proj / down_proj column blocks, the embedding
-    and LM head as padded vocabulary blocks (padding rows zero), norms replicated.
-    """
-    out: Dict[str, torch.Tensor] = {}
-    block = padded_vocab(cfg, tp) // tp
-    first = tp_rank * block
-    held_rows = max(0, min(block, cfg["vocab"] - first))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        shard = torch.zeros(block, cfg["hidden"], dtype=canonical[name].dtype)
-        shard[:held_rows] = canonical[name][first : first + held_rows]
-        out[name] = shard
-    out["model.norm.weight"] = canonical["model.norm.weight"].clone()
-    (q0, q1), (k0, k1) = qkv_rows(tp_rank, tp, cfg)
-    mlp_block = cfg["mlp"] // tp
-    hidden_block = cfg["heads"] * head_dim(cfg) // tp
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        c = {key: canonical[p + key] for key in LAYER_KEYS}
-        out[p + "input_layernorm.weight"] = c["input_layernorm.weight"].clone()
-        out[p + "post_attention_layernorm.weight"] = c["post_attention_layernorm.weight"].clone()
-        out[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [
-                c["self_attn.q_proj.weight"][q0:q1],
-                c["self_attn.k_proj.weight"][k0:k1],
-                c["self_attn.v_proj.weight"][k0:k1],
-            ]
-        )
-        r0, r1 = tp_rank * hidden_block, (tp_rank + 1) * hidden_block
-        out[p + "self_attn.o_proj.weight"] = c["self_attn.o_proj.weight"][:, r0:r1].clone()
-        m0, m1 = tp_rank * mlp_block, (tp_rank + 1) * mlp_block
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [c["mlp.gate_proj.weight"][m0:m1], c["mlp.up_proj.weight"][m0:m1]]
-        )
-        out[p + "mlp.down_proj.weight"] = c["mlp.down_proj.weight"][:, m0:m1].clone()
-    return out, held_rows
-
-
-def unshard(shards: List[Dict[str, torch.Tensor]], cfg=CONFIG) -> Dict[str, torch.Tensor]:
-    """The canonical weights from the TP shards (the inverse of shard_of; a pure byte copy)."""
-    tp = len(shards)
-    out: Dict[str, torch.Tensor] = {}
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        out[name] = torch.cat([s[name] for s in shards])[: cfg["vocab"]]
-    out["model.norm.weight"] = shards[0]["model.norm.weight"]
-    dim = head_dim(cfg)
-    q_rows = cfg["heads"] // tp * dim
-    kv_rows = (cfg["kv_heads"] // tp if cfg["kv_heads"] >= tp else 1) * dim
-    replicas = 1 if cfg["kv_heads"] >= tp else tp // cfg["kv_heads"]
-    mlp_block = cfg["mlp"] // tp
-    for i in range(cfg["layers"]):
-        p = f"model.layers.{i}."
-        for key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[p + key] = shards[0][p + key]
-        qkv = [s[p + "self_attn.qkv_proj.weight"] for s in shards]
-        out[p + "self_attn.q_proj.weight"] = torch.cat([t[:q_rows] for t in qkv])
-        kv_owners = qkv[::replicas]  # one copy of each replicated kv head
-        out[p + "self_attn.k_proj.weight"] = torch.cat(
-            [t[q_rows : q_rows + kv_rows] for t in kv_owners]
-        )
-        out[p + "self_attn.v_proj.weight"] = torch.cat([t[q_rows + kv_rows :] for t in kv_owners])
-        out[p + "self_attn.o_proj.weight"] = torch.cat(
-            [s[p + "self_attn.o_proj.weight"] for s in shards], dim=1
-        )
-        gate_up = [s[p + "mlp.gate_up_proj.weight"] for s in shards]
-        out[p + "mlp.gate_proj.weight"] = torch.cat([t[:mlp_block] for t in gate_up])
-        out[p + "mlp.up_proj.weight"] = torch.cat([t[mlp_block:] for t in gate_up])
-        out[p + "mlp.down_proj.weight"] = torch.cat(
-            [s[p + "mlp.down_proj.weight"] for s in shards], dim=1
-        )
-    return out
-
-
-class ShardModule(nn.Module):
-    """A parameter container whose named_parameters() are exactly the given names (dots nest)."""
-
-    def __init__(self, tensors: Dict[str, torch.Tensor]):
-        super().__init__()
-        for name, tensor in tensors.items():
-            owner: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, nn.Module())
-                owner = getattr(owner, part)
-            owner.register_parameter(leaf, nn.Parameter(tensor.clone(), requires_grad=False))
-
-
-class TPShardGPT(nn.Module):
+class TPShard(nn.Module):
     """TP rank `tp_rank` of an engine's model: fused and sharded weights, and a sharded forward."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], tp_rank: int, tp: int = TP, cfg=CONFIG):
+    def __init__(
+        self, tensors: Dict[str, torch.Tensor], tp_rank: int, spec: ModelSpec, tp: int = TP
+    ):
         super().__init__()
-        self.cfg, self.tp_rank, self.tp = cfg, tp_rank, tp
-        holder = ShardModule(tensors)
+        self.spec, self.tp_rank, self.tp = spec, tp_rank, tp
+        tied = {"lm_head.weight": "model.embed_tokens.weight"}
+        holder = ShardModule(tensors, tied if spec.config["tie_word_embeddings"] else None)
         self.model = holder.model
         self.lm_head = holder.lm_head
 
     def weights(self) -> Dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.named_parameters()}
+        """Every tensor by name, a tied one under both of its names."""
+        return {n: p.detach() for n, p in self.named_parameters(remove_duplicate=False)}
 
     def sharded_forward(self, tokens: torch.Tensor, group) -> torch.Tensor:
         """The forward a TP engine runs: partial sums all-reduced (in fp32), vocab-parallel ends."""
-        cfg, w = self.cfg, self.weights()
+        spec, cfg, w = self.spec, self.spec.config, self.weights()
         batch, seq = tokens.shape
-        dim = head_dim(cfg)
-        q_heads = cfg["heads"] // self.tp
-        kv_heads = cfg["kv_heads"] // self.tp if cfg["kv_heads"] >= self.tp else 1
+        dim, eps = head_dim(spec), cfg["rms_norm_eps"]
+        q_heads = cfg["num_attention_heads"] // self.tp
+        kv_heads = max(1, cfg["num_key_value_heads"] // self.tp)
 
-        def all_reduce(partial):
+        def all_reduce(partial, dtype):
             total = partial.float()
             dist.all_reduce(total, group=group)
-            return total.to(partial.dtype)
+            return total.to(dtype)
 
         block = w["model.embed_tokens.weight"].shape[0]
         local = tokens - self.tp_rank * block
         outside = (local < 0) | (local >= block)
         x = F.embedding(local.masked_fill(outside, 0), w["model.embed_tokens.weight"])
-        x = all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
-        for i in range(cfg["layers"]):
+        x = all_reduce(x.masked_fill(outside.unsqueeze(-1), 0), x.dtype)
+        for i in range(cfg["num_hidden_layers"]):
             p = f"model.layers.{i}."
-            h = rms_norm(x, w[p + "input_layernorm.weight"], cfg["eps"])
+            h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
             qkv = F.linear(h, w[p + "self_attn.qkv_proj.weight"])
             q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            q = q.reshape(batch, seq, q_heads, dim).transpose(1, 2)
-            k = k.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
+            q = q.reshape(batch, seq, q_heads, dim)
+            k = k.reshape(batch, seq, kv_heads, dim)
+            if spec.qk_norm:
+                q = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps)
+                k = rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
             v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
-            q, k = rope(q, k, cfg["rope_theta"])
+            q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cfg["rope_parameters"]["rope_theta"])
             o = attention(q, k, v, q_heads // kv_heads)
             o = o.transpose(1, 2).reshape(batch, seq, q_heads * dim)
-            x = x + all_reduce(F.linear(o, w[p + "self_attn.o_proj.weight"]))
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg["eps"])
-            gate, up = F.linear(h, w[p + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            x = x + all_reduce(F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"]))
-        x = rms_norm(x, w["model.norm.weight"], cfg["eps"])
+            x = x + all_reduce(F.linear(o, w[p + "self_attn.o_proj.weight"]), x.dtype)
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+            if spec.experts:
+                x = x + all_reduce(self._local_experts(h, w, p), x.dtype)
+            else:
+                gate, up = F.linear(h, w[p + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+                down = F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+                x = x + all_reduce(down, x.dtype)
+        x = rms_norm(x, w["model.norm.weight"], eps)
         local_logits = F.linear(x, w["lm_head.weight"]).contiguous()
         gathered = all_gather_exact(local_logits, group)
-        return torch.cat(gathered, dim=-1)[..., : cfg["vocab"]]
+        return torch.cat(gathered, dim=-1)[..., : spec.vocab]
+
+    def _local_experts(self, h: torch.Tensor, w: Dict[str, torch.Tensor], p: str) -> torch.Tensor:
+        """This rank's experts' share of the MoE output (fp32): every token routed, top-k kept."""
+        cfg = self.spec.config
+        flat = h.reshape(-1, h.shape[-1])
+        probs = torch.softmax(F.linear(flat, w[p + "mlp.gate.weight"]).float(), dim=-1)
+        weights, chosen = probs.topk(cfg["num_experts_per_tok"], dim=-1)
+        if cfg.get("norm_topk_prob", True):  # Mixtral always renormalises
+            weights = weights / weights.sum(-1, keepdim=True)
+        gate_up, down = w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.down_proj"]
+        first = self.tp_rank * gate_up.shape[0]
+        out = torch.zeros(flat.shape, dtype=torch.float32)
+        for e in range(gate_up.shape[0]):
+            token, slot = torch.where(chosen == first + e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(flat[token], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down[e])
+            out.index_add_(0, token, y.float() * weights[token, slot, None])
+        return out.view(h.shape)
 
 
 def all_gather_exact(tensor: torch.Tensor, group) -> List[torch.Tensor]:
@@ -420,39 +503,44 @@ def all_gather_exact(tensor: torch.Tensor, group) -> List[torch.Tensor]:
     return [part.view(tensor.dtype).view(tensor.shape) for part in parts]
 
 
-def tp_fused_spec(cfg=CONFIG):
+def tp_fused_spec(spec: ModelSpec):
     """The fused tensors of the TP layout: loader rules, as refit.torch.tp_loader takes them.
 
-    Every other tensor's rule (column-parallel o_proj / down_proj, vocabulary-parallel embedding
-    and LM head, replicated norms) tp_loader infers from the local and canonical shapes.
+    Every other tensor's rule (column-parallel o_proj / down_proj, the experts' dim-0 blocks
+    (``row``), vocabulary-parallel embedding and LM head, replicated norms and router) tp_loader
+    infers from the local and canonical shapes.
     """
     layer = r"model\.layers\.(\d+)\."
-    return [
+    rules = [
         {
             "kind": "qkv",
             "q": layer + r"self_attn\.q_proj\.weight",
             "k": layer + r"self_attn\.k_proj\.weight",
             "v": layer + r"self_attn\.v_proj\.weight",
             "to": "model.layers.$1.self_attn.qkv_proj.weight",
-            "num_heads": cfg["heads"],
-            "num_kv_heads": cfg["kv_heads"],
-        },
-        {
-            "kind": "gate_up",
-            "gate": layer + r"mlp\.gate_proj\.weight",
-            "up": layer + r"mlp\.up_proj\.weight",
-            "to": "model.layers.$1.mlp.gate_up_proj.weight",
+            "num_heads": spec.config["num_attention_heads"],
+            "num_kv_heads": spec.config["num_key_value_heads"],
         },
     ]
+    if not spec.experts:
+        rules.append(
+            {
+                "kind": "gate_up",
+                "gate": layer + r"mlp\.gate_proj\.weight",
+                "up": layer + r"mlp\.up_proj\.weight",
+                "to": "model.layers.$1.mlp.gate_up_proj.weight",
+            }
+        )
+    return rules
 
 
 # ---- Data ----------------------------------------------------------------------------------------
 
 
-def token_stream(length: int, cfg=CONFIG, seed: int = 7) -> torch.Tensor:
+def token_stream(length: int, vocab: int, seed: int = 7) -> torch.Tensor:
     """A fixed "language": each token is followed by one of 3 successors of its own."""
     g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(cfg["vocab"], (cfg["vocab"], 3), generator=g).tolist()
+    successors = torch.randint(vocab, (vocab, 3), generator=g).tolist()
     choices = torch.randint(3, (length,), generator=g).tolist()
     tokens = [0] * length
     for i in range(1, length):
@@ -468,9 +556,9 @@ def training_batch(stream: torch.Tensor, step: int, rank: int, world: int) -> to
     return torch.stack(rows)
 
 
-def eval_batch(cfg=CONFIG) -> torch.Tensor:
+def eval_batch(vocab: int) -> torch.Tensor:
     batch, seq = EVAL_BATCH
-    return token_stream(batch * seq, cfg, seed=99).view(batch, seq)
+    return token_stream(batch * seq, vocab, seed=99).view(batch, seq)
 
 
 # ---- Files between the processes -----------------------------------------------------------------
@@ -554,9 +642,10 @@ def worker_main(args) -> None:
     torch.set_num_threads(1)
     import refit.torch as rt  # noqa: PLC0415 — the driver does not need refit
 
-    workdir, steps = args.workdir, args.steps
+    workdir, steps, spec = args.workdir, args.steps, MODELS[args.model]
     tp_rank = args.shard
-    canonical = initial_bf16_state()
+    module = bf16_model(spec)  # the version-0 bits, which the trainer adopts as its baseline
+    canonical = {n: t.clone() for n, t in module.state_dict().items()}
     gate = WeightsGate(args.timeout)
     options = dict(
         version=0,  # what the module holds now: the trainer adopts the same bits as version 0
@@ -569,10 +658,8 @@ def worker_main(args) -> None:
     group = None
     if args.kind == "full":
         name = "full"
-        module = GPT(CONFIG).to(torch.bfloat16).requires_grad_(False)
-        module.load_state_dict(canonical)
         receiver = rt.Receiver(**options)
-        receiver.attach(module)
+        receiver.attach(module)  # a tied LM head is registered once (its other name is skipped)
     else:
         name = f"tp{tp_rank}"
         # The TP pair's own process group: only for the check (all-gather) and the sharded forward.
@@ -583,19 +670,20 @@ def worker_main(args) -> None:
             world_size=TP,
         )
         group = dist.group.WORLD
-        tensors, _ = shard_of(canonical, tp_rank)
-        module = TPShardGPT(tensors, tp_rank)
+        reference = module  # rank 0 loads the reassembled shards into it for the exact check
+        tensors, _ = shard_of(canonical, tp_rank, spec)
+        module = TPShard(tensors, tp_rank, spec)
         loader = rt.tp_loader(
             module,
             {n: tuple(t.shape) for n, t in canonical.items()},
             tp_rank=tp_rank,
             tp_size=TP,
-            fused=tp_fused_spec(),
+            fused=tp_fused_spec(spec),
             pad_to=PAD_TO,
         )
         receiver = rt.Receiver(replica="tp2", shard=tp_rank, **options)
         receiver.attach(module, loader=loader)
-    tokens = eval_batch()
+    tokens = eval_batch(spec.vocab)
     with receiver.start():  # serving from here; stop() on the way out
         write_json_atomic(
             {"control_url": receiver.control_url, "data_endpoint": receiver.producer_endpoint},
@@ -608,18 +696,19 @@ def worker_main(args) -> None:
                 if held != version:
                     raise RuntimeError(f"worker {name}: waited for version {version}, holds {held}")
                 if group is None:
-                    result = {"logits": module(tokens)}
+                    result = {"logits": logits_of(module, tokens)}
                     if version == args.fault_step:  # a test of the checks: one bit off, in a copy
-                        w = {n: p.detach().clone() for n, p in module.named_parameters()}
-                        w["lm_head.weight"].view(torch.int16)[0, 0] ^= 1
-                        result = {"logits": reference_forward(w, tokens)}
+                        faulty = copy.deepcopy(module)
+                        faulty.lm_head.weight.view(torch.int16)[0, 0] ^= 1 << 6
+                        result = {"logits": logits_of(faulty, tokens)}
                 else:
                     mine = module.weights()
                     gathered = {n: all_gather_exact(t, group) for n, t in mine.items()}
                     shards = [{n: parts[r] for n, parts in gathered.items()} for r in range(TP)]
                     result = {"shard": {n: t.clone() for n, t in mine.items()}}
                     if tp_rank == 0:
-                        result["logits"] = reference_forward(unshard(shards), tokens)
+                        reference.load_state_dict(unshard(shards, spec))
+                        result["logits"] = logits_of(reference, tokens)
                     sharded = module.sharded_forward(tokens, group)
                     if tp_rank == 0:
                         result["sharded_logits"] = sharded
@@ -640,7 +729,7 @@ def trainer_main(args) -> None:
     torch.set_num_threads(1)
     import refit.torch as rt  # noqa: PLC0415
 
-    workdir, steps, rank = args.workdir, args.steps, args.rank
+    workdir, steps, rank, spec = args.workdir, args.steps, args.rank, MODELS[args.model]
     dist.init_process_group(
         "gloo",
         init_method=f"file://{os.path.join(workdir, 'trainers.store')}",
@@ -648,15 +737,16 @@ def trainer_main(args) -> None:
         world_size=2,
     )
     world = dist.get_world_size()
-    model = make_model()  # fp32 master weights, identical on both ranks
-    master = dict(model.named_parameters())
+    model = make_model(spec).train()  # fp32 master weights, identical on both ranks
+    master = model.state_dict()  # name → the parameters themselves (a tied one under both names)
     # The bf16 copy the receivers get: preallocated once, refilled in place after every step.
-    bf16_model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)
-    export = bf16_model.state_dict()  # name → the bf16 parameter tensors themselves
+    inference = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).eval()
+    # name → the bf16 parameter tensors themselves: what users export, stacked experts included
+    export = inference.state_dict()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
     flat_grad = torch.zeros(sum(p.numel() for p in model.parameters()))
-    stream = token_stream((steps * world * BATCH_PER_RANK) * (SEQ_LEN + 1))
-    tokens = eval_batch()
+    stream = token_stream((steps * world * BATCH_PER_RANK) * (SEQ_LEN + 1), spec.vocab)
+    tokens = eval_batch(spec.vocab)
 
     receivers = None
     if rank == 0:
@@ -680,7 +770,7 @@ def trainer_main(args) -> None:
 
     def save_step(step: int, **fields) -> None:
         with torch.no_grad():
-            logits = bf16_model(tokens)
+            logits = logits_of(inference, tokens)
         snapshot = {n: t.clone() for n, t in export.items()}
         path = os.path.join(workdir, f"trainer_v{step}.pt")
         save_atomic(dict(logits=logits, export=snapshot, **fields), path)
@@ -689,13 +779,15 @@ def trainer_main(args) -> None:
         save_step(0, loss=None, report=None)
     for step in range(1, steps + 1):
         batch = training_batch(stream, step, rank, world)
-        logits = model(batch[:, :-1])
+        logits = logits_of(model, batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         # Data parallel: average the gradients (one all_reduce over a preallocated flat buffer).
         offset = 0
         for p in model.parameters():
+            if p.grad is None:  # a parameter this batch did not reach
+                p.grad = torch.zeros_like(p)
             flat_grad[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
         dist.all_reduce(flat_grad)
@@ -775,6 +867,7 @@ class Fleet:
         log = os.path.join(self.workdir, f"{name}.log")
         self.logs[name] = log
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault("HF_HUB_OFFLINE", "1")  # the models are built from a config: no downloads
         env.setdefault(KEY_ENV, self.key)
         with open(log, "w") as out:
             self.procs[name] = subprocess.Popen(
@@ -838,7 +931,7 @@ class ChildFailed(RuntimeError):
 WORKERS = ("full", "tp0", "tp1")
 
 
-def compare_step(workdir: str, step: int) -> dict:
+def compare_step(workdir: str, step: int, spec: ModelSpec) -> dict:
     """Load what everyone saved for version `step` and compare it."""
     load = lambda name: torch.load(os.path.join(workdir, name))  # noqa: E731
     trainer = load(f"trainer_v{step}.pt")
@@ -847,13 +940,13 @@ def compare_step(workdir: str, step: int) -> dict:
     ref = trainer["logits"]
     shards_equal, padding_untouched = True, True
     for r in range(TP):
-        want, held_rows = shard_of(trainer["export"], r)
+        want, held_rows = shard_of(trainer["export"], r, spec)
         got = tp[r]["shard"]
         if set(want) != set(got):
             shards_equal = False
             continue
         for name, tensor in want.items():
-            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in VOCAB_TENSORS:
                 shards_equal &= torch.equal(got[name][:held_rows], tensor[:held_rows])
                 padding_untouched &= bool((got[name][held_rows:] == 0).all())
             else:
@@ -921,10 +1014,12 @@ def driver_main(args) -> int:
     os.makedirs(workdir, exist_ok=True)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     endpoints = [f"127.0.0.1:{port}" for port in free_ports(len(WORKERS))]
+    spec = MODELS[args.model]
     common = ["--workdir", workdir, "--steps", str(args.steps), "--timeout", str(args.timeout),
-              "--fault-step", str(args.fault_step)]
+              "--fault-step", str(args.fault_step), "--model", args.model]
     fleet = Fleet(workdir, common)
-    summary: dict = {"ok": False, "num_steps": args.steps, "config": CONFIG, "tp": TP}
+    summary: dict = {"ok": False, "model": args.model, "hf_class": spec.hf_class,
+                     "num_steps": args.steps, "config": spec.config, "tp": TP}
     rows: List[dict] = []
     try:
         # The workers first: one relay tree over all three (the same peers list on each).
@@ -944,15 +1039,25 @@ def driver_main(args) -> int:
         write_json_atomic(receivers, os.path.join(workdir, "receivers.json"))
         for r in range(2):
             fleet.spawn(f"trainer{r}", ["--role", "trainer", "--rank", str(r)])
-        say(f"refit: 2 trainer ranks → 1 unsharded worker + 1 TP={TP} group; "
-            f"{sum(t.numel() for t in initial_bf16_state().values())} bf16 weights")
-        say(HEADER)
+        experts = f", {spec.experts} experts split over the TP pair" if spec.experts else ""
+        say(f"refit: {spec.hf_class}, 2 trainer ranks → 1 unsharded worker + 1 TP={TP} group"
+            f"{experts}")
         for step in range(args.steps + 1):
             for name in [f"trainer_v{step}.pt"] + [f"{w}_v{step}.pt" for w in WORKERS] + (
                 [f"trainer1_v{step}.pt"] if step else []
             ):
                 wait_for_file(os.path.join(workdir, name), args.timeout, fleet.check_alive)
-            row = compare_step(workdir, step)
+            row = compare_step(workdir, step, spec)
+            if step == 0:
+                export = torch.load(os.path.join(workdir, "trainer_v0.pt"))["export"]
+                summary["exported_tensors"] = len(export)
+                summary["exported_elements"] = sum(t.numel() for t in export.values())
+                summary["expert_tensors"] = {
+                    n: list(t.shape) for n, t in export.items()
+                    if n.startswith("model.layers.0.mlp.") and ".experts" in n
+                }
+                say(f"{len(export)} tensors, {summary['exported_elements']} bf16 weights")
+                say(HEADER)
             rows.append(row)
             say(format_row(row))
         codes = fleet.wait(args.timeout)
@@ -1000,6 +1105,8 @@ def driver_main(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama",
+                        help="the transformers model class (default llama)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     parser.add_argument("--quiet", action="store_true", help="print only the JSON summary")
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one, removed)")

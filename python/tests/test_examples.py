@@ -1,8 +1,11 @@
 """The examples run end to end and check what they claim.
 
 examples/torch_rl_loop.py: two torch.distributed trainer ranks refit one unsharded worker and one
-TP=2 shard group after every AdamW step; every worker's logits must equal the trainer's bf16
-logits bit for bit, and the syncs must be sparse deltas from the adopted baseline.
+TP=2 shard group after every AdamW step, for each of its Hugging Face transformers model classes
+(Llama; Qwen3 with qk-norm and a tied LM head; Qwen3-MoE and Mixtral, whose stacked experts the
+TP pair splits by expert); every worker's logits must equal the trainer's bf16 logits bit for
+bit, and the syncs must be sparse deltas from the adopted baseline. Each run starts six Python
+processes that import torch and transformers, which is most of its time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "torch_rl_loop.py")
@@ -45,15 +49,11 @@ def summary_of(result: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1])
 
 
-def test_torch_rl_loop_refits_every_step_bit_exactly():
-    result = run_example("--steps", "5")
-    detail = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    assert result.returncode == 0, detail
-    summary = summary_of(result)
+def check_every_step_bit_exact(summary: dict, num_steps: int, detail: str) -> None:
     assert summary["ok"], detail
-    assert summary["num_steps"] == 5
+    assert summary["num_steps"] == num_steps
     steps = summary["steps"]
-    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5], detail
+    assert [s["step"] for s in steps] == list(range(1, num_steps + 1)), detail
     # The adopted baseline (version 0) already matched, before any sync.
     assert summary["baseline"]["unsharded_logits_equal"] and summary["baseline"]["tp2_logits_equal"]
     for s in steps:
@@ -73,13 +73,34 @@ def test_torch_rl_loop_refits_every_step_bit_exactly():
     assert summary["unsharded_logits_equal"] and summary["tp2_logits_equal"]
 
 
+@pytest.mark.parametrize(
+    "model, num_steps, hf_class",
+    [
+        ("llama", 5, "LlamaForCausalLM"),
+        ("qwen3", 3, "Qwen3ForCausalLM"),
+        ("qwen3-moe", 3, "Qwen3MoeForCausalLM"),
+    ],
+)
+def test_torch_rl_loop_refits_every_step_bit_exactly(model, num_steps, hf_class):
+    result = run_example("--model", model, "--steps", str(num_steps))
+    detail = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    summary = summary_of(result)
+    assert summary["model"] == model and summary["hf_class"] == hf_class
+    check_every_step_bit_exact(summary, num_steps, detail)
+    # The MoE model's experts were exported and compared shard by shard like every other tensor.
+    assert bool(summary["expert_tensors"]) == model.endswith("moe"), summary["expert_tensors"]
+
+
 def test_torch_rl_loop_quiet_prints_only_the_summary():
-    result = run_example("--steps", "1", "--quiet")
+    # Mixtral (the second MoE class) runs here, to keep the file's run time down.
+    result = run_example("--model", "mixtral", "--steps", "2", "--quiet")
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, result.stdout
     summary = json.loads(lines[0])
-    assert summary["ok"] and len(summary["steps"]) == 1
+    assert summary["hf_class"] == "MixtralForCausalLM" and summary["expert_tensors"]
+    check_every_step_bit_exact(summary, 2, result.stdout)
 
 
 def test_torch_rl_loop_fails_when_a_worker_differs():
