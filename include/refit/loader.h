@@ -8,13 +8,14 @@
 // FULL stay exact through any slicing.
 //
 // Geometry. Every canonical tensor is seen as 2-D: rows = shape[0], cols = the product of the
-// other extents (a 1-D tensor is [N, 1], a 0-d tensor [1, 1]); canonical element i is row
-// i / cols, col i % cols. What a receiver holds of a tensor is a list of *pieces*: rectangles
-// rows [r0, r1) × cols [c0, c1), each stored row by row in one local tensor, starting at a local
-// row, with local rows of a given length. A piece's partial state digest is Σ h(canonical index,
-// bits) over its elements, so the distinct pieces of a TP group add up (mod 2^64) to the
-// producer's whole-tensor digest, and replicated copies of one rectangle (GQA kv heads when
-// kv heads < TP; norms in every shard) carry the same piece id and must agree.
+// other extents (a 1-D tensor is [N, 1], a 0-d tensor [1, 1]; a stacked expert tensor [E, R, C]
+// is [E·R, C]); canonical element i is row i / cols, col i % cols. What a receiver holds of a
+// tensor is a list of *pieces*: rectangles rows [r0, r1) × cols [c0, c1), each stored row by row in
+// one local tensor, starting at a local row, with local rows of a given length. A piece's partial
+// state digest is Σ h(canonical index, bits) over its elements, so the distinct pieces of a TP
+// group add up (mod 2^64) to the producer's whole-tensor digest, and replicated copies of one
+// rectangle (GQA kv heads when kv heads < TP; norms in every shard) carry the same piece id and
+// must agree.
 #pragma once
 
 #include <cstdint>
@@ -60,9 +61,24 @@ enum class LoaderKind : uint8_t {
   /// [r·Vp/TP, (r+1)·Vp/TP) as local [Vp/TP, rest…]. Padding rows (≥ V) are not canonical: never
   /// written, in no piece digest.
   kVocab,
+  /// One expert's gate and up (canonical [I, H] each, the expert's index in the capture group
+  /// `expert_group` of the name) into a stack of the experts a rank holds, vLLM's `w13_weight`
+  /// [local experts, 2·I/TP, H]: slot s holds [gate rows block r | up rows block r].
+  kExpertGateUp,
+  /// One expert's down projection (canonical [H, I]) into a stack, vLLM's `w2_weight`
+  /// [local experts, H, I/TP]: slot s holds column block r.
+  kExpertDown,
+  /// All experts' gate and up stacked in one canonical tensor [E, 2·I, H], gate rows first (the
+  /// `gate_up_proj` of Hugging Face transformers ≥ 5), into the same local stack as
+  /// kExpertGateUp.
+  kStackedGateUp,
+  /// All experts' down projections stacked, canonical [E, H, I] (transformers ≥ 5's
+  /// `down_proj`), into the same local stack as kExpertDown.
+  kStackedDown,
 };
 
-/// Return "identity", "rename", "skip", "row", "column", "qkv", "gate_up" or "vocab".
+/// Return "identity", "rename", "skip", "row", "column", "qkv", "gate_up", "vocab",
+/// "expert_gate_up", "expert_down", "stacked_gate_up" or "stacked_down".
 std::string_view LoaderKindName(LoaderKind kind);
 /// Parse a kind as LoaderKindName spells it. Errors: InvalidArgument listing the accepted names.
 Result<LoaderKind> ParseLoaderKind(std::string_view text);
@@ -94,6 +110,21 @@ struct LoaderRule {
   /// loader is bound) and the padding multiple per rank (Megatron / vLLM pad to 64).
   uint64_t vocab_size = 0;
   uint64_t pad_to = 64;
+  /// The expert kinds (expert_*, stacked_*):
+  /// - expert_group: the capture group of the pattern that holds the global expert index
+  ///   (expert_* kinds; required, ≥ 1);
+  /// - num_experts: the experts of the whole layer, E (required by the stacked kinds when
+  ///   `experts` is given; otherwise it only bounds the indices);
+  /// - experts: the global experts the local stack holds, slot by slot (expert parallelism:
+  ///   vLLM's expert map). Empty: every expert, slot = expert index;
+  /// - expert_tp_rank / expert_tp_size: the TP coordinates the expert stacks are split by, when
+  ///   they differ from the spec's (vLLM with expert parallelism splits experts, not their
+  ///   matrices: expert_tp_size 1). expert_tp_size 0: the spec's.
+  uint32_t expert_group = 0;
+  uint32_t num_experts = 0;
+  std::vector<uint32_t> experts{};
+  uint32_t expert_tp_rank = 0;
+  uint32_t expert_tp_size = 0;
 };
 
 /// A receiver's loader: its TP coordinates and its rules. The first rule that matches a canonical
@@ -163,7 +194,9 @@ struct CanonicalLayout {
   /// The canonical dtype and shape the receiver expects items to carry.
   DType dtype = DType::kUInt8;
   Shape shape;
-  /// The 2-D view of `shape`.
+  /// The 2-D view the pieces are drawn in: rows = shape[0], cols = the product of the rest; the
+  /// stacked expert kinds use rows = shape[0] × shape[1] (an expert's matrix rows are then rows
+  /// of the view). Either way canonical element i is (i / cols, i % cols).
   uint64_t rows = 0;
   uint64_t cols = 0;
   /// The pieces this receiver holds, disjoint. May be empty (a vocab shard holding only padding).

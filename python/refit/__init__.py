@@ -141,7 +141,12 @@ class Loader:
       into one local tensor per rank, rows [q | k | v] of the rank's heads (GQA replicates kv
       heads when there are fewer than ranks);
     - ``gate_up`` (``gate``, ``up``, ``to``): gate and up fused, [gate block | up block];
-    - ``vocab`` (``match``, ``vocab_size``, ``pad_to``): a vocabulary-parallel embedding.
+    - ``vocab`` (``match``, ``vocab_size``, ``pad_to``): a vocabulary-parallel embedding;
+    - ``expert_gate_up`` (``gate``, ``up``, ``expert_group``), ``expert_down`` (``match``,
+      ``expert_group``), ``stacked_gate_up`` / ``stacked_down`` (``match``), each with ``to`` and
+      optionally ``num_experts``, ``experts``, ``expert_tp_rank``, ``expert_tp_size``: MoE expert
+      weights, per expert or stacked, into the stack of the experts this receiver holds (vLLM's
+      ``w13_weight`` / ``w2_weight``).
 
     Patterns are regular expressions matched against the whole canonical name. A name no rule
     matches is identity. Unknown keys and kinds raise InvalidArgument. See docs/configuration.md

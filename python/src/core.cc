@@ -182,7 +182,12 @@ constexpr std::pair<std::string_view, std::string LoaderRule::*> kRuleTexts[] = 
     {"k", &LoaderRule::k},         {"v", &LoaderRule::v},   {"gate", &LoaderRule::gate},
     {"up", &LoaderRule::up}};
 constexpr std::pair<std::string_view, uint32_t LoaderRule::*> kRuleCounts[] = {
-    {"num_heads", &LoaderRule::num_heads}, {"num_kv_heads", &LoaderRule::num_kv_heads}};
+    {"num_heads", &LoaderRule::num_heads},
+    {"num_kv_heads", &LoaderRule::num_kv_heads},
+    {"expert_group", &LoaderRule::expert_group},
+    {"num_experts", &LoaderRule::num_experts},
+    {"expert_tp_rank", &LoaderRule::expert_tp_rank},
+    {"expert_tp_size", &LoaderRule::expert_tp_size}};
 constexpr std::pair<std::string_view, uint64_t LoaderRule::*> kRuleSizes[] = {
     {"vocab_size", &LoaderRule::vocab_size}, {"pad_to", &LoaderRule::pad_to}};
 
@@ -205,12 +210,15 @@ LoaderRule LoaderRuleFromDict(const py::dict& dict, size_t index) {
     const std::string field = key.cast<std::string>();
     if (field == "kind") {
       rule.kind = Unwrap(ParseLoaderKind(value.cast<std::string>()));
+    } else if (field == "experts") {
+      rule.experts = value.cast<std::vector<uint32_t>>();
     } else if (!SetRuleField(kRuleTexts, field, value, rule) &&
                !SetRuleField(kRuleCounts, field, value, rule) &&
                !SetRuleField(kRuleSizes, field, value, rule)) {
       Throw(InvalidArgument(
           "loader rule {}: unknown key '{}'; known keys: kind, match, to, q, k, v, gate, up, "
-          "num_heads, num_kv_heads, vocab_size, pad_to",
+          "num_heads, num_kv_heads, vocab_size, pad_to, expert_group, num_experts, experts, "
+          "expert_tp_rank, expert_tp_size",
           index, field));
     }
   }
@@ -251,6 +259,13 @@ py::dict LoaderSpecToDict(const LoaderSpec& spec) {
     if (rule.kind == LoaderKind::kVocab) {
       out["vocab_size"] = rule.vocab_size;
       out["pad_to"] = rule.pad_to;
+    }
+    if (rule.expert_group != 0) out["expert_group"] = rule.expert_group;
+    if (rule.num_experts != 0) out["num_experts"] = rule.num_experts;
+    if (!rule.experts.empty()) out["experts"] = rule.experts;
+    if (rule.expert_tp_size != 0) {
+      out["expert_tp_rank"] = rule.expert_tp_rank;
+      out["expert_tp_size"] = rule.expert_tp_size;
     }
     rules.append(out);
   }
@@ -655,7 +670,14 @@ PYBIND11_MODULE(_core, m) {
       py::arg("path"), "Read a loader spec YAML file into {tp_rank, tp_size, rules}.");
   m.def(
       "check_loader",
-      [](const py::dict& spec) { return LoaderSpecToDict(LoaderSpecFromDict(spec)); },
+      [](const py::dict& dict) {
+        const LoaderSpec spec = LoaderSpecFromDict(dict);
+        // The rules' own checks (patterns, parameters, TP coordinates) need no tensors: refuse a
+        // spec here, where the user wrote it, not when a receiver attaches it.
+        const std::unique_ptr<WeightStore> empty = WeightStore::Make();
+        Unwrap(Loader::Make(spec, *empty));
+        return LoaderSpecToDict(spec);
+      },
       py::arg("spec"), "Validate a loader dict and return it normalised.");
 
   py::class_<cli::RefitConfig>(

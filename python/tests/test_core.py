@@ -230,6 +230,18 @@ def test_loader_specs_round_trip_through_yaml():
     assert refit.Loader(**loader.to_dict()).to_dict() == loader.to_dict()
 
 
+def test_expert_loader_rules_keep_their_keys_and_refuse_bad_ones():
+    rule = {"kind": "stacked_down", "match": "d", "to": "w2", "num_experts": 8, "experts": [5, 1],
+            "expert_tp_rank": 0, "expert_tp_size": 1}
+    loader = refit.Loader(tp_rank=1, tp_size=2, rules=[rule])
+    assert loader.rules == [rule]
+    assert refit.Loader(**loader.to_dict()).to_dict() == loader.to_dict()
+    with pytest.raises(refit.InvalidArgument, match="expert 1 is listed twice"):
+        refit.Loader(rules=[dict(rule, experts=[1, 1])])
+    with pytest.raises(refit.InvalidArgument, match="expert_group"):
+        refit.Loader(rules=[{"kind": "expert_down", "match": "e(\\d+)", "to": "w2"}])
+
+
 def test_config_files_configure_publishers_and_receivers(tmp_path):
     path = tmp_path / "refit.yaml"
     path.write_text("delta_compression:\n  full_sync_interval: 3\n  export_chunk_bytes: 65536\n"

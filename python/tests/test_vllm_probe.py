@@ -6,7 +6,9 @@ tensors), and then:
 
 - vLLM loads it: rank r's model is built from vLLM's real parallel layers (``QKVParallelLinear``,
   ``MergedColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``,
-  ``ParallelLMHead``, ``RMSNorm``), with vLLM's parallel state reporting rank r of the TP size,
+  ``ParallelLMHead``, ``RMSNorm``; for Qwen3-MoE a router and ``FusedMoEFactory``'s MoE runner
+  with its ``RoutedExperts`` stacks, with or without expert parallelism), with vLLM's parallel
+  state reporting rank r of the TP size,
   and the model class's own ``load_weights`` (``AutoWeightsLoader`` with the model's
   ``hf_to_vllm_mapper``, which drives each parameter's ``weight_loader``) loads the canonical
   tensors;
@@ -22,6 +24,7 @@ A deliberately wrong rule must make the probe fail.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
 from types import SimpleNamespace
@@ -33,11 +36,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.model_executor.layers.linear")
 
 import vllm.distributed.parallel_state as parallel_state  # noqa: E402
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as unquantized_moe  # noqa: E402
+from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory  # noqa: E402
+from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend  # noqa: E402
 from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from vllm.model_executor.layers.linear import (  # noqa: E402
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
@@ -47,6 +54,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: E402
 from vllm.model_executor.models.llama import LlamaForCausalLM, LlamaModel  # noqa: E402
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM, Qwen2Model  # noqa: E402
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model  # noqa: E402
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeModel  # noqa: E402
 
 import refit  # noqa: E402
 import refit.torch as rt  # noqa: E402
@@ -73,6 +81,9 @@ class Arch:
     qkv_bias: bool = False
     qk_norm: bool = False
     tied: bool = False
+    experts: int = 0  # > 0: a MoE MLP (router + routed experts) instead of the dense one
+    moe_intermediate: int = 8
+    stacked_experts: bool = False  # the experts as transformers ≥ 5 exports them: [E, 2I, H], [E, H, I]
 
 
 ARCHS = [
@@ -80,6 +91,25 @@ ARCHS = [
     Arch("qwen2", Qwen2ForCausalLM, Qwen2Model, qkv_bias=True),
     Arch("qwen3-tied", Qwen3ForCausalLM, Qwen3Model, qk_norm=True, tied=True, vocab=136),
 ]
+
+#: Qwen3-MoE, its experts exported per expert (HF checkpoints, transformers < 5) or stacked.
+MOE_ARCHS = [
+    Arch("qwen3-moe", Qwen3MoeForCausalLM, Qwen3MoeModel, qk_norm=True, experts=8),
+    Arch("qwen3-moe-stacked", Qwen3MoeForCausalLM, Qwen3MoeModel, qk_norm=True, experts=8, stacked_experts=True),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How vLLM splits the model: TP ranks, and whether the MoE layers use expert parallelism."""
+
+    tp_size: int
+    expert_parallel: bool = False
+    placement: str = "linear"  # vLLM's expert_placement_strategy: linear or round_robin
+
+    @property
+    def id(self) -> str:
+        return f"tp{self.tp_size}" + (f"-ep-{self.placement}" if self.expert_parallel else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,9 +132,20 @@ def canonical_shapes(arch: Arch) -> Dict[str, Tuple[int, ...]]:
             shapes[f"{p}.self_attn.q_norm.weight"] = (arch.head_dim,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[f"{p}.self_attn.o_proj.weight"] = (arch.hidden, q)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (arch.intermediate, arch.hidden)
-        shapes[f"{p}.mlp.up_proj.weight"] = (arch.intermediate, arch.hidden)
-        shapes[f"{p}.mlp.down_proj.weight"] = (arch.hidden, arch.intermediate)
+        if arch.experts and arch.stacked_experts:
+            shapes[f"{p}.mlp.gate.weight"] = (arch.experts, arch.hidden)
+            shapes[f"{p}.mlp.experts.gate_up_proj"] = (arch.experts, 2 * arch.moe_intermediate, arch.hidden)
+            shapes[f"{p}.mlp.experts.down_proj"] = (arch.experts, arch.hidden, arch.moe_intermediate)
+        elif arch.experts:
+            shapes[f"{p}.mlp.gate.weight"] = (arch.experts, arch.hidden)
+            for e in range(arch.experts):
+                shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (arch.moe_intermediate, arch.hidden)
+                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (arch.moe_intermediate, arch.hidden)
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (arch.hidden, arch.moe_intermediate)
+        else:
+            shapes[f"{p}.mlp.gate_proj.weight"] = (arch.intermediate, arch.hidden)
+            shapes[f"{p}.mlp.up_proj.weight"] = (arch.intermediate, arch.hidden)
+            shapes[f"{p}.mlp.down_proj.weight"] = (arch.hidden, arch.intermediate)
         shapes[f"{p}.input_layernorm.weight"] = (arch.hidden,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (arch.hidden,)
     shapes["model.norm.weight"] = (arch.hidden,)
@@ -137,19 +178,49 @@ class _Layer(torch.nn.Module):
     pass
 
 
-def build_rank_model(arch: Arch, tp_rank: int, tp_size: int) -> torch.nn.Module:
-    """Rank ``tp_rank``'s model: vLLM's layers under vLLM's names, the model classes' loaders."""
-    saved, parallel_state._TP = parallel_state._TP, SimpleNamespace(
-        rank_in_group=tp_rank, world_size=tp_size, rank=tp_rank, local_rank=tp_rank
-    )
+@contextlib.contextmanager
+def vllm_parallel_state(tp_rank: int, parallel: Parallel):
+    """vLLM's parallel state as rank ``tp_rank`` of ``parallel`` reports it (one engine: no DP).
+
+    The MoE layers read the TP group (their TP or EP coordinates derive from it, as in vLLM's
+    FusedMoEParallelConfig.make), the DP and PCP groups and the EP group. And on this machine
+    vLLM's platform is not a CUDA one, so its unquantized MoE method finds no kernel backend:
+    the probe names the CPU one. That choice only picks the forward kernel; the weight layout
+    and the weight_loader are the platform-independent code under test.
+    """
+    group = SimpleNamespace(rank_in_group=tp_rank, world_size=parallel.tp_size, rank=tp_rank, local_rank=tp_rank)
+    single = SimpleNamespace(rank_in_group=0, world_size=1, rank=0, local_rank=0)
+    names = ("_TP", "_DP", "_PCP", "_EP")
+    saved = {name: getattr(parallel_state, name, None) for name in names}
+    saved_backend = unquantized_moe.select_unquantized_moe_backend
+    parallel_state._TP, parallel_state._DP, parallel_state._PCP, parallel_state._EP = group, single, single, group
+    unquantized_moe.select_unquantized_moe_backend = lambda moe_config: (UnquantizedMoeBackend.CPU, None)
     try:
-        return _build_rank_model(arch)
+        yield
     finally:
-        parallel_state._TP = saved
+        for name, value in saved.items():
+            setattr(parallel_state, name, value)
+        unquantized_moe.select_unquantized_moe_backend = saved_backend
 
 
-def _build_rank_model(arch: Arch) -> torch.nn.Module:
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+def build_rank_model(arch: Arch, tp_rank: int, tp_size: int, parallel: Parallel = None) -> torch.nn.Module:
+    """Rank ``tp_rank``'s model: vLLM's layers under vLLM's names, the model classes' loaders."""
+    parallel = parallel or Parallel(tp_size)
+    assert parallel.tp_size == tp_size
+    with vllm_parallel_state(tp_rank, parallel):
+        return _build_rank_model(arch, parallel)
+
+
+def _build_rank_model(arch: Arch, parallel: Parallel) -> torch.nn.Module:
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=parallel.tp_size,
+            enable_expert_parallel=parallel.expert_parallel,
+            expert_placement_strategy=parallel.placement,
+        ),
+    )
+    with set_current_vllm_config(config):
         inner_class = type(f"{arch.model.__name__}OnCpu", (torch.nn.Module,), {
             "load_weights": arch.model.load_weights, "hf_to_vllm_mapper": arch.model.hf_to_vllm_mapper,
         })
@@ -170,10 +241,26 @@ def _build_rank_model(arch: Arch) -> torch.nn.Module:
                 layer.self_attn.q_norm = RMSNorm(arch.head_dim)
                 layer.self_attn.k_norm = RMSNorm(arch.head_dim)
             layer.mlp = _Layer()
-            layer.mlp.gate_up_proj = MergedColumnParallelLinear(
-                arch.hidden, [arch.intermediate] * 2, bias=False, prefix=f"{p}.mlp.gate_up_proj"
-            )
-            layer.mlp.down_proj = RowParallelLinear(arch.intermediate, arch.hidden, bias=False, prefix=f"{p}.mlp.down_proj")
+            if arch.experts:
+                # Qwen3MoeSparseMoeBlock's parts: a replicated router and vLLM's FusedMoE
+                # (a MoERunner holding RoutedExperts: w13_weight, w2_weight).
+                layer.mlp.gate = ReplicatedLinear(arch.hidden, arch.experts, bias=False, prefix=f"{p}.mlp.gate")
+                # vLLM places experts round-robin only for grouped routing (DeepSeek-style
+                # expert groups); otherwise it falls back to linear placement.
+                grouped = parallel.placement == "round_robin"
+                layer.mlp.experts = FusedMoEFactory(
+                    num_experts=arch.experts, top_k=2, hidden_size=arch.hidden,
+                    intermediate_size=arch.moe_intermediate, params_dtype=torch.float32,
+                    prefix=f"{p}.mlp.experts", use_grouped_topk=grouped,
+                    num_expert_group=2 if grouped else None, topk_group=1 if grouped else None,
+                )
+            else:
+                layer.mlp.gate_up_proj = MergedColumnParallelLinear(
+                    arch.hidden, [arch.intermediate] * 2, bias=False, prefix=f"{p}.mlp.gate_up_proj"
+                )
+                layer.mlp.down_proj = RowParallelLinear(
+                    arch.intermediate, arch.hidden, bias=False, prefix=f"{p}.mlp.down_proj"
+                )
             layer.input_layernorm = RMSNorm(arch.hidden)
             layer.post_attention_layernorm = RMSNorm(arch.hidden)
             inner.layers.append(layer)
@@ -197,19 +284,21 @@ def local_bits(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {name: t.detach().view(torch.int32).clone() for name, t in model.named_parameters()}
 
 
-def vllm_loaded(arch: Arch, tp_size: int) -> List[Dict[str, torch.Tensor]]:
+def vllm_loaded(arch: Arch, tp_size: int, parallel: Parallel = None) -> List[Dict[str, torch.Tensor]]:
     """Every rank's local tensors after vLLM's own load_weights of the index tensors."""
     out = []
     for rank in range(tp_size):
-        model = build_rank_model(arch, rank, tp_size)
+        model = build_rank_model(arch, rank, tp_size, parallel)
         model.load_weights(iter(index_tensors(arch).items()))
         out.append(local_bits(model))
     return out
 
 
-def refit_loaded(arch: Arch, tp_size: int, edit_rules=None) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.nn.Module]]:
+def refit_loaded(
+    arch: Arch, tp_size: int, edit_rules=None, parallel: Parallel = None
+) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.nn.Module]]:
     """Every rank's local tensors after a refit transfer of the index tensors through the loaders."""
-    models = [build_rank_model(arch, rank, tp_size) for rank in range(tp_size)]
+    models = [build_rank_model(arch, rank, tp_size, parallel) for rank in range(tp_size)]
     peers = []
     for _ in models:
         with socket.socket() as probe:
@@ -247,8 +336,27 @@ def padding_rows(arch: Arch, rank: int, tp_size: int) -> Dict[str, slice]:
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
 def test_refit_loaders_place_every_element_where_vllm_does(arch: Arch, tp_size: int):
-    want = vllm_loaded(arch, tp_size)
-    got, _ = refit_loaded(arch, tp_size)
+    expect_same_placement(arch, Parallel(tp_size))
+
+
+#: TP alone splits every expert's matrices; EP gives each rank whole experts (vLLM's linear or
+#: round-robin placement) and the MoE layers' TP becomes 1.
+MOE_PARALLEL = [
+    Parallel(1), Parallel(2), Parallel(4),
+    Parallel(2, True), Parallel(4, True), Parallel(4, True, "round_robin"),
+]
+
+
+@pytest.mark.parametrize("parallel", MOE_PARALLEL, ids=[p.id for p in MOE_PARALLEL])
+@pytest.mark.parametrize("arch", MOE_ARCHS, ids=[a.name for a in MOE_ARCHS])
+def test_refit_moe_loaders_place_every_element_where_vllm_does(arch: Arch, parallel: Parallel):
+    expect_same_placement(arch, parallel)
+
+
+def expect_same_placement(arch: Arch, parallel: Parallel):
+    tp_size = parallel.tp_size
+    want = vllm_loaded(arch, tp_size, parallel)
+    got, _ = refit_loaded(arch, tp_size, parallel=parallel)
     covered = set()
     for rank in range(tp_size):
         assert set(got[rank]) == set(want[rank])
@@ -305,12 +413,12 @@ def test_an_unsupported_layer_is_named():
     class ExpertStack(LinearBase):  # a vLLM parallel layer loader_rules has no rule for
         pass
 
-    ExpertStack.__name__ = "FusedMoEStandIn"
+    ExpertStack.__name__ = "UnknownParallelStandIn"
     model = torch.nn.Module()
     model.experts = torch.nn.Module.__new__(ExpertStack)
     torch.nn.Module.__init__(model.experts)
     model.experts.w13_weight = torch.nn.Parameter(torch.zeros(2, 4, 4), requires_grad=False)
-    with pytest.raises(refit.InvalidArgument, match="'experts.w13_weight'.*FusedMoEStandIn"):
+    with pytest.raises(refit.InvalidArgument, match="'experts.w13_weight'.*UnknownParallelStandIn"):
         loader_rules(model)
 
 
@@ -319,4 +427,52 @@ def test_a_quantized_parameter_is_named():
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(1), requires_grad=False))
     with pytest.raises(refit.InvalidArgument, match="'model.layers.0.self_attn.qkv_proj.weight_scale'"):
+        loader_rules(model)
+
+
+def _expert_tp_ignored(rules):
+    return [{k: v for k, v in rule.items() if not k.startswith("expert_tp")} for rule in rules]
+
+
+def _experts_placed_linearly(rules):
+    def linear(rule):
+        if "experts" not in rule:
+            return rule
+        n = len(rule["experts"])
+        first = min(rule["experts"]) // n * n
+        return dict(rule, experts=list(range(first, first + n)))
+
+    return [linear(rule) for rule in rules]
+
+
+def _expert_gate_up_swapped(rules):
+    return [dict(rule, gate=rule["up"], up=rule["gate"]) if rule["kind"] == "expert_gate_up" else rule for rule in rules]
+
+
+@pytest.mark.parametrize(
+    "edit,parallel",
+    [
+        (_expert_tp_ignored, Parallel(2, True)),
+        (_experts_placed_linearly, Parallel(4, True, "round_robin")),
+        (_expert_gate_up_swapped, Parallel(2)),
+    ],
+    ids=["expert-tp-ignored-under-ep", "round-robin-read-as-linear", "expert-gate-up-swapped"],
+)
+def test_a_wrong_expert_rule_fails_the_probe(edit, parallel):
+    arch = MOE_ARCHS[0]
+    want = vllm_loaded(arch, parallel.tp_size, parallel)
+    try:
+        got, _ = refit_loaded(arch, parallel.tp_size, edit_rules=edit, parallel=parallel)
+    except refit.Error:
+        return  # refused outright (a shape the wrong rule cannot place): the probe fails too
+    assert any(
+        not torch.equal(got[rank][name], want[rank][name]) for rank in range(parallel.tp_size) for name in want[rank]
+    ), "a wrong rule went unnoticed"
+
+
+def test_an_expert_layer_refit_cannot_map_is_named():
+    model = build_rank_model(MOE_ARCHS[0], 0, 2)
+    experts = model.model.layers[0].mlp.experts.routed_experts
+    experts.register_parameter("w13_bias", torch.nn.Parameter(torch.zeros(1), requires_grad=False))
+    with pytest.raises(refit.InvalidArgument, match="'model.layers.0.mlp.experts.routed_experts.w13_bias'"):
         loader_rules(model)

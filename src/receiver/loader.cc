@@ -22,11 +22,24 @@ struct KindEntry {
 };
 
 constexpr KindEntry kKinds[] = {
-    {LoaderKind::kIdentity, "identity"}, {LoaderKind::kRename, "rename"},
-    {LoaderKind::kSkip, "skip"},         {LoaderKind::kRow, "row"},
-    {LoaderKind::kColumn, "column"},     {LoaderKind::kQkv, "qkv"},
-    {LoaderKind::kGateUp, "gate_up"},    {LoaderKind::kVocab, "vocab"},
+    {LoaderKind::kIdentity, "identity"},
+    {LoaderKind::kRename, "rename"},
+    {LoaderKind::kSkip, "skip"},
+    {LoaderKind::kRow, "row"},
+    {LoaderKind::kColumn, "column"},
+    {LoaderKind::kQkv, "qkv"},
+    {LoaderKind::kGateUp, "gate_up"},
+    {LoaderKind::kVocab, "vocab"},
+    {LoaderKind::kExpertGateUp, "expert_gate_up"},
+    {LoaderKind::kExpertDown, "expert_down"},
+    {LoaderKind::kStackedGateUp, "stacked_gate_up"},
+    {LoaderKind::kStackedDown, "stacked_down"},
 };
+
+bool IsExpertKind(LoaderKind kind) {
+  return kind == LoaderKind::kExpertGateUp || kind == LoaderKind::kExpertDown ||
+         kind == LoaderKind::kStackedGateUp || kind == LoaderKind::kStackedDown;
+}
 
 std::string KindNames() {
   std::string out;
@@ -42,9 +55,29 @@ std::string KindNames() {
 constexpr size_t kMaxSpecFileBytes = size_t{1} << 20;
 
 /// The keys of a rule mapping. `kind` is always allowed; the rest depend on the kind.
-constexpr std::string_view kRuleKeys[] = {"kind",       "match", "to", "q",         "k",
-                                          "v",          "gate",  "up", "num_heads", "num_kv_heads",
-                                          "vocab_size", "pad_to"};
+constexpr std::string_view kRuleKeys[] = {"kind",
+                                          "match",
+                                          "to",
+                                          "q",
+                                          "k",
+                                          "v",
+                                          "gate",
+                                          "up",
+                                          "num_heads",
+                                          "num_kv_heads",
+                                          "vocab_size",
+                                          "pad_to",
+                                          "expert_group",
+                                          "num_experts",
+                                          "experts",
+                                          "expert_tp_rank",
+                                          "expert_tp_size"};
+
+/// The keys every expert kind takes besides its patterns.
+bool IsExpertKey(std::string_view key) {
+  return key == "num_experts" || key == "experts" || key == "expert_tp_rank" ||
+         key == "expert_tp_size";
+}
 
 /// Return whether `key` is meaningful for a rule of `kind`.
 bool KeyApplies(LoaderKind kind, std::string_view key) {
@@ -64,6 +97,13 @@ bool KeyApplies(LoaderKind kind, std::string_view key) {
       return key == "gate" || key == "up";
     case LoaderKind::kVocab:
       return key == "match" || key == "vocab_size" || key == "pad_to";
+    case LoaderKind::kExpertGateUp:
+      return key == "gate" || key == "up" || key == "expert_group" || IsExpertKey(key);
+    case LoaderKind::kExpertDown:
+      return key == "match" || key == "expert_group" || IsExpertKey(key);
+    case LoaderKind::kStackedGateUp:
+    case LoaderKind::kStackedDown:
+      return key == "match" || IsExpertKey(key);
   }
   return false;
 }
@@ -80,10 +120,58 @@ std::vector<std::pair<std::string_view, const std::string*>> RulePatterns(const 
     case LoaderKind::kQkv:
       return {{"q", &rule.q}, {"k", &rule.k}, {"v", &rule.v}};
     case LoaderKind::kGateUp:
+    case LoaderKind::kExpertGateUp:
       return {{"gate", &rule.gate}, {"up", &rule.up}};
     default:
       return {{"match", &rule.match}};
   }
+}
+
+/// Check the expert keys of an expert rule whose patterns compiled into `compiled`.
+std::optional<RuleProblem> CheckExpertRule(const LoaderRule& rule,
+                                           const std::vector<std::regex>& compiled) {
+  const bool per_expert =
+      rule.kind == LoaderKind::kExpertGateUp || rule.kind == LoaderKind::kExpertDown;
+  if (per_expert) {
+    if (rule.expert_group == 0) {
+      return RuleProblem{"expert_group",
+                         fmt::format("a {} rule needs the capture group (≥ 1) of the expert index",
+                                     LoaderKindName(rule.kind))};
+    }
+    for (size_t part = 0; part < compiled.size(); ++part) {
+      if (rule.expert_group > compiled[part].mark_count()) {
+        return RuleProblem{
+            "expert_group",
+            fmt::format("capture group {} does not exist: pattern {} has {}", rule.expert_group,
+                        RulePatterns(rule)[part].first, compiled[part].mark_count())};
+      }
+    }
+  }
+  if (!per_expert && !rule.experts.empty() && rule.num_experts == 0) {
+    return RuleProblem{"num_experts",
+                       fmt::format("a {} rule that lists its experts needs num_experts (the "
+                                   "canonical stack's first extent)",
+                                   LoaderKindName(rule.kind))};
+  }
+  std::vector<uint32_t> sorted = rule.experts;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    if (rule.num_experts != 0 && sorted[i] >= rule.num_experts) {
+      return RuleProblem{"experts", fmt::format("expert {} is not below num_experts {}", sorted[i],
+                                                rule.num_experts)};
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return RuleProblem{"experts", fmt::format("expert {} is listed twice", sorted[i])};
+    }
+  }
+  if (rule.expert_tp_size == 0 && rule.expert_tp_rank != 0) {
+    return RuleProblem{"expert_tp_rank", "expert_tp_rank needs expert_tp_size"};
+  }
+  if (rule.expert_tp_size != 0 && rule.expert_tp_rank >= rule.expert_tp_size) {
+    return RuleProblem{"expert_tp_rank", fmt::format("{} is not below expert_tp_size {}",
+                                                     rule.expert_tp_rank, rule.expert_tp_size)};
+  }
+  return std::nullopt;
 }
 
 /// Check one rule against the TP size and compile its patterns into `compiled`.
@@ -104,7 +192,7 @@ std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
     }
   }
   const bool needs_to = rule.kind == LoaderKind::kRename || rule.kind == LoaderKind::kQkv ||
-                        rule.kind == LoaderKind::kGateUp;
+                        rule.kind == LoaderKind::kGateUp || IsExpertKind(rule.kind);
   if (needs_to && rule.to.empty()) {
     return RuleProblem{
         "to", fmt::format("a {} rule needs the local tensor's name", LoaderKindName(rule.kind))};
@@ -129,6 +217,9 @@ std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
           fmt::format("num_kv_heads {} neither divides nor is a multiple of tp_size {}",
                       rule.num_kv_heads, tp_size)};
     }
+  }
+  if (IsExpertKind(rule.kind)) {
+    if (auto problem = CheckExpertRule(rule, *compiled)) return problem;
   }
   if (rule.kind == LoaderKind::kVocab) {
     if (rule.vocab_size == 0) {
@@ -170,6 +261,169 @@ uint64_t RemappedWords(const std::byte* data, uint64_t local_begin, uint64_t can
     sum += ElementHash(canonical_begin + k, static_cast<uint64_t>(word));
   }
   return sum;
+}
+
+/// Return the expert index that capture group `group` of `match` holds.
+Result<uint64_t> ExpertIndex(const std::smatch& match, uint32_t group, const std::string& where) {
+  const std::string text = match.str(group);
+  uint64_t value = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || error != std::errc() || end != text.data() + text.size()) {
+    return InvalidArgument("{}: capture group {} holds '{}', not an expert index", where, group,
+                           text);
+  }
+  return value;
+}
+
+/// Merge neighbouring pieces (sorted by row) that continue each other in both the canonical view
+/// and the local tensor: the stacks of consecutive experts without a TP split become one piece,
+/// and a stack of every expert one piece over the whole tensor (whose item digests a receiver
+/// can then check alone).
+void MergeContinuingPieces(std::vector<CanonicalPiece>* pieces) {
+  std::vector<CanonicalPiece> merged;
+  for (CanonicalPiece& piece : *pieces) {
+    if (!merged.empty()) {
+      CanonicalPiece& last = merged.back();
+      if (last.row_end == piece.row_begin && last.col_begin == piece.col_begin &&
+          last.col_end == piece.col_end && last.local_tensor == piece.local_tensor &&
+          last.local_row_length == piece.local_row_length &&
+          last.local_row_offset + (last.row_end - last.row_begin) == piece.local_row_offset) {
+        last.row_end = piece.row_end;
+        continue;
+      }
+    }
+    merged.push_back(std::move(piece));
+  }
+  *pieces = std::move(merged);
+}
+
+/// Lay out a canonical tensor that an expert rule matched (`part`: 0 gate, 1 up for the gate_up
+/// kinds) in the local stack `local` [slots, rows, cols]: set the layout's shape, its 2-D view
+/// and its pieces. `tp` and `rank` are the spec's TP coordinates.
+Status LayOutExperts(const LoaderRule& rule, size_t part, const std::smatch& match,
+                     const TensorView& local, uint64_t tp, uint64_t rank, const std::string& where,
+                     CanonicalLayout* layout) {
+  const Shape& local_shape = local.shape;
+  if (local_shape.size() != 3) {
+    return InvalidArgument("{}: local shape {} is not a stack [local experts, rows, cols]", where,
+                           ShapeToString(local_shape));
+  }
+  if (rule.expert_tp_size != 0) {
+    tp = rule.expert_tp_size;
+    rank = rule.expert_tp_rank;
+  }
+  const uint64_t slots = static_cast<uint64_t>(local_shape[0]);
+  const uint64_t local_rows = static_cast<uint64_t>(local_shape[1]);
+  const uint64_t local_cols = static_cast<uint64_t>(local_shape[2]);
+  if (!rule.experts.empty() && rule.experts.size() != slots) {
+    return InvalidArgument("{}: local shape {} holds {} experts, but the rule lists {}", where,
+                           ShapeToString(local_shape), slots, rule.experts.size());
+  }
+  const uint64_t num_experts = rule.num_experts != 0 ? rule.num_experts : slots;
+  if (rule.experts.empty() && slots > num_experts) {
+    return InvalidArgument("{}: local shape {} holds {} experts, more than num_experts {}", where,
+                           ShapeToString(local_shape), slots, num_experts);
+  }
+  const auto expert_in_slot = [&](uint64_t slot) -> uint64_t {
+    return rule.experts.empty() ? slot : rule.experts[slot];
+  };
+  const bool gate_up =
+      rule.kind == LoaderKind::kExpertGateUp || rule.kind == LoaderKind::kStackedGateUp;
+  if (gate_up && local_rows % 2 != 0) {
+    return InvalidArgument(
+        "{}: local shape {} has an odd number of rows per expert ({}); gate and up take half each",
+        where, ShapeToString(local_shape), local_rows);
+  }
+  // The extent of the dimension TP splits, per rank (block) and whole.
+  const uint64_t block = gate_up ? local_rows / 2 : local_cols;
+  const std::optional<int64_t> whole = Scaled(static_cast<int64_t>(block), tp);
+  if (!whole) return InvalidArgument("{}: {} × tp_size {} overflows", where, block, tp);
+  const uint64_t split = static_cast<uint64_t>(*whole);
+  const uint64_t hidden = gate_up ? local_cols : local_rows;
+
+  std::vector<CanonicalPiece> pieces;
+  const auto add = [&](uint64_t row_begin, uint64_t rows, uint64_t col_begin, uint64_t col_end,
+                       uint64_t local_row_offset, uint64_t local_row_length) {
+    pieces.push_back(CanonicalPiece{.local_tensor = local.name,
+                                    .row_begin = row_begin,
+                                    .row_end = row_begin + rows,
+                                    .col_begin = col_begin,
+                                    .col_end = col_end,
+                                    .local_row_offset = local_row_offset,
+                                    .local_row_length = local_row_length,
+                                    .id = {}});
+  };
+  const bool per_expert =
+      rule.kind == LoaderKind::kExpertGateUp || rule.kind == LoaderKind::kExpertDown;
+  std::optional<uint64_t> slot;
+  if (per_expert) {
+    REFIT_ASSIGN_OR_RETURN(const uint64_t expert, ExpertIndex(match, rule.expert_group, where));
+    if (expert >= num_experts) {
+      return InvalidArgument("{}: expert {} is not below {} ({})", where, expert, num_experts,
+                             rule.num_experts != 0 ? "num_experts" : "the experts the stack holds");
+    }
+    if (rule.experts.empty()) {
+      slot = expert;
+    } else if (auto it = std::find(rule.experts.begin(), rule.experts.end(), expert);
+               it != rule.experts.end()) {
+      slot = static_cast<uint64_t>(it - rule.experts.begin());
+    }
+  }
+  switch (rule.kind) {
+    case LoaderKind::kExpertGateUp:
+      // Canonical [I, H] → slot s, rows [s·2·I/tp + part·I/tp, …) of the stack's rows.
+      layout->shape = {static_cast<int64_t>(split), static_cast<int64_t>(hidden)};
+      layout->rows = split;
+      layout->cols = hidden;
+      if (slot) add(rank * block, block, 0, hidden, *slot * local_rows + part * block, hidden);
+      break;
+    case LoaderKind::kExpertDown:
+      // Canonical [H, I] → slot s holds column block `rank` of every row.
+      layout->shape = {static_cast<int64_t>(hidden), static_cast<int64_t>(split)};
+      layout->rows = hidden;
+      layout->cols = split;
+      if (slot) add(0, hidden, rank * block, (rank + 1) * block, *slot * hidden, block);
+      break;
+    case LoaderKind::kStackedGateUp: {
+      // Canonical [E, 2·I, H] seen as [E·2·I, H]: expert e's gate rows start at e·2·I, its up
+      // rows at e·2·I + I.
+      layout->shape = {static_cast<int64_t>(num_experts), static_cast<int64_t>(2 * split),
+                       static_cast<int64_t>(hidden)};
+      layout->rows = num_experts * 2 * split;
+      layout->cols = hidden;
+      for (uint64_t s = 0; s < slots; ++s) {
+        const uint64_t first = expert_in_slot(s) * 2 * split;
+        add(first + rank * block, block, 0, hidden, s * local_rows, hidden);
+        add(first + split + rank * block, block, 0, hidden, s * local_rows + block, hidden);
+      }
+      break;
+    }
+    case LoaderKind::kStackedDown:
+      // Canonical [E, H, I] seen as [E·H, I]: expert e is rows [e·H, (e+1)·H).
+      layout->shape = {static_cast<int64_t>(num_experts), static_cast<int64_t>(hidden),
+                       static_cast<int64_t>(split)};
+      layout->rows = num_experts * hidden;
+      layout->cols = split;
+      for (uint64_t s = 0; s < slots; ++s) {
+        add(expert_in_slot(s) * hidden, hidden, rank * block, (rank + 1) * block, s * hidden,
+            block);
+      }
+      break;
+    default:
+      return Internal("{}: not an expert kind", where);
+  }
+  if (!NumElements(layout->shape).ok()) {
+    return InvalidArgument("{}: canonical shape {} overflows", where, ShapeToString(layout->shape));
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const CanonicalPiece& a, const CanonicalPiece& b) {
+    return a.row_begin < b.row_begin;
+  });
+  MergeContinuingPieces(&pieces);
+  for (CanonicalPiece& piece : pieces) {
+    piece.id = PieceId(piece.row_begin, piece.row_end, piece.col_begin, piece.col_end);
+  }
+  layout->pieces = std::move(pieces);
+  return Status::OK();
 }
 
 }  // namespace
@@ -297,6 +551,10 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
     const TensorView& local = *found;
     const Shape& local_shape = local.shape;
     layout->dtype = local.dtype;
+    if (IsExpertKind(rule.kind)) {
+      REFIT_RETURN_NOT_OK(LayOutExperts(rule, part, match, local, tp, rank, where(), layout.get()));
+      return layout;
+    }
     CanonicalPiece piece;
     piece.local_tensor = local_name;
 
@@ -321,6 +579,10 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
       case LoaderKind::kIdentity:
       case LoaderKind::kRename:
       case LoaderKind::kSkip:
+      case LoaderKind::kExpertGateUp:  // laid out above
+      case LoaderKind::kExpertDown:
+      case LoaderKind::kStackedGateUp:
+      case LoaderKind::kStackedDown:
         layout->shape = local_shape;
         break;
       case LoaderKind::kRow: {
@@ -586,6 +848,33 @@ Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Ma
         if (key == "vocab_size") {
           REFIT_ASSIGN_OR_RETURN(rule->vocab_size,
                                  reader.Unsigned(value, mark, key_path, 1, INT64_MAX));
+          return Status::OK();
+        }
+        if (key == "experts") {
+          if (!value.IsSequence()) {
+            return reader.Error(
+                mark, key_path,
+                fmt::format("expected a sequence of expert indices, got {}", NodeKind(value)));
+          }
+          for (const YAML::Node& element : value) {
+            REFIT_ASSIGN_OR_RETURN(
+                const uint64_t expert,
+                reader.Unsigned(element, element.Mark(),
+                                fmt::format("{}[{}]", key_path, rule->experts.size()), 0,
+                                UINT32_MAX - 1));
+            rule->experts.push_back(static_cast<uint32_t>(expert));
+          }
+          return Status::OK();
+        }
+        if (key == "expert_group" || key == "num_experts" || key == "expert_tp_rank" ||
+            key == "expert_tp_size") {
+          const uint64_t min = key == "expert_tp_rank" ? 0 : 1;
+          REFIT_ASSIGN_OR_RETURN(const uint64_t n,
+                                 reader.Unsigned(value, mark, key_path, min, UINT32_MAX));
+          (key == "expert_group"     ? rule->expert_group
+           : key == "num_experts"    ? rule->num_experts
+           : key == "expert_tp_rank" ? rule->expert_tp_rank
+                                     : rule->expert_tp_size) = static_cast<uint32_t>(n);
           return Status::OK();
         }
         REFIT_ASSIGN_OR_RETURN(rule->pad_to, reader.Unsigned(value, mark, key_path, 1, UINT32_MAX));

@@ -20,15 +20,23 @@ vLLM layer (``model_executor``)     rule
                                     ``padding_size``, then splits it evenly; refit's rule pads to
                                     pad_to × TP); a head tied to the embedding is ``skip``
                                     (vLLM loads the tied tensor once, under the embedding's name)
+``RoutedExperts`` (``FusedMoE``'s    ``expert_gate_up`` / ``expert_down`` for the per-expert
+expert stacks ``w13_weight``,       checkpoint names (``experts.{e}.gate_proj.weight``, …) and
+``w2_weight``)                      ``stacked_gate_up`` / ``stacked_down`` for the stacked ones
+                                    (transformers ≥ 5: ``experts.gate_up_proj`` [E, 2I, H],
+                                    ``experts.down_proj`` [E, H, I]), with the layer's expert map
+                                    (expert parallelism: which global expert each local slot
+                                    holds) and the MoE layer's own TP coordinates (1 under EP)
 ``ReplicatedLinear``, norms, and    identity
 parameters of plain modules
 ==================================  ===========================================================
 
 The canonical names are the local ones with the packed module names unpacked (``qkv_proj`` →
 ``q_proj`` / ``k_proj`` / ``v_proj``), which is what vLLM's ``hf_to_vllm_mapper`` inverts for
-the supported architectures (Llama, Qwen2, Qwen3, Mistral, Gemma-style tied heads). Any other
-vLLM parallel layer — ``FusedMoE`` expert stacks among them — raises InvalidArgument naming the
-parameter it could not map. The rules are checked element by element against vLLM's own
+the supported architectures (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma-style tied heads).
+Any other vLLM parallel layer raises InvalidArgument naming the parameter it could not map, and so
+do expert layers that are not a plain slice of the checkpoint (quantized, biased, non-gated,
+padded, with fused shared or EPLB-redundant experts). The rules are checked element by element against vLLM's own
 ``load_weights`` by python/tests/test_vllm_probe.py.
 """
 
@@ -49,7 +57,8 @@ _COLUMN_PARALLEL = "ColumnParallelLinear"
 _ROW_PARALLEL = "RowParallelLinear"
 _VOCAB = "VocabParallelEmbedding"
 _REPLICATED = "ReplicatedLinear"
-_KNOWN = (_QKV, _GATE_UP, _COLUMN_PARALLEL, _ROW_PARALLEL, _VOCAB, _REPLICATED)
+_EXPERTS = "RoutedExperts"
+_KNOWN = (_QKV, _GATE_UP, _COLUMN_PARALLEL, _ROW_PARALLEL, _VOCAB, _REPLICATED, _EXPERTS)
 
 #: Where vLLM's tensor- and expert-parallel layers live: a layer from these modules that is none
 #: of the known classes is one whose sharding refit does not know.
@@ -79,6 +88,73 @@ def _exact(name: str) -> str:
     return re.escape(name)
 
 
+def _expert_rules(module: Any, prefix: str) -> List[Dict[str, Any]]:
+    """The rules of one ``RoutedExperts`` layer (its ``w13_weight`` and ``w2_weight``).
+
+    The canonical names are those vLLM's ``RoutedExperts.load_weights`` accepts: per expert
+    (``{layer}.{e}.{gate}.weight``, ``…{up}…``, ``…{down}…`` with the layer's checkpoint names)
+    and stacked (``{layer}.gate_up_proj`` / ``{layer}.down_proj``, or ``w13`` / ``w2`` for
+    Mixtral-style names).
+    """
+    config = module.moe_config
+    names = [n for n, _ in module.named_parameters(prefix="", recurse=False)]
+    where = f"refit.vllm: expert layer '{prefix}' ({type(module).__name__})"
+    if sorted(names) != ["w13_weight", "w2_weight"]:
+        extra = sorted(set(names) - {"w13_weight", "w2_weight"})
+        raise InvalidArgument(
+            f"{where}: parameter '{prefix}.{extra[0] if extra else names}' is not a plain expert "
+            "stack (only the unquantized, bias-free w13_weight and w2_weight are mapped); pass "
+            "loader_rules"
+        )
+    if not config.is_act_and_mul or module.ckpt_up_proj_name is None:
+        raise InvalidArgument(f"{where}: parameter '{prefix}.w13_weight': a non-gated MoE is not mapped")
+    if module.is_fused_checkpoint_transposed:
+        raise InvalidArgument(f"{where}: parameter '{prefix}.w13_weight': transposed fused checkpoints are not mapped")
+    num_experts = int(config.num_experts)
+    if num_experts != int(config.num_logical_experts) or module.expert_map_manager.num_fused_shared_experts:
+        raise InvalidArgument(
+            f"{where}: parameter '{prefix}.w13_weight': EPLB-redundant or fused shared experts "
+            f"({config.num_experts} physical, {config.num_logical_experts} logical) are not mapped"
+        )
+    if config.hidden_dim_unpadded is not None and int(config.hidden_dim_unpadded) != int(module.hidden_size):
+        raise InvalidArgument(
+            f"{where}: parameter '{prefix}.w13_weight': the hidden size is padded "
+            f"({config.hidden_dim_unpadded} → {module.hidden_size}) by the MoE backend"
+        )
+    slots = int(module.local_num_experts)
+    expert_map = module.expert_map
+    if expert_map is None:
+        experts = list(range(slots))
+    else:
+        experts = [-1] * slots
+        for expert, slot in enumerate(expert_map.tolist()):
+            if slot >= 0:
+                experts[slot] = expert
+        if -1 in experts:
+            raise InvalidArgument(f"{where}: its expert map {expert_map.tolist()} leaves slot {experts.index(-1)} empty")
+    parallel = config.moe_parallel_config
+    common = {
+        "num_experts": num_experts,
+        "experts": experts,
+        "expert_tp_rank": int(parallel.tp_rank),
+        "expert_tp_size": int(parallel.tp_size),
+    }
+    layer = _exact(module.layer_name)
+    gate, up, down = (_exact(n) for n in (module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name))
+    w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
+    # vLLM's own names of a stacked gate/up (build_expert_params_mapping); down keeps its name.
+    names = (module.ckpt_gate_proj_name, module.ckpt_up_proj_name)
+    stacked_gate_up = "gate_up_proj" if names == ("gate_proj", "up_proj") else "w13"
+    stacked_down = down
+    return [
+        dict(common, kind="expert_gate_up", gate=rf"{layer}\.(\d+)\.{gate}\.weight",
+             up=rf"{layer}\.(\d+)\.{up}\.weight", to=w13, expert_group=1),
+        dict(common, kind="expert_down", match=rf"{layer}\.(\d+)\.{down}\.weight", to=w2, expert_group=1),
+        dict(common, kind="stacked_gate_up", match=rf"{layer}\.{stacked_gate_up}", to=w13),
+        dict(common, kind="stacked_down", match=rf"{layer}\.{stacked_down}", to=w2),
+    ]
+
+
 def loader_rules(model: Any) -> List[Dict[str, Any]]:
     """Return the loader rules of ``model`` (a vLLM model on one TP rank), in module order.
 
@@ -93,6 +169,9 @@ def loader_rules(model: Any) -> List[Dict[str, Any]]:
         kind = _kind_of(module)
         direct = list(module.named_parameters(prefix="", recurse=False, remove_duplicate=False))
         if not direct:
+            continue
+        if kind == _EXPERTS:
+            rules.extend(_expert_rules(module, prefix))
             continue
         base = f"{prefix}." if prefix else ""
         head, _, leaf = prefix.rpartition(".")
@@ -110,7 +189,8 @@ def loader_rules(model: Any) -> List[Dict[str, Any]]:
                     f"refit.vllm: parameter '{name}' belongs to {type(module).__name__}, a vLLM "
                     "layer refit cannot map yet (supported: QKVParallelLinear, "
                     "MergedColumnParallelLinear, ColumnParallelLinear, RowParallelLinear, "
-                    "VocabParallelEmbedding/ParallelLMHead, ReplicatedLinear); pass loader_rules"
+                    "VocabParallelEmbedding/ParallelLMHead, ReplicatedLinear, RoutedExperts); "
+                    "pass loader_rules"
                 )
             if pname not in ("weight", "bias"):
                 raise InvalidArgument(
