@@ -36,6 +36,13 @@ inline uint64_t ElementHash(uint64_t index, uint64_t bits) {
 uint64_t DigestRange(std::span<const std::byte> bytes, uint32_t width, uint64_t begin,
                      uint64_t end);
 
+/// Return Σ h(canonical_begin + k, bits of element local_begin + k of `local_bytes`) over
+/// k < count (mod 2^64): the digest of a local run of elements in canonical coordinates (a
+/// receiver's shard, a trainer rank's piece). Precondition: (local_begin + count) · width ≤
+/// local_bytes.size(). Complexity: O(count).
+uint64_t RemappedDigestRange(std::span<const std::byte> local_bytes, uint32_t width,
+                             uint64_t local_begin, uint64_t canonical_begin, uint64_t count);
+
 /// Return the digest of a whole tensor.
 inline uint64_t TensorDigest(const TensorView& tensor) {
   const uint32_t width = DTypeSize(tensor.dtype);

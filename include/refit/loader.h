@@ -175,12 +175,6 @@ struct CanonicalPiece {
 /// Return the piece id of a rectangle: "rows r0:r1 cols c0:c1".
 std::string PieceId(uint64_t row_begin, uint64_t row_end, uint64_t col_begin, uint64_t col_end);
 
-/// Return Σ h(canonical_begin + k, bits of element local_begin + k of `local_bytes`) over
-/// k < count (mod 2^64): the digest of a local run of elements in canonical coordinates.
-/// Precondition: (local_begin + count) · width ≤ local_bytes.size(). Complexity: O(count).
-uint64_t RemappedDigestRange(std::span<const std::byte> local_bytes, uint32_t width,
-                             uint64_t local_begin, uint64_t canonical_begin, uint64_t count);
-
 /// Return the partial digest of `piece` of a canonical tensor with `canonical_cols` columns,
 /// read from `local` (the piece's local tensor). Complexity: O(piece elements).
 uint64_t PieceDigestOf(const CanonicalPiece& piece, uint64_t canonical_cols,

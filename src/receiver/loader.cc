@@ -251,17 +251,6 @@ std::optional<int64_t> Scaled(int64_t extent, uint64_t factor) {
   return out;
 }
 
-template <typename Word>
-uint64_t RemappedWords(const std::byte* data, uint64_t local_begin, uint64_t canonical_begin,
-                       uint64_t count) {
-  uint64_t sum = 0;
-  for (uint64_t k = 0; k < count; ++k) {
-    Word word;
-    std::memcpy(&word, data + (local_begin + k) * sizeof(Word), sizeof(Word));
-    sum += ElementHash(canonical_begin + k, static_cast<uint64_t>(word));
-  }
-  return sum;
-}
 
 /// Return the expert index that capture group `group` of `match` holds.
 Result<uint64_t> ExpertIndex(const std::smatch& match, uint32_t group, const std::string& where) {
@@ -444,20 +433,6 @@ Result<LoaderKind> ParseLoaderKind(std::string_view text) {
 
 std::string PieceId(uint64_t row_begin, uint64_t row_end, uint64_t col_begin, uint64_t col_end) {
   return fmt::format("rows {}:{} cols {}:{}", row_begin, row_end, col_begin, col_end);
-}
-
-uint64_t RemappedDigestRange(std::span<const std::byte> local_bytes, uint32_t width,
-                             uint64_t local_begin, uint64_t canonical_begin, uint64_t count) {
-  switch (width) {
-    case 1:
-      return RemappedWords<uint8_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    case 2:
-      return RemappedWords<uint16_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    case 4:
-      return RemappedWords<uint32_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    default:
-      return RemappedWords<uint64_t>(local_bytes.data(), local_begin, canonical_begin, count);
-  }
 }
 
 uint64_t PieceDigestOf(const CanonicalPiece& piece, uint64_t canonical_cols,
