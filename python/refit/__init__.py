@@ -72,6 +72,7 @@ __all__ = [
     "tcp_group",
     "callback_group",
     "in_process_group",
+    "plan_layouts",
     "set_log_level",
     "log_level",
 ] + [name for name in errors.__all__ if name[0].isupper()]
@@ -121,6 +122,25 @@ def callback_group(
     torch.distributed. The callables run on a thread of refit's, holding the GIL.
     """
     return _core.callback_group(rank, world_size, broadcast, gather)
+
+
+def plan_layouts(layouts: Sequence[Sequence[Mapping[str, Any]]]) -> dict:
+    """Plan a sharded transfer from every rank's producer layout (``layouts[r]``: rank r's pieces).
+
+    A piece is a dict ``{tensor, dtype, shape, offset, extent}`` (an N-d box of a canonical
+    tensor) with optional ``local`` (the local tensor holding it; default the tensor's name),
+    ``local_offset`` (default zeros) and ``local_shape`` (default the extent), as
+    :func:`refit.layout.layout_of` writes them. Returns ``{"tensors": [{name, dtype, shape,
+    boxes: [{offset, extent, sender, copies}]}], "roles": [[role per piece] per rank]}`` with
+    roles ``send`` (the lowest rank holding the box), ``copy`` (another rank sends it) and
+    ``empty``. Raises InvalidArgument naming the tensor, the boxes and the ranks when the
+    distinct boxes of a tensor leave a gap or overlap without coinciding, or the ranks disagree
+    on a tensor's dtype or shape.
+
+    The first part of sharded publishing (docs/architecture.md): the publisher does not take
+    layouts yet.
+    """
+    return _core.plan_layouts([[dict(piece) for piece in rank] for rank in layouts])
 
 
 def in_process_group(world_size: int) -> List[Group]:

@@ -30,6 +30,7 @@
 #include "refit/loader.h"
 #include "refit/logging.h"
 #include "refit/producer_group.h"
+#include "refit/producer_layout.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
 #include "refit/status.h"
@@ -273,6 +274,82 @@ py::dict LoaderSpecToDict(const LoaderSpec& spec) {
   out["tp_rank"] = spec.tp_rank;
   out["tp_size"] = spec.tp_size;
   out["rules"] = rules;
+  return out;
+}
+
+// ---- Producer layouts (dicts) -------------------------------------------------------------------
+
+// A piece dict: tensor, dtype, shape, offset, extent; local (default: the tensor's name),
+// local_offset (default: zeros) and local_shape (default: the extent), as refit.layout writes it.
+LayoutPiece LayoutPieceFromDict(const py::dict& dict, size_t rank, size_t index) {
+  LayoutPiece piece;
+  bool has_local = false;
+  bool has_local_shape = false;
+  bool has_local_offset = false;
+  for (const auto& [key, value] : dict) {
+    const std::string field = key.cast<std::string>();
+    if (field == "tensor") {
+      piece.tensor = value.cast<std::string>();
+    } else if (field == "dtype") {
+      piece.dtype = Unwrap(ParseDType(value.cast<std::string>()));
+    } else if (field == "shape") {
+      piece.shape = value.cast<std::vector<int64_t>>();
+    } else if (field == "offset") {
+      piece.offset = value.cast<std::vector<int64_t>>();
+    } else if (field == "extent") {
+      piece.extent = value.cast<std::vector<int64_t>>();
+    } else if (field == "local") {
+      piece.local = value.cast<std::string>();
+      has_local = true;
+    } else if (field == "local_shape") {
+      piece.local_shape = value.cast<std::vector<int64_t>>();
+      has_local_shape = true;
+    } else if (field == "local_offset") {
+      piece.local_offset = value.cast<std::vector<int64_t>>();
+      has_local_offset = true;
+    } else {
+      Throw(InvalidArgument(
+          "rank {} piece {}: unknown key '{}'; known keys: tensor, dtype, shape, offset, extent, "
+          "local, local_shape, local_offset",
+          rank, index, field));
+    }
+  }
+  if (!has_local) piece.local = piece.tensor;
+  if (!has_local_shape) piece.local_shape = Shape(piece.extent.begin(), piece.extent.end());
+  if (!has_local_offset) piece.local_offset.assign(piece.extent.size(), 0);
+  return piece;
+}
+
+py::dict LayoutPlanToDict(const LayoutPlan& plan) {
+  py::list tensors;
+  for (const PlannedTensor& tensor : plan.tensors) {
+    py::list boxes;
+    for (const PlannedBox& box : tensor.boxes) {
+      py::dict out;
+      out["offset"] = box.offset;
+      out["extent"] = box.extent;
+      out["sender"] = box.sender;
+      out["copies"] = box.copies;
+      boxes.append(out);
+    }
+    py::dict out;
+    out["name"] = tensor.name;
+    out["dtype"] = std::string(DTypeName(tensor.dtype));
+    out["shape"] = std::vector<int64_t>(tensor.shape.begin(), tensor.shape.end());
+    out["boxes"] = boxes;
+    tensors.append(out);
+  }
+  py::list roles;
+  for (const std::vector<PieceRole>& rank : plan.roles) {
+    py::list out;
+    for (PieceRole role : rank) {
+      out.append(role == PieceRole::kSend ? "send" : role == PieceRole::kCopy ? "copy" : "empty");
+    }
+    roles.append(out);
+  }
+  py::dict out;
+  out["tensors"] = tensors;
+  out["roles"] = roles;
   return out;
 }
 
@@ -668,6 +745,25 @@ PYBIND11_MODULE(_core, m) {
         return LoaderSpecToDict(Unwrap(LoaderSpecFromYamlFile(path)));
       },
       py::arg("path"), "Read a loader spec YAML file into {tp_rank, tp_size, rules}.");
+  m.def(
+      "plan_layouts",
+      [](const py::list& ranks) {
+        std::vector<ProducerLayout> layouts;
+        for (const py::handle& rank : ranks) {
+          ProducerLayout layout;
+          for (const py::handle& piece : rank) {
+            layout.pieces.push_back(
+                LayoutPieceFromDict(piece.cast<py::dict>(), layouts.size(), layout.pieces.size()));
+          }
+          layouts.push_back(std::move(layout));
+        }
+        return LayoutPlanToDict(Unwrap(PlanLayouts(layouts)));
+      },
+      py::arg("layouts"),
+      "Plan a sharded transfer from every rank's pieces (layouts[r]: rank r's list of piece "
+      "dicts): {tensors: [{name, dtype, shape, boxes: [{offset, extent, sender, copies}]}], "
+      "roles: [[send|copy|empty per piece] per rank]}. InvalidArgument names the tensor, box and "
+      "ranks of a gap, an overlap or a disagreement.");
   m.def(
       "check_loader",
       [](const py::dict& dict) {

@@ -267,3 +267,21 @@ def test_the_package_version_is_the_projects():
     project = tomllib.loads((root / "python" / "pyproject.toml").read_text())["project"]
     cmake = re.search(r"project\(refit VERSION ([0-9.]+)", (root / "CMakeLists.txt").read_text())
     assert refit.__version__ == project["version"] == cmake.group(1)
+
+
+def test_plan_layouts_assigns_each_box_once_and_names_a_gap():
+    def piece(offset, extent, **extra):
+        return dict({"tensor": "w", "dtype": "bfloat16", "shape": [5, 4], "offset": offset, "extent": extent}, **extra)
+
+    # Rank 2 is a data-parallel copy of rank 0; rank 3 holds an empty shard.
+    plan = refit.plan_layouts([
+        [piece([0, 0], [3, 4])], [piece([3, 0], [2, 4])], [piece([0, 0], [3, 4])], [piece([5, 0], [0, 4])],
+    ])
+    assert plan["roles"] == [["send"], ["send"], ["copy"], ["empty"]]
+    (w,) = plan["tensors"]
+    assert (w["name"], w["dtype"], w["shape"]) == ("w", "bfloat16", [5, 4])
+    assert [(b["offset"], b["sender"], b["copies"]) for b in w["boxes"]] == [([0, 0], 0, [2]), ([3, 0], 1, [])]
+    with pytest.raises(refit.InvalidArgument, match=r"tensor 'w' \[5, 4\].*element \[3, 0\] is held by no rank"):
+        refit.plan_layouts([[piece([0, 0], [3, 4])]])
+    with pytest.raises(refit.InvalidArgument, match="rank 0 piece 0: unknown key 'offsets'"):
+        refit.plan_layouts([[{"tensor": "w", "offsets": [0]}]])
