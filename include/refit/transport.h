@@ -80,7 +80,16 @@ struct TransportUri {
   std::string ToString() const;
 
   friend bool operator==(const TransportUri&, const TransportUri&) = default;
+
+  /// Whether the URI names a ZeroMQ data plane (`zmq://`, or a layered `…+zmq://`), whose peers
+  /// prove the key given by the parameters below.
+  bool is_zmq() const { return scheme == "zmq" || scheme.ends_with("+zmq"); }
 };
+
+/// The URI parameters that carry a data plane's api key: the key itself, or (preferred: it stays
+/// out of process listings and logs) the name of an environment variable holding it.
+inline constexpr std::string_view kUriApiKeyParam = "api_key";
+inline constexpr std::string_view kUriApiKeyEnvParam = "api_key_env";
 
 // ---- What a transport guarantees --------------------------------------------------------------
 

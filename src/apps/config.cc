@@ -141,8 +141,6 @@ std::string_view NodeKind(const YAML::Node& node) {
   return "nothing";
 }
 
-bool IsZmqScheme(std::string_view scheme) { return scheme == "zmq" || scheme.ends_with("+zmq"); }
-
 // Parse a whole unsigned decimal number; nullopt for anything else.
 std::optional<uint64_t> ParseUnsigned(std::string_view text) {
   uint64_t value = 0;
@@ -497,7 +495,7 @@ class CrossChecks {
         At(reader_.Present("refit_transport") ? "refit_transport" : "transport");
     REFIT_ASSIGN_OR_RETURN(const TransportUri uri, TransportUri::Parse(config_.transport));
     const std::string* text = uri.Param("retries");
-    if (!IsZmqScheme(uri.scheme) || text == nullptr) return Status::OK();
+    if (!uri.is_zmq() || text == nullptr) return Status::OK();
     const std::optional<uint64_t> retries = ParseUnsigned(*text);
     if (!retries || *retries > static_cast<uint64_t>(kMaxZmqRetries)) {
       return reader_.Error(transport,
@@ -533,7 +531,7 @@ class CrossChecks {
       const ReceiverConfig& receiver = receivers[i];
       const Where control{fmt::format("receivers[{}].control", i), receiver_marks_[i]};
       const Where data{fmt::format("receivers[{}].data", i), receiver_marks_[i]};
-      if (IsZmqScheme(uri.scheme)) {
+      if (uri.is_zmq()) {
         const std::string problem = HostPortProblem(receiver.data);
         if (!problem.empty()) {
           return reader_.Error(data, fmt::format("'{}' {} (the zmq transport needs host:port)",
@@ -869,7 +867,7 @@ Result<ControlClientOptions> ToControlClientOptions(const RefitConfig& config,
 
 Result<std::string> ToTransportUri(const RefitConfig& config) {
   REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(config.transport));
-  if (!IsZmqScheme(uri.scheme)) return config.transport;
+  if (!uri.is_zmq()) return config.transport;
   const std::string retries = std::to_string(config.tuning.zmq_retries);
   if (const std::string* given = uri.Param("retries")) {
     if (ParseUnsigned(*given) != ParseUnsigned(retries)) {
@@ -883,8 +881,9 @@ Result<std::string> ToTransportUri(const RefitConfig& config) {
     uri.params.emplace_back("retries", retries);
   }
   const std::string& key_env = config.http_refit_api_key_env_var;
-  if (!key_env.empty() && uri.Param("api_key") == nullptr && uri.Param("api_key_env") == nullptr) {
-    uri.params.emplace_back("api_key_env", key_env);
+  if (!key_env.empty() && uri.Param(kUriApiKeyParam) == nullptr &&
+      uri.Param(kUriApiKeyEnvParam) == nullptr) {
+    uri.params.emplace_back(kUriApiKeyEnvParam, key_env);
   }
   return uri.ToString();
 }

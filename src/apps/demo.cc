@@ -25,6 +25,7 @@
 #include "raw_copy.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "refit/transport.h"
 #include "table.h"
 
 namespace refit::cli {
@@ -55,8 +56,8 @@ struct DemoArgs {
 // authenticates the data plane (zmq://) or the manifests on the control plane (s3://).
 Result<std::string> WithDemoApiKey(std::string_view uri) {
   REFIT_ASSIGN_OR_RETURN(TransportUri parsed, TransportUri::Parse(uri));
-  if (parsed.Param("api_key_env") == nullptr && parsed.Param("api_key") == nullptr) {
-    parsed.params.emplace_back("api_key_env", kDemoApiKeyEnv);
+  if (parsed.Param(kUriApiKeyEnvParam) == nullptr && parsed.Param(kUriApiKeyParam) == nullptr) {
+    parsed.params.emplace_back(kUriApiKeyEnvParam, kDemoApiKeyEnv);
   }
   return parsed.ToString();
 }

@@ -100,9 +100,6 @@ struct ServeSettings {
   std::string replica;
 };
 
-// The URI parameters that carry the data plane's key (zmq://).
-constexpr std::string_view kUriKeyParam = "api_key";
-constexpr std::string_view kUriKeyEnvParam = "api_key_env";
 // Bind addresses that mean "every interface" (IPv4, ZeroMQ's and IPv6's spellings): nobody can
 // reach a receiver by them, so a receiver bound there needs --advertise.
 constexpr std::string_view kWildcardAddresses[] = {"0.0.0.0", "*", "::", "[::]"};
@@ -167,14 +164,14 @@ Result<std::string> ApiKeyFromEnv(const std::string& name) {
 Result<TransportUri> DataPlaneUri(const ServeSettings& settings) {
   REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(settings.transport_uri));
   if (settings.api_key_env.empty()) return uri;
-  const std::string* env = uri.Param(kUriKeyEnvParam);
-  if (uri.Param(kUriKeyParam) != nullptr || (env != nullptr && *env != settings.api_key_env)) {
+  const std::string* env = uri.Param(kUriApiKeyEnvParam);
+  if (uri.Param(kUriApiKeyParam) != nullptr || (env != nullptr && *env != settings.api_key_env)) {
     return InvalidArgument(
         "serve: --transport sets its own api key while --api-key-env {} sets the key of both "
         "planes; give it once",
         settings.api_key_env);
   }
-  if (env == nullptr) uri.params.emplace_back(kUriKeyEnvParam, settings.api_key_env);
+  if (env == nullptr) uri.params.emplace_back(kUriApiKeyEnvParam, settings.api_key_env);
   return uri;
 }
 

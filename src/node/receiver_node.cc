@@ -13,13 +13,7 @@
 #include "util/logging.h"
 
 namespace refit {
-namespace {
-
-// The URI parameters that carry the data plane's key (zmq://).
-constexpr std::string_view kUriKeyParam = "api_key";
-constexpr std::string_view kUriKeyEnvParam = "api_key_env";
-
-}  // namespace
+namespace {}  // namespace
 
 struct ReceiverNode::Impl {
   ReceiverNodeOptions options;
@@ -210,7 +204,7 @@ Status ReceiverNode::Impl::Start() {
   REFIT_RETURN_NOT_OK(server->Start().WithContext("receiver node: control plane"));
 
   const bool data_plane_keyed =
-      uri.Param(kUriKeyParam) != nullptr || uri.Param(kUriKeyEnvParam) != nullptr;
+      uri.Param(kUriApiKeyParam) != nullptr || uri.Param(kUriApiKeyEnvParam) != nullptr;
   if (!data_plane_keyed && caps.fan_out_tree) {
     REFIT_LOG_WARN(
         "receiver node: no api key on the data plane ({}): anyone who can reach {} can write "

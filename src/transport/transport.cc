@@ -121,11 +121,9 @@ std::string VersionStep(uint64_t base, uint64_t target) {
 
 Result<TransportUri> internal::KeyDataPlane(TransportUri uri, std::string_view control_api_key,
                                             std::string_view who) {
-  constexpr std::string_view kKey = "api_key";
-  constexpr std::string_view kKeyEnv = "api_key_env";
-  const bool shared_key = uri.scheme == "zmq" || uri.scheme.ends_with("+zmq");
-  if (!shared_key) return uri;
-  const bool keyed = uri.Param(kKey) != nullptr || uri.Param(kKeyEnv) != nullptr;
+  if (!uri.is_zmq()) return uri;
+  const bool keyed =
+      uri.Param(kUriApiKeyParam) != nullptr || uri.Param(kUriApiKeyEnvParam) != nullptr;
   if (keyed && control_api_key.empty()) {
     return InvalidArgument(
         "{}: the data plane ({}://) has an api key but the control plane has none, so anyone who "
@@ -133,7 +131,7 @@ Result<TransportUri> internal::KeyDataPlane(TransportUri uri, std::string_view c
         "api key (Python: api_key=…, refit serve/push: --api-key-env), which protects both planes",
         who, uri.scheme);
   }
-  if (!keyed && !control_api_key.empty()) uri.params.emplace_back(kKey, control_api_key);
+  if (!keyed && !control_api_key.empty()) uri.params.emplace_back(kUriApiKeyParam, control_api_key);
   return uri;
 }
 

@@ -91,7 +91,7 @@ Result<std::unique_ptr<Transport>> Make(const TransportUri& uri, const Transport
   // Error messages name the URI; never with the key in it.
   TransportUri shown = uri;
   for (auto& [name, value] : shown.params) {
-    if (name == "api_key") value = "<redacted>";
+    if (name == kUriApiKeyParam) value = "<redacted>";
   }
   REFIT_RETURN_NOT_OK(
       CheckKnownParams(shown, {"timeout_ms", "retries", "api_key", "api_key_env", kSecretKeyParam,
@@ -112,8 +112,8 @@ Result<std::unique_ptr<Transport>> Make(const TransportUri& uri, const Transport
   }
   config.timeout_ms = static_cast<int>(timeout_ms);
   config.retries = static_cast<int>(retries);
-  const std::string* key = uri.Param("api_key");
-  const std::string* key_env = uri.Param("api_key_env");
+  const std::string* key = uri.Param(kUriApiKeyParam);
+  const std::string* key_env = uri.Param(kUriApiKeyEnvParam);
   if (key != nullptr && key_env != nullptr) {
     return InvalidArgument("transport URI '{}': give api_key or api_key_env, not both",
                            Printable(shown.ToString()));
