@@ -8,43 +8,21 @@ after every step, and a generator that reports one bit off must fail the run.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 
 import pytest
+
+import example_runner
+from example_runner import summary_of
 
 pytest.importorskip("torch")
 pytest.importorskip("trl")  # pinned in python/requirements-dev.txt: CI's venv has it
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "examples", "trl_grpo.py")
+SCRIPT = "trl_grpo.py"
 
 
 def run_example(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    refit = pytest.importorskip("refit.torch").refit
-    env = dict(os.environ)
-    # The example (and its child) import refit from where this process did: the sources and the
-    # build tree's compiled core, then whatever PYTHONPATH said.
-    paths = [os.path.dirname(p) for p in refit.__path__]
-    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    return subprocess.run(
-        [sys.executable, EXAMPLE, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def summary_of(result: subprocess.CompletedProcess) -> dict:
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert lines, f"no output; stderr:\n{result.stderr}"
-    return json.loads(lines[-1])
+    return example_runner.run_example(SCRIPT, *args, timeout=timeout)
 
 
 def test_grpo_policy_is_refit_bit_exactly_after_every_step():
