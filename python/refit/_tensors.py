@@ -23,6 +23,14 @@ def _is_torch_tensor(value: Any) -> bool:
     return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
 
 
+def _dtensor_placements(tensor: Any) -> Any:
+    """The placements of a DTensor, None for any other tensor. A DTensor's byte view would run
+    collectives (or fail) instead of reading this rank's bytes, so it is refused by name."""
+    if type(tensor).__name__ != "DTensor":
+        return None
+    return tuple(getattr(tensor, "placements", ()))
+
+
 def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTensor:
     """Return ``value`` (a numpy array or a CPU torch tensor) as the core's tensor tuple.
 
@@ -34,6 +42,14 @@ def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTen
         import torch  # noqa: PLC0415 — only when the caller passes torch tensors
 
         tensor = value.detach()
+        placements = _dtensor_placements(tensor)
+        if placements is not None:
+            raise InvalidArgument(
+                f"tensor '{name}': it is a DTensor ({placements}); refit publishes canonical "
+                "tensors, and a rank's shard of one is not yet accepted (sharded publishing is "
+                "being built: refit.layout gives the pieces a rank holds). For now pass "
+                ".full_tensor() on every rank, which gathers the tensor"
+            )
         if tensor.device.type != "cpu":
             raise InvalidArgument(
                 f"tensor '{name}': it is on {tensor.device}; refit reads and writes host memory "

@@ -229,3 +229,20 @@ def test_refit_imported_before_torch_leaves_torch_importable():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("2.0")
+
+
+def test_a_dtensor_shard_is_refused_by_name_not_gathered(tmp_path):
+    # A one-rank gloo world: enough to make a real DTensor. Publishing a rank's shard is being
+    # built (refit.layout); until then a DTensor must fail by name, not run collectives.
+    import torch.distributed as dist  # noqa: PLC0415
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+        publisher = rt.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2")])
+        with pytest.raises(refit.InvalidArgument, match=r"tensor 'w': it is a DTensor \(\(Shard\(dim=0\),\)\).*full_tensor"):
+            publisher.sync({"w": weight})
+    finally:
+        dist.destroy_process_group()
