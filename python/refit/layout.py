@@ -12,6 +12,7 @@ A piece is a dict with exactly these keys::
      "offset": [4, 0],                 # where the box begins in the canonical tensor, per dim
      "extent": [2, 16],                # the box's size per dim (0 in a dim: an empty shard)
      "local": "model.embed.weight",    # the local tensor holding the box
+     "local_shape": [2, 16],           # that local tensor's shape
      "local_offset": [0, 0]}           # where the box begins in the local tensor, per dim
 
 The box is ``[offset, offset + extent)`` per dimension; the local tensor's elements in
@@ -207,6 +208,7 @@ def _pieces_from_runs(
 ) -> List[Piece]:
     """One piece per combination of runs (the runs of each dimension lie in local order)."""
     per_dim = []
+    local_shape = [int(sum(stop - start for start, stop in dim_runs)) for dim_runs in runs]
     for dim_runs in runs:
         local_starts = [0]
         for start, stop in dim_runs[:-1]:
@@ -222,6 +224,7 @@ def _pieces_from_runs(
                 "offset": [int(run[0]) for run, _ in combination],
                 "extent": [int(run[1] - run[0]) for run, _ in combination],
                 "local": local,
+                "local_shape": local_shape,
                 "local_offset": [int(start) for _, start in combination],
             }
         )
@@ -285,6 +288,7 @@ def _whole_piece(name: str, tensor: Any) -> Piece:
         "offset": [0] * len(shape),
         "extent": list(shape),
         "local": name,
+        "local_shape": list(shape),
         "local_offset": [0] * len(shape),
     }
 

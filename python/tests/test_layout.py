@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 
+import refit
 from refit import layout
 from refit.errors import InvalidArgument
 
 WORLD = 4
-PIECE_KEYS = {"tensor", "dtype", "shape", "offset", "extent", "local", "local_offset"}
+PIECE_KEYS = {"tensor", "dtype", "shape", "offset", "extent", "local", "local_shape", "local_offset"}
 
 
 def box(offset, extent):
@@ -122,6 +123,7 @@ def rank_pieces(tensors):
     """This rank's pieces of ``tensors`` and the bytes of each box, read from its local tensors."""
     pieces, local = layout.layout_of(tensors), layout.local_tensors(tensors)
     assert all(piece["local"] in local for piece in pieces)
+    assert all(piece["local_shape"] == list(local[piece["local"]].shape) for piece in pieces)
     return [(piece, as_bytes(local[piece["local"]][box(piece["local_offset"], piece["extent"])]))
             for piece in pieces]
 
@@ -256,6 +258,12 @@ def check_tiling(name, full, holdings):
         count[box(offset, extent)] += 1
     # Exactly once everywhere: covered, and different boxes never overlap.
     assert bool((count == 1).all()), (name, count)
+    # refit's own planner (C++) agrees: the pieces tile the tensor, one sender per distinct box.
+    ranks = sorted({rank for rank, _, _ in holdings})
+    plan = refit.plan_layouts([[piece for r, piece, _ in holdings if r == rank] for rank in ranks])
+    (planned,) = plan["tensors"]
+    nonempty = {key for key in boxes if all(e > 0 for e in key[1])}
+    assert {(tuple(b["offset"]), tuple(b["extent"])) for b in planned["boxes"]} == nonempty, (name, plan)
 
 
 CASES = [c[0] for c in distributed_cases({k: None for k in ("w2", "w3", "w4", "2x2")})] + [
@@ -310,9 +318,9 @@ def test_plain_tensors_are_whole_pieces_and_local_tensors_share_memory():
     tensors = {"a": torch.zeros(2, 3, dtype=torch.bfloat16), "s": torch.tensor(1.0)}
     assert layout.layout_of(tensors) == [
         {"tensor": "a", "dtype": "bfloat16", "shape": [2, 3], "offset": [0, 0], "extent": [2, 3],
-         "local": "a", "local_offset": [0, 0]},
+         "local": "a", "local_shape": [2, 3], "local_offset": [0, 0]},
         {"tensor": "s", "dtype": "float32", "shape": [], "offset": [], "extent": [], "local": "s",
-         "local_offset": []},
+         "local_shape": [], "local_offset": []},
     ]
     local = layout.local_tensors(tensors)
     assert list(local) == ["a", "s"] and local["a"].data_ptr() == tensors["a"].data_ptr()
