@@ -174,6 +174,19 @@ std::optional<RuleProblem> CheckExpertRule(const LoaderRule& rule,
   return std::nullopt;
 }
 
+/// The longest run of decimal digits a pattern may hold (see CheckRule).
+constexpr size_t kMaxPatternDigits = 9;
+
+/// Return the offset of the first run of more than kMaxPatternDigits decimal digits in `pattern`.
+std::optional<size_t> LongNumberAt(std::string_view pattern) {
+  size_t run = 0;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    run = pattern[i] >= '0' && pattern[i] <= '9' ? run + 1 : 0;
+    if (run > kMaxPatternDigits) return i + 1 - run;
+  }
+  return std::nullopt;
+}
+
 /// Check one rule against the TP size and compile its patterns into `compiled`.
 std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
                                      std::vector<std::regex>* compiled) {
@@ -182,6 +195,16 @@ std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
     if (pattern->empty()) {
       return RuleProblem{std::string(key), fmt::format("a {} rule needs a non-empty pattern",
                                                        LoaderKindName(rule.kind))};
+    }
+    // libstdc++'s std::regex reads the number of a back-reference or a repetition count into a
+    // long without an overflow check (undefined behaviour, found by loader_yaml_fuzz): a number
+    // that long means nothing in a tensor-name pattern, so it is refused before compiling.
+    if (std::optional<size_t> at = LongNumberAt(*pattern)) {
+      return RuleProblem{
+          std::string(key),
+          fmt::format("'{}' has a number of more than {} digits at offset {}; patterns of tensor "
+                      "names need no such number",
+                      *pattern, kMaxPatternDigits, *at)};
     }
     // std::regex reports a bad pattern by exception; it stops here.
     try {
