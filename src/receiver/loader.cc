@@ -274,7 +274,6 @@ std::optional<int64_t> Scaled(int64_t extent, uint64_t factor) {
   return out;
 }
 
-
 /// Return the expert index that capture group `group` of `match` holds.
 Result<uint64_t> ExpertIndex(const std::smatch& match, uint32_t group, const std::string& where) {
   const std::string text = match.str(group);

@@ -928,7 +928,8 @@ TEST(LoaderYamlTest, ErrorsNameTheFileTheRuleAndTheKey) {
       // libstdc++'s std::regex overflows a long on these (UBSan; loader_yaml_fuzz found it).
       {rule0 + "  - {kind: row, match: '(a)\\11111111111'}\n",
        {"rules[1].match", "more than 9 digits at offset 4"}},
-      {rule0 + "  - {kind: row, match: 'a{12345678901}'}\n", {"rules[1].match", "more than 9 digits"}},
+      {rule0 + "  - {kind: row, match: 'a{12345678901}'}\n",
+       {"rules[1].match", "more than 9 digits"}},
       {rule0 + "  - {kind: rename, match: 'b'}\n", {"rules[1].to"}},
       {rule0 + "  - {kind: row, match: 'b', match: 'c'}\n", {"rules[1].match", "duplicate"}},
       {rule0 + "  - {kind: row, match: [b]}\n", {"rules[1].match", "scalar"}},
