@@ -97,12 +97,12 @@ def _expert_rules(module: Any, prefix: str) -> List[Dict[str, Any]]:
     Mixtral-style names).
     """
     config = module.moe_config
-    names = [n for n, _ in module.named_parameters(prefix="", recurse=False)]
+    parameters = [n for n, _ in module.named_parameters(prefix="", recurse=False)]
     where = f"refit.vllm: expert layer '{prefix}' ({type(module).__name__})"
-    if sorted(names) != ["w13_weight", "w2_weight"]:
-        extra = sorted(set(names) - {"w13_weight", "w2_weight"})
+    if sorted(parameters) != ["w13_weight", "w2_weight"]:
+        extra = sorted(set(parameters) - {"w13_weight", "w2_weight"})
         raise InvalidArgument(
-            f"{where}: parameter '{prefix}.{extra[0] if extra else names}' is not a plain expert "
+            f"{where}: parameter '{prefix}.{extra[0] if extra else parameters}' is not a plain expert "
             "stack (only the unquantized, bias-free w13_weight and w2_weight are mapped); pass "
             "loader_rules"
         )
@@ -143,8 +143,8 @@ def _expert_rules(module: Any, prefix: str) -> List[Dict[str, Any]]:
     gate, up, down = (_exact(n) for n in (module.ckpt_gate_proj_name, module.ckpt_up_proj_name, module.ckpt_down_proj_name))
     w13, w2 = f"{prefix}.w13_weight", f"{prefix}.w2_weight"
     # vLLM's own names of a stacked gate/up (build_expert_params_mapping); down keeps its name.
-    names = (module.ckpt_gate_proj_name, module.ckpt_up_proj_name)
-    stacked_gate_up = "gate_up_proj" if names == ("gate_proj", "up_proj") else "w13"
+    checkpoint_names = (module.ckpt_gate_proj_name, module.ckpt_up_proj_name)
+    stacked_gate_up = "gate_up_proj" if checkpoint_names == ("gate_proj", "up_proj") else "w13"
     stacked_down = down
     return [
         dict(common, kind="expert_gate_up", gate=rf"{layer}\.(\d+)\.{gate}\.weight",
