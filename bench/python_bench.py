@@ -38,13 +38,13 @@ Internal modes (this file re-executed as a child): ``--internal-trainer``, ``--i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import secrets
 import select
 import shutil
 import signal
-import socket
 import statistics
 import struct
 import subprocess
@@ -306,9 +306,13 @@ def table(headers: List[str], rows: List[List[str]], right: Optional[List[bool]]
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    # refit's chooser (outside the ephemeral range), loaded by path: this driver runs the CLI
+    # before it imports the extension.
+    spec = importlib.util.spec_from_file_location(
+        "refit_ports", os.path.join(REPO, "python", "refit", "_ports.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.free_port()
 
 
 class Bench:

@@ -101,7 +101,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -840,19 +839,6 @@ REPORT_FIELDS = (
 # ---- Driver --------------------------------------------------------------------------------------
 
 
-def free_ports(count: int) -> List[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Fleet:
     """The child processes, their logs, and a check that none of them died."""
 
@@ -1013,7 +999,7 @@ def driver_main(args) -> int:
     workdir = args.workdir or tempfile.mkdtemp(prefix="refit-rl-")
     os.makedirs(workdir, exist_ok=True)
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
-    endpoints = [f"127.0.0.1:{port}" for port in free_ports(len(WORKERS))]
+    endpoints = [f"127.0.0.1:{port}" for port in refit.free_ports(len(WORKERS))]
     spec = MODELS[args.model]
     common = ["--workdir", workdir, "--steps", str(args.steps), "--timeout", str(args.timeout),
               "--fault-step", str(args.fault_step), "--model", args.model]

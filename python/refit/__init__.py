@@ -33,7 +33,6 @@ from __future__ import annotations
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)  # noqa: F821
 
 import dataclasses
-import socket
 from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _cuda_libraries
@@ -41,6 +40,7 @@ from . import _cuda_libraries
 _cuda_libraries.preload()  # before _core: torch's CUDA libraries, not the system's (see there)
 
 from . import _core, errors  # noqa: E402
+from ._ports import free_port, free_ports
 from ._tensors import TensorsLike, as_buffer_tensor, buffer_tensors
 from .errors import (
     AlreadyExists,
@@ -73,6 +73,7 @@ __all__ = [
     "callback_group",
     "in_process_group",
     "plan_layouts",
+    "free_ports",
     "set_log_level",
     "log_level",
 ] + [name for name in errors.__all__ if name[0].isupper()]
@@ -273,12 +274,6 @@ class SyncReport:
         return self.changed_elements / self.total_elements if self.total_elements else 0.0
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 Hook = Optional[Callable[..., None]]
 
 
@@ -339,7 +334,7 @@ class Receiver:
     ):
         scheme = (transport or (config.transport if config is not None else "zmq://")).split("://")[0]
         if data_endpoint is None and scheme.split("+")[-1] == "zmq":
-            data_endpoint = f"{control_host}:{_free_port(control_host)}"
+            data_endpoint = f"{control_host}:{free_port(control_host)}"
         if loader is not None and not isinstance(loader, Loader):
             raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
         self._core = _core.Receiver(

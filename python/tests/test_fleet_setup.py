@@ -36,7 +36,7 @@ def serve(held, **options):
 
 
 def free_endpoints(count):
-    return [f"127.0.0.1:{refit._free_port('127.0.0.1')}" for _ in range(count)]
+    return [f"127.0.0.1:{port}" for port in refit.free_ports(count)]
 
 
 # ---- Relay trees --------------------------------------------------------------------------------

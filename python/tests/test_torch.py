@@ -148,7 +148,7 @@ def test_tp_loader_shards_a_fused_qkv_module_across_two_receivers():
               "v": r"v_proj\.(weight|bias)", "to": "qkv_proj.$1", "num_heads": 4, "num_kv_heads": 2}]
     shards = [ShardedAttention(2).to(torch.bfloat16) for _ in range(2)]
     # Two zmq receivers form one relay tree: each names every relay, in the same order.
-    peers = [f"127.0.0.1:{refit._free_port('127.0.0.1')}" for _ in shards]
+    peers = [f"127.0.0.1:{port}" for port in refit.free_ports(len(shards))]
     receivers = []
     for rank, shard in enumerate(shards):
         loader = rt.tp_loader(shard, canonical, tp_rank=rank, tp_size=2, fused=fused)

@@ -24,7 +24,6 @@ import dataclasses
 import importlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ torch = pytest.importorskip("torch")
 import refit  # noqa: E402
 import refit.torch  # noqa: E402
 import refit.vllm as rv  # noqa: E402
+from refit._ports import free_port_block  # noqa: E402
 
 TP = 2
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 8, 4, 2, 2, 16, 16
@@ -446,21 +446,8 @@ def start_workers(llm: FakeLLM, **extra: Any) -> List[dict]:
 
 
 def free_port_base(count: int) -> int:
-    """A port p with p … p+count-1 free now (probed, as refit.vllm probes free ports)."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        try:
-            for offset in range(count):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
+    """A port p with p … p+count-1 free now (chosen as refit.vllm chooses free ports)."""
+    return free_port_block(count)
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import socket
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
@@ -299,11 +298,7 @@ def refit_loaded(
 ) -> Tuple[List[Dict[str, torch.Tensor]], List[torch.nn.Module]]:
     """Every rank's local tensors after a refit transfer of the index tensors through the loaders."""
     models = [build_rank_model(arch, rank, tp_size, parallel) for rank in range(tp_size)]
-    peers = []
-    for _ in models:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            peers.append(f"127.0.0.1:{probe.getsockname()[1]}")
+    peers = [f"127.0.0.1:{port}" for port in refit.free_ports(len(models))]
     receivers = []
     try:
         for rank, model in enumerate(models):

@@ -31,7 +31,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,8 @@ import urllib.parse
 import urllib.request
 
 import numpy as np
+
+from ports import free_ports
 
 KEY_ENV = "REFIT_CHAOS_TEST_KEY"
 API_KEY = "chaos-" + secrets.token_hex(12)
@@ -69,15 +70,6 @@ def check(condition, message, detail=""):
     print(f"ok: {message}", flush=True)
 
 
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 # ---- The model, written by numpy from the safetensors definition ---------------------------

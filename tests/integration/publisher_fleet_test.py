@@ -39,7 +39,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,8 @@ import urllib.parse
 import urllib.request
 
 import numpy as np
+
+from ports import free_port, free_ports
 
 KEY_ENV = "REFIT_PUBLISHER_FLEET_TEST_KEY"
 API_KEY = "fleet-" + secrets.token_hex(12)
@@ -87,22 +88,6 @@ def check(condition, message, detail=""):
     print(f"ok: {message}", flush=True)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n):
-    """n distinct free ports (held open together so they differ)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 # ---- Tensors and safetensors files, independently of refit ------------------------------------

@@ -18,13 +18,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import numpy as np
+
+from ports import free_port
 
 KEY_ENV = "REFIT_PUSH_TEST_KEY"
 API_KEY = "push-" + secrets.token_hex(12)
@@ -35,12 +36,6 @@ def check(condition, message):
     if not condition:
         raise AssertionError(message)
     print(f"ok: {message}")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd, env=None):

@@ -36,7 +36,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import urllib.request
 import numpy as np
 import xxhash
 import zmq
+
+from ports import free_port
 
 API_KEY = "serve-" + secrets.token_hex(12)
 KEY_ENV = "REFIT_SERVE_TEST_KEY"
@@ -159,12 +160,6 @@ def make_models(workdir):
 
 
 # ---- Processes and ports. ----------------------------------------------------------------------
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(cmd, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=REPLY_TIMEOUT_S)

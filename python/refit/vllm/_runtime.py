@@ -14,12 +14,12 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import refit
+from refit._ports import free_port
 from refit.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
 
 from .loaders import loader_rules
@@ -250,12 +250,6 @@ class TransferEvent:
     at: float
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
 def data_parallel_size(vllm_config: Any) -> int:
     """Return ``vllm_config.parallel_config.data_parallel_size`` (1 when absent)."""
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -346,7 +340,7 @@ def is_zmq(options: RefitOptions) -> bool:
 
 def data_endpoint_of(options: RefitOptions, index: int) -> str:
     """Return the data endpoint of the engine's worker ``index``: fixed port, else a free one."""
-    port = options.data_port + index if options.data_port else _free_port(options.data_host)
+    port = options.data_port + index if options.data_port else free_port(options.data_host)
     return f"{options.data_host}:{port}"
 
 
