@@ -995,6 +995,8 @@ def format_row(row: dict) -> str:
 
 
 def driver_main(args) -> int:
+    import refit  # noqa: PLC0415 — only for free ports: the driver itself moves no weights
+
     start = time.monotonic()
     workdir = args.workdir or tempfile.mkdtemp(prefix="refit-rl-")
     os.makedirs(workdir, exist_ok=True)
