@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "refit/canonical_box.h"
 #include "refit/compare.h"
 #include "refit/item.h"
 #include "refit/payload.h"
@@ -115,6 +116,20 @@ class DeltaTracker {
   /// InvalidArgument (size mismatch).
   Status AdoptBaseline(const TensorView& tensor);
 
+  /// Track `name` as one box of a canonical tensor — what a sharded trainer rank holds
+  /// (refit/canonical_box.h): from now on Encode and AdoptBaseline take `name` with shape
+  /// `extent` (the box's elements, row-major), and everything that leaves the tracker is in the
+  /// canonical tensor's coordinates: items are named `box.tensor` with its shape, spans and
+  /// locations are canonical element indices, and digests (of items, Digests, PendingDigests)
+  /// are Σ h(canonical index, bits) over the box, so the boxes of a tensor add up to its
+  /// digest. A delta item's span is the canonical range its changes lie in; an anchor sends the
+  /// box as one FULL item per run (one for a row shard). The baseline stays O(box).
+  /// Placing again under the same box is a no-op; under another box (the trainer resharded) it
+  /// drops the tensor's baseline and makes the next transfer an anchor.
+  /// Errors: FailedPrecondition while a transfer is open; InvalidArgument (BoxIndexMap::Make).
+  Status Place(const std::string& name, const CanonicalBox& box, const Shape& extent);
+  /// The box `name` was placed at, if any.
+  std::optional<CanonicalBox> PlacementOf(const std::string& name) const;
   /// Open the transfer a coordinator planned for every producer (as Begin, with the plan's
   /// versions). An anchor may start from any version: it rebuilds every baseline it encodes,
   /// which is how a restarted producer rejoins its group. Commit moves to plan.target_version.

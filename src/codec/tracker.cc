@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/mapped_file.h"
+#include "refit/canonical_box.h"
 #include "refit/compare.h"
 #include "refit/digest.h"
 #include "refit/locations.h"
@@ -106,20 +107,25 @@ struct BaselineEntry {
   PendingChanges pending;
 };
 
+/// The index a digest hashes for element `i` of a tracked tensor: `i` itself, or its canonical
+/// index when the tensor is a box of a canonical tensor (DeltaTracker::Place).
+uint64_t DigestIndex(const BoxIndexMap* box, uint64_t i) { return box ? box->Map(i) : i; }
+
 uint64_t DigestDelta(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
-                     uint32_t width, std::span<const uint64_t> locations) {
+                     uint32_t width, std::span<const uint64_t> locations, const BoxIndexMap* box) {
   uint64_t delta = 0;
   for (uint64_t location : locations) {
-    delta += ElementHash(location, LoadBits(new_tensor, width, location)) -
-             ElementHash(location, LoadBits(old_tensor, width, location));
+    const uint64_t index = DigestIndex(box, location);
+    delta += ElementHash(index, LoadBits(new_tensor, width, location)) -
+             ElementHash(index, LoadBits(old_tensor, width, location));
   }
   return delta;
 }
 
-template <typename Word>
+template <typename Word, bool kBoxed>
 uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_tensor,
                               std::span<const uint64_t> locations, std::byte* xor_out,
-                              std::byte* new_out) {
+                              std::byte* new_out, const BoxIndexMap* box) {
   uint64_t delta = 0;
   for (size_t k = 0; k < locations.size(); ++k) {
     const uint64_t i = locations[k];
@@ -131,29 +137,40 @@ uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_
       const Word x = static_cast<Word>(old_word ^ new_word);
       std::memcpy(xor_out + k * sizeof(Word), &x, sizeof(Word));
     }
-    delta += ElementHash(i, new_word) - ElementHash(i, old_word);
+    const uint64_t index = kBoxed ? box->Map(i) : i;
+    delta += ElementHash(index, new_word) - ElementHash(index, old_word);
   }
   return delta;
 }
 
+template <typename Word>
+uint64_t GatherChangesOfWord(const std::byte* old_tensor, const std::byte* new_tensor,
+                             std::span<const uint64_t> locations, std::byte* xor_out,
+                             std::byte* new_out, const BoxIndexMap* box) {
+  return box == nullptr ? GatherChangesOfWidth<Word, false>(old_tensor, new_tensor, locations,
+                                                            xor_out, new_out, nullptr)
+                        : GatherChangesOfWidth<Word, true>(old_tensor, new_tensor, locations,
+                                                           xor_out, new_out, box);
+}
+
 /// Copy the new bits at `locations` to `new_out`, their XOR with the old bits to `xor_out` (if
-/// non-null), and return the digest change Σ h(i, new) − h(i, old).
+/// non-null), and return the digest change Σ h(i, new) − h(i, old) (i: DigestIndex).
 uint64_t GatherChanges(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
                        uint32_t width, std::span<const uint64_t> locations, std::byte* xor_out,
-                       std::byte* new_out) {
+                       std::byte* new_out, const BoxIndexMap* box) {
   switch (width) {
     case 1:
-      return GatherChangesOfWidth<uint8_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
-                                           new_out);
+      return GatherChangesOfWord<uint8_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
+                                          new_out, box);
     case 2:
-      return GatherChangesOfWidth<uint16_t>(old_tensor.data(), new_tensor.data(), locations,
-                                            xor_out, new_out);
+      return GatherChangesOfWord<uint16_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
+                                           new_out, box);
     case 4:
-      return GatherChangesOfWidth<uint32_t>(old_tensor.data(), new_tensor.data(), locations,
-                                            xor_out, new_out);
+      return GatherChangesOfWord<uint32_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
+                                           new_out, box);
     default:
-      return GatherChangesOfWidth<uint64_t>(old_tensor.data(), new_tensor.data(), locations,
-                                            xor_out, new_out);
+      return GatherChangesOfWord<uint64_t>(old_tensor.data(), new_tensor.data(), locations, xor_out,
+                                           new_out, box);
   }
 }
 
@@ -179,7 +196,7 @@ struct GatheredChanges {
 /// elements changed, 62 % of the cache lines hold a change).
 void CompareAndGather(std::span<const std::byte> old_bytes, std::span<const std::byte> new_bytes,
                       uint32_t width, uint64_t begin, uint64_t end, bool with_xor,
-                      CompareKernel kernel, GatheredChanges& out) {
+                      CompareKernel kernel, const BoxIndexMap* box, GatheredChanges& out) {
   const uint64_t block = std::max<uint64_t>(1, kFusedBlockBytes / width);
   for (uint64_t b = begin; b < end;) {
     const uint64_t e = b + std::min(block, end - b);
@@ -200,7 +217,7 @@ void CompareAndGather(std::span<const std::byte> old_bytes, std::span<const std:
       out.digest_delta += GatherChanges(old_bytes, new_bytes, width,
                                         std::span<const uint64_t>(out.locations).subspan(first, n),
                                         with_xor ? out.xor_values.data() + first * width : nullptr,
-                                        out.new_bits.data() + first * width);
+                                        out.new_bits.data() + first * width, box);
     }
     b = e;
   }
@@ -211,13 +228,14 @@ void CompareAndGather(std::span<const std::byte> old_bytes, std::span<const std:
 Result<GatheredChanges> FindAndGatherChanges(std::span<const std::byte> old_bytes,
                                              std::span<const std::byte> new_bytes, uint32_t width,
                                              uint64_t begin, uint64_t end, bool with_xor,
-                                             const CompareOptions& options) {
+                                             const CompareOptions& options,
+                                             const BoxIndexMap* box) {
   const uint64_t count = end - begin;
   const uint64_t chunk = std::max<uint64_t>(options.chunk_elements, 1);
   const uint64_t chunks = count == 0 ? 0 : (count - 1) / chunk + 1;
   if (options.threads <= 1 || chunks <= 1) {
     GatheredChanges out;
-    CompareAndGather(old_bytes, new_bytes, width, begin, end, with_xor, options.kernel, out);
+    CompareAndGather(old_bytes, new_bytes, width, begin, end, with_xor, options.kernel, box, out);
     return out;
   }
   std::vector<GatheredChanges> parts(chunks);
@@ -226,7 +244,7 @@ Result<GatheredChanges> FindAndGatherChanges(std::span<const std::byte> old_byte
         for (uint64_t c = first; c < last; ++c) {
           const uint64_t b = begin + c * chunk;
           CompareAndGather(old_bytes, new_bytes, width, b, b + std::min(chunk, end - b), with_xor,
-                           options.kernel, parts[c]);
+                           options.kernel, box, parts[c]);
         }
         return Status::OK();
       }));
@@ -261,6 +279,76 @@ void ScatterBits(std::span<std::byte> baseline, uint32_t width, std::span<const 
 /// Scatter `bits` (the runs' new bits, in order) into `baseline` at the runs' locations.
 /// Errors: DataLoss if a run does not decode — bytes the tracker encoded itself, so only a bug
 /// gets there, and Commit then reports it rather than guess.
+/// Rewrite `items`, encoded over a box in its own numbering, in the canonical tensor's: its name
+/// and shape, canonical spans and locations (digests are canonical already). A FULL item of a box
+/// of several runs becomes one FULL item per run, since a FULL span is every element in it; a
+/// delta item keeps its locations, remapped over the canonical range its span covers. Items of an
+/// empty span are dropped: an empty box has nothing to say.
+Result<std::vector<Item>> ToCanonical(std::vector<Item> items, const BoxIndexMap& box,
+                                      std::optional<LocationEncoding> force) {
+  std::vector<Item> out;
+  out.reserve(items.size());
+  for (Item& item : items) {
+    if (item.span_begin == item.span_end) continue;
+    item.name = box.box().tensor;
+    item.shape = box.box().shape;
+    if (box.contiguous()) {  // A shift: relative locations stay as they are.
+      item.span_begin += box.start();
+      item.span_end += box.start();
+      out.push_back(std::move(item));
+      continue;
+    }
+    if (item.op == Op::kFull) {
+      const uint32_t width = DTypeSize(item.value_dtype);
+      const uint64_t run_elements = box.run_elements();
+      for (uint64_t position = item.span_begin; position < item.span_end;) {
+        const uint64_t within = position % run_elements;
+        const uint64_t count = std::min(run_elements - within, item.span_end - position);
+        const uint64_t first = position - item.span_begin;
+        Item part;
+        part.name = item.name;
+        part.dtype = item.dtype;
+        part.shape = item.shape;
+        part.op = Op::kFull;
+        part.value_dtype = item.value_dtype;
+        part.span_begin = box.RunStart(position / run_elements) + within;
+        part.span_end = part.span_begin + count;
+        part.count = count;
+        part.location_encoding = LocationEncoding::kAll;
+        part.values.assign(
+            item.values.begin() + static_cast<std::ptrdiff_t>(first * width),
+            item.values.begin() + static_cast<std::ptrdiff_t>((first + count) * width));
+        part.digest = RemappedDigestRange(item.values, width, first, part.span_begin, count);
+        out.push_back(std::move(part));
+        position += count;
+      }
+      continue;
+    }
+    std::vector<uint64_t> locations(item.count);
+    REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                           LocationDecoder::Make(item.location_encoding, item.locations, item.count,
+                                                 item.span_begin, item.span_end));
+    for (size_t decoded = 0; decoded < locations.size();) {
+      REFIT_ASSIGN_OR_RETURN(const size_t n,
+                             decoder.Next(std::span<uint64_t>(locations).subspan(decoded)));
+      if (n == 0) return Internal("tensor '{}': an item's locations ended early", item.name);
+      decoded += n;
+    }
+    box.MapSorted(locations);
+    const uint64_t begin = box.Map(item.span_begin);
+    const uint64_t end = box.Map(item.span_end - 1) + 1;
+    REFIT_ASSIGN_OR_RETURN(item.location_encoding,
+                           ChooseLocationEncoding(locations, begin, end, force));
+    item.locations.clear();
+    REFIT_RETURN_NOT_OK(
+        EncodeLocations(item.location_encoding, locations, begin, end, &item.locations));
+    item.span_begin = begin;
+    item.span_end = end;
+    out.push_back(std::move(item));
+  }
+  return out;
+}
+
 Status ScatterRuns(std::span<std::byte> baseline, uint32_t width, std::span<const PendingRun> runs,
                    std::span<const std::byte> bits) {
   constexpr size_t kBatch = 4096;
@@ -293,6 +381,14 @@ struct DeltaTracker::State {
   /// Guards the map's shape (insertions at anchors); entries themselves are stable.
   mutable std::shared_mutex entries_mutex;
   std::unordered_map<std::string, std::unique_ptr<BaselineEntry>> entries;
+  /// The tensors that are boxes of canonical tensors (Place). Changed only while no transfer is
+  /// open, so Encode reads it without a lock.
+  std::unordered_map<std::string, BoxIndexMap> boxes;
+
+  const BoxIndexMap* BoxOf(const std::string& name) const {
+    auto it = boxes.find(name);
+    return it == boxes.end() ? nullptr : &it->second;
+  }
 
   uint64_t TotalElements() const {
     uint64_t total = 0;
@@ -329,6 +425,19 @@ struct DeltaTracker::State {
     return it == entries.end() ? nullptr : it->second.get();
   }
 
+  Status CheckBoxExtent(const BoxIndexMap& box, const TensorView& tensor) const {
+    if (tensor.shape != box.extent()) {
+      return InvalidArgument(
+          "tensor '{}' has shape {} but holds a box of extent {} of canonical tensor '{}' "
+          "(DeltaTracker::Place)",
+          tensor.name, ShapeToString(tensor.shape), ShapeToString(box.extent()), box.box().tensor);
+    }
+    return Status::OK();
+  }
+
+  /// Encode in the tensor's own numbering (canonical digests for a box).
+  Result<EncodeResult> EncodeSpan(const TensorView& current, uint64_t span_begin,
+                                  uint64_t span_end);
   Result<EncodeResult> EncodeAnchor(const TensorView& current, uint64_t begin, uint64_t end);
   Result<EncodeResult> EncodeDelta(BaselineEntry& entry, const TensorView& current, uint64_t begin,
                                    uint64_t end);
@@ -445,7 +554,9 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
   EncodeResult result;
   result.total_elements = end - begin;
   const auto span_bytes = current.bytes.subspan(begin * width, (end - begin) * width);
-  const uint64_t span_digest = DigestRange(current.bytes, width, begin, end);
+  const BoxIndexMap* box = BoxOf(current.name);
+  const uint64_t span_digest = box ? box->Digest(current.bytes, width, begin, end)
+                                   : DigestRange(current.bytes, width, begin, end);
 
   std::lock_guard lock(entry->pending_mutex);
   PendingChanges& pending = entry->pending;
@@ -457,7 +568,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
     const auto baseline = entry->buffer->bytes();
     REFIT_ASSIGN_OR_RETURN(GatheredChanges gathered,
                            FindAndGatherChanges(baseline, current.bytes, width, begin, end,
-                                                /*with_xor=*/false, options.compare));
+                                                /*with_xor=*/false, options.compare, box));
     const std::vector<uint64_t>& changed = gathered.locations;
     pending.digest_delta += gathered.digest_delta;
     pending.new_bits.insert(pending.new_bits.end(), gathered.new_bits.begin(),
@@ -505,8 +616,9 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   EncodeResult result;
   result.total_elements = end - begin;
 
+  const BoxIndexMap* box = BoxOf(current.name);
   Op op = options.op;
-  if (overwrite_names.contains(current.name)) op = Op::kOverwrite;
+  if (overwrite_names.contains(box ? box->box().tensor : current.name)) op = Op::kOverwrite;
   DType value_dtype = current.dtype;
   if (op == Op::kAdd) {
     if (AddSupported(current.dtype, options.add_delta_dtype)) {
@@ -521,7 +633,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   // and the digest change.
   REFIT_ASSIGN_OR_RETURN(GatheredChanges gathered,
                          FindAndGatherChanges(baseline, current.bytes, width, begin, end,
-                                              op == Op::kXor, options.compare));
+                                              op == Op::kXor, options.compare, box));
   std::vector<uint64_t>& changed = gathered.locations;
   std::vector<std::byte>& new_bits = gathered.new_bits;
   std::vector<std::byte>& xor_values = gathered.xor_values;
@@ -549,14 +661,15 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
     REFIT_ASSIGN_OR_RETURN(OpValues values, MakeOpValues(op, current.dtype, value_dtype, baseline,
                                                          current.bytes, changed));
     if (!values.locations.empty()) {
-      const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.locations);
+      const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.locations, box);
       REFIT_ASSIGN_OR_RETURN(Item item,
                              MakeItem(current, op, value_dtype, begin, end, values.locations,
                                       std::move(values.values), digest));
       result.items.push_back(std::move(item));
     }
     if (!values.demoted_locations.empty()) {
-      const uint64_t digest = DigestDelta(baseline, current.bytes, width, values.demoted_locations);
+      const uint64_t digest =
+          DigestDelta(baseline, current.bytes, width, values.demoted_locations, box);
       REFIT_ASSIGN_OR_RETURN(
           Item item, MakeItem(current, Op::kOverwrite, current.dtype, begin, end,
                               values.demoted_locations, std::move(values.demoted_values), digest));
@@ -593,9 +706,21 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
     return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
                            span_begin, span_end, numel);
   }
-  if (s.open->anchor) return s.EncodeAnchor(current, span_begin, span_end);
+  const BoxIndexMap* box = s.BoxOf(current.name);
+  if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, current));
+  REFIT_ASSIGN_OR_RETURN(EncodeResult result, s.EncodeSpan(current, span_begin, span_end));
+  if (box != nullptr) {
+    REFIT_ASSIGN_OR_RETURN(result.items, ToCanonical(std::move(result.items), *box,
+                                                     s.options.force_location_encoding));
+  }
+  return result;
+}
 
-  BaselineEntry* entry = s.FindEntry(current.name);
+Result<EncodeResult> DeltaTracker::State::EncodeSpan(const TensorView& current, uint64_t span_begin,
+                                                     uint64_t span_end) {
+  if (open->anchor) return EncodeAnchor(current, span_begin, span_end);
+
+  BaselineEntry* entry = FindEntry(current.name);
   if (entry == nullptr || !entry->buffer) {
     return FailedPrecondition(
         "tensor '{}' has no baseline; only an anchor (FULL) transfer may introduce a tensor",
@@ -607,7 +732,7 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
         current.name, DTypeName(current.dtype), ShapeToString(current.shape),
         DTypeName(entry->dtype), ShapeToString(entry->shape));
   }
-  return s.EncodeDelta(*entry, current, span_begin, span_end);
+  return EncodeDelta(*entry, current, span_begin, span_end);
 }
 
 Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
@@ -617,6 +742,8 @@ Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
                               tensor.name, s.open->transfer_id.ToHex());
   }
   REFIT_RETURN_NOT_OK(CheckTensorSize(tensor));
+  const BoxIndexMap* box = s.BoxOf(tensor.name);
+  if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, tensor));
   REFIT_ASSIGN_OR_RETURN(auto buffer, BaselineBuffer::Make(s.options, tensor.bytes.size()));
   if (!tensor.bytes.empty()) {
     std::memcpy(buffer->bytes().data(), tensor.bytes.data(), tensor.bytes.size());
@@ -626,8 +753,32 @@ Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
   entry->dtype = tensor.dtype;
   entry->shape = tensor.shape;
   entry->numel = tensor.numel();
-  entry->digest = TensorDigest(tensor);
+  entry->digest = box ? box->Digest(tensor.bytes, DTypeSize(tensor.dtype), 0, tensor.numel())
+                      : TensorDigest(tensor);
   return MarkBaselineAdopted();
+}
+
+Status DeltaTracker::Place(const std::string& name, const CanonicalBox& box, const Shape& extent) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot place tensor '{}' while transfer {} is open", name,
+                              s.open->transfer_id.ToHex());
+  }
+  Result<BoxIndexMap> map = BoxIndexMap::Make(box, extent);
+  if (!map.ok()) return map.status().WithContext(fmt::format("tensor '{}'", name));
+  const BoxIndexMap* placed = s.BoxOf(name);
+  if (placed != nullptr && placed->box() == box && placed->extent() == extent) return Status::OK();
+  // A baseline of other canonical elements (or of none: the tensor was tracked whole) cannot
+  // serve the new box: drop it, and make the next transfer an anchor that rebuilds it.
+  if (s.entries.erase(name) > 0) s.committed_transfers = 0;
+  s.boxes.insert_or_assign(name, *std::move(map));
+  return Status::OK();
+}
+
+std::optional<CanonicalBox> DeltaTracker::PlacementOf(const std::string& name) const {
+  const BoxIndexMap* box = state_->BoxOf(name);
+  if (box == nullptr) return std::nullopt;
+  return box->box();
 }
 
 Status DeltaTracker::Rebase(uint64_t version) {
