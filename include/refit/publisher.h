@@ -30,6 +30,7 @@
 #include "refit/coordinator.h"
 #include "refit/pipeline.h"
 #include "refit/producer_group.h"
+#include "refit/producer_layout.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
 #include "refit/tracker.h"
@@ -64,6 +65,16 @@ struct PublisherOptions {
   /// The budget of one Sync from the first message to the decision, on every rank. A rank that
   /// does not answer within it is treated as failed.
   std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+};
+
+/// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and
+/// pipeline-parallel slices, data-parallel copies: its layout (the pieces, each a box of a
+/// canonical tensor stored in one of its local tensors; refit/producer_layout.h) and those local
+/// tensors. Borrowed for one Sync.
+struct ShardedModel {
+  ProducerLayout layout;
+  /// The local tensors the pieces name (LayoutPiece::local), in any order, each once.
+  std::vector<TensorView> locals;
 };
 
 /// What one successful Sync did, as this rank saw it.
@@ -107,6 +118,19 @@ class Publisher {
   Result<SyncReport> Sync(const ChunkSource& source, bool force_anchor = false);
   /// As above with the model's tensors, chunked by options.stream.chunk_bytes.
   Result<SyncReport> Sync(std::vector<TensorView> tensors, bool force_anchor = false);
+  /// Collective: refit the fleet from a sharded model, every rank holding only its pieces and
+  /// sending only its own boxes, straight into the fleet (no gather). Rank 0 gathers the ranks'
+  /// layouts (a layout travels only while rank 0 does not hold it), checks that the distinct
+  /// boxes tile every canonical tensor and plans which rank sends each (the lowest holding it;
+  /// PlanLayouts), before anything is sent. Each rank's tracker keeps only the boxes it sends
+  /// (DeltaTracker::Place): O(shard) memory. A rank holding a copy of a box another rank sends
+  /// reports its digest, and a copy that differs fails the Sync naming the rank, the tensor and
+  /// the box (a data-parallel replica that diverged); the receivers roll back. A new plan (a
+  /// layout changed, boxes moved between ranks) and the first sharded Sync after a whole-model
+  /// one are anchors. Every rank of a Sync must call this form.
+  /// Errors: as above; InvalidArgument naming the piece for a layout CheckLayout or PlanLayouts
+  /// refuses or a local tensor missing or of another shape; DataLoss for a diverged copy.
+  Result<SyncReport> Sync(const ShardedModel& model, bool force_anchor = false);
 
   /// Make the Sync in flight on this rank fail soon with Cancelled, aborted everywhere as any
   /// other failure: it is checked before the transfer begins, before the stream and before each
@@ -131,6 +155,7 @@ class Publisher {
  private:
   struct Impl;
   explicit Publisher(std::unique_ptr<Impl> impl);
+  Result<SyncReport> SyncOf(const ChunkSource& source, bool force_anchor);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -11,8 +11,9 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
+#include "node/group_protocol.h"
+#include "refit/piece_source.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
@@ -20,173 +21,31 @@
 namespace refit {
 namespace {
 
-using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
+using internal::BoxDigestsFromJson;
+using internal::BoxDigestsToJson;
+using internal::DigestHex;
+using internal::DigestsFromJson;
+using internal::DigestsToJson;
+using internal::GroupMessage;
+using internal::Json;
+using internal::kGroupProtocolVersion;
+using internal::kOpAbort;
+using internal::kOpBegin;
+using internal::kOpCommit;
+using internal::kOpPropose;
+using internal::kOpStream;
+using internal::ParseGroupMessage;
+using internal::PlanFromJson;
+using internal::StatusFromJson;
+using internal::StatusToJson;
+using internal::StreamReportFromJson;
+using internal::StreamReportToJson;
 
-// The ops rank 0 broadcasts, in the order of one Sync (see publisher.h).
-constexpr std::string_view kOpPropose = "propose";
-constexpr std::string_view kOpBegin = "begin";
-constexpr std::string_view kOpStream = "stream";
-constexpr std::string_view kOpCommit = "commit";
-constexpr std::string_view kOpAbort = "abort";
-// The version of this exchange: ranks of different builds must refuse each other, not misread.
-constexpr int kGroupProtocolVersion = 1;
 // How long rank 0 tries to tell the other ranks to abort: they wait for its word at most the
 // transfer timeout anyway, so this only needs to cover a live link (a rank whose link is down
 // is waited for this long, in case it is reconnecting).
 constexpr std::chrono::seconds kAbortNoticeBudget{1};
-
-Json StatusToJson(const Status& status) {
-  if (status.ok()) return Json{{"ok", true}};
-  return Json{{"ok", false},
-              {"code", std::string(StatusCodeName(status.code()))},
-              {"message", status.message()}};
-}
-
-Status StatusFromJson(const Json& body, std::string_view where) {
-  if (!body.is_object()) return InvalidArgument("{}: a malformed reply", where);
-  if (body.value("ok", false)) return Status::OK();
-  const std::optional<StatusCode> code = StatusCodeFromName(body.value("code", std::string()));
-  const std::string message = body.value("message", std::string("(no message)"));
-  return Status(code.value_or(StatusCode::kInternal), fmt::format("{}: {}", where, message));
-}
-
-// The type each field of a group message has when present. Json::value() throws on a present
-// field of another type, which would end the rank; a message is checked once, here.
-Status CheckFieldTypes(const Json& body, std::string_view where) {
-  using Check = bool (*)(const Json&);
-  const auto is_uint = [](const Json& v) { return v.is_number_unsigned(); };
-  const auto is_bool = [](const Json& v) { return v.is_boolean(); };
-  const auto is_string = [](const Json& v) { return v.is_string(); };
-  const auto is_object = [](const Json& v) { return v.is_object(); };
-  const auto is_strings = [](const Json& v) {
-    return v.is_array() &&
-           std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_string(); });
-  };
-  static const std::map<std::string_view, std::pair<Check, std::string_view>> kTop = {
-      {"protocol", {is_uint, "an unsigned integer"}},
-      {"op", {is_string, "a string"}},
-      {"ok", {is_bool, "a boolean"}},
-      {"code", {is_string, "a string"}},
-      {"message", {is_string, "a string"}},
-      {"version", {is_uint, "an unsigned integer"}},
-      {"version_known", {is_bool, "a boolean"}},
-      {"wants_anchor", {is_bool, "a boolean"}},
-      {"open", {is_bool, "a boolean"}},
-      {"endpoints", {is_strings, "a list of strings"}},
-      {"transfer_id", {is_string, "a string"}},
-      {"anchor", {is_bool, "a boolean"}},
-      {"base_version", {is_uint, "an unsigned integer"}},
-      {"target_version", {is_uint, "an unsigned integer"}},
-      {"report", {is_object, "an object"}},
-      {"digests", {is_object, "an object"}}};
-  for (const auto& [key, value] : body.items()) {
-    auto it = kTop.find(key);
-    if (it != kTop.end() && !it->second.first(value)) {
-      return InvalidArgument("{}: field '{}' of a producer-group message is {}, not {}", where, key,
-                             value.type_name(), it->second.second);
-    }
-  }
-  if (auto report = body.find("report"); report != body.end()) {
-    for (const auto& [key, value] : report->items()) {
-      const bool seconds = key.size() > 2 && key.ends_with("_s");
-      if (seconds ? !value.is_number() : !value.is_number_unsigned()) {
-        return InvalidArgument("{}: field 'report.{}' of a producer-group message is {}, not {}",
-                               where, key, value.type_name(),
-                               seconds ? "a number" : "an unsigned integer");
-      }
-    }
-  }
-  return Status::OK();
-}
-
-Result<Json> ParseMessage(const std::string& text, std::string_view where) {
-  Json body = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
-    return InvalidArgument("{}: not a producer-group message ({} bytes)", where, text.size());
-  }
-  REFIT_RETURN_NOT_OK(CheckFieldTypes(body, where));
-  if (body.value("protocol", 0) != kGroupProtocolVersion) {
-    return FailedPrecondition(
-        "{}: speaks producer-group protocol {}, this rank {}: every rank must run the same "
-        "refit build",
-        where, body.value("protocol", 0), kGroupProtocolVersion);
-  }
-  return body;
-}
-
-Json Message(std::string_view op) {
-  return Json{{"protocol", kGroupProtocolVersion}, {"op", std::string(op)}};
-}
-
-std::string DigestHex(uint64_t digest) { return fmt::format("{:016x}", digest); }
-
-Json DigestsToJson(const std::map<std::string, uint64_t>& digests) {
-  Json out = Json::object();
-  for (const auto& [name, digest] : digests) out[name] = DigestHex(digest);
-  return out;
-}
-
-Result<std::map<std::string, uint64_t>> DigestsFromJson(const Json& body, std::string_view where) {
-  std::map<std::string, uint64_t> digests;
-  if (!body.is_object()) return InvalidArgument("{}: digests are not an object", where);
-  for (const auto& [name, hex] : body.items()) {
-    if (!hex.is_string() || hex.get<std::string>().size() != 16) {
-      return InvalidArgument("{}: digest of '{}' is not 16 hex digits", where, name);
-    }
-    char* end = nullptr;
-    const std::string text = hex.get<std::string>();
-    digests[name] = std::strtoull(text.c_str(), &end, 16);
-    if (end != text.c_str() + text.size()) {
-      return InvalidArgument("{}: digest of '{}' is not hex", where, name);
-    }
-  }
-  return digests;
-}
-
-Json StreamReportToJson(const StreamReport& report) {
-  return Json{{"chunks", report.chunks},
-              {"owned_chunks", report.owned_chunks},
-              {"payloads", report.payloads},
-              {"items", report.items},
-              {"changed_elements", report.changed_elements},
-              {"total_elements", report.total_elements},
-              {"item_bytes", report.item_bytes},
-              {"wire_bytes", report.wire_bytes},
-              {"source_s", report.timings.source_s},
-              {"encode_s", report.timings.encode_s},
-              {"serialize_s", report.timings.serialize_s},
-              {"send_s", report.timings.send_s},
-              {"wall_s", report.timings.wall_s}};
-}
-
-StreamReport StreamReportFromJson(const Json& body) {
-  StreamReport report;
-  report.chunks = body.value("chunks", uint64_t{0});
-  report.owned_chunks = body.value("owned_chunks", uint64_t{0});
-  report.payloads = body.value("payloads", uint64_t{0});
-  report.items = body.value("items", uint64_t{0});
-  report.changed_elements = body.value("changed_elements", uint64_t{0});
-  report.total_elements = body.value("total_elements", uint64_t{0});
-  report.item_bytes = body.value("item_bytes", uint64_t{0});
-  report.wire_bytes = body.value("wire_bytes", uint64_t{0});
-  report.timings.source_s = body.value("source_s", 0.0);
-  report.timings.encode_s = body.value("encode_s", 0.0);
-  report.timings.serialize_s = body.value("serialize_s", 0.0);
-  report.timings.send_s = body.value("send_s", 0.0);
-  report.timings.wall_s = body.value("wall_s", 0.0);
-  return report;
-}
-
-Result<TransferPlan> PlanFromJson(const Json& body) {
-  TransferPlan plan;
-  REFIT_ASSIGN_OR_RETURN(plan.transfer_id,
-                         TransferId::FromHex(body.value("transfer_id", std::string())));
-  plan.anchor = body.value("anchor", false);
-  plan.base_version = body.value("base_version", uint64_t{0});
-  plan.target_version = body.value("target_version", uint64_t{0});
-  return plan;
-}
 
 }  // namespace
 
@@ -197,6 +56,8 @@ struct PublisherRank {
   std::unique_ptr<ProducerGroup> group;
   std::unique_ptr<DeltaTracker> tracker;
   std::unique_ptr<ProducerStream> stream;
+  // The stream of a sharded Sync: the source yields only this rank's boxes, all of them its own.
+  std::unique_ptr<ProducerStream> piece_stream;
   std::unique_ptr<Transport> transport;
   // The world size this rank last committed under: ownership (k % W) moves when W changes, so
   // the baseline is then rebuilt by an anchor.
@@ -211,13 +72,45 @@ struct PublisherRank {
   std::vector<std::string> endpoints;
   std::optional<StreamReport> streamed;
 
+  // ---- A sharded Sync (Publisher::Sync(const ShardedModel&)). ----------------------------------
+  // The model of the Sync in flight, and its local tensors by name; null for a whole-model Sync.
+  const ShardedModel* sharded = nullptr;
+  std::map<std::string, TensorView> sharded_locals;
+  Status sharded_status;
+  uint64_t sharded_layout_digest = 0;
+  // Whether the last commit was of a sharded Sync: the tracker's baselines are boxes then,
+  // whole tensors otherwise, so switching rebuilds them with an anchor.
+  std::optional<bool> committed_sharded;
+  // This rank's role for each of its pieces in the open transfer, from rank 0's plan.
+  std::vector<PieceRole> roles;
+  // The digests of the boxes this rank sent or holds a copy of, reported after its stream.
+  std::vector<BoxDigest> streamed_boxes;
+  // Rank 0: every rank's layout as last received, with its digest, the plan of the open
+  // transfer, and a digest of the plan last committed (a new plan moves boxes between ranks,
+  // whose trackers then need an anchor).
+  std::vector<std::optional<std::pair<uint64_t, ProducerLayout>>> known_layouts;
+  LayoutPlan layout_plan;
+  uint64_t open_plan_digest = 0;
+  uint64_t committed_plan_digest = 0;
+
   uint32_t rank() const { return group->rank(); }
   uint32_t world() const { return group->world_size(); }
   Clock::time_point Deadline() const { return Clock::now() + options.transfer_timeout; }
 
   // ---- This rank's part of each op. -------------------------------------------------------------
 
-  Result<Json> Propose() {
+  Result<Json> Propose(const Json& request) {
+    REFIT_RETURN_NOT_OK(sharded_status);
+    if (committed_sharded.has_value() && *committed_sharded != (sharded != nullptr)) {
+      REFIT_LOG_INFO(
+          "publisher rank {}: a {} sync after a {} one: rebuilding the baseline with an anchor",
+          rank(), sharded ? "sharded" : "whole-model",
+          *committed_sharded ? "sharded" : "whole-model");
+      REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      committed_sharded.reset();
+      committed_world = 0;
+      version_unknown = true;
+    }
     if (committed_world != 0 && committed_world != world()) {
       // Chunks moved between ranks: start from an empty baseline at the next anchor.
       REFIT_LOG_INFO(
@@ -228,16 +121,62 @@ struct PublisherRank {
       committed_world = 0;
       version_unknown = true;
     }
-    Json reply = Message(kOpPropose);
+    Json reply = GroupMessage(kOpPropose);
     reply["ok"] = true;
     reply["version"] = tracker->version();
     reply["version_known"] = !version_unknown;
     reply["wants_anchor"] = tracker->NextIsAnchor();
     reply["open"] = tracker->open_transfer().has_value();
+    reply["sharded"] = sharded != nullptr;
+    if (sharded != nullptr) {
+      // The layout travels only when rank 0 does not hold this one already.
+      const auto known = request.value("layouts_known", std::vector<std::string>());
+      const std::string digest = DigestHex(sharded_layout_digest);
+      reply["layout_digest"] = digest;
+      if (rank() >= known.size() || known[rank()] != digest) {
+        reply["layout"] = internal::LayoutToJson(sharded->layout);
+      }
+    }
     return reply;
   }
 
-  Status Begin(const TransferPlan& plan, std::vector<std::string> fleet) {
+  // Take the sharded model of the Sync about to run (null: a whole-model Sync) and check its
+  // layout and local tensors. A bad one fails this rank's proposal, which rank 0 reports by name,
+  // rather than leaving the other ranks to wait for a rank that never answers.
+  void SetSharded(const ShardedModel* model) {
+    sharded = model;
+    sharded_locals.clear();
+    sharded_status = Status::OK();
+    if (model == nullptr) return;
+    const std::string where = fmt::format("rank {}", rank());
+    sharded_status = CheckLayout(model->layout).WithContext(where);
+    if (!sharded_status.ok()) return;
+    Result<std::map<std::string, TensorView>> locals = LocalsOf(model->layout, model->locals);
+    if (!locals.ok()) {
+      sharded_status = locals.status().WithContext(where);
+      return;
+    }
+    sharded_locals = *std::move(locals);
+    sharded_layout_digest = internal::LayoutDigest(model->layout);
+  }
+
+  Status Begin(const TransferPlan& plan, std::vector<std::string> fleet,
+               const std::vector<std::string>& all_roles) {
+    roles.clear();
+    if (sharded != nullptr) {
+      const std::string where = fmt::format("rank {}", rank());
+      if (rank() >= all_roles.size()) {
+        return InvalidArgument("{}: rank 0's plan has roles for {} ranks", where, all_roles.size());
+      }
+      REFIT_ASSIGN_OR_RETURN(roles, internal::RolesFromString(
+                                        all_roles[rank()], sharded->layout.pieces.size(), where));
+      // The tracker keeps each box this rank sends in the box's own numbering.
+      for (size_t i = 0; i < roles.size(); ++i) {
+        if (roles[i] != PieceRole::kSend) continue;
+        const LayoutPiece& piece = sharded->layout.pieces[i];
+        REFIT_RETURN_NOT_OK(tracker->Place(PieceKey(piece), PieceBox(piece), piece.extent));
+      }
+    }
     if (version_unknown) {
       REFIT_RETURN_NOT_OK(tracker->Rebase(plan.base_version));
       version_unknown = false;
@@ -268,15 +207,48 @@ struct PublisherRank {
       }
       return channel->Send(payload_id, payload);
     };
+    if (sharded == nullptr) {
+      REFIT_ASSIGN_OR_RETURN(StreamReport report,
+                             stream->Run(*tracker, source, send, channel->AsSenderCleanup()));
+      REFIT_RETURN_NOT_OK(channel->Finish(report.payloads).WithContext("finish"));
+      streamed = report;
+      return ProducerStreamed{std::move(report), tracker->PendingDigests()};
+    }
+    const ChunkSource pieces =
+        SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes);
     REFIT_ASSIGN_OR_RETURN(StreamReport report,
-                           stream->Run(*tracker, source, send, channel->AsSenderCleanup()));
+                           piece_stream->Run(*tracker, pieces, send, channel->AsSenderCleanup()));
     REFIT_RETURN_NOT_OK(channel->Finish(report.payloads).WithContext("finish"));
     streamed = report;
-    return ProducerStreamed{std::move(report), tracker->PendingDigests()};
+    REFIT_ASSIGN_OR_RETURN(streamed_boxes, BoxDigests());
+    return ProducerStreamed{std::move(report), {}};
+  }
+
+  // The canonical digest of every box this rank holds: what its tracker will commit for the boxes
+  // it sent, and a hash of its local tensor for the copies (rank 0 compares them, CheckCopies).
+  Result<std::vector<BoxDigest>> BoxDigests() const {
+    const std::map<std::string, uint64_t> pending = tracker->PendingDigests();
+    std::vector<BoxDigest> boxes;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      const LayoutPiece& piece = sharded->layout.pieces[i];
+      if (roles[i] == PieceRole::kSend) {
+        auto it = pending.find(PieceKey(piece));
+        if (it == pending.end()) {
+          return Internal("rank {}: piece {} was sent but its tracker has no digest for it", rank(),
+                          piece.ToString());
+        }
+        boxes.push_back(BoxDigest{piece.tensor, piece.offset, rank(), it->second});
+      } else if (roles[i] == PieceRole::kCopy) {
+        boxes.push_back(BoxDigest{piece.tensor, piece.offset, rank(),
+                                  PieceDigest(piece, sharded_locals.at(piece.local))});
+      }
+    }
+    return boxes;
   }
 
   Status Commit(const TransferId& id) {
     REFIT_RETURN_NOT_OK(tracker->Commit(id));
+    committed_sharded = sharded != nullptr;
     committed_world = world();
     version_unknown = false;
     open.reset();
@@ -332,10 +304,20 @@ class GroupProducers final : public ProducerSet {
       Abort(id);
       return cancelled;
     }
-    // 1. Every rank proposes (its version and cadence); rank 0 decides one plan for all.
-    Result<Json> own = self_.Propose();
+    // 1. Every rank proposes (its version and cadence, its layout if sharded); rank 0 decides one
+    // plan for all.
+    Json propose = GroupMessage(kOpPropose);
+    if (self_.sharded != nullptr) {
+      self_.known_layouts.resize(size());
+      std::vector<std::string> known;
+      for (const auto& layout : self_.known_layouts) {
+        known.push_back(layout.has_value() ? DigestHex(layout->first) : std::string());
+      }
+      propose["layouts_known"] = known;
+    }
+    Result<Json> own = self_.Propose(propose);
     Result<std::vector<Json>> collected =
-        Collect(Message(kOpPropose), own.ok() ? *own : StatusToJson(own.status()));
+        Collect(propose, own.ok() ? *own : StatusToJson(own.status()));
     Status proposed = collected.ok() ? FirstFailure(*collected) : collected.status();
     if (!proposed.ok()) {
       Abort(id);
@@ -388,15 +370,27 @@ class GroupProducers final : public ProducerSet {
         anchor = true;
       }
     }
+    std::vector<std::string> roles;
+    if (Status planned = PlanPieces(proposals, roles); !planned.ok()) {
+      Abort(id);
+      return planned;
+    }
+    if (self_.sharded != nullptr && self_.open_plan_digest != self_.committed_plan_digest &&
+        !anchor) {
+      REFIT_LOG_INFO("transfer {}: the ranks' layouts or the boxes they send changed: an anchor",
+                     id.ToHex());
+      anchor = true;
+    }
     plan_ = TransferPlan{id, anchor, base, base + 1};
     // 2. Every rank opens that plan.
-    Json begin = Message(kOpBegin);
+    Json begin = GroupMessage(kOpBegin);
     begin["transfer_id"] = id.ToHex();
     begin["anchor"] = anchor;
     begin["base_version"] = base;
     begin["target_version"] = base + 1;
     begin["endpoints"] = endpoints_;
-    const Status opened = self_.Begin(plan_, endpoints_);
+    if (!roles.empty()) begin["roles"] = roles;
+    const Status opened = self_.Begin(plan_, endpoints_, roles);
     Result<std::vector<Json>> replies = Collect(begin, StatusToJson(opened));
     Status failed = replies.ok() ? FirstFailure(*replies) : replies.status();
     if (!failed.ok()) {
@@ -409,7 +403,7 @@ class GroupProducers final : public ProducerSet {
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
                                                Clock::time_point deadline) override {
     REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
-    REFIT_RETURN_NOT_OK(self_.group->Broadcast(Message(kOpStream).dump(), deadline)
+    REFIT_RETURN_NOT_OK(self_.group->Broadcast(GroupMessage(kOpStream).dump(), deadline)
                             .status()
                             .WithContext("rank 0: stream"));
     Result<ProducerStreamed> own = self_.Stream(source_, deadline);
@@ -417,14 +411,16 @@ class GroupProducers final : public ProducerSet {
     if (own.ok()) {
       mine["report"] = StreamReportToJson(own->report);
       mine["digests"] = DigestsToJson(own->digests);
+      if (self_.sharded != nullptr) mine["boxes"] = BoxDigestsToJson(self_.streamed_boxes);
     }
     REFIT_ASSIGN_OR_RETURN(std::vector<std::string> gathered,
                            self_.group->Gather(mine.dump(), deadline));
     std::vector<ProducerStreamed> results(gathered.size());
     std::vector<Status> failures;
+    std::vector<BoxDigest> boxes;
     for (uint32_t r = 0; r < gathered.size(); ++r) {
       const std::string where = fmt::format("rank {}", r);
-      Result<Json> reply = r == 0 ? Result<Json>(mine) : ParseMessage(gathered[r], where);
+      Result<Json> reply = r == 0 ? Result<Json>(mine) : ParseGroupMessage(gathered[r], where);
       if (!reply.ok()) {
         failures.push_back(reply.status());
         continue;
@@ -441,6 +437,24 @@ class GroupProducers final : public ProducerSet {
         continue;
       }
       results[r].digests = *std::move(digests);
+      if (self_.sharded != nullptr) {
+        Result<std::vector<BoxDigest>> reported =
+            BoxDigestsFromJson(reply->value("boxes", Json::array()), r, where);
+        if (!reported.ok()) {
+          failures.push_back(reported.status());
+          continue;
+        }
+        boxes.insert(boxes.end(), reported->begin(), reported->end());
+      }
+    }
+    if (failures.empty() && self_.sharded != nullptr) {
+      // The copies of every box must agree with its sender; the boxes' digests add up to each
+      // tensor's, which rank 0 declares for the whole group (the receivers' flush check).
+      Result<std::vector<std::pair<std::string, uint64_t>>> totals =
+          CheckCopies(self_.layout_plan, boxes);
+      if (!totals.ok()) return totals.status();
+      for (ProducerStreamed& result : results) result.digests.clear();
+      results[0].digests = std::map<std::string, uint64_t>(totals->begin(), totals->end());
     }
     if (!failures.empty()) {
       // A refusal explains the cancellations it caused elsewhere: report it first.
@@ -461,15 +475,16 @@ class GroupProducers final : public ProducerSet {
 
   Status Commit(const TransferId& id) override {
     const Status own = self_.Commit(id);
+    if (own.ok()) self_.committed_plan_digest = self_.open_plan_digest;
     REFIT_ASSIGN_OR_RETURN(std::vector<Json> replies,
-                           Collect(Message(kOpCommit), StatusToJson(own)));
+                           Collect(GroupMessage(kOpCommit), StatusToJson(own)));
     return FirstFailure(replies);
   }
 
   void Abort(const TransferId& id) override {
     self_.Abort(id);
     self_.told_abort = true;
-    Json abort = Message(kOpAbort);
+    Json abort = GroupMessage(kOpAbort);
     abort["transfer_id"] = id.ToHex();
     // Best effort: a rank that is gone has nothing to abort, and one that missed this word
     // gives up on its own at the transfer timeout.
@@ -482,6 +497,48 @@ class GroupProducers final : public ProducerSet {
   }
 
  private:
+  // A sharded Sync: take each rank's layout (from its proposal, or as rank 0 kept it), plan
+  // which rank sends each distinct box, and return every rank's roles. Refused before anything
+  // is sent: a rank syncing the other way, a gap, an overlap, a tensor the ranks disagree on.
+  Status PlanPieces(const std::vector<Json>& proposals, std::vector<std::string>& roles) {
+    const bool sharded = self_.sharded != nullptr;
+    for (uint32_t r = 0; r < proposals.size(); ++r) {
+      if (proposals[r].value("sharded", false) != sharded) {
+        return FailedPrecondition(
+            "rank {} syncs {} and rank 0 {}: every rank of a Sync passes the same kind of model", r,
+            sharded ? "a whole model" : "a sharded model",
+            sharded ? "a sharded one" : "a whole one");
+      }
+    }
+    if (!sharded) return Status::OK();
+    std::vector<ProducerLayout> layouts;
+    uint64_t plan_digest = 0;
+    for (uint32_t r = 0; r < proposals.size(); ++r) {
+      const std::string where = fmt::format("rank {}", r);
+      auto& known = self_.known_layouts[r];
+      if (r == 0) {
+        known.emplace(self_.sharded_layout_digest, self_.sharded->layout);
+      } else if (auto layout = proposals[r].find("layout"); layout != proposals[r].end()) {
+        REFIT_ASSIGN_OR_RETURN(ProducerLayout parsed, internal::LayoutFromJson(*layout, where));
+        known.emplace(internal::LayoutDigest(parsed), std::move(parsed));
+      }
+      const std::string digest = proposals[r].value("layout_digest", std::string());
+      if (!known.has_value() || DigestHex(known->first) != digest) {
+        return InvalidArgument("{}: its layout (digest {}) did not arrive", where, digest);
+      }
+      layouts.push_back(known->second);
+      plan_digest = plan_digest * 0x9E3779B97F4A7C15ull + known->first;
+    }
+    REFIT_ASSIGN_OR_RETURN(self_.layout_plan, PlanLayouts(layouts));
+    roles.clear();
+    for (const std::vector<PieceRole>& rank_roles : self_.layout_plan.roles) {
+      roles.push_back(internal::RolesToString(rank_roles));
+      for (char c : roles.back()) plan_digest = plan_digest * 31 + static_cast<uint8_t>(c);
+    }
+    self_.open_plan_digest = plan_digest;
+    return Status::OK();
+  }
+
   // Broadcast `message`, then gather every rank's reply (rank 0's is `own`).
   Result<std::vector<Json>> Collect(const Json& message, const Json& own) {
     const Clock::time_point deadline = self_.Deadline();
@@ -496,7 +553,7 @@ class GroupProducers final : public ProducerSet {
     replies.reserve(gathered.size());
     replies.push_back(mine);
     for (uint32_t r = 1; r < gathered.size(); ++r) {
-      REFIT_ASSIGN_OR_RETURN(Json reply, ParseMessage(gathered[r], fmt::format("rank {}", r)));
+      REFIT_ASSIGN_OR_RETURN(Json reply, ParseGroupMessage(gathered[r], fmt::format("rank {}", r)));
       replies.push_back(std::move(reply));
     }
     return replies;
@@ -543,7 +600,7 @@ Result<SyncReport> PublisherRank::Lead(const ChunkSource& source, bool force_anc
   if (!led.ok() && !open.has_value() && !told_abort) {
     // Failed before any rank was told anything (a receiver unreachable): the other ranks wait
     // for rank 0's first word; make it an abort rather than leave them to time out.
-    Json abort = Message(kOpAbort);
+    Json abort = GroupMessage(kOpAbort);
     abort["transfer_id"] = "";
     group->Broadcast(abort.dump(), Clock::now() + kAbortNoticeBudget).status().IgnoreError();
   }
@@ -657,7 +714,7 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       if (open.has_value()) Abort(open->transfer_id);
       return text.status().WithContext(fmt::format("rank {}", rank()));
     }
-    Result<Json> message = ParseMessage(*text, leader);
+    Result<Json> message = ParseGroupMessage(*text, leader);
     if (!message.ok()) {
       // Tell rank 0 why, in the gather it now waits for, then give up on this transfer.
       Json refusal = StatusToJson(message.status());
@@ -667,14 +724,15 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       return message.status();
     }
     const std::string op = message->value("op", std::string());
-    Json reply = Message(op);
+    Json reply = GroupMessage(op);
     if (op == kOpPropose) {
-      Result<Json> proposal = Propose();
+      Result<Json> proposal = Propose(*message);
       reply = proposal.ok() ? *proposal : StatusToJson(proposal.status());
     } else if (op == kOpBegin) {
       Result<TransferPlan> plan = PlanFromJson(*message);
       std::vector<std::string> fleet = message->value("endpoints", std::vector<std::string>());
-      reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet)) : plan.status());
+      const auto all_roles = message->value("roles", std::vector<std::string>());
+      reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet), all_roles) : plan.status());
     } else if (op == kOpStream) {
       const Status cancelled = CheckCancelled("before the stream");
       Result<ProducerStreamed> own =
@@ -683,6 +741,7 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);
         reply["digests"] = DigestsToJson(own->digests);
+        if (sharded != nullptr) reply["boxes"] = BoxDigestsToJson(streamed_boxes);
         sent = *std::move(own);
       }
     } else if (op == kOpCommit) {
@@ -737,6 +796,8 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   stream.producer_id = group->rank();
   stream.num_producers = group->world_size();
   REFIT_ASSIGN_OR_RETURN(impl->stream, ProducerStream::Make(stream));
+  stream.owns_every_chunk = true;
+  REFIT_ASSIGN_OR_RETURN(impl->piece_stream, ProducerStream::Make(stream));
   REFIT_ASSIGN_OR_RETURN(impl->tracker, DeltaTracker::Make(options.tracker));
   // An object store's payloads are announced on the receivers' control planes, through the
   // same client settings (key, TLS, timeouts) as the coordinator's own calls.
@@ -772,6 +833,22 @@ Status Publisher::AdoptBaseline(std::span<const TensorView> model,
 }
 
 Result<SyncReport> Publisher::Sync(const ChunkSource& source, bool force_anchor) {
+  impl_->SetSharded(nullptr);
+  return SyncOf(source, force_anchor);
+}
+
+Result<SyncReport> Publisher::Sync(const ShardedModel& model, bool force_anchor) {
+  impl_->SetSharded(&model);
+  // The source is unused: each rank streams the boxes rank 0's plan gives it.
+  const ChunkSource none = []() -> Result<std::optional<ExportChunk>> {
+    return std::optional<ExportChunk>();
+  };
+  Result<SyncReport> synced = SyncOf(none, force_anchor);
+  impl_->SetSharded(nullptr);
+  return synced;
+}
+
+Result<SyncReport> Publisher::SyncOf(const ChunkSource& source, bool force_anchor) {
   {
     std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
     impl_->in_sync = true;

@@ -359,8 +359,9 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
 void StreamRun::PullSource(const ChunkSource& source) {
   uint64_t chunk_index = 0;
   while (true) {
-    const bool owned =
-        OwnsChunk(chunk_index, options_.producer_id, options_.num_producers) && !stopped();
+    const bool owned = (options_.owns_every_chunk ||
+                        OwnsChunk(chunk_index, options_.producer_id, options_.num_producers)) &&
+                       !stopped();
     // Take the owned chunk's credit before pulling it, so that the source's memory is bounded
     // too. A failed acquire means the stream stopped: the chunk is then pulled and dropped.
     bool credit = false;

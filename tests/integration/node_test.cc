@@ -4,6 +4,7 @@
 // equal the slice of the trainer's canonical tensor, computed here independently of the loader.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -17,6 +18,7 @@
 #include "loopback.h"
 #include "refit/loader.h"
 #include "refit/producer_group.h"
+#include "refit/producer_layout.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
 #include "test_util.h"
@@ -471,6 +473,185 @@ INSTANTIATE_TEST_SUITE_P(TensorParallel, ShardGroupTest, ::testing::Values(2u, 4
                          [](const auto& param_info) {
                            return "TP" + std::to_string(param_info.param);
                          });
+
+// ---- Sharded publishing: every rank holds and sends only its boxes. ---------------------------
+
+// A sharded trainer rank: its local tensors (named as the canonical ones) and its layout.
+struct ShardedRank {
+  std::map<std::string, std::vector<uint16_t>> bits;
+  ShardedModel model;
+};
+
+// torch.chunk's split of n into `parts`: ceil(n / parts) each, the last ones shorter or empty.
+std::pair<uint64_t, uint64_t> ChunkOf(uint64_t n, uint64_t parts, uint64_t index) {
+  const uint64_t size = (n + parts - 1) / parts;
+  const uint64_t begin = std::min(n, index * size);
+  return {begin, std::min(n, begin + size)};
+}
+
+// Shard `shard` of `shards` of every tensor, FSDP2-style (dim 0), except the tensors in
+// `by_column`, sharded on dim 1 (as a tensor-parallel row-parallel layer is).
+ShardedRank ShardedRankOf(const std::vector<Canonical>& model, uint64_t shard, uint64_t shards,
+                          const std::vector<std::string>& by_column = {}) {
+  ShardedRank rank;
+  for (const Canonical& t : model) {
+    const bool column = std::find(by_column.begin(), by_column.end(), t.name) != by_column.end();
+    LayoutPiece piece;
+    piece.tensor = t.name;
+    piece.dtype = DType::kBFloat16;
+    piece.shape = t.view().shape;
+    piece.offset.assign(piece.shape.size(), 0);
+    piece.extent = piece.shape;
+    const auto [begin, end] = ChunkOf(column ? t.cols : t.rows, shards, shard);
+    piece.offset[column ? 1 : 0] = static_cast<int64_t>(begin);
+    piece.extent[column ? 1 : 0] = static_cast<int64_t>(end - begin);
+    piece.local = t.name;
+    piece.local_shape = piece.extent;
+    piece.local_offset.assign(piece.shape.size(), 0);
+    rank.bits[t.name] = column ? Columns(t, begin, end) : Rows(t, begin, end);
+    rank.model.layout.pieces.push_back(std::move(piece));
+  }
+  for (const LayoutPiece& piece : rank.model.layout.pieces) {
+    rank.model.locals.push_back(TensorView{piece.local, DType::kBFloat16, piece.local_shape,
+                                           std::as_bytes(std::span(rank.bits.at(piece.local)))});
+  }
+  return rank;
+}
+
+// Sync every rank's sharded model at once (SPMD); return every rank's result.
+std::vector<Result<SyncReport>> SyncSharded(std::vector<std::unique_ptr<Publisher>>& ranks,
+                                            const std::vector<ShardedRank>& held) {
+  std::vector<Result<SyncReport>> results(ranks.size(), Status(StatusCode::kInternal, "unset"));
+  std::vector<std::jthread> threads;
+  for (size_t p = 1; p < ranks.size(); ++p) {
+    threads.emplace_back([&, p] { results[p] = ranks[p]->Sync(held[p].model); });
+  }
+  results[0] = ranks[0]->Sync(held[0].model);
+  threads.clear();
+  return results;
+}
+
+uint64_t BoxBytes(const ShardedRank& rank) {
+  uint64_t bytes = 0;
+  for (const LayoutPiece& piece : rank.model.layout.pieces) bytes += piece.numel() * 2;
+  return bytes;
+}
+
+TEST(ShardedPublisherTest, ThreeRanksRefitAnUnshardedReceiverAndATpGroupFromTheirShards) {
+  std::vector<Canonical> model = MakeModel(21);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(3);
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
+  for (uint32_t r = 0; r < 2; ++r) {
+    fleet.push_back(
+        StartReceiver(ShardOf(model, r, 2), TpLoader(r, 2), "tp-group", endpoints[r], endpoints));
+  }
+  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[2], endpoints));
+  std::vector<EmbeddedReceiver*> receivers;
+  for (auto& receiver : fleet) receivers.push_back(receiver.get());
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(3, receivers, 4096);
+  // Rows not divisible by 3 everywhere (100, 32, 8, 64 rows); two tensors sharded by column.
+  const std::vector<std::string> by_column = {"model.layers.0.self_attn.o_proj.weight",
+                                              "model.layers.0.mlp.down_proj.weight"};
+  std::mt19937_64 rng(22);
+  for (int step = 1; step <= 4; ++step) {
+    Step(model, rng, 0.03);
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 3; ++r) held.push_back(ShardedRankOf(model, r, 3, by_column));
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, held);
+    for (uint32_t r = 0; r < 3; ++r) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
+    }
+    const SyncReport& report = *results[0];
+    // The first sharded sync anchors (the ranks' trackers are empty); then deltas.
+    EXPECT_EQ(report.transfer.plan.anchor, step == 1) << "step " << step;
+    ASSERT_EQ(report.transfer.producers.size(), 3u);
+    for (uint32_t r = 0; r < 3; ++r) {
+      EXPECT_GT(report.transfer.producers[r].payloads, 0u) << "rank " << r << " sent nothing";
+      // A rank keeps its own boxes, not the model.
+      EXPECT_EQ(ranks[r]->tracker().baseline_bytes(), BoxBytes(held[r])) << "rank " << r;
+    }
+    const std::string when = "step " + std::to_string(step);
+    for (uint32_t r = 0; r < 2; ++r) {
+      ExpectHolds(*fleet[r], ShardOf(model, r, 2), when + ", TP shard " + std::to_string(r));
+    }
+    ExpectHolds(*fleet[2], Unsharded(model), when + ", unsharded");
+  }
+}
+
+TEST(ShardedPublisherTest, DataParallelCopiesAreSentOnceAndADivergedCopyRollsEveryoneBack) {
+  std::vector<Canonical> model = MakeModel(31);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  // W = 4: two FSDP shards, each held by two data-parallel replicas (ranks r and r + 2).
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(4, {receiver.get()}, 4096);
+  auto hold = [](const std::vector<Canonical>& m) {
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 4; ++r) held.push_back(ShardedRankOf(m, r % 2, 2));
+    return held;
+  };
+  std::mt19937_64 rng(32);
+  for (int step = 1; step <= 2; ++step) {
+    Step(model, rng, 0.03);
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, hold(model));
+    ASSERT_OK(results[0].status());
+    const SyncReport& report = *results[0];
+    EXPECT_GT(report.transfer.producers[0].payloads, 0u);
+    EXPECT_GT(report.transfer.producers[1].payloads, 0u);
+    EXPECT_EQ(report.transfer.producers[2].payloads, 0u) << "a copy was sent twice";
+    EXPECT_EQ(report.transfer.producers[3].payloads, 0u) << "a copy was sent twice";
+    EXPECT_EQ(ranks[3]->tracker().baseline_bytes(), 0u)
+        << "a rank that sends nothing keeps nothing";
+    ExpectHolds(*receiver, Unsharded(model), "step " + std::to_string(step));
+  }
+  // Rank 3's copy of shard 1 diverges from rank 1's by one bit of q_proj.
+  const std::vector<Canonical> base = model;
+  Step(model, rng, 0.03);
+  std::vector<ShardedRank> held = hold(model);
+  held[3].bits.at("model.layers.0.self_attn.q_proj.weight")[5] ^= 0x0100;
+  std::vector<Result<SyncReport>> failed = SyncSharded(ranks, held);
+  ASSERT_FALSE(failed[0].ok());
+  EXPECT_EQ(failed[0].status().code(), StatusCode::kDataLoss) << failed[0].status().ToString();
+  for (const char* expected : {"rank 3", "model.layers.0.self_attn.q_proj.weight"}) {
+    EXPECT_NE(failed[0].status().message().find(expected), std::string::npos)
+        << expected << " not named: " << failed[0].status().ToString();
+  }
+  for (uint32_t r = 1; r < 4; ++r) EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+  EXPECT_EQ(receiver->node->status().version, 2u);
+  ExpectHolds(*receiver, Unsharded(base), "after the diverged copy");
+  // The replicas agree again: the same step commits, as a delta.
+  std::vector<Result<SyncReport>> retried = SyncSharded(ranks, hold(model));
+  ASSERT_OK(retried[0].status());
+  EXPECT_FALSE(retried[0]->transfer.plan.anchor);
+  EXPECT_EQ(retried[0]->transfer.plan.target_version, 3u);
+  ExpectHolds(*receiver, Unsharded(model), "the retried step");
+}
+
+TEST(ShardedPublisherTest, ALayoutWithAGapOrAnOverlapIsRefusedBeforeAnythingIsSent) {
+  std::vector<Canonical> model = MakeModel(41);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(2, {receiver.get()}, 4096);
+  const std::string k_proj = "model.layers.0.self_attn.k_proj.weight";
+  // A gap: rank 1 does not hold its rows of k_proj.
+  std::vector<ShardedRank> gap = {ShardedRankOf(model, 0, 2), ShardedRankOf(model, 1, 2)};
+  std::erase_if(gap[1].model.layout.pieces,
+                [&](const LayoutPiece& piece) { return piece.tensor == k_proj; });
+  std::vector<Result<SyncReport>> refused = SyncSharded(ranks, gap);
+  EXPECT_STATUS_MSG(InvalidArgument, k_proj, refused[0].status());
+  // An overlap: rank 1 claims rows 3 … 7 of k_proj, rank 0 rows 0 … 3.
+  std::vector<ShardedRank> overlap = {ShardedRankOf(model, 0, 2), ShardedRankOf(model, 1, 2)};
+  for (LayoutPiece& piece : overlap[1].model.layout.pieces) {
+    if (piece.tensor == k_proj) piece.offset[0] = 3;
+  }
+  refused = SyncSharded(ranks, overlap);
+  EXPECT_STATUS_MSG(InvalidArgument, k_proj, refused[0].status());
+  // Nothing reached the receiver: no transfer was prepared.
+  EXPECT_EQ(receiver->node->status().version, 0u);
+  std::lock_guard lock(receiver->hooks_mutex);
+  EXPECT_TRUE(receiver->hooks.empty()) << receiver->hooks.front();
+}
 
 }  // namespace
 }  // namespace refit
