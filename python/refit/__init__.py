@@ -506,14 +506,32 @@ class Publisher:
         """
         self._core.adopt_baseline(buffer_tensors(tensors), version)
 
-    def sync(self, tensors: TensorsLike, force_anchor: bool = False) -> SyncReport:
+    def sync(
+        self,
+        tensors: TensorsLike,
+        force_anchor: bool = False,
+        *,
+        layout: Optional[Sequence[Mapping[str, Any]]] = None,
+    ) -> SyncReport:
         """Refit the fleet with ``tensors`` (name → array, every rank the whole model in order).
+
+        With ``layout``, a sharded sync: ``tensors`` are this rank's local tensors and ``layout``
+        its pieces (dicts ``tensor, dtype, shape, offset, extent`` and optionally ``local,
+        local_shape, local_offset``; :func:`refit.layout.layout_of` makes them from DTensors):
+        which box of which canonical tensor each local tensor holds. Rank 0 checks that the
+        ranks' boxes tile every tensor, each rank sends only the boxes it is the lowest holder
+        of, and copies held by other ranks (data-parallel replicas) must match, or the sync fails
+        naming the rank. Every rank passes a layout, or none does.
 
         Collective over the group. Blocks until the receivers committed, without the GIL. On
         Ctrl-C the sync is cancelled and aborted everywhere, then KeyboardInterrupt is raised.
         Raises the first failure's :class:`refit.Error`, after the abort.
         """
-        report = self._core.sync(buffer_tensors(tensors), force_anchor)
+        if layout is not None:
+            pieces = [dict(piece) for piece in layout]
+            report = self._core.sync_sharded(pieces, buffer_tensors(tensors), force_anchor)
+        else:
+            report = self._core.sync(buffer_tensors(tensors), force_anchor)
         report["receivers"] = tuple(report["receivers"])
         return SyncReport(**report)
 
@@ -539,3 +557,9 @@ class Publisher:
     def version(self) -> int:
         """The version this rank last committed."""
         return self._core.version
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes this rank keeps to diff against: its share of the model (its own boxes, when
+        sharded)."""
+        return self._core.baseline_bytes

@@ -33,6 +33,14 @@ __all__ = ["Publisher", "Receiver", "TorchGroup", "state_tensors", "tp_loader"]
 ModuleOrState = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
 
 
+def _holds_dtensors(model: ModuleOrState) -> bool:
+    """Whether a module's state or a state dict holds a DTensor (a sharded model)."""
+    tensors = model.state_dict(keep_vars=True).values() if isinstance(model, torch.nn.Module) else (
+        model.values() if isinstance(model, Mapping) else ()
+    )
+    return any(type(tensor).__name__ == "DTensor" for tensor in tensors)
+
+
 def state_tensors(model: ModuleOrState) -> List[Tuple[str, torch.Tensor]]:
     """Return the (name, tensor) pairs a module or state dict exports, detached, in order.
 
@@ -127,12 +135,31 @@ class Publisher(refit.Publisher):
             group = group.as_group()
         super().__init__(receivers=receivers, group=group, **options)
 
-    def sync(self, model: ModuleOrState, force_anchor: bool = False) -> refit.SyncReport:  # type: ignore[override]
-        """Refit the fleet with ``model`` (a module or state dict; every rank, the whole model).
+    def sync(  # type: ignore[override]
+        self,
+        model: ModuleOrState,
+        force_anchor: bool = False,
+        *,
+        layout: Optional[Sequence[Mapping[str, Any]]] = None,
+    ) -> refit.SyncReport:
+        """Refit the fleet with ``model`` (a module or state dict).
+
+        A model of plain tensors is the whole model on every rank. A model with DTensor
+        parameters (FSDP2's ``fully_shard``, DTensor tensor parallelism) is sharded: each rank
+        sends only its own shards, found from the placements (:func:`refit.layout.layout_of`),
+        with no gather. ``layout``: the pieces of a model of plain sharded tensors (Megatron
+        style), as :meth:`refit.Publisher.sync` takes them; ``model`` is then this rank's local
+        tensors.
 
         The tensors are read in place; export bf16 by keeping a bf16 state dict and ``copy_()``-ing
         the fp32 master weights into it before each sync.
         """
+        if layout is None and _holds_dtensors(model):
+            from refit.layout import layout_of, local_tensors  # noqa: PLC0415
+
+            return super().sync(local_tensors(model), force_anchor, layout=layout_of(model))
+        if layout is not None:
+            return super().sync(state_tensors(model), force_anchor, layout=layout)
         return super().sync(state_tensors(model), force_anchor)
 
     def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:  # type: ignore[override]

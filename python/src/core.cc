@@ -656,6 +656,24 @@ class PyPublisher {
     return SyncReportToDict(Unwrap(std::move(synced)));
   }
 
+  // A sharded rank's sync: its pieces (dicts, as plan_layouts takes them) and the local tensors
+  // they name.
+  py::dict SyncSharded(const py::list& pieces, const py::list& locals, bool force_anchor) {
+    ShardedModel model;
+    for (const py::handle& piece : pieces) {
+      model.layout.pieces.push_back(LayoutPieceFromDict(piece.cast<py::dict>(), publisher_->rank(),
+                                                        model.layout.pieces.size()));
+    }
+    std::vector<BufferTensor> buffers;
+    for (const py::handle& item : locals) buffers.push_back(ToBufferTensor(item, false));
+    for (const BufferTensor& buffer : buffers) model.locals.push_back(ViewOf(buffer));
+    Publisher* publisher = publisher_.get();
+    Result<SyncReport> synced = RunInterruptible<Result<SyncReport>>(
+        [publisher, &model, force_anchor] { return publisher->Sync(model, force_anchor); },
+        [publisher] { publisher->Cancel(); });
+    return SyncReportToDict(Unwrap(std::move(synced)));
+  }
+
   Publisher& get() { return *publisher_; }
 
  private:
@@ -941,6 +959,8 @@ PYBIND11_MODULE(_core, m) {
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)
+      .def("sync_sharded", &PyPublisher::SyncSharded, py::arg("pieces"), py::arg("locals"),
+           py::arg("force_anchor") = false)
       .def("set_receivers",
            [](PyPublisher& p, const std::vector<std::pair<std::string, std::string>>& receivers) {
              Check(p.get().SetReceivers(ReceiversFrom(receivers)));
@@ -948,5 +968,7 @@ PYBIND11_MODULE(_core, m) {
       .def("cancel", [](PyPublisher& p) { p.get().Cancel(); })
       .def_property_readonly("rank", [](PyPublisher& p) { return p.get().rank(); })
       .def_property_readonly("world_size", [](PyPublisher& p) { return p.get().world_size(); })
-      .def_property_readonly("version", [](PyPublisher& p) { return p.get().version(); });
+      .def_property_readonly("version", [](PyPublisher& p) { return p.get().version(); })
+      .def_property_readonly("baseline_bytes",
+                             [](PyPublisher& p) { return p.get().tracker().baseline_bytes(); });
 }
