@@ -45,10 +45,10 @@ def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTen
         placements = _dtensor_placements(tensor)
         if placements is not None:
             raise InvalidArgument(
-                f"tensor '{name}': it is a DTensor ({placements}); refit publishes canonical "
-                "tensors, and a rank's shard of one is not yet accepted (sharded publishing is "
-                "being built: refit.layout gives the pieces a rank holds). For now pass "
-                ".full_tensor() on every rank, which gathers the tensor"
+                f"tensor '{name}': it is a DTensor ({placements}), whose bytes are not this "
+                "rank's shard; publish a DTensor model with refit.torch.Publisher.sync(module), "
+                "which sends each rank's shards through their layout (refit.layout), or pass "
+                "plain tensors: .to_local() with a layout, or .full_tensor()"
             )
         if tensor.device.type != "cpu":
             raise InvalidArgument(

@@ -231,18 +231,29 @@ def test_refit_imported_before_torch_leaves_torch_importable():
     assert result.stdout.strip().endswith("2.0")
 
 
-def test_a_dtensor_shard_is_refused_by_name_not_gathered(tmp_path):
-    # A one-rank gloo world: enough to make a real DTensor. Publishing a rank's shard is being
-    # built (refit.layout); until then a DTensor must fail by name, not run collectives.
+def test_a_dtensor_state_dict_publishes_its_shard_and_a_receiver_refuses_one_by_name(tmp_path):
+    # A one-rank gloo world: enough to make a real DTensor. A publisher sends the shard through
+    # its layout (no collective gathers it); a receiver cannot hold a DTensor in place.
     import torch.distributed as dist  # noqa: PLC0415
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh  # noqa: PLC0415
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        weight = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
-        publisher = rt.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2")])
-        with pytest.raises(refit.InvalidArgument, match=r"tensor 'w': it is a DTensor \(\(Shard\(dim=0\),\)\).*full_tensor"):
-            publisher.sync({"w": weight})
+        weight = distribute_tensor(torch.arange(8, dtype=torch.float32).reshape(4, 2), mesh, [Shard(0)])
+        held = torch.zeros(4, 2)
+        endpoint = f"127.0.0.1:{refit.free_ports(1)[0]}"
+        receiver = refit.Receiver(data_endpoint=endpoint, peers=[endpoint], version=0)
+        receiver.register("w", held)
+        receiver.start()
+        try:
+            publisher = rt.Publisher(receivers=[receiver])
+            report = publisher.sync({"w": weight})
+            assert report.anchor and report.version == 1
+            assert torch.equal(held, weight.full_tensor())
+        finally:
+            receiver.stop()
+        with pytest.raises(refit.InvalidArgument, match=r"tensor 'w': it is a DTensor"):
+            refit.Receiver().register("w", weight)
     finally:
         dist.destroy_process_group()
