@@ -23,6 +23,7 @@
 #include "refit/mpi_producer_group.h"
 #endif
 #include "refit/producer_group.h"
+#include "refit/producer_layout.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
 #include "refit/transport.h"
@@ -34,6 +35,8 @@ struct PushArgs {
   std::string config;
   std::string checkpoint;
   std::string base;
+  /// This rank's pieces (JSON): the checkpoint is then its local tensors (a sharded push).
+  std::string layout;
   /// "CONTROL_URL=DATA_ENDPOINT", one per receiver, in tree order.
   std::vector<std::string> receivers;
   std::string transport = "zmq://";
@@ -146,6 +149,60 @@ Status CheckSameTensors(const std::vector<TensorView>& base, const std::vector<T
     }
   }
   return Status::OK();
+}
+
+// A layout file: a JSON list of pieces, each {tensor, dtype, shape, offset, extent} and
+// optionally {local, local_shape, local_offset} (defaults: the tensor's name, the extent, zeros) —
+// the dicts refit.layout writes.
+Result<ProducerLayout> ReadLayoutFile(const std::string& path) {
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> bytes, ReadFile(path));
+  const nlohmann::json body = nlohmann::json::parse(
+      reinterpret_cast<const char*>(bytes.data()),
+      reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr, false);
+  if (body.is_discarded() || !body.is_array()) {
+    return InvalidArgument("--layout {}: not a JSON list of pieces", path);
+  }
+  const auto integers = [](const nlohmann::json& value) {
+    return value.is_array() && std::all_of(value.begin(), value.end(),
+                                           [](const auto& e) { return e.is_number_integer(); });
+  };
+  ProducerLayout layout;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const nlohmann::json& entry = body[i];
+    const std::string where = fmt::format("--layout {}: piece {}", path, i);
+    if (!entry.is_object()) return InvalidArgument("{} is not an object", where);
+    LayoutPiece piece;
+    for (const auto& [key, value] : entry.items()) {
+      if (key == "tensor" || key == "dtype" || key == "local") {
+        if (!value.is_string()) return InvalidArgument("{}: '{}' is not a string", where, key);
+      } else if (key == "shape" || key == "offset" || key == "extent" || key == "local_shape" ||
+                 key == "local_offset") {
+        if (!integers(value))
+          return InvalidArgument("{}: '{}' is not a list of integers", where, key);
+      } else {
+        return InvalidArgument(
+            "{}: unknown key '{}'; known keys: tensor, dtype, shape, offset, extent, local, "
+            "local_shape, local_offset",
+            where, key);
+      }
+    }
+    for (const char* key : {"tensor", "dtype", "shape", "offset", "extent"}) {
+      if (!entry.contains(key)) return InvalidArgument("{}: no '{}'", where, key);
+    }
+    piece.tensor = entry["tensor"].get<std::string>();
+    REFIT_ASSIGN_OR_RETURN(piece.dtype, ParseDType(entry["dtype"].get<std::string>()));
+    piece.shape = entry["shape"].get<Shape>();
+    piece.offset = entry["offset"].get<std::vector<int64_t>>();
+    piece.extent = entry["extent"].get<std::vector<int64_t>>();
+    piece.local = entry.value("local", piece.tensor);
+    piece.local_shape =
+        entry.contains("local_shape") ? entry["local_shape"].get<Shape>() : Shape(piece.extent);
+    piece.local_offset = entry.contains("local_offset")
+                             ? entry["local_offset"].get<std::vector<int64_t>>()
+                             : std::vector<int64_t>(piece.extent.size(), 0);
+    layout.pieces.push_back(std::move(piece));
+  }
+  return layout;
 }
 
 // This process's producer group: one rank (the default), W threads of this process
@@ -273,9 +330,20 @@ Status RunPush(const PushArgs& args) {
   }
   const bool leader = mpi.active ? mpi.index == 0 : args.rank == 0;
   REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader, mpi.active));
+  if (!args.layout.empty() && (!args.base.empty() || args.producers != 1)) {
+    return InvalidArgument(
+        "push: --layout sends this rank's pieces as an anchor, from one rank per process "
+        "(--group, or mpi://): --base and --producers do not apply");
+  }
+  std::optional<ShardedModel> sharded;
+  if (!args.layout.empty()) {
+    REFIT_ASSIGN_OR_RETURN(ProducerLayout layout, ReadLayoutFile(args.layout));
+    sharded = ShardedModel{std::move(layout), {}};
+  }
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
                          SafetensorsFile::Open(args.checkpoint));
   const std::vector<TensorView> model = checkpoint->tensors();
+  if (sharded.has_value()) sharded->locals = model;
   std::unique_ptr<SafetensorsFile> base_file;
   std::vector<TensorView> base;
   if (!args.base.empty()) {
@@ -339,7 +407,8 @@ Status RunPush(const PushArgs& args) {
     for (size_t p = 1; p < publishers.size(); ++p) {
       threads.emplace_back([&, p] { results[p] = publishers[p]->Sync(model, anchor); });
     }
-    results[0] = publishers[0]->Sync(model, anchor);
+    results[0] = sharded.has_value() ? publishers[0]->Sync(*sharded, anchor)
+                                     : publishers[0]->Sync(model, anchor);
   }
 #if REFIT_HAVE_MPI
   if (mpi.active) {
@@ -380,6 +449,12 @@ void RegisterPush(CLI::App& app, Status* result) {
                   "FULL anchor)")
       ->check(CLI::ExistingFile);
   cmd->add_flag("--anchor", args->anchor, "Send every element even with --base");
+  cmd->add_option("--layout", args->layout,
+                  "A sharded rank's layout (JSON: a list of pieces {tensor, dtype, shape, offset, "
+                  "extent[, local, local_shape, local_offset]}; docs/sharded.md): the checkpoint "
+                  "is then this rank's local tensors, and it sends only its own boxes. Every "
+                  "rank of the group passes one; the push is an anchor")
+      ->check(CLI::ExistingFile);
   cmd->add_option_function<std::string>(
          "--anchor-compression",
          [args](const std::string& name) {

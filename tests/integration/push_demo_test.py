@@ -58,6 +58,56 @@ def read_safetensors(path):
     return out
 
 
+def read_safetensors_header(path):
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header
+
+
+def write_safetensors(path, tensors):
+    """tensors: name -> (dtype, shape, raw bytes), written by the format's definition."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for _, _, data in tensors.values():
+            f.write(data)
+
+
+def shard_checkpoint(path, files, rank, world, workdir):
+    """Rank `rank` of `world`'s rows (torch.chunk over dim 0) of every tensor of the checkpoint at
+    `path`: its local safetensors and its layout file."""
+    header = read_safetensors_header(path)
+    width = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "U8": 1}
+    local, layout = {}, []
+    for name, info in sorted(header.items()):
+        shape, data = info["shape"], files[name]
+        rows = shape[0] if shape else 1
+        row_bytes = len(data) // rows if rows else 0
+        size = -(-rows // world)
+        begin = min(rows, rank * size)
+        end = min(rows, begin + size)
+        extent = ([end - begin] + shape[1:]) if shape else []
+        local[name] = (info["dtype"], extent, data[begin * row_bytes:end * row_bytes] if shape else data)
+        assert not shape or row_bytes % width[info["dtype"]] == 0
+        layout.append({"tensor": name, "dtype": info["dtype"].lower().replace("bf16", "bfloat16")
+                       .replace("f32", "float32").replace("f16", "float16"),
+                       "shape": shape, "offset": ([begin] + [0] * (len(shape) - 1)) if shape else [],
+                       "extent": extent})
+    checkpoint = os.path.join(workdir, f"rank{rank}.safetensors")
+    write_safetensors(checkpoint, local)
+    layout_file = os.path.join(workdir, f"rank{rank}.layout.json")
+    with open(layout_file, "w") as f:
+        json.dump(layout, f)
+    return checkpoint, layout_file, layout
+
+
 class Daemon:
     def __init__(self, refit, workdir, index, model, data_port, peers, env):
         self.ready = os.path.join(workdir, f"d{index}.ready")
@@ -191,6 +241,50 @@ def main():
             check(d.tensors(names) == files[3], "every served tensor equals step 3's bytes")
     finally:
         for d in daemons:
+            d.stop()
+
+    # A sharded push: two rank processes, each with its rows of step 2 and a layout, fill two
+    # fresh daemons at step 0; a layout with a gap is refused before anything is sent.
+    ports = [free_port(), free_port()]
+    peers = [f"127.0.0.1:{p}" for p in ports]
+    fresh = [Daemon(args.refit, args.workdir, 20 + i, steps[0], ports[i], peers, env)
+             for i in range(2)]
+    try:
+        receivers = []
+        for d in fresh:
+            receivers += ["--receiver", f"{d.url}={d.data}"]
+        shards = [shard_checkpoint(steps[2], files[2], r, 2, args.workdir) for r in range(2)]
+
+        def push_sharded(layout_files, tag):
+            group = f"tcp://127.0.0.1:{free_port()}"
+            ranks = [subprocess.Popen(
+                [args.refit, "push", shards[r][0], "--layout", layout_files[r], "--group", group,
+                 "--rank", str(r), "--world-size", "2", "--api-key-env", KEY_ENV] + receivers,
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in range(2)]
+            return [(rank.wait(timeout=TIMEOUT_S), *rank.communicate()) for rank in ranks]
+
+        gap = list(shards[1][2])
+        dropped = gap.pop()["tensor"]
+        gap_file = os.path.join(args.workdir, "rank1.gap.json")
+        with open(gap_file, "w") as f:
+            json.dump(gap, f)
+        results = push_sharded([shards[0][1], gap_file], "gap")
+        check(results[0][0] != 0 and "InvalidArgument" in results[0][2] and dropped in results[0][2],
+              f"a layout with a gap is refused naming '{dropped}': {results[0][2][:300]}")
+        check(all(d.status()["version"] == 0 for d in fresh)
+              and all(d.tensors(names) == files[0] for d in fresh),
+              "and nothing reached the daemons")
+        results = push_sharded([shards[0][1], shards[1][1]], "sharded")
+        check(all(code == 0 for code, _, _ in results),
+              f"both ranks pushed their shards: {[r[1] + r[2] for r in results]}")
+        check("a FULL anchor v0 -> v1" in results[0][1] and "from 2 rank(s)" in results[0][1],
+              f"rank 0 reports the sharded anchor: {results[0][1]}")
+        for d in fresh:
+            check(d.tensors(names) == files[2], "every served tensor equals step 2's bytes, "
+                  "assembled from the two ranks' rows")
+    finally:
+        for d in fresh:
             d.stop()
 
     # A fleet with a receiver down: push fails before any transfer starts.
