@@ -19,6 +19,10 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
   const auto is_string = [](const Json& v) { return v.is_string(); };
   const auto is_object = [](const Json& v) { return v.is_object(); };
   const auto is_array = [](const Json& v) { return v.is_array(); };
+  const auto is_uints = [](const Json& v) {
+    return v.is_array() &&
+           std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_number_unsigned(); });
+  };
   const auto is_strings = [](const Json& v) {
     return v.is_array() &&
            std::all_of(v.begin(), v.end(), [](const Json& e) { return e.is_string(); });
@@ -45,6 +49,7 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
       {"layout", {is_array, "a list"}},
       {"layouts_known", {is_strings, "a list of strings"}},
       {"roles", {is_strings, "a list of strings"}},
+      {"full_ranks", {is_uints, "a list of unsigned integers"}},
       {"boxes", {is_array, "a list"}}};
   for (const auto& [key, value] : body.items()) {
     auto it = kTop.find(key);

@@ -5,7 +5,8 @@
 //   propose {layouts_known}                 {version, version_known, wants_anchor, open,
 //                                            sharded, layout_digest, layout (when not known)}
 //   begin {transfer_id, anchor, versions,   {ok} once its tracker opened the plan
-//          endpoints, roles (sharded)}
+//          endpoints, roles and full_ranks
+//          (sharded)}
 //   stream                                  {report, digests | boxes (sharded)}
 //   commit | abort {transfer_id}            {ok}
 //

@@ -160,8 +160,9 @@ struct PublisherRank {
     sharded_layout_digest = internal::LayoutDigest(model->layout);
   }
 
+  // `full_self`: this rank sends its boxes FULL inside a delta transfer (it has no baseline).
   Status Begin(const TransferPlan& plan, std::vector<std::string> fleet,
-               const std::vector<std::string>& all_roles) {
+               const std::vector<std::string>& all_roles, bool full_self = false) {
     roles.clear();
     if (sharded != nullptr) {
       const std::string where = fmt::format("rank {}", rank());
@@ -181,7 +182,9 @@ struct PublisherRank {
       REFIT_RETURN_NOT_OK(tracker->Rebase(plan.base_version));
       version_unknown = false;
     }
-    REFIT_RETURN_NOT_OK(tracker->BeginPlanned(plan).status());
+    TransferPlan own = plan;
+    own.anchor = plan.anchor || full_self;
+    REFIT_RETURN_NOT_OK(tracker->BeginPlanned(own).status());
     open = plan;
     endpoints = std::move(fleet);
     streamed.reset();
@@ -326,6 +329,11 @@ class GroupProducers final : public ProducerSet {
     const std::vector<Json>& proposals = *collected;
     bool anchor = force_anchor;
     std::optional<uint64_t> known;
+    // A sharded rank that wants an anchor (it restarted: no baseline) sends its own boxes FULL
+    // inside the others' delta, instead of re-anchoring the whole fleet for one rank; the
+    // transfer is an anchor only when every rank wants one.
+    const bool sharded = self_.sharded != nullptr;
+    std::vector<uint32_t> full_ranks;
     for (uint32_t r = 0; r < proposals.size(); ++r) {
       if (proposals[r].value("open", false)) {
         Abort(id);
@@ -334,7 +342,11 @@ class GroupProducers final : public ProducerSet {
       if (proposals[r].value("version_known", true)) {
         known = std::max(known.value_or(0), proposals[r].value("version", uint64_t{0}));
       }
-      anchor = anchor || proposals[r].value("wants_anchor", true);
+      if (proposals[r].value("wants_anchor", true)) full_ranks.push_back(r);
+    }
+    if (!sharded || full_ranks.size() == proposals.size()) {
+      anchor = anchor || !full_ranks.empty();
+      full_ranks.clear();
     }
     // No rank knows its version (all adopted a checkpoint): the receivers' is the base.
     uint64_t base = known.value_or(0);
@@ -382,6 +394,11 @@ class GroupProducers final : public ProducerSet {
       anchor = true;
     }
     plan_ = TransferPlan{id, anchor, base, base + 1};
+    if (anchor) full_ranks.clear();
+    for (uint32_t r : full_ranks) {
+      REFIT_LOG_INFO("transfer {}: rank {} has no baseline: it sends its boxes FULL", id.ToHex(),
+                     r);
+    }
     // 2. Every rank opens that plan.
     Json begin = GroupMessage(kOpBegin);
     begin["transfer_id"] = id.ToHex();
@@ -390,7 +407,9 @@ class GroupProducers final : public ProducerSet {
     begin["target_version"] = base + 1;
     begin["endpoints"] = endpoints_;
     if (!roles.empty()) begin["roles"] = roles;
-    const Status opened = self_.Begin(plan_, endpoints_, roles);
+    if (!full_ranks.empty()) begin["full_ranks"] = full_ranks;
+    const bool full_self = std::find(full_ranks.begin(), full_ranks.end(), 0u) != full_ranks.end();
+    const Status opened = self_.Begin(plan_, endpoints_, roles, full_self);
     Result<std::vector<Json>> replies = Collect(begin, StatusToJson(opened));
     Status failed = replies.ok() ? FirstFailure(*replies) : replies.status();
     if (!failed.ok()) {
@@ -732,7 +751,11 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       Result<TransferPlan> plan = PlanFromJson(*message);
       std::vector<std::string> fleet = message->value("endpoints", std::vector<std::string>());
       const auto all_roles = message->value("roles", std::vector<std::string>());
-      reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet), all_roles) : plan.status());
+      const auto full_ranks = message->value("full_ranks", std::vector<uint32_t>());
+      const bool full_self =
+          std::find(full_ranks.begin(), full_ranks.end(), rank()) != full_ranks.end();
+      reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet), all_roles, full_self)
+                                     : plan.status());
     } else if (op == kOpStream) {
       const Status cancelled = CheckCancelled("before the stream");
       Result<ProducerStreamed> own =

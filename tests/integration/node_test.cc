@@ -653,5 +653,70 @@ TEST(ShardedPublisherTest, ALayoutWithAGapOrAnOverlapIsRefusedBeforeAnythingIsSe
   EXPECT_TRUE(receiver->hooks.empty()) << receiver->hooks.front();
 }
 
+TEST(ShardedPublisherTest, ARestartedRankSendsItsBoxesFullWhileTheOthersSendDeltas) {
+  std::vector<Canonical> model = MakeModel(51);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  // Three ranks over a TCP group, whose rank 0 takes a restarted rank back.
+  PublisherOptions options;
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.stream.chunk_bytes = 4096;
+  options.transfer_timeout = std::chrono::seconds(60);
+  options.receivers.push_back({receiver->node->control_url(), receiver->node->producer_endpoint()});
+  auto group_options = [](uint32_t rank, const std::string& address) {
+    TcpGroupOptions group;
+    group.address = address;
+    group.rank = rank;
+    group.world_size = 3;
+    group.connect_timeout = std::chrono::seconds(30);
+    return group;
+  };
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> root,
+                       MakeTcpGroup(group_options(0, "tcp://127.0.0.1:0")));
+  const std::string address = fmt::format("127.0.0.1:{}", TcpGroupPort(*root));
+  std::vector<std::unique_ptr<Publisher>> ranks;
+  ASSERT_OK_AND_ASSIGN(ranks.emplace_back(), Publisher::Make(options, std::move(root)));
+  for (uint32_t r = 1; r < 3; ++r) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> member,
+                         MakeTcpGroup(group_options(r, address)));
+    ASSERT_OK_AND_ASSIGN(ranks.emplace_back(), Publisher::Make(options, std::move(member)));
+  }
+  std::mt19937_64 rng(52);
+  auto step = [&](int number) -> SyncReport {
+    Step(model, rng, 0.03);
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 3; ++r) held.push_back(ShardedRankOf(model, r, 3));
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, held);
+    for (uint32_t r = 0; r < 3; ++r) {
+      EXPECT_TRUE(results[r].ok())
+          << "step " << number << " rank " << r << ": " << results[r].status().ToString();
+    }
+    ExpectHolds(*receiver, Unsharded(model), "step " + std::to_string(number));
+    return results[0].ok() ? *results[0] : SyncReport{};
+  };
+  EXPECT_TRUE(step(1).transfer.plan.anchor);
+  EXPECT_FALSE(step(2).transfer.plan.anchor);
+  // Rank 2's process restarts: a new endpoint and a new publisher, with no baseline.
+  ranks[2].reset();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> again,
+                       MakeTcpGroup(group_options(2, address)));
+  ASSERT_OK_AND_ASSIGN(ranks[2], Publisher::Make(options, std::move(again)));
+  const SyncReport mixed = step(3);
+  EXPECT_FALSE(mixed.transfer.plan.anchor) << "one restarted rank re-anchored the whole fleet";
+  ASSERT_EQ(mixed.transfer.producers.size(), 3u);
+  const StreamReport& full = mixed.transfer.producers[2];
+  EXPECT_EQ(full.changed_elements, full.total_elements) << "rank 2 did not send its boxes FULL";
+  for (uint32_t r = 0; r < 2; ++r) {
+    const StreamReport& delta = mixed.transfer.producers[r];
+    EXPECT_LT(delta.changed_elements * 10, delta.total_elements) << "rank " << r << " sent FULL";
+  }
+  // From now on every rank sends deltas.
+  const SyncReport after = step(4);
+  EXPECT_FALSE(after.transfer.plan.anchor);
+  EXPECT_LT(after.transfer.producers[2].changed_elements * 10,
+            after.transfer.producers[2].total_elements);
+}
+
 }  // namespace
 }  // namespace refit
