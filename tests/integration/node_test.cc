@@ -718,5 +718,125 @@ TEST(ShardedPublisherTest, ARestartedRankSendsItsBoxesFullWhileTheOthersSendDelt
             after.transfer.producers[2].total_elements);
 }
 
+// A Megatron-style rank of TP 2 × PP 2 × DP 2 (rank = dp·4 + pp·2 + tp), with plain local
+// tensors in Megatron's own layout: a fused linear_qkv interleaved per query group (q heads of
+// the group, then its k head, then its v head), a fused linear_fc1 (gate rows, then up rows),
+// row-parallel projections split by column, a vocabulary split by rows, and the norm replicated
+// over TP. Stage 0 holds the embedding and the attention, stage 1 the MLP and the head.
+ShardedRank MegatronRank(const std::vector<Canonical>& model, uint32_t tp, uint32_t pp) {
+  ShardedRank rank;
+  auto add = [&](const std::string& local, Shape local_shape, const Canonical& t,
+                 std::vector<int64_t> offset, Shape extent, std::vector<int64_t> local_offset) {
+    rank.model.layout.pieces.push_back(
+        LayoutPiece{t.name, DType::kBFloat16, t.view().shape, std::move(offset), std::move(extent),
+                    local, std::move(local_shape), std::move(local_offset)});
+  };
+  auto whole = [&](const Canonical& t) {
+    rank.bits[t.name] = t.bits;
+    add(t.name, t.view().shape, t, std::vector<int64_t>(t.view().shape.size(), 0), t.view().shape,
+        std::vector<int64_t>(t.view().shape.size(), 0));
+  };
+  auto rows = [&](const Canonical& t) {
+    const auto [begin, end] = ChunkOf(t.rows, 2, tp);
+    const Shape extent{static_cast<int64_t>(end - begin), static_cast<int64_t>(t.cols)};
+    rank.bits[t.name] = Rows(t, begin, end);
+    add(t.name, extent, t, {static_cast<int64_t>(begin), 0}, extent, {0, 0});
+  };
+  auto columns = [&](const Canonical& t) {
+    const auto [begin, end] = ChunkOf(t.cols, 2, tp);
+    const Shape extent{static_cast<int64_t>(t.rows), static_cast<int64_t>(end - begin)};
+    rank.bits[t.name] = Columns(t, begin, end);
+    add(t.name, extent, t, {0, static_cast<int64_t>(begin)}, extent, {0, 0});
+  };
+  const std::string attn = "model.layers.0.self_attn.";
+  const std::string mlp = "model.layers.0.mlp.";
+  const auto h = static_cast<int64_t>(kHidden);
+  if (pp == 0) {
+    rows(Find(model, "model.embed_tokens.weight"));
+    whole(Find(model, "model.layers.0.input_layernorm.weight"));
+    // linear_qkv: this TP rank's query groups, each [q heads of the group; k; v].
+    const std::string qkv = "decoder.layers.0.self_attention.linear_qkv.weight";
+    const uint64_t groups = kKvHeads / 2;
+    const uint64_t group_rows = (kHeads / kKvHeads + 2) * kHeadDim;
+    const Shape qkv_shape{static_cast<int64_t>(groups * group_rows), h};
+    std::vector<uint16_t>& bits = rank.bits[qkv];
+    for (uint64_t g = tp * groups; g < (tp + 1) * groups; ++g) {
+      const auto local_row = static_cast<int64_t>((g - tp * groups) * group_rows);
+      const uint64_t q_rows = (kHeads / kKvHeads) * kHeadDim;
+      const Canonical& q = Find(model, attn + "q_proj.weight");
+      Append(bits, Rows(q, g * q_rows, (g + 1) * q_rows));
+      add(qkv, qkv_shape, q, {static_cast<int64_t>(g * q_rows), 0},
+          {static_cast<int64_t>(q_rows), h}, {local_row, 0});
+      int64_t at = local_row + static_cast<int64_t>(q_rows);
+      for (const char* part : {"k_proj.weight", "v_proj.weight"}) {
+        const Canonical& kv = Find(model, attn + part);
+        Append(bits, Rows(kv, g * kHeadDim, (g + 1) * kHeadDim));
+        add(qkv, qkv_shape, kv, {static_cast<int64_t>(g * kHeadDim), 0},
+            {static_cast<int64_t>(kHeadDim), h}, {at, 0});
+        at += static_cast<int64_t>(kHeadDim);
+      }
+    }
+    columns(Find(model, attn + "o_proj.weight"));
+  } else {
+    // linear_fc1: [this rank's gate rows; its up rows].
+    const std::string fc1 = "decoder.layers.0.mlp.linear_fc1.weight";
+    const auto half = static_cast<int64_t>(kMlp / 2);
+    const Shape fc1_shape{2 * half, h};
+    for (const char* part : {"gate_proj.weight", "up_proj.weight"}) {
+      const Canonical& t = Find(model, mlp + part);
+      const auto at = static_cast<int64_t>(rank.bits[fc1].size() / kHidden);
+      Append(rank.bits[fc1], Rows(t, tp * kMlp / 2, (tp + 1) * kMlp / 2));
+      add(fc1, fc1_shape, t, {tp * half, 0}, {half, h}, {at, 0});
+    }
+    columns(Find(model, mlp + "down_proj.weight"));
+    rows(Find(model, "lm_head.weight"));
+  }
+  std::map<std::string, Shape> local_shapes;
+  for (const LayoutPiece& piece : rank.model.layout.pieces) {
+    local_shapes[piece.local] = piece.local_shape;
+  }
+  for (const auto& [name, bits] : rank.bits) {
+    rank.model.locals.push_back(
+        TensorView{name, DType::kBFloat16, local_shapes.at(name), std::as_bytes(std::span(bits))});
+  }
+  return rank;
+}
+
+TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshardedAndTpReceivers) {
+  std::vector<Canonical> model = MakeModel(61);
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(3);
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
+  for (uint32_t r = 0; r < 2; ++r) {
+    fleet.push_back(
+        StartReceiver(ShardOf(model, r, 2), TpLoader(r, 2), "tp-group", endpoints[r], endpoints));
+  }
+  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[2], endpoints));
+  std::vector<EmbeddedReceiver*> receivers;
+  for (auto& receiver : fleet) receivers.push_back(receiver.get());
+  std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(8, receivers, 4096);
+  std::mt19937_64 rng(62);
+  for (int step = 1; step <= 3; ++step) {
+    Step(model, rng, 0.03);
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 8; ++r) held.push_back(MegatronRank(model, r % 2, (r / 2) % 2));
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, held);
+    for (uint32_t r = 0; r < 8; ++r) {
+      ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
+    }
+    const SyncReport& report = *results[0];
+    EXPECT_EQ(report.transfer.plan.anchor, step == 1);
+    for (uint32_t r = 0; r < 8; ++r) {
+      // The data-parallel copies (ranks 4 … 7) send nothing; every rank of DP group 0 sends.
+      EXPECT_EQ(report.transfer.producers[r].payloads > 0, r < 4)
+          << "step " << step << " rank " << r;
+    }
+    const std::string when = "step " + std::to_string(step);
+    for (uint32_t r = 0; r < 2; ++r) {
+      ExpectHolds(*fleet[r], ShardOf(model, r, 2), when + ", TP shard " + std::to_string(r));
+    }
+    ExpectHolds(*fleet[2], Unsharded(model), when + ", unsharded");
+  }
+}
+
 }  // namespace
 }  // namespace refit
