@@ -65,7 +65,7 @@ def rows_at(tensor: int, begin: int, end: int, steps: int, density: float) -> np
         last = min(end, first + block)
         index = (np.arange(first, last, dtype=np.uint64)[:, None] * np.uint64(COLS)
                  + np.arange(COLS, dtype=np.uint64)[None, :])
-        mixed = index * np.uint64(0x9E3779B97F4A7C15) + np.uint64(tensor + 1) * np.uint64(0xBF58476D1CE4E5B9)
+        mixed = index * np.uint64(0x9E3779B97F4A7C15) + np.uint64(((tensor + 1) * 0xBF58476D1CE4E5B9) % (1 << 64))
         bits = (np.uint64(0x3C00) + (mixed >> np.uint64(56))).astype(np.uint16)
         for step in range(1, steps + 1):
             salt = np.uint64((step * 0x94D049BB133111EB) % (1 << 64))
