@@ -286,8 +286,12 @@ def main() -> int:
     headers = ["W", "peak/(shard+base) sharded", "gathered", "sharded anchor", f"<= {TARGET_MEMORY_RATIO}",
                "wire MiB sharded", "gathered", "diff", "<= 1 %", "stream s/GiB sharded", "gathered", "W=1"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    import refit  # noqa: PLC0415
+
+    target = refit.compare_target()
     print(f"sharded publishing: {args.model_mib} MiB bf16 model, {args.steps} steps "
-          f"(1 anchor), {args.density:.0%} changed per step, {args.runs} run(s); median (min-max)")
+          f"(1 anchor), {args.density:.0%} changed per step, {args.runs} run(s), compare target "
+          f"{target}; median (min-max)")
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
@@ -295,7 +299,7 @@ def main() -> int:
           "(interpreter, torch, refit, the group, before the model). Peaks are of the delta steps "
           "(the target's); the anchor's is its own column. 'gathered' is over the sharded rank's "
           "shard + baseline, the memory today's path needs for the same rank.")
-    doc = {"model_mib": args.model_mib, "steps": args.steps, "density": args.density, "runs": args.runs,
+    doc = {"compare_target": target, "model_mib": args.model_mib, "steps": args.steps, "density": args.density, "runs": args.runs,
            "figures": figures}
     if args.json:
         with open(args.json, "w") as f:

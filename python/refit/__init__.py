@@ -74,6 +74,7 @@ __all__ = [
     "in_process_group",
     "plan_layouts",
     "free_ports",
+    "compare_target",
     "set_log_level",
     "log_level",
 ] + [name for name in errors.__all__ if name[0].isupper()]
@@ -91,6 +92,12 @@ log_level = _core.log_level
 
 #: One rank's endpoint of a producer group, until a Publisher takes it over.
 Group = _core.Group
+
+
+def compare_target() -> str:
+    """The SIMD target refit's bitwise compare runs on this CPU (Highway's run-time dispatch):
+    "AVX3" (AVX-512), "AVX2", …; what a benchmark should quote."""
+    return _core.compare_target()
 
 
 def tcp_group(

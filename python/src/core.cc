@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "config.h"
+#include "refit/compare.h"
 #include "refit/dtype.h"
 #include "refit/loader.h"
 #include "refit/logging.h"
@@ -763,6 +764,9 @@ PYBIND11_MODULE(_core, m) {
         return LoaderSpecToDict(Unwrap(LoaderSpecFromYamlFile(path)));
       },
       py::arg("path"), "Read a loader spec YAML file into {tp_rank, tp_size, rules}.");
+  m.def(
+      "compare_target", [] { return std::string(BestCompareTarget()); },
+      "The SIMD target the bitwise compare dispatches to on this CPU (e.g. AVX3, AVX2).");
   m.def(
       "plan_layouts",
       [](const py::list& ranks) {
