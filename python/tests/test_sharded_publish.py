@@ -1,16 +1,17 @@
 """Sharded publishing from FSDP2: W gloo processes, each sending only its own shards.
 
-Each world (W = 2, 3, 4; this file run as a script, one process per rank) trains a small model
-sharded with FSDP2's ``fully_shard`` for 5 AdamW steps and calls nothing but
+Each world (W = 2, 3, 4 on a 1-D mesh, and FSDP over tensor parallelism on a 2 x 2 mesh; this
+file run as a script, one process per rank) trains a small model sharded with FSDP2's
+``fully_shard`` for 5 AdamW steps and calls nothing but
 ``refit.torch.Publisher.sync(module)`` after each. Rank 0 also hosts the fleet, as threads of
 its process on real loopback sockets: an unsharded receiver and a tensor-parallel pair (TP = 2,
 row- and column-parallel projections), all in one relay tree. After every sync rank 0 compares
 every receiver's bytes with the all-gathered weights (``full_tensor()``), and every rank checks
 that its tracker keeps only its own shards.
 
-The model's row counts are not divisible by W, one tensor has fewer rows than W (empty shards),
-and the 0-d buffer is a plain tensor every rank holds: a replica, sent by rank 0 and checked on
-the others.
+The model's row counts are not divisible by W, one tensor has fewer rows than W and one a
+single element (empty shards), and the 0-d buffer is a plain tensor every rank holds: a replica,
+sent by rank 0 and checked on the others.
 """
 
 import json
@@ -37,11 +38,12 @@ class Small(torch.nn.Module):
         self.down = torch.nn.Linear(MLP, HIDDEN)
         self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
         self.gate = torch.nn.Parameter(torch.randn(2, HIDDEN) * 0.1)
+        self.temperature = torch.nn.Parameter(torch.ones(1))
         self.register_buffer("scale", torch.tensor(0.5))
 
     def forward(self, tokens):
         hidden = self.norm(self.embed(tokens)) * (1 + self.gate.sum(0))
-        return self.head(hidden + self.down(torch.relu(self.up(hidden)))) * self.scale
+        return self.head(hidden + self.down(torch.relu(self.up(hidden)))) * self.scale * self.temperature
 
 
 def tp_slice(name, full, shard):
@@ -55,10 +57,11 @@ def tp_slice(name, full, shard):
     return full
 
 
-def rank_main(rank, world, init, out):
+def rank_main(rank, world, mesh_kind, init, out):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import refit
     import refit.torch as rt
@@ -67,9 +70,19 @@ def rank_main(rank, world, init, out):
     torch.manual_seed(0)
     model = Small().to(torch.bfloat16)
     canonical = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    mesh = DeviceMesh("cpu", list(range(world)))
-    fully_shard(model.up, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if mesh_kind == "2x2":
+        # FSDP over tensor parallelism: up column-, down row-parallel on the TP mesh dimension,
+        # then every parameter sharded over the data-parallel one (nested shards, and TP ranks
+        # holding copies of what TP leaves alone).
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        data_rank = mesh.get_coordinate()[0]
+    else:
+        mesh = DeviceMesh("cpu", list(range(world)))
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        data_rank = rank
 
     receivers, held = [], []
     if rank == 0:
@@ -93,7 +106,7 @@ def rank_main(rank, world, init, out):
 
     publisher = rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(data_rank)  # TP ranks see the same tokens
     reports = []
     for step in range(1, STEPS + 1):
         tokens = torch.randint(0, VOCAB, (4, 5), generator=generator)
@@ -129,11 +142,11 @@ def rank_main(rank, world, init, out):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp_path, world):
+@pytest.mark.parametrize("world, mesh", [(2, "1d"), (3, "1d"), (4, "1d"), (4, "2x2")])
+def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp_path, world, mesh):
     out = tmp_path / "reports.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(world),
+    ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(world), mesh,
                                f"file://{tmp_path}/rendezvous", str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(world)]
@@ -149,4 +162,4 @@ def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
