@@ -148,12 +148,12 @@ struct PublisherRank {
     sharded_locals.clear();
     sharded_status = Status::OK();
     if (model == nullptr) return;
-    const std::string where = fmt::format("rank {}", rank());
-    sharded_status = CheckLayout(model->layout).WithContext(where);
+    // The errors reach rank 0 in this rank's proposal, which names the rank.
+    sharded_status = CheckLayout(model->layout);
     if (!sharded_status.ok()) return;
     Result<std::map<std::string, TensorView>> locals = LocalsOf(model->layout, model->locals);
     if (!locals.ok()) {
-      sharded_status = locals.status().WithContext(where);
+      sharded_status = locals.status();
       return;
     }
     sharded_locals = *std::move(locals);
