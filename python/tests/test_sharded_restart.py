@@ -1,12 +1,13 @@
 """A sharded rank killed with SIGKILL mid-transfer, restarted: it alone sends its boxes FULL.
 
 Three trainer ranks (this file run as a script, one process each, over a TCP producer group)
-hold the rows of a model of plain arrays and publish them with a layout. Rank 2's transport is
-slowed (fault+zmq://, a delay per payload) so that the test can kill it while the second step
-streams. The transfer is aborted everywhere and the receiver rolls back to step 1; ranks 0
-and 1 retry the step, rank 2 restarts with no baseline and joins them: that transfer is a delta,
-in which rank 2 sends every element of its rows and the others only their changes. The receiver
-holds the model bit-exactly after every committed step.
+hold the rows of a model of plain arrays and publish them with a layout. Rank 2's first process
+sends slowly (fault+zmq://, 2 s per payload) and SIGKILLs itself 0.3 s into the second step,
+so it always dies before its share of that transfer is streamed, whatever the machine's load.
+The transfer is aborted everywhere and the receiver rolls back to step 1; ranks 0 and 1 retry
+the step, rank 2 restarts with no baseline and joins them: that transfer is a delta, in which
+rank 2 sends every element of its rows and the others only their changes. The receiver holds
+the model bit-exactly after every committed step.
 """
 
 import json
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -67,26 +69,32 @@ def rank_main(rank, first_step, group, receivers, out):
     publisher = refit.Publisher(
         receivers=json.loads(receivers) if rank == 0 else None,
         group=refit.tcp_group(group, rank, WORLD, connect_timeout=60),
-        # The first rank 2 is slowed (a delay per payload), so it is still streaming when the
-        # test kills it: the others have finished their share by then.
-        transport="fault+zmq://?delay_ms=300" if rank == 2 and first_step == 1 else "zmq://",
+        # The first rank 2 is slowed (a delay per payload), so it is still streaming when it
+        # kills itself.
+        transport="fault+zmq://?delay_ms=2000" if rank == 2 and first_step == 1 else "zmq://",
         bucket_bytes=256, transfer_timeout=60)
     reports = []
+    def record(entry):  # atomically: the test reads the file while this rank runs
+        reports.append(entry)
+        with open(out + ".tmp", "w") as f:
+            json.dump(reports, f)
+        os.replace(out + ".tmp", out)
+
     for step in range(first_step, STEPS + 1):
         local, layout = rank_tensors(rank, step)
+        if rank == 2 and first_step == 1 and step == 2:
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         for attempt in range(3):
             try:
                 report = publisher.sync(local, layout=layout)
                 break
             except refit.Error as error:  # the step a rank was killed in: aborted, retried
                 print(f"rank {rank} step {step}: {error}", flush=True)
-                reports.append({"step": step, "error": str(error)})
+                record({"step": step, "error": str(error)})
         else:
             raise RuntimeError(f"rank {rank}: step {step} failed 3 times")
-        reports.append({"step": step, "anchor": report.anchor, "changed": report.changed_elements,
-                        "elements": report.total_elements, "version": report.version})
-        with open(out, "w") as f:
-            json.dump(reports, f)
+        record({"step": step, "anchor": report.anchor, "changed": report.changed_elements,
+                "elements": report.total_elements, "version": report.version})
 
 
 def test_a_rank_killed_mid_transfer_restarts_and_sends_its_boxes_full(tmp_path):
@@ -108,21 +116,21 @@ def test_a_rank_killed_mid_transfer_restarts_and_sends_its_boxes_full(tmp_path):
 
     ranks = [spawn(r, 1) for r in range(WORLD)]
     try:
-        # Step 1 commits; then kill rank 2 while step 2 streams.
+        # Step 1 commits; rank 2 kills itself during step 2.
         assert receiver.wait_for_version(1, timeout=120) == 1
-        assert all(np.array_equal(held[n], a) for n, a in model_at(1).items())
-        deadline = time.monotonic() + 60
-        while receiver.status().state != "receiving":
-            assert time.monotonic() < deadline, "step 2 never started streaming"
-            time.sleep(0.01)
-        ranks[2].send_signal(signal.SIGKILL)
-        ranks[2].wait()
-        # Aborted everywhere: the receiver rolls back to step 1 (ranks 0 and 1 wait to retry).
-        deadline = time.monotonic() + 60
-        while receiver.status().state != "idle":
+        assert ranks[2].wait(timeout=120) == -signal.SIGKILL
+        # Ranks 0 and 1 see step 2 fail: it was aborted everywhere (they wait to retry it).
+        deadline = time.monotonic() + 120
+
+        def failed_step_2(rank):
+            return outs[rank].exists() and any(
+                r.get("step") == 2 and "error" in r for r in json.loads(outs[rank].read_text()))
+
+        while not (failed_step_2(0) and failed_step_2(1)):
             assert time.monotonic() < deadline, "the killed rank's transfer was not aborted"
             time.sleep(0.05)
-        assert receiver.status().version == 1
+        status = receiver.status()
+        assert status.state == "idle" and status.version == 1, status
         assert all(np.array_equal(held[n], a) for n, a in model_at(1).items()), "not rolled back"
         ranks[2] = spawn(2, 2)  # restarted: a new process, no baseline
         for rank in ranks:
