@@ -594,8 +594,10 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
           begin, end, DTypeName(current.dtype), ShapeToString(current.shape),
           DTypeName(pending.replacement_dtype), ShapeToString(pending.replacement_shape));
     }
-    std::memcpy(pending.replacement->bytes().data() + begin * width, span_bytes.data(),
-                span_bytes.size());
+    if (!span_bytes.empty()) {  // An empty tensor (an empty shard's box) has no bytes to copy.
+      std::memcpy(pending.replacement->bytes().data() + begin * width, span_bytes.data(),
+                  span_bytes.size());
+    }
     pending.replacement_covered += end - begin;
     pending.digest_delta += span_digest;
     pending.changed += end - begin;
