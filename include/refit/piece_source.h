@@ -16,7 +16,7 @@
 
 namespace refit {
 
-/// The name a rank's tracker keeps `piece` under: "w [0:3, 0:8]" (LayoutPiece::ToString), unique
+/// The name a rank's tracker keeps `piece` under: "'w' [0:3, 0:8]" (LayoutPiece::ToString), unique
 /// within a rank (CheckLayout refuses overlapping pieces) and stable while the layout is.
 std::string PieceKey(const LayoutPiece& piece);
 

@@ -4,7 +4,6 @@
 #include <memory>
 #include <utility>
 
-#include <fmt/format.h>
 
 namespace refit {
 namespace {
@@ -66,14 +65,7 @@ std::vector<std::byte> CopyBox(const LayoutPiece& piece, const TensorView& local
 
 }  // namespace
 
-std::string PieceKey(const LayoutPiece& piece) {
-  std::string key = piece.tensor + " [";
-  for (size_t d = 0; d < piece.offset.size(); ++d) {
-    key += fmt::format("{}{}:{}", d > 0 ? ", " : "", piece.offset[d],
-                       piece.offset[d] + piece.extent[d]);
-  }
-  return key + "]";
-}
+std::string PieceKey(const LayoutPiece& piece) { return piece.ToString(); }
 
 CanonicalBox PieceBox(const LayoutPiece& piece) {
   return CanonicalBox{piece.tensor, piece.shape, piece.offset};

@@ -531,6 +531,28 @@ std::vector<Result<SyncReport>> SyncSharded(std::vector<std::unique_ptr<Publishe
   return results;
 }
 
+// A TP = 2 group (fused qkv, gate_up, vocabulary-parallel) and an unsharded receiver in one relay
+// tree, loaded with `model`.
+std::vector<std::unique_ptr<EmbeddedReceiver>> TpPairAndUnsharded(
+    const std::vector<Canonical>& model) {
+  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(3);
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
+  for (uint32_t r = 0; r < 2; ++r) {
+    fleet.push_back(
+        StartReceiver(ShardOf(model, r, 2), TpLoader(r, 2), "tp-group", endpoints[r], endpoints));
+  }
+  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[2], endpoints));
+  return fleet;
+}
+
+void ExpectTpPairAndUnshardedHold(const std::vector<std::unique_ptr<EmbeddedReceiver>>& fleet,
+                                  const std::vector<Canonical>& model, const std::string& when) {
+  for (uint32_t r = 0; r < 2; ++r) {
+    ExpectHolds(*fleet[r], ShardOf(model, r, 2), when + ", TP shard " + std::to_string(r));
+  }
+  ExpectHolds(*fleet[2], Unsharded(model), when + ", unsharded");
+}
+
 uint64_t BoxBytes(const ShardedRank& rank) {
   uint64_t bytes = 0;
   for (const LayoutPiece& piece : rank.model.layout.pieces) bytes += piece.numel() * 2;
@@ -539,13 +561,7 @@ uint64_t BoxBytes(const ShardedRank& rank) {
 
 TEST(ShardedPublisherTest, ThreeRanksRefitAnUnshardedReceiverAndATpGroupFromTheirShards) {
   std::vector<Canonical> model = MakeModel(21);
-  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(3);
-  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
-  for (uint32_t r = 0; r < 2; ++r) {
-    fleet.push_back(
-        StartReceiver(ShardOf(model, r, 2), TpLoader(r, 2), "tp-group", endpoints[r], endpoints));
-  }
-  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[2], endpoints));
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet = TpPairAndUnsharded(model);
   std::vector<EmbeddedReceiver*> receivers;
   for (auto& receiver : fleet) receivers.push_back(receiver.get());
   std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(3, receivers, 4096);
@@ -571,10 +587,7 @@ TEST(ShardedPublisherTest, ThreeRanksRefitAnUnshardedReceiverAndATpGroupFromThei
       EXPECT_EQ(ranks[r]->tracker().baseline_bytes(), BoxBytes(held[r])) << "rank " << r;
     }
     const std::string when = "step " + std::to_string(step);
-    for (uint32_t r = 0; r < 2; ++r) {
-      ExpectHolds(*fleet[r], ShardOf(model, r, 2), when + ", TP shard " + std::to_string(r));
-    }
-    ExpectHolds(*fleet[2], Unsharded(model), when + ", unsharded");
+    ExpectTpPairAndUnshardedHold(fleet, model, when);
   }
 }
 
@@ -804,13 +817,7 @@ ShardedRank MegatronRank(const std::vector<Canonical>& model, uint32_t tp, uint3
 
 TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshardedAndTpReceivers) {
   std::vector<Canonical> model = MakeModel(61);
-  const std::vector<std::string> endpoints = testing::FreeLoopbackEndpoints(3);
-  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet;
-  for (uint32_t r = 0; r < 2; ++r) {
-    fleet.push_back(
-        StartReceiver(ShardOf(model, r, 2), TpLoader(r, 2), "tp-group", endpoints[r], endpoints));
-  }
-  fleet.push_back(StartReceiver(Unsharded(model), std::nullopt, "", endpoints[2], endpoints));
+  std::vector<std::unique_ptr<EmbeddedReceiver>> fleet = TpPairAndUnsharded(model);
   std::vector<EmbeddedReceiver*> receivers;
   for (auto& receiver : fleet) receivers.push_back(receiver.get());
   std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(8, receivers, 4096);
@@ -831,10 +838,7 @@ TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshard
           << "step " << step << " rank " << r;
     }
     const std::string when = "step " + std::to_string(step);
-    for (uint32_t r = 0; r < 2; ++r) {
-      ExpectHolds(*fleet[r], ShardOf(model, r, 2), when + ", TP shard " + std::to_string(r));
-    }
-    ExpectHolds(*fleet[2], Unsharded(model), when + ", unsharded");
+    ExpectTpPairAndUnshardedHold(fleet, model, when);
   }
 }
 
