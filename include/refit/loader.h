@@ -54,6 +54,10 @@ enum class LoaderKind : uint8_t {
   /// TP / num_kv_heads consecutive ranks. head_dim is derived from the local shape. Weights
   /// [rows, hidden] and biases [rows] alike.
   kQkv,
+  /// Megatron-Core's `linear_qkv`: q, k and v fused per query group. A rank holds the query groups
+  /// (= kv heads) [r·G/TP, (r+1)·G/TP) and lays each out as [the group's q heads | its k head |
+  /// its v head]. Requires num_kv_heads % TP == 0. Weights and biases alike.
+  kQkvInterleaved,
   /// gate and up fused into one local tensor per rank: [gate rows block r | up rows block r].
   kGateUp,
   /// Vocabulary-parallel embedding or LM head, canonical [V, rest…]: the vocabulary is padded to
@@ -77,8 +81,8 @@ enum class LoaderKind : uint8_t {
   kStackedDown,
 };
 
-/// Return "identity", "rename", "skip", "row", "column", "qkv", "gate_up", "vocab",
-/// "expert_gate_up", "expert_down", "stacked_gate_up" or "stacked_down".
+/// Return "identity", "rename", "skip", "row", "column", "qkv", "qkv_interleaved", "gate_up",
+/// "vocab", "expert_gate_up", "expert_down", "stacked_gate_up" or "stacked_down".
 std::string_view LoaderKindName(LoaderKind kind);
 /// Parse a kind as LoaderKindName spells it. Errors: InvalidArgument listing the accepted names.
 Result<LoaderKind> ParseLoaderKind(std::string_view text);
@@ -89,21 +93,22 @@ Result<LoaderKind> ParseLoaderKind(std::string_view text);
 /// only the ones a rule needs: `{.kind = LoaderKind::kRow, .match = "…"}`.
 struct LoaderRule {
   LoaderKind kind = LoaderKind::kIdentity;
-  /// The canonical names the rule maps (every kind but qkv and gate_up).
+  /// The canonical names the rule maps (every kind but qkv, qkv_interleaved and gate_up).
   std::string match{};
-  /// The local tensor's name; empty: the canonical name. Required for rename, qkv and gate_up.
-  /// For qkv / gate_up the groups come from whichever of q/k/v (gate/up) matched, so those
+  /// The local tensor's name; empty: the canonical name. Required for rename, the qkv kinds and
+  /// gate_up. For qkv / gate_up the groups come from whichever of q/k/v (gate/up) matched, so those
   /// patterns should capture the same groups.
   std::string to{};
-  /// kQkv: the patterns of the q, k and v canonical tensors.
+  /// The qkv kinds: the patterns of the q, k and v canonical tensors.
   std::string q{};
   std::string k{};
   std::string v{};
   /// kGateUp: the patterns of the gate and up canonical tensors.
   std::string gate{};
   std::string up{};
-  /// kQkv: attention heads and kv heads of the whole model (GQA: num_kv_heads ≤ num_heads).
-  /// Requires num_heads % TP == 0, and num_kv_heads % TP == 0 or TP % num_kv_heads == 0.
+  /// The qkv kinds: attention heads and kv heads (query groups) of the whole model (GQA:
+  /// num_kv_heads ≤ num_heads). kQkv requires num_heads % TP == 0, and num_kv_heads % TP == 0 or
+  /// TP % num_kv_heads == 0; kQkvInterleaved requires num_kv_heads % TP == 0.
   uint32_t num_heads = 0;
   uint32_t num_kv_heads = 0;
   /// kVocab: the canonical vocabulary size V (required: the canonical shape is not known when the
@@ -195,6 +200,8 @@ struct CanonicalLayout {
   uint64_t cols = 0;
   /// The pieces this receiver holds, disjoint. May be empty (a vocab shard holding only padding).
   std::vector<CanonicalPiece> pieces;
+  /// The local tensor the tensor maps onto (every piece's, even when there is none).
+  std::string local_tensor;
   /// The rule that produced this layout, or -1 for the implicit identity.
   int rule_index = -1;
 
@@ -223,6 +230,12 @@ class Loader {
   /// the key (tp_rank ≥ tp_size, a bad pattern, a missing parameter, heads that do not divide by
   /// TP).
   static Result<std::unique_ptr<Loader>> Make(const LoaderSpec& spec, const WeightStore& store);
+  /// Validate `spec` and bind it to the names, dtypes and shapes of `locals` instead of a store:
+  /// their bytes are never read (they may be empty, or device memory). A trainer rank resolves
+  /// what it holds this way (ProducerLayoutFromLoader, refit/loader_layout.h). Errors: as Make,
+  /// and AlreadyExists for two locals of one name.
+  static Result<std::unique_ptr<Loader>> ForShapes(const LoaderSpec& spec,
+                                                   std::span<const TensorView> locals);
 
   /// Return the layout of `canonical_name`, resolving it on first use (O(rules) regex matches,
   /// then cached; errors are not cached).
@@ -232,16 +245,23 @@ class Loader {
   Result<const CanonicalLayout*> Resolve(std::string_view canonical_name) const;
 
   const LoaderSpec& spec() const { return spec_; }
-  /// The store this loader was bound to.
-  const WeightStore& store() const { return *store_; }
+  /// The store this loader was bound to; nullptr for a loader made by ForShapes.
+  const WeightStore* store() const { return store_; }
 
  private:
   struct CompiledRule;
-  Loader(LoaderSpec spec, const WeightStore& store, std::vector<CompiledRule> rules);
+  Loader(LoaderSpec spec, const WeightStore* store, std::vector<CompiledRule> rules);
+  static Result<std::unique_ptr<Loader>> Compile(const LoaderSpec& spec, const WeightStore* store);
   Result<std::unique_ptr<CanonicalLayout>> Build(std::string_view canonical_name) const;
+  /// The local tensor `name` (from the store, or the shapes ForShapes was given).
+  Result<TensorView> FindLocal(std::string_view name) const;
+  /// "the receiver's store" or "the rank's local tensors", for errors.
+  std::string_view Holder() const;
 
   LoaderSpec spec_;
   const WeightStore* store_;
+  /// ForShapes' locals, by name, with empty bytes.
+  std::map<std::string, TensorView, std::less<>> shapes_;
   std::vector<CompiledRule> rules_;
   mutable std::mutex mutex_;
   mutable std::map<std::string, std::unique_ptr<CanonicalLayout>, std::less<>> cache_;

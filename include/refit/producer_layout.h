@@ -41,8 +41,10 @@ struct LayoutPiece {
   std::vector<int64_t> offset;
   std::vector<int64_t> extent;
   /// The local tensor that holds the box, its shape, and where the box starts in it: the local
-  /// tensor has the canonical tensor's rank, and its element local_offset + j is canonical
-  /// element offset + j for every j < extent (row-major on both sides).
+  /// tensor, viewed with the canonical tensor's rank as `local_shape`, has at local_offset + j the
+  /// canonical element offset + j for every j < extent (row-major on both sides). local_shape is
+  /// the local tensor's shape or a row-major reshape of it (the same element count): a stack of
+  /// experts [experts, rows, cols] holding 2-D expert matrices is viewed as [experts·rows, cols].
   std::string local;
   Shape local_shape;
   std::vector<int64_t> local_offset;

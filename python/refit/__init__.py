@@ -145,8 +145,8 @@ def plan_layouts(layouts: Sequence[Sequence[Mapping[str, Any]]]) -> dict:
     distinct boxes of a tensor leave a gap or overlap without coinciding, or the ranks disagree
     on a tensor's dtype or shape.
 
-    The first part of sharded publishing (docs/architecture.md): the publisher does not take
-    layouts yet.
+    :meth:`Publisher.sync` with ``layout=`` makes this plan itself at rank 0 (docs/sharded.md);
+    this function lets a trainer check its layouts before it publishes.
     """
     return _core.plan_layouts([[dict(piece) for piece in rank] for rank in layouts])
 
@@ -168,6 +168,8 @@ class Loader:
     - ``qkv`` (``q``, ``k``, ``v``, ``to``, ``num_heads``, ``num_kv_heads``): q, k and v fused
       into one local tensor per rank, rows [q | k | v] of the rank's heads (GQA replicates kv
       heads when there are fewer than ranks);
+    - ``qkv_interleaved`` (the same keys): Megatron-Core's ``linear_qkv``, the rank's query
+      groups (``num_kv_heads`` of them in the model) each laid out as [its q heads | k | v];
     - ``gate_up`` (``gate``, ``up``, ``to``): gate and up fused, [gate block | up block];
     - ``vocab`` (``match``, ``vocab_size``, ``pad_to``): a vocabulary-parallel embedding;
     - ``expert_gate_up`` (``gate``, ``up``, ``expert_group``), ``expert_down`` (``match``,
@@ -177,7 +179,8 @@ class Loader:
       ``w13_weight`` / ``w2_weight``).
 
     Patterns are regular expressions matched against the whole canonical name. A name no rule
-    matches is identity. Unknown keys and kinds raise InvalidArgument. See docs/configuration.md
+    matches is identity. A trainer rank that holds its tensors in these layouts describes them
+    with the same rules: :func:`refit.layout.layout_from_loader`. Unknown keys and kinds raise InvalidArgument. See docs/configuration.md
     ("Loader files") for the YAML form that :meth:`from_yaml` reads.
     """
 

@@ -1,8 +1,8 @@
 """Producer layouts: the pieces of canonical tensors that a trainer rank holds.
 
-The first step of sharded publishing (issue 22): a rank that holds only a shard of each weight
-describes what it holds as a list of *pieces*, and rank 0 checks that the pieces of every rank
-tile each canonical tensor. The publisher does not consume layouts yet.
+A rank that holds only a shard of each weight describes what it holds as a list of *pieces*;
+:meth:`refit.Publisher.sync` with ``layout=`` sends each rank's pieces, and rank 0 checks that
+the pieces of every rank tile each canonical tensor (docs/sharded.md).
 
 A piece is a dict with exactly these keys::
 
@@ -20,7 +20,10 @@ The box is ``[offset, offset + extent)`` per dimension; the local tensor's eleme
 tensor has ``shape``, ``offset`` and ``extent`` ``[]``.
 
 :func:`layout_of` gives a rank's pieces for a module or a mapping, :func:`local_tensors` the
-local tensors they name; :func:`dtensor_pieces` the pieces of one DTensor. torch is imported
+local tensors they name; :func:`dtensor_pieces` the pieces of one DTensor;
+:func:`layout_from_loader` the pieces of plain tensors laid out as a :class:`refit.Loader`
+describes (a Megatron-style trainer: row/column TP, fused qkv and gate/up, interleaved
+``linear_qkv``, vocabulary-parallel embeddings, expert stacks). torch is imported
 when a function is called, not with this module, and torch.distributed need not be initialised
 for plain tensors.
 """
@@ -33,7 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ._tensors import named_tensors
 from .errors import InvalidArgument
 
-__all__ = ["dtensor_pieces", "layout_of", "local_tensors", "dtype_name"]
+__all__ = ["dtensor_pieces", "layout_of", "layout_from_loader", "local_tensors", "dtype_name"]
 
 Piece = Dict[str, Any]
 
@@ -349,3 +352,25 @@ def local_tensors(tensors: Any) -> Dict[str, Any]:
     for name, tensor in _tensors_of(tensors):
         out[name] = (tensor.to_local() if _is_dtensor(tensor) else tensor).detach()
     return out
+
+
+def layout_from_loader(loader: Any, tensors: Any, canonical_names: Sequence[str]) -> List[Piece]:
+    """Return the pieces of plain local tensors laid out as ``loader`` describes.
+
+    ``loader``: a :class:`refit.Loader` with this rank's tensor-parallel coordinates and the
+    rules a receiver in the same layout would use (``qkv_interleaved`` for Megatron-Core's
+    ``linear_qkv``). ``tensors``: this rank's local tensors (a module or a mapping, as
+    :func:`layout_of` takes them; only names, dtypes and shapes are read, so they may live on
+    any device). ``canonical_names``: the canonical tensors this rank holds (its pipeline
+    stage's); a name a ``skip`` rule matches is left out. A local tensor that no name maps onto
+    raises InvalidArgument (a name missing from the list), as does a shape that does not fit
+    its rule. Pass the result to ``Publisher.sync(tensors, layout=...)``.
+    """
+    from . import Loader  # noqa: PLC0415 — the package imports this module
+
+    if not isinstance(loader, Loader):
+        raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
+    locals_ = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in _tensors_of(tensors)]
+    from . import _core  # noqa: PLC0415
+
+    return _core.layout_from_loader(loader._spec, locals_, [str(n) for n in canonical_names])

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "refit/compare.h"
 #include "refit/dtype.h"
 #include "refit/loader.h"
+#include "refit/loader_layout.h"
 #include "refit/logging.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
@@ -254,7 +256,7 @@ py::dict LoaderSpecToDict(const LoaderSpec& spec) {
     for (const auto& [key, member] : kRuleTexts) {
       if (!(rule.*member).empty()) out[py::str(std::string(key))] = rule.*member;
     }
-    if (rule.kind == LoaderKind::kQkv) {
+    if (rule.kind == LoaderKind::kQkv || rule.kind == LoaderKind::kQkvInterleaved) {
       out["num_heads"] = rule.num_heads;
       out["num_kv_heads"] = rule.num_kv_heads;
     }
@@ -319,6 +321,19 @@ LayoutPiece LayoutPieceFromDict(const py::dict& dict, size_t rank, size_t index)
   if (!has_local_shape) piece.local_shape = Shape(piece.extent.begin(), piece.extent.end());
   if (!has_local_offset) piece.local_offset.assign(piece.extent.size(), 0);
   return piece;
+}
+
+py::dict LayoutPieceToDict(const LayoutPiece& piece) {
+  py::dict out;
+  out["tensor"] = piece.tensor;
+  out["dtype"] = std::string(DTypeName(piece.dtype));
+  out["shape"] = std::vector<int64_t>(piece.shape.begin(), piece.shape.end());
+  out["offset"] = piece.offset;
+  out["extent"] = piece.extent;
+  out["local"] = piece.local;
+  out["local_shape"] = std::vector<int64_t>(piece.local_shape.begin(), piece.local_shape.end());
+  out["local_offset"] = piece.local_offset;
+  return out;
 }
 
 py::dict LayoutPlanToDict(const LayoutPlan& plan) {
@@ -786,6 +801,26 @@ PYBIND11_MODULE(_core, m) {
       "dicts): {tensors: [{name, dtype, shape, boxes: [{offset, extent, sender, copies}]}], "
       "roles: [[send|copy|empty per piece] per rank]}. InvalidArgument names the tensor, box and "
       "ranks of a gap, an overlap or a disagreement.");
+  m.def(
+      "layout_from_loader",
+      [](const py::dict& spec, const py::list& locals, const std::vector<std::string>& names) {
+        // Only names, dtypes and shapes cross: the tensors may live on any device.
+        std::vector<TensorView> views;
+        for (const py::handle& local : locals) {
+          const auto [name, dtype, shape] =
+              local.cast<std::tuple<std::string, std::string, std::vector<int64_t>>>();
+          views.push_back(
+              TensorView{name, Unwrap(ParseDType(dtype)), Shape(shape.begin(), shape.end()), {}});
+        }
+        const ProducerLayout layout =
+            Unwrap(ProducerLayoutFromLoader(LoaderSpecFromDict(spec), views, names));
+        py::list out;
+        for (const LayoutPiece& piece : layout.pieces) out.append(LayoutPieceToDict(piece));
+        return out;
+      },
+      py::arg("spec"), py::arg("locals"), py::arg("canonical_names"),
+      "A rank's pieces from a loader dict, its local tensors as (name, dtype, shape) and the "
+      "canonical tensors it holds.");
   m.def(
       "check_loader",
       [](const py::dict& dict) {

@@ -8,11 +8,11 @@ refit.layout, require that the boxes tile every canonical tensor exactly (replic
 agree, nothing else overlaps) and that each box's bytes are the full tensor's at the box.
 """
 
-import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import run_ranks
 
 import refit
 from refit import layout
@@ -226,16 +226,7 @@ def rank_main(rank, init, out):
 def world(tmp_path_factory):
     directory = tmp_path_factory.mktemp("layout")
     out = directory / "pieces.pt"
-    ranks = [subprocess.Popen([sys.executable, __file__, str(r), f"file://{directory}/rendezvous", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    try:
-        outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
-    finally:
-        for rank in ranks:  # a rank left waiting in a collective after another failed
-            if rank.poll() is None:
-                rank.kill()
-    assert [r.returncode for r in ranks] == [0] * WORLD, "\n".join(o[-3000:] for o in outputs)
+    run_ranks(__file__, WORLD, [f"file://{directory}/rendezvous", out], timeout=240)
     return torch.load(out, weights_only=False)
 
 

@@ -15,11 +15,10 @@ sent by rank 0 and checked on the others.
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+from conftest import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -145,18 +144,7 @@ def rank_main(rank, world, mesh_kind, init, out):
 @pytest.mark.parametrize("world, mesh", [(2, "1d"), (3, "1d"), (4, "1d"), (4, "2x2")])
 def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp_path, world, mesh):
     out = tmp_path / "reports.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(world), mesh,
-                               f"file://{tmp_path}/rendezvous", str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
-    try:
-        outputs = [rank.communicate(timeout=300)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                rank.kill()
-    assert [r.returncode for r in ranks] == [0] * world, "\n".join(o[-4000:] for o in outputs)
+    run_ranks(__file__, world, [world, mesh, f"file://{tmp_path}/rendezvous", out])
     reports = json.loads(out.read_text())
     assert [r["anchor"] for r in reports] == [True] + [False] * (STEPS - 1)
 

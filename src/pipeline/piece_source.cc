@@ -4,7 +4,6 @@
 #include <memory>
 #include <utility>
 
-
 namespace refit {
 namespace {
 
@@ -86,7 +85,14 @@ Result<std::map<std::string, TensorView>> LocalsOf(const ProducerLayout& layout,
                              piece.ToString(), piece.local);
     }
     const TensorView& local = it->second;
-    if (local.dtype != piece.dtype || local.shape != piece.local_shape) {
+    // The piece may view the local tensor reshaped (an expert stack [experts, rows, cols] seen as
+    // [experts·rows, cols] by a piece of one expert's matrix): row-major, the elements coincide.
+    const Result<uint64_t> local_elements = NumElements(local.shape);
+    const Result<uint64_t> viewed_elements = NumElements(piece.local_shape);
+    const bool same_elements =
+        local.shape == piece.local_shape ||
+        (local_elements.ok() && viewed_elements.ok() && *local_elements == *viewed_elements);
+    if (local.dtype != piece.dtype || !same_elements) {
       return InvalidArgument(
           "piece {} is stored in local tensor '{}' as {} {}, but that tensor is {} {}",
           piece.ToString(), piece.local, DTypeName(piece.dtype), ShapeToString(piece.local_shape),

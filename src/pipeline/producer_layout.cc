@@ -7,6 +7,8 @@
 #include <tuple>
 #include <utility>
 
+#include <fmt/ranges.h>
+
 #include "refit/digest.h"
 
 namespace refit {
@@ -303,11 +305,20 @@ Result<LayoutPlan> PlanLayouts(std::span<const ProducerLayout> layouts) {
     const uint64_t numel = Volume(tensor.shape);
     if (held != numel) {
       const std::optional<std::vector<int64_t>> gap = FindUncovered(tensor.shape, tensor.boxes);
+      // A rank that states nothing at all is the likelier cause than a miscounted box.
+      std::vector<uint32_t> empty;
+      for (uint32_t rank = 0; rank < layouts.size(); ++rank) {
+        if (layouts[rank].pieces.empty()) empty.push_back(rank);
+      }
       return InvalidArgument(
-          "tensor '{}' {}: the ranks' pieces hold {} of its {} elements{}; boxes: {}", name,
+          "tensor '{}' {}: the ranks' pieces hold {} of its {} elements{}; boxes: {}{}", name,
           ShapeToString(tensor.shape), held, numel,
           gap ? fmt::format(" (element {} is held by no rank)", IndexString(*gap)) : "",
-          BoxList(tensor.boxes));
+          BoxList(tensor.boxes),
+          empty.empty() ? ""
+                        : fmt::format("; rank(s) {} hold no piece at all (a rank whose layout is "
+                                      "missing?)",
+                                      fmt::join(empty, ", ")));
     }
     plan.tensors.push_back(std::move(tensor));
   }

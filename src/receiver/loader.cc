@@ -28,6 +28,7 @@ constexpr KindEntry kKinds[] = {
     {LoaderKind::kRow, "row"},
     {LoaderKind::kColumn, "column"},
     {LoaderKind::kQkv, "qkv"},
+    {LoaderKind::kQkvInterleaved, "qkv_interleaved"},
     {LoaderKind::kGateUp, "gate_up"},
     {LoaderKind::kVocab, "vocab"},
     {LoaderKind::kExpertGateUp, "expert_gate_up"},
@@ -92,6 +93,7 @@ bool KeyApplies(LoaderKind kind, std::string_view key) {
     case LoaderKind::kColumn:
       return key == "match";
     case LoaderKind::kQkv:
+    case LoaderKind::kQkvInterleaved:
       return key == "q" || key == "k" || key == "v" || key == "num_heads" || key == "num_kv_heads";
     case LoaderKind::kGateUp:
       return key == "gate" || key == "up";
@@ -118,6 +120,7 @@ struct RuleProblem {
 std::vector<std::pair<std::string_view, const std::string*>> RulePatterns(const LoaderRule& rule) {
   switch (rule.kind) {
     case LoaderKind::kQkv:
+    case LoaderKind::kQkvInterleaved:
       return {{"q", &rule.q}, {"k", &rule.k}, {"v", &rule.v}};
     case LoaderKind::kGateUp:
     case LoaderKind::kExpertGateUp:
@@ -214,16 +217,20 @@ std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
                                                        *pattern, e.what())};
     }
   }
-  const bool needs_to = rule.kind == LoaderKind::kRename || rule.kind == LoaderKind::kQkv ||
+  const bool qkv = rule.kind == LoaderKind::kQkv || rule.kind == LoaderKind::kQkvInterleaved;
+  const bool needs_to = rule.kind == LoaderKind::kRename || qkv ||
                         rule.kind == LoaderKind::kGateUp || IsExpertKind(rule.kind);
   if (needs_to && rule.to.empty()) {
     return RuleProblem{
         "to", fmt::format("a {} rule needs the local tensor's name", LoaderKindName(rule.kind))};
   }
-  if (rule.kind == LoaderKind::kQkv) {
-    if (rule.num_heads == 0) return RuleProblem{"num_heads", "a qkv rule needs num_heads > 0"};
+  if (qkv) {
+    const std::string_view kind = LoaderKindName(rule.kind);
+    if (rule.num_heads == 0) {
+      return RuleProblem{"num_heads", fmt::format("a {} rule needs num_heads > 0", kind)};
+    }
     if (rule.num_kv_heads == 0) {
-      return RuleProblem{"num_kv_heads", "a qkv rule needs num_kv_heads > 0"};
+      return RuleProblem{"num_kv_heads", fmt::format("a {} rule needs num_kv_heads > 0", kind)};
     }
     if (rule.num_heads % rule.num_kv_heads != 0) {
       return RuleProblem{"num_kv_heads",
@@ -233,6 +240,13 @@ std::optional<RuleProblem> CheckRule(const LoaderRule& rule, uint32_t tp_size,
     if (rule.num_heads % tp_size != 0) {
       return RuleProblem{"num_heads", fmt::format("num_heads {} is not a multiple of tp_size {}",
                                                   rule.num_heads, tp_size)};
+    }
+    // Megatron-Core splits whole query groups between ranks.
+    if (rule.kind == LoaderKind::kQkvInterleaved && rule.num_kv_heads % tp_size != 0) {
+      return RuleProblem{"num_kv_heads",
+                         fmt::format("num_kv_heads {} (query groups) is not a multiple of tp_size "
+                                     "{}: Megatron-Core splits whole query groups between ranks",
+                                     rule.num_kv_heads, tp_size)};
     }
     if (rule.num_kv_heads % tp_size != 0 && tp_size % rule.num_kv_heads != 0) {
       return RuleProblem{
@@ -437,6 +451,57 @@ Status LayOutExperts(const LoaderRule& rule, size_t part, const std::smatch& mat
   return Status::OK();
 }
 
+/// Lay out Megatron-Core's `linear_qkv`: the rank's G/TP query groups, group j at local rows
+/// [j·(h + 2)·d, (j + 1)·(h + 2)·d) with h q heads per group: its h·d q rows, then d k rows, then
+/// d v rows. Part 0 (q) or 1, 2 (k, v) of the canonical tensor is one piece per group: its rows
+/// are contiguous in the canonical tensor but not in the local one.
+Status LayOutInterleavedQkv(const LoaderRule& rule, size_t part, const TensorView& local,
+                            uint64_t tp, uint64_t rank, const std::string& where,
+                            CanonicalLayout* layout) {
+  const Shape& local_shape = local.shape;
+  if (local_shape.empty()) {
+    return InvalidArgument("{}: local shape {} has no dimension to hold heads", where,
+                           ShapeToString(local_shape));
+  }
+  const auto [local_rows, local_cols] = TwoD(local_shape);
+  const uint64_t groups = rule.num_kv_heads / tp;
+  const uint64_t q_per_group = rule.num_heads / rule.num_kv_heads;
+  const uint64_t group_heads = q_per_group + 2;
+  if (local_rows % (groups * group_heads) != 0) {
+    return InvalidArgument(
+        "{}: local shape {} has {} rows, not a multiple of the {} query groups × {} heads ({} q + "
+        "k + v) a rank holds",
+        where, ShapeToString(local_shape), local_rows, groups, group_heads, q_per_group);
+  }
+  const uint64_t head_dim = local_rows / (groups * group_heads);
+  const uint64_t heads = part == 0 ? rule.num_heads : rule.num_kv_heads;
+  uint64_t rows = 0;
+  if (__builtin_mul_overflow(heads, head_dim, &rows) || rows > static_cast<uint64_t>(INT64_MAX)) {
+    return InvalidArgument("{}: {} × {} canonical rows overflow", where, heads, head_dim);
+  }
+  layout->shape = local_shape;
+  layout->shape[0] = static_cast<int64_t>(rows);
+  if (!NumElements(layout->shape).ok()) {
+    return InvalidArgument("{}: canonical shape {} overflows", where, ShapeToString(layout->shape));
+  }
+  std::tie(layout->rows, layout->cols) = TwoD(layout->shape);
+  const uint64_t group_rows = (part == 0 ? q_per_group : 1) * head_dim;
+  const uint64_t within_group = part == 0 ? 0 : (q_per_group + part - 1) * head_dim;
+  for (uint64_t j = 0; j < groups; ++j) {
+    const uint64_t row_begin = (rank * groups + j) * group_rows;
+    layout->pieces.push_back(
+        CanonicalPiece{.local_tensor = local.name,
+                       .row_begin = row_begin,
+                       .row_end = row_begin + group_rows,
+                       .col_begin = 0,
+                       .col_end = layout->cols,
+                       .local_row_offset = j * group_heads * head_dim + within_group,
+                       .local_row_length = local_cols,
+                       .id = PieceId(row_begin, row_begin + group_rows, 0, layout->cols)});
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 std::string_view LoaderKindName(LoaderKind kind) {
@@ -478,12 +543,41 @@ struct Loader::CompiledRule {
   std::vector<std::regex> patterns;
 };
 
-Loader::Loader(LoaderSpec spec, const WeightStore& store, std::vector<CompiledRule> rules)
-    : spec_(std::move(spec)), store_(&store), rules_(std::move(rules)) {}
+Loader::Loader(LoaderSpec spec, const WeightStore* store, std::vector<CompiledRule> rules)
+    : spec_(std::move(spec)), store_(store), rules_(std::move(rules)) {}
 
 Loader::~Loader() = default;
 
+Result<std::unique_ptr<Loader>> Loader::ForShapes(const LoaderSpec& spec,
+                                                  std::span<const TensorView> locals) {
+  std::map<std::string, TensorView, std::less<>> shapes;
+  for (const TensorView& local : locals) {
+    TensorView shape_only{local.name, local.dtype, local.shape, {}};
+    if (!shapes.emplace(local.name, std::move(shape_only)).second) {
+      return AlreadyExists("loader: two local tensors are named '{}'", local.name);
+    }
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Compile(spec, nullptr));
+  loader->shapes_ = std::move(shapes);
+  return loader;
+}
+
+Result<TensorView> Loader::FindLocal(std::string_view name) const {
+  if (store_ != nullptr) return store_->Find(name);
+  auto it = shapes_.find(name);
+  if (it == shapes_.end()) return NotFound("no local tensor '{}'", name);
+  return it->second;
+}
+
+std::string_view Loader::Holder() const {
+  return store_ != nullptr ? "the receiver's store" : "the rank's local tensors";
+}
+
 Result<std::unique_ptr<Loader>> Loader::Make(const LoaderSpec& spec, const WeightStore& store) {
+  return Compile(spec, &store);
+}
+
+Result<std::unique_ptr<Loader>> Loader::Compile(const LoaderSpec& spec, const WeightStore* store) {
   if (spec.tp_size == 0) return InvalidArgument("loader: tp_size must be > 0");
   if (spec.tp_rank >= spec.tp_size) {
     return InvalidArgument("loader: tp_rank {} is not below tp_size {}", spec.tp_rank,
@@ -543,13 +637,18 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
       return fmt::format("tensor '{}' → local tensor '{}' (loader rule {}, {})", name, local_name,
                          j, LoaderKindName(rule.kind));
     };
-    Result<TensorView> found = store_->Find(local_name);
-    if (!found.ok()) return NotFound("{}: the receiver's store has no such local tensor", where());
+    Result<TensorView> found = FindLocal(local_name);
+    if (!found.ok()) return NotFound("{}: {} has no such local tensor", where(), Holder());
     const TensorView& local = *found;
     const Shape& local_shape = local.shape;
     layout->dtype = local.dtype;
+    layout->local_tensor = local_name;
     if (IsExpertKind(rule.kind)) {
       REFIT_RETURN_NOT_OK(LayOutExperts(rule, part, match, local, tp, rank, where(), layout.get()));
+      return layout;
+    }
+    if (rule.kind == LoaderKind::kQkvInterleaved) {
+      REFIT_RETURN_NOT_OK(LayOutInterleavedQkv(rule, part, local, tp, rank, where(), layout.get()));
       return layout;
     }
     CanonicalPiece piece;
@@ -576,7 +675,8 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
       case LoaderKind::kIdentity:
       case LoaderKind::kRename:
       case LoaderKind::kSkip:
-      case LoaderKind::kExpertGateUp:  // laid out above
+      case LoaderKind::kQkvInterleaved:  // laid out above
+      case LoaderKind::kExpertGateUp:
       case LoaderKind::kExpertDown:
       case LoaderKind::kStackedGateUp:
       case LoaderKind::kStackedDown:
@@ -678,13 +778,13 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
     return layout;
   }
 
-  Result<TensorView> local = store_->Find(name);
+  Result<TensorView> local = FindLocal(name);
   if (!local.ok()) {
-    return NotFound("tensor '{}' is neither in the receiver's store nor mapped by its loader",
-                    name);
+    return NotFound("tensor '{}' is neither in {} nor mapped by its loader", name, Holder());
   }
   layout->dtype = local->dtype;
   layout->shape = local->shape;
+  layout->local_tensor = name;
   std::tie(layout->rows, layout->cols) = TwoD(layout->shape);
   layout->pieces.push_back(CanonicalPiece{name, 0, layout->rows, 0, layout->cols, 0, layout->cols,
                                           PieceId(0, layout->rows, 0, layout->cols)});

@@ -173,8 +173,8 @@ Status WeightStore::RehashTensor(std::string_view name) {
 
 Status WeightStore::AttachLoader(std::unique_ptr<Loader> loader) {
   if (loader == nullptr) return InvalidArgument("AttachLoader: the loader is null");
-  if (&loader->store() != this) {
-    return InvalidArgument("AttachLoader: the loader was made for another store");
+  if (loader->store() != this) {
+    return InvalidArgument("AttachLoader: the loader was made for another store (or for shapes)");
   }
   if (loader_ != nullptr) {
     return FailedPrecondition("AttachLoader: the store already has a loader attached");

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cli_roundtrip_test import read_safetensors, realistic_pair, write_safetensors  # noqa: E402
-from push_demo_test import check  # noqa: E402
+from push_demo_test import check, shard_checkpoint  # noqa: E402
 
 TIMEOUT_S = 240
 
@@ -104,6 +104,35 @@ def main():
     check(line["kind"] == "full", f"without --base the push is an anchor: {line['kind']}")
     held = read_safetensors(saved[0])
     check(np.array_equal(held["only/one:tensor"][2], small[0][3]), "the receiver holds the small model exactly")
+
+    # A sharded push: each producer rank holds its rows (torch.chunk over dim 0; the 3-element
+    # tensor leaves rank 1 one row) in its own safetensors and a --layout file, and sends only
+    # those, as an anchor, through the job's collective transport.
+    files = {name: data.tobytes() for name, _, _, data in new}
+    for r in range(2):
+        shard_checkpoint(step, files, r, 2, args.workdir)
+    producer = ["bash", "-c",
+                'exec "$0" push "$1/rank$OMPI_COMM_WORLD_RANK.safetensors" '
+                '--layout "$1/rank$OMPI_COMM_WORLD_RANK.layout.json" --transport "$2" --json',
+                args.refit, args.workdir, uri]
+    saved = [os.path.join(args.workdir, f"held.{r}.safetensors") for r in range(2)]
+    for path in saved:
+        if os.path.exists(path):
+            os.remove(path)
+    serve = ["bash", "-c",
+             f'exec "$0" "$@" --save-on-exit {args.workdir}/held.$((OMPI_COMM_WORLD_RANK - 2)).safetensors',
+             args.refit, "serve", "--model", base, "--transport", uri]
+    done = subprocess.run([*mpirun(), "-np", "2", *producer, ":", "-np", "2", *serve],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    out = done.stdout + done.stderr
+    check(done.returncode == 0, f"a sharded push from 2 ranks (--layout) commits (rc {done.returncode}):\n{out[-3000:]}")
+    reports = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
+    check(sorted(r["rank"] for r in reports) == [0, 1] and all(r["payloads"] > 0 for r in reports),
+          f"both ranks sent payloads of their own: {reports}")
+    for path in saved:
+        held = read_safetensors(path)
+        check(all(np.array_equal(held[name][2], expected[name][2]) for name, _, _ in specs),
+              f"{os.path.basename(path)} holds the new checkpoint bit for bit, from two shards")
 
     # Producers and receivers given different layouts: refused on every rank, not a hang.
     push_uri = "mpi://?producers=2&timeout_ms=20000"

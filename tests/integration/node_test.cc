@@ -15,8 +15,11 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/ranges.h>
+
 #include "loopback.h"
 #include "refit/loader.h"
+#include "refit/loader_layout.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
 #include "refit/publisher.h"
@@ -640,7 +643,7 @@ TEST(ShardedPublisherTest, DataParallelCopiesAreSentOnceAndADivergedCopyRollsEve
   ExpectHolds(*receiver, Unsharded(model), "the retried step");
 }
 
-TEST(ShardedPublisherTest, ALayoutWithAGapOrAnOverlapIsRefusedBeforeAnythingIsSent) {
+TEST(ShardedPublisherTest, ALayoutWithAGapAnOverlapOrARankMissingIsRefusedBeforeAnythingIsSent) {
   std::vector<Canonical> model = MakeModel(41);
   const std::string endpoint = testing::FreeLoopbackEndpoint();
   std::unique_ptr<EmbeddedReceiver> receiver =
@@ -660,6 +663,12 @@ TEST(ShardedPublisherTest, ALayoutWithAGapOrAnOverlapIsRefusedBeforeAnythingIsSe
   }
   refused = SyncSharded(ranks, overlap);
   EXPECT_STATUS_MSG(InvalidArgument, k_proj, refused[0].status());
+  // A rank missing: rank 1 states no piece at all (its local tensors are still given).
+  std::vector<ShardedRank> missing = {ShardedRankOf(model, 0, 2), ShardedRankOf(model, 1, 2)};
+  missing[1].model.layout.pieces.clear();
+  refused = SyncSharded(ranks, missing);
+  EXPECT_STATUS_MSG(InvalidArgument, "rank(s) 1 hold no piece at all", refused[0].status());
+  for (const Result<SyncReport>& result : refused) EXPECT_FALSE(result.ok());
   // Nothing reached the receiver: no transfer was prepared.
   EXPECT_EQ(receiver->node->status().version, 0u);
   std::lock_guard lock(receiver->hooks_mutex);
@@ -815,18 +824,84 @@ ShardedRank MegatronRank(const std::vector<Canonical>& model, uint32_t tp, uint3
   return rank;
 }
 
+// The same rank's layout in the loader vocabulary, as a Megatron-style trainer states it: the
+// rules of its TP rank and the canonical tensors of its pipeline stage.
+LoaderSpec MegatronSpec(uint32_t tp) {
+  return LoaderSpec{
+      tp,
+      2,
+      {{.kind = LoaderKind::kVocab,
+        .match = R"(model\.embed_tokens\.weight|lm_head\.weight)",
+        .vocab_size = kVocab,
+        .pad_to = 1},
+       {.kind = LoaderKind::kQkvInterleaved,
+        .to = "decoder.layers.$1.self_attention.linear_qkv.weight",
+        .q = R"(model\.layers\.(\d+)\.self_attn\.q_proj\.weight)",
+        .k = R"(model\.layers\.(\d+)\.self_attn\.k_proj\.weight)",
+        .v = R"(model\.layers\.(\d+)\.self_attn\.v_proj\.weight)",
+        .num_heads = kHeads,
+        .num_kv_heads = kKvHeads},
+       {.kind = LoaderKind::kGateUp,
+        .to = "decoder.layers.$1.mlp.linear_fc1.weight",
+        .gate = R"(model\.layers\.(\d+)\.mlp\.gate_proj\.weight)",
+        .up = R"(model\.layers\.(\d+)\.mlp\.up_proj\.weight)"},
+       {.kind = LoaderKind::kColumn,
+        .match = R"(model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight)"}}};
+}
+
+std::vector<std::string> StageTensors(uint32_t pp) {
+  const std::string attn = "model.layers.0.self_attn.";
+  const std::string mlp = "model.layers.0.mlp.";
+  if (pp == 0) {
+    return {"model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+            attn + "q_proj.weight",      attn + "k_proj.weight",
+            attn + "v_proj.weight",      attn + "o_proj.weight"};
+  }
+  return {mlp + "gate_proj.weight", mlp + "up_proj.weight", mlp + "down_proj.weight",
+          "lm_head.weight"};
+}
+
+std::vector<std::string> PieceKeys(const ProducerLayout& layout) {
+  std::vector<std::string> keys;
+  for (const LayoutPiece& piece : layout.pieces) {
+    keys.push_back(fmt::format("{} in {} {} at [{}]", piece.ToString(), piece.local,
+                               ShapeToString(piece.local_shape),
+                               fmt::join(piece.local_offset, ", ")));
+  }
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+// Eight ranks hold Megatron's own layouts (sliced by hand, MegatronRank) and state them as loader
+// rules (ProducerLayoutFromLoader), which must give the hand-written pieces. Data-parallel copies
+// are sent once; then one copy of linear_qkv diverges: the sync fails by name everywhere and the
+// receivers keep the step before.
 TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshardedAndTpReceivers) {
   std::vector<Canonical> model = MakeModel(61);
   std::vector<std::unique_ptr<EmbeddedReceiver>> fleet = TpPairAndUnsharded(model);
   std::vector<EmbeddedReceiver*> receivers;
   for (auto& receiver : fleet) receivers.push_back(receiver.get());
   std::vector<std::unique_ptr<Publisher>> ranks = MakeRanks(8, receivers, 4096);
+  // rank = dp·4 + pp·2 + tp.
+  auto hold = [](const std::vector<Canonical>& m) {
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 8; ++r) {
+      const uint32_t tp = r % 2;
+      const uint32_t pp = (r / 2) % 2;
+      held.push_back(MegatronRank(m, tp, pp));
+      Result<ProducerLayout> stated =
+          ProducerLayoutFromLoader(MegatronSpec(tp), held.back().model.locals, StageTensors(pp));
+      EXPECT_TRUE(stated.ok()) << "rank " << r << ": " << stated.status().ToString();
+      if (!stated.ok()) continue;
+      EXPECT_EQ(PieceKeys(*stated), PieceKeys(held.back().model.layout)) << "rank " << r;
+      held.back().model.layout = std::move(*stated);
+    }
+    return held;
+  };
   std::mt19937_64 rng(62);
   for (int step = 1; step <= 3; ++step) {
     Step(model, rng, 0.03);
-    std::vector<ShardedRank> held;
-    for (uint32_t r = 0; r < 8; ++r) held.push_back(MegatronRank(model, r % 2, (r / 2) % 2));
-    std::vector<Result<SyncReport>> results = SyncSharded(ranks, held);
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, hold(model));
     for (uint32_t r = 0; r < 8; ++r) {
       ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status().ToString();
     }
@@ -840,6 +915,22 @@ TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshard
     const std::string when = "step " + std::to_string(step);
     ExpectTpPairAndUnshardedHold(fleet, model, when);
   }
+  // Rank 5 (DP 1, stage 0, TP 1) holds a copy of rank 1's linear_qkv; its first row (a q row of
+  // query group 1) diverges by one bit.
+  const std::vector<Canonical> before = model;
+  Step(model, rng, 0.03);
+  std::vector<ShardedRank> held = hold(model);
+  held[5].bits.at("decoder.layers.0.self_attention.linear_qkv.weight")[3] ^= 0x0100;
+  std::vector<Result<SyncReport>> failed = SyncSharded(ranks, held);
+  ASSERT_FALSE(failed[0].ok());
+  EXPECT_EQ(failed[0].status().code(), StatusCode::kDataLoss) << failed[0].status().ToString();
+  for (const char* expected : {"rank 5", "model.layers.0.self_attn.q_proj.weight"}) {
+    EXPECT_NE(failed[0].status().message().find(expected), std::string::npos)
+        << expected << " not named: " << failed[0].status().ToString();
+  }
+  for (uint32_t r = 1; r < 8; ++r) EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+  ExpectTpPairAndUnshardedHold(fleet, before, "after the diverged copy");
+  for (const auto& receiver : fleet) EXPECT_EQ(receiver->node->status().version, 3u);
 }
 
 }  // namespace

@@ -138,6 +138,12 @@ def main():
             capture_output=True, text=True, timeout=TIMEOUT_S)
         check(refused.returncode != 0 and "checksum" in refused.stderr,
               f"a forged chain is refused: {refused.stderr.strip()[-300:]}")
+
+        # 5. A sharded push through the bucket: two trainer ranks (a TCP group), each with only
+        # its rows of a new checkpoint and a --layout, write their own payloads; two fresh
+        # daemons read them from the bucket and hold the new checkpoint bit for bit.
+        sharded_push(args, uri.replace("&chain=1", "").replace("/run?", "/sharded?"),
+                     os.path.join(demo_dir, "model.safetensors"))
     finally:
         paginator = s3.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=bucket):
@@ -145,6 +151,77 @@ def main():
                 s3.delete_object(Bucket=bucket, Key=obj["Key"])
         s3.delete_bucket(Bucket=bucket)
     return 0
+
+
+def sharded_push(args, uri, model):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ports import free_port
+    from push_demo_test import read_safetensors_header, shard_checkpoint, write_safetensors
+
+    workdir = os.path.join(args.workdir, "sharded")
+    os.makedirs(workdir)
+    header = read_safetensors_header(model)
+    with open(model, "rb") as f:
+        blob = f.read()
+    start = 8 + int.from_bytes(blob[:8], "little")
+    old = {name: blob[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+           for name, info in header.items()}
+    # The new checkpoint: one byte in every 97 of every tensor changed.
+    new = {}
+    for name, data in old.items():
+        data = bytearray(data)
+        data[::97] = bytes((b ^ 0x01) for b in data[::97])
+        new[name] = bytes(data)
+    step = os.path.join(workdir, "step.safetensors")
+    write_safetensors(step, {name: (header[name]["dtype"], header[name]["shape"], new[name])
+                             for name in sorted(new)})
+    shards = [shard_checkpoint(step, new, r, 2, workdir) for r in range(2)]
+
+    daemons, logs = [], []
+    try:
+        for index in range(2):
+            ready = os.path.join(workdir, f"d{index}.ready")
+            logs.append(open(os.path.join(workdir, f"d{index}.log"), "w"))
+            daemons.append((subprocess.Popen(
+                [args.refit, "serve", "--model", model, "--transport", uri, "--ready-file", ready,
+                 "--save-on-exit", os.path.join(workdir, f"held{index}.safetensors")],
+                stdout=logs[-1], stderr=subprocess.STDOUT), ready))
+        urls = []
+        for proc, ready in daemons:
+            deadline = time.time() + TIMEOUT_S
+            while not os.path.exists(ready):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError("a daemon did not start: " + open(logs[0].name).read()[-2000:])
+                time.sleep(0.1)
+            urls.append(json.load(open(ready))["control_url"])
+        group = f"tcp://127.0.0.1:{free_port()}"
+        receivers = [flag for url in urls for flag in ("--receiver", url)]
+        ranks = [subprocess.Popen(
+            [args.refit, "push", shards[r][0], "--layout", shards[r][1], "--group", group,
+             "--rank", str(r), "--world-size", "2", "--transport", uri, "--json"] +
+            (receivers if r == 0 else []),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        results = [(rank.wait(timeout=TIMEOUT_S), *rank.communicate()) for rank in ranks]
+        check(all(code == 0 for code, _, _ in results),
+              f"two ranks pushed their shards through s3: {[r[2][-1500:] for r in results]}")
+        reports = [json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+                   for _, out, _ in results]
+        check(all(r["payloads"] > 0 for r in reports),
+              f"each rank wrote payloads of its own: {[r['payloads'] for r in reports]}")
+    finally:
+        for proc, _ in daemons:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        for log in logs:
+            log.close()
+    for index in range(2):
+        held = os.path.join(workdir, f"held{index}.safetensors")
+        with open(held, "rb") as f:
+            blob = f.read()
+        start = 8 + int.from_bytes(blob[:8], "little")
+        got = {name: blob[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
+               for name, info in read_safetensors_header(held).items()}
+        check(got == new, f"daemon {index} holds the new checkpoint bit for bit, from two shards")
 
 
 if __name__ == "__main__":

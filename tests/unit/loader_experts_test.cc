@@ -11,9 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "layout_check.h"
 #include "refit/apply.h"
 #include "refit/digest.h"
 #include "refit/loader.h"
+#include "refit/loader_layout.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
@@ -296,6 +298,35 @@ TEST_P(ExpertLoaderTest, DeltasAnchorsAndRollbacksReachEveryStackExactly) {
 
 INSTANTIATE_TEST_SUITE_P(Placements, ExpertLoaderTest, ::testing::ValuesIn(Placements()),
                          [](const auto& param_info) { return param_info.param.name; });
+
+// A trainer rank holding expert stacks (expert parallelism, TP-split matrices, or both) states
+// them with the same rules: each 2-D expert matrix's pieces view the stack as [slots·rows, cols],
+// the stacked tensors' pieces are 3-D boxes, and the ranks' layouts tile every expert.
+TEST_P(ExpertLoaderTest, ATrainerRankStatesItsStacksWithTheSameRules) {
+  std::map<std::string, const OwnedTensor*> canonical;
+  std::vector<std::string> names;
+  for (const OwnedTensor& t : model_) {
+    canonical[t.name] = &t;
+    names.push_back(t.name);
+  }
+  std::vector<ProducerLayout> layouts;
+  for (const Shard& shard : GetParam().shards) {
+    const std::map<std::string, OwnedTensor> stacks = SliceShard(model_, shard);
+    std::vector<TensorView> views;
+    std::map<std::string, const OwnedTensor*> locals;
+    for (const auto& [name, t] : stacks) {
+      views.push_back(t.view());
+      locals[name] = &t;
+    }
+    ASSERT_OK_AND_ASSIGN(ProducerLayout layout,
+                         ProducerLayoutFromLoader(SpecOf(shard), views, names));
+    testing::ExpectPiecesReadTheirBoxes(layout, canonical, locals,
+                                        fmt::format("shard {}", layouts.size()));
+    layouts.push_back(std::move(layout));
+  }
+  ASSERT_OK_AND_ASSIGN(LayoutPlan plan, PlanLayouts(layouts));
+  EXPECT_EQ(plan.tensors.size(), model_.size());
+}
 
 // ---- Layouts and refusals ----------------------------------------------------------------------
 

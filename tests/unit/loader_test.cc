@@ -14,8 +14,10 @@
 #include <tuple>
 #include <vector>
 
+#include "layout_check.h"
 #include "refit/apply.h"
 #include "refit/digest.h"
+#include "refit/loader_layout.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
@@ -975,6 +977,155 @@ TEST(LoaderYamlTest, ReadsAFile) {
   EXPECT_STATUS_MSG(NotFound, "missing.yaml",
                     LoaderSpecFromYamlFile((dir / "missing.yaml").string()));
   std::filesystem::remove_all(dir);
+}
+
+// ---- Producer layouts from the same vocabulary ------------------------------------------------
+
+std::vector<TensorView> Views(const std::map<std::string, OwnedTensor>& tensors) {
+  std::vector<TensorView> views;
+  for (const auto& [name, t] : tensors) views.push_back(t.view());
+  return views;
+}
+
+std::map<std::string, const OwnedTensor*> ByName(const std::vector<OwnedTensor>& tensors) {
+  std::map<std::string, const OwnedTensor*> out;
+  for (const OwnedTensor& t : tensors) out[t.name] = &t;
+  return out;
+}
+
+std::map<std::string, const OwnedTensor*> ByName(
+    const std::map<std::string, OwnedTensor>& tensors) {
+  std::map<std::string, const OwnedTensor*> out;
+  for (const auto& [name, t] : tensors) out[name] = &t;
+  return out;
+}
+
+// A trainer rank holding the receiver's layout (the same slicer) states it as the same loader
+// spec: every piece reads its canonical box from the local tensors, and the ranks' layouts tile
+// the model (skip rules aside), with replicated kv heads and norms planned as copies.
+TEST(ProducerLayoutFromLoaderTest, ARankInAReceiverLayoutReadsItsBoxesAndTheRanksTileTheModel) {
+  const std::vector<OwnedTensor> model = CanonicalModel();
+  for (uint32_t tp : {1u, 2u, 4u}) {
+    std::vector<ProducerLayout> layouts;
+    for (uint32_t rank = 0; rank < tp; ++rank) {
+      const std::map<std::string, OwnedTensor> shard = SliceShard(model, rank, tp);
+      ASSERT_OK_AND_ASSIGN(LoaderSpec spec, LoaderSpecFromYaml(LoaderYaml(rank, tp), "l.yaml"));
+      ASSERT_OK_AND_ASSIGN(ProducerLayout layout,
+                           ProducerLayoutFromLoader(spec, Views(shard), Names(model)));
+      const std::string where = fmt::format("TP {} rank {}", tp, rank);
+      testing::ExpectPiecesReadTheirBoxes(layout, ByName(model), ByName(shard), where);
+      for (const LayoutPiece& piece : layout.pieces) {
+        EXPECT_NE(piece.tensor, "model.rotary_emb.inv_freq") << "a skipped tensor has a piece";
+      }
+      layouts.push_back(std::move(layout));
+    }
+    ASSERT_OK_AND_ASSIGN(LayoutPlan plan, PlanLayouts(layouts));
+    EXPECT_EQ(plan.tensors.size(), model.size() - 1) << "TP " << tp;
+    // With 2 kv heads on 4 ranks, ranks 0 and 1 hold kv head 0: one sends, the other copies.
+    if (tp == 4) {
+      bool copies = false;
+      for (const PlannedTensor& t : plan.tensors) {
+        if (t.name == Layer(0, "self_attn.k_proj.weight")) {
+          for (const PlannedBox& box : t.boxes) copies |= box.copies == std::vector<uint32_t>{1};
+        }
+      }
+      EXPECT_TRUE(copies) << "the replicated kv head is not planned as a copy";
+    }
+  }
+}
+
+/// Megatron-Core's linear_qkv of `layer`, rank `rank` of `tp`, sliced by plain loops: each of
+/// the rank's query groups as [its q heads | its k head | its v head].
+OwnedTensor MegatronQkv(const std::vector<OwnedTensor>& model, int layer, const std::string& suffix,
+                        uint32_t rank, uint32_t tp) {
+  const auto by_name = ByName(model);
+  const int64_t groups = kKvHeads / tp;
+  const int64_t q_per_group = kHeads / kKvHeads;
+  std::vector<uint16_t> bits;
+  for (int64_t g = rank * groups; g < (rank + 1) * groups; ++g) {
+    AppendRows(*by_name.at(Layer(layer, "self_attn.q_proj." + suffix)), g * q_per_group * kHeadDim,
+               q_per_group * kHeadDim, &bits);
+    AppendRows(*by_name.at(Layer(layer, "self_attn.k_proj." + suffix)), g * kHeadDim, kHeadDim,
+               &bits);
+    AppendRows(*by_name.at(Layer(layer, "self_attn.v_proj." + suffix)), g * kHeadDim, kHeadDim,
+               &bits);
+  }
+  const int64_t rows = groups * (q_per_group + 2) * kHeadDim;
+  return Local(fmt::format("decoder.layers.{}.self_attention.linear_qkv.{}", layer, suffix),
+               suffix == "weight" ? Shape{rows, kHidden} : Shape{rows}, bits);
+}
+
+LoaderSpec MegatronQkvSpec(uint32_t rank, uint32_t tp) {
+  return LoaderSpec{rank,
+                    tp,
+                    {LoaderRule{.kind = LoaderKind::kQkvInterleaved,
+                                .to = "decoder.layers.$1.self_attention.linear_qkv.$2",
+                                .q = R"(model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias))",
+                                .k = R"(model\.layers\.(\d+)\.self_attn\.k_proj\.(weight|bias))",
+                                .v = R"(model\.layers\.(\d+)\.self_attn\.v_proj\.(weight|bias))",
+                                .num_heads = kHeads,
+                                .num_kv_heads = kKvHeads}}};
+}
+
+TEST(ProducerLayoutFromLoaderTest, MegatronInterleavedQkvIsOnePiecePerQueryGroupAndTilesQKAndV) {
+  const std::vector<OwnedTensor> model = CanonicalModel();
+  std::vector<std::string> names;
+  for (const char* part : {"q", "k", "v"}) {
+    names.push_back(Layer(0, fmt::format("self_attn.{}_proj.weight", part)));
+    names.push_back(Layer(0, fmt::format("self_attn.{}_proj.bias", part)));
+    names.push_back(Layer(1, fmt::format("self_attn.{}_proj.weight", part)));
+  }
+  for (uint32_t tp : {1u, 2u}) {
+    std::vector<ProducerLayout> layouts;
+    for (uint32_t rank = 0; rank < tp; ++rank) {
+      std::map<std::string, OwnedTensor> shard;
+      for (OwnedTensor t :
+           {MegatronQkv(model, 0, "weight", rank, tp), MegatronQkv(model, 0, "bias", rank, tp),
+            MegatronQkv(model, 1, "weight", rank, tp)}) {
+        shard[t.name] = std::move(t);
+      }
+      ASSERT_OK_AND_ASSIGN(
+          ProducerLayout layout,
+          ProducerLayoutFromLoader(MegatronQkvSpec(rank, tp), Views(shard), names));
+      // Per tensor one piece per query group the rank holds.
+      EXPECT_EQ(layout.pieces.size(), names.size() * (kKvHeads / tp));
+      testing::ExpectPiecesReadTheirBoxes(layout, ByName(model), ByName(shard),
+                                          fmt::format("TP {} rank {}", tp, rank));
+      layouts.push_back(std::move(layout));
+    }
+    ASSERT_OK_AND_ASSIGN(LayoutPlan plan, PlanLayouts(layouts));
+    EXPECT_EQ(plan.tensors.size(), names.size());
+  }
+  // Megatron-Core splits whole query groups: 2 groups cannot go to 4 ranks.
+  const std::unique_ptr<WeightStore> store = WeightStore::Make();
+  EXPECT_STATUS_MSG(InvalidArgument, "qkv_interleaved",
+                    Loader::Make(MegatronQkvSpec(0, 4), *store));
+  EXPECT_STATUS_MSG(InvalidArgument, "whole query groups",
+                    Loader::Make(MegatronQkvSpec(0, 4), *store));
+}
+
+TEST(ProducerLayoutFromLoaderTest, ALocalNoNameMapsOntoOrANameNoLocalHoldsIsNamed) {
+  const std::vector<OwnedTensor> model = CanonicalModel();
+  const std::map<std::string, OwnedTensor> shard = SliceShard(model, 0, 2);
+  ASSERT_OK_AND_ASSIGN(LoaderSpec spec, LoaderSpecFromYaml(LoaderYaml(0, 2), "l.yaml"));
+  // Without lm_head's name, its local tensor holds no piece.
+  std::vector<std::string> names = Names(model);
+  std::erase(names, "lm_head.weight");
+  const Status missing = ProducerLayoutFromLoader(spec, Views(shard), names).status();
+  EXPECT_STATUS_MSG(InvalidArgument, "local tensor 'lm_head.weight'", missing);
+  EXPECT_STATUS_MSG(InvalidArgument, "holds no piece", missing);
+  // A name the rank does not hold.
+  names = Names(model);
+  names.push_back("model.layers.7.mlp.gate_proj.weight");
+  EXPECT_STATUS_MSG(NotFound, "model.layers.7.mlp.gate_proj.weight",
+                    ProducerLayoutFromLoader(spec, Views(shard), names));
+  EXPECT_STATUS_MSG(NotFound, "the rank's local tensors",
+                    ProducerLayoutFromLoader(spec, Views(shard), names));
+  // A name twice.
+  names = Names(model);
+  names.push_back(names.front());
+  EXPECT_STATUS_MSG(InvalidArgument, "named twice",
+                    ProducerLayoutFromLoader(spec, Views(shard), names));
 }
 
 }  // namespace
