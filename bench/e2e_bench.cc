@@ -66,7 +66,7 @@
 #include "refit/digest.h"
 #include "refit/environment.h"
 #include "refit/half_float.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"

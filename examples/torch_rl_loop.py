@@ -46,6 +46,12 @@ What runs (every process on this host, every link a loopback socket)::
                           vocabulary-parallel embedding and LM head, through a loader
                           (refit.torch.tp_loader)
 
+With ``--fsdp`` the trainer ranks shard both the fp32 master and the bf16 copy with FSDP2
+(``fully_shard``): each rank holds half of every parameter's rows (DTensor ``Shard(0)``), FSDP
+averages the gradients, and ``Publisher.sync(module)`` sends each rank's own shards straight to the
+workers, with no gather (docs/sharded.md). The first sync is then an anchor: a sharded publisher
+adopts no baseline yet.
+
 For the MoE models the TP pair splits the experts by expert index (expert parallelism over the
 TP group, as an engine with expert parallelism on does): rank r holds experts
 [r·E/2, (r+1)·E/2) of both stacked tensors, a dim-0 block that tp_loader maps with its ``row``
@@ -737,13 +743,24 @@ def trainer_main(args) -> None:
     )
     world = dist.get_world_size()
     model = make_model(spec).train()  # fp32 master weights, identical on both ranks
-    master = model.state_dict()  # name → the parameters themselves (a tied one under both names)
     # The bf16 copy the receivers get: preallocated once, refilled in place after every step.
     inference = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False).eval()
+    if args.fsdp:
+        # FSDP2: each rank keeps 1/W of every parameter (DTensor Shard(0)), in the master and in
+        # the bf16 copy alike, so their local shards line up; FSDP averages the gradients.
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model, mesh=mesh)
+        fully_shard(inference, mesh=mesh)
+    master = model.state_dict()  # name → the parameters themselves (a tied one under both names)
     # name → the bf16 parameter tensors themselves: what users export, stacked experts included
+    # (under FSDP2 the DTensors whose local shards this rank holds)
     export = inference.state_dict()
+    reference = bf16_model(spec) if args.fsdp and rank == 0 else inference  # for the logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
-    flat_grad = torch.zeros(sum(p.numel() for p in model.parameters()))
+    flat_grad = None if args.fsdp else torch.zeros(sum(p.numel() for p in model.parameters()))
     stream = token_stream((steps * world * BATCH_PER_RANK) * (SEQ_LEN + 1), spec.vocab)
     tokens = eval_batch(spec.vocab)
 
@@ -757,61 +774,78 @@ def trainer_main(args) -> None:
         chunk_bytes=CHUNK_BYTES,
         transfer_timeout=args.timeout,
     )
-    # The workers loaded these very bits as version 0: the first sync is a delta against them.
-    publisher.adopt_baseline(export, version=0)
+    if not args.fsdp:
+        # The workers loaded these very bits as version 0: the first sync is a delta against them.
+        # (A sharded publisher adopts no baseline yet: under FSDP2 the first sync is an anchor.)
+        publisher.adopt_baseline(export, version=0)
 
-    def export_digest() -> torch.Tensor:
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+    def full_export() -> Dict[str, torch.Tensor]:
+        """The whole bf16 export: under FSDP2 all-gathered (a collective, every rank), for the checks."""
+        return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in export.items()}
+
+    def export_digest(full: Dict[str, torch.Tensor]) -> torch.Tensor:
         """SHA-256 of the export's bytes, to check that both ranks hold the same weights."""
         h = hashlib.sha256()
-        for tensor in export.values():
+        for tensor in full.values():
             h.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
         return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
 
-    def save_step(step: int, **fields) -> None:
+    def save_step(step: int, full: Dict[str, torch.Tensor], **fields) -> None:
         with torch.no_grad():
-            logits = logits_of(inference, tokens)
-        snapshot = {n: t.clone() for n, t in export.items()}
+            if reference is not inference:
+                reference.load_state_dict(full)
+            logits = logits_of(reference, tokens)
+        snapshot = {n: t.clone() for n, t in full.items()}
         path = os.path.join(workdir, f"trainer_v{step}.pt")
         save_atomic(dict(logits=logits, export=snapshot, **fields), path)
 
+    full = full_export()
     if rank == 0:
-        save_step(0, loss=None, report=None)
+        save_step(0, full, loss=None, report=None)
     for step in range(1, steps + 1):
         batch = training_batch(stream, step, rank, world)
         logits = logits_of(model, batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        # Data parallel: average the gradients (one all_reduce over a preallocated flat buffer).
-        offset = 0
-        for p in model.parameters():
-            if p.grad is None:  # a parameter this batch did not reach
-                p.grad = torch.zeros_like(p)
-            flat_grad[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        dist.all_reduce(flat_grad)
-        flat_grad.div_(world)
-        offset = 0
-        for p in model.parameters():
-            p.grad.copy_(flat_grad[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        if not args.fsdp:
+            # Data parallel: average the gradients (one all_reduce over a preallocated flat buffer).
+            offset = 0
+            for p in model.parameters():
+                if p.grad is None:  # a parameter this batch did not reach
+                    p.grad = torch.zeros_like(p)
+                flat_grad[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+            dist.all_reduce(flat_grad)
+            flat_grad.div_(world)
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(flat_grad[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
         optimizer.step()
 
         with torch.no_grad():  # fill the bf16 export in place: no model-sized allocation
             for name, tensor in export.items():
-                tensor.copy_(master[name])
+                local(tensor).copy_(local(master[name]))
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss = float(mean_loss) / world
+        full = full_export()
         digests = [torch.zeros(32, dtype=torch.uint8) for _ in range(world)]
-        dist.all_gather(digests, export_digest())
+        dist.all_gather(digests, export_digest(full))
 
-        report = publisher.sync(export)  # collective: both ranks, every step
+        # Collective: both ranks, every step. Under FSDP2 the module's DTensors say what each rank
+        # holds, and each rank sends only its own shards.
+        report = publisher.sync(inference if args.fsdp else export)
 
         fields = {k: getattr(report, k) for k in REPORT_FIELDS}
         if rank == 0:
             save_step(
                 step,
+                full,
                 loss=mean_loss,
                 report=fields,
                 ranks_identical=all(torch.equal(d, digests[0]) for d in digests),
@@ -1026,7 +1060,7 @@ def driver_main(args) -> int:
             receivers.append([ready["control_url"], ready["data_endpoint"]])
         write_json_atomic(receivers, os.path.join(workdir, "receivers.json"))
         for r in range(2):
-            fleet.spawn(f"trainer{r}", ["--role", "trainer", "--rank", str(r)])
+            fleet.spawn(f"trainer{r}", ["--role", "trainer", "--rank", str(r)] + (["--fsdp"] if args.fsdp else []))
         experts = f", {spec.experts} experts split over the TP pair" if spec.experts else ""
         say(f"refit: {spec.hf_class}, 2 trainer ranks → 1 unsharded worker + 1 TP={TP} group"
             f"{experts}")
@@ -1096,6 +1130,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama",
                         help="the transformers model class (default llama)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the trainers with FSDP2 (fully_shard): each rank publishes only its "
+                             "own shards, with nothing but Publisher.sync(module); the first sync is an anchor")
     parser.add_argument("--quiet", action="store_true", help="print only the JSON summary")
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary scratch directory")

@@ -22,7 +22,7 @@
 #include "refit/control_client.h"
 #include "refit/control_server.h"
 #include "refit/coordinator.h"
-#include "refit/pipeline.h"
+#include "refit/chunk_source.h"
 #include "refit/receiver_session.h"
 #include "refit/s3_chain.h"
 #include "refit/tracker.h"

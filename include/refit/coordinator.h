@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "refit/payload.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/status.h"
 #include "refit/tracker.h"
 #include "refit/transfer.h"

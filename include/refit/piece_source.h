@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "refit/canonical_box.h"
-#include "refit/pipeline.h"
+#include "refit/chunk_source.h"
 #include "refit/producer_layout.h"
 #include "refit/status.h"
 #include "refit/tensor.h"

@@ -28,7 +28,7 @@
 
 #include "refit/control_client.h"
 #include "refit/coordinator.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
 #include "refit/status.h"

@@ -4,7 +4,8 @@ examples/torch_rl_loop.py: two torch.distributed trainer ranks refit one unshard
 TP=2 shard group after every AdamW step, for each of its Hugging Face transformers model classes
 (Llama; Qwen3 with qk-norm and a tied LM head; Qwen3-MoE and Mixtral, whose stacked experts the
 TP pair splits by expert); every worker's logits must equal the trainer's bf16 logits bit for
-bit, and the syncs must be sparse deltas from the adopted baseline. Each run starts six Python
+bit, and the syncs must be sparse deltas from the adopted baseline; with ``--fsdp`` the trainers
+shard with FSDP2 and publish only their own shards. Each run starts six Python
 processes that import torch and transformers, which is most of its time.
 """
 
@@ -69,6 +70,26 @@ def test_torch_rl_loop_refits_every_step_bit_exactly(model, num_steps, hf_class)
     check_every_step_bit_exact(summary, num_steps, detail)
     # The MoE model's experts were exported and compared shard by shard like every other tensor.
     assert bool(summary["expert_tensors"]) == model.endswith("moe"), summary["expert_tensors"]
+
+
+def test_torch_rl_loop_fsdp2_trainers_publish_only_their_shards():
+    # The trainers shard with FSDP2 (fully_shard) and call nothing but Publisher.sync(module):
+    # each rank sends its own shards, with no gather; the first sync is an anchor (a sharded
+    # publisher adopts no baseline), then deltas, every step bit-exact on both workers.
+    result = run_example("--fsdp", "--steps", "3", "--quiet")
+    detail = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    summary = summary_of(result)
+    assert summary["ok"], detail
+    steps = summary["steps"]
+    assert [s["anchor"] for s in steps] == [True, False, False], detail
+    for s in steps:
+        assert s["unsharded_logits_equal"] and s["tp2_logits_equal"], detail
+        assert s["tp2_shards_equal"] and s["tp2_padding_untouched"], detail
+        assert s["trainer_ranks_identical"] and s["version"] == s["step"]
+        # Rank 1 sent payloads of its own shards.
+        assert s["payloads"] > 0 and s["rank1_payloads"] > 0, s
+    assert 0 < steps[-1]["changed_elements"] < steps[-1]["total_elements"]
 
 
 def test_torch_rl_loop_quiet_prints_only_the_summary():

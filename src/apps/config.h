@@ -17,7 +17,7 @@
 #include "refit/control_server.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/tracker.h"

@@ -7,7 +7,7 @@
 #include "cli_common.h"
 #include "progress.h"
 #include "refit/locations.h"
-#include "refit/pipeline.h"
+#include "refit/bucketing.h"
 #include "table.h"
 
 namespace refit::cli {

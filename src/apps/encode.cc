@@ -2,7 +2,8 @@
 #include <cstdio>
 
 #include "cli_common.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
+#include "refit/bucketing.h"
 
 namespace refit::cli {
 namespace {

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "refit/pipeline.h"
+#include "refit/chunk_source.h"
 
 namespace refit::cli {
 

@@ -24,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/producer_layout.h"
 #include "refit/status.h"
 #include "refit/transfer.h"

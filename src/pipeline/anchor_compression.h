@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "refit/payload.h"
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 
 namespace refit::internal {
 

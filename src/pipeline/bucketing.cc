@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "refit/pipeline.h"
+#include "refit/bucketing.h"
 
 namespace refit {
 

@@ -7,7 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "refit/pipeline.h"
+#include "refit/chunking.h"
+#include "refit/chunk_source.h"
 
 namespace refit {
 

@@ -169,7 +169,7 @@ def as_bytes(tensors):
 
 
 def chunk_of_each(tensors, target):
-    """The export chunk of each tensor, by the chunking rule of include/refit/pipeline.h
+    """The export chunk of each tensor, by the chunking rule of include/refit/chunking.h
     (Chunker) in canonical order (the file's)."""
     chunk, total, open_ = -1, 0, False
     for tensor in tensors.values():

@@ -11,7 +11,7 @@
 #include "refit/apply.h"
 #include "refit/digest.h"
 #include "refit/payload.h"
-#include "refit/pipeline.h"
+#include "refit/bucketing.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"

@@ -1,4 +1,5 @@
-#include "refit/pipeline.h"
+#include "refit/bucketing.h"
+#include "refit/producer_stream.h"
 
 #include <gtest/gtest.h>
 

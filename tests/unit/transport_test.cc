@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/pipeline.h"
+#include "refit/producer_stream.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"

@@ -1,6 +1,6 @@
-// The producer streaming pipeline: export chunking, chunk ownership, payload bucketing, and
-// ProducerStream, which runs one transfer for one producer from a source of export chunks to a
-// caller-supplied sender.
+// ProducerStream runs one transfer for one producer, from a source of export chunks
+// (refit/chunk_source.h) to a caller-supplied sender, with the chunking and bucketing rules of
+// refit/chunking.h and refit/bucketing.h.
 //
 //   source (caller's thread) ─▶ encode workers ─▶ bucketer ─▶ serialize+compress ─▶ senders
 //     every chunk is pulled;     DeltaTracker::     items in       EncodePayload      N threads,
@@ -14,146 +14,17 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <optional>
-#include <span>
 #include <string_view>
-#include <vector>
 
-#include "refit/item.h"
+#include "refit/chunk_source.h"
 #include "refit/payload.h"
 #include "refit/status.h"
-#include "refit/tensor.h"
 #include "refit/tracker.h"
 #include "refit/transfer.h"
 
 namespace refit {
 
-/// The place of one export chunk in the canonical tensor list: tensors [begin, end), holding
-/// `bytes` bytes in total.
-struct ChunkRange {
-  size_t begin = 0;
-  size_t end = 0;
-  uint64_t bytes = 0;
-
-  friend bool operator==(const ChunkRange&, const ChunkRange&) = default;
-};
-
-/// The export chunking rule (upstream `iter_sparse_weight_chunks`), applied one tensor at a time
-/// so that a trainer can form chunks while its export is still producing tensors:
-///   - tensors are appended while the chunk's running byte total stays ≤ the target;
-///   - a tensor that would push a non-empty chunk over the target starts the next chunk;
-///   - once the total reaches or passes the target after an append, the chunk closes;
-///   - so a tensor larger than the target forms a chunk of its own.
-/// Ownership (`chunk_index % W`) is only stable while every producer and every transfer uses
-/// this same rule with the same target, the same canonical order and the same shapes.
-///
-/// Thread-safety: none; a value type, one per tensor walk.
-class Chunker {
- public:
-  /// A target of 0 closes every chunk after its first tensor.
-  explicit Chunker(uint64_t target_bytes) : target_bytes_(target_bytes) {}
-
-  /// Place the next tensor, of `tensor_bytes` bytes. Return true when it starts a new chunk,
-  /// i.e. the previous chunk (if any) is complete without it. O(1).
-  bool Add(uint64_t tensor_bytes);
-
-  /// Number of chunks started so far; the chunk of the last added tensor is `chunks() - 1`.
-  uint64_t chunks() const { return chunks_; }
-  /// Bytes in the chunk of the last added tensor.
-  uint64_t chunk_bytes() const { return chunk_bytes_; }
-  uint64_t target_bytes() const { return target_bytes_; }
-
- private:
-  uint64_t target_bytes_;
-  uint64_t chunks_ = 0;
-  uint64_t chunk_bytes_ = 0;
-  // True while the current chunk may still take tensors (started and below the target).
-  bool open_ = false;
-};
-
-/// Split tensors of the given sizes, in canonical order, into chunks by the Chunker rule.
-/// An empty list gives no chunks. O(number of tensors).
-std::vector<ChunkRange> PlanChunks(std::span<const uint64_t> tensor_bytes, uint64_t target_bytes);
-
-/// Return the bytes of `item` that a payload bucket counts: its location and value bytes, before
-/// compression (the entry table and headers are not counted).
-uint64_t BucketedBytes(const ItemView& item);
-
-/// The payload bucketing rule: which consecutive items (in chunk order, then tensor order, then
-/// item order) share a payload. It is the Chunker rule over BucketedBytes with target
-/// `bucket_bytes`: items are appended while the bucket stays ≤ bucket_bytes; an item that would
-/// push a non-empty bucket over starts the next one; a bucket closes once it reaches bucket_bytes;
-/// so an item larger than bucket_bytes travels alone. ProducerStream (every Publisher, `refit
-/// push`) and PackPayloads (`refit encode`) both bucket by it, so the same items and options give
-/// the same payload bytes.
-///
-/// Thread-safety: none; a value type, one per producer and transfer.
-class PayloadBucketer {
- public:
-  /// A bucket_bytes of 0 gives every item a payload of its own.
-  explicit PayloadBucketer(uint64_t bucket_bytes) : rule_(bucket_bytes) {}
-
-  /// Place the next item, of `item_bytes` bytes (BucketedBytes). Return true when it starts a
-  /// new bucket, i.e. the previous bucket (if any) is complete without it. O(1).
-  bool Add(uint64_t item_bytes) { return rule_.Add(item_bytes); }
-
-  /// Return whether the bucket of the last added item is complete, so that the next Add starts a
-  /// new one: a stream can send it now instead of waiting for the next item.
-  bool full() const { return rule_.chunk_bytes() >= rule_.target_bytes(); }
-
- private:
-  Chunker rule_;
-};
-
-/// Encode `items` into payloads bucketed by PayloadBucketer, with payload ids ids.payload_id,
-/// ids.payload_id + 1, …: the payloads ProducerStream sends for the same items, ids and options.
-/// Holds every payload in memory; a producer streams them instead (ProducerStream).
-/// Errors: as EncodePayload (InvalidArgument, naming the payload and the item).
-Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
-                                                         std::span<const Item> items,
-                                                         uint64_t bucket_bytes,
-                                                         const PayloadEncodeOptions& options = {});
-
-/// Return whether producer `producer_id` of `num_producers` owns chunk `chunk_index`: the
-/// upstream rule `chunk_index % num_producers == producer_id`, recomputed on every walk, never
-/// stored. Precondition: num_producers > 0.
-constexpr bool OwnsChunk(uint64_t chunk_index, uint32_t producer_id, uint32_t num_producers) {
-  return chunk_index % num_producers == producer_id;
-}
-
-/// Adopt as `tracker`'s committed baseline the tensors of `model` (canonical order) that producer
-/// `producer_id` of `num_producers` owns under PlanChunks(…, chunk_bytes): what a producer does
-/// when its receivers already hold `model` (they loaded that checkpoint), so that its first
-/// transfer is a delta. Errors: as DeltaTracker::AdoptBaseline.
-Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
-                          uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers);
-
-/// One export chunk as a source yields it: consecutive canonical tensors.
-struct ExportChunk {
-  /// Borrowed views; the bytes must stay valid until the stream releases the chunk (it drops
-  /// `keepalive` and its copy of the views once the chunk is encoded, or at once when the chunk
-  /// is not owned or the stream has failed), and in any case until Run returns.
-  std::vector<TensorView> tensors;
-  /// Optional owner of the bytes (e.g. the host copy of gathered tensors), released with the
-  /// chunk so that the source's memory is bounded by ProducerStreamOptions::max_chunks_in_flight.
-  std::shared_ptr<const void> keepalive;
-};
-
-/// Yield the next export chunk in canonical order, or nullopt at the end. Called on the thread
-/// that called ProducerStream::Run, one call at a time, for every chunk of the model (owned or
-/// not: in a real trainer each pull may take part in collectives that all ranks must join).
-/// After the first failure anywhere (its own included) the stream keeps calling it and drops
-/// what it yields, until it returns nullopt or fails again: a source that cannot go on after a
-/// failure returns nullopt or an error on the next call.
-using ChunkSource = std::function<Result<std::optional<ExportChunk>>()>;
-
-/// Return a source that yields `tensors` (borrowed) in the chunks PlanChunks makes of them.
-/// Thread-safety: the source is a sequential iterator, like every ChunkSource.
-ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_bytes);
-
-/// Options of ProducerStream::Make.
 /// How an anchor's payloads are compressed (ProducerStreamOptions::anchor_compression). An anchor
 /// sends every element, so its time is set by whichever is slower, the compressor or the link:
 /// zstd shrinks bf16 weights by only about a quarter, at a few hundred MB/s per thread, which is
