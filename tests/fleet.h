@@ -19,10 +19,10 @@
 #include <gtest/gtest.h>
 
 #include "loopback.h"
+#include "refit/chunk_source.h"
 #include "refit/control_client.h"
 #include "refit/control_server.h"
 #include "refit/coordinator.h"
-#include "refit/chunk_source.h"
 #include "refit/receiver_session.h"
 #include "refit/s3_chain.h"
 #include "refit/tracker.h"

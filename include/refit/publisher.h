@@ -28,9 +28,9 @@
 
 #include "refit/control_client.h"
 #include "refit/coordinator.h"
-#include "refit/producer_stream.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
+#include "refit/producer_stream.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
 #include "refit/tracker.h"

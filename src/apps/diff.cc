@@ -6,8 +6,8 @@
 
 #include "cli_common.h"
 #include "progress.h"
-#include "refit/locations.h"
 #include "refit/bucketing.h"
+#include "refit/locations.h"
 #include "table.h"
 
 namespace refit::cli {

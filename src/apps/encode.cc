@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "cli_common.h"
-#include "refit/producer_stream.h"
 #include "refit/bucketing.h"
+#include "refit/producer_stream.h"
 
 namespace refit::cli {
 namespace {

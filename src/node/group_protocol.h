@@ -24,8 +24,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "refit/producer_stream.h"
 #include "refit/producer_layout.h"
+#include "refit/producer_stream.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 

@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "refit/chunking.h"
 #include "refit/chunk_source.h"
+#include "refit/chunking.h"
 
 namespace refit {
 

@@ -36,8 +36,8 @@
 #include <fmt/format.h>
 
 #include "anchor_compression.h"
-#include "refit/producer_stream.h"
 #include "refit/bucketing.h"
+#include "refit/producer_stream.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"

@@ -9,9 +9,9 @@
 #include <map>
 
 #include "refit/apply.h"
+#include "refit/bucketing.h"
 #include "refit/digest.h"
 #include "refit/payload.h"
-#include "refit/bucketing.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
