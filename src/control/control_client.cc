@@ -112,8 +112,9 @@ bool IsRetryableHttpStatus(int status) {
 
 // Return the server's JSON error envelope as a Status, or nullopt when `body` is not one.
 std::optional<Status> EnvelopeStatus(std::string_view body) {
-  Json value = Json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (value.is_discarded() || !value.is_object()) return std::nullopt;
+  Result<Json> parsed = internal::ParseJson(body, "an error response");
+  if (!parsed.ok() || !parsed->is_object()) return std::nullopt;
+  const Json& value = *parsed;
   const JsonFields fields(value, "error response");
   Result<bool> ok = fields.Bool("ok");
   Result<std::string> code_name = fields.String("code");
@@ -619,8 +620,9 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
   if (!dtype.ok()) return DataLoss("{}: {}", what, dtype.status().message());
   tensor.dtype = *dtype;
   REFIT_ASSIGN_OR_RETURN(const std::string shape_text, header(internal::kShapeHeader));
-  const Json shape = Json::parse(shape_text, nullptr, /*allow_exceptions=*/false);
-  if (shape.is_discarded() || !shape.is_array()) {
+  Result<Json> parsed_shape = internal::ParseJson(shape_text, internal::kShapeHeader);
+  const Json shape = parsed_shape.ok() ? std::move(*parsed_shape) : Json();
+  if (!shape.is_array()) {
     return DataLoss("{}: {} '{}' is not a JSON array", what, internal::kShapeHeader, shape_text);
   }
   for (const Json& extent : shape) {

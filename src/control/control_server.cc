@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <mutex>
@@ -43,6 +45,9 @@ constexpr std::string_view kWorkerThreadPrefix = "refit-http";
 // Accepted connections that may wait for a worker, per worker. The accept loop blocks beyond it,
 // so further clients wait in the kernel's listen backlog instead of in our memory.
 constexpr size_t kPendingConnectionsPerWorker = 4;
+
+// The kernel's queue of connections not yet accepted (capped by net.core.somaxconn).
+constexpr int kListenBacklog = 4096;
 
 // The JSON body limit of the transfer routes (JsonLimit): each expected_digests entry is
 // "<name>":"<16 hex digits>", (21 bytes besides the name), and a name may grow 6-fold when JSON
@@ -245,6 +250,8 @@ struct ControlServer::Impl {
   const internal::ApiKeyVerifier verifier;
   std::unique_ptr<internal::ControlMetrics> metrics;
   std::unique_ptr<httplib::Server> http;
+  // The listening socket httplib made (seen in its socket-options hook), or -1.
+  int listen_socket = -1;
   // `http` itself when it serves plain HTTP (connections wait for their head without a
   // worker); null with TLS, which httplib's own connection handling serves.
   internal::GuardedHttpServer* guarded = nullptr;
@@ -808,9 +815,11 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOp
     // httplib's default socket options set SO_REUSEPORT, which lets a second server bind a port
     // that is in use and silently steal half its connections. SO_REUSEADDR alone still allows a
     // restart while old connections linger in TIME_WAIT, but reports a port in use.
-    impl->http->set_socket_options([](socket_t socket) {
+    Impl* raw = impl.get();
+    impl->http->set_socket_options([raw](socket_t socket) {
       const int enable = 1;
       setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &enable, sizeof(enable));
+      raw->listen_socket = socket;  // the listening socket, before httplib binds it
     });
     impl->InstallRoutes();
   } catch (const std::exception& error) {
@@ -850,6 +859,14 @@ Status ControlServer::Start() {
         impl.options.bind_address, impl.options.port);
   }
   impl.port = static_cast<uint16_t>(bound_port);
+  // httplib listens with a backlog of 5: a burst of connections (a flood, or many clients at
+  // once) overflows it and the kernel drops the next SYNs, so even the coordinator's connect
+  // then stalls for a second per retransmit. Listening again only enlarges the queue; the
+  // connections still wait for a head without a thread (GuardedHttpServer).
+  if (impl.listen_socket >= 0 && ::listen(impl.listen_socket, kListenBacklog) != 0) {
+    REFIT_LOG_WARN("control server: cannot enlarge the listen backlog to {}: {}", kListenBacklog,
+                   std::strerror(errno));
+  }
   try {
     impl.listener = std::jthread([&impl] {
       internal::NameCurrentThread(kListenerThreadName);

@@ -15,6 +15,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <system_error>
 #include <thread>
@@ -38,12 +39,20 @@ constexpr size_t kReadChunk = 16 << 10;
 constexpr std::chrono::milliseconds kMaxCollectorSleep{100};
 // After a reply that refuses the rest of a request body: how long, and how much, to read and
 // discard before closing, so the client reads the reply instead of a reset (RFC 9112 §9.6).
-// Discarding costs no memory, only a worker for at most kLingerTime; the byte bound covers a
+// Discarding costs no memory and no worker (see below); the byte bound covers a
 // client that writes its whole body before it reads (most do: httplib, libcurl, urllib) at
 // loopback or datacenter speed, which a reset would otherwise leave with a write error instead
 // of the reply.
-constexpr std::chrono::milliseconds kLingerTime{1000};
+// The collector does the discarding, not a worker: a client that sends a refused body slowly, or
+// never closes, costs a socket for kLinger and nothing else. Lingering connections are
+// bounded in total and per peer; past either bound a connection is closed at once.
+constexpr std::chrono::milliseconds kLinger{1000};
 constexpr size_t kLingerBytes = size_t{256} << 20;
+constexpr size_t kMaxLingering = 256;
+constexpr size_t kMaxLingeringPerPeer = 8;
+// Bytes one lingering connection may drop per collector round, so that a fast client's body
+// does not keep the collector from the heads of others.
+constexpr size_t kLingerBytesPerRound = size_t{1} << 20;
 
 // Canned replies the server writes itself, before any handler runs.
 constexpr std::string_view kBusyReply =
@@ -207,22 +216,34 @@ class GuardedHttpServer::Connections {
 
   // Take an accepted socket (httplib's accept loop): refuse it over the limits, else wait for
   // its request head.
+  //
+  // Over a limit, the new connection is not refused outright: it takes the place of the oldest
+  // connection of the same peer (or, over the total, of any peer) that has not yet sent one
+  // complete request head, which the collector then closes (Evict). A peer that opens many
+  // connections and never completes a head — a dripper — therefore cannot lock a well-behaved
+  // client out, even one at the same address (the coordinator behind the same NAT): that
+  // client's head arrives with its connection and is served. Only when nothing can be evicted
+  // is the new connection answered 503 (and lingered on, so that the client reads the 503).
   void Admit(int fd) {
     std::string peer = PeerAddress(fd);
+    Waiting waiting{fd, peer, {}, 0, Clock::now() + limits_.head_timeout};
+    waiting.accepted = Clock::now();
     {
       std::lock_guard lock(mutex_);
-      size_t& from_peer = per_peer_[peer];
-      if (stopping_ || open_ >= limits_.max_connections ||
-          from_peer >= limits_.max_connections_per_peer) {
-        if (from_peer == 0) per_peer_.erase(peer);
-        SendBestEffort(fd, kBusyReply);
+      if (stopping_) {
         ::close(fd);
         return;
+      }
+      size_t& from_peer = per_peer_[peer];
+      if (from_peer >= limits_.max_connections_per_peer) {
+        waiting.evict = Eviction::kSamePeer;
+      } else if (open_ >= limits_.max_connections) {
+        waiting.evict = Eviction::kAnyPeer;
       }
       ++from_peer;
       ++open_;
     }
-    Wait(Waiting{fd, std::move(peer), {}, 0, Clock::now() + limits_.head_timeout});
+    Wait(std::move(waiting));
   }
 
   // Stop: close what waits for a head or a worker, let running requests finish, join. Only the
@@ -252,6 +273,9 @@ class GuardedHttpServer::Connections {
   }
 
  private:
+  // What a connection admitted over a limit must evict to stay (see Admit).
+  enum class Eviction : uint8_t { kNone, kSamePeer, kAnyPeer };
+
   struct Waiting {
     int fd = -1;
     std::string peer;
@@ -260,6 +284,16 @@ class GuardedHttpServer::Connections {
     // Bytes of `head` already searched for its end.
     size_t scanned = 0;
     Clock::time_point deadline;
+    // When the connection was accepted: the oldest head-waiter is evicted first.
+    Clock::time_point accepted{};
+    // Whether a complete request head ever arrived on it (a served keep-alive connection is
+    // not evicted for a new one).
+    bool served = false;
+    Eviction evict = Eviction::kNone;
+    // Lingering: the reply is out, the write side shut; the collector drops what the client
+    // still sends until `deadline` or `dropped` reaches kLingerBytes, then closes.
+    bool lingering = false;
+    size_t dropped = 0;
   };
 
   void Wake() const {
@@ -276,12 +310,15 @@ class GuardedHttpServer::Connections {
     return complete;
   }
 
-  // Queue `waiting` for a worker when its head is complete, else for the collector.
+  // Queue `waiting` for a worker when its head is complete, else for the collector (which also
+  // takes every connection admitted over a limit, and every lingering one).
   void Wait(Waiting waiting) {
-    const bool complete = HeadComplete(waiting);
+    const bool complete =
+        !waiting.lingering && waiting.evict == Eviction::kNone && HeadComplete(waiting);
     std::lock_guard lock(mutex_);
     if (stopping_) return CloseLocked(waiting.fd, waiting.peer);
     if (complete) {
+      waiting.served = true;
       ready_.push_back(std::move(waiting));
       ready_changed_.notify_one();
       return;
@@ -303,16 +340,53 @@ class GuardedHttpServer::Connections {
     CloseLocked(fd, peer);
   }
 
-  // The collector thread: poll every connection that waits for its head.
+  // The collector thread: poll every connection that waits for its head, and every lingering
+  // one; make room for connections admitted over a limit.
   void Collect() {
     std::vector<Waiting> waiting;
     std::vector<pollfd> polled;
+    // Lingering connections, in total and per peer (only this thread changes them).
+    size_t lingering = 0;
+    std::map<std::string, size_t> lingering_per_peer;
+    const auto close_one = [&](Waiting& w) {
+      if (w.lingering) {
+        --lingering;
+        if (auto it = lingering_per_peer.find(w.peer); --it->second == 0) {
+          lingering_per_peer.erase(it);
+        }
+      }
+      Close(w.fd, w.peer);
+    };
+    // Start lingering on `w` (its reply sent, its write side shut) if the bounds allow.
+    const auto linger_or_close = [&](Waiting w) {
+      size_t& from_peer = lingering_per_peer[w.peer];
+      if (lingering >= kMaxLingering || from_peer >= kMaxLingeringPerPeer) {
+        if (from_peer == 0) lingering_per_peer.erase(w.peer);
+        w.lingering = false;
+        return Close(w.fd, w.peer);
+      }
+      ++from_peer;
+      ++lingering;
+      w.lingering = true;
+      w.dropped = 0;
+      w.deadline = Clock::now() + kLinger;
+      waiting.push_back(std::move(w));
+    };
     while (true) {
+      std::vector<Waiting> added;
       {
         std::lock_guard lock(mutex_);
         if (stopping_) break;
-        for (Waiting& added : incoming_) waiting.push_back(std::move(added));
-        incoming_.clear();
+        added.swap(incoming_);
+      }
+      for (Waiting& w : added) {
+        if (w.lingering) {
+          linger_or_close(std::move(w));
+        } else if (w.evict != Eviction::kNone) {
+          MakeRoomFor(std::move(w), waiting, close_one, linger_or_close);
+        } else {
+          waiting.push_back(std::move(w));
+        }
       }
       const Clock::time_point now = Clock::now();
       Clock::time_point next = now + kMaxCollectorSleep;
@@ -333,10 +407,17 @@ class GuardedHttpServer::Connections {
       for (size_t i = 0; i < waiting.size(); ++i) {
         Waiting& w = waiting[i];
         const short events = polled[i + 1].revents;
-        if (events != 0 && !ReadHead(w)) {
+        if (w.lingering) {
+          if ((events != 0 && !Drop(w)) || after >= w.deadline) {
+            close_one(w);
+          } else {
+            still.push_back(std::move(w));
+          }
+        } else if (events != 0 && !ReadHead(w)) {
           Close(w.fd, w.peer);
         } else if (events != 0 && HeadComplete(w)) {
           std::lock_guard lock(mutex_);
+          w.served = true;
           ready_.push_back(std::move(w));
           ready_changed_.notify_one();
         } else if (w.head.size() >= kMaxRequestHeadBytes) {
@@ -352,7 +433,49 @@ class GuardedHttpServer::Connections {
       }
       waiting = std::move(still);
     }
-    for (Waiting& w : waiting) Close(w.fd, w.peer);
+    for (Waiting& w : waiting) close_one(w);
+  }
+
+  // Make room for `w`, admitted over a limit: close the oldest connection in `waiting` that has
+  // not completed a request head yet — of w's peer, or of any peer when w is over the total — and
+  // keep w; with none to close, answer w 503 and linger on it.
+  template <typename CloseOne, typename LingerOrClose>
+  static void MakeRoomFor(Waiting w, std::vector<Waiting>& waiting, const CloseOne& close_one,
+                          const LingerOrClose& linger_or_close) {
+    std::optional<size_t> victim;
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      const Waiting& candidate = waiting[i];
+      if (candidate.lingering || candidate.served) continue;
+      if (w.evict == Eviction::kSamePeer && candidate.peer != w.peer) continue;
+      if (!victim || candidate.accepted < waiting[*victim].accepted) victim = i;
+    }
+    if (!victim) {
+      SendBestEffort(w.fd, kBusyReply);
+      ::shutdown(w.fd, SHUT_WR);
+      w.evict = Eviction::kNone;
+      return linger_or_close(std::move(w));
+    }
+    SendBestEffort(waiting[*victim].fd, kBusyReply);
+    close_one(waiting[*victim]);
+    waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(*victim));
+    w.evict = Eviction::kNone;
+    // Its head may already be complete (it came with the connection): the next poll sees it.
+    waiting.push_back(std::move(w));
+  }
+
+  // Drop what a lingering connection sent (at most kLingerBytesPerRound now); false when it is
+  // done: closed by the peer, failed, or past kLingerBytes.
+  static bool Drop(Waiting& w) {
+    char sink[kReadChunk];
+    for (size_t round = 0; round < kLingerBytesPerRound; round += sizeof sink) {
+      const ssize_t n = ::recv(w.fd, sink, sizeof sink, MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      w.dropped += static_cast<size_t>(n);
+      if (w.dropped >= kLingerBytes) return false;
+    }
+    return true;
   }
 
   // Read what the socket has (without blocking) into the head; false when the peer closed or
@@ -405,28 +528,19 @@ class GuardedHttpServer::Connections {
     }
     current_close_request = nullptr;
     if (close_requested) {
-      Linger(connection.fd);
-      return Close(connection.fd, connection.peer);
+      // Stop sending, and let the collector read and drop what the client still sends for a
+      // moment, so that the reply is not destroyed by a reset: this worker is free at once.
+      ::shutdown(connection.fd, SHUT_WR);
+      connection.lingering = true;
+      connection.head.clear();
+      return Wait(std::move(connection));
     }
     if (!served || connection_closed) return Close(connection.fd, connection.peer);
-    Wait(Waiting{connection.fd, std::move(connection.peer), stream.TakeUnread(), 0,
-                 Clock::now() + limits_.head_timeout});
-  }
-
-  // Stop sending, then read and drop what the client still sends for a moment, so that the
-  // reply is not destroyed by a reset.
-  static void Linger(int fd) {
-    ::shutdown(fd, SHUT_WR);
-    const Clock::time_point until = Clock::now() + kLingerTime;
-    std::vector<char> sink(kReadChunk);
-    size_t dropped = 0;
-    while (dropped < kLingerBytes) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
-      if (left.count() <= 0 || !PollFor(fd, POLLIN, left)) return;
-      const ssize_t n = ::recv(fd, sink.data(), sink.size(), MSG_DONTWAIT);
-      if (n <= 0) return;
-      dropped += static_cast<size_t>(n);
-    }
+    Waiting next{connection.fd, std::move(connection.peer), stream.TakeUnread(), 0,
+                 Clock::now() + limits_.head_timeout};
+    next.accepted = connection.accepted;
+    next.served = true;
+    Wait(std::move(next));
   }
 
   const HttpConnectionLimits limits_;

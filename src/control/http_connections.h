@@ -13,6 +13,14 @@
 //   the collector for the next request of a keep-alive connection, or closed.
 //
 // Waiting costs a socket and its buffered head (at most kMaxRequestHeadBytes), never a thread.
+//
+// Over a per-peer or total limit, a new connection takes the place of the oldest connection that
+// has not yet completed a request head (of the same peer, or of any peer over the total): a
+// flood of head drippers cannot lock out a client whose head comes with its connection, even
+// from the same address. A refused request body (a 401 or 413 before the body was read) is
+// drained by the collector for a moment after the reply, not by a worker, within bounds per peer
+// and in total, so that a body drip costs no worker either.
+
 #pragma once
 
 #include <chrono>
@@ -36,9 +44,11 @@ struct HttpConnectionLimits {
   std::chrono::milliseconds head_timeout{std::chrono::seconds(10)};
   /// Limit of each read of a request body and each write of a reply, on a worker.
   std::chrono::milliseconds io_timeout{std::chrono::seconds(30)};
-  /// Open connections one peer address may have; more are closed at accept.
+  /// Open connections one peer address may have; past it a new connection replaces the peer's
+  /// oldest one still waiting for its first request head, or is answered 503.
   size_t max_connections_per_peer = 64;
-  /// Open connections in all; more are closed at accept.
+  /// Open connections in all; past it a new connection replaces the oldest one still waiting for
+  /// its first request head, or is answered 503.
   size_t max_connections = 1024;
 };
 

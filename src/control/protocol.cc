@@ -1,5 +1,7 @@
 #include "control/protocol.h"
 
+#include <algorithm>
+
 #include <array>
 #include <charconv>
 #include <limits>
@@ -114,7 +116,42 @@ std::string DumpJson(const Json& value) {
   return value.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
+namespace {
+
+// Return the deepest nesting of arrays and objects in `text` (strings skipped), stopping once it
+// passes `limit`: one pass, no allocation. nlohmann's parser allocates a value per level, so a
+// body of a million '[' would cost hundreds of megabytes (kept by the allocator) before it is
+// found invalid.
+size_t NestingDepth(std::string_view text, size_t limit) {
+  size_t depth = 0;
+  size_t deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size() && deepest <= limit; ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+}  // namespace
+
 Result<Json> ParseJson(std::string_view text, std::string_view what) {
+  if (const size_t depth = NestingDepth(text, kMaxJsonDepth); depth > kMaxJsonDepth) {
+    return InvalidArgument("{} nests arrays and objects deeper than {} levels ({} bytes)", what,
+                           kMaxJsonDepth, text.size());
+  }
   Json value = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (value.is_discarded()) {
     // The non-throwing parser does not report where it failed; say what was given instead.

@@ -60,8 +60,13 @@ StatusCode StatusCodeForHttp(int http_status);
 /// Serialize `value` compactly. Strings that are not valid UTF-8 (a hostile tensor name echoed in
 /// an error message) are written with U+FFFD instead of throwing.
 std::string DumpJson(const Json& value);
+/// The deepest nesting of arrays and objects ParseJson accepts. refit's messages nest a few
+/// levels; the bound refuses junk such as a body of '[' before the parser allocates for it.
+inline constexpr size_t kMaxJsonDepth = 32;
+
 /// Parse `text` as one JSON value without throwing. Errors: InvalidArgument naming `what` and the
-/// parser's position.
+/// size, for text that is not JSON or nests deeper than kMaxJsonDepth (checked first, without
+/// allocating).
 Result<Json> ParseJson(std::string_view text, std::string_view what);
 /// Return {"ok": false, "code": …, "message": …}.
 Json ErrorBody(const Status& status);

@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include "control/protocol.h"
+
 namespace refit::internal {
 namespace {
 
@@ -90,10 +92,12 @@ Json GroupMessage(std::string_view op) {
 }
 
 Result<Json> ParseGroupMessage(const std::string& text, std::string_view where) {
-  Json body = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (body.is_discarded() || !body.is_object()) {
-    return InvalidArgument("{}: not a producer-group message ({} bytes)", where, text.size());
+  Result<Json> parsed = internal::ParseJson(text, "a producer-group message");
+  if (!parsed.ok() || !parsed->is_object()) {
+    return InvalidArgument("{}: not a producer-group message ({} bytes){}", where, text.size(),
+                           parsed.ok() ? "" : ": " + std::string(parsed.status().message()));
   }
+  Json body = std::move(*parsed);
   REFIT_RETURN_NOT_OK(CheckFieldTypes(body, where));
   if (body.value("protocol", 0) != kGroupProtocolVersion) {
     return FailedPrecondition(

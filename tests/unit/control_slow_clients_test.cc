@@ -9,9 +9,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "control/protocol.h"
 #include "refit/control_client.h"
 #include "refit/control_server.h"
 #include "test_data.h"
@@ -146,6 +149,93 @@ TEST_F(ControlSlowClientsTest, ManyDrippersFromOnePeerAreCappedAndOthersStillCon
   EXPECT_GE(closed, 200u - options.max_connections_per_peer);
 }
 
+// Issue 26, finding 1: unauthenticated requests that declare a large body and then drip it (or
+// send nothing) are answered 401 at once; the discarding of their bodies must not take the
+// workers. Before, each held a worker for a second of lingering: 64 of them kept 4 workers busy
+// and /healthz and the coordinator's calls waited seconds.
+TEST_F(ControlSlowClientsTest, UnauthenticatedBodyDrippersDoNotStallHealthzOrTheCoordinator) {
+  ControlServerOptions options;
+  options.worker_threads = 4;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  const uint16_t port = server_->port();
+  std::atomic<uint64_t> requests{0};
+  // 64 connections, re-opened as the server closes them: each sends a complete head without a
+  // key, declaring 100 MB, then a body byte every 50 ms.
+  std::jthread flood([&](std::stop_token stop) {
+    std::vector<int> open;
+    const std::string head =
+        "POST /v1/payload HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n";
+    while (!stop.stop_requested()) {
+      while (open.size() < 64) {
+        const int fd = Connect(port);
+        if (fd < 0) break;
+        ::send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+        open.push_back(fd);
+        ++requests;
+      }
+      std::erase_if(open, [](int fd) {
+        pollfd entry{fd, POLLIN, 0};
+        char sink[4096];
+        if (::poll(&entry, 1, 0) > 0 && ::recv(fd, sink, sizeof sink, MSG_DONTWAIT) <= 0) {
+          ::close(fd);
+          return true;
+        }
+        ::send(fd, "x", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        return false;
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (int fd : open) ::close(fd);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  ControlClientOptions coordinator;
+  coordinator.base_url = server_->base_url();
+  coordinator.api_key = kApiKey;
+  coordinator.timeout = std::chrono::seconds(5);
+  coordinator.max_retries = 0;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client, ControlClient::Make(coordinator));
+  std::chrono::milliseconds slowest{0};
+  for (int i = 0; i < 10; ++i) {
+    const std::optional<std::chrono::milliseconds> took = TimeHealthz();
+    ASSERT_TRUE(took.has_value()) << "/healthz failed during the flood (call " << i << ")";
+    const Clock::time_point start = Clock::now();
+    ASSERT_OK(client->GetStatus().status());
+    const auto status_took =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    slowest = std::max({slowest, *took, status_took});
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  flood.request_stop();
+  flood.join();
+  EXPECT_GT(requests.load(), 64u) << "the flood did not churn";
+  EXPECT_LT(slowest, std::chrono::milliseconds(250) + kSlack)
+      << "a control call waited behind the lingering unauthenticated requests";
+}
+
+// Issue 26, finding 2: head drippers from the coordinator's own address (same host, or behind
+// the same NAT) filled its per-address cap, and /healthz and the coordinator's calls got 503.
+// Now a new connection over the cap replaces the oldest one that never completed a head.
+TEST_F(ControlSlowClientsTest, HeadDrippersAtTheCoordinatorsAddressCannotLockItOut) {
+  ControlServerOptions options;
+  options.max_connections_per_peer = 16;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  StartDripping(64, "127.0.0.1");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ControlClientOptions coordinator;
+  coordinator.base_url = server_->base_url();
+  coordinator.api_key = kApiKey;
+  coordinator.timeout = std::chrono::seconds(3);
+  coordinator.max_retries = 0;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client, ControlClient::Make(coordinator));
+  for (int i = 0; i < 5; ++i) {
+    const Status status = client->GetStatus().status();
+    ASSERT_TRUE(status.ok()) << "call " << i << ": " << status.ToString();
+    const std::optional<std::chrono::milliseconds> took = TimeHealthz();
+    ASSERT_TRUE(took.has_value()) << "/healthz refused beside 64 drippers at its own address";
+    EXPECT_LT(*took, std::chrono::seconds(1));
+  }
+}
+
 TEST_F(ControlSlowClientsTest, HeadThatNeverEndsIsClosedAtTheHeadTimeout) {
   ControlServerOptions options;
   options.request_head_timeout = std::chrono::milliseconds(500);
@@ -270,6 +360,29 @@ TEST_F(ControlSlowClientsTest, PrepareBodyIsBoundedByTheModelsTensorCount) {
   reply = Post(server_->port(), "/v1/prepare", fits, true);
   ASSERT_TRUE(reply);
   EXPECT_EQ(reply->status, 200) << reply->body;
+}
+
+// Issue 26, finding 5: a body of '[' made the JSON parser allocate a value per level (20 bodies
+// of 100 KB: +60 MB the allocator kept). Nesting is bounded before anything is parsed.
+TEST_F(ControlSlowClientsTest, DeeplyNestedJsonIsRefusedBeforeTheParserAllocates) {
+  ControlServerOptions options;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  const std::string junk(1 << 20, '[');
+  httplib::Result reply = Post(server_->port(), "/v1/prepare", junk, /*with_key=*/true);
+  ASSERT_TRUE(reply) << httplib::to_string(reply.error());
+  EXPECT_EQ(reply->status, 400) << reply->body;
+  EXPECT_NE(reply->body.find("deeper than 32"), std::string::npos) << reply->body;
+
+  EXPECT_STATUS_MSG(InvalidArgument, "deeper than 32", internal::ParseJson(junk, "junk"));
+  // Brackets inside strings are text; the bound itself is accepted.
+  ASSERT_OK(
+      internal::ParseJson(R"({"a": "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["})", "strings")
+          .status());
+  std::string deepest =
+      std::string(internal::kMaxJsonDepth, '[') + std::string(internal::kMaxJsonDepth, ']');
+  ASSERT_OK(internal::ParseJson(deepest, "deepest").status());
+  EXPECT_STATUS_MSG(InvalidArgument, "deeper",
+                    internal::ParseJson("[" + deepest + "]", "one more"));
 }
 
 TEST_F(ControlSlowClientsTest, UnauthenticatedOversizedRequestsGet401) {
