@@ -594,6 +594,19 @@ TEST(ShardedPublisherTest, ThreeRanksRefitAnUnshardedReceiverAndATpGroupFromThei
   }
 }
 
+// A sync with a diverged data-parallel copy: rank 0 fails with DataLoss naming the copying rank
+// and the canonical tensor, and every other rank fails too.
+void ExpectDivergedCopyFailedEveryRank(const std::vector<Result<SyncReport>>& failed,
+                                       const std::string& rank, const std::string& tensor) {
+  ASSERT_FALSE(failed[0].ok());
+  EXPECT_EQ(failed[0].status().code(), StatusCode::kDataLoss) << failed[0].status().ToString();
+  for (const std::string& expected : {rank, tensor}) {
+    EXPECT_NE(failed[0].status().message().find(expected), std::string::npos)
+        << expected << " not named: " << failed[0].status().ToString();
+  }
+  for (size_t r = 1; r < failed.size(); ++r) EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+}
+
 TEST(ShardedPublisherTest, DataParallelCopiesAreSentOnceAndADivergedCopyRollsEveryoneBack) {
   std::vector<Canonical> model = MakeModel(31);
   const std::string endpoint = testing::FreeLoopbackEndpoint();
@@ -626,13 +639,8 @@ TEST(ShardedPublisherTest, DataParallelCopiesAreSentOnceAndADivergedCopyRollsEve
   std::vector<ShardedRank> held = hold(model);
   held[3].bits.at("model.layers.0.self_attn.q_proj.weight")[5] ^= 0x0100;
   std::vector<Result<SyncReport>> failed = SyncSharded(ranks, held);
-  ASSERT_FALSE(failed[0].ok());
-  EXPECT_EQ(failed[0].status().code(), StatusCode::kDataLoss) << failed[0].status().ToString();
-  for (const char* expected : {"rank 3", "model.layers.0.self_attn.q_proj.weight"}) {
-    EXPECT_NE(failed[0].status().message().find(expected), std::string::npos)
-        << expected << " not named: " << failed[0].status().ToString();
-  }
-  for (uint32_t r = 1; r < 4; ++r) EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+  ASSERT_NO_FATAL_FAILURE(ExpectDivergedCopyFailedEveryRank(
+      failed, "rank 3", "model.layers.0.self_attn.q_proj.weight"));
   EXPECT_EQ(receiver->node->status().version, 2u);
   ExpectHolds(*receiver, Unsharded(base), "after the diverged copy");
   // The replicas agree again: the same step commits, as a delta.
@@ -922,13 +930,8 @@ TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshard
   std::vector<ShardedRank> held = hold(model);
   held[5].bits.at("decoder.layers.0.self_attention.linear_qkv.weight")[3] ^= 0x0100;
   std::vector<Result<SyncReport>> failed = SyncSharded(ranks, held);
-  ASSERT_FALSE(failed[0].ok());
-  EXPECT_EQ(failed[0].status().code(), StatusCode::kDataLoss) << failed[0].status().ToString();
-  for (const char* expected : {"rank 5", "model.layers.0.self_attn.q_proj.weight"}) {
-    EXPECT_NE(failed[0].status().message().find(expected), std::string::npos)
-        << expected << " not named: " << failed[0].status().ToString();
-  }
-  for (uint32_t r = 1; r < 8; ++r) EXPECT_FALSE(failed[r].ok()) << "rank " << r;
+  ASSERT_NO_FATAL_FAILURE(ExpectDivergedCopyFailedEveryRank(
+      failed, "rank 5", "model.layers.0.self_attn.q_proj.weight"));
   ExpectTpPairAndUnshardedHold(fleet, before, "after the diverged copy");
   for (const auto& receiver : fleet) EXPECT_EQ(receiver->node->status().version, 3u);
 }

@@ -156,16 +156,12 @@ def main():
 def sharded_push(args, uri, model):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ports import free_port
-    from push_demo_test import read_safetensors_header, shard_checkpoint, write_safetensors
+    from push_demo_test import read_safetensors, read_safetensors_header, shard_checkpoint, write_safetensors
 
     workdir = os.path.join(args.workdir, "sharded")
     os.makedirs(workdir)
     header = read_safetensors_header(model)
-    with open(model, "rb") as f:
-        blob = f.read()
-    start = 8 + int.from_bytes(blob[:8], "little")
-    old = {name: blob[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
-           for name, info in header.items()}
+    old = read_safetensors(model)
     # The new checkpoint: one byte in every 97 of every tensor changed.
     new = {}
     for name, data in old.items():
@@ -215,12 +211,7 @@ def sharded_push(args, uri, model):
         for log in logs:
             log.close()
     for index in range(2):
-        held = os.path.join(workdir, f"held{index}.safetensors")
-        with open(held, "rb") as f:
-            blob = f.read()
-        start = 8 + int.from_bytes(blob[:8], "little")
-        got = {name: blob[start + info["data_offsets"][0]:start + info["data_offsets"][1]]
-               for name, info in read_safetensors_header(held).items()}
+        got = read_safetensors(os.path.join(workdir, f"held{index}.safetensors"))
         check(got == new, f"daemon {index} holds the new checkpoint bit for bit, from two shards")
 
 

@@ -98,6 +98,16 @@ class ControlSlowClientsTest : public ::testing::Test {
     });
   }
 
+  // The coordinator's client: the api key, one attempt per call within `timeout`.
+  Result<std::unique_ptr<ControlClient>> CoordinatorClient(std::chrono::milliseconds timeout) {
+    ControlClientOptions options;
+    options.base_url = server_->base_url();
+    options.api_key = kApiKey;
+    options.timeout = timeout;
+    options.max_retries = 0;
+    return ControlClient::Make(options);
+  }
+
   // GET /healthz on a fresh connection; the time it took, or nullopt when it failed.
   std::optional<std::chrono::milliseconds> TimeHealthz() {
     ControlClientOptions options;
@@ -188,12 +198,8 @@ TEST_F(ControlSlowClientsTest, UnauthenticatedBodyDrippersDoNotStallHealthzOrThe
     for (int fd : open) ::close(fd);
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  ControlClientOptions coordinator;
-  coordinator.base_url = server_->base_url();
-  coordinator.api_key = kApiKey;
-  coordinator.timeout = std::chrono::seconds(5);
-  coordinator.max_retries = 0;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client, ControlClient::Make(coordinator));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client,
+                       CoordinatorClient(std::chrono::seconds(5)));
   std::chrono::milliseconds slowest{0};
   for (int i = 0; i < 10; ++i) {
     const std::optional<std::chrono::milliseconds> took = TimeHealthz();
@@ -221,12 +227,8 @@ TEST_F(ControlSlowClientsTest, HeadDrippersAtTheCoordinatorsAddressCannotLockItO
   ASSERT_NO_FATAL_FAILURE(StartServer(options));
   StartDripping(64, "127.0.0.1");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  ControlClientOptions coordinator;
-  coordinator.base_url = server_->base_url();
-  coordinator.api_key = kApiKey;
-  coordinator.timeout = std::chrono::seconds(3);
-  coordinator.max_retries = 0;
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client, ControlClient::Make(coordinator));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client,
+                       CoordinatorClient(std::chrono::seconds(3)));
   for (int i = 0; i < 5; ++i) {
     const Status status = client->GetStatus().status();
     ASSERT_TRUE(status.ok()) << "call " << i << ": " << status.ToString();
