@@ -13,10 +13,19 @@ namespace refit::testing {
 
 class RawZmqClient {
  public:
-  explicit RawZmqClient(const std::string& endpoint)
+  // `plain_password`: present it in a PLAIN handshake (what a keyed relay requires: the
+  // PlainPassword of its api key); empty: the NULL mechanism.
+  explicit RawZmqClient(const std::string& endpoint, const std::string& plain_password = "")
       : context_(zmq_ctx_new()), socket_(zmq_socket(context_, ZMQ_DEALER)) {
     const int linger = 0;
     zmq_setsockopt(socket_, ZMQ_LINGER, &linger, sizeof(linger));
+    if (!plain_password.empty()) {
+      const std::string user = "refit";
+      EXPECT_EQ(zmq_setsockopt(socket_, ZMQ_PLAIN_USERNAME, user.data(), user.size()), 0);
+      EXPECT_EQ(
+          zmq_setsockopt(socket_, ZMQ_PLAIN_PASSWORD, plain_password.data(), plain_password.size()),
+          0);
+    }
     EXPECT_EQ(zmq_connect(socket_, ("tcp://" + endpoint).c_str()), 0);
   }
   ~RawZmqClient() {

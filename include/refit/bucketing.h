@@ -14,6 +14,10 @@
 
 namespace refit {
 
+/// The default bucket size of producers (ProducerStreamOptions::bucket_bytes), which receivers
+/// also size their default payload limit by (ReceiverNodeOptions::producer_bucket_bytes).
+inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
+
 /// Return the bytes of `item` that a payload bucket counts: its location and value bytes, before
 /// compression (the entry table and headers are not counted).
 uint64_t BucketedBytes(const ItemView& item);

@@ -17,6 +17,7 @@
 #include <memory>
 #include <string_view>
 
+#include "refit/bucketing.h"
 #include "refit/chunk_source.h"
 #include "refit/payload.h"
 #include "refit/status.h"
@@ -62,7 +63,7 @@ struct ProducerStreamOptions {
   /// an item larger than this travels alone. Default 32 MiB: upstream caps a bucket at 512 MiB
   /// of *dense* tensor bytes, which at the typical 1–5 % changed bf16 elements and ~1.5 location
   /// bytes per change is of this order; measuring sparse bytes bounds payloads at any density.
-  uint64_t bucket_bytes = uint64_t{32} << 20;
+  uint64_t bucket_bytes = kDefaultBucketBytes;
   /// Threads calling DeltaTracker::Encode on owned chunks (upstream `encode_workers`).
   int encode_threads = 8;
   /// Threads running EncodePayload (serialize, compress, checksum): upstream uses

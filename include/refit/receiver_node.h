@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "refit/bucketing.h"
 #include "refit/control_server.h"
 #include "refit/loader.h"
 #include "refit/receiver_session.h"
@@ -57,6 +58,15 @@ struct ReceiverNodeOptions {
   /// included. Empty: this receiver alone.
   std::vector<std::string> peers;
 
+  /// The largest payload either plane accepts (header + compressed body), which is also the
+  /// largest decompressed body and control-plane request: it bounds what one message can make
+  /// this receiver hold. Unset: DefaultMaxPayloadBytes of the model and producer_bucket_bytes,
+  /// decided at Start. Either way the node writes it into session.limits (max_payload_bytes,
+  /// max_body_bytes) and control.max_request_bytes.
+  std::optional<uint64_t> max_payload_bytes;
+  /// The producers' bucket size (ProducerStreamOptions::bucket_bytes), for the default above.
+  uint64_t producer_bucket_bytes = kDefaultBucketBytes;
+
   /// The control plane: bind address, port (0: any free one), api key, TLS, limits. Its
   /// catch_up, manifest_handler and place are set by the node.
   ControlServerOptions control;
@@ -70,6 +80,22 @@ struct ReceiverNodeOptions {
   /// Told of each version replayed by the bootstrap.
   std::function<void(const ChainVersion&)> on_bootstrap_version;
 };
+
+/// The smallest default payload limit: room for any bucket of the default size with its names.
+inline constexpr uint64_t kMinDefaultMaxPayloadBytes = uint64_t{256} << 20;
+
+/// The payload limit a receiver holding `store` (its loader, if any, attached) takes by default:
+/// twice the larger of `bucket_bytes` and the largest canonical tensor it may be sent, at least
+/// kMinDefaultMaxPayloadBytes. A payload is one bucket (at most bucket_bytes of location and value
+/// bytes, plus each item's name and entry) or one item larger than a bucket; an item of a tensor
+/// of N elements holds at most its N values and N bytes of locations (the encoder never picks a
+/// location encoding longer than the N/8-byte bitmask by more than its 8-byte width), so at most
+/// twice the tensor's bytes. Without a loader the largest canonical tensor is the largest tensor
+/// held; with one, a local tensor may be 1/tp_size of a canonical one (row, column and vocabulary
+/// splits) and an expert stack a part of a stacked canonical tensor (`experts` of
+/// `num_experts`), so the largest local tensor is scaled by both. A receiver whose loader skips
+/// canonical tensors larger than that must set max_payload_bytes itself. O(tensors).
+uint64_t DefaultMaxPayloadBytes(const WeightStore& store, uint64_t bucket_bytes);
 
 /// One receiver of the fleet, embedded in the calling process.
 ///
@@ -106,6 +132,8 @@ class ReceiverNode {
   /// back). Idempotent; the registered memory holds the committed version afterwards.
   void Stop();
 
+  /// The payload limit in force (ReceiverNodeOptions::max_payload_bytes); 0 before Start.
+  uint64_t max_payload_bytes() const;
   /// The control plane's base URL ("http://host:port"); empty before Start.
   std::string control_url() const;
   uint16_t control_port() const;

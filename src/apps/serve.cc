@@ -31,6 +31,7 @@
 
 #include "cli_common.h"
 #include "config.h"
+#include "progress.h"
 #include "refit/environment.h"
 #include "refit/loader.h"
 #include "refit/logging.h"
@@ -83,8 +84,11 @@ struct ServeSettings {
   /// Threads that apply one payload (ReceiverSessionOptions::apply_threads).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;
   /// The largest payload (header + compressed body) either plane accepts; it bounds the memory
-  /// one message can take.
-  uint64_t max_payload_bytes = PayloadLimits{}.max_payload_bytes;
+  /// one message can take. Unset: sized to the model and the producers' bucket size
+  /// (DefaultMaxPayloadBytes).
+  std::optional<uint64_t> max_payload_bytes;
+  /// The producers' bucket size (the config's delta_compression.sparse_bucket_size_bytes).
+  uint64_t producer_bucket_bytes = kDefaultBucketBytes;
   /// The version the model is at; unset: the file's "refit.version" metadata, else 0.
   std::optional<uint64_t> version;
   /// Written atomically once both planes listen; removed at a clean shutdown.
@@ -273,16 +277,15 @@ Status RunServe(const ServeSettings& settings) {
   options.control.api_key = api_key;
   options.control.tls_cert_path = settings.tls_cert_path;
   options.control.tls_key_path = settings.tls_key_path;
-  options.control.max_request_bytes = settings.max_payload_bytes;
   options.session.apply_queue_depth = settings.apply_queue_depth;
   options.session.transfer_lease = settings.transfer_lease;
   options.session.anchor_undo = settings.anchor_undo;
   options.session.anchor_undo_directory = settings.anchor_undo_dir;
   options.session.apply_threads = settings.apply_threads;
-  options.session.limits.max_payload_bytes = settings.max_payload_bytes;
-  // The decompressed body too: otherwise a small payload that declares a huge body (a
-  // decompression bomb) is decompressed up to the default 4 GiB before anything refuses it.
-  options.session.limits.max_body_bytes = settings.max_payload_bytes;
+  // The node applies it to the decompressed body too, so that a small payload declaring a huge
+  // body (a decompression bomb) is refused by its header.
+  options.max_payload_bytes = settings.max_payload_bytes;
+  options.producer_bucket_bytes = settings.producer_bucket_bytes;
   options.bootstrap_uri = settings.bootstrap_uri;
   options.on_bootstrap_version = [](const ChainVersion& replayed) {
     ServeLogger().info("serve: bootstrap: replayed {} {} ({} payloads)",
@@ -303,6 +306,17 @@ Status RunServe(const ServeSettings& settings) {
         static_cast<double>(caught_up->bytes) / (1 << 20), caught_up->seconds);
     std::fflush(stdout);
   }
+  // Said once at start: a producer whose payload is over it is refused (ResourceExhausted).
+  const std::string limit_source =
+      settings.max_payload_bytes.has_value()
+          ? std::string("--max-payload-bytes")
+          : fmt::format(
+                "default: twice the larger of the producers' {} bucket and the model's largest "
+                "tensor, at least {}",
+                FormatBytes(settings.producer_bucket_bytes),
+                FormatBytes(kMinDefaultMaxPayloadBytes));
+  std::printf("refit serve: payloads of up to %s on either plane (%s)\n",
+              FormatBytes(node->max_payload_bytes()).c_str(), limit_source.c_str());
   if (api_key.empty()) {
     ServeLogger().warn(
         "serve: no api key on the control plane (--api-key-env): anyone who can reach {} can "
@@ -403,6 +417,7 @@ Result<ServeSettings> SettingsFromConfig(const std::string& path) {
   settings.anchor_undo = config.server.anchor_undo;
   settings.anchor_undo_dir = config.server.anchor_undo_dir;
   settings.ready_file = config.server.ready_file;
+  settings.producer_bucket_bytes = config.delta_compression.sparse_bucket_size_bytes;
   // The key travels as --api-key-env does (serve adds api_key_env itself), so take the URI
   // without it and add what only a relay needs: its CURVE key files.
   RefitConfig transport_only = config;
@@ -501,7 +516,8 @@ void RegisterServe(CLI::App& app, Status* result) {
         settings->max_payload_bytes = *bytes;
       },
       "Largest payload either plane accepts, and largest decompressed payload body, e.g. 256MiB "
-      "(default 4GiB)");
+      "(default: twice the larger of the producers' bucket size and the model's largest tensor, "
+      "at least 256MiB)");
   cmd->add_option_function<uint64_t>(
       "--version", [settings](const uint64_t& version) { settings->version = version; },
       "Weight version of the model (default: its refit.version metadata, else 0)");

@@ -55,10 +55,17 @@ constexpr size_t kMaxLingeringPerPeer = 8;
 constexpr size_t kLingerBytesPerRound = size_t{1} << 20;
 
 // Canned replies the server writes itself, before any handler runs.
-constexpr std::string_view kBusyReply =
-    "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: application/json\r\n"
-    "Content-Length: 85\r\n\r\n"
+constexpr std::string_view kBusyBody =
     "{\"ok\":false,\"code\":\"Unavailable\",\"message\":\"too many connections from this peer\"}\n";
+// The 503 with its Content-Length counted from the body (a hand-counted length once made every
+// client wait for three bytes that never came, and report a read error instead of the 503).
+const std::string& BusyReply() {
+  static const std::string reply = fmt::format(
+      "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
+      "application/json\r\nContent-Length: {}\r\n\r\n{}",
+      kBusyBody.size(), kBusyBody);
+  return reply;
+}
 constexpr std::string_view kHeadTimeoutReply =
     "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
 constexpr std::string_view kHeadTooLargeReply =
@@ -450,12 +457,12 @@ class GuardedHttpServer::Connections {
       if (!victim || candidate.accepted < waiting[*victim].accepted) victim = i;
     }
     if (!victim) {
-      SendBestEffort(w.fd, kBusyReply);
+      SendBestEffort(w.fd, BusyReply());
       ::shutdown(w.fd, SHUT_WR);
       w.evict = Eviction::kNone;
       return linger_or_close(std::move(w));
     }
-    SendBestEffort(waiting[*victim].fd, kBusyReply);
+    SendBestEffort(waiting[*victim].fd, BusyReply());
     close_one(waiting[*victim]);
     waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(*victim));
     w.evict = Eviction::kNone;

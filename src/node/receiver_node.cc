@@ -13,7 +13,27 @@
 #include "util/logging.h"
 
 namespace refit {
-namespace {}  // namespace
+
+uint64_t DefaultMaxPayloadBytes(const WeightStore& store, uint64_t bucket_bytes) {
+  uint64_t canonical_per_local = 1;
+  if (const Loader* loader = store.loader(); loader != nullptr) {
+    const LoaderSpec& spec = loader->spec();
+    uint64_t expert_split = 1;
+    for (const LoaderRule& rule : spec.rules) {
+      if (!rule.experts.empty() && rule.num_experts > rule.experts.size()) {
+        expert_split = std::max<uint64_t>(
+            expert_split, (rule.num_experts + rule.experts.size() - 1) / rule.experts.size());
+      }
+    }
+    canonical_per_local = uint64_t{spec.tp_size} * expert_split;
+  }
+  uint64_t largest = 0;
+  for (const TensorView& tensor : store.tensors()) {
+    largest = std::max<uint64_t>(largest, tensor.bytes.size());
+  }
+  const uint64_t one_message = std::max(bucket_bytes, largest * canonical_per_local);
+  return std::max(kMinDefaultMaxPayloadBytes, 2 * one_message);
+}
 
 struct ReceiverNode::Impl {
   ReceiverNodeOptions options;
@@ -27,6 +47,7 @@ struct ReceiverNode::Impl {
   std::unique_ptr<Listener> listener;
   std::unique_ptr<ControlServer> server;
   std::string producer_endpoint;
+  uint64_t max_payload_bytes = 0;
   bool started = false;
   bool stopped = false;
 
@@ -124,6 +145,16 @@ Status ReceiverNode::Impl::Start() {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Loader> loader, Loader::Make(*options.loader, *store));
     REFIT_RETURN_NOT_OK(store->AttachLoader(std::move(loader)).WithContext("receiver node"));
   }
+  // The payload limit, once the model (and its loader) is known; the transport made by Make
+  // checked the URI and its capabilities, and is made again with the limit.
+  max_payload_bytes = options.max_payload_bytes.value_or(
+      DefaultMaxPayloadBytes(*store, options.producer_bucket_bytes));
+  options.session.limits.max_payload_bytes = max_payload_bytes;
+  options.session.limits.max_body_bytes = max_payload_bytes;
+  options.control.max_request_bytes = max_payload_bytes;
+  TransportOptions transport_options;
+  transport_options.limits = options.session.limits;
+  REFIT_ASSIGN_OR_RETURN(transport, MakeTransport(uri, transport_options));
   if (!options.bootstrap_uri.empty()) {
     ChainBootstrapOptions bootstrap;
     bootstrap.session = options.session;
@@ -240,6 +271,8 @@ std::string ReceiverNode::control_url() const {
 uint16_t ReceiverNode::control_port() const {
   return impl_->server == nullptr ? 0 : impl_->server->port();
 }
+
+uint64_t ReceiverNode::max_payload_bytes() const { return impl_->max_payload_bytes; }
 
 std::string ReceiverNode::producer_endpoint() const { return impl_->producer_endpoint; }
 

@@ -342,6 +342,57 @@ TEST(ReceiverNodeTest, AppliesIntoCallerRegisteredBuffersAndCallsTheEngineHooks)
                                                        "pause", "commit 3"}));
 }
 
+// Issue 26, finding 4: the payload limit defaults to what producers send for this model, not
+// 4 GiB: twice the larger of the bucket and the largest canonical tensor, at least 256 MiB.
+TEST(ReceiverNodeTest, ThePayloadLimitDefaultsToWhatProducersSendForTheModel) {
+  constexpr uint64_t kMiB = uint64_t{1} << 20;
+  std::vector<std::byte> big(40 * kMiB);
+  std::vector<std::byte> small(4 * kMiB);
+  const auto make_store = [&] {
+    std::unique_ptr<WeightStore> store = WeightStore::Make();
+    EXPECT_OK(store->AddExternal(
+        MutableTensorView{"lm_head.weight", DType::kBFloat16, {20 * kMiB}, big}));
+    EXPECT_OK(store->AddExternal(
+        MutableTensorView{"layers.0.mlp.experts.w13", DType::kBFloat16, {2 * kMiB}, small}));
+    return store;
+  };
+  std::unique_ptr<WeightStore> store = make_store();
+  // A small model: the floor.
+  EXPECT_EQ(DefaultMaxPayloadBytes(*store, kDefaultBucketBytes), kMinDefaultMaxPayloadBytes);
+  // A bucket of 512 MiB: two buckets' worth.
+  EXPECT_EQ(DefaultMaxPayloadBytes(*store, 512 * kMiB), 1024 * kMiB);
+  // A TP = 8 shard of a 320 MiB canonical head, with experts 2 of 16 per stack: the largest
+  // local tensor scaled by 8 × 8.
+  LoaderSpec spec{.tp_rank = 0,
+                  .tp_size = 8,
+                  .rules = {{.kind = LoaderKind::kRow, .match = "lm_head\\.weight"},
+                            {.kind = LoaderKind::kStackedGateUp,
+                             .match = "layers\\.0\\.mlp\\.experts\\.gate_up_proj",
+                             .to = "layers.0.mlp.experts.w13",
+                             .num_experts = 16,
+                             .experts = {0, 1}}}};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Loader> loader, Loader::Make(spec, *store));
+  ASSERT_OK(store->AttachLoader(std::move(loader)));
+  EXPECT_EQ(DefaultMaxPayloadBytes(*store, kDefaultBucketBytes), 2 * 40 * kMiB * 8 * 8);
+
+  // The node takes the default at Start, and an explicit limit when one is given.
+  for (const std::optional<uint64_t> given : {std::optional<uint64_t>(), std::optional(kMiB)}) {
+    ReceiverNodeOptions options;
+    options.data_endpoint = testing::FreeLoopbackEndpoint();
+    options.max_payload_bytes = given;
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ReceiverNode> node, ReceiverNode::Make(options));
+    for (const TensorView& tensor : make_store()->tensors()) {
+      ASSERT_OK(node->RegisterTensor(
+          MutableTensorView{tensor.name, tensor.dtype, tensor.shape,
+                            std::span<std::byte>(tensor.name == "lm_head.weight" ? big : small)}));
+    }
+    ASSERT_OK(node->Start());
+    EXPECT_EQ(node->max_payload_bytes(), given.value_or(kMinDefaultMaxPayloadBytes));
+    EXPECT_EQ(node->options().session.limits.max_body_bytes, node->max_payload_bytes());
+    EXPECT_EQ(node->options().control.max_request_bytes, node->max_payload_bytes());
+  }
+}
+
 TEST(PublisherTest, AGroupMessageWithAWronglyTypedFieldIsRefusedNotACrash) {
   // Rank 0 is a bare group endpoint speaking malformed messages; rank 1 a real Publisher.
   ASSERT_OK_AND_ASSIGN(std::vector<std::unique_ptr<ProducerGroup>> groups, MakeInProcessGroup(2));

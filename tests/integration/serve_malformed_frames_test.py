@@ -30,12 +30,14 @@ header checksum (XXH3-64). Run with Debian's /usr/bin/python3 (python3-zmq, pyth
 python3-xxhash).
 """
 import argparse
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -51,6 +53,13 @@ from ports import free_port
 
 API_KEY = "serve-" + secrets.token_hex(12)
 KEY_ENV = "REFIT_SERVE_TEST_KEY"
+# docs/protocol.md: a keyed relay admits PLAIN clients presenting user "refit" and the lowercase
+# hex SHA-256 of the api key as the password (computed here from the spec, not by refit).
+PLAIN_USER = b"refit"
+PLAIN_PASSWORD = hashlib.sha256(API_KEY.encode()).hexdigest().encode()
+# How much a refused peer may raise the daemon's peak RSS: allocator noise, far below the frames
+# sent (200 MiB each).
+REFUSED_PEER_RSS_BYTES = 32 << 20
 # Seconds a reply, an HTTP request or a short CLI run may take on a loaded 2-core machine; the
 # daemon answers in milliseconds.
 REPLY_TIMEOUT_S = 20
@@ -261,9 +270,13 @@ class Control:
 class DataPlane:
     """One DEALER connected to the daemon's ROUTER."""
 
-    def __init__(self, context, endpoint):
+    def __init__(self, context, endpoint, password=PLAIN_PASSWORD):
+        """`password`: the PLAIN password to present (None: no PLAIN, the NULL mechanism)."""
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if password is not None:
+            self.socket.plain_username = PLAIN_USER
+            self.socket.plain_password = password
         self.socket.connect("tcp://" + endpoint)
 
     def send(self, frames):
@@ -394,6 +407,31 @@ def test_advertise(refit, workdir, model, context):
                         "not the open transfer", f"advertise: probe at {host}")
             data.close()
             data = None
+        # The default payload limit is sized to the model and the producers' bucket: 256 MiB for
+        # this small model, not 4 GiB (issue 26, finding 4: a 72 KB payload declaring 2 GiB used
+        # to peak at 2.26 GB). A bomb under the old default is refused by its header.
+        out, err = daemon.output()
+        check("payloads of up to 256 MiB" in out, f"advertise: payload limit not said: {out}")
+        def probe(what):
+            prober = DataPlane(context, f"127.0.0.1:{data_port}")
+            try:
+                payload = forge_payload(secrets.token_bytes(16), base_version=MODEL_VERSION,
+                                        target_version=MODEL_VERSION + 1)
+                prober.send(data_request(payload))
+                check_reply(prober.receive(), b"NACK", FAILED_PRECONDITION, reply_key(payload),
+                            "not the open transfer", f"advertise: {what}")
+            finally:
+                prober.close()
+
+        test_handshake_refusals(context, f"127.0.0.1:{data_port}", daemon.process.pid, probe)
+        data = DataPlane(context, f"127.0.0.1:{data_port}")
+        bomb = forge_payload(secrets.token_bytes(16), body_bytes=2 << 30,
+                             base_version=MODEL_VERSION, target_version=MODEL_VERSION + 1)
+        data.send(data_request(bomb))
+        check_reply(data.receive(), b"NACK", RESOURCE_EXHAUSTED, NO_KEY, "body_bytes",
+                    "advertise: a 2 GiB body under the default limit")
+        data.close()
+        data = None
         daemon.process.send_signal(signal.SIGTERM)
         code = daemon.wait_exit()
         check(code == 0, f"advertise: serve exited with {code}: {daemon.output()}")
@@ -668,6 +706,76 @@ def test_open_transfer(receiver):
                       (hex_id.encode(), struct.pack("<I", 1), b""))
 
 
+def peak_rss(pid):
+    """The process's peak resident set (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def test_handshake_refusals(context, endpoint, pid, probe):
+    """Peers without the key are refused in the ZeroMQ handshake: their frames never reach the
+    daemon's memory, even frames under its payload limit (issue 26, finding 3: 2 x 1 GiB with a
+    wrong key used to raise the daemon's RSS to 2.23 GB). Run against a daemon with the default
+    limit (256 MiB here), with frames of 200 MiB."""
+    frame = bytes(200 << 20)
+    before = peak_rss(pid)
+    for name, password in [("wrong key", hashlib.sha256(b"not the key").hexdigest().encode()),
+                           ("the key itself, not its hash", API_KEY.encode()),
+                           ("no PLAIN at all", None)]:
+        peer = DataPlane(context, endpoint, password=password)
+        # A DEALER whose handshake never completes takes no message: sending blocks (here: times
+        # out), which is the refusal as the client sees it.
+        peer.socket.sndtimeo = DISCONNECT_WATCH_S * 1000
+        try:
+            for _ in range(2):
+                try:
+                    peer.socket.send_multipart(data_request(frame), copy=False)
+                except zmq.Again:
+                    pass
+            reply = peer.receive(DISCONNECT_WATCH_S)
+            check(reply is None, f"{name}: a refused peer got a reply: {reply!r}")
+        finally:
+            peer.close()
+        probe(f"probe after a peer with {name}")
+    grown = peak_rss(pid) - before
+    check(grown < REFUSED_PEER_RSS_BYTES,
+          f"refused peers raised the daemon's peak RSS by {grown} bytes (2 x 200 MiB frames each)")
+
+
+def test_raw_handshake_command(receiver, endpoint, pid):
+    """A peer that speaks raw ZMTP and declares a 1 GiB handshake command. libzmq reads a
+    handshake command whole before the mechanism (and so the ZAP handler) sees it, up to the
+    payload limit: the limit is what bounds it (here 1 MiB; by default twice the larger of the
+    bucket and the largest tensor). Past it the peer is dropped, and the daemon's peak RSS does
+    not follow the bytes sent."""
+    before = peak_rss(pid)
+    host, port = endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=REPLY_TIMEOUT_S) as raw:
+        # ZMTP 3.0 greeting (RFC 23): signature, version 3.0, mechanism PLAIN, as-server 0.
+        raw.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"PLAIN".ljust(20, b"\0") +
+                    b"\0" + bytes(31))
+        declared = 1 << 30
+        # A long command frame (flags: command | long), then bytes until the daemon hangs up.
+        sent = 0
+        try:
+            raw.sendall(b"\x06" + struct.pack(">Q", declared))
+            chunk = bytes(1 << 20)
+            while sent < declared:
+                raw.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass
+    check(sent < declared, f"the daemon read all {declared} bytes of a handshake command")
+    grown = peak_rss(pid) - before
+    check(grown < REFUSED_PEER_RSS_BYTES,
+          f"a raw handshake command raised the daemon's peak RSS by {grown} bytes")
+    receiver.probe(what="probe after a raw handshake command")
+    receiver.cases += 1
+
+
 def test_oversized_frame(receiver, context, endpoint):
     """A frame beyond ZeroMQ's limit: the daemon disconnects that peer without a reply."""
     victim = DataPlane(context, endpoint)
@@ -739,6 +847,7 @@ def main():
         test_malformed_frames(receiver)
         test_open_transfer(receiver)
         test_oversized_frame(receiver, context, endpoint)
+        test_raw_handshake_command(receiver, endpoint, daemon.process.pid)
 
         status = control.json("GET", "/v1/status")
         check(status["state"] == "idle" and status["version"] == MODEL_VERSION + 1,

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
@@ -236,6 +237,36 @@ TEST_F(ControlSlowClientsTest, HeadDrippersAtTheCoordinatorsAddressCannotLockItO
     ASSERT_TRUE(took.has_value()) << "/healthz refused beside 64 drippers at its own address";
     EXPECT_LT(*took, std::chrono::seconds(1));
   }
+}
+
+// Issue 26: "the client reports the server's 503 as such". Connections that completed their
+// heads are being served and are never replaced, so a peer whose cap they fill is answered 503;
+// the coordinator's client must say so (Unavailable with the server's reason), not report a read
+// error.
+TEST_F(ControlSlowClientsTest, AClientOverItsPeersCapReportsTheServers503) {
+  ControlServerOptions options;
+  options.max_connections_per_peer = 2;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  // Two authenticated requests whose heads are complete and whose bodies never come: each holds
+  // its connection (and a worker) until the body read times out.
+  const std::string head = fmt::format(
+      "POST /v1/prepare HTTP/1.1\r\nHost: x\r\nX-Refit-Api-Key: {}\r\nContent-Type: "
+      "application/json\r\nContent-Length: 100\r\n\r\n",
+      kApiKey);
+  for (int i = 0; i < 2; ++i) {
+    const int fd = Connect(server_->port(), "127.0.0.1");
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::send(fd, head.data(), head.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(head.size()));
+    drippers_.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ControlClient> client,
+                       CoordinatorClient(std::chrono::seconds(3)));
+  const Status refused = client->GetStatus().status();
+  EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
+  EXPECT_NE(refused.message().find("too many connections from this peer"), std::string::npos)
+      << refused.ToString();
 }
 
 TEST_F(ControlSlowClientsTest, HeadThatNeverEndsIsClosedAtTheHeadTimeout) {

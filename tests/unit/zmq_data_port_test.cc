@@ -1,5 +1,6 @@
-// zmq:// — what a relay's data port allocates for what it receives: nothing for a request it
-// refuses before the payload (a wrong api key), nothing for a frame over the payload limit, and
+// zmq:// — what a relay's data port allocates for what it receives: nothing for a client it
+// refuses in the handshake (no api key, a wrong one), nothing for a request it refuses before the
+// payload (a wrong key in the request), nothing for a frame over the payload limit, and
 // one copy of an accepted payload per relay it crosses (the copy its receiver keeps; children are
 // sent the frame ZeroMQ received, not a copy).
 //
@@ -32,6 +33,7 @@
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "transport/zmq/zmq_zap.h"
 #include "zmq_raw_client.h"
 
 namespace {
@@ -161,12 +163,34 @@ class ZmqDataPortTest : public ::testing::Test {
   std::unique_ptr<DeltaTracker> tracker_;
 };
 
+TEST_F(ZmqDataPortTest, AClientWithoutTheKeyGetsNoMessageIntoAKeyedRelay) {
+  ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  Receiver receiver = MakeReceiver(*keyed, endpoint, {});
+  ASSERT_NE(receiver.listener, nullptr);
+  const std::string large(kLargeFrameBytes, 'x');
+  for (const std::string& password : {internal::zmq::PlainPassword("open sesamE"), std::string()}) {
+    SCOPED_TRACE(password.empty() ? "no key" : "a wrong key");
+    testing::RawZmqClient client(endpoint, password);
+    const std::vector<std::string> request{"refit-zmq/1", "DATA", "open sesame", U32(0), large};
+    AllocationWatch watch;
+    client.Send(request);
+    // The handshake is refused (a wrong PLAIN password, or no PLAIN at all): the request never
+    // leaves the client, so there is no reply and nothing to copy.
+    EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
+    EXPECT_LT(watch.largest(), kSmallAllocationBytes);
+  }
+  EXPECT_EQ(receiver.listener->stats().delivered, 0u);
+  EXPECT_GE(receiver.listener->stats().failures, 1u);
+}
+
 TEST_F(ZmqDataPortTest, ARequestWithAWrongKeyIsRefusedWithoutCopyingItsPayload) {
   ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
   const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(*keyed, endpoint, {});
   ASSERT_NE(receiver.listener, nullptr);
-  testing::RawZmqClient client(endpoint);
+  // Past the handshake with the key; the key in each request is checked as well.
+  testing::RawZmqClient client(endpoint, internal::zmq::PlainPassword("open sesame"));
   // Connected and answered once, so the watch below sees only the large request.
   client.Send({"refit-zmq/1", "DATA", "open sesamE", U32(0), "x"});
   ASSERT_EQ(client.Receive(kReplyWaitMs).size(), 7u);

@@ -38,6 +38,7 @@
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "transport/zmq/zmq_zap.h"
 #include "zmq_raw_client.h"
 
 namespace refit {
@@ -173,6 +174,28 @@ class ZmqTransportTest : public ::testing::Test {
 
   // A started receiver holding model_, listening at `endpoint` among `peers` (bound at
   // `bind_address` when set).
+  // A relay with the api key "open sesame", prepared for step 1's transfer, and that step's
+  // first payload as a frame.
+  struct KeyedRelay {
+    std::unique_ptr<Transport> transport;
+    Receiver receiver;
+    std::string payload0;
+  };
+  KeyedRelay MakeKeyedRelay(const std::string& endpoint) {
+    KeyedRelay keyed;
+    auto transport = MakeTransport("zmq://?api_key=open%20sesame");
+    EXPECT_TRUE(transport.ok()) << transport.status().ToString();
+    if (!transport.ok()) return keyed;
+    keyed.transport = std::move(transport).ValueOrDie();
+    keyed.receiver = MakeReceiver(endpoint, {}, keyed.transport.get());
+    if (keyed.receiver.listener == nullptr) return keyed;
+    const Step step = EncodeStep(1, 0);
+    Prepare(keyed.receiver, step);
+    keyed.payload0.assign(reinterpret_cast<const char*>(step.payloads[0].data()),
+                          step.payloads[0].size());
+    return keyed;
+  }
+
   Receiver MakeReceiver(const std::string& endpoint, const std::vector<std::string>& peers,
                         Transport* transport = nullptr, const std::string& bind_address = "") {
     Receiver receiver = MakeSession();
@@ -394,9 +417,16 @@ TEST_F(ZmqTransportTest, AWrongApiKeyIsPermissionDeniedAndStagesNothing) {
   ASSERT_NE(refused, nullptr);
   EXPECT_STATUS(PermissionDenied, refused->Send(0, step.payloads[0]));
   EXPECT_STATUS(PermissionDenied, refused->Finish(step.payloads.size()));
-  auto unkeyed = SenderFor(step, endpoints);
+  // The wrong key was refused in the handshake (PLAIN), before a request could be sent.
+  EXPECT_GE(relays[0].listener->stats().failures, 1u);
+  EXPECT_NE(relays[0].listener->stats().last_error.message().find("handshake"), std::string::npos)
+      << relays[0].listener->stats().last_error.ToString();
+  // Without a key the client speaks no PLAIN: the handshake fails on the mechanism (or the
+  // relay hangs up first), Unavailable after the retries.
+  ASSERT_OK_AND_ASSIGN(auto none, MakeTransport("zmq://?retries=0"));
+  auto unkeyed = SenderFor(step, endpoints, none.get());
   ASSERT_NE(unkeyed, nullptr);
-  EXPECT_STATUS(PermissionDenied, unkeyed->Send(0, step.payloads[0]));
+  EXPECT_STATUS(Unavailable, unkeyed->Send(0, step.payloads[0]));
   for (const Receiver& relay : relays) {
     EXPECT_EQ(relay.listener->stats().delivered, 0u);
     EXPECT_EQ(relay.listener->stats().streams_ended, 0u);
@@ -810,15 +840,13 @@ TEST_F(ZmqTransportTest, BadCurveKeyFilesAreInvalidArgumentNamingTheParameterAnd
 }
 
 TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead) {
-  ASSERT_OK_AND_ASSIGN(auto keyed, MakeTransport("zmq://?api_key=open%20sesame"));
   const std::string endpoint = testing::FreeLoopbackEndpoint();
-  Receiver receiver = MakeReceiver(endpoint, {}, keyed.get());
-  ASSERT_NE(receiver.listener, nullptr);
-  const Step step = EncodeStep(1, 0);
-  Prepare(receiver, step);
-  const std::string payload0(reinterpret_cast<const char*>(step.payloads[0].data()),
-                             step.payloads[0].size());
-  testing::RawZmqClient client(endpoint);
+  KeyedRelay keyed = MakeKeyedRelay(endpoint);
+  ASSERT_NE(keyed.receiver.listener, nullptr);
+  Receiver& receiver = keyed.receiver;
+  const std::string& payload0 = keyed.payload0;
+  // Past the handshake (PLAIN with the key): the key in each request is checked as well.
+  testing::RawZmqClient client(endpoint, internal::zmq::PlainPassword("open sesame"));
   const auto expect_nack = [&](const std::vector<std::string>& request, StatusCode code,
                                const std::string& what) {
     SCOPED_TRACE(what);
@@ -845,6 +873,54 @@ TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead
               StatusCode::kDataLoss, "garbage with the key");
   EXPECT_EQ(receiver.listener->stats().delivered, 0u);
   EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
+}
+
+TEST(ZmqPlainTest, ThePlainPasswordIsTheHexSha256OfTheApiKey) {
+  // docs/protocol.md: PLAIN user "refit", password = lowercase hex SHA-256 of the api key
+  // (`python3 -c "import hashlib; print(hashlib.sha256(b'open sesame').hexdigest())"`).
+  EXPECT_EQ(internal::zmq::PlainPassword("open sesame"),
+            "41ef4bb0b23661e66301aac36066912dac037827b4ae63a7b1165a5aa93ed4eb");
+  // Keys longer than PLAIN's 255-byte password still fit.
+  EXPECT_EQ(internal::zmq::PlainPassword(std::string(1024, 'k')).size(), 64u);
+}
+
+TEST_F(ZmqTransportTest, AKeyedRelayRefusesClientsWithoutTheKeyInTheHandshake) {
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  KeyedRelay keyed = MakeKeyedRelay(endpoint);
+  ASSERT_NE(keyed.receiver.listener, nullptr);
+  Receiver& receiver = keyed.receiver;
+  const std::string& payload0 = keyed.payload0;
+  const std::vector<std::string> request{"refit-zmq/1", "DATA", "open sesame", U32(0), payload0};
+  uint64_t refusals = 0;
+  for (const std::string& password :
+       {internal::zmq::PlainPassword("open sesamE"), std::string("open sesame"), std::string()}) {
+    SCOPED_TRACE(password.empty() ? "NULL mechanism" : "PLAIN password " + password);
+    testing::RawZmqClient client(endpoint, password);
+    client.Send(request);
+    if (!password.empty()) {
+      // The ZAP handler records each refusal; wait for this one.
+      ++refusals;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (receiver.listener->stats().failures < refusals &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_EQ(receiver.listener->stats().failures, refusals);
+    }
+    // Even a request carrying the right key in its frames never arrives.
+    EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
+  }
+  EXPECT_EQ(receiver.listener->stats().delivered, 0u);
+  EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
+  EXPECT_STATUS_MSG(PermissionDenied, "wrong api key in the handshake",
+                    receiver.listener->stats().last_error);
+  // The right password gets the same request through.
+  testing::RawZmqClient client(endpoint, internal::zmq::PlainPassword("open sesame"));
+  client.Send(request);
+  const std::vector<std::string> reply = client.Receive(kReplyWaitMs);
+  ASSERT_EQ(reply.size(), 7u);
+  EXPECT_EQ(reply[1], "ACK") << reply[6];
+  EXPECT_EQ(receiver.listener->stats().delivered, 1u);
 }
 
 TEST_F(ZmqTransportTest, ARefusalMadeBeforeTheIdsAreReadReachesTheSender) {

@@ -24,6 +24,7 @@
 
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_messages.h"
+#include "transport/zmq/zmq_zap.h"
 
 namespace refit::internal::zmq {
 namespace {
@@ -39,27 +40,34 @@ constexpr size_t kMonitorEventFrames = 2;
 constexpr size_t kMonitorEventBytes = 6;
 
 // Why a handshake failed, from a monitor event: PermissionDenied when the relay refused this
-// client's key (final), Unavailable otherwise (the next attempt may reach a relay that is ready).
-Status HandshakeFailure(uint16_t event, uint32_t value, const std::string& endpoint) {
+// client's credentials (final), Unavailable otherwise (the next attempt may reach a relay that is
+// ready). `curve`: the client presented CURVE keys; otherwise the api key (PLAIN), if any.
+Status HandshakeFailure(uint16_t event, uint32_t value, const std::string& endpoint, bool curve) {
   if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+    if (curve) {
+      return PermissionDenied(
+          "zmq endpoint {} refused this client's CURVE key (ZAP status {}): list its public key "
+          "in the relays' {}",
+          endpoint, value, kAuthorizedKeysParam);
+    }
     return PermissionDenied(
-        "zmq endpoint {} refused this client's CURVE key (ZAP status {}): list its public key in "
-        "the relays' {}",
-        endpoint, value, kAuthorizedKeysParam);
+        "zmq endpoint {} refused this client's api key in the handshake (ZAP status {}): wrong "
+        "api key",
+        endpoint, value);
   }
   if (event == ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL) {
     if (value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH) {
       return Unavailable(
-          "zmq endpoint {}: security mechanism mismatch in the handshake (CURVE is configured "
-          "on one side only)",
-          endpoint);
+          "zmq endpoint {}: security mechanism mismatch in the handshake: an api key or CURVE is "
+          "configured on one side only (this client: {})",
+          endpoint, curve ? "CURVE" : "no CURVE");
     }
     return Unavailable("zmq endpoint {}: handshake failed with ZMTP protocol error {:#x}", endpoint,
                        value);
   }
   return Unavailable(
       "zmq endpoint {} closed the connection during the handshake ({} is not the relays' public "
-      "key, or CURVE is configured on one side only?)",
+      "key, or CURVE or an api key is configured on one side only?)",
       endpoint, kServerKeyParam);
 }
 
@@ -193,6 +201,14 @@ Status Connection::Connect() {
     REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SERVERKEY, curve_->server_key));
     REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_PUBLICKEY, curve_->own.public_key));
     REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SECRETKEY, curve_->own.secret_key));
+  } else if (!config_.api_key.empty()) {
+    // A keyed relay without CURVE admits PLAIN clients holding the key (zmq_zap.h).
+    const std::string password = PlainPassword(config_.api_key);
+    if (zmq_setsockopt(socket.get(), ZMQ_PLAIN_USERNAME, kPlainUsername.data(),
+                       kPlainUsername.size()) != 0 ||
+        zmq_setsockopt(socket.get(), ZMQ_PLAIN_PASSWORD, password.data(), password.size()) != 0) {
+      return Unavailable("zmq PLAIN credentials for {}: {}", endpoint_, ZmqError());
+    }
   }
   // Watch the handshake: a refused key or a mechanism mismatch would otherwise look like a
   // silent relay until the timeout. The monitor is connected before the DEALER, so it sees
@@ -228,7 +244,7 @@ Status Connection::ReadHandshakeFailure() {
   uint16_t id = 0;
   std::memcpy(&id, event[0].data(), sizeof(id));
   const std::optional<uint32_t> value = ReadU32(std::string_view(event[0]).substr(sizeof(id)));
-  return HandshakeFailure(id, value.value_or(0), endpoint_);
+  return HandshakeFailure(id, value.value_or(0), endpoint_, curve_.has_value());
 }
 
 Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const ReplyKey& key,

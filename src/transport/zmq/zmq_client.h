@@ -3,9 +3,10 @@
 // producer.
 //
 // A sender holds one DEALER per sending thread, connected to its producer's root relay
-// endpoints[producer_id % n]. Every DEALER watches its handshake through a socket monitor, so a
-// refused client key is PermissionDenied at once and a failed handshake (wrong server key, CURVE
-// on one side only) is Unavailable after the retries, instead of a silent timeout.
+// endpoints[producer_id % n]. A DEALER presents the api key in the handshake (PLAIN) or its CURVE
+// keys, and watches its handshake through a socket monitor, so a refused key is PermissionDenied
+// at once and a failed handshake (wrong server key, a key or CURVE on one side only) is
+// Unavailable after the retries, instead of a silent timeout.
 #pragma once
 
 #include <cstdint>
@@ -37,9 +38,9 @@ class Connection {
       : context_(context), endpoint_(std::move(endpoint)), config_(config), curve_(curve) {}
 
   /// Send `frames` and wait for the reply that matches `key`, retrying with backoff.
-  /// Errors: the receiver's NACK; PermissionDenied when the relay refuses this client's CURVE
-  /// key; DeadlineExceeded when no attempt got a reply; Unavailable (a failed handshake among
-  /// them); Cancelled soon after `stop` is requested.
+  /// Errors: the receiver's NACK; PermissionDenied when the relay refuses this client's api key
+  /// or CURVE key in the handshake; DeadlineExceeded when no attempt got a reply; Unavailable (a
+  /// failed handshake among them); Cancelled soon after `stop` is requested.
   Status Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
                  const std::stop_token& stop = {});
 

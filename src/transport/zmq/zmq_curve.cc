@@ -1,4 +1,4 @@
-// CURVE keys, key files and the ZAP handler of zmq:// (zmq_curve.h).
+// CURVE keys, key files and whom a CURVE relay admits (zmq_curve.h).
 #include "transport/zmq/zmq_curve.h"
 
 #include <fcntl.h>
@@ -37,17 +37,8 @@ constexpr mode_t kAuthorizedKeysForbiddenMode = S_IWGRP | S_IWOTH;
 // A public key file is public.
 constexpr mode_t kPublicKeyForbiddenMode = 0;
 
-// ZAP (ZeroMQ RFC 27): libzmq asks the handler bound at this name in the socket's context.
-const char* const kZapEndpoint = "inproc://zeromq.zap.01";
-constexpr std::string_view kZapVersion = "1.0";
+// The mechanism name ZAP requests carry for CURVE.
 constexpr std::string_view kZapCurve = "CURVE";
-// version, request id, domain, address, identity, mechanism, and CURVE's one credential.
-constexpr size_t kZapCurveRequestFrames = 7;
-// Read at most this many frames of a ZAP request; anything beyond CURVE's 7 is refused.
-constexpr size_t kMaxZapRequestFrames = kZapCurveRequestFrames + 1;
-constexpr std::string_view kZapAllowed = "200";
-constexpr std::string_view kZapDenied = "400";
-constexpr std::string_view kZapInternalError = "500";
 
 std::string_view TrimSpace(std::string_view text) {
   constexpr std::string_view kSpace = " \t\r\n";
@@ -228,58 +219,22 @@ Status SetCurveKey(void* socket, int option, const CurveKey& key) {
   return Status::OK();
 }
 
-// Why a handshake failed, from a monitor event: PermissionDenied when the relay refused this
-Result<ZmqSocket> BindZapHandler(void* context, const std::string& endpoint) {
-  ZmqSocket zap(zmq_socket(context, ZMQ_REP));
-  if (zap == nullptr) {
-    return Unavailable("zmq listener {}: ZAP socket: {}", endpoint, ZmqError());
-  }
-  const int linger = 0;
-  zmq_setsockopt(zap.get(), ZMQ_LINGER, &linger, sizeof(linger));
-  if (zmq_bind(zap.get(), kZapEndpoint) != 0) {
-    return Unavailable("zmq listener {}: bind the ZAP handler: {}", endpoint, ZmqError());
-  }
-  return zap;
-}
-
-void ServeZap(void* zap, const std::set<CurveKey>& authorized, const std::string& endpoint,
-              const std::function<void(const Status&)>& record_failure, std::stop_token stop) {
-  while (!stop.stop_requested()) {
-    zmq_pollitem_t item{zap, 0, ZMQ_POLLIN, 0};
-    const int ready = zmq_poll(&item, 1, kStopCheckMs);
-    if (ready < 0 && zmq_errno() != EINTR) {
-      record_failure(Unavailable("zmq listener {}: ZAP poll: {}", endpoint, ZmqError()));
+ZapAdmit AdmitCurveKeys(std::set<CurveKey> authorized, std::string endpoint) {
+  return [authorized = std::move(authorized),
+          endpoint = std::move(endpoint)](const ZapRequest& request) -> Status {
+    if (request.mechanism != kZapCurve || request.credentials.size() != 1 ||
+        request.credentials[0].size() != kCurveKeyBytes) {
+      return PermissionDenied("zmq listener {}: refused a {} handshake from {}: CURVE expected",
+                              endpoint, Printable(request.mechanism), Printable(request.address));
     }
-    if (ready <= 0) continue;
-    Result<std::vector<std::string>> request = ReceiveFrames(zap, kMaxZapRequestFrames);
-    if (!request.ok() && request.status().code() == StatusCode::kUnavailable) continue;
-    std::string_view verdict = kZapDenied;
-    std::string request_id;
-    if (!request.ok() || request->size() != kZapCurveRequestFrames ||
-        (*request)[0] != kZapVersion || (*request)[5] != kZapCurve ||
-        (*request)[6].size() != kCurveKeyBytes) {
-      // libzmq asks only well-formed CURVE questions; anything else is refused, and answered
-      // all the same: a REP socket must reply before it reads the next request.
-      verdict = kZapInternalError;
-      record_failure(Internal("zmq listener {}: malformed ZAP request", endpoint));
-      if (request.ok() && request->size() > 1) request_id = (*request)[1];
-    } else {
-      request_id = (*request)[1];
-      CurveKey client{};
-      std::memcpy(client.data(), (*request)[6].data(), client.size());
-      if (authorized.count(client) != 0) {
-        verdict = kZapAllowed;
-      } else {
-        record_failure(PermissionDenied("zmq listener {}: refused CURVE client key {} from {}",
-                                        endpoint, Z85Text(client), Printable((*request)[3])));
-      }
+    CurveKey client{};
+    std::memcpy(client.data(), request.credentials[0].data(), client.size());
+    if (authorized.count(client) == 0) {
+      return PermissionDenied("zmq listener {}: refused CURVE client key {} from {}", endpoint,
+                              Z85Text(client), Printable(request.address));
     }
-    const std::vector<std::string> reply{
-        std::string(kZapVersion), request_id, std::string(verdict), "", "", ""};
-    if (Status sent = SendFrames(zap, reply, kZapEndpoint); !sent.ok()) {
-      record_failure(sent);
-    }
-  }
+    return Status::OK();
+  };
 }
 
 Result<CurveFiles> CurveParams(const TransportUri& shown) {

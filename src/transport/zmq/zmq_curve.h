@@ -15,16 +15,15 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <set>
-#include <stop_token>
 #include <string>
 #include <string_view>
 
 #include "refit/status.h"
 #include "refit/transport.h"
 #include "transport/zmq/zmq_frames.h"
+#include "transport/zmq/zmq_zap.h"
 
 namespace refit::internal::zmq {
 
@@ -86,15 +85,8 @@ Result<std::optional<CurveServerKeys>> LoadListenerKeys(const CurveFiles& files)
 /// Set CURVE key option `option` (ZMQ_CURVE_SERVERKEY, …) of `socket`. Errors: Unavailable.
 Status SetCurveKey(void* socket, int option, const CurveKey& key);
 
-/// Bind a ZAP handler socket in `context`. It must be bound before a CURVE server socket of that
-/// context accepts anyone: libzmq admits every client while no handler is bound.
-/// Errors: Unavailable naming `endpoint` (the listener's, for messages).
-Result<ZmqSocket> BindZapHandler(void* context, const std::string& endpoint);
-
-/// Answer libzmq's ZAP requests on `zap` (from BindZapHandler) until `stop`: admit the
-/// `authorized` client keys, refuse the others. Each refusal and each malformed request is
-/// passed to `record_failure`. Runs on the caller's thread, which owns `zap`.
-void ServeZap(void* zap, const std::set<CurveKey>& authorized, const std::string& endpoint,
-              const std::function<void(const Status&)>& record_failure, std::stop_token stop);
+/// Admit CURVE clients whose key is one of `authorized`; refuse anything else (zmq_zap.h).
+/// `endpoint` names the listener in refusals.
+ZapAdmit AdmitCurveKeys(std::set<CurveKey> authorized, std::string endpoint);
 
 }  // namespace refit::internal::zmq

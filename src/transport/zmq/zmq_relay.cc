@@ -29,6 +29,7 @@
 #include "transport/zmq/zmq_client.h"
 #include "transport/zmq/zmq_frames.h"
 #include "transport/zmq/zmq_messages.h"
+#include "transport/zmq/zmq_zap.h"
 
 namespace refit::internal::zmq {
 namespace {
@@ -132,16 +133,18 @@ class ZmqListener final : public Listener {
     for (void* socket : {router_.get(), replies_in_.get(), replies_out_.get()}) {
       zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof(linger));
     }
-    // ZeroMQ reads whole messages before the relay sees their first frame (the api key among
-    // them), so these two bound what an unauthenticated peer can make a relay hold: no frame
-    // beyond the payload limit, and per connection kMaxQueuedRequests complete requests, after
-    // which ZeroMQ stops reading that connection until the relay has taken one.
+    // A keyed or CURVE-listed relay refuses unauthenticated peers in the handshake
+    // (SetUpSecurity), before they can send a message. ZeroMQ reads whole messages before the
+    // relay sees their first frame, so these two bound what an admitted peer, or any peer of an
+    // open relay, can make it hold: no frame beyond the payload limit (a handshake command
+    // included), and per connection kMaxQueuedRequests complete requests, after which ZeroMQ
+    // stops reading that connection until the relay has taken one.
     const int queued = kMaxQueuedRequests;
     if (zmq_setsockopt(router_.get(), ZMQ_MAXMSGSIZE, &max_frame, sizeof(max_frame)) != 0 ||
         zmq_setsockopt(router_.get(), ZMQ_RCVHWM, &queued, sizeof(queued)) != 0) {
       return Unavailable("zmq listener {}: receive limits: {}", endpoint_, ZmqError());
     }
-    REFIT_RETURN_NOT_OK(SetUpCurve());
+    REFIT_RETURN_NOT_OK(SetUpSecurity());
     if (zmq_bind(router_.get(), TcpAddress(bind_).c_str()) != 0) {
       const bool taken = zmq_errno() == EADDRINUSE;
       const std::string error = ZmqError();
@@ -168,7 +171,7 @@ class ZmqListener final : public Listener {
       zap_thread_ = std::jthread([this](std::stop_token stop) {
         NameCurrentThread("refit-zmq-zap");
         ServeZap(
-            zap_.get(), *curve_->authorized, endpoint_,
+            zap_.get(), admit_, endpoint_,
             [this](const Status& failure) { RecordFailure(failure); }, stop);
       });
     }
@@ -208,17 +211,32 @@ class ZmqListener final : public Listener {
     stats_.last_error = status;
   }
 
-  // Make the ROUTER a CURVE server, and bind the ZAP handler before the ROUTER accepts anyone:
-  // libzmq admits every client while no handler is bound.
-  Status SetUpCurve() {
-    if (!curve_.has_value()) return Status::OK();
-    const int server = 1;
-    if (zmq_setsockopt(router_.get(), ZMQ_CURVE_SERVER, &server, sizeof(server)) != 0) {
-      return Unavailable("zmq listener {}: CURVE server: {}", endpoint_, ZmqError());
+  // Authenticate in the handshake, before a peer can send a message: a CURVE relay admits the
+  // listed client keys (curve_authorized_keys), a keyed relay without CURVE admits PLAIN clients
+  // holding the api key (zmq_zap.h). The ZAP handler is bound before the ROUTER accepts anyone:
+  // libzmq admits every client while no handler is bound. A CURVE relay without listed keys
+  // admits whoever knows the (public) server key; its api key is checked in each request.
+  Status SetUpSecurity() {
+    const auto fail = [this](std::string_view what) {
+      return Unavailable("zmq listener {}: {}: {}", endpoint_, what, ZmqError());
+    };
+    const int on = 1;
+    if (curve_.has_value()) {
+      if (zmq_setsockopt(router_.get(), ZMQ_CURVE_SERVER, &on, sizeof(on)) != 0) {
+        return fail("CURVE server");
+      }
+      REFIT_RETURN_NOT_OK(SetCurveKey(router_.get(), ZMQ_CURVE_SECRETKEY, curve_->fleet.secret_key)
+                              .WithContext(fmt::format("zmq listener {}", endpoint_)));
+      if (!curve_->authorized.has_value()) return Status::OK();
+      admit_ = AdmitCurveKeys(*curve_->authorized, endpoint_);
+    } else if (!config_.api_key.empty()) {
+      if (zmq_setsockopt(router_.get(), ZMQ_PLAIN_SERVER, &on, sizeof(on)) != 0) {
+        return fail("PLAIN server");
+      }
+      admit_ = AdmitApiKey(config_.api_key, endpoint_);
+    } else {
+      return Status::OK();
     }
-    REFIT_RETURN_NOT_OK(SetCurveKey(router_.get(), ZMQ_CURVE_SECRETKEY, curve_->fleet.secret_key)
-                            .WithContext(fmt::format("zmq listener {}", endpoint_)));
-    if (!curve_->authorized.has_value()) return Status::OK();
     REFIT_ASSIGN_OR_RETURN(zap_, BindZapHandler(context_.get(), endpoint_));
     return Status::OK();
   }
@@ -596,8 +614,10 @@ class ZmqListener final : public Listener {
   ZmqSocket router_;
   ZmqSocket replies_in_;
   ZmqSocket replies_out_;
-  // The ZAP handler's socket (with curve_authorized_keys only), owned by the ZAP thread.
+  // The ZAP handler's socket and whom it admits (PLAIN with an api key, or CURVE with
+  // curve_authorized_keys; none otherwise), owned by the ZAP thread.
   ZmqSocket zap_;
+  ZapAdmit admit_;
   std::jthread io_thread_;
   std::jthread forward_thread_;
   std::jthread zap_thread_;
