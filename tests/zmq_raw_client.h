@@ -43,6 +43,21 @@ class RawZmqClient {
     }
   }
 
+  // Send `frames` unless ZeroMQ cannot take them within `wait_ms`: a DEALER whose handshake was
+  // refused may have no connection to queue them on, and then a blocking send never returns.
+  // Returns whether every frame was taken.
+  bool TrySend(const std::vector<std::string>& frames, int wait_ms) {
+    zmq_setsockopt(socket_, ZMQ_SNDTIMEO, &wait_ms, sizeof(wait_ms));
+    bool sent = true;
+    for (size_t i = 0; i < frames.size() && sent; ++i) {
+      sent = zmq_send(socket_, frames[i].data(), frames[i].size(),
+                      i + 1 < frames.size() ? ZMQ_SNDMORE : 0) >= 0;
+    }
+    const int forever = -1;
+    zmq_setsockopt(socket_, ZMQ_SNDTIMEO, &forever, sizeof(forever));
+    return sent;
+  }
+
   // The next reply's frames, or empty after `wait_ms` without one.
   std::vector<std::string> Receive(int wait_ms) {
     zmq_pollitem_t item{socket_, 0, ZMQ_POLLIN, 0};

@@ -197,6 +197,9 @@ Status Connection::Connect() {
   for (void* s : {socket.get(), monitor.get()}) {
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
   }
+  // A DEALER blocks a send while it has no connection to queue on, which is the case once a
+  // refused handshake took the pending one down: bound the send like the reply.
+  zmq_setsockopt(socket.get(), ZMQ_SNDTIMEO, &config_.timeout_ms, sizeof(config_.timeout_ms));
   if (curve_.has_value()) {
     REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_SERVERKEY, curve_->server_key));
     REFIT_RETURN_NOT_OK(SetCurveKey(socket.get(), ZMQ_CURVE_PUBLICKEY, curve_->own.public_key));
@@ -250,7 +253,17 @@ Status Connection::ReadHandshakeFailure() {
 Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const ReplyKey& key,
                                                   const std::stop_token& stop) {
   REFIT_RETURN_NOT_OK(Connect());
-  REFIT_RETURN_NOT_OK(send(socket_.get()));
+  if (Status sent = send(socket_.get()); !sent.ok()) {
+    // Not taken within the timeout: most likely the handshake failed, which the monitor says.
+    zmq_pollitem_t item{monitor_.get(), 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, 0) > 0) {
+      const Status failure = ReadHandshakeFailure();
+      Disconnect();
+      if (failure.code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
+      return failure;
+    }
+    return sent;
+  }
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.timeout_ms);
   while (true) {
