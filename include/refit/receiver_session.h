@@ -101,7 +101,8 @@ struct ReceiverSessionOptions {
   /// flight.
   size_t remembered_transfers = 1024;
   /// A hook for tracing and tests: called on the apply thread, without the session lock, before
-  /// each payload is decoded and applied. It must not call into the session.
+  /// each payload is applied (it may have been decoded already). It must not call into the
+  /// session.
   std::function<void(const PayloadIds&)> before_apply;
 
   /// Engine hooks (docs/architecture.md, "Layers": node/), for a receiver whose store is the memory
@@ -130,6 +131,12 @@ struct ReceiverSessionOptions {
   /// hashed per element. Payloads are still applied one at a time, in arrival order.
   /// 1 to kMaxApplyThreads.
   int apply_threads = 4;
+  /// Decode (validate, checksum, decompress) the next queued payload on a thread of its own
+  /// while the apply thread applies this one, so that a payload's decode and the previous one's
+  /// apply overlap. Costs one decompressed payload body of memory; the results are the same
+  /// either way (payloads still apply one at a time, in arrival order). false: the apply thread
+  /// decodes each payload itself, as a one-core receiver would.
+  bool decode_ahead = true;
 
   /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes
   /// no progress for this long is aborted and rolled back by the session itself, so a producer

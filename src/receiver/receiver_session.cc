@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -29,6 +30,10 @@ constexpr size_t kMaxNamedMissingPayloads = 8;
 
 /// The OS name of the apply thread (Linux keeps at most 15 bytes).
 constexpr const char* kApplyThreadName = "refit-apply";
+constexpr const char* kDecodeThreadName = "refit-decode";
+// Payloads the decode thread decodes ahead of the one being applied: one overlaps the decode of
+// the next payload with the apply of this one, and holds one extra decompressed body.
+constexpr size_t kDecodeAhead = 1;
 
 using Clock = std::chrono::steady_clock;
 
@@ -80,10 +85,22 @@ Status CheckDigestNamesKnown(const WeightStore& store, const TransferExpectation
   return Status::OK();
 }
 
+/// A staged payload's bytes and their decode, which the decode thread may do ahead of the apply
+/// (validation, checksum, decompression: the part of a payload's work that does not touch the
+/// store). Shared: a thread decoding it keeps it alive when an abort empties the queue.
+struct PayloadWork {
+  /// Guarded by the session's mutex: who decodes it, and whether that is done.
+  enum class Decode : uint8_t { kPending, kRunning, kDone };
+  Decode decode = Decode::kPending;
+  /// Written by the thread that set kRunning, without the lock; read once kDone.
+  std::vector<std::byte> bytes;
+  std::optional<Result<DecodedPayload>> decoded;
+};
+
 /// One staged payload waiting for the apply thread.
 struct QueuedPayload {
   PayloadIds ids;
-  std::vector<std::byte> bytes;
+  std::shared_ptr<PayloadWork> work;
 };
 
 /// Everything the apply thread learns from one payload.
@@ -375,29 +392,81 @@ struct ReceiverSession::Impl {
     }
     transfer->staged.emplace(key, header.checksum);
     ++transfer->staged_per_producer[ids.producer_id];
-    queue.push_back(QueuedPayload{ids, std::move(payload)});
+    auto staged_work = std::make_shared<PayloadWork>();
+    staged_work->bytes = std::move(payload);
+    queue.push_back(QueuedPayload{ids, std::move(staged_work)});
     work.notify_one();
+    decode_work.notify_one();
     return StageResult::kAccepted;
   }
 
   // ---- Apply thread. --------------------------------------------------------------------------
 
+  // Decode `work` unless another thread is on it, and wait until it is decoded. Called by the
+  // apply thread, with the lock, for the payload it is about to apply.
+  void DecodeForApplyLocked(std::unique_lock<std::mutex>& lock, PayloadWork& payload) {
+    if (payload.decode == PayloadWork::Decode::kPending) {
+      payload.decode = PayloadWork::Decode::kRunning;
+      lock.unlock();
+      payload.decoded = DecodePayload(payload.bytes, options.limits);
+      lock.lock();
+      payload.decode = PayloadWork::Decode::kDone;
+      return;
+    }
+    // The decode thread finishes what it started (a bounded decode), whatever stop says.
+    decoded.wait(lock, [&] { return payload.decode == PayloadWork::Decode::kDone; });
+  }
+
   ApplyOutcome ApplyOne(QueuedPayload& payload) {
     if (options.before_apply) options.before_apply(payload.ids);
     ApplyOutcome outcome;
-    Result<DecodedPayload> decoded = DecodePayload(payload.bytes, options.limits);
-    if (!decoded.ok()) {
-      outcome.status = decoded.status();
+    PayloadWork& staged = *payload.work;
+    if (!staged.decoded->ok()) {
+      outcome.status = staged.decoded->status();
       return outcome;
     }
-    for (const ItemView& item : decoded->items()) {
+    const DecodedPayload& decoded_payload = **staged.decoded;
+    for (const ItemView& item : decoded_payload.items()) {
       ++outcome.items;
       outcome.changed_elements += item.count;
     }
     // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
     // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
-    outcome.status = ApplyPayload(*decoded, store, &undo, &payload.bytes, options.apply_threads);
+    outcome.status =
+        ApplyPayload(decoded_payload, store, &undo, &staged.bytes, options.apply_threads);
     return outcome;
+  }
+
+  // The decode thread: decode the first queued payload nobody has started, so that the next
+  // payload is decoded while the apply thread applies this one. Nothing it does touches the
+  // store; a payload it decodes is applied (or dropped by an abort) by the apply thread.
+  void RunDecodeAhead(const std::stop_token& stop) {
+    internal::NameCurrentThread(kDecodeThreadName);
+    std::unique_lock lock(mutex);
+    while (!stop.stop_requested()) {
+      std::shared_ptr<PayloadWork> next;
+      // At most kDecodeAhead queued payloads decoded (or being decoded) ahead of the apply:
+      // each holds its decompressed body until it is applied.
+      const auto pending = [&] {
+        size_t ahead = 0;
+        for (const QueuedPayload& queued : queue) {
+          if (queued.work->decode != PayloadWork::Decode::kPending) {
+            if (++ahead == kDecodeAhead) return false;
+            continue;
+          }
+          next = queued.work;
+          return true;
+        }
+        return false;
+      };
+      if (!decode_work.wait(lock, stop, pending)) break;
+      next->decode = PayloadWork::Decode::kRunning;
+      lock.unlock();
+      next->decoded = DecodePayload(next->bytes, options.limits);
+      lock.lock();
+      next->decode = PayloadWork::Decode::kDone;
+      decoded.notify_all();
+    }
   }
 
   void RunApply(const std::stop_token& stop) {
@@ -422,6 +491,7 @@ struct ReceiverSession::Impl {
       }
       QueuedPayload payload = std::move(queue.front());
       queue.pop_front();
+      decode_work.notify_one();  // Room to decode the next one ahead.
       // Every queued payload belongs to the open transfer: Abort empties the queue before the
       // transfer ends, and only the open transfer's payloads are staged.
       REFIT_DCHECK(transfer && transfer->id == payload.ids.transfer_id,
@@ -429,6 +499,14 @@ struct ReceiverSession::Impl {
       progress.notify_all();                      // Room in the queue.
       if (!transfer->first_error.ok()) continue;  // Nothing applies after the first error.
       applying = true;
+      // Decoded by the decode thread while the previous payload applied, or now (the lock is
+      // let go meanwhile: an abort may have begun, and then this payload is not applied).
+      DecodeForApplyLocked(lock, *payload.work);
+      if (transfer->aborting) {
+        applying = false;
+        progress.notify_all();
+        continue;
+      }
       const bool first_apply = !std::exchange(transfer->apply_started, true);
       lock.unlock();
       // Abort waits for `applying` to clear, so the transfer is still open during the hook.
@@ -741,6 +819,10 @@ struct ReceiverSession::Impl {
   /// Everything else waits here for progress: room in the queue, a payload applied, a transfer
   /// flushed or ended.
   std::condition_variable_any progress;
+  /// The decode thread waits here for a payload to decode ahead; the apply thread waits on
+  /// `decoded` for the decode thread to finish the payload it needs.
+  std::condition_variable_any decode_work;
+  std::condition_variable_any decoded;
 
   /// The committed version (mirrors store.version(), readable without touching the store).
   uint64_t version = 0;
@@ -765,8 +847,18 @@ struct ReceiverSession::Impl {
   std::map<std::array<uint8_t, 16>, Outcome> finished;
   std::deque<std::array<uint8_t, 16>> finished_order;
 
-  /// Declared last: it starts after every member it uses is constructed, and stops first.
+  /// Stop and join the apply and decode threads (either may not have started). The decode
+  /// thread finishes a decode it started; the apply thread a payload it applies.
+  void StopThreads() {
+    for (std::jthread* thread : {&apply_thread, &decode_thread}) thread->request_stop();
+    for (std::jthread* thread : {&apply_thread, &decode_thread}) {
+      if (thread->joinable()) thread->join();
+    }
+  }
+
+  /// Declared last: they start after every member they use is constructed, and stop first.
   std::jthread apply_thread;
+  std::jthread decode_thread;
 };
 
 ReceiverSession::ReceiverSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -796,16 +888,21 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
   try {
     impl->apply_thread =
         std::jthread([raw = impl.get()](const std::stop_token& stop) { raw->RunApply(stop); });
+    if (options.decode_ahead) {
+      impl->decode_thread = std::jthread(
+          [raw = impl.get()](const std::stop_token& stop) { raw->RunDecodeAhead(stop); });
+    }
   } catch (const std::system_error& error) {
-    return ResourceExhausted("receiver session: cannot start the apply thread: {}", error.what());
+    impl->StopThreads();
+    return ResourceExhausted("receiver session: cannot start the apply and decode threads: {}",
+                             error.what());
   }
   // Not make_unique: the constructor is private.
   return std::unique_ptr<ReceiverSession>(new ReceiverSession(std::move(impl)));
 }
 
 ReceiverSession::~ReceiverSession() {
-  impl_->apply_thread.request_stop();
-  impl_->apply_thread.join();
+  impl_->StopThreads();
   // The apply thread is gone, so nothing else touches the store or the undo log.
   std::lock_guard lock(impl_->mutex);
   if (!impl_->transfer) return;

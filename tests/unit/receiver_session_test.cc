@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stop_token>
 #include <thread>
 #include <utility>
@@ -437,6 +438,51 @@ TEST_F(ReceiverSessionTest, CorruptPayloadFailsTheFlushAndAbortRestores) {
   ASSERT_OK(session->Commit(retry.id));
   CommitTrainer(retry);
   ExpectStoreHolds(current_);
+}
+
+// Decode-ahead (the next payload decoded while this one applies) changes when a payload is
+// decoded, never what is applied: with it on or off, a flushed transfer holds the same bits, an
+// abort after the flush restores the base, and a corrupt payload among many fails the flush and
+// leaves nothing applied after it.
+TEST_F(ReceiverSessionTest, DecodeAheadOnOrOffAppliesTheSameBitsAndRollsBackTheSame) {
+  std::optional<StoreSnapshot> flushed_with_other;
+  for (const bool decode_ahead : {false, true}) {
+    SCOPED_TRACE(decode_ahead ? "decode-ahead on" : "decode-ahead off");
+    ReceiverSessionOptions options;
+    options.decode_ahead = decode_ahead;
+    options.apply_threads = 2;
+    auto session = MakeSession(options);
+    ASSERT_NE(session, nullptr);
+    const StoreSnapshot before = TakeSnapshot(*store_);
+    const Step step = EncodeStep(7, /*producers=*/2, /*spans=*/4);
+    ASSERT_GE(step.payloads.size(), 6u);
+    ASSERT_OK(session->Prepare(Request(step)));
+    for (const auto& payload : step.payloads) ASSERT_OK(session->Stage(payload));
+    ASSERT_OK(session->Flush(step.id, Generous()));
+    const StoreSnapshot flushed = TakeSnapshot(*store_);
+    if (flushed_with_other) {
+      EXPECT_EQ(flushed, *flushed_with_other);
+    }
+    flushed_with_other = flushed;
+    ASSERT_OK(session->Abort(step.id));
+    EXPECT_EQ(TakeSnapshot(*store_), before);
+    ASSERT_OK(tracker_->Abort(step.id));
+
+    const Step corrupt_step = EncodeStep(8, 2, 4);
+    const size_t middle = corrupt_step.payloads.size() / 2;
+    ASSERT_OK(session->Prepare(Request(corrupt_step)));
+    for (size_t i = 0; i < corrupt_step.payloads.size(); ++i) {
+      std::vector<std::byte> payload = corrupt_step.payloads[i];
+      if (i == middle) payload.back() ^= std::byte{0x01};
+      // Stage may refuse payloads after the corrupt one once its error is known.
+      (void)session->Stage(std::move(payload));
+    }
+    EXPECT_STATUS_MSG(DataLoss, "checksum", session->Flush(corrupt_step.id, Generous()));
+    EXPECT_LE(session->GetStatus().applied_payloads, middle);
+    ASSERT_OK(session->Abort(corrupt_step.id));
+    EXPECT_EQ(TakeSnapshot(*store_), before);
+    ASSERT_OK(tracker_->Abort(corrupt_step.id));
+  }
 }
 
 TEST_F(ReceiverSessionTest, FlushTimesOutNamingTheMissingPayloadAndStaysOpen) {
