@@ -22,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <random>
 #include <thread>
 #include <unordered_map>
@@ -209,16 +210,24 @@ Entropy MeasureEntropy(const std::vector<Item>& items) {
   return {EntropyBits(gaps, total) / 8, EntropyBits(values, total) / 8};
 }
 
-nlohmann::json BenchEncodeApply(const Args& args) {
+// The simulated bf16 model of the encode/apply and receiver sections; null (said on stderr) when
+// it cannot be made.
+std::unique_ptr<TrainingSimulator> MakeSimulator(const Args& args) {
   SimulatorOptions sim_options;
   sim_options.tensors = MakeTransformerSpec(args.model_bytes, DType::kBFloat16);
   sim_options.threads = 2;
   auto simulator = TrainingSimulator::Make(sim_options);
   if (!simulator.ok()) {
     std::cerr << simulator.status().ToString() << "\n";
-    return {};
+    return nullptr;
   }
-  TrainingSimulator& sim = **simulator;
+  return std::move(simulator).ValueOrDie();
+}
+
+nlohmann::json BenchEncodeApply(const Args& args) {
+  std::unique_ptr<TrainingSimulator> simulator = MakeSimulator(args);
+  if (simulator == nullptr) return {};
+  TrainingSimulator& sim = *simulator;
   std::cout << "== encode / apply: simulated bf16 model " << FormatBytes(sim.exported_bytes())
             << " (" << sim.Exported().size() << " tensors), Adam + RNE export, 1 thread\n";
   auto tracker = std::move(DeltaTracker::Make({})).ValueOrDie();
@@ -457,15 +466,9 @@ nlohmann::json BenchMemory(const Args& args) {
 constexpr uint64_t kReceiverBucketBytes = uint64_t{1} << 20;
 
 nlohmann::json BenchReceiver(const Args& args) {
-  SimulatorOptions sim_options;
-  sim_options.tensors = MakeTransformerSpec(args.model_bytes, DType::kBFloat16);
-  sim_options.threads = 2;
-  auto simulator = TrainingSimulator::Make(sim_options);
-  if (!simulator.ok()) {
-    std::cerr << simulator.status().ToString() << "\n";
-    return {};
-  }
-  TrainingSimulator& sim = **simulator;
+  std::unique_ptr<TrainingSimulator> simulator = MakeSimulator(args);
+  if (simulator == nullptr) return {};
+  TrainingSimulator& sim = *simulator;
   std::vector<OwnedTensor> base;
   for (const TensorView& t : sim.Exported()) {
     base.push_back(OwnedTensor{t.name, t.dtype, t.shape, {t.bytes.begin(), t.bytes.end()}});
