@@ -122,6 +122,12 @@ struct ControlServerOptions {
   size_t max_connections_per_peer = 64;
   /// Open connections in all (plain HTTP); more are answered 503 and closed at accept.
   size_t max_connections = 1024;
+  /// Called by POST /v1/prepare, before the session opens the transfer, with the relay tree the
+  /// prepare names (PrepareRequest::relay_tree): the data plane's Listener::RouteTransfer. An
+  /// error fails the prepare with it. Null (a data plane without relays): a prepare that names a
+  /// tree is refused.
+  std::function<Status(const TransferId& transfer_id, const RelayTree& tree)> route_transfer =
+      nullptr;
 };
 
 /// Serves the control plane of one receiver over HTTP(S), on its own threads.

@@ -62,9 +62,12 @@ struct CoordinatedReceiver {
   ReceiverControl* control = nullptr;
   /// The replica (one whole copy of the model) this receiver is part of, and its place in it,
   /// e.g. one tensor-parallel rank of a generation engine. The receivers of one replica are
-  /// verified together. Default: a replica of its own. (Last, with an initializer, so that
+  /// verified together. Default: a replica of its own. (With an initializer, so that
   /// `CoordinatedReceiver{name, control}` stays valid.)
   ReplicaPlace place = {};
+  /// The relay tree this receiver's share of every transfer takes (transports with
+  /// fan_out_tree), sent with its prepare; nullopt: none is named (the receiver's static peers).
+  std::optional<RelayTree> relay_tree = std::nullopt;
 };
 
 /// What a producer's channel is opened for.

@@ -56,6 +56,19 @@ struct TransferExpectation {
   friend bool operator==(const TransferExpectation&, const TransferExpectation&) = default;
 };
 
+/// The relay tree one transfer's payloads take through a set of receivers (transports with
+/// fan_out_tree, docs/protocol.md "Relay trees"), named by the coordinator in each receiver's
+/// Prepare, so that receivers need no static peers list: every member's data endpoint in tree
+/// order (the sender's SenderContext::endpoints), and the position of the receiver told. A
+/// producer's root is endpoints[producer_id % n]; every relay forwards to its binary-heap
+/// children below that root.
+struct RelayTree {
+  std::vector<std::string> endpoints;
+  uint32_t position = 0;
+
+  friend bool operator==(const RelayTree&, const RelayTree&) = default;
+};
+
 /// The argument of Prepare.
 struct PrepareRequest {
   TransferId transfer_id;
@@ -66,8 +79,11 @@ struct PrepareRequest {
   /// The transfer is an anchor: every element of every tensor is sent in FULL, so it does not
   /// depend on what the receiver holds, and an idle receiver at any version accepts it. A
   /// receiver that restarted from an older checkpoint, or fell behind, rejoins this way.
-  /// (Last, with an initializer, so that `PrepareRequest{id, base, expected}` stays valid.)
+  /// (With an initializer, so that `PrepareRequest{id, base, expected}` stays valid.)
   bool anchor = false;
+  /// The relay tree this transfer's payloads take through this receiver (transports with
+  /// fan_out_tree), named by the coordinator; nullopt: the receiver's static peers list, if any.
+  std::optional<RelayTree> relay_tree = std::nullopt;
 };
 
 /// What Prepare did.
@@ -128,11 +144,10 @@ struct ReplicaPlace {
   friend bool operator==(const ReplicaPlace&, const ReplicaPlace&) = default;
 };
 
-/// Where a receiver's data plane sits in its relay tree (transports with fan_out_tree): its
-/// index in the peers list it was given, and that list's length (1 without peers: a tree of its
-/// own). Reported by the control plane, so that a publisher refuses at once a fleet whose
-/// receivers were given other trees than the one it sends to (the ones outside would never get
-/// a payload, and the sync would wait for its lease).
+/// Where a receiver's data plane sits in its static relay tree (transports with fan_out_tree):
+/// its index in the peers list it was given, and that list's length (1 without peers: a tree of
+/// its own). Reported by the control plane, for operators; a transfer whose Prepare names its
+/// RelayTree takes that tree instead.
 struct RelayPlace {
   uint32_t index = 0;
   uint32_t relays = 1;

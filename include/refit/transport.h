@@ -323,6 +323,14 @@ class Listener {
   /// payload; the sink's refusal.
   virtual Result<ManifestDelivery> AcceptManifest(std::string_view manifest, std::stop_token stop);
 
+  /// Forward the payloads and stream ends of `transfer_id` along `tree` (transports with
+  /// fan_out_tree): this listener is the relay at tree.position, and its children below each
+  /// root are its heap children in tree.endpoints. Called at Prepare, before any payload of the
+  /// transfer can arrive; a transfer no tree was named for takes the static
+  /// ListenerContext::peers. Relays remember the trees of their most recent transfers.
+  /// Errors: InvalidArgument (a transport without relays; a malformed tree).
+  virtual Status RouteTransfer(const TransferId& transfer_id, const RelayTree& tree);
+
   virtual ListenerStats stats() const = 0;
   virtual const std::string& endpoint() const = 0;
 };

@@ -511,8 +511,27 @@ def test_extension_refuses_device_memory_and_bad_options():
         worker_class(0, build_module(LOCAL, seed=3)).refit_start({"canonical_shape": {}})
     with pytest.raises(refit.InvalidArgument, match="canonical_shapes"):
         worker_class(0, build_module(LOCAL, seed=3)).refit_start({})  # TP=2 without a loader
-    with pytest.raises(refit.InvalidArgument, match="needs peers"):
-        worker_class(0, build_module(LOCAL, seed=3)).refit_start(OPTIONS)  # a TP=2 tree without peers
+
+
+def test_tp2_workers_on_free_ports_without_peers_refit(trainer):
+    # No refit_reserve and no peers: each transfer's prepare names the relay tree, in the order
+    # receivers_of lists the workers (replica, DP rank, TP rank).
+    worker_class = make_worker_class()
+    workers = [worker_class(rank, build_module(LOCAL, seed=70 + rank)) for rank in range(TP)]
+    llm = FakeLLM(workers)
+    infos = llm.collective_rpc("refit_start", kwargs={"options": OPTIONS})
+    try:
+        assert all(not info["peers"] for info in infos)
+        publisher = refit.torch.Publisher(receivers=rv.receivers_of(list(reversed(infos))))
+        for step in range(2):
+            if step:
+                perturb(trainer, step)
+            report = publisher.sync(trainer)
+            for rank, worker in enumerate(workers):
+                assert_bit_identical(worker.model_runner.model, trainer, rank)
+            assert llm.collective_rpc("refit_version") == [report.version] * TP
+    finally:
+        llm.collective_rpc("refit_stop")
 
 
 def test_parallel_coordinates_prefer_vllm_state(fake_vllm):

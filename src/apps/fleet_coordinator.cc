@@ -85,8 +85,13 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
          }});
   }
   std::vector<CoordinatedReceiver> receivers;
-  for (const std::unique_ptr<ControlClient>& client : fleet->clients_) {
-    receivers.push_back({client->base_url(), client.get()});
+  const bool relays = fleet->transport_->capabilities().fan_out_tree;
+  for (size_t r = 0; r < fleet->clients_.size(); ++r) {
+    receivers.push_back({fleet->clients_[r]->base_url(), fleet->clients_[r].get()});
+    // Every transfer names its relay tree: the receivers in the order given, as the senders
+    // pick their roots (receivers need no peers list).
+    if (relays)
+      receivers.back().relay_tree = RelayTree{fleet->endpoints_, static_cast<uint32_t>(r)};
   }
   FleetCoordinator* self = fleet.get();
   ChannelFactory channels =

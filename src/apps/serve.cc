@@ -465,8 +465,9 @@ void RegisterServe(CLI::App& app, Status* result) {
       ->capture_default_str();
   cmd->add_option("--data-port", settings->data_port, "Data port (required)");
   cmd->add_option("--peers", settings->peers,
-                  "Every relay's data endpoint host:port in tree order, the same on every "
-                  "receiver, this one's included (default: this receiver alone)")
+                  "A static relay tree, only for coordinators that name none (refit push and "
+                  "Publisher name each transfer's tree): every relay's data endpoint host:port "
+                  "in tree order, this one's included (default: none)")
       ->delimiter(',');
   cmd->add_option("--transport", settings->transport_uri,
                   "Data-plane transport URI with its parameters, e.g. zmq://?timeout_ms=5000")

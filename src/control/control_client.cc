@@ -469,6 +469,7 @@ Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   body["base_version"] = request.base_version;
   if (request.anchor) body["anchor"] = true;
   internal::PutExpectation(request.expected, body);
+  if (request.relay_tree.has_value()) internal::PutRelayTree(*request.relay_tree, body);
   REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));
   const JsonFields fields(reply, "prepare reply");
   PrepareResult result;

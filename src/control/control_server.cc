@@ -436,6 +436,18 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
     REFIT_ASSIGN_OR_RETURN(request.anchor, body.Bool("anchor"));
   }
   REFIT_ASSIGN_OR_RETURN(request.expected, internal::GetExpectation(body));
+  REFIT_ASSIGN_OR_RETURN(request.relay_tree, internal::GetRelayTree(body));
+  if (request.relay_tree.has_value()) {
+    if (!options.route_transfer) {
+      return InvalidArgument(
+          "prepare of transfer {} names a relay tree of {} receiver(s), but this receiver's data "
+          "plane has no relays (only zmq:// does)",
+          request.transfer_id.ToHex(), request.relay_tree->endpoints.size());
+    }
+    // Routed before the session opens the transfer: once it is open, payloads may arrive, and a
+    // relay must know where to forward them.
+    REFIT_RETURN_NOT_OK(options.route_transfer(request.transfer_id, *request.relay_tree));
+  }
   std::unique_lock lock(store_access);
   if (options.catch_up && !request.anchor) {
     const ReceiverStatus now = session.GetStatus();

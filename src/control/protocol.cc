@@ -5,6 +5,9 @@
 #include <array>
 #include <charconv>
 #include <limits>
+#include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -285,6 +288,47 @@ void PutExpectation(const TransferExpectation& expected, Json& body) {
     for (const auto& [name, digest] : expected.digests) digests[name] = DigestToHex(digest);
     body["expected_digests"] = std::move(digests);
   }
+}
+
+void PutRelayTree(const RelayTree& tree, Json& body) {
+  body["relay_tree"] = Json{{"endpoints", tree.endpoints}, {"position", tree.position}};
+}
+
+Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body) {
+  const Json* value = body.Find("relay_tree");
+  if (value == nullptr) return std::optional<RelayTree>();
+  const JsonFields fields(*value, body.Name("relay_tree"));
+  constexpr std::array<std::string_view, 2> kTreeFields = {"endpoints", "position"};
+  REFIT_RETURN_NOT_OK(fields.CheckObject(kTreeFields));
+  const Json* endpoints = fields.Find("endpoints");
+  const std::string where = fields.Name("endpoints");
+  if (endpoints == nullptr) return InvalidArgument("{} is missing", where);
+  if (!endpoints->is_array() || endpoints->empty() || endpoints->size() > kMaxRelayTreeEndpoints) {
+    return InvalidArgument("{} must be a list of 1 to {} data endpoints, got {}{}", where,
+                           kMaxRelayTreeEndpoints, JsonTypeName(*endpoints),
+                           endpoints->is_array() ? fmt::format(" of {}", endpoints->size()) : "");
+  }
+  RelayTree tree;
+  std::set<std::string_view> seen;
+  for (size_t i = 0; i < endpoints->size(); ++i) {
+    const Json& endpoint = (*endpoints)[i];
+    if (!endpoint.is_string() || endpoint.get_ref<const std::string&>().empty()) {
+      return InvalidArgument("{}[{}] must be a non-empty data endpoint, got {}", where, i,
+                             DumpJson(endpoint));
+    }
+    const std::string& text = endpoint.get_ref<const std::string&>();
+    if (!seen.insert(text).second) {
+      return InvalidArgument("{} names '{}' twice: a relay would forward to it twice", where, text);
+    }
+    tree.endpoints.push_back(text);
+  }
+  REFIT_ASSIGN_OR_RETURN(const uint64_t position, fields.Uint("position"));
+  if (position >= tree.endpoints.size()) {
+    return InvalidArgument("{} is {}, not a position among its {} endpoints",
+                           fields.Name("position"), position, tree.endpoints.size());
+  }
+  tree.position = static_cast<uint32_t>(position);
+  return std::optional<RelayTree>(std::move(tree));
 }
 
 Result<TransferExpectation> GetExpectation(const JsonFields& body) {

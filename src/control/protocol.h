@@ -115,9 +115,19 @@ void PutExpectation(const TransferExpectation& expected, Json& body);
 /// Read what PutExpectation wrote. Errors: InvalidArgument naming the field.
 Result<TransferExpectation> GetExpectation(const JsonFields& body);
 
+/// Write `tree` as "relay_tree": {"endpoints": [...], "position": n} into `body`.
+void PutRelayTree(const RelayTree& tree, Json& body);
+/// Read what PutRelayTree wrote, if present: at most kMaxRelayTreeEndpoints endpoints, each a
+/// non-empty string, none twice, and a position among them. Errors: InvalidArgument naming the
+/// field.
+Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body);
+/// The most receivers one relay tree names: far more than a fleet has, few enough that a prepare
+/// cannot make a relay hold an unbounded list.
+inline constexpr size_t kMaxRelayTreeEndpoints = size_t{1} << 16;
+
 /// The request fields of each route (what CheckObject accepts).
-inline constexpr std::array<std::string_view, 5> kPrepareFields = {
-    "transfer_id", "base_version", "anchor", "expected", "expected_digests"};
+inline constexpr std::array<std::string_view, 6> kPrepareFields = {
+    "transfer_id", "base_version", "anchor", "expected", "expected_digests", "relay_tree"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};

@@ -627,45 +627,6 @@ Result<SyncReport> PublisherRank::Lead(const ChunkSource& source, bool force_anc
   return led;
 }
 
-namespace {
-
-// A relay tree is the peers list each receiver was given: payloads go to one root, and relays
-// forward only to the peers they know. A receiver given another list (or none: a tree of its
-// own) than the fleet this publisher names would never get a payload, and the sync would wait
-// for the flush timeout; so it is refused here, before anything is sent. The check is on
-// positions, not on names: a receiver may be named by another host name than its peers use.
-Status CheckRelayPlace(const std::string& control_url, const std::optional<RelayPlace>& relay,
-                       size_t position, const std::vector<std::string>& fleet) {
-  const auto fix = [&] {
-    return fmt::format(
-        "give every receiver the same peers list, the data endpoints in the order this publisher "
-        "names the receivers ([{}]; Python: Receiver(peers=…), refit serve --peers)",
-        fmt::join(fleet, ", "));
-  };
-  if (!relay.has_value()) {
-    return FailedPrecondition(
-        "receiver {} reports no relay place (a refit older than relay places, or a data plane "
-        "without relays): this zmq:// fleet of {} cannot be checked; {}",
-        control_url, fleet.size(), fix());
-  }
-  if (relay->relays != fleet.size()) {
-    return FailedPrecondition(
-        "receiver {} (data endpoint {}) is in a relay tree of {} receiver{}, but this publisher "
-        "sends to {}: the receivers outside its tree would never get a payload; {}",
-        control_url, fleet[position], relay->relays, relay->relays == 1 ? "" : "s", fleet.size(),
-        fix());
-  }
-  if (relay->index != position) {
-    return FailedPrecondition(
-        "receiver {} (data endpoint {}) is relay {} of its tree, but this publisher names it "
-        "receiver {}: {}",
-        control_url, fleet[position], relay->index, position, fix());
-  }
-  return Status::OK();
-}
-
-}  // namespace
-
 Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool force_anchor) {
   // The fleet as it is now: where each receiver sits (replica, shard) and what it holds. Asked
   // at every Sync, so a receiver that restarted or a group that changed is seen at once.
@@ -699,9 +660,6 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
     Result<ControlStatus> status = client->GetStatus();
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
-    if (caps.fan_out_tree) {
-      REFIT_RETURN_NOT_OK(CheckRelayPlace(link.base_url, status->relay, r, fleet));
-    }
     versions.push_back(status->receiver.version);
     if (status->receiver.needs_anchor && !force_anchor) {
       REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
@@ -710,6 +668,14 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     }
     receivers.push_back({link.base_url, client.get(), status->place});
     clients.push_back(std::move(client));
+  }
+  if (caps.fan_out_tree) {
+    // Every transfer names its relay tree in each receiver's prepare: the fleet as this
+    // publisher lists it, which is also the order its producers pick their roots in. Receivers
+    // need no peers list of their own, and one that joins or leaves changes the next tree.
+    for (size_t r = 0; r < receivers.size(); ++r) {
+      receivers[r].relay_tree = RelayTree{fleet, static_cast<uint32_t>(r)};
+    }
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions));
   CoordinatorOptions coordinator_options;

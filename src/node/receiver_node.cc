@@ -181,6 +181,13 @@ Status ReceiverNode::Impl::Start() {
         static_cast<uint32_t>(self == options.peers.end() ? 0 : self - options.peers.begin()),
         static_cast<uint32_t>(std::max<size_t>(options.peers.size(), 1))};
   }
+  if (caps.fan_out_tree) {
+    // Each transfer's prepare names the relay tree its payloads take; the listener exists by
+    // the time the control plane serves a prepare (it starts after the data plane).
+    control.route_transfer = [this](const TransferId& transfer_id, const RelayTree& tree) {
+      return listener->RouteTransfer(transfer_id, tree);
+    };
+  }
   if (!options.bootstrap_uri.empty()) {
     // Fallen behind (the fleet moved on while this receiver was cut off): replay the chain's
     // deltas through the live session, then take the prepare.

@@ -364,7 +364,9 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     Failures failures;
     ForEachConcurrently(receivers.size(), [&](size_t r) {
       report.receivers[r].name = receivers[r].name;
-      Result<PrepareResult> prepared = receivers[r].control->Prepare(prepare);
+      PrepareRequest mine = prepare;
+      mine.relay_tree = receivers[r].relay_tree;
+      Result<PrepareResult> prepared = receivers[r].control->Prepare(mine);
       if (!prepared.ok()) {
         failures.Add(receivers[r].name, prepared.status());
       } else {

@@ -220,6 +220,13 @@ Result<ManifestDelivery> Listener::AcceptManifest(std::string_view /*manifest*/,
       Printable(endpoint()));
 }
 
+Status Listener::RouteTransfer(const TransferId& transfer_id, const RelayTree& tree) {
+  return InvalidArgument(
+      "listener at '{}' has no relays to route transfer {} through a tree of {} receiver(s): "
+      "only zmq:// forwards payloads",
+      Printable(endpoint()), transfer_id.ToHex(), tree.endpoints.size());
+}
+
 Result<StageResult> SessionSink::Deliver(std::vector<std::byte> payload, std::stop_token stop) {
   return session_.Stage(std::move(payload), std::move(stop));
 }

@@ -555,9 +555,11 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("reply kind as a request", [PROTOCOL, b"ACK", key, root, good()],
                       INVALID_ARGUMENT, "kind 'ACK'")
 
-    # Access: the key, then the root index, checked before a byte of the payload is read. So the
-    # refusal names no ids (the sender takes it as the answer to its one outstanding request),
-    # and a payload that would fail the header check gets the access error, not the header's.
+    # Access: the key, and that a root index is given, checked before a byte of the payload is
+    # read. So the refusal names no ids (the sender takes it as the answer to its one outstanding
+    # request), and a payload that would fail the header check gets the access error, not the
+    # header's. The root index's range depends on the transfer's relay tree, so it is checked
+    # once the header named the transfer, and that refusal names the payload's ids.
     # A missing key and a wrong one are told apart (as the control plane's 401 and 403 are).
     for name, wrong, reason in [("missing api key", b"", "no api key"),
                                 ("wrong api key", b"x" * len(key), "wrong api key"),
@@ -567,16 +569,15 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("garbage payload without the api key",
                       data_request(secrets.token_bytes(300), key=b""), PERMISSION_DENIED,
                       "no api key")
-    receiver.expect_nack("root index out of range", data_request(good(), root=1), INVALID_ARGUMENT,
-                      "root relay index")
-    receiver.expect_nack("root index of 2^32-1", data_request(good(), root=0xFFFFFFFF),
-                      INVALID_ARGUMENT, "root relay index")
     payload = good()
+    receiver.expect_nack("root index out of range", data_request(payload, root=1), INVALID_ARGUMENT,
+                      "root relay index 1 is not one of 1 relays", key=reply_key(payload))
+    receiver.expect_nack("root index of 2^32-1", data_request(payload, root=0xFFFFFFFF),
+                      INVALID_ARGUMENT, "root relay index", key=reply_key(payload))
     receiver.expect_nack("root index of 3 bytes", data_request(payload)[:3] + [b"\0\0\0", payload],
                       INVALID_ARGUMENT, "root relay index")
     receiver.expect_nack("garbage payload with a bad root index",
-                      data_request(secrets.token_bytes(300), root=1), INVALID_ARGUMENT,
-                      "root relay index")
+                      data_request(secrets.token_bytes(300), root=1), DATA_LOSS, "")
 
     # Payloads that fail the header check: NACKed without ids (the header cannot be trusted).
     tid = secrets.token_bytes(16)
@@ -648,7 +649,7 @@ def test_malformed_frames(receiver):
                       [PROTOCOL, b"FLUSH", b"", root, bytes(15), root, root], PERMISSION_DENIED,
                       "no api key")
     receiver.expect_nack("FLUSH with a bad root", flush_request(tid, 0, 1, root=7), INVALID_ARGUMENT,
-                      "root relay index")
+                      "root relay index 7", key=(tid.hex().encode(), struct.pack("<I", 0), b""))
     # The coordinator prepares every receiver before producers stream: a stream end of a transfer
     # the receiver does not have open is refused, and seals nothing (see test_open_transfer).
     flush_key = (tid.hex().encode(), struct.pack("<I", 0), b"")

@@ -429,6 +429,36 @@ TEST_F(ControlServerTest, StatusReportsTheRelayPlace) {
   EXPECT_EQ(ControlStatusToJson(status).find("relay"), std::string::npos);
 }
 
+// A prepare that names a relay tree hands it to the data plane (route_transfer) before the
+// session opens the transfer; the client sends the tree it is given; a refusal of the data plane
+// fails the prepare and opens nothing.
+TEST_F(ControlServerTest, PrepareHandsItsRelayTreeToTheDataPlane) {
+  ControlServerOptions options = DefaultOptions();
+  std::vector<std::pair<TransferId, RelayTree>> routed;
+  bool refuse = false;
+  options.route_transfer = [&](const TransferId& id, const RelayTree& tree) -> Status {
+    // Routed before the transfer is open.
+    EXPECT_NE(session_->GetStatus().transfer_id, id);
+    if (refuse) return InvalidArgument("no such relay");
+    routed.emplace_back(id, tree);
+    return Status::OK();
+  };
+  StartServer(options);
+  const Step step = EncodeStep(1);
+  PrepareRequest request = Request(step);
+  request.relay_tree = RelayTree{{"10.0.0.1:5555", "10.0.0.2:5555", "10.0.0.3:5555"}, 1};
+  refuse = true;
+  EXPECT_STATUS_MSG(InvalidArgument, "no such relay", client_->Prepare(request));
+  EXPECT_EQ(session_->GetStatus().state, ReceiverState::kIdle);
+  refuse = false;
+  ASSERT_OK(client_->Prepare(request));
+  ASSERT_EQ(routed.size(), 1u);
+  EXPECT_EQ(routed[0].first, step.id);
+  EXPECT_EQ(routed[0].second, *request.relay_tree);
+  EXPECT_EQ(session_->GetStatus().transfer_id, step.id);
+  ASSERT_OK(client_->Abort(step.id));
+}
+
 TEST_F(ControlServerTest, TensorDownloadEqualsTheStore) {
   StartServer();
   Transfer(EncodeStep(1));
@@ -594,6 +624,24 @@ TEST_F(ControlServerTest, MalformedRequestsAre400NamingTheField) {
            json{{"transfer_id", id}, {"base_version", 0}, {"expected_digests", {{"w", "123"}}}}
                .dump()),
       "expected_digests['w']");
+  const auto prepare_with_tree = [&](const json& tree) {
+    return post(internal::kPreparePath,
+                json{{"transfer_id", id}, {"base_version", 0}, {"relay_tree", tree}}.dump());
+  };
+  expect_400(prepare_with_tree({{"position", 0}}), "relay_tree.endpoints is missing");
+  expect_400(prepare_with_tree({{"endpoints", json::array()}, {"position", 0}}),
+             "relay_tree.endpoints must be a list of 1 to 65536 data endpoints, got array of 0");
+  expect_400(prepare_with_tree({{"endpoints", {"a:1", 7}}, {"position", 0}}),
+             "relay_tree.endpoints[1] must be a non-empty data endpoint, got 7");
+  expect_400(prepare_with_tree({{"endpoints", {"a:1", "a:1"}}, {"position", 0}}),
+             "names 'a:1' twice");
+  expect_400(prepare_with_tree({{"endpoints", {"a:1", "b:2"}}, {"position", 2}}),
+             "relay_tree.position is 2, not a position among its 2 endpoints");
+  expect_400(prepare_with_tree({{"endpoints", {"a:1"}}, {"position", 0}, {"root", 0}}),
+             "unknown field 'root'");
+  // A well-formed tree, to a control plane whose data plane has no relays.
+  expect_400(prepare_with_tree({{"endpoints", {"a:1"}}, {"position", 0}}),
+             "names a relay tree of 1 receiver(s), but this receiver's data plane has no relays");
   expect_400(post(internal::kFlushPath, json{{"transfer_id", id}, {"timeout_ms", "soon"}}.dump()),
              "timeout_ms");
   expect_400(post(internal::kCommitPath, "{}"), "transfer_id");

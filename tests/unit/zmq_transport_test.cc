@@ -374,6 +374,63 @@ TEST_F(ZmqTransportTest, ADuplicateIsStagedOnceAndNotForwardedAgain) {
   for (Receiver& relay : relays) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relay, step));
 }
 
+TEST_F(ZmqTransportTest, RelaysWithoutPeersForwardAlongTheTreeEachTransferNames) {
+  // Four relays started alone (no peers list): each transfer's prepare names its tree, and the
+  // next transfer may name another order or leave a relay out.
+  std::vector<std::string> endpoints;
+  std::vector<Receiver> relays;
+  for (int i = 0; i < 4; ++i) {
+    endpoints.push_back(testing::FreeLoopbackEndpoint());
+    relays.push_back(MakeReceiver(endpoints.back(), {}));
+    ASSERT_NE(relays.back().listener, nullptr);
+  }
+  const auto run = [&](const std::vector<size_t>& members, uint64_t seed, uint32_t producer) {
+    const Step step = EncodeStep(seed, producer);
+    std::vector<std::string> tree;
+    for (const size_t m : members) tree.push_back(endpoints[m]);
+    for (uint32_t position = 0; position < members.size(); ++position) {
+      ASSERT_OK(relays[members[position]].listener->RouteTransfer(step.plan.transfer_id,
+                                                                  RelayTree{tree, position}));
+      Prepare(relays[members[position]], step);
+    }
+    auto sender = SenderFor(step, tree);
+    ASSERT_NE(sender, nullptr);
+    for (uint32_t id = 0; id < step.payloads.size(); ++id) {
+      ASSERT_OK(sender->Send(id, step.payloads[id]));
+    }
+    ASSERT_OK(sender->Finish(step.payloads.size()));
+    for (const size_t m : members) ASSERT_NO_FATAL_FAILURE(FlushCommitAndCheck(relays[m], step));
+    ASSERT_OK(tracker_->Commit(step.plan.transfer_id));
+    model_ = step.model;
+  };
+  // Producer 1's root is tree[1 % 4] = relay 1.
+  ASSERT_NO_FATAL_FAILURE(run({0, 1, 2, 3}, 1, 1));
+  const uint64_t first = relays[0].listener->stats().delivered;
+  for (const Receiver& relay : relays) EXPECT_EQ(relay.listener->stats().delivered, first);
+  // Relay 2 leaves the fleet; the rest in another order. Relay 2 is neither sent nor forwarded
+  // anything of this transfer (it is not prepared for it and would refuse it).
+  ASSERT_NO_FATAL_FAILURE(run({3, 1, 0}, 2, 0));
+  EXPECT_EQ(relays[2].listener->stats().delivered, first);
+  EXPECT_GT(relays[3].listener->stats().delivered, first);
+  for (const Receiver& relay : relays) {
+    EXPECT_EQ(relay.listener->stats().failures, 0u)
+        << relay.listener->stats().last_error.ToString();
+  }
+
+  // A tree a relay cannot take is refused, naming the transfer and what is wrong.
+  const TransferId id = TransferId::Random();
+  Listener& listener = *relays[0].listener;
+  EXPECT_STATUS_MSG(InvalidArgument, "position 2 is not among its 2 endpoints",
+                    listener.RouteTransfer(id, RelayTree{{endpoints[0], endpoints[1]}, 2}));
+  EXPECT_STATUS_MSG(InvalidArgument, "position 0 is not among its 0 endpoints",
+                    listener.RouteTransfer(id, RelayTree{{}, 0}));
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "names " + endpoints[1] + " more than once",
+      listener.RouteTransfer(id, RelayTree{{endpoints[0], endpoints[1], endpoints[1]}, 0}));
+  EXPECT_STATUS_MSG(InvalidArgument, id.ToHex(),
+                    listener.RouteTransfer(id, RelayTree{{endpoints[0], "no-port"}, 0}));
+}
+
 TEST_F(ZmqTransportTest, ConcurrentProducersWithCrossingTreesAllArrive) {
   // Three producers with roots 0, 1 and 2 send at once: each relay is a parent in one tree and a
   // child in another, the case where relays waiting on each other would deadlock.
@@ -472,16 +529,17 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
-  // A root index outside the relay list: NACK, checked before the payload is read, so it names
-  // no ids (the sender takes it as the answer to its request all the same).
+  // A root index outside the transfer's relay tree: NACK. The tree depends on the transfer, so
+  // the index is checked once the header named it; the refusal names the payload's ids.
   client.Send({"refit-zmq/1", "DATA", "", U32(7), payload0});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
   EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kInvalidArgument)));
-  EXPECT_EQ(reply[2], "");
-  EXPECT_EQ(reply[3], "");
-  EXPECT_EQ(reply[4], "");
+  EXPECT_NE(reply[6].find("root relay index 7 is not one of 1 relays"), std::string::npos)
+      << reply[6];
+  EXPECT_EQ(reply[3], U32(0));
+  EXPECT_EQ(reply[4], U32(0));
   // A short root index frame in a FLUSH: NACK.
   client.Send({"refit-zmq/1", "FLUSH", "", "x", std::string(16, '\0'), U32(0), U32(1)});
   reply = client.Receive(kReplyWaitMs);
@@ -866,9 +924,7 @@ TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead
               StatusCode::kPermissionDenied, "a payload with a wrong key");
   expect_nack({"refit-zmq/1", "FLUSH", "", U32(0), "short", U32(0), U32(1)},
               StatusCode::kPermissionDenied, "a malformed FLUSH without the key");
-  // With the key, the root index comes next, and only then the payload header.
-  expect_nack({"refit-zmq/1", "DATA", "open sesame", U32(7), "not a payload at all"},
-              StatusCode::kInvalidArgument, "garbage with the key and a bad root");
+  // With the key, the payload header comes next (its transfer's tree bounds the root index).
   expect_nack({"refit-zmq/1", "DATA", "open sesame", U32(0), "not a payload at all"},
               StatusCode::kDataLoss, "garbage with the key");
   EXPECT_EQ(receiver.listener->stats().delivered, 0u);

@@ -443,13 +443,6 @@ class WorkerRuntime:
                 raise InvalidArgument(
                     f"refit.vllm: this worker's data endpoint {endpoint} is not in peers {peers}"
                 )
-            if not peers and self.tp_size > 1:
-                raise InvalidArgument(
-                    f"refit.vllm: {self.tp_size} TP workers over zmq:// form a relay tree, which needs "
-                    "peers: every receiver's data endpoint in publisher order. Give a fixed data_port "
-                    "(then the engine's workers are the default peers), or call refit_reserve first "
-                    "and pass peers=refit.vllm.peers_of(reservations)"
-                )
             kwargs["peers"] = peers
         kwargs.setdefault("control_host", options.control_host)
         kwargs.setdefault("control_port", options.control_port + index if options.control_port else 0)

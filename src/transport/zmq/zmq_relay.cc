@@ -54,6 +54,9 @@ constexpr size_t kMaxWaitingDuplicates = kMaxRetries + 1;
 constexpr int kMaxQueuedRequests = 2;
 // A forward's job id, which travels with its reply from the forwarding thread to the I/O thread.
 constexpr size_t kJobIdBytes = sizeof(uint64_t);
+// Connections the forwarding thread keeps open: a relay has two children per tree (one tree per
+// root), and a few trees in turn while the fleet changes.
+constexpr size_t kMaxIdleConnections = 16;
 
 // A request that must reach the children before its upstream reply.
 struct ForwardJob {
@@ -63,7 +66,17 @@ struct ForwardJob {
   // The request's frames without the identity; the payload frame is the one the relay received.
   std::vector<Frame> request;
   ReplyKey key;
-  std::vector<size_t> children;
+  // The children's data endpoints.
+  std::vector<std::string> children;
+};
+
+// The relay tree of a transfer as this relay sees it: every relay's endpoint in tree order, and
+// this relay's position among them (no endpoints: a tree of its own, with no children).
+struct TreeView {
+  std::shared_ptr<const std::vector<std::string>> endpoints;
+  size_t self = 0;
+
+  size_t relays() const { return std::max<size_t>(endpoints->size(), 1); }
 };
 
 // A payload a relay's sink staged (accepted or duplicate), and how far its subtree has it.
@@ -105,8 +118,8 @@ class ZmqListener final : public Listener {
                   ? context.endpoint
                   : fmt::format("{}:{}", context.bind_address, EndpointPort(context.endpoint))),
         endpoint_(std::move(context.endpoint)),
-        peers_(std::move(context.peers)),
-        self_(self),
+        static_tree_{std::make_shared<const std::vector<std::string>>(std::move(context.peers)),
+                     self},
         sink_(sink),
         limits_(limits) {}
 
@@ -161,12 +174,10 @@ class ZmqListener final : public Listener {
       NameCurrentThread("refit-zmq-relay");
       ServeLoop(stop);
     });
-    if (!peers_.empty()) {
-      forward_thread_ = std::jthread([this](std::stop_token stop) {
-        NameCurrentThread("refit-zmq-fwd");
-        ForwardLoop(stop);
-      });
-    }
+    forward_thread_ = std::jthread([this](std::stop_token stop) {
+      NameCurrentThread("refit-zmq-fwd");
+      ForwardLoop(stop);
+    });
     if (zap_ != nullptr) {
       zap_thread_ = std::jthread([this](std::stop_token stop) {
         NameCurrentThread("refit-zmq-zap");
@@ -204,7 +215,53 @@ class ZmqListener final : public Listener {
 
   const std::string& endpoint() const override { return endpoint_; }
 
+  Status RouteTransfer(const TransferId& transfer_id, const RelayTree& tree) override {
+    const auto where = [&] {
+      return fmt::format("zmq relay {}: relay tree of transfer {}", endpoint_, transfer_id.ToHex());
+    };
+    if (tree.endpoints.empty() || tree.position >= tree.endpoints.size()) {
+      return InvalidArgument("{}: position {} is not among its {} endpoints", where(),
+                             tree.position, tree.endpoints.size());
+    }
+    for (const std::string& endpoint : tree.endpoints) {
+      REFIT_RETURN_NOT_OK(CheckEndpoint(endpoint).WithContext(where()));
+      if (std::count(tree.endpoints.begin(), tree.endpoints.end(), endpoint) != 1) {
+        return InvalidArgument("{}: names {} more than once", where(), endpoint);
+      }
+    }
+    TreeView view{std::make_shared<const std::vector<std::string>>(tree.endpoints), tree.position};
+    std::lock_guard lock(trees_mutex_);
+    const auto it = std::find_if(trees_.begin(), trees_.end(),
+                                 [&](const auto& entry) { return entry.first == transfer_id; });
+    if (it != trees_.end()) {
+      // A prepare sent again (a retry) names its tree again; the latest word holds.
+      it->second = std::move(view);
+      return Status::OK();
+    }
+    if (trees_.size() == kSealedTransfers) trees_.erase(trees_.begin());
+    trees_.emplace_back(transfer_id, std::move(view));
+    return Status::OK();
+  }
+
  private:
+  // The tree `transfer`'s payloads take: the one its prepare named, else the static peers list.
+  TreeView TreeOf(const TransferId& transfer) const {
+    std::lock_guard lock(trees_mutex_);
+    for (const auto& [id, view] : trees_) {
+      if (id == transfer) return view;
+    }
+    return static_tree_;
+  }
+
+  // Errors: InvalidArgument when `root` is not a relay of `tree`.
+  Status CheckRoot(const TreeView& tree, uint32_t root) const {
+    if (root >= tree.relays()) {
+      return InvalidArgument("zmq listener {}: root relay index {} is not one of {} relays",
+                             endpoint_, root, tree.relays());
+    }
+    return Status::OK();
+  }
+
   void RecordFailure(const Status& status) {
     std::lock_guard lock(stats_mutex_);
     ++stats_.failures;
@@ -302,14 +359,15 @@ class ZmqListener final : public Listener {
     if (!sent.ok()) RecordFailure(sent);
   }
 
-  // The relays below this one in the heap rooted at `root` (none without peers).
-  std::vector<size_t> Children(size_t root) const {
-    const size_t n = peers_.size();
+  // The endpoints of the relays below this one in `tree`'s heap rooted at `root` (none in a
+  // tree of its own).
+  static std::vector<std::string> Children(const TreeView& tree, size_t root) {
+    const size_t n = tree.endpoints->size();
     if (n == 0) return {};
-    const size_t position = (self_ + n - root) % n;
-    std::vector<size_t> children;
+    const size_t position = (tree.self + n - root) % n;
+    std::vector<std::string> children;
     for (const size_t child : {2 * position + 1, 2 * position + 2}) {
-      if (child < n) children.push_back((child + root) % n);
+      if (child < n) children.push_back((*tree.endpoints)[(child + root) % n]);
     }
     return children;
   }
@@ -330,11 +388,10 @@ class ZmqListener final : public Listener {
       Reply(identity, {}, head.status());
       return;
     }
-    const size_t relays = std::max<size_t>(peers_.size(), 1);
     // Authenticate before reading anything else of the request: a client without the key gets
     // no diagnostics about its payload, and its bytes are never parsed. Such refusals name no
     // ids (see "A NACK names no ids").
-    if (Status access = CheckAccess((*head)->api_key, (*head)->root, relays); !access.ok()) {
+    if (Status access = CheckAccess((*head)->api_key, (*head)->root); !access.ok()) {
       Reply(identity, {}, access);
       return;
     }
@@ -351,8 +408,9 @@ class ZmqListener final : public Listener {
     HandleFlush(identity, std::move(frames), *end, root);
   }
 
-  // Check the key, then the root index. Errors: PermissionDenied; InvalidArgument.
-  Status CheckAccess(std::string_view key, std::optional<uint32_t> root, size_t relays) const {
+  // Check the key, then that a root index is given (its range depends on the transfer's tree).
+  // Errors: PermissionDenied; InvalidArgument.
+  Status CheckAccess(std::string_view key, std::optional<uint32_t> root) const {
     // An empty key frame presents no key.
     switch (api_key_.Check(key.empty() ? std::nullopt : std::optional<std::string_view>(key))) {
       case AuthResult::kAllowed:
@@ -362,9 +420,9 @@ class ZmqListener final : public Listener {
       case AuthResult::kWrong:
         return PermissionDenied("zmq listener {}: wrong api key", endpoint_);
     }
-    if (!root.has_value() || *root >= relays) {
-      return InvalidArgument("zmq listener {}: root relay index is not one of {} relays", endpoint_,
-                             relays);
+    if (!root.has_value()) {
+      return InvalidArgument("zmq listener {}: the request's root relay index is not a u32",
+                             endpoint_);
     }
     return Status::OK();
   }
@@ -400,6 +458,11 @@ class ZmqListener final : public Listener {
     const PayloadIds& ids = header->ids;
     const ReplyKey key{ids.transfer_id.ToHex(), U32Bytes(ids.producer_id),
                        U32Bytes(ids.payload_id)};
+    const TreeView tree = TreeOf(ids.transfer_id);
+    if (Status rooted = CheckRoot(tree, root); !rooted.ok()) {
+      Reply(identity, key, rooted);
+      return;
+    }
     StreamRecord* stream = FindStream(ids.transfer_id, ids.producer_id);
     if (stream != nullptr && stream->sealed) {
       const auto staged = stream->staged.find(ids.payload_id);
@@ -414,7 +477,7 @@ class ZmqListener final : public Listener {
       // A late copy of a staged payload (a retried request): staged here already, so not
       // delivered again, and answered like any duplicate.
       CountStaged(StageResult::kDuplicate);
-      ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, staged->second, root);
+      ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, staged->second, tree, root);
       return;
     }
     if (stream == nullptr) {
@@ -436,7 +499,7 @@ class ZmqListener final : public Listener {
         Stream(ids.transfer_id, ids.producer_id)
             .staged.try_emplace(ids.payload_id, StagedPayload{.checksum = header->checksum})
             .first->second;
-    ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, record, root);
+    ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, record, tree, root);
   }
 
   // Answer a request for `staged` once the subtree below this relay in the tree of `root` has
@@ -446,8 +509,8 @@ class ZmqListener final : public Listener {
   // subtree", for a retry too.
   void ReplyOnceSubtreeHas(const std::string& identity, std::vector<Frame> frames,
                            const ReplyKey& key, const PayloadIds& ids, StagedPayload& staged,
-                           uint32_t root) {
-    std::vector<size_t> children = Children(root);
+                           const TreeView& tree, uint32_t root) {
+    std::vector<std::string> children = Children(tree, root);
     if (children.empty()) staged.acked_root = root;
     if (staged.acked_root == root) {
       Reply(identity, key, Status::OK());
@@ -477,6 +540,11 @@ class ZmqListener final : public Listener {
   void HandleFlush(const std::string& identity, std::vector<Frame> frames, const StreamEnd& end,
                    uint32_t root) {
     const ReplyKey key{end.transfer_id.ToHex(), U32Bytes(end.producer_id), ""};
+    const TreeView tree = TreeOf(end.transfer_id);
+    if (Status rooted = CheckRoot(tree, root); !rooted.ok()) {
+      Reply(identity, key, rooted);
+      return;
+    }
     if (!sink_.IsTransferOpen(end.transfer_id)) {
       Reply(identity, key,
             FailedPrecondition("zmq relay {}: stream end of producer {} for transfer {}, which "
@@ -500,7 +568,7 @@ class ZmqListener final : public Listener {
       std::lock_guard lock(stats_mutex_);
       ++stats_.streams_ended;
     }
-    std::vector<size_t> children = Children(root);
+    std::vector<std::string> children = Children(tree, root);
     if (children.empty()) {
       Reply(identity, key, Status::OK());
       return;
@@ -511,7 +579,7 @@ class ZmqListener final : public Listener {
 
   // Hand the request to the forwarding thread, which replies once `children` answered.
   void Forward(uint64_t job, const std::string& identity, std::vector<Frame> frames,
-               const ReplyKey& key, std::vector<size_t> children) {
+               const ReplyKey& key, std::vector<std::string> children) {
     frames.erase(frames.begin());
     {
       std::lock_guard lock(jobs_mutex_);
@@ -561,7 +629,9 @@ class ZmqListener final : public Listener {
   }
 
   void ForwardLoop(std::stop_token stop) {
-    std::map<size_t, std::unique_ptr<Connection>> connections;
+    // By child endpoint. Trees change from transfer to transfer (receivers join and leave), so
+    // connections to relays no longer a child are closed once there are more than a relay needs.
+    std::map<std::string, std::unique_ptr<Connection>> connections;
     while (true) {
       ForwardJob job;
       {
@@ -570,12 +640,17 @@ class ZmqListener final : public Listener {
         job = std::move(jobs_.front());
         jobs_.pop_front();
       }
+      if (connections.size() > kMaxIdleConnections) {
+        std::erase_if(connections, [&](const auto& entry) {
+          return std::find(job.children.begin(), job.children.end(), entry.first) ==
+                 job.children.end();
+        });
+      }
       Status status;
-      for (const size_t child : job.children) {
+      for (const std::string& child : job.children) {
         std::unique_ptr<Connection>& connection = connections[child];
         if (connection == nullptr) {
-          connection =
-              std::make_unique<Connection>(context_.get(), peers_[child], config_, ForwardKeys());
+          connection = std::make_unique<Connection>(context_.get(), child, config_, ForwardKeys());
         }
         status = connection->Request(job.request, job.key, stop)
                      .WithContext(fmt::format("relay {} forwarding", endpoint_));
@@ -599,9 +674,8 @@ class ZmqListener final : public Listener {
   // The host:port the ROUTER binds; the endpoint unless ListenerContext::bind_address is set.
   const std::string bind_;
   const std::string endpoint_;
-  const std::vector<std::string> peers_;
-  // This relay's index in peers_ (0 without peers).
-  const size_t self_;
+  // The tree of transfers no prepare named one for: ListenerContext::peers.
+  const TreeView static_tree_;
   PayloadSink& sink_;
   const PayloadLimits limits_;
 
@@ -636,6 +710,11 @@ class ZmqListener final : public Listener {
 
   mutable std::mutex stats_mutex_;
   ListenerStats stats_;
+
+  // The trees prepares named (RouteTransfer, on a control-plane thread), most recent last; at
+  // most kSealedTransfers.
+  mutable std::mutex trees_mutex_;
+  std::vector<std::pair<TransferId, TreeView>> trees_;
 };
 }  // namespace
 
