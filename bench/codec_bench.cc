@@ -5,7 +5,7 @@
 //             model bytes/s per core, wire bytes per changed element, empirical entropy
 //   apply     decode + apply: changed elements per second per core
 //   receiver  a ReceiverSession taking one delta's payloads (stage → applied → flushed): changed
-//             elements per second with 1 and 2 apply threads, with and without decode-ahead
+//             elements per second with 1 and 2 apply threads and 0 to 2 decode threads
 //   memory    peak RSS of a tracker over a large model (child process): baseline + O(changes)
 //
 // Prints a table per section and, with --json PATH, writes every figure as JSON. See
@@ -460,7 +460,7 @@ nlohmann::json BenchMemory(const Args& args) {
 
 // The receiver's delta throughput: one 3 % step of the simulated model, packed into payloads of
 // `kReceiverBucketBytes`, staged into a fresh ReceiverSession and flushed (every payload decoded,
-// applied, the digests checked), for 1 and 2 apply threads, each with and without decode-ahead.
+// applied, the digests checked), for 1 and 2 apply threads and 0, 1 or 2 decode threads.
 // The clock runs from the first Stage to the Flush's return; the store is a fresh copy of the
 // base each run (not timed).
 constexpr uint64_t kReceiverBucketBytes = uint64_t{1} << 20;
@@ -506,14 +506,14 @@ nlohmann::json BenchReceiver(const Args& args) {
 
   struct Config {
     int apply_threads;
-    bool decode_ahead;
+    int decode_threads;
   };
   nlohmann::json out = nlohmann::json::array();
-  Table table({"apply threads", "decode-ahead", "seconds", "changed Melem/s", "x (1, off)"});
+  Table table({"apply threads", "decode threads", "seconds", "changed Melem/s", "x (1, 0)"});
   double reference_s = 0;
   double best_two_s = 0;
   for (const Config config :
-       {Config{1, false}, Config{1, true}, Config{2, false}, Config{2, true}}) {
+       {Config{1, 0}, Config{1, 1}, Config{2, 0}, Config{2, 1}, Config{2, 2}}) {
     bool verified = true;
     const double seconds = [&] {
       std::vector<double> times;
@@ -523,7 +523,7 @@ nlohmann::json BenchReceiver(const Args& args) {
         store->set_version(plan.base_version);
         ReceiverSessionOptions options;
         options.apply_threads = config.apply_threads;
-        options.decode_ahead = config.decode_ahead;
+        options.decode_threads = config.decode_threads;
         auto session = std::move(ReceiverSession::Make(options, *store)).ValueOrDie();
         if (Status prepared =
                 session->Prepare(PrepareRequest{id, plan.base_version, expected}).status();
@@ -547,20 +547,20 @@ nlohmann::json BenchReceiver(const Args& args) {
       std::sort(times.begin(), times.end());
       return times[times.size() / 2];
     }();
-    if (config.apply_threads == 1 && !config.decode_ahead) reference_s = seconds;
+    if (config.apply_threads == 1 && config.decode_threads == 0) reference_s = seconds;
     if (config.apply_threads == 2) {
       best_two_s = best_two_s == 0 ? seconds : std::min(best_two_s, seconds);
     }
     const double rate = static_cast<double>(changed) / seconds;
     out.push_back({{"apply_threads", config.apply_threads},
-                   {"decode_ahead", config.decode_ahead},
+                   {"decode_threads", config.decode_threads},
                    {"seconds", seconds},
                    {"changed", changed},
                    {"payloads", payloads.size()},
                    {"wire_bytes", wire},
                    {"changed_per_s", rate},
                    {"verified", verified}});
-    table.AddRow({std::to_string(config.apply_threads), config.decode_ahead ? "on" : "off",
+    table.AddRow({std::to_string(config.apply_threads), std::to_string(config.decode_threads),
                   fmt::format("{:.3f}", seconds), fmt::format("{:.1f}", rate / 1e6),
                   fmt::format("{:.2f}", reference_s / seconds)});
   }

@@ -131,12 +131,14 @@ struct ReceiverSessionOptions {
   /// hashed per element. Payloads are still applied one at a time, in arrival order.
   /// 1 to kMaxApplyThreads.
   int apply_threads = 4;
-  /// Decode (validate, checksum, decompress) the next queued payload on a thread of its own
-  /// while the apply thread applies this one, so that a payload's decode and the previous one's
-  /// apply overlap. Costs one decompressed payload body of memory; the results are the same
-  /// either way (payloads still apply one at a time, in arrival order). false: the apply thread
-  /// decodes each payload itself, as a one-core receiver would.
-  bool decode_ahead = true;
+  /// Threads that decode (validate, checksum, decompress, parse) queued payloads ahead of the
+  /// apply, each the first queued payload nobody has started, at most this many payloads ahead:
+  /// the decode of the next payloads overlaps the apply of this one, and several payloads
+  /// decode at once (a FULL's decompression is the slowest receiver stage on one thread). Costs
+  /// up to this many decompressed payload bodies of memory; the results are the same whatever
+  /// the number (payloads still apply one at a time, in arrival order). 0: the apply thread
+  /// decodes each payload itself, as a one-core receiver would. 0 to kMaxApplyThreads.
+  int decode_threads = 2;
 
   /// The transfer lease: a transfer that is receiving (prepared here, not yet flushed) and makes
   /// no progress for this long is aborted and rolled back by the session itself, so a producer
@@ -199,7 +201,8 @@ class ReceiverSession final : public ReceiverControl {
 
   /// Create a session idle at store.version() and start its apply thread.
   /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
-  /// [1, kMax…], apply_threads outside [1, kMaxApplyThreads], a negative transfer_lease, or an
+  /// [1, kMax…], apply_threads outside [1, kMaxApplyThreads], decode_threads outside
+  /// [0, kMaxApplyThreads], a negative transfer_lease, or an
   /// anchor_undo_directory that is not a writable
   /// directory (kFile); ResourceExhausted when the OS refuses the thread.
   static Result<std::unique_ptr<ReceiverSession>> Make(const ReceiverSessionOptions& options,

@@ -7,9 +7,12 @@
 // The model (docs/benchmarking.md, "refit estimate"): a refit is a pipeline, so its time is that
 // of its slowest stage — the producers' compare + encode and serialize over their threads, the
 // link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
-// apply (one thread for a delta; an anchor's copies on apply_threads) — or, where stages share
-// cores (--same-host), the total CPU work over those cores if that is longer; a delta then adds
-// the producers' commit.
+// decode (on decode_threads, ahead of the apply) and apply (a delta's tensors and an anchor's
+// copies on apply_threads; through a TP loader on one thread) — or, where stages share cores
+// (--same-host), the total CPU work over those cores if that is longer; a delta then adds the
+// producers' commit. With --tp a receiver is one tensor-parallel shard: today it receives and
+// decodes the whole delta and maps every changed element through its loader (keeping 1/TP);
+// the shard-class routing of issue 23 (not built) is shown beside it as a what-if.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -46,12 +49,17 @@ struct EstimateArgs {
   double density = 0.03;
   uint32_t producers = 1;
   uint32_t receivers = 1;
+  /// Tensor-parallel shards per receiver replica (a receiver is one shard when > 1).
+  uint32_t tp = 1;
   /// Link bandwidth per host in bytes per second (from --link-gbps or --link-bytes-per-s).
   double link_gbps = 0;
   double link_bytes_per_s = 0;
   int threads = 4;
-  /// The receiver's threads for an anchor's payloads (ReceiverSessionOptions::apply_threads).
+  /// The receiver's apply threads (ReceiverSessionOptions::apply_threads).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;
+  /// The receiver's decode threads (ReceiverSessionOptions::decode_threads; 0: the apply thread
+  /// decodes).
+  int decode_threads = ReceiverSessionOptions{}.decode_threads;
   int cores = 0;
   bool same_host = false;
   std::string anchor_compression = "auto";
@@ -70,10 +78,12 @@ struct Calibration {
   uint64_t changed = 0;
   double density = 0;
   // Delta: compare + encode per model byte; serialize (zstd) per model byte; apply (decode +
-  // apply) per changed element; tracker commit per changed element; wire bytes per changed.
+  // apply) and of it the decode alone per changed element; tracker commit per changed element;
+  // wire bytes per changed.
   double delta_encode_s_per_byte = 0;
   double delta_serialize_s_per_byte = 0;
   double delta_apply_s_per_changed = 0;
+  double delta_decode_s_per_changed = 0;
   double commit_s_per_changed = 0;
   double wire_bytes_per_changed = 0;
   // FULL: encode (copy + digests) per byte; serialize per byte with zstd and raw; the zstd ratio;
@@ -185,6 +195,7 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   c.wire_bytes_per_changed = static_cast<double>(TotalBytes(delta_payloads)) / c.changed;
   REFIT_ASSIGN_OR_RETURN(const ApplySeconds delta_apply, ApplyAll(delta_payloads, *store));
   c.delta_apply_s_per_changed = delta_apply.total / c.changed;
+  c.delta_decode_s_per_changed = delta_apply.decode / c.changed;
   start = std::chrono::steady_clock::now();
   REFIT_RETURN_NOT_OK(tracker->Commit(delta_id));
   c.commit_s_per_changed = SecondsSince(start) / c.changed;
@@ -268,6 +279,7 @@ nlohmann::json CalibrationJson(const Calibration& c) {
           {"delta_encode_bytes_per_s", per_core(c.delta_encode_s_per_byte)},
           {"delta_serialize_bytes_per_s", per_core(c.delta_serialize_s_per_byte)},
           {"delta_apply_changed_per_s", per_core(c.delta_apply_s_per_changed)},
+          {"delta_decode_changed_per_s", per_core(c.delta_decode_s_per_changed)},
           {"commit_changed_per_s", per_core(c.commit_s_per_changed)},
           {"wire_bytes_per_changed", c.wire_bytes_per_changed},
           {"full_encode_bytes_per_s", per_core(c.full_encode_s_per_byte)},
@@ -289,10 +301,17 @@ Status RunEstimate(const EstimateArgs& args) {
   }
   const double link = args.link_bytes_per_s > 0 ? args.link_bytes_per_s : args.link_gbps * 1e9 / 8;
   if (link <= 0) return InvalidArgument("estimate: give --link-gbps or --link-bytes-per-s > 0");
-  if (args.producers == 0 || args.receivers == 0 || args.threads < 1) {
+  if (args.producers == 0 || args.receivers == 0 || args.tp == 0 || args.threads < 1) {
     return InvalidArgument(
-        "estimate: --producers {}, --receivers {} and --threads {} must each be at least 1",
-        args.producers, args.receivers, args.threads);
+        "estimate: --producers {}, --receivers {}, --tp {} and --threads {} must each be at least "
+        "1",
+        args.producers, args.receivers, args.tp, args.threads);
+  }
+  if (args.apply_threads < 1 || args.decode_threads < 0) {
+    return InvalidArgument(
+        "estimate: --apply-threads {} must be at least 1, --decode-threads {} "
+        "at least 0",
+        args.apply_threads, args.decode_threads);
   }
   Result<AnchorCompression> parsed = ParseAnchorCompression(args.anchor_compression);
   if (!parsed.ok()) return parsed.status().WithContext("estimate: --anchor-compression");
@@ -320,18 +339,58 @@ Status RunEstimate(const EstimateArgs& args) {
   const int shared = args.same_host ? cores : 0;
 
   std::vector<Prediction> predictions;
+  // A receiver's apply and decode threads, and the shards of a replica.
+  const double receiver_parallel = std::min(std::max(args.apply_threads, 1), cores);
+  const double decoders = std::min(args.decode_threads, cores);
+  const double tp = args.tp;
+  using Stage = std::tuple<std::string, double, double>;
+  // A receiver's stages: decode on the decode threads, overlapped with the apply (or, with no
+  // decode thread, on the apply thread before each apply); its CPU counted once per receiver.
+  const auto receiver_stages = [&](double decode_cpu, double apply_s, double apply_cpu,
+                                   std::string apply_name) -> std::vector<Stage> {
+    const double cpu = (decode_cpu + apply_cpu) * args.receivers;
+    if (decoders < 1) {
+      return {{"receiver decode + " + apply_name, decode_cpu + apply_s, cpu}};
+    }
+    return {{fmt::format("receiver decode ({} threads)", decoders), decode_cpu / decoders, cpu},
+            {"receiver " + std::move(apply_name), apply_s, 0.0}};
+  };
   {
     const double encode_cpu = model_bytes * c.delta_encode_s_per_byte;
     const double serialize_cpu = model_bytes * c.delta_serialize_s_per_byte;
-    const double apply_cpu = changed * c.delta_apply_s_per_changed;
-    const double wire = changed * c.wire_bytes_per_changed;
-    predictions.push_back(
-        Pipeline("delta", static_cast<uint64_t>(wire),
-                 {{"producer compare + encode", encode_cpu / W / producer_parallel, encode_cpu},
-                  {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
-                  {"link", wire * relay / link, 0.0},
-                  {"receiver apply (one thread)", apply_cpu, apply_cpu * args.receivers}},
-                 shared, changed * c.commit_s_per_changed / W, "producer commit"));
+    const double decode_per_changed = c.delta_decode_s_per_changed;
+    const double apply_per_changed = c.delta_apply_s_per_changed - decode_per_changed;
+    // A receiver is sent `received` changed elements and applies them on `apply_parallel`
+    // threads.
+    const auto delta = [&](std::string kind, double received, double apply_parallel,
+                           std::string apply_name) {
+      const double wire = received * c.wire_bytes_per_changed;
+      std::vector<Stage> stages = {
+          {"producer compare + encode", encode_cpu / W / producer_parallel, encode_cpu},
+          {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+          {"link", wire * relay / link, 0.0}};
+      for (Stage& stage : receiver_stages(received * decode_per_changed,
+                                          received * apply_per_changed / apply_parallel,
+                                          received * apply_per_changed, std::move(apply_name))) {
+        stages.push_back(std::move(stage));
+      }
+      return Pipeline(std::move(kind), static_cast<uint64_t>(wire), stages, shared,
+                      changed * c.commit_s_per_changed / W, "producer commit");
+    };
+    if (args.tp == 1) {
+      // The items of different tensors apply on apply_threads (a large model has far more
+      // tensors than threads).
+      predictions.push_back(delta("delta", changed, receiver_parallel,
+                                  fmt::format("apply ({} threads)", receiver_parallel)));
+    } else {
+      // Today a shard receives and decodes the whole delta and maps every changed element
+      // through its loader, on one thread, keeping about 1/TP of them.
+      predictions.push_back(delta(fmt::format("delta (TP {} shard)", args.tp), changed, 1,
+                                  "apply through the loader (one thread)"));
+      // With shard-class routing a shard would be sent only its 1/TP of the changes.
+      predictions.push_back(delta(fmt::format("delta (TP {} shard, routed: not built)", args.tp),
+                                  changed / tp, 1, "apply through the loader (one thread)"));
+    }
   }
   {
     const bool compress_zstd = [&] {
@@ -348,20 +407,25 @@ Status RunEstimate(const EstimateArgs& args) {
     const double wire = model_bytes * (compress_zstd ? c.full_zstd_ratio : 1.0);
     const double encode_cpu = model_bytes * c.full_encode_s_per_byte;
     const double serialize_cpu = model_bytes * serialize_s_per_byte;
-    const double apply_cpu = model_bytes * apply_s_per_byte;
-    // The receiver decodes on its apply thread and copies an anchor's tensors on apply_threads.
+    // The receiver copies an anchor's tensors on apply_threads; a TP shard decodes the whole
+    // anchor and copies its 1/TP through its loader on one thread.
     const double decode_cpu = model_bytes * (compress_zstd ? c.full_decode_zstd_s_per_byte
                                                            : c.full_decode_raw_s_per_byte);
-    const double receiver_parallel = std::min(std::max(args.apply_threads, 1), cores);
-    Prediction full = Pipeline(
-        compress_zstd ? "FULL (zstd)" : "FULL (raw blocks)", static_cast<uint64_t>(wire),
-        {{"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
-         {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
-         {"link", wire * relay / link, 0.0},
-         {"receiver decode + apply", decode_cpu + (apply_cpu - decode_cpu) / receiver_parallel,
-          apply_cpu * args.receivers}},
-        shared);
-    predictions.push_back(std::move(full));
+    const double copy_cpu = (model_bytes * apply_s_per_byte - decode_cpu) / tp;
+    std::vector<Stage> stages = {
+        {"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
+        {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+        {"link", wire * relay / link, 0.0}};
+    for (Stage& stage : receiver_stages(
+             decode_cpu, args.tp == 1 ? copy_cpu / receiver_parallel : copy_cpu, copy_cpu,
+             args.tp == 1 ? fmt::format("copy ({} threads)", receiver_parallel)
+                          : "copy through the loader (one thread)")) {
+      stages.push_back(std::move(stage));
+    }
+    predictions.push_back(
+        Pipeline(fmt::format("FULL ({}){}", compress_zstd ? "zstd" : "raw blocks",
+                             args.tp == 1 ? "" : fmt::format(" (TP {} shard)", args.tp)),
+                 static_cast<uint64_t>(wire), stages, shared));
   }
   predictions.push_back(Pipeline("raw copy", static_cast<uint64_t>(model_bytes),
                                  {{"link", model_bytes * relay / link, 0.0}}, 0));
@@ -371,6 +435,9 @@ Status RunEstimate(const EstimateArgs& args) {
                           {"density", args.density},
                           {"producers", args.producers},
                           {"receivers", args.receivers},
+                          {"tp", args.tp},
+                          {"apply_threads", args.apply_threads},
+                          {"decode_threads", args.decode_threads},
                           {"link_bytes_per_s", link},
                           {"threads", threads},
                           {"cores", cores},
@@ -407,10 +474,11 @@ Status RunEstimate(const EstimateArgs& args) {
       cal["full_apply_zstd_bytes_per_s"].get<double>() / 1e9,
       cal["full_apply_raw_bytes_per_s"].get<double>() / 1e9);
   std::cout << fmt::format(
-      "model {}, {:.2f}% changed, W = {} producers x {} threads, {} receivers, link {:.2f} "
-      "GB/s{}\n",
+      "model {}, {:.2f}% changed, W = {} producers x {} threads, {} receivers{} with {} apply "
+      "and {} decode threads, link {:.2f} GB/s{}\n",
       FormatBytes(static_cast<uint64_t>(model_bytes)), 100 * args.density, args.producers, threads,
-      args.receivers, link / 1e9,
+      args.receivers, args.tp > 1 ? fmt::format(" (each a TP {} shard)", args.tp) : "",
+      args.apply_threads, args.decode_threads, link / 1e9,
       args.same_host ? fmt::format(", one host of {} cores", cores) : "");
   Table table({"refit", "wire", "time", "vs raw copy", "bound by"});
   for (const nlohmann::json& p : out["predictions"]) {
@@ -445,8 +513,13 @@ void RegisterEstimate(CLI::App& app, Status* result) {
   cmd->add_option("--link-bytes-per-s", args->link_bytes_per_s,
                   "The same in bytes per second (e.g. a measured raw copy)");
   cmd->add_option("--threads", args->threads, "Threads per producer stage")->capture_default_str();
-  cmd->add_option("--apply-threads", args->apply_threads,
-                  "A receiver's threads for an anchor's payloads")
+  cmd->add_option("--apply-threads", args->apply_threads, "A receiver's apply threads")
+      ->capture_default_str();
+  cmd->add_option("--decode-threads", args->decode_threads,
+                  "A receiver's decode threads (0: the apply thread decodes)")
+      ->capture_default_str();
+  cmd->add_option("--tp", args->tp,
+                  "Tensor-parallel shards per replica: each receiver is one shard")
       ->capture_default_str();
   cmd->add_option("--cores", args->cores, "Cores per host (default: this machine's)");
   cmd->add_flag("--same-host", args->same_host,

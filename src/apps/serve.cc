@@ -83,6 +83,8 @@ struct ServeSettings {
   std::string anchor_undo_dir;
   /// Threads that apply one payload (ReceiverSessionOptions::apply_threads).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;
+  /// Threads that decode payloads ahead of the apply (ReceiverSessionOptions::decode_threads).
+  int decode_threads = ReceiverSessionOptions{}.decode_threads;
   /// The largest payload (header + compressed body) either plane accepts; it bounds the memory
   /// one message can take. Unset: sized to the model and the producers' bucket size
   /// (DefaultMaxPayloadBytes).
@@ -282,6 +284,7 @@ Status RunServe(const ServeSettings& settings) {
   options.session.anchor_undo = settings.anchor_undo;
   options.session.anchor_undo_directory = settings.anchor_undo_dir;
   options.session.apply_threads = settings.apply_threads;
+  options.session.decode_threads = settings.decode_threads;
   // The node applies it to the decompressed body too, so that a small payload declaring a huge
   // body (a decompression bomb) is refused by its header.
   options.max_payload_bytes = settings.max_payload_bytes;
@@ -333,9 +336,11 @@ Status RunServe(const ServeSettings& settings) {
                        ReadyFileText(control_url, node->producer_endpoint(), version, tensors)));
   }
   const std::string data_plane =
-      relay ? fmt::format("{} ({} relay{})", node->producer_endpoint(),
-                          std::max<size_t>(settings.peers.size(), 1),
-                          settings.peers.size() > 1 ? "s" : "")
+      relay ? (settings.peers.empty()
+                   ? fmt::format("{} (a relay: each transfer names its tree)",
+                                 node->producer_endpoint())
+                   : fmt::format("{} (static tree of {} relay{})", node->producer_endpoint(),
+                                 settings.peers.size(), settings.peers.size() > 1 ? "s" : ""))
       : collective
           ? fmt::format("{} (an MPI job: payloads and control on its communicator)",
                         node->producer_endpoint())
@@ -508,6 +513,11 @@ void RegisterServe(CLI::App& app, Status* result) {
                   "FULL items, a delta's items); payloads still apply in arrival order")
       ->capture_default_str()
       ->check(CLI::Range(1, ReceiverSession::kMaxApplyThreads));
+  cmd->add_option("--decode-threads", settings->decode_threads,
+                  "Threads that decode (checksum, decompress, parse) queued payloads ahead of the "
+                  "apply, each holding one decompressed payload; 0: the apply thread decodes")
+      ->capture_default_str()
+      ->check(CLI::Range(0, ReceiverSession::kMaxApplyThreads));
   cmd->add_option_function<std::string>(
       "--max-payload-bytes",
       [settings](const std::string& text) {

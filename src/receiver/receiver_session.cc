@@ -31,9 +31,6 @@ constexpr size_t kMaxNamedMissingPayloads = 8;
 /// The OS name of the apply thread (Linux keeps at most 15 bytes).
 constexpr const char* kApplyThreadName = "refit-apply";
 constexpr const char* kDecodeThreadName = "refit-decode";
-// Payloads the decode thread decodes ahead of the one being applied: one overlaps the decode of
-// the next payload with the apply of this one, and holds one extra decompressed body.
-constexpr size_t kDecodeAhead = 1;
 
 using Clock = std::chrono::steady_clock;
 
@@ -437,21 +434,21 @@ struct ReceiverSession::Impl {
     return outcome;
   }
 
-  // The decode thread: decode the first queued payload nobody has started, so that the next
-  // payload is decoded while the apply thread applies this one. Nothing it does touches the
+  // A decode thread: decode the first queued payload nobody has started, so that the next
+  // payloads are decoded while the apply thread applies this one. Nothing it does touches the
   // store; a payload it decodes is applied (or dropped by an abort) by the apply thread.
   void RunDecodeAhead(const std::stop_token& stop) {
     internal::NameCurrentThread(kDecodeThreadName);
     std::unique_lock lock(mutex);
     while (!stop.stop_requested()) {
       std::shared_ptr<PayloadWork> next;
-      // At most kDecodeAhead queued payloads decoded (or being decoded) ahead of the apply:
+      // At most decode_threads queued payloads decoded (or being decoded) ahead of the apply:
       // each holds its decompressed body until it is applied.
       const auto pending = [&] {
         size_t ahead = 0;
         for (const QueuedPayload& queued : queue) {
           if (queued.work->decode != PayloadWork::Decode::kPending) {
-            if (++ahead == kDecodeAhead) return false;
+            if (++ahead == static_cast<size_t>(options.decode_threads)) return false;
             continue;
           }
           next = queued.work;
@@ -847,18 +844,20 @@ struct ReceiverSession::Impl {
   std::map<std::array<uint8_t, 16>, Outcome> finished;
   std::deque<std::array<uint8_t, 16>> finished_order;
 
-  /// Stop and join the apply and decode threads (either may not have started). The decode
-  /// thread finishes a decode it started; the apply thread a payload it applies.
+  /// Stop and join the apply and decode threads (any may not have started). A decode thread
+  /// finishes a decode it started; the apply thread a payload it applies.
   void StopThreads() {
-    for (std::jthread* thread : {&apply_thread, &decode_thread}) thread->request_stop();
-    for (std::jthread* thread : {&apply_thread, &decode_thread}) {
-      if (thread->joinable()) thread->join();
+    apply_thread.request_stop();
+    for (std::jthread& thread : decode_threads) thread.request_stop();
+    if (apply_thread.joinable()) apply_thread.join();
+    for (std::jthread& thread : decode_threads) {
+      if (thread.joinable()) thread.join();
     }
   }
 
   /// Declared last: they start after every member they use is constructed, and stop first.
   std::jthread apply_thread;
-  std::jthread decode_thread;
+  std::vector<std::jthread> decode_threads;
 };
 
 ReceiverSession::ReceiverSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -877,6 +876,10 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
     return InvalidArgument("receiver session: apply_threads {} is outside [1, {}]",
                            options.apply_threads, kMaxApplyThreads);
   }
+  if (options.decode_threads < 0 || options.decode_threads > kMaxApplyThreads) {
+    return InvalidArgument("receiver session: decode_threads {} is outside [0, {}]",
+                           options.decode_threads, kMaxApplyThreads);
+  }
   if (options.transfer_lease.count() < 0) {
     return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",
                            options.transfer_lease.count());
@@ -888,8 +891,8 @@ Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
   try {
     impl->apply_thread =
         std::jthread([raw = impl.get()](const std::stop_token& stop) { raw->RunApply(stop); });
-    if (options.decode_ahead) {
-      impl->decode_thread = std::jthread(
+    for (int t = 0; t < options.decode_threads; ++t) {
+      impl->decode_threads.emplace_back(
           [raw = impl.get()](const std::stop_token& stop) { raw->RunDecodeAhead(stop); });
     }
   } catch (const std::system_error& error) {

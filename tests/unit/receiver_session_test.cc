@@ -440,16 +440,16 @@ TEST_F(ReceiverSessionTest, CorruptPayloadFailsTheFlushAndAbortRestores) {
   ExpectStoreHolds(current_);
 }
 
-// Decode-ahead (the next payload decoded while this one applies) changes when a payload is
-// decoded, never what is applied: with it on or off, a flushed transfer holds the same bits, an
-// abort after the flush restores the base, and a corrupt payload among many fails the flush and
-// leaves nothing applied after it.
-TEST_F(ReceiverSessionTest, DecodeAheadOnOrOffAppliesTheSameBitsAndRollsBackTheSame) {
+// Decode threads (the next payloads decoded while this one applies, several at once) change
+// when a payload is decoded, never what is applied: with none, one or several, a flushed transfer
+// holds the same bits, an abort after the flush restores the base, and a corrupt payload among
+// many fails the flush and leaves nothing applied after it.
+TEST_F(ReceiverSessionTest, AnyNumberOfDecodeThreadsAppliesTheSameBitsAndRollsBackTheSame) {
   std::optional<StoreSnapshot> flushed_with_other;
-  for (const bool decode_ahead : {false, true}) {
-    SCOPED_TRACE(decode_ahead ? "decode-ahead on" : "decode-ahead off");
+  for (const int decode_threads : {0, 1, 3}) {
+    SCOPED_TRACE(fmt::format("{} decode threads", decode_threads));
     ReceiverSessionOptions options;
-    options.decode_ahead = decode_ahead;
+    options.decode_threads = decode_threads;
     options.apply_threads = 2;
     auto session = MakeSession(options);
     ASSERT_NE(session, nullptr);
