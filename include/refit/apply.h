@@ -145,10 +145,12 @@ class UndoLog {
 /// the log (left empty here), which rolls those items back by decoding and applying them again
 /// (O(wire) memory instead of 10 bytes per changed element). Null: old bits, as for every other op.
 ///
-/// `threads` > 1 (without a loader): a payload of more than one tensor whose items are all FULL
-/// (an anchor's) or all deltas applies its tensors on up to that many threads, one tensor (with
-/// its items in order) per thread at a time, with the same all-or-nothing result; a payload that
-/// mixes FULL and delta items applies its items in order on the calling thread.
+/// `threads` > 1: a payload of more than one tensor whose items are all FULL (an anchor's) or all
+/// deltas applies its tensors on up to that many threads, one tensor (with its items in order)
+/// per thread at a time, with the same all-or-nothing result; a payload that mixes FULL and
+/// delta items applies its items in order on the calling thread. Through a loader, delta
+/// payloads only: a thread takes every item that writes one of its local tensors (q, k and v
+/// into one fused qkv_proj go together), and a FULL payload applies on the calling thread.
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
                     std::vector<std::byte>* payload_bytes = nullptr, int threads = 1);
 

@@ -128,7 +128,8 @@ struct ReceiverSessionOptions {
   /// Threads that apply one payload, one tensor per thread at a time (ApplyPayload): an
   /// anchor's FULL items, whose apply hashes every element, which one core does slower than it
   /// copies; and a delta payload's items, whose locations are decoded and values applied and
-  /// hashed per element. Payloads are still applied one at a time, in arrival order.
+  /// hashed per element; through a loader, a delta payload's items, grouped by the local tensors
+  /// they write. Payloads are still applied one at a time, in arrival order.
   /// 1 to kMaxApplyThreads.
   int apply_threads = 4;
   /// Threads that decode (validate, checksum, decompress, parse) queued payloads ahead of the

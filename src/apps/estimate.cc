@@ -8,7 +8,8 @@
 // of its slowest stage — the producers' compare + encode and serialize over their threads, the
 // link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
 // decode (on decode_threads, ahead of the apply) and apply (a delta's tensors and an anchor's
-// copies on apply_threads; through a TP loader on one thread) — or, where stages share cores
+// copies on apply_threads; an anchor through a TP loader on one thread) — or, where stages share
+// cores
 // (--same-host), the total CPU work over those cores if that is longer; a delta then adds the
 // producers' commit. With --tp a receiver is one tensor-parallel shard: today it receives and
 // decodes the whole delta and maps every changed element through its loader (keeping 1/TP);
@@ -384,12 +385,15 @@ Status RunEstimate(const EstimateArgs& args) {
                                   fmt::format("apply ({} threads)", receiver_parallel)));
     } else {
       // Today a shard receives and decodes the whole delta and maps every changed element
-      // through its loader, on one thread, keeping about 1/TP of them.
-      predictions.push_back(delta(fmt::format("delta (TP {} shard)", args.tp), changed, 1,
-                                  "apply through the loader (one thread)"));
+      // through its loader, keeping about 1/TP of them; the tensors (groups of local tensors)
+      // apply on apply_threads.
+      const std::string through =
+          fmt::format("apply through the loader ({} threads)", receiver_parallel);
+      predictions.push_back(
+          delta(fmt::format("delta (TP {} shard)", args.tp), changed, receiver_parallel, through));
       // With shard-class routing a shard would be sent only its 1/TP of the changes.
       predictions.push_back(delta(fmt::format("delta (TP {} shard, routed: not built)", args.tp),
-                                  changed / tp, 1, "apply through the loader (one thread)"));
+                                  changed / tp, receiver_parallel, through));
     }
   }
   {

@@ -12,7 +12,10 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <span>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include "refit/digest.h"
 #include "refit/loader.h"
@@ -637,13 +640,83 @@ Status ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, We
   return Status::OK();
 }
 
+/// Check what an item applied through the loader did to its tensor against the producer's
+/// digest. The producer's item digest covers every element of the item; a receiver can check it
+/// only when it holds the whole tensor in one piece. A shard's partial digests are verified by
+/// the coordinator at flush, which sums the distinct pieces of the shard group.
+Status CheckItemThroughLoader(const PayloadHeader& header, size_t index, const ItemView& item,
+                              const CanonicalLayout& layout,
+                              const std::vector<PieceWrite>& writes) {
+  if (!layout.held_whole()) return Status::OK();
+  if (item.op == Op::kFull && writes[0].span_digest != item.digest) {
+    return DataLoss(
+        "payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
+        "producer's {:#018x}",
+        header.ids.payload_id, header.ids.producer_id, index, item.name, writes[0].span_digest,
+        item.digest);
+  }
+  if (item.op != Op::kFull && writes[0].piece_delta != item.digest) {
+    return DataLoss(
+        "payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
+        "producer's {:#018x}: the receiver's tensor is not at base version {}",
+        header.ids.payload_id, header.ids.producer_id, index, item.name, writes[0].piece_delta,
+        item.digest, header.ids.base_version);
+  }
+  return Status::OK();
+}
+
+/// Move the store's local and piece digests by what an item applied through the loader changed.
+Status AdjustDigestsThroughLoader(const CanonicalLayout& layout,
+                                  const std::vector<PieceWrite>& writes, WeightStore& store) {
+  for (size_t p = 0; p < layout.pieces.size(); ++p) {
+    if (writes[p].record == SIZE_MAX) continue;
+    REFIT_RETURN_NOT_OK(store.AdjustDigest(layout.pieces[p].local_tensor, writes[p].local_delta));
+    REFIT_RETURN_NOT_OK(store.AdjustPieceDigest(layout.canonical_name, p, writes[p].piece_delta));
+  }
+  return Status::OK();
+}
+
+/// The items of a payload applied through a loader, grouped so that no two groups write one
+/// local tensor: items whose canonical tensors share a local tensor (q, k and v into one fused
+/// qkv_proj; every item of one tensor) form one group, in item order. One thread applies a group,
+/// so threads never write the same memory, even under a spec whose rules overlap. Items the
+/// loader skips belong to no group.
+std::vector<std::vector<size_t>> GroupByLocalTensor(
+    std::span<const CanonicalLayout* const> layouts) {
+  // Union-find over items, joined through the local tensors they write.
+  std::vector<size_t> parent(layouts.size());
+  for (size_t i = 0; i < parent.size(); ++i) parent[i] = i;
+  const auto root = [&](size_t i) {
+    while (parent[i] != i) i = parent[i] = parent[parent[i]];
+    return i;
+  };
+  std::map<std::string_view, size_t> writer;  // Local tensor → an item writing it.
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    if (layouts[i]->skipped) continue;
+    for (const CanonicalPiece& piece : layouts[i]->pieces) {
+      const auto [it, inserted] = writer.emplace(piece.local_tensor, i);
+      if (!inserted) parent[root(i)] = root(it->second);
+    }
+  }
+  std::map<size_t, std::vector<size_t>> by_root;
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    if (!layouts[i]->skipped && !layouts[i]->pieces.empty()) by_root[root(i)].push_back(i);
+  }
+  std::vector<std::vector<size_t>> groups;
+  groups.reserve(by_root.size());
+  for (auto& [first, members] : by_root) groups.push_back(std::move(members));
+  return groups;
+}
+
 /// ApplyPayload through the store's loader. `rollback_to(savepoint)` undoes the records from
 /// `savepoint` on (UndoLog::RollbackTo) and `keep_full` keeps a FULL record's old bits
-/// (UndoLog::KeepFullSpan), both of which only ApplyPayload may call.
+/// (UndoLog::KeepFullSpan), both of which only ApplyPayload may call. `threads` > 1: a delta
+/// payload (no FULL item) whose items write more than one group of local tensors applies the
+/// groups in parallel (GroupByLocalTensor), with the same all-or-nothing result.
 template <typename RollbackTo, typename KeepFull>
 Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
                           std::vector<UndoLog::Record>* records, RollbackTo&& rollback_to,
-                          KeepFull&& keep_full) {
+                          KeepFull&& keep_full, int threads) {
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
   std::vector<const CanonicalLayout*> layouts(items.size());
@@ -657,6 +730,59 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
     if (!rollback.ok()) return rollback.WithContext(status.ToString());
     return status;
   };
+
+  // A delta payload of several groups: each group on one thread, its items in order, every
+  // item's records and digest changes kept apart until all are done. The records then join the
+  // log in item order, the digests are checked and moved in item order. The store's digests do
+  // not move while the groups apply, so every record starts from the digests before the payload;
+  // the payload's records are undone together (newest first), which restores exactly those.
+  const bool any_full = std::any_of(items.begin(), items.end(),
+                                    [](const ItemView& item) { return item.op == Op::kFull; });
+  if (threads > 1 && !any_full && items.size() > 1) {
+    const std::vector<std::vector<size_t>> groups = GroupByLocalTensor(layouts);
+    if (groups.size() > 1) {
+      struct ItemWrites {
+        std::vector<PieceWrite> writes;
+        std::vector<UndoLog::Record> records;
+      };
+      std::vector<ItemWrites> applied_items(items.size());
+      const Status applied = internal::ParallelFor(
+          std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
+          [&](uint64_t begin, uint64_t end) -> Status {
+            auto scratch = std::make_unique<PieceScratch>();
+            for (uint64_t g = begin; g < end; ++g) {
+              for (const size_t i : groups[g]) {
+                const CanonicalLayout& layout = *layouts[i];
+                ItemWrites& mine = applied_items[i];
+                mine.writes.assign(layout.pieces.size(), PieceWrite{});
+                for (size_t p = 0; p < layout.pieces.size(); ++p) {
+                  mine.writes[p].local = *store.Find(layout.pieces[p].local_tensor);
+                }
+                REFIT_RETURN_NOT_OK(ApplyDeltaToPieces(items[i], layout, store, mine.writes,
+                                                       *scratch, &mine.records));
+              }
+            }
+            return Status::OK();
+          });
+      // Whatever was written is in these records, after an error too: they join the log first.
+      for (ItemWrites& mine : applied_items) {
+        for (UndoLog::Record& record : mine.records) records->push_back(std::move(record));
+      }
+      if (!applied.ok()) return fail(applied);
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (layouts[i]->skipped || layouts[i]->pieces.empty()) continue;
+        Status checked =
+            CheckItemThroughLoader(header, i, items[i], *layouts[i], applied_items[i].writes);
+        if (!checked.ok()) return fail(checked);
+      }
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (layouts[i]->skipped || layouts[i]->pieces.empty()) continue;
+        REFIT_RETURN_NOT_OK(
+            AdjustDigestsThroughLoader(*layouts[i], applied_items[i].writes, store));
+      }
+      return Status::OK();
+    }
+  }
 
   // One scratch per payload (128 KiB): too large for the stack of an arbitrary caller thread.
   auto scratch = std::make_unique<PieceScratch>();
@@ -676,28 +802,9 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
       Status applied = ApplyDeltaToPieces(item, layout, store, writes, *scratch, records);
       if (!applied.ok()) return fail(applied);
     }
-    // The producer's item digest covers every element of the item; a receiver can check it only
-    // when it holds the whole tensor in one piece. A shard's partial digests are verified by the
-    // coordinator at flush, which sums the distinct pieces of the shard group.
-    if (layout.held_whole() && item.op == Op::kFull && writes[0].span_digest != item.digest) {
-      return fail(
-          DataLoss("payload {} of producer {}, item {} '{}': span digest after apply {:#018x} != "
-                   "producer's {:#018x}",
-                   header.ids.payload_id, header.ids.producer_id, i, item.name,
-                   writes[0].span_digest, item.digest));
-    }
-    if (layout.held_whole() && item.op != Op::kFull && writes[0].piece_delta != item.digest) {
-      return fail(
-          DataLoss("payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
-                   "producer's {:#018x}: the receiver's tensor is not at base version {}",
-                   header.ids.payload_id, header.ids.producer_id, i, item.name,
-                   writes[0].piece_delta, item.digest, header.ids.base_version));
-    }
-    for (size_t p = 0; p < layout.pieces.size(); ++p) {
-      if (writes[p].record == SIZE_MAX) continue;
-      REFIT_RETURN_NOT_OK(store.AdjustDigest(layout.pieces[p].local_tensor, writes[p].local_delta));
-      REFIT_RETURN_NOT_OK(store.AdjustPieceDigest(layout.canonical_name, p, writes[p].piece_delta));
-    }
+    Status checked = CheckItemThroughLoader(header, i, item, layout, writes);
+    if (!checked.ok()) return fail(checked);
+    REFIT_RETURN_NOT_OK(AdjustDigestsThroughLoader(layout, writes, store));
   }
   return Status::OK();
 }
@@ -831,7 +938,8 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
         [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); },
         [&](UndoLog::Record& record, std::span<const std::byte> old_bits) {
           return undo->KeepFullSpan(record, old_bits);
-        });
+        },
+        threads);
   }
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();

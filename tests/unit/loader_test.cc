@@ -296,8 +296,9 @@ std::vector<std::string> Names(const std::vector<OwnedTensor>& model) {
 /// A trainer (tracker over the canonical model) and the TP group of one replica.
 class ShardGroup {
  public:
-  void Build(uint32_t tp, Op op) {
+  void Build(uint32_t tp, Op op, int apply_threads = 1) {
     tp_ = tp;
+    apply_threads_ = apply_threads;
     model_ = CanonicalModel();
     names_ = Names(model_);
     TrackerOptions options;
@@ -324,7 +325,7 @@ class ShardGroup {
   void Apply(const Step& step) {
     for (uint32_t rank = 0; rank < tp_; ++rank) {
       for (const DecodedPayload& payload : step.payloads) {
-        ASSERT_OK(ApplyPayload(payload, *shards_[rank], &undo_[rank]));
+        ASSERT_OK(ApplyPayload(payload, *shards_[rank], &undo_[rank], nullptr, apply_threads_));
       }
     }
   }
@@ -399,6 +400,8 @@ class ShardGroup {
   }
 
   uint32_t tp_ = 1;
+  // ApplyPayload's threads: a delta's items that write distinct local tensors apply at once.
+  int apply_threads_ = 1;
   std::vector<OwnedTensor> model_;
   std::vector<std::string> names_;
   std::unique_ptr<DeltaTracker> tracker_;
@@ -413,11 +416,11 @@ std::vector<OwnedTensor> PerturbModel(const std::vector<OwnedTensor>& model, dou
   return next;
 }
 
-class LoaderGroupTest : public ::testing::TestWithParam<std::tuple<uint32_t, Op>> {
+class LoaderGroupTest : public ::testing::TestWithParam<std::tuple<uint32_t, Op, int>> {
  protected:
   void SetUp() override {
-    const auto [tp, op] = GetParam();
-    ASSERT_NO_FATAL_FAILURE(group_.Build(tp, op));
+    const auto [tp, op, threads] = GetParam();
+    ASSERT_NO_FATAL_FAILURE(group_.Build(tp, op, threads));
   }
   ShardGroup group_;
 };
@@ -523,12 +526,16 @@ TEST_P(LoaderGroupTest, AnAnchorIsUndoneFromItsSpillFileOrLeftSelfConsistentWhen
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(TpAndOps, LoaderGroupTest,
+// One apply thread, and three: a delta's items that write distinct local tensors apply at once,
+// with the same bits, digests, holdings and rollback.
+INSTANTIATE_TEST_SUITE_P(TpOpsAndThreads, LoaderGroupTest,
                          ::testing::Combine(::testing::Values(1u, 2u, 4u),
-                                            ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd)),
+                                            ::testing::Values(Op::kXor, Op::kOverwrite, Op::kAdd),
+                                            ::testing::Values(1, 3)),
                          [](const auto& param_info) {
-                           return fmt::format("TP{}_{}", std::get<0>(param_info.param),
-                                              OpName(std::get<1>(param_info.param)));
+                           return fmt::format("TP{}_{}_{}Threads", std::get<0>(param_info.param),
+                                              OpName(std::get<1>(param_info.param)),
+                                              std::get<2>(param_info.param));
                          });
 
 // ---- Layouts resolved by hand -----------------------------------------------------------------
@@ -774,12 +781,18 @@ TEST_F(LoaderRefusalTest, AWholeTensorNotAtBaseIsDetectedAndThePayloadUndone) {
   const StoreSnapshot diverged = TakeSnapshot(rank0());
   ASSERT_OK_AND_ASSIGN(auto holdings_before, rank0().Holdings(names));
   EXPECT_EQ(holdings_before, recomputed);
-  UndoLog undo;
-  EXPECT_STATUS_MSG(DataLoss, "not at base version", ApplyPayload(payload, rank0(), &undo));
-  EXPECT_EQ(TakeSnapshot(rank0()), diverged);
-  ASSERT_OK_AND_ASSIGN(auto holdings_after, rank0().Holdings(names));
-  EXPECT_EQ(holdings_after, holdings_before);
-  EXPECT_EQ(undo.records(), 0u);
+  // With three threads q_proj (into the fused qkv_proj) and the norm apply at once; the norm's
+  // failed check still undoes both.
+  for (const int threads : {1, 3}) {
+    SCOPED_TRACE(fmt::format("{} apply threads", threads));
+    UndoLog undo;
+    EXPECT_STATUS_MSG(DataLoss, "not at base version",
+                      ApplyPayload(payload, rank0(), &undo, nullptr, threads));
+    EXPECT_EQ(TakeSnapshot(rank0()), diverged);
+    ASSERT_OK_AND_ASSIGN(auto holdings_after, rank0().Holdings(names));
+    EXPECT_EQ(holdings_after, holdings_before);
+    EXPECT_EQ(undo.records(), 0u);
+  }
 }
 
 // ---- Resolve errors ---------------------------------------------------------------------------
