@@ -8,12 +8,11 @@
 // of its slowest stage — the producers' compare + encode and serialize over their threads, the
 // link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
 // decode (on decode_threads, ahead of the apply) and apply (a delta's tensors and an anchor's
-// copies on apply_threads; an anchor through a TP loader on one thread) — or, where stages share
-// cores
-// (--same-host), the total CPU work over those cores if that is longer; a delta then adds the
-// producers' commit. With --tp a receiver is one tensor-parallel shard: today it receives and
-// decodes the whole delta and maps every changed element through its loader (keeping 1/TP);
-// the shard-class routing of issue 23 (not built) is shown beside it as a what-if.
+// copies on apply_threads; an anchor through a TP loader on one thread) — or, where stages
+// share cores (--same-host), the total CPU work over those cores if that is longer; a delta then
+// adds the producers' commit. With --tp a receiver is one tensor-parallel shard: today it
+// receives and decodes the whole delta and maps every changed element through its loader
+// (keeping 1/TP); the shard-class routing of issue 23 (not built) is shown beside it as a what-if.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
