@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -223,9 +224,10 @@ class ZmqListener final : public Listener {
       return InvalidArgument("{}: position {} is not among its {} endpoints", where(),
                              tree.position, tree.endpoints.size());
     }
+    std::set<std::string_view> seen;
     for (const std::string& endpoint : tree.endpoints) {
       REFIT_RETURN_NOT_OK(CheckEndpoint(endpoint).WithContext(where()));
-      if (std::count(tree.endpoints.begin(), tree.endpoints.end(), endpoint) != 1) {
+      if (!seen.insert(endpoint).second) {
         return InvalidArgument("{}: names {} more than once", where(), endpoint);
       }
     }
