@@ -103,6 +103,8 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
   Status Commit(const TransferId& id) override;
   /// POST /v1/abort. Errors: as ReceiverSession::Abort.
   Status Abort(const TransferId& id) override;
+  /// POST /v1/regions. Errors: as ReceiverSession::Regions.
+  Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override;
   /// POST /v1/payload with the payload's bytes (not copied). Errors: as ReceiverSession::Stage,
   /// ResourceExhausted beyond the server's body limit, Unavailable while it stops.
   Result<StageResult> SendPayload(std::span<const std::byte> payload);

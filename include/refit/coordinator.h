@@ -33,11 +33,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "refit/payload.h"
 #include "refit/producer_stream.h"
+#include "refit/routing.h"
 #include "refit/status.h"
 #include "refit/tracker.h"
 #include "refit/transfer.h"
@@ -65,9 +67,23 @@ struct CoordinatedReceiver {
   /// verified together. Default: a replica of its own. (With an initializer, so that
   /// `CoordinatedReceiver{name, control}` stays valid.)
   ReplicaPlace place = {};
-  /// The relay tree this receiver's share of every transfer takes (transports with
-  /// fan_out_tree), sent with its prepare; nullopt: none is named (the receiver's static peers).
-  std::optional<RelayTree> relay_tree = std::nullopt;
+  /// Where its data plane listens (the transport's syntax), for the relay trees the coordinator
+  /// names (CoordinatorOptions::relay_trees) and for routing by holdings; empty: unknown.
+  std::string data_endpoint = {};
+};
+
+/// One class of the receivers of a transfer: the receivers that hold the same elements (every
+/// TP rank-k shard of every replica; every unsharded receiver), which get the same payloads
+/// (routing by holdings, refit/routing.h). A transfer that is not routed has one route: every
+/// receiver, every item whole.
+struct TransferRoute {
+  /// Indices into the coordinator's receivers, in the coordinator's order: the relay tree order.
+  std::vector<size_t> receivers;
+  /// Their data endpoints, in the same order; empty for the unrouted route (the channel's
+  /// default: the whole fleet).
+  std::vector<std::string> endpoints;
+  /// What they hold; null: everything.
+  std::shared_ptr<const ItemRoute> items;
 };
 
 /// What a producer's channel is opened for.
@@ -76,6 +92,9 @@ struct ChannelRequest {
   uint32_t producer_id = 0;
   uint64_t base_version = 0;
   uint64_t target_version = 0;
+  /// The data endpoints this channel must reach, in relay-tree order: one route's receivers
+  /// (TransferRoute::endpoints). Empty: the whole fleet, as the factory knows it.
+  std::vector<std::string> endpoints = {};
 };
 
 /// Open the channel through which producer `request.producer_id` sends its payloads of one
@@ -109,11 +128,14 @@ class ProducerSet {
   /// Errors: FailedPrecondition naming the producers when their versions differ or one has a
   /// transfer open; whatever a producer fails with. Nothing stays open on error.
   virtual Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) = 0;
-  /// Stream every producer's share of the open transfer, concurrently; no payload may be sent
-  /// after `deadline` (DeadlineExceeded). Return one entry per producer, in producer order.
+  /// Stream every producer's share of the open transfer, concurrently, cut and sent per route
+  /// (ProducerStream::Run with routes: one channel per route, finished with that route's payload
+  /// count); no payload may be sent after `deadline` (DeadlineExceeded). Return one entry per
+  /// producer, in producer order, whose report has one RouteReport per route.
   /// Errors: the most telling failure first, naming its producer, then the others.
   virtual Result<std::vector<ProducerStreamed>> Stream(
-      const TransferPlan& plan, std::chrono::steady_clock::time_point deadline) = 0;
+      const TransferPlan& plan, std::span<const TransferRoute> routes,
+      std::chrono::steady_clock::time_point deadline) = 0;
   /// Commit transfer `id` on every producer: every receiver is prepared, the transfer is decided.
   /// Errors: a producer that could not commit (the fleet then needs an anchor).
   virtual Status Commit(const TransferId& id) = 0;
@@ -140,6 +162,20 @@ struct CoordinatorOptions {
   /// Told of each transfer's outcome, and asked whether a transfer must be an anchor; borrowed,
   /// it must outlive the Coordinator. Null: nobody is told.
   TransferObserver* observer = nullptr;
+  /// Name each transfer's relay tree in every receiver's prepare (transports with fan_out_tree):
+  /// the receivers of its route, by data_endpoint, in receiver order. Needs every receiver's
+  /// data_endpoint.
+  bool relay_trees = false;
+  /// Route payloads by holdings: before each transfer, ask every receiver which elements it
+  /// holds of each canonical tensor (ReceiverControl::Regions), group the receivers into classes
+  /// that hold the same, and have every producer send each class only its cut of each item,
+  /// through a channel to that class's endpoints. Needs every receiver's data_endpoint and a
+  /// channel factory that honours ChannelRequest::endpoints. The tensors asked about are those of
+  /// the last transfer (and `tensor_names` before the first): a first transfer is not routed.
+  bool route_by_holdings = false;
+  /// The canonical tensor names to route by before any transfer told them (e.g. kept from an
+  /// earlier Coordinator's RefitReport::digests).
+  std::vector<std::string> tensor_names = {};
 };
 
 /// What one receiver reported.
@@ -154,6 +190,9 @@ struct ReceiverOutcome {
   /// The prepared transfer this receiver rolled back at Prepare because this transfer comes
   /// from its base (its coordinator never decided it), if any. (Last, with an initializer.)
   std::optional<TransferId> implied_abort = std::nullopt;
+  /// The route (class of receivers holding the same elements) it was sent, an index into
+  /// RefitReport::routes.
+  size_t route = 0;
 };
 
 /// What one successful Refit did.
@@ -163,6 +202,11 @@ struct RefitReport {
   std::vector<StreamReport> producers;
   /// Per receiver, in receiver order.
   std::vector<ReceiverOutcome> receivers;
+  /// The routes the transfer took (one unless routed by holdings), with what each producer sent
+  /// along each in producers[p].routes.
+  std::vector<TransferRoute> routes;
+  /// The state digest of every canonical tensor after the transfer, as the producers declared it.
+  std::map<std::string, uint64_t> digests;
   /// Sums over producers.
   uint64_t payloads = 0;
   uint64_t wire_bytes = 0;

@@ -15,11 +15,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "refit/bucketing.h"
 #include "refit/chunk_source.h"
 #include "refit/payload.h"
+#include "refit/routing.h"
 #include "refit/status.h"
 #include "refit/tracker.h"
 #include "refit/transfer.h"
@@ -120,12 +123,33 @@ struct StageTimings {
   double wall_s = 0;
 };
 
+/// What one route of a stream sent (StreamReport::routes).
+struct RouteReport {
+  /// Payloads sent to this route, with ids 0 … payloads − 1 (each route numbers its own).
+  uint64_t payloads = 0;
+  uint64_t items = 0;
+  uint64_t item_bytes = 0;
+  uint64_t wire_bytes = 0;
+
+  friend bool operator==(const RouteReport&, const RouteReport&) = default;
+};
+
+/// One class of receivers a stream sends to (routing by holdings, refit/routing.h): the cut of
+/// items its receivers hold, and the sender of its payloads.
+struct StreamRoute {
+  /// Borrowed for the Run; null: the class holds everything (no item is cut).
+  const ItemRoute* items = nullptr;
+  PayloadSender send;
+  /// Optional: run once on each sender thread at its end.
+  SenderCleanup cleanup;
+};
+
 /// What one successful ProducerStream::Run did.
 struct StreamReport {
   /// Chunks the source yielded (every producer walks all of them), and those this one owns.
   uint64_t chunks = 0;
   uint64_t owned_chunks = 0;
-  /// Payloads sent, with ids 0 … payloads − 1.
+  /// Payloads sent over all routes (with one route: ids 0 … payloads − 1).
   uint64_t payloads = 0;
   /// Items in those payloads.
   uint64_t items = 0;
@@ -142,6 +166,8 @@ struct StreamReport {
   uint64_t peak_payloads_in_flight = 0;
   StageTimings timings;
   AnchorCompressionReport anchor_compression{};
+  /// Per route, in the order Run was given them (one entry for a Run with one sender).
+  std::vector<RouteReport> routes = {};
 };
 
 /// Runs transfers for one producer: pulls every export chunk, encodes the owned ones with a
@@ -182,6 +208,13 @@ class ProducerStream {
   /// not start; more than 2^32 payloads), and whatever the source or sender return.
   Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
                            const PayloadSender& send, const SenderCleanup& cleanup = nullptr) const;
+  /// As above, sending each route what its receivers hold: every encoded item is cut for each
+  /// route (ItemRoute::Cut) and bucketed into that route's own payloads, numbered from 0 per
+  /// route and handed to that route's sender. Items are encoded once whatever the routes.
+  /// Errors: as above; InvalidArgument for no routes or a route without a sender, and what
+  /// ItemRoute::Cut returns (naming the route).
+  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
+                           std::span<const StreamRoute> routes) const;
 
   const ProducerStreamOptions& options() const { return options_; }
 

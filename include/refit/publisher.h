@@ -65,6 +65,11 @@ struct PublisherOptions {
   /// The budget of one Sync from the first message to the decision, on every rank. A rank that
   /// does not answer within it is treated as failed.
   std::chrono::milliseconds transfer_timeout{std::chrono::minutes(10)};
+  /// Rank 0, transports with relay trees (zmq://): route payloads by holdings — each class of
+  /// receivers that hold the same elements (every TP rank-k shard; the unsharded receivers) gets
+  /// only its cut of each item, through its own relay tree (docs/protocol.md "Routing by
+  /// holdings"). From the second Sync of a Publisher on (the first tells it the tensor names).
+  bool route_by_holdings = true;
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and

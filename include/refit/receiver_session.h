@@ -276,6 +276,10 @@ class ReceiverSession final : public ReceiverControl {
   /// rollback cannot find a tensor (the transfer then stays open).
   Status Abort(const TransferId& id) override;
 
+  /// What the store's loader holds of each named canonical tensor (ReceiverControl::Regions);
+  /// empty without a loader. Resolves each name (cached by the loader); touches no weights.
+  Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override;
+
   /// Return a snapshot of the state and counters. Cheap (no store access).
   ReceiverStatus GetStatus() const;
 

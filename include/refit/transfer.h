@@ -11,6 +11,7 @@
 #pragma once
 
 #include <chrono>
+#include <compare>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -132,6 +133,35 @@ struct CanonicalHolding {
   friend bool operator==(const CanonicalHolding&, const CanonicalHolding&) = default;
 };
 
+/// One rectangle of a canonical tensor's 2-D view (CanonicalLayout: element i is row i / cols,
+/// column i % cols): rows [row_begin, row_end) × columns [col_begin, col_end).
+struct HeldRect {
+  uint64_t row_begin = 0;
+  uint64_t row_end = 0;
+  uint64_t col_begin = 0;
+  uint64_t col_end = 0;
+
+  friend bool operator==(const HeldRect&, const HeldRect&) = default;
+  friend auto operator<=>(const HeldRect&, const HeldRect&) = default;
+};
+
+/// Which elements of one canonical tensor a receiver holds, for routing (docs/protocol.md
+/// "Routing by holdings"): rectangles of the tensor's 2-D view with `cols` columns, or none at
+/// all (`skipped`: its loader skips the tensor). Unlike CanonicalHolding it carries no digest:
+/// it is what a receiver can hold, asked before a transfer streams.
+struct HeldRegion {
+  bool skipped = false;
+  uint64_t cols = 0;
+  std::vector<HeldRect> rects;
+
+  friend bool operator==(const HeldRegion&, const HeldRegion&) = default;
+  friend auto operator<=>(const HeldRegion&, const HeldRegion&) = default;
+};
+
+/// What a receiver holds, per canonical tensor name; a tensor the map does not name is held
+/// whole (a receiver without a loader answers an empty map).
+using HeldRegions = std::map<std::string, HeldRegion>;
+
 /// Where a receiver sits in the fleet: the replica (one whole copy of the model) it belongs to,
 /// and its shard of that replica's group (e.g. its tensor-parallel rank). Reported by the control
 /// plane, so that a coordinator verifies each replica as a whole.
@@ -190,7 +220,16 @@ class ReceiverControl {
   virtual Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options) = 0;
   virtual Status Commit(const TransferId& id) = 0;
   virtual Status Abort(const TransferId& id) = 0;
+  /// Which elements of each named canonical tensor this receiver holds (its loader's layouts);
+  /// tensors it holds whole, or cannot resolve, are left out (payloads carry them whole, and an
+  /// unresolvable one then fails where it always did, at apply). Asked by a coordinator that
+  /// routes payloads by holdings, before Prepare. Errors: InvalidArgument (more than
+  /// kMaxRegionTensors names), and those of the control link.
+  virtual Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) = 0;
 };
+
+/// The most canonical tensor names one ReceiverControl::Regions call may ask about.
+inline constexpr size_t kMaxRegionTensors = size_t{1} << 20;
 
 /// The end of one producer's stream, as Finish announced it.
 struct StreamEnd {

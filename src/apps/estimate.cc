@@ -10,9 +10,10 @@
 // decode (on decode_threads, ahead of the apply) and apply (a delta's tensors and an anchor's
 // copies on apply_threads; an anchor through a TP loader on one thread) — or, where stages
 // share cores (--same-host), the total CPU work over those cores if that is longer; a delta then
-// adds the producers' commit. With --tp a receiver is one tensor-parallel shard: today it
-// receives and decodes the whole delta and maps every changed element through its loader
-// (keeping 1/TP); the shard-class routing of issue 23 (not built) is shown beside it as a what-if.
+// adds the producers' commit. With --tp a receiver is one tensor-parallel shard: routed by
+// holdings (docs/protocol.md) it is sent only its class's 1/TP of the changes; a transfer that is
+// not routed (a coordinator's first, or s3://) sends it the whole delta, which it maps through its
+// loader keeping 1/TP. Both rows are printed.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -383,16 +384,16 @@ Status RunEstimate(const EstimateArgs& args) {
       predictions.push_back(delta("delta", changed, receiver_parallel,
                                   fmt::format("apply ({} threads)", receiver_parallel)));
     } else {
-      // Today a shard receives and decodes the whole delta and maps every changed element
-      // through its loader, keeping about 1/TP of them; the tensors (groups of local tensors)
-      // apply on apply_threads.
+      // Routed by holdings, a shard is sent only its class's 1/TP of the changes; unrouted, it
+      // receives and decodes the whole delta and maps every changed element through its loader,
+      // keeping about 1/TP. Either way the tensors (groups of local tensors) apply on
+      // apply_threads.
       const std::string through =
           fmt::format("apply through the loader ({} threads)", receiver_parallel);
-      predictions.push_back(
-          delta(fmt::format("delta (TP {} shard)", args.tp), changed, receiver_parallel, through));
-      // With shard-class routing a shard would be sent only its 1/TP of the changes.
-      predictions.push_back(delta(fmt::format("delta (TP {} shard, routed: not built)", args.tp),
-                                  changed / tp, receiver_parallel, through));
+      predictions.push_back(delta(fmt::format("delta (TP {} shard, routed)", args.tp), changed / tp,
+                                  receiver_parallel, through));
+      predictions.push_back(delta(fmt::format("delta (TP {} shard, not routed)", args.tp), changed,
+                                  receiver_parallel, through));
     }
   }
   {

@@ -87,11 +87,10 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
   std::vector<CoordinatedReceiver> receivers;
   const bool relays = fleet->transport_->capabilities().fan_out_tree;
   for (size_t r = 0; r < fleet->clients_.size(); ++r) {
-    receivers.push_back({fleet->clients_[r]->base_url(), fleet->clients_[r].get()});
-    // Every transfer names its relay tree: the receivers in the order given, as the senders
-    // pick their roots (receivers need no peers list).
-    if (relays)
-      receivers.back().relay_tree = RelayTree{fleet->endpoints_, static_cast<uint32_t>(r)};
+    receivers.push_back({fleet->clients_[r]->base_url(),
+                         fleet->clients_[r].get(),
+                         {},
+                         relays ? fleet->endpoints_[r] : std::string()});
   }
   FleetCoordinator* self = fleet.get();
   ChannelFactory channels =
@@ -101,7 +100,7 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     context.producer_id = request.producer_id;
     context.base_version = request.base_version;
     context.target_version = request.target_version;
-    context.endpoints = self->endpoints_;
+    context.endpoints = request.endpoints.empty() ? self->endpoints_ : request.endpoints;
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender,
                            self->transport_->MakeSender(context));
     return std::unique_ptr<PayloadChannel>(std::move(sender));
@@ -109,6 +108,10 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
   // The transport learns each transfer's outcome (an s3:// chain records committed versions).
   CoordinatorOptions observed = options;
   observed.observer = fleet->transport_.get();
+  // Every transfer names its relay trees: the receivers in the order given, as the senders pick
+  // their roots (receivers need no peers list); payloads are routed by what each one holds.
+  observed.relay_trees = relays;
+  observed.route_by_holdings = relays;
   REFIT_ASSIGN_OR_RETURN(fleet->coordinator_,
                          Coordinator::Make(observed, std::move(coordinated), std::move(receivers),
                                            std::move(channels)));

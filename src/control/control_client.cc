@@ -509,6 +509,18 @@ Status ControlClient::Abort(const TransferId& id) {
   return impl_->PostJson(internal::kAbortPath, TransferBody(id)).status();
 }
 
+Result<HeldRegions> ControlClient::Regions(const std::vector<std::string>& canonical_names) {
+  if (canonical_names.size() > kMaxRegionTensors) {
+    return InvalidArgument("regions: {} tensor names, more than the {} one call may ask about",
+                           canonical_names.size(), kMaxRegionTensors);
+  }
+  const Json body{{"tensors", canonical_names}};
+  REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kRegionsPath, body));
+  Result<HeldRegions> regions = internal::RegionsFromJson(reply);
+  if (!regions.ok()) return ReplyFieldError(regions.status());
+  return regions;
+}
+
 Result<StageResult> ControlClient::SendPayload(std::span<const std::byte> payload) {
   if (impl_->options.carrier) return impl_->RefuseBulk("POST /v1/payload");
   const std::string path = impl_->Path(internal::kPayloadPath);

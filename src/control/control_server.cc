@@ -148,7 +148,7 @@ std::string_view RouteLabel(const httplib::Request& request) {
   } else if (request.method == "POST") {
     for (std::string_view route :
          {internal::kPreparePath, internal::kFlushPath, internal::kCommitPath, internal::kAbortPath,
-          internal::kPayloadPath, internal::kManifestPath}) {
+          internal::kPayloadPath, internal::kManifestPath, internal::kRegionsPath}) {
       if (path == route) return route;
     }
   }
@@ -309,6 +309,7 @@ struct ControlServer::Impl {
   Result<Json> Flush(const JsonFields& body);
   Result<Json> Commit(const JsonFields& body);
   Result<Json> Abort(const JsonFields& body);
+  Result<Json> Regions(const JsonFields& body);
   // The transfer routes, for HTTP (InstallRoutes) and for other carriers (Serve) alike.
   struct JsonRoute {
     std::string_view path;
@@ -319,7 +320,8 @@ struct ControlServer::Impl {
       {internal::kPreparePath, internal::kPrepareFields, &Impl::Prepare},
       {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
       {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
-      {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort}};
+      {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort},
+      {internal::kRegionsPath, internal::kRegionsFields, &Impl::Regions}};
   void StagePayload(const httplib::Request& request, httplib::Response& response,
                     const httplib::ContentReader& reader);
   // POST /v1/manifest: hand the manifest to the data plane's listener, which fetches and
@@ -515,6 +517,15 @@ Result<Json> ControlServer::Impl::Abort(const JsonFields& body) {
   REFIT_RETURN_NOT_OK(session.Abort(id));
   if (before.transfer_id == id) metrics->RecordAborted();
   return VersionBody(session.GetStatus().version);
+}
+
+// What the store's loader holds of each named tensor; reads no weights, so no store lock.
+Result<Json> ControlServer::Impl::Regions(const JsonFields& body) {
+  REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> names, internal::GetRegionTensors(body));
+  REFIT_ASSIGN_OR_RETURN(const HeldRegions regions, session.Regions(names));
+  Json reply = internal::RegionsToJson(regions);
+  reply["ok"] = true;
+  return reply;
 }
 
 void ControlServer::Impl::StagePayload(const httplib::Request& request, httplib::Response& response,

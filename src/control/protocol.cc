@@ -331,6 +331,76 @@ Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body) {
   return std::optional<RelayTree>(std::move(tree));
 }
 
+Result<std::vector<std::string>> GetRegionTensors(const JsonFields& body) {
+  REFIT_ASSIGN_OR_RETURN(const Json* tensors, body.Require("tensors"));
+  const std::string where = body.Name("tensors");
+  if (!tensors->is_array() || tensors->size() > kMaxRegionTensors) {
+    return InvalidArgument("{} must be a list of at most {} tensor names, got {}{}", where,
+                           kMaxRegionTensors, JsonTypeName(*tensors),
+                           tensors->is_array() ? fmt::format(" of {}", tensors->size()) : "");
+  }
+  std::vector<std::string> names;
+  names.reserve(tensors->size());
+  for (size_t i = 0; i < tensors->size(); ++i) {
+    const Json& name = (*tensors)[i];
+    if (!name.is_string() || name.get_ref<const std::string&>().empty()) {
+      return InvalidArgument("{}[{}] must be a non-empty tensor name, got {}", where, i,
+                             DumpJson(name));
+    }
+    names.push_back(name.get_ref<const std::string&>());
+  }
+  return names;
+}
+
+Json RegionsToJson(const HeldRegions& regions) {
+  Json out = Json::object();
+  for (const auto& [name, region] : regions) {
+    Json rects = Json::array();
+    for (const HeldRect& rect : region.rects) {
+      rects.push_back(Json::array({rect.row_begin, rect.row_end, rect.col_begin, rect.col_end}));
+    }
+    out[name] = Json{{"skipped", region.skipped}, {"cols", region.cols}, {"rects", rects}};
+  }
+  return Json{{"regions", std::move(out)}};
+}
+
+Result<HeldRegions> RegionsFromJson(const Json& body) {
+  const JsonFields reply(body, "regions reply");
+  REFIT_ASSIGN_OR_RETURN(const Json* regions, reply.Require("regions"));
+  if (!regions->is_object() || regions->size() > kMaxRegionTensors) {
+    return InvalidArgument("{} must be an object of at most {} tensors, got {}",
+                           reply.Name("regions"), kMaxRegionTensors, JsonTypeName(*regions));
+  }
+  HeldRegions out;
+  for (const auto& [name, value] : regions->items()) {
+    const JsonFields fields(value, fmt::format("{}.{}", reply.Name("regions"), name));
+    constexpr std::array<std::string_view, 3> kRegionFields = {"skipped", "cols", "rects"};
+    REFIT_RETURN_NOT_OK(fields.CheckObject(kRegionFields));
+    HeldRegion region;
+    REFIT_ASSIGN_OR_RETURN(region.skipped, fields.Bool("skipped"));
+    REFIT_ASSIGN_OR_RETURN(region.cols, fields.Uint("cols"));
+    REFIT_ASSIGN_OR_RETURN(const Json* rects, fields.Require("rects"));
+    if (!rects->is_array() || rects->size() > kMaxRegionRects) {
+      return InvalidArgument("{} must be a list of at most {} rectangles, got {}",
+                             fields.Name("rects"), kMaxRegionRects, JsonTypeName(*rects));
+    }
+    for (size_t i = 0; i < rects->size(); ++i) {
+      const Json& rect = (*rects)[i];
+      const bool valid = rect.is_array() && rect.size() == 4 &&
+                         std::all_of(rect.begin(), rect.end(),
+                                     [](const Json& v) { return v.is_number_unsigned(); });
+      if (!valid) {
+        return InvalidArgument("{}[{}] must be [row_begin, row_end, col_begin, col_end], got {}",
+                               fields.Name("rects"), i, DumpJson(rect));
+      }
+      region.rects.push_back({rect[0].get<uint64_t>(), rect[1].get<uint64_t>(),
+                              rect[2].get<uint64_t>(), rect[3].get<uint64_t>()});
+    }
+    out.emplace(name, std::move(region));
+  }
+  return out;
+}
+
 Result<TransferExpectation> GetExpectation(const JsonFields& body) {
   TransferExpectation expected;
   if (const Json* counts = body.Find("expected"); counts != nullptr) {

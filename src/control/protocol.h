@@ -34,6 +34,7 @@ inline constexpr std::string_view kCommitPath = "/v1/commit";
 inline constexpr std::string_view kAbortPath = "/v1/abort";
 inline constexpr std::string_view kPayloadPath = "/v1/payload";
 inline constexpr std::string_view kManifestPath = "/v1/manifest";
+inline constexpr std::string_view kRegionsPath = "/v1/regions";
 inline constexpr std::string_view kStatusPath = "/v1/status";
 /// Followed by the percent-encoded tensor name.
 inline constexpr std::string_view kTensorsPathPrefix = "/v1/tensors/";
@@ -102,9 +103,10 @@ class JsonFields {
   /// The name of `field` in messages: "<where>.<field>".
   std::string Name(std::string_view field) const;
 
- private:
+  /// The value of a field that must be present. Errors: InvalidArgument naming it.
   Result<const Json*> Require(std::string_view field) const;
 
+ private:
   const Json& object_;
   std::string where_;
 };
@@ -131,6 +133,19 @@ inline constexpr std::array<std::string_view, 6> kPrepareFields = {
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};
+inline constexpr std::array<std::string_view, 1> kRegionsFields = {"tensors"};
+/// The most rectangles one tensor's held region may list (a loader's layout has a few).
+inline constexpr size_t kMaxRegionRects = 4096;
+
+/// The canonical tensor names of a POST /v1/regions request ("tensors": [names]).
+/// Errors: InvalidArgument naming the field (not a list of 0 to kMaxRegionTensors non-empty
+/// strings).
+Result<std::vector<std::string>> GetRegionTensors(const JsonFields& body);
+/// Write `regions` as {"regions": {name: {"skipped": bool, "cols": n, "rects": [[r0, r1, c0, c1],
+/// ...]}}}.
+Json RegionsToJson(const HeldRegions& regions);
+/// Parse RegionsToJson's reply. Errors: InvalidArgument naming the field.
+Result<HeldRegions> RegionsFromJson(const Json& body);
 
 Json FlushReportToJson(const FlushReport& report);
 Result<FlushReport> FlushReportFromJson(const Json& body);

@@ -52,7 +52,8 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
       {"layouts_known", {is_strings, "a list of strings"}},
       {"roles", {is_strings, "a list of strings"}},
       {"full_ranks", {is_uints, "a list of unsigned integers"}},
-      {"boxes", {is_array, "a list"}}};
+      {"boxes", {is_array, "a list"}},
+      {"routes", {is_array, "a list"}}};
   for (const auto& [key, value] : body.items()) {
     auto it = kTop.find(key);
     if (it != kTop.end() && !it->second.first(value)) {
@@ -62,6 +63,19 @@ Status CheckFieldTypes(const Json& body, std::string_view where) {
   }
   if (auto report = body.find("report"); report != body.end()) {
     for (const auto& [key, value] : report->items()) {
+      if (key == "routes") {
+        const bool valid =
+            value.is_array() && std::all_of(value.begin(), value.end(), [&](const Json& r) {
+              return r.is_array() && r.size() == 4 && is_uints(r);
+            });
+        if (!valid) {
+          return InvalidArgument(
+              "{}: field 'report.routes' of a producer-group message is not a list of [payloads, "
+              "items, item_bytes, wire_bytes]",
+              where);
+        }
+        continue;
+      }
       const bool seconds = key.size() > 2 && key.ends_with("_s");
       if (seconds ? !value.is_number() : !value.is_number_unsigned()) {
         return InvalidArgument("{}: field 'report.{}' of a producer-group message is {}, not {}",
@@ -152,6 +166,19 @@ Result<std::map<std::string, uint64_t>> DigestsFromJson(const Json& body, std::s
   return digests;
 }
 
+namespace {
+
+// [[payloads, items, item_bytes, wire_bytes], ...], one per route.
+Json RouteReportsToJson(const std::vector<RouteReport>& routes) {
+  Json out = Json::array();
+  for (const RouteReport& route : routes) {
+    out.push_back(Json::array({route.payloads, route.items, route.item_bytes, route.wire_bytes}));
+  }
+  return out;
+}
+
+}  // namespace
+
 Json StreamReportToJson(const StreamReport& report) {
   return Json{{"chunks", report.chunks},
               {"owned_chunks", report.owned_chunks},
@@ -165,7 +192,8 @@ Json StreamReportToJson(const StreamReport& report) {
               {"encode_s", report.timings.encode_s},
               {"serialize_s", report.timings.serialize_s},
               {"send_s", report.timings.send_s},
-              {"wall_s", report.timings.wall_s}};
+              {"wall_s", report.timings.wall_s},
+              {"routes", RouteReportsToJson(report.routes)}};
 }
 
 StreamReport StreamReportFromJson(const Json& body) {
@@ -183,7 +211,59 @@ StreamReport StreamReportFromJson(const Json& body) {
   report.timings.serialize_s = body.value("serialize_s", 0.0);
   report.timings.send_s = body.value("send_s", 0.0);
   report.timings.wall_s = body.value("wall_s", 0.0);
+  // Malformed: no routes, which the coordinator refuses naming the rank.
+  if (const auto routes = body.find("routes"); routes != body.end() && routes->is_array()) {
+    for (const Json& route : *routes) {
+      if (!route.is_array() || route.size() != 4 ||
+          !std::all_of(route.begin(), route.end(),
+                       [](const Json& v) { return v.is_number_unsigned(); })) {
+        report.routes.clear();
+        break;
+      }
+      report.routes.push_back({route[0].get<uint64_t>(), route[1].get<uint64_t>(),
+                               route[2].get<uint64_t>(), route[3].get<uint64_t>()});
+    }
+  }
   return report;
+}
+
+Json RoutesToJson(std::span<const TransferRoute> routes) {
+  Json out = Json::array();
+  for (const TransferRoute& route : routes) {
+    out.push_back(Json{
+        {"endpoints", route.endpoints},
+        {"regions", route.items == nullptr ? Json(nullptr)
+                                           : RegionsToJson(route.items->regions())["regions"]}});
+  }
+  return out;
+}
+
+Result<std::vector<TransferRoute>> RoutesFromJson(const Json& body, std::string_view where) {
+  if (!body.is_array()) return InvalidArgument("{}: routes must be a list", where);
+  std::vector<TransferRoute> routes;
+  for (size_t k = 0; k < body.size(); ++k) {
+    const std::string route_where = fmt::format("{}: route {}", where, k);
+    const Json& route = body[k];
+    const auto endpoints = route.find("endpoints");
+    const auto regions = route.find("regions");
+    if (!route.is_object() || endpoints == route.end() || !endpoints->is_array() ||
+        !std::all_of(endpoints->begin(), endpoints->end(),
+                     [](const Json& e) { return e.is_string(); }) ||
+        regions == route.end()) {
+      return InvalidArgument("{} is not {{\"endpoints\": [...], \"regions\": ...}}", route_where);
+    }
+    TransferRoute parsed;
+    parsed.endpoints = endpoints->get<std::vector<std::string>>();
+    if (!regions->is_null()) {
+      Result<HeldRegions> held = RegionsFromJson(Json{{"regions", *regions}});
+      if (!held.ok()) return held.status().WithContext(route_where);
+      Result<ItemRoute> items = ItemRoute::Make(*held);
+      if (!items.ok()) return items.status().WithContext(route_where);
+      parsed.items = std::make_shared<const ItemRoute>(*std::move(items));
+    }
+    routes.push_back(std::move(parsed));
+  }
+  return routes;
 }
 
 Result<TransferPlan> PlanFromJson(const Json& body) {

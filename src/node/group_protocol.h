@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/producer_layout.h"
+#include "refit/coordinator.h"
 #include "refit/producer_stream.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
@@ -38,8 +40,9 @@ inline constexpr std::string_view kOpBegin = "begin";
 inline constexpr std::string_view kOpStream = "stream";
 inline constexpr std::string_view kOpCommit = "commit";
 inline constexpr std::string_view kOpAbort = "abort";
-/// The version of this exchange. 2: sharded syncs (layouts, roles, box digests).
-inline constexpr int kGroupProtocolVersion = 2;
+/// The version of this exchange. 2: sharded syncs (layouts, roles, box digests). 3: routes
+/// (routing by holdings: each stream message names the routes, each report counts per route).
+inline constexpr int kGroupProtocolVersion = 3;
 
 /// A message of `op`, with the protocol version.
 Json GroupMessage(std::string_view op);
@@ -59,6 +62,12 @@ Result<std::map<std::string, uint64_t>> DigestsFromJson(const Json& body, std::s
 
 Json StreamReportToJson(const StreamReport& report);
 StreamReport StreamReportFromJson(const Json& body);
+/// The routes of a stream message: [{"endpoints": [...], "regions": {...} | null}, ...] (what each
+/// rank needs of a TransferRoute: where to send and what to cut; not the receiver indices).
+Json RoutesToJson(std::span<const TransferRoute> routes);
+/// Parse RoutesToJson's list. Errors: InvalidArgument naming `where` and the route (a malformed
+/// route or held region, rectangles ItemRoute refuses).
+Result<std::vector<TransferRoute>> RoutesFromJson(const Json& body, std::string_view where);
 Result<TransferPlan> PlanFromJson(const Json& body);
 
 /// A rank's layout: one array per piece, [tensor, dtype, shape, offset, extent, local,

@@ -37,6 +37,8 @@ using internal::kOpPropose;
 using internal::kOpStream;
 using internal::ParseGroupMessage;
 using internal::PlanFromJson;
+using internal::RoutesFromJson;
+using internal::RoutesToJson;
 using internal::StatusFromJson;
 using internal::StatusToJson;
 using internal::StreamReportFromJson;
@@ -191,37 +193,53 @@ struct PublisherRank {
     return Status::OK();
   }
 
-  Result<ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline) {
+  // Stream this rank's share through one sender per route (routing by holdings; one route of
+  // the whole fleet otherwise), each finished with its route's payload count.
+  Result<ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline,
+                                  std::span<const TransferRoute> routes) {
     if (!open.has_value()) return FailedPrecondition("publisher rank {}: no open transfer", rank());
-    SenderContext context;
-    context.transfer_id = open->transfer_id;
-    context.producer_id = rank();
-    context.base_version = open->base_version;
-    context.target_version = open->target_version;
-    context.endpoints = endpoints;
-    context.anchor = open->anchor;
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender, transport->MakeSender(context));
-    TransportSender* channel = sender.get();
-    const PayloadSender send = [this, channel, deadline](uint32_t payload_id,
-                                                         std::span<const std::byte> payload) {
-      REFIT_RETURN_NOT_OK(CheckCancelled(fmt::format("before payload {}", payload_id)));
-      if (Clock::now() > deadline) {
-        return DeadlineExceeded("payload {}: the transfer passed its deadline", payload_id);
+    if (routes.empty()) return InvalidArgument("publisher rank {}: no routes", rank());
+    std::vector<std::unique_ptr<TransportSender>> senders;
+    std::vector<StreamRoute> stream_routes;
+    for (const TransferRoute& route : routes) {
+      SenderContext context;
+      context.transfer_id = open->transfer_id;
+      context.producer_id = rank();
+      context.base_version = open->base_version;
+      context.target_version = open->target_version;
+      context.endpoints = route.endpoints.empty() ? endpoints : route.endpoints;
+      context.anchor = open->anchor;
+      REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender,
+                             transport->MakeSender(context));
+      TransportSender* channel = sender.get();
+      senders.push_back(std::move(sender));
+      stream_routes.push_back(StreamRoute{
+          route.items.get(),
+          [this, channel, deadline](uint32_t payload_id, std::span<const std::byte> payload) {
+            REFIT_RETURN_NOT_OK(CheckCancelled(fmt::format("before payload {}", payload_id)));
+            if (Clock::now() > deadline) {
+              return DeadlineExceeded("payload {}: the transfer passed its deadline", payload_id);
+            }
+            return channel->Send(payload_id, payload);
+          },
+          channel->AsSenderCleanup()});
+    }
+    const auto finish = [&](const StreamReport& report) -> Status {
+      for (size_t k = 0; k < senders.size(); ++k) {
+        REFIT_RETURN_NOT_OK(senders[k]->Finish(report.routes[k].payloads).WithContext("finish"));
       }
-      return channel->Send(payload_id, payload);
+      return Status::OK();
     };
     if (sharded == nullptr) {
-      REFIT_ASSIGN_OR_RETURN(StreamReport report,
-                             stream->Run(*tracker, source, send, channel->AsSenderCleanup()));
-      REFIT_RETURN_NOT_OK(channel->Finish(report.payloads).WithContext("finish"));
+      REFIT_ASSIGN_OR_RETURN(StreamReport report, stream->Run(*tracker, source, stream_routes));
+      REFIT_RETURN_NOT_OK(finish(report));
       streamed = report;
       return ProducerStreamed{std::move(report), tracker->PendingDigests()};
     }
     const ChunkSource pieces =
         SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes);
-    REFIT_ASSIGN_OR_RETURN(StreamReport report,
-                           piece_stream->Run(*tracker, pieces, send, channel->AsSenderCleanup()));
-    REFIT_RETURN_NOT_OK(channel->Finish(report.payloads).WithContext("finish"));
+    REFIT_ASSIGN_OR_RETURN(StreamReport report, piece_stream->Run(*tracker, pieces, stream_routes));
+    REFIT_RETURN_NOT_OK(finish(report));
     streamed = report;
     REFIT_ASSIGN_OR_RETURN(streamed_boxes, BoxDigests());
     return ProducerStreamed{std::move(report), {}};
@@ -272,6 +290,8 @@ struct PublisherRank {
 
   Result<SyncReport> Lead(const ChunkSource& source, bool force_anchor);
   Result<SyncReport> LeadTransfer(const ChunkSource& source, bool force_anchor);
+  // Rank 0: the canonical tensors of the last Sync, which the next one routes by.
+  std::vector<std::string> routed_tensors;
   // Set once rank 0 told the other ranks to abort the current Sync.
   bool told_abort = false;
   // Publisher::Cancel: set while a Sync is in flight (guarded by cancel_mutex), read by every
@@ -420,12 +440,14 @@ class GroupProducers final : public ProducerSet {
   }
 
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               std::span<const TransferRoute> routes,
                                                Clock::time_point deadline) override {
     REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
-    REFIT_RETURN_NOT_OK(self_.group->Broadcast(GroupMessage(kOpStream).dump(), deadline)
-                            .status()
-                            .WithContext("rank 0: stream"));
-    Result<ProducerStreamed> own = self_.Stream(source_, deadline);
+    Json stream = GroupMessage(kOpStream);
+    stream["routes"] = RoutesToJson(routes);
+    REFIT_RETURN_NOT_OK(
+        self_.group->Broadcast(stream.dump(), deadline).status().WithContext("rank 0: stream"));
+    Result<ProducerStreamed> own = self_.Stream(source_, deadline, routes);
     Json mine = StatusToJson(own.status());
     if (own.ok()) {
       mine["report"] = StreamReportToJson(own->report);
@@ -602,8 +624,9 @@ class BorrowedProducers final : public ProducerSet {
     return inner_.Begin(id, force_anchor);
   }
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               std::span<const TransferRoute> routes,
                                                Clock::time_point deadline) override {
-    return inner_.Stream(plan, deadline);
+    return inner_.Stream(plan, routes, deadline);
   }
   Status Commit(const TransferId& id) override { return inner_.Commit(id); }
   void Abort(const TransferId& id) override { inner_.Abort(id); }
@@ -666,26 +689,27 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
                      status->receiver.needs_anchor_reason);
       force_anchor = true;
     }
-    receivers.push_back({link.base_url, client.get(), status->place});
+    receivers.push_back({link.base_url, client.get(), status->place, fleet[r]});
     clients.push_back(std::move(client));
-  }
-  if (caps.fan_out_tree) {
-    // Every transfer names its relay tree in each receiver's prepare: the fleet as this
-    // publisher lists it, which is also the order its producers pick their roots in. Receivers
-    // need no peers list of their own, and one that joins or leaves changes the next tree.
-    for (size_t r = 0; r < receivers.size(); ++r) {
-      receivers[r].relay_tree = RelayTree{fleet, static_cast<uint32_t>(r)};
-    }
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions));
   CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
   coordinator_options.observer = transport.get();
+  // Every transfer names its relay trees in each receiver's prepare (the fleet as this publisher
+  // lists it, which is also the order its producers pick their roots in), so receivers need no
+  // peers list of their own, and one that joins or leaves changes the next tree. Payloads are
+  // routed by what each receiver holds, so a TP shard gets only its cut.
+  coordinator_options.relay_trees = caps.fan_out_tree;
+  coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
+  coordinator_options.tensor_names = routed_tensors;
   REFIT_ASSIGN_OR_RETURN(
       std::unique_ptr<Coordinator> coordinator,
       Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
                         std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
+  routed_tensors.clear();
+  for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
   return SyncReport{std::move(report), rank(), world()};
 }
 
@@ -723,9 +747,12 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet), all_roles, full_self)
                                      : plan.status());
     } else if (op == kOpStream) {
-      const Status cancelled = CheckCancelled("before the stream");
-      Result<ProducerStreamed> own =
-          cancelled.ok() ? Stream(source, Deadline()) : Result<ProducerStreamed>(cancelled);
+      Status cancelled = CheckCancelled("before the stream");
+      Result<std::vector<TransferRoute>> routes =
+          RoutesFromJson(message->value("routes", Json::array()), leader);
+      if (cancelled.ok() && !routes.ok()) cancelled = routes.status();
+      Result<ProducerStreamed> own = cancelled.ok() ? Stream(source, Deadline(), *routes)
+                                                    : Result<ProducerStreamed>(cancelled);
       reply = StatusToJson(own.status());
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);

@@ -121,6 +121,7 @@ class LocalProducers final : public ProducerSet {
   }
 
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
+                                               std::span<const TransferRoute> routes,
                                                Clock::time_point deadline) override {
     std::vector<ProducerStreamed> streamed(producers_.size());
     Failures failures;
@@ -128,21 +129,40 @@ class LocalProducers final : public ProducerSet {
       const std::string where = fmt::format("producer {}", p);
       Result<ChunkSource> source = producers_[p].source(plan);
       if (!source.ok()) return failures.Add(where, source.status());
-      Result<std::unique_ptr<PayloadChannel>> channel =
-          channels_(ChannelRequest{.transfer_id = plan.transfer_id,
-                                   .producer_id = static_cast<uint32_t>(p),
-                                   .base_version = plan.base_version,
-                                   .target_version = plan.target_version});
-      if (!channel.ok()) return failures.Add(where, channel.status());
+      // One channel per route, each to its own receivers.
+      std::vector<std::unique_ptr<PayloadChannel>> channels;
+      std::vector<StreamRoute> stream_routes;
+      for (size_t k = 0; k < routes.size(); ++k) {
+        Result<std::unique_ptr<PayloadChannel>> channel =
+            channels_(ChannelRequest{.transfer_id = plan.transfer_id,
+                                     .producer_id = static_cast<uint32_t>(p),
+                                     .base_version = plan.base_version,
+                                     .target_version = plan.target_version,
+                                     .endpoints = routes[k].endpoints});
+        if (!channel.ok()) {
+          return failures.Add(
+              where, routes.size() == 1 ? channel.status()
+                                        : channel.status().WithContext(fmt::format("route {}", k)));
+        }
+        channels.push_back(std::move(channel).ValueOrDie());
+        stream_routes.push_back(StreamRoute{routes[k].items.get(),
+                                            DeadlineSender(*channels.back(), deadline),
+                                            channels.back()->AsSenderCleanup()});
+      }
       Result<StreamReport> report =
-          streams_[p]->Run(*producers_[p].tracker, *source, DeadlineSender(**channel, deadline),
-                           (*channel)->AsSenderCleanup());
+          streams_[p]->Run(*producers_[p].tracker, *source, stream_routes);
       if (!report.ok()) return failures.Add(where, report.status());
       if (Clock::now() > deadline) {
         return failures.Add(where, DeadlineExceeded("the transfer passed its deadline"));
       }
-      Status finished = (*channel)->Finish(report->payloads);
-      if (!finished.ok()) return failures.Add(where, finished.WithContext("finish"));
+      for (size_t k = 0; k < channels.size(); ++k) {
+        Status finished = channels[k]->Finish(report->routes[k].payloads);
+        if (!finished.ok()) {
+          return failures.Add(
+              where, finished.WithContext(routes.size() == 1 ? std::string("finish")
+                                                             : fmt::format("finish route {}", k)));
+        }
+      }
       streamed[p].report = *std::move(report);
       streamed[p].digests = producers_[p].tracker->PendingDigests();
     });
@@ -300,14 +320,65 @@ struct Coordinator::Impl {
   std::unique_ptr<ProducerSet> producers;
   std::vector<CoordinatedReceiver> receivers;
   std::vector<Replica> replicas;
+  // The canonical tensors of the last transfer: what routing asks the receivers about.
+  std::vector<std::string> tensor_names;
 
   Result<RefitReport> Refit(const TransferId& id, bool force_anchor);
+  // The routes of the next transfer and each receiver's route: one route of every receiver,
+  // unless routing by holdings finds more than one class. Errors: a receiver that cannot say
+  // what it holds, or says something malformed, named.
+  Result<std::vector<TransferRoute>> PlanRoutes(std::vector<size_t>& route_of);
 
   // Abort on every receiver and producer; return the receivers whose abort failed.
   std::vector<Failure> AbortEverywhere(const TransferId& id);
   // The error Refit returns: the first failure, then the rest and any failed aborts.
   Status FailTransfer(const TransferId& id, std::string_view phase, std::vector<Failure> failures);
 };
+
+Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(std::vector<size_t>& route_of) {
+  route_of.assign(receivers.size(), 0);
+  std::vector<TransferRoute> routes;
+  const auto unrouted = [&] {
+    TransferRoute all;
+    for (size_t r = 0; r < receivers.size(); ++r) all.receivers.push_back(r);
+    if (options.relay_trees) {
+      for (size_t r = 0; r < receivers.size(); ++r) {
+        all.endpoints.push_back(receivers[r].data_endpoint);
+      }
+    }
+    return std::vector<TransferRoute>{std::move(all)};
+  };
+  if (!options.route_by_holdings || tensor_names.empty() || receivers.size() < 2) {
+    return unrouted();
+  }
+  std::vector<HeldRegions> held(receivers.size());
+  Failures failures;
+  ForEachConcurrently(receivers.size(), [&](size_t r) {
+    Result<HeldRegions> regions = receivers[r].control->Regions(tensor_names);
+    if (!regions.ok()) return failures.Add(receivers[r].name, regions.status());
+    held[r] = *std::move(regions);
+  });
+  if (!failures.empty()) return CombineFailures(failures.Take());
+  // Receivers holding the same elements form one class, in the order their first member comes.
+  std::map<HeldRegions, size_t> class_of;
+  for (size_t r = 0; r < receivers.size(); ++r) {
+    const auto [it, inserted] = class_of.emplace(held[r], routes.size());
+    if (inserted) {
+      TransferRoute route;
+      if (!held[r].empty()) {
+        Result<ItemRoute> items = ItemRoute::Make(held[r]);
+        if (!items.ok()) return items.status().WithContext(receivers[r].name);
+        route.items = std::make_shared<const ItemRoute>(*std::move(items));
+      }
+      routes.push_back(std::move(route));
+    }
+    route_of[r] = it->second;
+    routes[it->second].receivers.push_back(r);
+    routes[it->second].endpoints.push_back(receivers[r].data_endpoint);
+  }
+  if (routes.size() == 1 && routes[0].items == nullptr) return unrouted();
+  return routes;
+}
 
 std::vector<Failure> Coordinator::Impl::AbortEverywhere(const TransferId& id) {
   Failures failed_aborts;
@@ -354,7 +425,22 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   const TransferPlan& plan = report.plan;
 
-  // 2. Prepare. Counts and digests are only known after streaming; they travel with Flush.
+  // 2. Route: which receivers get which cut of the items, through which relay tree.
+  std::vector<size_t> route_of;
+  {
+    Result<std::vector<TransferRoute>> routes = PlanRoutes(route_of);
+    if (!routes.ok()) return FailTransfer(id, "route", {{"", routes.status()}});
+    report.routes = *std::move(routes);
+  }
+  // Position of each receiver in its route's tree.
+  std::vector<uint32_t> position(receivers.size(), 0);
+  for (const TransferRoute& route : report.routes) {
+    for (size_t i = 0; i < route.receivers.size(); ++i) {
+      position[route.receivers[i]] = static_cast<uint32_t>(i);
+    }
+  }
+
+  // 3. Prepare. Counts and digests are only known after streaming; they travel with Flush.
   report.receivers.resize(receivers.size());
   PrepareRequest prepare;
   prepare.transfer_id = id;
@@ -364,8 +450,11 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     Failures failures;
     ForEachConcurrently(receivers.size(), [&](size_t r) {
       report.receivers[r].name = receivers[r].name;
+      report.receivers[r].route = route_of[r];
       PrepareRequest mine = prepare;
-      mine.relay_tree = receivers[r].relay_tree;
+      if (options.relay_trees) {
+        mine.relay_tree = RelayTree{report.routes[route_of[r]].endpoints, position[r]};
+      }
       Result<PrepareResult> prepared = receivers[r].control->Prepare(mine);
       if (!prepared.ok()) {
         failures.Add(receivers[r].name, prepared.status());
@@ -383,22 +472,31 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   report.prepare_s = SecondsSince(start);
 
-  // 3. Stream: every producer concurrently, each through its own channel.
+  // 4. Stream: every producer concurrently, each through its own channel per route.
   const Clock::time_point stream_start = Clock::now();
   std::vector<ProducerStreamed> streamed;
   {
-    Result<std::vector<ProducerStreamed>> result = producers->Stream(plan, deadline);
+    Result<std::vector<ProducerStreamed>> result = producers->Stream(plan, report.routes, deadline);
     if (!result.ok()) return FailTransfer(id, "stream", {{"", result.status()}});
     streamed = *std::move(result);
   }
   report.stream_s = SecondsSince(stream_start);
 
-  // 4. Flush: declare what every producer sent and the state every tensor must reach.
+  // 5. Flush: declare what every producer sent each route and the state every tensor must reach.
   FlushOptions flush;
+  std::vector<TransferExpectation> route_expected(report.routes.size());
   for (size_t p = 0; p < streamed.size(); ++p) {
     const StreamReport& sent = streamed[p].report;
-    flush.expected.payloads_per_producer[static_cast<uint32_t>(p)] =
-        static_cast<uint32_t>(sent.payloads);
+    if (sent.routes.size() != report.routes.size()) {
+      return FailTransfer(
+          id, "flush",
+          {{fmt::format("producer {}", p), Internal("it reports {} routes, the transfer has {}",
+                                                    sent.routes.size(), report.routes.size())}});
+    }
+    for (size_t k = 0; k < report.routes.size(); ++k) {
+      route_expected[k].payloads_per_producer[static_cast<uint32_t>(p)] =
+          static_cast<uint32_t>(sent.routes[k].payloads);
+    }
     report.payloads += sent.payloads;
     report.wire_bytes += sent.wire_bytes;
     report.changed_elements += sent.changed_elements;
@@ -418,10 +516,14 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   flush.timeout =
       std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - flush_start),
                std::chrono::milliseconds(1));
+  tensor_names.clear();
+  for (const auto& [name, digest] : flush.expected.digests) tensor_names.push_back(name);
   {
     Failures failures;
     ForEachConcurrently(receivers.size(), [&](size_t r) {
-      Result<FlushReport> flushed = receivers[r].control->Flush(id, flush);
+      FlushOptions mine = flush;
+      mine.expected.payloads_per_producer = route_expected[route_of[r]].payloads_per_producer;
+      Result<FlushReport> flushed = receivers[r].control->Flush(id, mine);
       if (!flushed.ok()) return failures.Add(receivers[r].name, flushed.status());
       report.receivers[r].flush = *std::move(flushed);
     });
@@ -437,7 +539,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   report.flush_s = SecondsSince(flush_start);
 
-  // 5. Commit. Every receiver is prepared and verified: the transfer is decided. From here on
+  // 6. Commit. Every receiver is prepared and verified: the transfer is decided. From here on
   // nothing aborts it: a receiver whose Commit fails stays prepared and commits implicitly at
   // the next transfer, which is based on the target because the trackers commit below whatever
   // the receivers answered. Aborting now could split the fleet: a receiver that committed
@@ -475,6 +577,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   report.commit_s = SecondsSince(commit_start);
   report.total_s = SecondsSince(start);
+  report.digests = std::move(flush.expected.digests);
   return report;
 }
 
@@ -531,7 +634,18 @@ Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions&
   }
   auto impl = std::make_unique<Impl>();
   REFIT_ASSIGN_OR_RETURN(impl->replicas, GroupReplicas(receivers));
+  if (options.relay_trees || options.route_by_holdings) {
+    for (const CoordinatedReceiver& receiver : receivers) {
+      if (receiver.data_endpoint.empty()) {
+        return InvalidArgument(
+            "coordinator: receiver '{}' has no data endpoint: relay trees and routing by "
+            "holdings name receivers by it",
+            receiver.name);
+      }
+    }
+  }
   impl->options = options;
+  impl->tensor_names = options.tensor_names;
   impl->producers = std::move(producers);
   impl->receivers = std::move(receivers);
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));

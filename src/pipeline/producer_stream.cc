@@ -150,8 +150,9 @@ struct EncodeJob {
   std::shared_ptr<EncodedChunkSlot> slot;
 };
 
-// A closed bucket: the items of one payload.
+// A closed bucket: the items of one payload of one route.
 struct PayloadJob {
+  size_t route = 0;
   uint32_t payload_id = 0;
   std::vector<Item> items;
   /// Their BucketedBytes: the body the payload encodes, before compression.
@@ -159,10 +160,26 @@ struct PayloadJob {
 };
 
 struct SerializedPayload {
+  size_t route = 0;
   uint32_t payload_id = 0;
   std::vector<std::byte> bytes;
   /// Encoded with zstd (else raw blocks: AnchorCompression).
   bool compressed = true;
+};
+
+// The bucket being filled for one route, and what the route sent.
+struct RouteState {
+  explicit RouteState(uint64_t target_bytes) : bucketer(target_bytes) {}
+
+  // Bucketer thread only.
+  PayloadBucketer bucketer;
+  std::vector<Item> bucket;
+  uint64_t bucket_bytes = 0;
+  uint64_t next_payload_id = 0;
+  uint64_t items = 0;
+  uint64_t item_bytes = 0;
+  // Sender threads.
+  std::atomic<uint64_t> wire_bytes{0};
 };
 
 // The state and threads of one ProducerStream::Run.
@@ -171,21 +188,23 @@ struct SerializedPayload {
 // starts. Shared counters are atomics; the first error is guarded by a mutex.
 class StreamRun {
  public:
-  StreamRun(const ProducerStreamOptions& options, DeltaTracker& tracker, const PayloadSender& send,
-            const SenderCleanup& cleanup)
+  StreamRun(const ProducerStreamOptions& options, DeltaTracker& tracker,
+            std::span<const StreamRoute> routes)
       : options_(options),
         tracker_(tracker),
-        send_(send),
-        cleanup_(cleanup),
+        routes_(routes),
         context_(fmt::format("producer {}", options.producer_id)),
         chunker_(options.chunk_bytes),
-        bucketer_(options.bucket_bytes),
         chunk_credits_(options.max_chunks_in_flight),
         payload_credits_(options.max_payloads_in_flight),
         ordered_(options.max_chunks_in_flight, "ordered chunk queue"),
         encode_queue_(options.max_chunks_in_flight, "encode queue"),
         serialize_queue_(options.max_payloads_in_flight, "serialize queue"),
-        send_queue_(options.max_payloads_in_flight, "send queue") {}
+        send_queue_(options.max_payloads_in_flight, "send queue") {
+    for (size_t r = 0; r < routes.size(); ++r) {
+      route_states_.push_back(std::make_unique<RouteState>(options.bucket_bytes));
+    }
+  }
 
   Result<StreamReport> Run(const ChunkSource& source);
 
@@ -205,15 +224,16 @@ class StreamRun {
   Result<EncodedChunk> EncodeChunk(const EncodeJob& job);
   void BucketLoop();
   void BucketChunks();
-  bool AddToBucket(Item item);
-  bool EmitBucket();
+  // Place one encoded item: whole on the only route that holds everything, else cut per route.
+  bool Route(Item item);
+  bool AddToBucket(size_t route, Item item);
+  bool EmitBucket(size_t route);
   void SerializeLoop();
   void SendLoop();
 
   const ProducerStreamOptions& options_;
   DeltaTracker& tracker_;
-  const PayloadSender& send_;
-  const SenderCleanup& cleanup_;
+  const std::span<const StreamRoute> routes_;
   TransferPlan plan_;
   // Set once the plan is known, before the threads start.
   std::optional<internal::AnchorCompressionChooser> compression_;
@@ -232,13 +252,10 @@ class StreamRun {
   uint64_t chunks_ = 0;
   uint64_t owned_chunks_ = 0;
 
+  // One per route, in the routes' order.
+  std::vector<std::unique_ptr<RouteState>> route_states_;
   // Bucketer thread only.
-  PayloadBucketer bucketer_;
-  std::vector<Item> bucket_;
-  uint64_t bucket_bytes_ = 0;
-  uint64_t next_payload_id_ = 0;
-  uint64_t items_ = 0;
-  uint64_t item_bytes_ = 0;
+  std::vector<Item> cut_;
   uint64_t changed_elements_ = 0;
   uint64_t total_elements_ = 0;
 
@@ -251,7 +268,6 @@ class StreamRun {
   BoundedQueue<SerializedPayload> send_queue_;
   // The last serialize thread to finish closes the send queue.
   std::atomic<int> serializers_running_{0};
-  std::atomic<uint64_t> wire_bytes_{0};
 
   StageTime source_time_;
   StageTime dispatch_wait_time_;
@@ -335,12 +351,17 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
   StreamReport report;
   report.chunks = chunks_;
   report.owned_chunks = owned_chunks_;
-  report.payloads = next_payload_id_;
-  report.items = items_;
+  for (const std::unique_ptr<RouteState>& route : route_states_) {
+    const RouteReport sent{route->next_payload_id, route->items, route->item_bytes,
+                           route->wire_bytes.load()};
+    report.payloads += sent.payloads;
+    report.items += sent.items;
+    report.item_bytes += sent.item_bytes;
+    report.wire_bytes += sent.wire_bytes;
+    report.routes.push_back(sent);
+  }
   report.changed_elements = changed_elements_;
   report.total_elements = total_elements_;
-  report.item_bytes = item_bytes_;
-  report.wire_bytes = wire_bytes_.load();
   report.peak_chunks_in_flight = chunk_credits_.peak();
   report.peak_payloads_in_flight = payload_credits_.peak();
   report.timings.source_s = source_time_.seconds();
@@ -490,36 +511,60 @@ void StreamRun::BucketChunks() {
     changed_elements_ += chunk.changed_elements;
     total_elements_ += chunk.total_elements;
     for (Item& item : chunk.items) {
-      if (!AddToBucket(std::move(item))) return;
+      if (!Route(std::move(item))) return;
     }
   }
-  if (!stopped() && !bucket_.empty()) EmitBucket();
+  for (size_t r = 0; r < route_states_.size() && !stopped(); ++r) {
+    if (!route_states_[r]->bucket.empty() && !EmitBucket(r)) return;
+  }
 }
 
-bool StreamRun::AddToBucket(Item item) {
+bool StreamRun::Route(Item item) {
+  if (routes_.size() == 1 && routes_[0].items == nullptr) return AddToBucket(0, std::move(item));
+  for (size_t r = 0; r < routes_.size(); ++r) {
+    if (routes_[r].items == nullptr) {
+      if (!AddToBucket(r, item)) return false;
+      continue;
+    }
+    cut_.clear();
+    if (Status cut = routes_[r].items->Cut(item.view(), &cut_); !cut.ok()) {
+      Fail(cut.WithContext(fmt::format("{}, route {}", context_, r)));
+      return false;
+    }
+    for (Item& part : cut_) {
+      if (!AddToBucket(r, std::move(part))) return false;
+    }
+  }
+  return true;
+}
+
+bool StreamRun::AddToBucket(size_t route, Item item) {
+  RouteState& state = *route_states_[route];
   const uint64_t bytes = BucketedBytes(item.view());
   // A full bucket was emitted at once (below), so a bucket is left here only by an item that does
   // not fit in it.
-  if (bucketer_.Add(bytes) && !bucket_.empty() && !EmitBucket()) return false;
-  bucket_bytes_ += bytes;
-  bucket_.push_back(std::move(item));
-  return !bucketer_.full() || EmitBucket();
+  if (state.bucketer.Add(bytes) && !state.bucket.empty() && !EmitBucket(route)) return false;
+  state.bucket_bytes += bytes;
+  state.bucket.push_back(std::move(item));
+  return !state.bucketer.full() || EmitBucket(route);
 }
 
-bool StreamRun::EmitBucket() {
-  if (next_payload_id_ > std::numeric_limits<uint32_t>::max()) {
+bool StreamRun::EmitBucket(size_t route) {
+  RouteState& state = *route_states_[route];
+  if (state.next_payload_id > std::numeric_limits<uint32_t>::max()) {
     Fail(ResourceExhausted("{}: more than {} payloads in one transfer", context_,
                            uint64_t{std::numeric_limits<uint32_t>::max()} + 1));
     return false;
   }
   if (!payload_credits_.Acquire(stop_)) return false;
-  PayloadJob job{static_cast<uint32_t>(next_payload_id_), std::move(bucket_), bucket_bytes_};
-  items_ += job.items.size();
-  item_bytes_ += bucket_bytes_;
-  bucket_.clear();
-  bucket_bytes_ = 0;
+  PayloadJob job{route, static_cast<uint32_t>(state.next_payload_id), std::move(state.bucket),
+                 state.bucket_bytes};
+  state.items += job.items.size();
+  state.item_bytes += state.bucket_bytes;
+  state.bucket.clear();
+  state.bucket_bytes = 0;
   if (!serialize_queue_.Push(std::move(job), stop_).ok()) return false;
-  ++next_payload_id_;
+  ++state.next_payload_id;
   return true;
 }
 
@@ -539,11 +584,13 @@ void StreamRun::SerializeLoop() {
       Fail(bytes.status().WithContext(fmt::format("{}, payload {}", context_, job->payload_id)));
       break;
     }
+    const size_t route = job->route;
     const uint32_t payload_id = job->payload_id;
     // Free the items before waiting for room downstream.
     views.clear();
     job.reset();
-    if (!send_queue_.Push(SerializedPayload{payload_id, std::move(*bytes), encode.compress}, stop_)
+    if (!send_queue_
+             .Push(SerializedPayload{route, payload_id, std::move(*bytes), encode.compress}, stop_)
              .ok()) {
       break;
     }
@@ -554,19 +601,26 @@ void StreamRun::SerializeLoop() {
 void StreamRun::SendLoop() {
   while (std::optional<SerializedPayload> payload = send_queue_.Pop(stop_)) {
     const Clock::time_point start = Clock::now();
-    Status sent = send_(payload->payload_id, payload->bytes);
+    Status sent = routes_[payload->route].send(payload->payload_id, payload->bytes);
     const double send_s = send_time_.Add(start);
     if (sent.ok()) compression_->RecordSent(payload->compressed, payload->bytes.size(), send_s);
     if (!sent.ok()) {
-      Fail(sent.WithContext(fmt::format("{}, payload {}", context_, payload->payload_id)));
+      const std::string where = routes_.size() == 1
+                                    ? fmt::format("{}, payload {}", context_, payload->payload_id)
+                                    : fmt::format("{}, route {} payload {}", context_,
+                                                  payload->route, payload->payload_id);
+      Fail(sent.WithContext(where));
       break;
     }
-    wire_bytes_.fetch_add(payload->bytes.size(), std::memory_order_relaxed);
+    route_states_[payload->route]->wire_bytes.fetch_add(payload->bytes.size(),
+                                                        std::memory_order_relaxed);
     // Free the bytes before the credit lets the bucketer close another payload.
     payload.reset();
     payload_credits_.Release();
   }
-  if (cleanup_) cleanup_();
+  for (const StreamRoute& route : routes_) {
+    if (route.cleanup) route.cleanup();
+  }
 }
 
 }  // namespace
@@ -598,8 +652,21 @@ Result<std::unique_ptr<ProducerStream>> ProducerStream::Make(const ProducerStrea
 Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
                                          const PayloadSender& send,
                                          const SenderCleanup& cleanup) const {
+  const StreamRoute route{nullptr, send, cleanup};
+  return Run(tracker, source, std::span<const StreamRoute>(&route, 1));
+}
+
+Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+                                         std::span<const StreamRoute> routes) const {
+  if (routes.empty())
+    return InvalidArgument("producer {}: no routes to send to", options_.producer_id);
+  for (size_t r = 0; r < routes.size(); ++r) {
+    if (!routes[r].send) {
+      return InvalidArgument("producer {}: route {} has no sender", options_.producer_id, r);
+    }
+  }
   // The run's queues and counters live on the heap: they are large and shared with its threads.
-  auto run = std::make_unique<StreamRun>(options_, tracker, send, cleanup);
+  auto run = std::make_unique<StreamRun>(options_, tracker, routes);
   return run->Run(source);
 }
 

@@ -1,4 +1,5 @@
 #include "refit/receiver_session.h"
+#include "refit/loader.h"
 
 #include <array>
 #include <condition_variable>
@@ -1065,6 +1066,29 @@ Status ReceiverSession::Commit(const TransferId& id) {
 }
 
 Status ReceiverSession::Abort(const TransferId& id) { return impl_->Abort(id); }
+
+Result<HeldRegions> ReceiverSession::Regions(const std::vector<std::string>& canonical_names) {
+  if (canonical_names.size() > kMaxRegionTensors) {
+    return InvalidArgument("regions: {} tensor names, more than the {} one call may ask about",
+                           canonical_names.size(), kMaxRegionTensors);
+  }
+  HeldRegions regions;
+  const Loader* loader = impl_->store.loader();
+  if (loader == nullptr) return regions;  // No loader: every tensor is held whole.
+  for (const std::string& name : canonical_names) {
+    // A tensor the loader cannot resolve is sent whole, so that its apply fails as it always did.
+    Result<const CanonicalLayout*> layout = loader->Resolve(name);
+    if (!layout.ok() || (*layout)->held_whole()) continue;
+    HeldRegion& region = regions[name];
+    region.skipped = (*layout)->skipped;
+    if (region.skipped) continue;
+    region.cols = (*layout)->cols;
+    for (const CanonicalPiece& piece : (*layout)->pieces) {
+      region.rects.push_back({piece.row_begin, piece.row_end, piece.col_begin, piece.col_end});
+    }
+  }
+  return regions;
+}
 
 ReceiverStatus ReceiverSession::GetStatus() const {
   const Impl& s = *impl_;

@@ -94,6 +94,10 @@ class VanishingControl final : public ReceiverControl {
     if (life_.dead) return Gone();
     return inner_.Abort(id);
   }
+  Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override {
+    if (life_.dead) return Gone();
+    return inner_.Regions(canonical_names);
+  }
 
  private:
   const int index_;
