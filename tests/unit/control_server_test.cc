@@ -459,6 +459,16 @@ TEST_F(ControlServerTest, PrepareHandsItsRelayTreeToTheDataPlane) {
   ASSERT_OK(client_->Abort(step.id));
 }
 
+// A receiver without a loader holds every tensor whole: its regions are empty, whatever is asked.
+TEST_F(ControlServerTest, RegionsOfAStoreWithoutALoaderAreEmpty) {
+  StartServer();
+  std::vector<std::string> names;
+  for (const OwnedTensor& t : current_) names.push_back(t.name);
+  names.push_back("not.a.tensor.of.this.store");
+  ASSERT_OK_AND_ASSIGN(const HeldRegions regions, client_->Regions(names));
+  EXPECT_TRUE(regions.empty());
+}
+
 TEST_F(ControlServerTest, TensorDownloadEqualsTheStore) {
   StartServer();
   Transfer(EncodeStep(1));
@@ -642,6 +652,13 @@ TEST_F(ControlServerTest, MalformedRequestsAre400NamingTheField) {
   // A well-formed tree, to a control plane whose data plane has no relays.
   expect_400(prepare_with_tree({{"endpoints", {"a:1"}}, {"position", 0}}),
              "names a relay tree of 1 receiver(s), but this receiver's data plane has no relays");
+  expect_400(post(internal::kRegionsPath, "{}"), "tensors");
+  expect_400(post(internal::kRegionsPath, json{{"tensors", "w"}}.dump()),
+             "request body.tensors must be a list of at most 1048576 tensor names, got string");
+  expect_400(post(internal::kRegionsPath, json{{"tensors", {"a", 3}}}.dump()),
+             "request body.tensors[1] must be a non-empty tensor name, got 3");
+  expect_400(post(internal::kRegionsPath, json{{"tensors", json::array()}, {"all", true}}.dump()),
+             "unknown field 'all'");
   expect_400(post(internal::kFlushPath, json{{"transfer_id", id}, {"timeout_ms", "soon"}}.dump()),
              "timeout_ms");
   expect_400(post(internal::kCommitPath, "{}"), "transfer_id");
