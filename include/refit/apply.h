@@ -148,9 +148,10 @@ class UndoLog {
 /// `threads` > 1: a payload of more than one tensor whose items are all FULL (an anchor's) or all
 /// deltas applies its tensors on up to that many threads, one tensor (with its items in order)
 /// per thread at a time, with the same all-or-nothing result; a payload that mixes FULL and
-/// delta items applies its items in order on the calling thread. Through a loader, delta
-/// payloads only: a thread takes every item that writes one of its local tensors (q, k and v
-/// into one fused qkv_proj go together), and a FULL payload applies on the calling thread.
+/// delta items applies its items in order on the calling thread. Through a loader, any payload:
+/// a thread takes every item that writes one of its local tensors (q, k and v into one fused
+/// qkv_proj go together); a FULL span's old bits are then kept under a lock (spill file, or the
+/// log marked inexact) unless the policy keeps them in memory.
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
                     std::vector<std::byte>* payload_bytes = nullptr, int threads = 1);
 

@@ -136,6 +136,10 @@ class ProducerSet {
   virtual Result<std::vector<ProducerStreamed>> Stream(
       const TransferPlan& plan, std::span<const TransferRoute> routes,
       std::chrono::steady_clock::time_point deadline) = 0;
+  /// The canonical tensor names of the transfer Begin opened, when the producers know them
+  /// before streaming (a sharded Publisher's layout plan, a Publisher given its tensor list);
+  /// empty: unknown, and routing by holdings uses the previous transfer's. The default: unknown.
+  virtual std::vector<std::string> TensorNames() const { return {}; }
   /// Commit transfer `id` on every producer: every receiver is prepared, the transfer is decided.
   /// Errors: a producer that could not commit (the fleet then needs an anchor).
   virtual Status Commit(const TransferId& id) = 0;
@@ -171,7 +175,8 @@ struct CoordinatorOptions {
   /// that hold the same, and have every producer send each class only its cut of each item,
   /// through a channel to that class's endpoints. Needs every receiver's data_endpoint and a
   /// channel factory that honours ChannelRequest::endpoints. The tensors asked about are those of
-  /// the last transfer (and `tensor_names` before the first): a first transfer is not routed.
+  /// the producers' (ProducerSet::TensorNames), else the last transfer's (and `tensor_names`
+  /// before the first); a transfer that knows none is not routed.
   bool route_by_holdings = false;
   /// The canonical tensor names to route by before any transfer told them (e.g. kept from an
   /// earlier Coordinator's RefitReport::digests).

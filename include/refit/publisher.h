@@ -68,7 +68,8 @@ struct PublisherOptions {
   /// Rank 0, transports with relay trees (zmq://): route payloads by holdings — each class of
   /// receivers that hold the same elements (every TP rank-k shard; the unsharded receivers) gets
   /// only its cut of each item, through its own relay tree (docs/protocol.md "Routing by
-  /// holdings"). From the second Sync of a Publisher on (the first tells it the tensor names).
+  /// holdings"). A Sync of a tensor list or of a sharded model knows its tensor names and is
+  /// routed from the first; a Sync of a bare chunk source from the second (the first tells them).
   bool route_by_holdings = true;
 };
 

@@ -84,6 +84,11 @@ struct ReceiverStatus {
   std::string needs_anchor_reason{};
   /// Bytes of old bits the open transfer's undo log spilled to its file (AnchorUndo::kFile).
   uint64_t undo_file_bytes = 0;
+  /// Distinct payloads staged since the session was made (duplicates not counted), and their
+  /// bytes as received: what this receiver was sent, e.g. a TP shard's cut under routing by
+  /// holdings (docs/protocol.md).
+  uint64_t received_payloads = 0;
+  uint64_t received_bytes = 0;
 };
 
 /// Options of ReceiverSession::Make.

@@ -224,7 +224,9 @@ class ReceiverControl {
   /// tensors it holds whole, or cannot resolve, are left out (payloads carry them whole, and an
   /// unresolvable one then fails where it always did, at apply). Asked by a coordinator that
   /// routes payloads by holdings, before Prepare. Errors: InvalidArgument (more than
-  /// kMaxRegionTensors names), and those of the control link.
+  /// kMaxRegionTensors names), and those of the control link. A receiver
+  /// older than routing by holdings is answered for as holding everything whole (it is sent
+  /// every item, which is always correct: a loader keeps its part).
   virtual Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) = 0;
 };
 

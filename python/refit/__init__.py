@@ -245,6 +245,10 @@ class ReceiverStatus:
     queued_payloads: int
     #: Bytes of the open transfer's undo log (the old bits of every element it touched).
     undo_bytes: int
+    #: Distinct payloads staged since the receiver started, and their bytes as received: what it
+    #: was sent (a TP shard is sent only its cut under routing by holdings).
+    received_payloads: int
+    received_bytes: int
     #: True when an aborted anchor left the weights a mix of versions (``anchor_undo="none"``):
     #: deltas are refused until an anchor commits, and a Publisher sends one at its next sync.
     needs_anchor: bool

@@ -384,6 +384,8 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   out["applied_payloads"] = status.applied_payloads;
   out["queued_payloads"] = status.queued_payloads;
   out["undo_bytes"] = status.undo_bytes;
+  out["received_payloads"] = status.received_payloads;
+  out["received_bytes"] = status.received_bytes;
   out["needs_anchor"] = status.needs_anchor;
   out["last_error"] = status.last_error.ok() ? py::object(py::none())
                                              : py::object(py::str(status.last_error.ToString()));

@@ -90,8 +90,14 @@ def test_a_failed_sync_leaves_the_receiver_bit_identical(rng):
         # A healthy publisher picks up from the version the receiver still holds.
         healthy = refit.Publisher(receivers=[receiver])
         healthy.adopt_baseline(before, version=0)
-        assert healthy.sync(trainer).version == 1
+        received = receiver.status()
+        report = healthy.sync(trainer)
+        assert report.version == 1
         assert held["embed.weight"].tobytes() == trainer["embed.weight"].tobytes()
+        # What the receiver was sent shows in its status: the sync's payloads, once each.
+        status = receiver.status()
+        assert status.received_payloads - received.received_payloads == report.payloads > 0
+        assert status.received_bytes - received.received_bytes == report.wire_bytes
 
 
 def test_bad_inputs_raise_the_mapped_exceptions(rng, tmp_path):

@@ -8,12 +8,12 @@
 // of its slowest stage — the producers' compare + encode and serialize over their threads, the
 // link carrying the wire bytes (twice for a relay that forwards to two children), the receiver's
 // decode (on decode_threads, ahead of the apply) and apply (a delta's tensors and an anchor's
-// copies on apply_threads; an anchor through a TP loader on one thread) — or, where stages
+// copies on apply_threads, through a TP loader too) — or, where stages
 // share cores (--same-host), the total CPU work over those cores if that is longer; a delta then
 // adds the producers' commit. With --tp a receiver is one tensor-parallel shard: routed by
 // holdings (docs/protocol.md) it is sent only its class's 1/TP of the changes; a transfer that is
-// not routed (a coordinator's first, or s3://) sends it the whole delta, which it maps through its
-// loader keeping 1/TP. Both rows are printed.
+// not routed (tensor names unknown yet, or s3://) sends it the whole delta, which it maps through
+// its loader keeping 1/TP; an anchor likewise. Both rows are printed, for the delta and the FULL.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -411,25 +411,35 @@ Status RunEstimate(const EstimateArgs& args) {
     const double wire = model_bytes * (compress_zstd ? c.full_zstd_ratio : 1.0);
     const double encode_cpu = model_bytes * c.full_encode_s_per_byte;
     const double serialize_cpu = model_bytes * serialize_s_per_byte;
-    // The receiver copies an anchor's tensors on apply_threads; a TP shard decodes the whole
-    // anchor and copies its 1/TP through its loader on one thread.
+    // The receiver copies an anchor's tensors (groups of local tensors, through a loader) on
+    // apply_threads, a TP shard only its 1/TP. Routed by holdings, a shard is sent and decodes
+    // only its slice of the anchor; unrouted, the whole anchor.
     const double decode_cpu = model_bytes * (compress_zstd ? c.full_decode_zstd_s_per_byte
                                                            : c.full_decode_raw_s_per_byte);
     const double copy_cpu = (model_bytes * apply_s_per_byte - decode_cpu) / tp;
-    std::vector<Stage> stages = {
-        {"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
-        {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
-        {"link", wire * relay / link, 0.0}};
-    for (Stage& stage : receiver_stages(
-             decode_cpu, args.tp == 1 ? copy_cpu / receiver_parallel : copy_cpu, copy_cpu,
-             args.tp == 1 ? fmt::format("copy ({} threads)", receiver_parallel)
-                          : "copy through the loader (one thread)")) {
-      stages.push_back(std::move(stage));
+    const auto full = [&](std::string kind, double received_share) {
+      std::vector<Stage> stages = {
+          {"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
+          {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+          {"link", wire * received_share * relay / link, 0.0}};
+      for (Stage& stage : receiver_stages(
+               decode_cpu * received_share, copy_cpu / receiver_parallel, copy_cpu,
+               fmt::format("copy{} ({} threads)", args.tp == 1 ? "" : " through the loader",
+                           receiver_parallel))) {
+        stages.push_back(std::move(stage));
+      }
+      return Pipeline(std::move(kind), static_cast<uint64_t>(wire * received_share), stages,
+                      shared);
+    };
+    const std::string full_kind = fmt::format("FULL ({})", compress_zstd ? "zstd" : "raw blocks");
+    if (args.tp == 1) {
+      predictions.push_back(full(full_kind, 1.0));
+    } else {
+      predictions.push_back(
+          full(fmt::format("{} (TP {} shard, routed)", full_kind, args.tp), 1.0 / tp));
+      predictions.push_back(
+          full(fmt::format("{} (TP {} shard, not routed)", full_kind, args.tp), 1.0));
     }
-    predictions.push_back(
-        Pipeline(fmt::format("FULL ({}){}", compress_zstd ? "zstd" : "raw blocks",
-                             args.tp == 1 ? "" : fmt::format(" (TP {} shard)", args.tp)),
-                 static_cast<uint64_t>(wire), stages, shared));
   }
   predictions.push_back(Pipeline("raw copy", static_cast<uint64_t>(model_bytes),
                                  {{"link", model_bytes * relay / link, 0.0}}, 0));

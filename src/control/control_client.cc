@@ -1,6 +1,7 @@
 #include "refit/control_client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <condition_variable>
 #include <cstdint>
@@ -20,6 +21,7 @@
 
 #include "control/protocol.h"
 #include "refit/digest.h"
+#include "util/logging.h"
 
 namespace refit {
 namespace {
@@ -247,6 +249,8 @@ struct ControlClient::Impl {
   ControlClientOptions options;
   ParsedUrl url;
   std::string base_url;
+  // Set once Regions found a receiver that predates POST /v1/regions, so that it warns once.
+  std::atomic<bool> warned_no_regions{false};
 
   std::mutex idle_mutex;
   std::vector<std::unique_ptr<httplib::Client>> idle;
@@ -515,8 +519,21 @@ Result<HeldRegions> ControlClient::Regions(const std::vector<std::string>& canon
                            canonical_names.size(), kMaxRegionTensors);
   }
   const Json body{{"tensors", canonical_names}};
-  REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kRegionsPath, body));
-  Result<HeldRegions> regions = internal::RegionsFromJson(reply);
+  Result<Json> reply = impl_->PostJson(internal::kRegionsPath, body);
+  // A receiver's own Regions never answers NotFound (it omits the names it does not hold); one
+  // that predates the route answers it for the path. Sending such a receiver every item is
+  // correct whatever it holds, so it is answered for as holding everything whole.
+  if (reply.status().code() == StatusCode::kNotFound) {
+    if (!impl_->warned_no_regions.exchange(true)) {
+      REFIT_LOG_WARN(
+          "{}: the receiver does not serve POST {} (it predates routing by holdings); "
+          "it is sent every item: {}",
+          impl_->base_url, internal::kRegionsPath, reply.status().message());
+    }
+    return HeldRegions{};
+  }
+  if (!reply.ok()) return reply.status();
+  Result<HeldRegions> regions = internal::RegionsFromJson(*reply);
   if (!regions.ok()) return ReplyFieldError(regions.status());
   return regions;
 }

@@ -495,6 +495,8 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"needs_anchor_reason", nullptr},
             {"lease_remaining_ms", nullptr},
             {"expired_leases", receiver.expired_leases},
+            {"received_payloads", receiver.received_payloads},
+            {"received_bytes", receiver.received_bytes},
             {"last_error", nullptr},
             {"tensors", status.tensors},
             {"state_fingerprint", nullptr},
@@ -540,6 +542,11 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   REFIT_ASSIGN_OR_RETURN(receiver.lease_remaining_ms, fields.OptionalUint("lease_remaining_ms"));
   if (fields.Has("expired_leases")) {
     REFIT_ASSIGN_OR_RETURN(receiver.expired_leases, fields.Uint("expired_leases"));
+  }
+  // Both absent from receivers older than routing by holdings.
+  if (fields.Has("received_payloads")) {
+    REFIT_ASSIGN_OR_RETURN(receiver.received_payloads, fields.Uint("received_payloads"));
+    REFIT_ASSIGN_OR_RETURN(receiver.received_bytes, fields.Uint("received_bytes"));
   }
   // Absent from receivers older than the anchor_undo policy, which always undo an anchor.
   if (fields.Has("needs_anchor")) {

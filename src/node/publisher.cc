@@ -290,8 +290,12 @@ struct PublisherRank {
 
   Result<SyncReport> Lead(const ChunkSource& source, bool force_anchor);
   Result<SyncReport> LeadTransfer(const ChunkSource& source, bool force_anchor);
-  // Rank 0: the canonical tensors of the last Sync, which the next one routes by.
+  // Rank 0: the canonical tensors of the last Sync, which the next one routes by when its
+  // producers do not know theirs.
   std::vector<std::string> routed_tensors;
+  // The names of the tensor list this Sync was given (Sync(std::vector<TensorView>)); empty for
+  // a chunk source.
+  std::vector<std::string> listed_tensors;
   // Set once rank 0 told the other ranks to abort the current Sync.
   bool told_abort = false;
   // Publisher::Cancel: set while a Sync is in flight (guarded by cancel_mutex), read by every
@@ -514,6 +518,15 @@ class GroupProducers final : public ProducerSet {
     return results;
   }
 
+  // A sharded Sync's plan names every canonical tensor; a whole-model Sync of a tensor list
+  // knows them from the list (each rank passes the whole model).
+  std::vector<std::string> TensorNames() const override {
+    if (self_.sharded == nullptr) return self_.listed_tensors;
+    std::vector<std::string> names;
+    for (const PlannedTensor& tensor : self_.layout_plan.tensors) names.push_back(tensor.name);
+    return names;
+  }
+
   Status Commit(const TransferId& id) override {
     const Status own = self_.Commit(id);
     if (own.ok()) self_.committed_plan_digest = self_.open_plan_digest;
@@ -628,6 +641,7 @@ class BorrowedProducers final : public ProducerSet {
                                                Clock::time_point deadline) override {
     return inner_.Stream(plan, routes, deadline);
   }
+  std::vector<std::string> TensorNames() const override { return inner_.TensorNames(); }
   Status Commit(const TransferId& id) override { return inner_.Commit(id); }
   void Abort(const TransferId& id) override { inner_.Abort(id); }
 
@@ -884,9 +898,13 @@ void Publisher::Cancel() {
 }
 
 Result<SyncReport> Publisher::Sync(std::vector<TensorView> tensors, bool force_anchor) {
+  impl_->listed_tensors.clear();
+  for (const TensorView& tensor : tensors) impl_->listed_tensors.push_back(tensor.name);
   const ChunkSource source =
       TensorListSource(std::move(tensors), impl_->options.stream.chunk_bytes);
-  return Sync(source, force_anchor);
+  Result<SyncReport> synced = Sync(source, force_anchor);
+  impl_->listed_tensors.clear();
+  return synced;
 }
 
 Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {

@@ -348,13 +348,13 @@ Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(std::vector<siz
     }
     return std::vector<TransferRoute>{std::move(all)};
   };
-  if (!options.route_by_holdings || tensor_names.empty() || receivers.size() < 2) {
-    return unrouted();
-  }
+  std::vector<std::string> names = producers->TensorNames();
+  if (names.empty()) names = tensor_names;
+  if (!options.route_by_holdings || names.empty() || receivers.size() < 2) return unrouted();
   std::vector<HeldRegions> held(receivers.size());
   Failures failures;
   ForEachConcurrently(receivers.size(), [&](size_t r) {
-    Result<HeldRegions> regions = receivers[r].control->Regions(tensor_names);
+    Result<HeldRegions> regions = receivers[r].control->Regions(names);
     if (!regions.ok()) return failures.Add(receivers[r].name, regions.status());
     held[r] = *std::move(regions);
   });

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -710,9 +711,10 @@ std::vector<std::vector<size_t>> GroupByLocalTensor(
 
 /// ApplyPayload through the store's loader. `rollback_to(savepoint)` undoes the records from
 /// `savepoint` on (UndoLog::RollbackTo) and `keep_full` keeps a FULL record's old bits
-/// (UndoLog::KeepFullSpan), both of which only ApplyPayload may call. `threads` > 1: a delta
-/// payload (no FULL item) whose items write more than one group of local tensors applies the
-/// groups in parallel (GroupByLocalTensor), with the same all-or-nothing result.
+/// (UndoLog::KeepFullSpan), both of which only ApplyPayload may call; `keep_full` must be safe to
+/// call from several threads at once for distinct records. `threads` > 1: a payload (deltas,
+/// FULL items or both) whose items write more than one group of local tensors applies the groups
+/// in parallel (GroupByLocalTensor), with the same all-or-nothing result.
 template <typename RollbackTo, typename KeepFull>
 Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
                           std::vector<UndoLog::Record>* records, RollbackTo&& rollback_to,
@@ -731,14 +733,14 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
     return status;
   };
 
-  // A delta payload of several groups: each group on one thread, its items in order, every
-  // item's records and digest changes kept apart until all are done. The records then join the
-  // log in item order, the digests are checked and moved in item order. The store's digests do
-  // not move while the groups apply, so every record starts from the digests before the payload;
-  // the payload's records are undone together (newest first), which restores exactly those.
-  const bool any_full = std::any_of(items.begin(), items.end(),
-                                    [](const ItemView& item) { return item.op == Op::kFull; });
-  if (threads > 1 && !any_full && items.size() > 1) {
+  // A payload of several groups: each group on one thread, its items in order, every item's
+  // records and digest changes kept apart until all are done. The records then join the log in
+  // item order, the digests are checked and moved in item order. The store's digests do not move
+  // while the groups apply, so every record starts from the digests before the payload; the
+  // payload's records are undone together (newest first), which restores exactly those. A FULL
+  // record's old bits are kept as it is made (keep_full), wherever its record later lands in the
+  // log: each record knows where its own bits are.
+  if (threads > 1 && items.size() > 1) {
     const std::vector<std::vector<size_t>> groups = GroupByLocalTensor(layouts);
     if (groups.size() > 1) {
       struct ItemWrites {
@@ -758,8 +760,11 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
                 for (size_t p = 0; p < layout.pieces.size(); ++p) {
                   mine.writes[p].local = *store.Find(layout.pieces[p].local_tensor);
                 }
-                REFIT_RETURN_NOT_OK(ApplyDeltaToPieces(items[i], layout, store, mine.writes,
-                                                       *scratch, &mine.records));
+                REFIT_RETURN_NOT_OK(items[i].op == Op::kFull
+                                        ? ApplyFullToPieces(items[i], layout, store, mine.writes,
+                                                            &mine.records, keep_full)
+                                        : ApplyDeltaToPieces(items[i], layout, store, mine.writes,
+                                                             *scratch, &mine.records));
               }
             }
             return Status::OK();
@@ -933,10 +938,18 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
   // The loader path is separate so that a store without one runs exactly the loop below.
   if (store.has_loader()) {
+    // Records through a loader are made while their items apply, so their spill ranges cannot
+    // be set aside beforehand (ReserveFullSpans): with several threads, keeping old bits in the
+    // spill file (its end) or marking the log inexact is serialized. Memory needs no lock: each
+    // record keeps its own bits.
+    std::mutex keep_mutex;
+    const bool keep_locked = threads > 1 && undo->options_.anchor_undo != AnchorUndo::kMemory;
     return ApplyThroughLoader(
         payload, store, &undo->records_,
         [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); },
         [&](UndoLog::Record& record, std::span<const std::byte> old_bits) {
+          std::unique_lock lock(keep_mutex, std::defer_lock);
+          if (keep_locked) lock.lock();
           return undo->KeepFullSpan(record, old_bits);
         },
         threads);

@@ -390,6 +390,8 @@ struct ReceiverSession::Impl {
     }
     transfer->staged.emplace(key, header.checksum);
     ++transfer->staged_per_producer[ids.producer_id];
+    ++received_payloads;
+    received_bytes += payload.size();
     auto staged_work = std::make_shared<PayloadWork>();
     staged_work->bytes = std::move(payload);
     queue.push_back(QueuedPayload{ids, std::move(staged_work)});
@@ -830,6 +832,9 @@ struct ReceiverSession::Impl {
   bool applying = false;
   /// Transfers aborted because their lease expired (ReceiverStatus::expired_leases).
   uint64_t expired_leases = 0;
+  // Distinct payloads staged, and their bytes, since the session was made.
+  uint64_t received_payloads = 0;
+  uint64_t received_bytes = 0;
   /// Bumped whenever a new lease event may come sooner than the apply thread's wake-up (a
   /// transfer opened or prepared), so that it wakes and looks again.
   uint64_t lease_generation = 0;
@@ -1099,6 +1104,8 @@ ReceiverStatus ReceiverSession::GetStatus() const {
   status.last_error = s.last_error;
   status.undo_bytes = s.undo_bytes;
   status.expired_leases = s.expired_leases;
+  status.received_payloads = s.received_payloads;
+  status.received_bytes = s.received_bytes;
   status.undo_file_bytes = s.undo_file_bytes;
   status.needs_anchor = s.needs_anchor.has_value();
   if (s.needs_anchor) status.needs_anchor_reason = *s.needs_anchor;

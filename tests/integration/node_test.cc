@@ -530,7 +530,7 @@ INSTANTIATE_TEST_SUITE_P(TensorParallel, ShardGroupTest, ::testing::Values(2u, 4
                          });
 
 // Routing by holdings: two replicas of TP = 4 and an unsharded receiver, refitted by two
-// publisher ranks. From the second Sync on (the first tells rank 0 the tensor names) the
+// publisher ranks. From the first Sync on (a Sync of a tensor list names its tensors) the
 // receivers form five classes — TP rank k of both replicas, and the unsharded one — and every
 // shard receives only its class's payloads: a quarter-sized cut of the delta, not all of it.
 TEST(RoutedShardClassesTest, EachShardReceivesOnlyItsCutAndEveryElementMatchesAfterEveryStep) {
@@ -566,15 +566,12 @@ TEST(RoutedShardClassesTest, EachShardReceivesOnlyItsCutAndEveryElementMatchesAf
     ExpectHolds(*fleet[2 * kTp], Unsharded(want), when + ", unsharded");
   };
   std::mt19937_64 rng(13);
+  std::vector<uint64_t> received(fleet.size(), 0);
   for (int step = 1; step <= 4; ++step) {
     Step(model, rng, 0.05);
     ASSERT_OK_AND_ASSIGN(SyncReport report, SyncAll(ranks, model, /*anchor=*/step == 3));
     expect_fleet_holds(model, fmt::format("step {}", step));
     const RefitReport& transfer = report.transfer;
-    if (step == 1) {
-      EXPECT_EQ(transfer.routes.size(), 1u) << "the first Sync does not know the tensors yet";
-      continue;
-    }
     ASSERT_EQ(transfer.routes.size(), kTp + 1) << "step " << step;
     // Rank k of both replicas share a route; the unsharded receiver has its own.
     for (uint32_t r = 0; r < kTp; ++r) {
@@ -596,6 +593,18 @@ TEST(RoutedShardClassesTest, EachShardReceivesOnlyItsCutAndEveryElementMatchesAf
       }
     }
     const size_t whole = transfer.receivers[2 * kTp].route;
+    for (size_t r = 0; r < fleet.size(); ++r) {
+      // The receiver's own counters: it was sent exactly its route's payloads, whether from a
+      // producer or forwarded by the other member of its class.
+      const ReceiverOutcome& outcome = transfer.receivers[r];
+      const ReceiverStatus status = fleet[r]->node->status();
+      uint64_t route_wire = 0;
+      for (const StreamReport& producer : transfer.producers) {
+        route_wire += producer.routes[outcome.route].wire_bytes;
+      }
+      EXPECT_EQ(status.received_bytes - received[r], route_wire) << outcome.name;
+      received[r] = status.received_bytes;
+    }
     for (const ReceiverOutcome& outcome : transfer.receivers) {
       EXPECT_EQ(outcome.flush.payloads, route_payloads[outcome.route]) << outcome.name;
       if (outcome.route == whole) continue;

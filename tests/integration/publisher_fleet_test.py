@@ -627,6 +627,12 @@ def test_few_chunks(ctx, rng):
 # ---- 3 and 4: tensor-parallel shard groups ----------------------------------------------
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, PAD_TO, LAYERS = 64, 8, 2, 8, 128, 100, 8, 2
+# The most bytes a TP 4 (TP 2) shard may be sent per push, as a fraction of the unsharded
+# daemon's: about 1/TP of the items, plus the payload and item headers every class pays on a
+# model this small (measured: TP 4 0.27-0.31 for the full push, 0.44-0.48 for the deltas; TP 2
+# 0.53-0.55 and 0.63-0.65; unrouted, a shard would be sent all of it, 1.0). A benchmark measures
+# the ratio at a real size: e2e_bench's tp section.
+ROUTED_TP4_MAX, ROUTED_TP2_MAX = 0.6, 0.8
 # A recognisable bf16 pattern (1.0) in the padding rows of vocabulary shards: never written.
 PADDING_BITS = 0x3F80
 ODD_NAME = "model.ünï scale (odd)"
@@ -750,6 +756,25 @@ class TpFleet:
                 index += 1
         self.fleet = Fleet([self.full] + self.shards[4] + self.shards[2])
 
+    def check_routed(self, label):
+        """Routing by holdings, from each daemon's own counters (GET /v1/status
+        received_bytes): in the push just made, every shard was sent only its class's cut — a
+        TP 4 shard at most ROUTED_TP4_MAX of the unsharded daemon's bytes, a TP 2 shard at most
+        ROUTED_TP2_MAX — and something (every shard holds a part of every changed tensor)."""
+        received = {d.name: d.status()["received_bytes"] for d in self.fleet.daemons}
+        last = getattr(self, "_received", {name: 0 for name in received})
+        sent = {name: received[name] - last[name] for name in received}
+        self._received = received
+        full = sent[self.full.name]
+        check(full > 0, f"{label}: the unsharded daemon was sent payloads ({full} bytes)")
+        for tp, shards in self.shards.items():
+            ratios = [sent[d.name] / full for d in shards]
+            limit = ROUTED_TP4_MAX if tp == 4 else ROUTED_TP2_MAX
+            check(all(0 < r <= limit for r in ratios),
+                  f"{label}: each TP {tp} shard was sent only its cut: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} of the unsharded daemon's bytes "
+                  f"(at most {limit})")
+
     def check_holds(self, canonical, version, label, daemons=None):
         targets = daemons if daemons is not None else [d for d in self.fleet.daemons if d.alive()]
         for d in targets:
@@ -800,6 +825,7 @@ def test_tensor_parallel(ctx, rng):
                                       kind == "full")
             check_committed(push.wait(), label, kind, step, 7, world, shares)
             tp.check_holds(steps[step], step, label)
+            tp.check_routed(label)
         test_kill_shard(ctx, tp, steps, paths, 3)
     finally:
         fleet.stop()

@@ -247,6 +247,12 @@ TEST_F(ControlServerTest, ResentPayloadIsADuplicateAndAppliedOnce) {
   ExpectStoreHolds(step.next);
   EXPECT_EQ(Sample("refit_payloads_staged_total"), step.payloads.size());
   EXPECT_EQ(Sample("refit_payloads_duplicate_total"), step.payloads.size());
+  // What the receiver was sent, as GET /v1/status reports it: each payload once, not its resend.
+  uint64_t bytes = 0;
+  for (const auto& payload : step.payloads) bytes += payload.size();
+  ASSERT_OK_AND_ASSIGN(ControlStatus status, client_->GetStatus());
+  EXPECT_EQ(status.receiver.received_payloads, step.payloads.size());
+  EXPECT_EQ(status.receiver.received_bytes, bytes);
 }
 
 TEST_F(ControlServerTest, AbortRestoresTheBaseAndARetrySucceeds) {
@@ -823,6 +829,30 @@ class FakeUpstream {
   std::atomic<int> attempts_{0};
   std::thread thread_;
 };
+
+// A receiver older than routing by holdings answers POST /v1/regions 404 (no such route): it is
+// answered for as holding everything whole, so that it is sent every item. Any other error stays
+// an error.
+TEST(ControlClientTest, RegionsOfAReceiverWithoutTheRouteAreEmpty) {
+  auto regions_from = [](int status, const std::string& body) {
+    FakeUpstream upstream(status, body, "application/json");
+    ControlClientOptions options;
+    options.base_url = upstream.url();
+    options.max_retries = 0;
+    auto client = ControlClient::Make(options);
+    EXPECT_TRUE(client.ok());
+    return (*client)->Regions({"model.embed_tokens.weight"});
+  };
+  const Result<HeldRegions> old = regions_from(404, R"({"ok": false, "code": "NotFound",
+               "message": "no route POST /v1/regions on the control channel"})");
+  ASSERT_OK(old);
+  EXPECT_TRUE(old->empty());
+  EXPECT_STATUS_MSG(PermissionDenied, "no key",
+                    regions_from(401, R"({"ok": false, "code": "PermissionDenied",
+                                          "message": "no key"})"));
+  EXPECT_STATUS_MSG(DataLoss, "regions reply.regions must be an object",
+                    regions_from(200, R"({"ok": true, "regions": 7})"));
+}
 
 TEST(ControlClientTest, RetriesOnlyGatewayErrorsAndQuotesForeignBodies) {
   constexpr int kRetries = 2;

@@ -687,10 +687,12 @@ class LoaderRefusalTest : public ::testing::Test {
     next_ = PerturbModel(group_.model_, 0.3, 5);
   }
 
-  /// One payload: the XOR deltas of q_proj (layer 0) and model.norm, then `extra`.
-  DecodedPayload MakePayload(std::vector<Item> extra) {
+  /// One payload: the XOR deltas of q_proj (layer 0) and model.norm (their FULL items for an
+  /// anchor; with `corrupt_norm`, the norm's first value flipped), then `extra`.
+  DecodedPayload MakePayload(std::vector<Item> extra, bool anchor = false,
+                             bool corrupt_norm = false) {
     const TransferId id = TransferId::Random();
-    auto plan = group_.tracker_->Begin(id);
+    auto plan = group_.tracker_->Begin(id, anchor);
     EXPECT_TRUE(plan.ok());
     std::vector<Item> items;
     for (const OwnedTensor& t : next_) {
@@ -700,6 +702,9 @@ class LoaderRefusalTest : public ::testing::Test {
       for (Item& item : encoded->items) items.push_back(std::move(item));
     }
     EXPECT_TRUE(group_.tracker_->Abort(id).ok());
+    for (Item& item : items) {
+      if (corrupt_norm && item.name == "model.norm.weight") item.values[0] ^= std::byte{0x01};
+    }
     for (Item& item : extra) items.push_back(std::move(item));
     std::vector<ItemView> views;
     for (const Item& item : items) views.push_back(item.view());
@@ -792,6 +797,33 @@ TEST_F(LoaderRefusalTest, AWholeTensorNotAtBaseIsDetectedAndThePayloadUndone) {
     ASSERT_OK_AND_ASSIGN(auto holdings_after, rank0().Holdings(names));
     EXPECT_EQ(holdings_after, holdings_before);
     EXPECT_EQ(undo.records(), 0u);
+  }
+}
+
+// An anchor through the loader: q_proj (into the fused qkv_proj) and the norm are copied at once
+// on three threads; a FULL span of the norm (held whole, so its digest is checked) that does not
+// match its digest fails the payload, and both tensors are put back from the log, in memory or
+// in the spill file.
+TEST_F(LoaderRefusalTest, AnAnchorWithACorruptSpanIsUndoneWhateverTheThreads) {
+  const DecodedPayload good = MakePayload({}, /*anchor=*/true);
+  const DecodedPayload corrupt = MakePayload({}, /*anchor=*/true, /*corrupt_norm=*/true);
+  ASSERT_EQ(corrupt.items().size(), 2u);
+  for (const ItemView& item : corrupt.items()) ASSERT_EQ(item.op, Op::kFull) << item.name;
+  const StoreSnapshot before = TakeSnapshot(rank0());
+  for (const AnchorUndo policy : {AnchorUndo::kMemory, AnchorUndo::kFile}) {
+    for (const int threads : {1, 3}) {
+      SCOPED_TRACE(fmt::format("{}, {} apply threads", AnchorUndoName(policy), threads));
+      UndoLog undo(UndoLogOptions{.anchor_undo = policy});
+      EXPECT_STATUS_MSG(DataLoss, "'model.norm.weight': span digest after apply",
+                        ApplyPayload(corrupt, rank0(), &undo, nullptr, threads));
+      EXPECT_EQ(TakeSnapshot(rank0()), before);
+      EXPECT_EQ(undo.records(), 0u);
+      // The intact anchor applies, and is undone exactly.
+      ASSERT_OK(ApplyPayload(good, rank0(), &undo, nullptr, threads));
+      EXPECT_NE(TakeSnapshot(rank0()), before);
+      ASSERT_OK(undo.Rollback(rank0()));
+      EXPECT_EQ(TakeSnapshot(rank0()), before);
+    }
   }
 }
 
