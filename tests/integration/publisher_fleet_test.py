@@ -23,11 +23,15 @@ daemon (GET /v1/tensors/{name}) and compared byte for byte with what numpy says 
      (GQA, fused qkv_proj and gate_up_proj, column-sharded o_proj / down_proj, vocabulary-
      parallel embed_tokens / lm_head with padding, identity norms) and one unsharded daemon, in
      one fleet, refit over 3 steps; each shard's local tensors must equal the numpy slices of the
-     trainer's canonical tensors, padding rows untouched.
+     trainer's canonical tensors, padding rows untouched; each shard is sent only its cut
+     (routing by holdings), read from its own GET /v1/status counters.
   4. kill -9 of one shard daemon of the TP = 2 replica mid-transfer: the push fails and every
      survivor is idle at the base version with its bytes. Then the killed shard restarts from its
      original shard file (version 0, behind the others) and the next push commits everywhere as
-     an anchor, which a receiver accepts at any version.
+     an anchor, which a receiver accepts at any version. A push that leaves the unsharded daemon
+     out commits on the shards and leaves it as it was; it rejoins with an anchor.
+Every daemon is started on its own, with no --peers list, in the reverse of the order the pushes
+list them: each transfer names its relay trees.
 A part that fails stops, and the next part (its own fleet) still runs; every failure is listed at
 the end and the exit status is 1.
 Run with Debian's /usr/bin/python3 (python3-numpy).
@@ -209,7 +213,6 @@ class Daemon:
         self.data_port, self.env, self.loader, self.replica = data_port, env, loader, replica
         self.data = f"127.0.0.1:{data_port}"
         self.control_port = 0
-        self.peers = [self.data]
         self.proc = None
         self.starts = 0
 
@@ -222,7 +225,7 @@ class Daemon:
         self.log_path = os.path.join(self.workdir, f"{self.name}.{self.starts}.log")
         log = open(self.log_path, "w")
         cmd = [self.refit, "serve", "--model", self.model, "--data-port", str(self.data_port),
-               "--control-port", str(self.control_port), "--peers", ",".join(self.peers),
+               "--control-port", str(self.control_port),
                "--api-key-env", KEY_ENV, "--ready-file", ready]
         if self.loader:
             cmd += ["--loader", self.loader]
@@ -284,16 +287,15 @@ class Daemon:
 
 
 class Fleet:
-    """Daemons forming one relay tree (the same --peers list on each, in this order)."""
+    """Daemons started independently: no --peers list, started in the reverse of the order the
+    pushes list them. Every push names each transfer's relay
+    tree (docs/protocol.md "Relay tree"), so no daemon needs to know the others."""
 
     def __init__(self, daemons):
         self.daemons = daemons
-        peers = [d.data for d in daemons]
+        readies = {d.name: d.start() for d in reversed(daemons)}
         for d in daemons:
-            d.peers = peers
-        readies = [d.start() for d in daemons]
-        for d, ready in zip(daemons, readies):
-            d.wait_ready(ready)
+            d.wait_ready(readies[d.name])
 
     def receiver_args(self, daemons=None):
         args = []
@@ -729,8 +731,8 @@ def shard(model, rank, tp):
 
 
 class TpFleet:
-    """tp2 (2 shards), tp4 (4 shards) and one unsharded daemon in one relay tree; the tp2
-    replica last, so that dropping it leaves the others a prefix of the tree."""
+    """tp2 (2 shards), tp4 (4 shards) and one unsharded daemon, each started on its own; the
+    pushes list the unsharded daemon first, then tp4, then tp2."""
 
     def __init__(self, ctx, canonical):
         self.ctx = ctx
@@ -800,7 +802,7 @@ class TpFleet:
 
 def test_tensor_parallel(ctx, rng):
     first = llama(rng)
-    steps, paths = write_steps(ctx.workdir, "tp", first, rng, 6)
+    steps, paths = write_steps(ctx.workdir, "tp", first, rng, 7)
     check(padded_vocab(2) == 112 and padded_vocab(4) == 128,
           "the vocabulary pads to 112 rows at TP 2 and 128 at TP 4")
     tp = TpFleet(ctx, first)
@@ -869,10 +871,22 @@ def test_kill_shard(ctx, tp, steps, paths, step):
     check_committed(results, label, "full", step + 1, 7, 1)
     step += 1
     tp.check_holds(steps[step], step, label)
-    # A receiver cannot simply be dropped from the receiver list while it stays in the relay
-    # tree: the tree is every daemon's static --peers list (docs/protocol.md "Relay tree"), and a
-    # relay forwards to its children whether or not the push names them. Leaving the fleet means
-    # changing every relay's --peers; that is not tested here.
+    # (b) The fleet changes between pushes: the unsharded daemon, the first of every tree so far,
+    # is left out of the next push. Its tree is named per transfer, so no payload crosses it, and
+    # it stays where it was.
+    others = tp.shards[4] + tp.shards[2]
+    push = Push(ctx, f"tp{step + 1}-without-full", paths[step + 1], paths[step], 1,
+                tp.fleet.receiver_args(others))
+    label = f"step {step + 1} without {tp.full.name}"
+    check_committed(push.wait(), label, "delta", step + 1, len(others), 1)
+    tp.check_holds(steps[step + 1], step + 1, label, others)
+    tp.check_holds(steps[step], step, f"{label}: {tp.full.name} left as it was", [tp.full])
+    # (c) It joins again, one version behind the others: the next push is an anchor.
+    push = Push(ctx, f"tp{step + 2}-full-rejoins", paths[step + 2], paths[step + 1], 1,
+                tp.fleet.receiver_args())
+    label = f"step {step + 2} with {tp.full.name} back"
+    check_committed(push.wait(), label, "full", step + 2, 7, 1)
+    tp.check_holds(steps[step + 2], step + 2, label)
 
 
 def main():
