@@ -34,10 +34,11 @@ namespace refit {
 /// zstd shrinks bf16 weights by only about a quarter, at a few hundred MB/s per thread, which is
 /// slower than a fast link and pays only on a slow one.
 enum class AnchorCompression : uint8_t {
-  /// Measure, then decide per anchor: its first payloads are compressed while the serializers'
-  /// compression rate, the ratio and the senders' wire rate are measured; from then on the
-  /// anchor is compressed only if that makes its payloads flow faster than raw ones would
-  /// (the compressed rate, min(compressor, link ÷ ratio), beats the link by 10 %).
+  /// Measure, then decide per anchor: its first payloads go alternately compressed and raw while
+  /// the serializers' compression rate, the ratio and each kind's send rate (the link and the
+  /// receivers behind it) are measured; from then on the anchor is compressed only if that
+  /// carries its body faster than raw payloads do (min(compressor, compressed sends ÷ ratio)
+  /// beats the raw sends by 10 %).
   kAuto,
   /// Always zstd at PayloadEncodeOptions::zstd_level, as deltas.
   kZstd,
@@ -99,7 +100,8 @@ struct AnchorCompressionReport {
   uint64_t raw_payloads = 0;
   /// kAuto: whether the probe finished (enough payloads were sent to measure), and what it
   /// measured: the serializers' compression rate over their threads (body bytes per second),
-  /// the compressed ÷ body ratio, and the senders' wire rate over their threads (bytes/s).
+  /// the compressed ÷ body ratio, and the senders' rate of raw payloads over their threads
+  /// (bytes/s: the link, and the receivers behind its acknowledgements).
   bool measured = false;
   double compress_bytes_per_s = 0;
   double ratio = 0;

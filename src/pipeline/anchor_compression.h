@@ -13,11 +13,15 @@ namespace refit::internal {
 /// Thread-safety: every member function may be called from any of a stream's threads.
 class AnchorCompressionChooser {
  public:
-  /// Compressed payloads an auto anchor sends before it decides: enough that every serializer
-  /// and sender has timed at least one, and at least kMinProbePayloads.
+  /// Payloads of each kind (compressed, raw) an auto anchor sends before it decides: enough that
+  /// every serializer and sender has timed at least one, and at least kMinProbePayloads — or,
+  /// of payloads that large, kProbeBytes on the wire (a probe of large payloads is a costly
+  /// part of an anchor: 6 of 40 payloads of a 1 GiB one). The probe alternates the two kinds, so
+  /// that both are timed against the same link and receivers.
   static constexpr uint64_t kMinProbePayloads = 4;
+  static constexpr uint64_t kProbeBytes = uint64_t{16} << 20;
   /// How much faster the compressed path must be to keep compressing: a margin over the noise of
-  /// a few timed payloads, and over the receiver's cost of decompressing them.
+  /// a few timed payloads.
   static constexpr double kMinGain = 1.10;
 
   /// `base`: the deltas' options. `anchor`: whether this stream sends an anchor.
@@ -43,17 +47,25 @@ class AnchorCompressionChooser {
   const int serialize_threads_;
   const int send_threads_;
   const uint64_t probe_payloads_;
+  // One per serializer and per sender: the fewest of each kind, however large.
+  const uint64_t probe_min_payloads_;
 
   mutable std::mutex mutex_;
   Choice choice_;
   AnchorCompressionReport report_;
-  // The probe: compressed payloads encoded (body in, bytes out, seconds) and sent.
+  // The probe: payloads handed out by Next while probing (odd ones raw); compressed payloads
+  // encoded (body in, bytes out, seconds); compressed and raw payloads sent (count, wire bytes,
+  // seconds).
+  mutable uint64_t probe_issued_ = 0;
   uint64_t probe_body_bytes_ = 0;
   uint64_t probe_compressed_bytes_ = 0;
   double probe_compress_s_ = 0;
   uint64_t probe_sent_ = 0;
   uint64_t probe_sent_bytes_ = 0;
   double probe_send_s_ = 0;
+  uint64_t probe_raw_sent_ = 0;
+  uint64_t probe_raw_bytes_ = 0;
+  double probe_raw_s_ = 0;
 };
 
 }  // namespace refit::internal

@@ -505,19 +505,31 @@ TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
   }
 }
 
-// The payloads an auto anchor sends compressed before it decides, with SmallOptions' threads.
+// The payloads of each kind (compressed, raw) an auto anchor sends before it decides, with
+// SmallOptions' threads.
 constexpr uint64_t kAutoProbePayloads =
     std::max<uint64_t>(internal::AnchorCompressionChooser::kMinProbePayloads, 2 + 2);
 
-// kAuto measures the anchor's first payloads: with a link far slower than the compressor and
-// weights that compress, it keeps compressing; with a link that costs nothing (a memory copy) it
-// sends the rest raw. Either way the anchor arrives exactly.
+// kAuto measures the anchor's first payloads, alternately compressed and raw: with a link far
+// slower than the compressor (its time proportional to the bytes) and weights that compress, it
+// keeps compressing; with a link that costs nothing (a memory copy) it sends the rest raw. Either
+// way the anchor arrives exactly.
 TEST(ProducerStreamTest, AutoAnchorCompressionFollowsTheMeasuredRates) {
-  std::vector<OwnedTensor> compressible = MakeModel(4);
+  // Two copies of the small model, under other names: payloads enough after the probe for the
+  // decision to show in the counts.
+  const auto twice = [](uint64_t seed) {
+    std::vector<OwnedTensor> model = MakeModel(seed);
+    for (OwnedTensor& t : MakeModel(seed + 100)) {
+      t.name = "copy." + t.name;
+      model.push_back(std::move(t));
+    }
+    return model;
+  };
+  std::vector<OwnedTensor> compressible = twice(4);
   for (OwnedTensor& t : compressible) std::fill(t.bytes.begin(), t.bytes.end(), std::byte{0x11});
   for (const bool slow_link : {true, false}) {
     SCOPED_TRACE(slow_link ? "slow link, compressible weights" : "free link");
-    const std::vector<OwnedTensor> model = slow_link ? compressible : MakeModel(5);
+    const std::vector<OwnedTensor> model = slow_link ? compressible : twice(5);
     ProducerStreamOptions options = SmallOptions();
     options.anchor_compression = AnchorCompression::kAuto;
     ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
@@ -527,27 +539,30 @@ TEST(ProducerStreamTest, AutoAnchorCompressionFollowsTheMeasuredRates) {
     PayloadCollector collector;
     PayloadSender collect = collector.Sender();
     const PayloadSender send = [&](uint32_t payload_id, std::span<const std::byte> bytes) {
-      // 10 ms per payload of at most ~1 KiB: about 0.2 MB/s over two senders.
-      if (slow_link) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      // 10 us per byte (10 ms for a raw payload of ~1 KiB): about 0.2 MB/s over two senders.
+      if (slow_link) std::this_thread::sleep_for(std::chrono::microseconds(10 * bytes.size()));
       return collect(payload_id, bytes);
     };
     ASSERT_OK_AND_ASSIGN(StreamReport report,
                          stream->Run(*tracker, TensorListSource(Views(model), kChunkBytes), send));
     const AnchorCompressionReport& decided = report.anchor_compression;
-    ASSERT_GT(report.payloads, 2 * kAutoProbePayloads);
+    // Enough payloads after the probe that the decision shows in the counts.
+    ASSERT_GT(report.payloads, 4 * kAutoProbePayloads);
     EXPECT_TRUE(decided.measured);
     EXPECT_GT(decided.compress_bytes_per_s, 0);
     EXPECT_GT(decided.link_bytes_per_s, 0);
     EXPECT_EQ(decided.compressed_payloads + decided.raw_payloads, report.payloads);
+    // The probe sent at least kAutoProbePayloads of each kind (and a few more of each while it
+    // finished); the decision sends all the rest one way.
+    EXPECT_GE(decided.raw_payloads, kAutoProbePayloads);
+    EXPECT_GE(decided.compressed_payloads, kAutoProbePayloads);
     if (slow_link) {
       EXPECT_LT(decided.ratio, 0.5);
-      EXPECT_EQ(decided.raw_payloads, 0u);
+      EXPECT_GT(decided.compressed_payloads, decided.raw_payloads + kAutoProbePayloads);
     } else {
-      // The probe's payloads (and any compressed while it finished) went compressed; the
-      // decision sends the rest raw.
-      EXPECT_GT(decided.raw_payloads, 0u);
-      EXPECT_GE(decided.compressed_payloads, kAutoProbePayloads);
+      EXPECT_GT(decided.raw_payloads, decided.compressed_payloads + kAutoProbePayloads);
     }
+
     std::unique_ptr<WeightStore> store = ZeroStore(model);
     UndoLog undo;
     ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
