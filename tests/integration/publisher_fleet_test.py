@@ -631,9 +631,11 @@ def test_few_chunks(ctx, rng):
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, PAD_TO, LAYERS = 64, 8, 2, 8, 128, 100, 8, 2
 # The most bytes a TP 4 (TP 2) shard may be sent per push, as a fraction of the unsharded
 # daemon's: about 1/TP of the items, plus the payload and item headers every class pays on a
-# model this small (measured: TP 4 0.27-0.31 for the full push, 0.44-0.48 for the deltas; TP 2
-# 0.53-0.55 and 0.63-0.65; unrouted, a shard would be sent all of it, 1.0). A benchmark measures
-# the ratio at a real size: e2e_bench's tp section.
+# model this small (measured for the deltas: TP 4 0.44-0.48, TP 2 0.63-0.65; unrouted, a shard
+# would be sent all of it, 1.0). A benchmark measures the ratio at a real size: e2e_bench's tp
+# section. Anchors are not checked here: anchor_compression auto sends some of each route's
+# payloads raw, as it measures, so their shares depend on timing (node_test checks an anchor's
+# routes exactly).
 ROUTED_TP4_MAX, ROUTED_TP2_MAX = 0.6, 0.8
 # A recognisable bf16 pattern (1.0) in the padding rows of vocabulary shards: never written.
 PADDING_BITS = 0x3F80
@@ -758,7 +760,7 @@ class TpFleet:
                 index += 1
         self.fleet = Fleet([self.full] + self.shards[4] + self.shards[2])
 
-    def check_routed(self, label):
+    def check_routed(self, label, check_shares=True):
         """Routing by holdings, from each daemon's own counters (GET /v1/status
         received_bytes): in the push just made, every shard was sent only its class's cut — a
         TP 4 shard at most ROUTED_TP4_MAX of the unsharded daemon's bytes, a TP 2 shard at most
@@ -767,6 +769,8 @@ class TpFleet:
         last = getattr(self, "_received", {name: 0 for name in received})
         sent = {name: received[name] - last[name] for name in received}
         self._received = received
+        if not check_shares:
+            return
         full = sent[self.full.name]
         check(full > 0, f"{label}: the unsharded daemon was sent payloads ({full} bytes)")
         for tp, shards in self.shards.items():
@@ -827,7 +831,9 @@ def test_tensor_parallel(ctx, rng):
                                       kind == "full")
             check_committed(push.wait(), label, kind, step, 7, world, shares)
             tp.check_holds(steps[step], step, label)
-            tp.check_routed(label)
+            # An anchor's payloads go compressed or raw as anchor_compression auto measures
+            # them, per route: its byte shares depend on timing, a delta's do not.
+            tp.check_routed(label, check_shares=kind == "delta")
         test_kill_shard(ctx, tp, steps, paths, 3)
     finally:
         fleet.stop()
