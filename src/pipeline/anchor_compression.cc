@@ -50,7 +50,7 @@ AnchorCompressionChooser::AnchorCompressionChooser(const ProducerStreamOptions& 
   }
 }
 
-PayloadEncodeOptions AnchorCompressionChooser::Next() const {
+PayloadEncodeOptions AnchorCompressionChooser::Next() {
   std::lock_guard lock(mutex_);
   if (choice_ == Choice::kZstd) return base_;
   // Probing: every other payload raw, so that each path is timed end to end (the link, and the

@@ -15,9 +15,10 @@ class AnchorCompressionChooser {
  public:
   /// Payloads of each kind (compressed, raw) an auto anchor sends before it decides: enough that
   /// every serializer and sender has timed at least one, and at least kMinProbePayloads — or,
-  /// of payloads that large, kProbeBytes on the wire (a probe of large payloads is a costly
-  /// part of an anchor: 6 of 40 payloads of a 1 GiB one). The probe alternates the two kinds, so
-  /// that both are timed against the same link and receivers.
+  /// of payloads that large, kProbeBytes on the wire (each compressed probe payload of a fast
+  /// link costs the anchor time; e2e_bench's end-to-end section shows how many went compressed).
+  /// The probe alternates the two kinds, so that both are timed against the same link and
+  /// receivers.
   static constexpr uint64_t kMinProbePayloads = 4;
   static constexpr uint64_t kProbeBytes = uint64_t{16} << 20;
   /// How much faster the compressed path must be to keep compressing: a margin over the noise of
@@ -27,8 +28,8 @@ class AnchorCompressionChooser {
   /// `base`: the deltas' options. `anchor`: whether this stream sends an anchor.
   AnchorCompressionChooser(const ProducerStreamOptions& options, bool anchor);
 
-  /// The options to encode the next payload with.
-  PayloadEncodeOptions Next() const;
+  /// The options to encode the next payload with (while probing, alternately compressed and raw).
+  PayloadEncodeOptions Next();
   /// A payload was encoded with `options` (from Next) in `seconds`: `body_bytes` in, `wire_bytes`
   /// out.
   void RecordEncoded(const PayloadEncodeOptions& options, uint64_t body_bytes, uint64_t wire_bytes,
@@ -56,7 +57,7 @@ class AnchorCompressionChooser {
   // The probe: payloads handed out by Next while probing (odd ones raw); compressed payloads
   // encoded (body in, bytes out, seconds); compressed and raw payloads sent (count, wire bytes,
   // seconds).
-  mutable uint64_t probe_issued_ = 0;
+  uint64_t probe_issued_ = 0;
   uint64_t probe_body_bytes_ = 0;
   uint64_t probe_compressed_bytes_ = 0;
   double probe_compress_s_ = 0;
