@@ -664,7 +664,8 @@ def worker_main(args) -> None:
     if args.kind == "full":
         name = "full"
         receiver = rt.Receiver(**options)
-        receiver.attach(module)  # a tied LM head is registered once (its other name is skipped)
+        # A tied LM head is registered once (its other name is skipped).
+        receiver.attach(module, memory=args.receiver_memory)
     else:
         name = f"tp{tp_rank}"
         # The TP pair's own process group: only for the check (all-gather) and the sharded forward.
@@ -687,7 +688,7 @@ def worker_main(args) -> None:
             pad_to=PAD_TO,
         )
         receiver = rt.Receiver(replica="tp2", shard=tp_rank, **options)
-        receiver.attach(module, loader=loader)
+        receiver.attach(module, loader=loader, memory=args.receiver_memory)
     tokens = eval_batch(spec.vocab)
     with receiver.start():  # serving from here; stop() on the way out
         write_json_atomic(
@@ -1041,16 +1042,18 @@ def driver_main(args) -> int:
               "--fault-step", str(args.fault_step), "--model", args.model]
     fleet = Fleet(workdir, common)
     summary: dict = {"ok": False, "model": args.model, "hf_class": spec.hf_class,
+                     "receiver_memory": args.receiver_memory,
                      "num_steps": args.steps, "config": spec.config, "tp": TP}
     rows: List[dict] = []
     try:
         # The workers first: one relay tree over all three (the same peers list on each).
         peers = ",".join(endpoints)
+        memory = ["--receiver-memory", args.receiver_memory]
         fleet.spawn("full", ["--role", "worker", "--kind", "full", "--endpoint", endpoints[0],
-                             "--peers", peers])
+                             "--peers", peers] + memory)
         for r in range(TP):
             fleet.spawn(f"tp{r}", ["--role", "worker", "--kind", "tp", "--shard", str(r),
-                                   "--endpoint", endpoints[1 + r], "--peers", peers])
+                                   "--endpoint", endpoints[1 + r], "--peers", peers] + memory)
         receivers = []
         for name in WORKERS:
             path = os.path.join(workdir, f"ready_{name}.json")
@@ -1133,6 +1136,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the trainers with FSDP2 (fully_shard): each rank publishes only its "
                              "own shards, with nothing but Publisher.sync(module); the first sync is an anchor")
+    parser.add_argument("--receiver-memory", choices=["auto", "device", "host", "mirror"], default="auto",
+                        help="how the workers reach their modules (refit.torch.Receiver.attach(memory=…)): "
+                             "'device' forces the device boundary (the GPU path) on CPU tensors")
     parser.add_argument("--quiet", action="store_true", help="print only the JSON summary")
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary scratch directory")

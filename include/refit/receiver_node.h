@@ -121,6 +121,11 @@ class ReceiverNode {
   /// Errors: FailedPrecondition after Start or with a model file; AlreadyExists; InvalidArgument
   /// (byte size does not match dtype × shape).
   Status RegisterTensor(const MutableTensorView& tensor);
+  /// Register a tensor in device memory, reached through `memory` (refit/tensor_memory.h) in
+  /// O(changes) per transfer; its digest is computed once here, reading it through the
+  /// boundary. Errors: as RegisterTensor; as WeightStore::AddDevice.
+  Status RegisterDeviceTensor(std::string name, DType dtype, Shape shape,
+                              std::shared_ptr<TensorMemory> memory);
 
   /// Attach the loader, catch up from the bootstrap chain, start the session, the data plane and
   /// the control plane. Connections are accepted once this returns.

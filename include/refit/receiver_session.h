@@ -89,6 +89,11 @@ struct ReceiverStatus {
   /// holdings (docs/protocol.md).
   uint64_t received_payloads = 0;
   uint64_t received_bytes = 0;
+  /// Bytes that crossed the boundary of the store's device tensors since it was made, each way
+  /// (refit/tensor_memory.h): positions and new bits to the device, old bits and read ranges
+  /// from it. Both 0 for a store in host memory.
+  uint64_t device_to_bytes = 0;
+  uint64_t device_from_bytes = 0;
 };
 
 /// Options of ReceiverSession::Make.

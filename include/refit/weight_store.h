@@ -13,6 +13,7 @@
 #include "refit/safetensors.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/tensor_memory.h"
 #include "refit/transfer.h"
 
 namespace refit {
@@ -24,6 +25,10 @@ enum class StoreMode : uint8_t {
   /// mmap the file copy-on-write: untouched pages stay shared with the page cache; the file on
   /// disk is never modified.
   kMmap,
+  /// Copy every tensor behind the device boundary, into its test backend (OpaqueTensorMemory):
+  /// the applier reaches them only through TensorMemory, as it would GPU memory. For tests of
+  /// whole daemons on the device path (`refit serve --device-memory-test`).
+  kDeviceTest,
 };
 
 class Loader;
@@ -58,10 +63,30 @@ class WeightStore {
   /// the store. Errors: as AddCopy.
   Status AddExternal(const MutableTensorView& tensor);
 
-  /// Return the tensor named `name`. Errors: NotFound naming it.
+  /// Register a tensor in memory the store cannot address (GPU memory, through a backend): the
+  /// applier reaches it only through `memory` (refit/tensor_memory.h), in O(changes) per delta.
+  /// Its digest is computed once here, by reading it through the boundary in blocks.
+  /// Errors: AlreadyExists; InvalidArgument (null memory, or its size is not the shape's);
+  /// the backend's read error.
+  Status AddDevice(std::string name, DType dtype, Shape shape,
+                   std::shared_ptr<TensorMemory> memory);
+  /// The device memory of tensor `name`, or null for a host tensor (or no such tensor).
+  TensorMemory* DeviceMemory(std::string_view name) const;
+  /// Whether any tensor is in device memory.
+  bool has_device_tensors() const { return device_tensors_ > 0; }
+  /// What crossed the boundary of every device tensor so far.
+  BoundaryTraffic device_traffic() const;
+  /// Synchronize every device tensor (TensorMemory::Synchronize): what was applied is visible to
+  /// the tensors' readers. Errors: the first backend error, naming the tensor.
+  Status SynchronizeDevices();
+  /// Copy bytes [offset, offset + out.size()) of tensor `name`, host or device.
+  /// Errors: NotFound; InvalidArgument (past the end); the backend's.
+  Status ReadBytes(std::string_view name, uint64_t offset, std::span<std::byte> out) const;
+  /// Return the tensor named `name`. A device tensor's view has no bytes (empty span): reach it
+  /// through DeviceMemory. Errors: NotFound naming it.
   Result<MutableTensorView> Find(std::string_view name);
   Result<TensorView> Find(std::string_view name) const;
-  /// The tensors in insertion order.
+  /// The tensors in insertion order (a device tensor's without bytes, as Find).
   std::vector<TensorView> tensors() const;
   size_t size() const;
 
@@ -72,7 +97,8 @@ class WeightStore {
   /// Move the digest of `name` by `delta` (mod 2^64), or set it. Used by the applier.
   Status AdjustDigest(std::string_view name, uint64_t delta);
   Status SetDigest(std::string_view name, uint64_t digest);
-  /// Recompute every digest from the bytes (O(model)); for verification tools and tests.
+  /// Recompute every digest from the bytes (O(model); device tensors read through their
+  /// boundary, and a read that fails aborts); for verification tools and tests.
   std::map<std::string, uint64_t> RecomputeDigests() const;
   /// Set the digest of local tensor `name`, and the partial digest of every resolved piece it
   /// holds, to what its bytes give (O(tensor)). For a rollback that could not restore the bytes
@@ -113,7 +139,8 @@ class WeightStore {
   uint64_t version() const { return version_; }
   void set_version(uint64_t version) { version_ = version; }
 
-  /// Write all tensors to a safetensors file. Errors: as WriteSafetensors.
+  /// Write all tensors to a safetensors file (device tensors read through their boundary, one at
+  /// a time). Errors: as WriteSafetensors; a backend's read error.
   Status Save(const std::string& path) const;
 
  private:
@@ -125,6 +152,9 @@ class WeightStore {
   };
   WeightStore();
   Entry* FindEntry(std::string_view name) const;
+  /// A view of `entry`'s bytes: its own for a host tensor; for a device tensor, a copy read into
+  /// `scratch` (O(tensor), transient). Errors: the backend's read error.
+  static Result<TensorView> HostView(const Entry& entry, std::vector<std::byte>& scratch);
   /// Return the piece state of `canonical_name`, resolving and hashing it on first use.
   /// Precondition: pieces_mutex_ held and a loader attached.
   Result<Pieces*> PiecesLocked(std::string_view canonical_name) const;
@@ -136,6 +166,7 @@ class WeightStore {
   /// The copy-on-write mapping behind StoreMode::kMmap tensors (type-erased: internal).
   std::shared_ptr<void> mapping_;
   uint64_t version_ = 0;
+  size_t device_tensors_ = 0;
   std::unique_ptr<Loader> loader_;
   mutable std::mutex pieces_mutex_;
   /// Canonical name → piece digests, filled lazily; entries are never removed.

@@ -69,6 +69,7 @@ __all__ = [
     "Publisher",
     "SyncReport",
     "Group",
+    "TensorMemory",
     "tcp_group",
     "callback_group",
     "in_process_group",
@@ -92,6 +93,14 @@ log_level = _core.log_level
 
 #: One rank's endpoint of a producer group, until a Publisher takes it over.
 Group = _core.Group
+
+#: A tensor behind refit's device boundary: memory the core never addresses, reached through
+#: ``gather(positions, width, out)``, ``scatter(positions_or_None, width, bits)``,
+#: ``read(offset, out)``, ``write(offset, data)`` and ``synchronize()``, which a subclass
+#: implements (``refit.torch.TorchTensorMemory`` for any torch device). ``positions`` are packed
+#: int32 (int64 for tensors of 2^31 elements or more); ``None`` in scatter means the positions
+#: of the gather just before. ``traffic()`` says what crossed: bytes each way and calls.
+TensorMemory = _core.TensorMemory
 
 
 def compare_target() -> str:
@@ -249,6 +258,10 @@ class ReceiverStatus:
     #: was sent (a TP shard is sent only its cut under routing by holdings).
     received_payloads: int
     received_bytes: int
+    #: Bytes that crossed the boundary of device tensors (registered with ``register_device``)
+    #: since the receiver started: positions and new bits to the device, old bits from it.
+    device_to_bytes: int
+    device_from_bytes: int
     #: True when an aborted anchor left the weights a mix of versions (``anchor_undo="none"``):
     #: deltas are refused until an anchor commits, and a Publisher sends one at its next sync.
     needs_anchor: bool
@@ -383,6 +396,16 @@ class Receiver:
         """
         self._core.register(as_buffer_tensor(name, tensor, writable=True))
         self._registered.append(tensor)
+
+    def register_device(self, name: str, memory: TensorMemory, dtype: str, shape: Sequence[int]) -> None:
+        """Hold a tensor in device memory as ``name``, reached only through ``memory``.
+
+        Transfers gather the old bits of the elements they change, compute the new ones on the
+        host and scatter them back: O(changes) across the boundary, no copy of the tensor on the
+        host. Before :meth:`start` only; costs one read of the tensor through ``memory`` (its
+        digest). ``dtype`` is refit's or torch's spelling ("bfloat16", "torch.bfloat16").
+        """
+        self._core.register_device(name, str(dtype), [int(extent) for extent in shape], memory)
 
     def start(self) -> "Receiver":
         """Attach the loader, start the data and control planes; accept transfers from now on."""

@@ -52,8 +52,8 @@ def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTen
             )
         if tensor.device.type != "cpu":
             raise InvalidArgument(
-                f"tensor '{name}': it is on {tensor.device}; refit reads and writes host memory "
-                "(refit.torch.Receiver.attach(mirror=True) keeps a host copy of device weights)"
+                f"tensor '{name}': it is on {tensor.device}; this call takes host memory "
+                "(refit.torch.Receiver.attach reaches device tensors through the device boundary)"
             )
         if not tensor.is_contiguous():
             raise InvalidArgument(

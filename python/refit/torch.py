@@ -10,9 +10,12 @@
 - :func:`tp_loader` builds a tensor-parallel :class:`refit.Loader` from a sharded module's
   shapes and the canonical ones.
 
-Tensors cross to the C++ core zero-copy (a byte view of the tensor's storage: torch tensors have
-no buffer protocol, and numpy no bfloat16). They must be contiguous and in host memory;
-``attach(mirror=True)`` keeps a host copy of device tensors and copies it in after each commit.
+Host tensors cross to the C++ core zero-copy (a byte view of the tensor's storage: torch tensors
+have no buffer protocol, and numpy no bfloat16). Tensors in device memory (a GPU) are reached
+through refit's device boundary (:class:`TorchTensorMemory`): a transfer gathers the old bits of
+the elements it changes, computes the new ones on the host and scatters them back — O(changes)
+across PCIe, no host copy of the model. ``attach(memory="mirror")`` keeps the older way, a host
+copy of the model copied in after each commit, as an explicit opt-in.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import torch.distributed as dist
 import refit
 from refit.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["Publisher", "Receiver", "TorchGroup", "state_tensors", "tp_loader"]
+__all__ = ["Publisher", "Receiver", "TensorMemory", "TorchGroup", "TorchTensorMemory", "state_tensors", "tp_loader"]
+
+TensorMemory = refit.TensorMemory
 
 ModuleOrState = Union[torch.nn.Module, Mapping[str, torch.Tensor]]
 
@@ -167,6 +172,88 @@ class Publisher(refit.Publisher):
         super().adopt_baseline(state_tensors(model), version)
 
 
+# ---- Device boundary -----------------------------------------------------------------------------
+
+#: The integer dtype a tensor of each element width is viewed as, so that gathers and scatters move
+#: bits (a float view would canonicalise NaNs on some paths).
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class TorchTensorMemory(refit.TensorMemory):
+    """A torch tensor on any device behind refit's device boundary.
+
+    Gathers with ``index_select`` and scatters with ``index_copy_`` over an integer view of the
+    tensor's bits, one call per batch of changed elements: the positions (int32, or int64 from
+    2^31 elements on) go to the device once per batch and are reused by the scatter that follows
+    the gather; no tensor-shaped staging. FULL items and reads use byte ranges of a ``uint8``
+    view. On CUDA every operation is issued on the stream current when the memory was made (the
+    worker's), and :meth:`synchronize` waits for it before a flush reports success.
+
+    The tensor must be contiguous; it is written in place (``tensor.data_ptr()`` stays).
+    """
+
+    def __init__(self, tensor: torch.Tensor, description: Optional[str] = None):
+        if not tensor.is_contiguous():
+            raise InvalidArgument(
+                f"refit.torch.TorchTensorMemory: the tensor is not contiguous (strides {tuple(tensor.stride())})"
+            )
+        if tensor.device.type == "meta":
+            raise InvalidArgument("refit.torch.TorchTensorMemory: a meta tensor has no memory to write")
+        width = tensor.element_size()
+        if width not in _BITS_DTYPE:
+            raise InvalidArgument(f"refit.torch.TorchTensorMemory: {tensor.dtype} has an element size of {width} bytes")
+        super().__init__(tensor.numel() * width, description or f"torch {tensor.device} tensor")
+        flat = tensor.detach().reshape(-1)
+        self._bits = flat.view(_BITS_DTYPE[width])
+        self._bytes = flat.view(torch.uint8)
+        self._device = tensor.device
+        self._index_dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        self._stream = torch.cuda.current_stream(tensor.device) if tensor.device.type == "cuda" else None
+        self._index: Optional[torch.Tensor] = None
+
+    def _on_stream(self) -> Any:
+        return torch.cuda.stream(self._stream) if self._stream is not None else _NoStream()
+
+    def _positions(self, positions: memoryview) -> torch.Tensor:
+        index = torch.frombuffer(positions, dtype=self._index_dtype).to(self._device)
+        # index_copy_ takes int64 indices: widened on the device, not sent wider.
+        return index if index.dtype == torch.int64 else index.long()
+
+    def gather(self, positions: memoryview, width: int, out: memoryview) -> None:
+        with self._on_stream():
+            self._index = self._positions(positions)
+            torch.frombuffer(out, dtype=self._bits.dtype).copy_(self._bits.index_select(0, self._index))
+
+    def scatter(self, positions: Optional[memoryview], width: int, bits: memoryview) -> None:
+        with self._on_stream():
+            index = self._index if positions is None else self._positions(positions)
+            self._index = None
+            if index is None:
+                raise RuntimeError("scatter to the gathered positions without a gather before it")
+            values = torch.frombuffer(bits, dtype=self._bits.dtype).to(self._device)
+            self._bits.index_copy_(0, index, values)
+
+    def read(self, offset: int, out: memoryview) -> None:
+        with self._on_stream():
+            torch.frombuffer(out, dtype=torch.uint8).copy_(self._bytes[offset : offset + len(out)])
+
+    def write(self, offset: int, data: memoryview) -> None:
+        with self._on_stream():
+            self._bytes[offset : offset + len(data)].copy_(torch.frombuffer(data, dtype=torch.uint8))
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 # ---- Receiver ------------------------------------------------------------------------------------
 
 
@@ -207,8 +294,10 @@ class Receiver:
         self._paused = False
         self._lock = threading.Lock()
         self._inner: Optional[refit.Receiver] = None
-        # mirror mode: (module tensor, host copy) pairs copied in after each commit.
+        # memory="mirror": (module tensor, host copy) pairs copied in after each commit.
         self._mirrors: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # The device boundary's backends of tensors reached through it.
+        self._device_memories: List[TorchTensorMemory] = []
         self.module: Optional[torch.nn.Module] = None
 
     # Hooks, called by the core on its threads.
@@ -227,21 +316,40 @@ class Receiver:
                 self._resume(committed, version)
             self._paused = False
 
-    def attach(self, module: torch.nn.Module, loader: Optional[refit.Loader] = None, prefix: str = "", mirror: Union[bool, str] = "auto") -> "Receiver":
+    def attach(self, module: torch.nn.Module, loader: Optional[refit.Loader] = None, prefix: str = "", memory: str = "auto", mirror: Optional[bool] = None) -> "Receiver":
         """Register every parameter and buffer of ``module`` (named ``prefix`` + qualified name).
 
-        Host tensors are registered zero-copy: transfers write into them. Tensors tied to another
-        (one storage under two names, e.g. a tied LM head) are registered once; the other names'
-        items are skipped, since applying an XOR delta twice to one memory would revert it.
-        ``mirror``: ``True`` keeps a host copy of every tensor and copies it into the module after
-        each commit (the module is untouched by an aborted sync); ``"auto"`` does so only when a
-        tensor is not in host memory; ``False`` refuses such tensors. Call once, before start.
+        Tensors tied to another (one storage under two names, e.g. a tied LM head) are registered
+        once; the other names' items are skipped, since applying an XOR delta twice to one memory
+        would revert it. ``memory`` says how refit reaches the tensors:
+
+        - ``"auto"`` (default): host tensors zero-copy (transfers write into them); tensors in
+          device memory through the device boundary (:class:`TorchTensorMemory`), in place, in
+          O(changes) per transfer, rolled back on the device when a transfer aborts.
+        - ``"device"``: every tensor through the device boundary, host tensors too (what the
+          tests use to run the device path without a GPU).
+        - ``"host"``: host tensors only; a tensor in device memory is an InvalidArgument.
+        - ``"mirror"``: a host copy of every tensor, copied into the module after each commit —
+          the model's size in host memory and a whole-model copy per commit; kept for engines
+          whose weights cannot be indexed in place.
+
+        ``mirror=True`` / ``False`` are the older spellings of ``"mirror"`` / ``"host"``. Call
+        once, before start.
         """
         if self._inner is not None:
             raise FailedPrecondition("refit.torch.Receiver: a module is attached already")
+        if mirror is not None:
+            memory = "mirror" if mirror else "host"
+        if memory not in ("auto", "device", "host", "mirror"):
+            raise InvalidArgument(
+                f"refit.torch.Receiver.attach: memory={memory!r} is not one of 'auto', 'device', 'host', 'mirror'"
+            )
         tensors = _module_tensors(module)
-        if mirror == "auto":
-            mirror = any(tensor.device.type != "cpu" for _, tensor in tensors)
+        for name, tensor in tensors:
+            if tensor.device.type == "meta":
+                raise InvalidArgument(
+                    f"refit.torch.Receiver.attach: tensor '{prefix + name}' is on the meta device: it has no memory to write"
+                )
         seen: Dict[Tuple[int, int, str, Tuple[int, ...]], str] = {}
         registered: List[Tuple[str, torch.Tensor]] = []
         tied: List[str] = []
@@ -268,11 +376,15 @@ class Receiver:
             **self._options,
         )
         for name, tensor in registered:
-            if mirror:
+            if memory == "mirror":
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
                 host.copy_(tensor)
                 self._mirrors.append((tensor, host))
                 inner.register(name, host)
+            elif memory == "device" or (memory == "auto" and tensor.device.type != "cpu"):
+                backend = TorchTensorMemory(tensor, f"tensor '{name}' on {tensor.device}")
+                self._device_memories.append(backend)
+                inner.register_device(name, backend, str(tensor.dtype), tuple(tensor.shape))
             else:
                 inner.register(name, tensor)
         self._inner = inner

@@ -38,6 +38,7 @@
 #include "refit/receiver_node.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/tensor_memory.h"
 #include "refit/version.h"
 
 namespace py = pybind11;
@@ -386,6 +387,8 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   out["undo_bytes"] = status.undo_bytes;
   out["received_payloads"] = status.received_payloads;
   out["received_bytes"] = status.received_bytes;
+  out["device_to_bytes"] = status.device_to_bytes;
+  out["device_from_bytes"] = status.device_from_bytes;
   out["needs_anchor"] = status.needs_anchor;
   out["last_error"] = status.last_error.ok() ? py::object(py::none())
                                              : py::object(py::str(status.last_error.ToString()));
@@ -507,6 +510,88 @@ class CallbackGroup final : public ProducerGroup {
   HeldObject gather_;
 };
 
+// ---- Device boundary ----------------------------------------------------------------------------
+
+// A TensorMemory implemented in Python (refit.torch's torch backend): each operation calls the
+// subclass's method of the same name with memoryviews of the core's buffers, under the GIL (the
+// applier calls from its own threads). Positions go as packed little-endian integers: int32 when
+// the tensor has fewer than 2^31 elements, int64 otherwise (the boundary's contract), so that the
+// backend sends the device exactly what the traffic counts. A Python exception becomes an
+// IoError naming the tensor's memory and the operation.
+class PyTensorMemory : public TensorMemory {
+ public:
+  PyTensorMemory(uint64_t size_bytes, std::string description)
+      : TensorMemory(size_bytes, std::move(description)) {}
+
+ protected:
+  Status DoGather(std::span<const uint64_t> positions, uint32_t width,
+                  std::span<std::byte> out) override {
+    py::gil_scoped_acquire gil;
+    return Call("gather", [&](const py::function& method) {
+      method(Positions(positions, width), width, Writable(out));
+    });
+  }
+  Status DoScatter(std::span<const uint64_t> positions, uint32_t width,
+                   std::span<const std::byte> bits, bool same_positions) override {
+    py::gil_scoped_acquire gil;
+    return Call("scatter", [&](const py::function& method) {
+      method(same_positions ? py::object(py::none()) : Positions(positions, width), width,
+             Readable(bits));
+    });
+  }
+  Status DoRead(uint64_t offset, std::span<std::byte> out) override {
+    py::gil_scoped_acquire gil;
+    return Call("read", [&](const py::function& method) { method(offset, Writable(out)); });
+  }
+  Status DoWrite(uint64_t offset, std::span<const std::byte> bytes) override {
+    py::gil_scoped_acquire gil;
+    return Call("write", [&](const py::function& method) { method(offset, Readable(bytes)); });
+  }
+  Status DoSynchronize() override {
+    py::gil_scoped_acquire gil;
+    return Call("synchronize", [](const py::function& method) { method(); });
+  }
+
+ private:
+  template <typename Invoke>
+  Status Call(const char* name, Invoke&& invoke) {
+    try {
+      py::function method = py::get_override(static_cast<const TensorMemory*>(this), name);
+      if (!method) return Internal("{}: the backend has no method '{}'", description(), name);
+      invoke(method);
+      return Status::OK();
+    } catch (py::error_already_set& error) {
+      return IoError("{}: {} failed: {}", description(), name, error.what());
+    }
+  }
+  // Views the backend only reads are passed writable too: torch.frombuffer warns on read-only
+  // buffers, and the backend copies out of them before returning.
+  static py::memoryview Readable(std::span<const std::byte> bytes) {
+    return py::memoryview::from_memory(const_cast<std::byte*>(bytes.data()),
+                                       static_cast<py::ssize_t>(bytes.size()), false);
+  }
+  static py::memoryview Writable(std::span<std::byte> bytes) {
+    return py::memoryview::from_memory(bytes.data(), static_cast<py::ssize_t>(bytes.size()), false);
+  }
+  py::memoryview Positions(std::span<const uint64_t> positions, uint32_t width) {
+    if (size_bytes() / width <= static_cast<uint64_t>(INT32_MAX)) {
+      narrow_.assign(positions.begin(), positions.end());
+      return Readable(std::as_bytes(std::span<const int32_t>(narrow_)));
+    }
+    return Readable(std::as_bytes(positions));
+  }
+
+  std::vector<int32_t> narrow_;
+};
+
+py::dict TrafficToDict(const BoundaryTraffic& traffic) {
+  py::dict out;
+  out["to_device_bytes"] = traffic.to_device_bytes;
+  out["from_device_bytes"] = traffic.from_device_bytes;
+  out["calls"] = traffic.calls;
+  return out;
+}
+
 // ---- Receiver
 // -------------------------------------------------------------------------------------
 
@@ -554,6 +639,16 @@ class PyReceiver {
     buffers_.push_back(std::move(buffer));
   }
 
+  // The tensor's Python backend object is kept alive as long as the node (which holds its C++
+  // part).
+  void RegisterDevice(const std::string& name, const std::string& dtype,
+                      const std::vector<int64_t>& shape, const py::object& memory) {
+    auto held = memory.cast<std::shared_ptr<TensorMemory>>();
+    Check(node_->RegisterDeviceTensor(name, Unwrap(ParseDType(dtype)),
+                                      Shape(shape.begin(), shape.end()), std::move(held)));
+    device_memories_.push_back(memory);
+  }
+
   void Start() {
     py::gil_scoped_release release;
     Check(node_->Start());
@@ -596,6 +691,8 @@ class PyReceiver {
  private:
   std::unique_ptr<ReceiverNode> node_;
   std::vector<BufferTensor> buffers_;
+  // The Python backends of device tensors (released after the node, under the GIL).
+  std::vector<py::object> device_memories_;
 };
 
 ReceiverNodeOptions ReceiverOptionsFrom(
@@ -963,6 +1060,9 @@ PYBIND11_MODULE(_core, m) {
            py::arg("after_commit") = py::none(), py::arg("after_abort") = py::none())
       .def("register", &PyReceiver::Register, py::arg("tensor"),
            "Register (name, dtype, shape, writable buffer) as a tensor, zero-copy, before start.")
+      .def("register_device", &PyReceiver::RegisterDevice, py::arg("name"), py::arg("dtype"),
+           py::arg("shape"), py::arg("memory"),
+           "Register a tensor in device memory, reached through a TensorMemory backend.")
       .def("start", &PyReceiver::Start)
       .def("stop", &PyReceiver::Stop)
       .def("wait_for_version", &PyReceiver::WaitForVersion, py::arg("version"),
@@ -978,6 +1078,15 @@ PYBIND11_MODULE(_core, m) {
         }
         return StatusToDict(status);
       });
+
+  py::class_<TensorMemory, PyTensorMemory, std::shared_ptr<TensorMemory>>(
+      m, "TensorMemory",
+      "A tensor behind refit's device boundary; subclasses implement gather, scatter, read, "
+      "write and synchronize (refit.torch.TorchTensorMemory).")
+      .def(py::init<uint64_t, std::string>(), py::arg("size_bytes"), py::arg("description"))
+      .def_property_readonly("size_bytes", &TensorMemory::size_bytes)
+      .def_property_readonly("description", &TensorMemory::description)
+      .def("traffic", [](const TensorMemory& memory) { return TrafficToDict(memory.traffic()); });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
       .def(py::init(

@@ -92,6 +92,18 @@ def test_torch_rl_loop_fsdp2_trainers_publish_only_their_shards():
     assert 0 < steps[-1]["changed_elements"] < steps[-1]["total_elements"]
 
 
+def test_torch_rl_loop_refits_through_the_device_boundary():
+    # The workers reach their modules through the device boundary (the GPU path, forced on CPU
+    # tensors): the unsharded worker and the TP = 2 pair with fused qkv / gate_up and a
+    # vocabulary-parallel embedding, every step bit-exact.
+    result = run_example("--model", "llama", "--steps", "3", "--receiver-memory", "device")
+    detail = f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, detail
+    summary = summary_of(result)
+    assert summary["receiver_memory"] == "device"
+    check_every_step_bit_exact(summary, 3, detail)
+
+
 def test_torch_rl_loop_quiet_prints_only_the_summary():
     # Mixtral (the second MoE class) runs here, to keep the file's run time down.
     result = run_example("--model", "mixtral", "--steps", "2", "--quiet")

@@ -49,11 +49,17 @@ def bits(model):
             for name, tensor in ((n, t.detach().reshape(-1)) for n, t in model.state_dict().items())}
 
 
-def test_attach_writes_the_modules_own_tensors_in_place():
+#: How a receiver reaches the module: "auto" (host tensors zero-copy, here) and "device" (every
+#: tensor through the device boundary, the torch backend on CPU tensors: the GPU path, forced).
+MEMORIES = ["auto", "device"]
+
+
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_attach_writes_the_modules_own_tensors_in_place(memory):
     trainer = bf16_model(0)
     worker = bf16_model(0)
     pointers = {name: t.data_ptr() for name, t in worker.state_dict().items()}
-    receiver = rt.Receiver().attach(worker).start()
+    receiver = rt.Receiver().attach(worker, memory=memory).start()
     with receiver:
         publisher = rt.Publisher([receiver])
         publisher.adopt_baseline(trainer, version=0)
@@ -83,10 +89,11 @@ def test_the_trainer_export_is_viewed_not_copied():
         refit._tensors.as_buffer_tensor("t", torch.ones(4, 4).t())
 
 
-def test_an_aborted_sync_leaves_the_module_bit_identical():
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_an_aborted_sync_leaves_the_module_bit_identical(memory):
     trainer = bf16_model(2)
     worker = bf16_model(2)
-    with rt.Receiver().attach(worker).start() as receiver:
+    with rt.Receiver().attach(worker, memory=memory).start() as receiver:
         faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=256)
         faulty.adopt_baseline(trainer, version=0)
         before = bits(worker)
@@ -115,6 +122,85 @@ def test_mirror_mode_copies_into_the_module_only_after_commit():
         assert torch.equal(bits(worker)["proj.weight"], bits(trainer)["proj.weight"])
 
 
+def test_the_device_path_moves_o_changes_and_no_copy_of_the_model_after_a_commit():
+    """A model trained with real torch AdamW, received through the device boundary (forced on CPU
+    tensors): every step bit-identical, in place, and what crosses the boundary per step is about
+    4 + 2 + 2 bytes per changed element — no model-sized copy after the commit."""
+    torch.manual_seed(11)
+    trainer = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    worker = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    worker.load_state_dict(trainer.state_dict())
+    export = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in trainer.state_dict().items()}
+    worker = worker.to(torch.bfloat16)
+    model_bytes = sum(t.numel() * t.element_size() for t in export.values())
+    # A small learning rate: the bf16 export changes in a fraction of its elements, as late in RL.
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    pointers = {n: t.data_ptr() for n, t in worker.state_dict().items()}
+    with rt.Receiver().attach(worker, memory="device").start() as receiver:
+        registered = receiver.status()
+        assert registered.device_from_bytes == model_bytes  # each tensor read once: its digest
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(export, version=0)
+        for s in range(3):
+            optimizer.zero_grad()
+            loss = trainer(torch.randn(32, 64)).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                for name, tensor in trainer.state_dict().items():
+                    export[name].copy_(tensor.to(torch.bfloat16))
+            before = receiver.status()
+            report = publisher.sync(export)
+            after = receiver.status()
+            assert 0 < report.changed_elements < report.total_elements
+            moved = (after.device_to_bytes - before.device_to_bytes) + (after.device_from_bytes - before.device_from_bytes)
+            assert moved == 8 * report.changed_elements, (moved, report.changed_elements)
+            # Below a quarter of the elements changed, that is less than the model's bytes (the
+            # mirror path copies the whole model into the module after every commit).
+            assert report.changed_elements < report.total_elements // 4, report.changed_elements
+            assert moved < model_bytes
+            for name, tensor in worker.state_dict().items():
+                assert torch.equal(tensor.view(torch.int16), export[name].view(torch.int16)), name
+            assert {n: t.data_ptr() for n, t in worker.state_dict().items()} == pointers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: scripts/gpu-tests.sh runs it")
+def test_the_device_path_on_a_cuda_device_applies_and_rolls_back_in_place():
+    trainer = bf16_model(5)
+    worker = bf16_model(5).to("cuda")
+    pointers = {name: t.data_ptr() for name, t in worker.state_dict().items()}
+    with rt.Receiver().attach(worker).start() as receiver:  # "auto": CUDA tensors via the boundary
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        for s in range(1, 4):
+            step(trainer, s)
+            before = receiver.status()
+            report = publisher.sync(trainer, force_anchor=(s == 3))
+            after = receiver.status()
+            moved = (after.device_to_bytes - before.device_to_bytes) + (after.device_from_bytes - before.device_from_bytes)
+            if not report.anchor:
+                assert moved == 8 * report.changed_elements, (moved, report.changed_elements)
+            for name, expected in bits(trainer).items():
+                assert torch.equal(bits(worker)[name].cpu(), expected), name
+            assert {n: t.data_ptr() for n, t in worker.state_dict().items()} == pointers
+        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=256)
+        faulty.adopt_baseline(trainer, version=receiver.version)
+        held = {name: t.cpu() for name, t in bits(worker).items()}
+        step(trainer, 9, fraction=0.5)
+        with pytest.raises(refit.Unavailable):
+            faulty.sync(trainer)
+        for name, expected in held.items():
+            assert torch.equal(bits(worker)[name].cpu(), expected), name
+
+
+def test_attach_refuses_a_bad_memory_option_and_meta_tensors():
+    with pytest.raises(refit.InvalidArgument, match="memory='gpu' is not one of"):
+        rt.Receiver().attach(bf16_model(0), memory="gpu")
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(refit.InvalidArgument, match="'weight' is on the meta device"):
+        rt.Receiver().attach(meta)
+
+
 class Attention(torch.nn.Module):
     """Canonical (trainer) layout: separate q, k, v; GQA with 4 heads and 2 kv heads."""
 
@@ -140,7 +226,8 @@ class ShardedAttention(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(hidden)
 
 
-def test_tp_loader_shards_a_fused_qkv_module_across_two_receivers():
+@pytest.mark.parametrize("memory", MEMORIES)
+def test_tp_loader_shards_a_fused_qkv_module_across_two_receivers(memory):
     torch.manual_seed(4)
     trainer = Attention().to(torch.bfloat16)
     canonical = {n: tuple(t.shape) for n, t in trainer.state_dict().items()}
@@ -154,7 +241,7 @@ def test_tp_loader_shards_a_fused_qkv_module_across_two_receivers():
         loader = rt.tp_loader(shard, canonical, tp_rank=rank, tp_size=2, fused=fused)
         assert {"kind": "column", "match": r"o_proj\.weight"} in loader.rules
         receiver = rt.Receiver(replica="tp", shard=rank, data_endpoint=peers[rank], peers=peers)
-        receivers.append(receiver.attach(shard, loader=loader).start())
+        receivers.append(receiver.attach(shard, loader=loader, memory=memory).start())
     try:
         publisher = rt.Publisher(receivers)
         for s in range(2):

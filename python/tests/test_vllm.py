@@ -505,7 +505,7 @@ def test_extension_refuses_device_memory_and_bad_options():
     model = build_module(LOCAL, seed=3)
     model.model.norm.weight = torch.nn.Parameter(torch.empty(HIDDEN, device="meta"), requires_grad=False)
     worker = worker_class(0, model)
-    with pytest.raises(refit.InvalidArgument, match=r"'model\.norm\.weight'.*meta.*mirror=True"):
+    with pytest.raises(refit.InvalidArgument, match=r"'model\.norm\.weight'.*meta device"):
         worker.refit_start(OPTIONS)
     with pytest.raises(refit.InvalidArgument, match="unknown key"):
         worker_class(0, build_module(LOCAL, seed=3)).refit_start({"canonical_shape": {}})
@@ -601,12 +601,15 @@ def test_forward_gate_counts_out_a_forward_pass_that_raises():
     gate.remove()
 
 
-def test_extension_mirror_mode_copies_in_after_commit(trainer):
-    """mirror=True (the device-memory path) on host tensors: applied to a copy, copied in at commit."""
+@pytest.mark.parametrize("memory", [{"mirror": True}, {"memory": "device"}], ids=["mirror", "device"])
+def test_extension_memory_options_write_the_model_in_place(trainer, memory):
+    """mirror=True (a host copy, copied in at commit) and memory="device" (the GPU path forced on
+    host tensors: applied in place through the torch backend of the device boundary): either way
+    the model's own tensors hold the trainer's bits, at the same data_ptr()s."""
     worker_class = make_worker_class()
     workers = [worker_class(rank, build_module(LOCAL, seed=60 + rank)) for rank in range(TP)]
     llm = FakeLLM(workers)
-    infos = start_workers(llm, mirror=True)
+    infos = start_workers(llm, **memory)
     try:
         pointers = [{n: t.data_ptr() for n, t in tensors_of(w.model_runner.model).items()} for w in workers]
         publisher = refit.torch.Publisher(receivers=rv.receivers_of(infos))
@@ -617,6 +620,10 @@ def test_extension_mirror_mode_copies_in_after_commit(trainer):
             for rank, worker in enumerate(workers):
                 assert_bit_identical(worker.model_runner.model, trainer, rank)
         assert [{n: t.data_ptr() for n, t in tensors_of(w.model_runner.model).items()} for w in workers] == pointers
+        for worker in workers:
+            status = worker._refit_runtime.receiver.status()
+            through_boundary = status.device_to_bytes > 0 and status.device_from_bytes > 0
+            assert through_boundary == ("memory" in memory), status
     finally:
         llm.collective_rpc("refit_stop")
 

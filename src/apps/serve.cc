@@ -51,6 +51,7 @@ struct ServeSettings {
   std::string model_path;
   /// Map the model copy-on-write instead of reading it into memory.
   bool mmap = false;
+  bool device_memory_test = false;
   /// The address both planes bind.
   std::string bind_address = "127.0.0.1";
   /// The host other relays and producers reach this receiver by. Empty: bind_address, which
@@ -239,7 +240,9 @@ Status RunServe(const ServeSettings& settings) {
 
   ReceiverNodeOptions options;
   options.model_path = settings.model_path;
-  options.store_mode = settings.mmap ? StoreMode::kMmap : StoreMode::kMemory;
+  options.store_mode = settings.device_memory_test ? StoreMode::kDeviceTest
+                       : settings.mmap             ? StoreMode::kMmap
+                                                   : StoreMode::kMemory;
   options.version = settings.version;
   if (!settings.loader_path.empty()) {
     REFIT_ASSIGN_OR_RETURN(options.loader, LoaderSpecFromYamlFile(settings.loader_path));
@@ -460,6 +463,10 @@ void RegisterServe(CLI::App& app, Status* result) {
   cmd->add_option("--model", settings->model_path, "Model to serve (safetensors; required)");
   cmd->add_flag("--mmap", settings->mmap,
                 "Map the model copy-on-write instead of reading it into memory");
+  cmd->add_flag("--device-memory-test", settings->device_memory_test,
+                "Hold every tensor behind the device boundary's test backend, reached only through "
+                "gather / scatter / byte ranges as GPU memory would be (for tests of the device "
+                "path; docs/architecture.md, \"Device memory\")");
   cmd->add_option("--bind", settings->bind_address, "Address both planes bind")
       ->capture_default_str();
   cmd->add_option("--advertise", settings->advertise_address,
@@ -568,6 +575,7 @@ void RegisterServe(CLI::App& app, Status* result) {
     auto given = [cmd](const char* flag) { return cmd->count(flag) > 0; };
     if (given("--model")) merged.model_path = flags.model_path;
     if (given("--mmap")) merged.mmap = flags.mmap;
+    if (given("--device-memory-test")) merged.device_memory_test = flags.device_memory_test;
     if (given("--bind")) merged.bind_address = flags.bind_address;
     if (given("--advertise")) merged.advertise_address = flags.advertise_address;
     if (given("--control-port")) merged.control_port = flags.control_port;

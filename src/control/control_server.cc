@@ -626,10 +626,18 @@ void ControlServer::Impl::SendTensor(const httplib::Request& request, httplib::R
   response.set_header(std::string(internal::kShapeHeader), internal::DumpJson(shape));
   response.set_header(std::string(internal::kDigestHeader), internal::DigestToHex(*digest));
   response.set_header(std::string(internal::kVersionHeader), std::to_string(status.version));
-  const std::span<const std::byte> bytes = tensor->bytes;
+  std::span<const std::byte> bytes = tensor->bytes;
+  // A device tensor is read to the host for the download (O(tensor), while it is sent).
+  std::shared_ptr<std::vector<std::byte>> copy;
+  if (TensorMemory* device = store.DeviceMemory(name); device != nullptr) {
+    copy = std::make_shared<std::vector<std::byte>>(device->size_bytes());
+    Status read = store.ReadBytes(name, 0, *copy);
+    if (!read.ok()) return ReplyError(response, read);
+    bytes = *copy;
+  }
   response.set_content_provider(
       bytes.size(), std::string(internal::kOctetStreamContentType),
-      [bytes, lock](size_t offset, size_t length, httplib::DataSink& sink) {
+      [bytes, lock, copy](size_t offset, size_t length, httplib::DataSink& sink) {
         const size_t chunk = std::min(length, kDownloadChunkBytes);
         return sink.write(reinterpret_cast<const char*>(bytes.data() + offset), chunk);
       });

@@ -81,6 +81,12 @@ Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make(const ReplicaPlace&
     metrics->undo_file_bytes_ =
         &AddGauge(registry, "refit_undo_file_bytes",
                   "Bytes the open transfer's undo log spilled to disk (anchor_undo: file)");
+    metrics->device_to_bytes_ = &AddGauge(
+        registry, "refit_device_to_bytes",
+        "Bytes sent into device tensors since start (positions, new bits, written ranges)");
+    metrics->device_from_bytes_ =
+        &AddGauge(registry, "refit_device_from_bytes",
+                  "Bytes read from device tensors since start (old bits, read ranges)");
     metrics->needs_anchor_ = &AddGauge(
         registry, "refit_needs_anchor",
         "1 while the weights are a mix of versions that only an anchor heals (an aborted FULL "
@@ -143,6 +149,8 @@ std::string ControlMetrics::Render(const ReceiverStatus& status) {
   version_->Set(static_cast<double>(status.version));
   undo_bytes_->Set(static_cast<double>(status.undo_bytes));
   undo_file_bytes_->Set(static_cast<double>(status.undo_file_bytes));
+  device_to_bytes_->Set(static_cast<double>(status.device_to_bytes));
+  device_from_bytes_->Set(static_cast<double>(status.device_from_bytes));
   needs_anchor_->Set(status.needs_anchor ? 1 : 0);
   queued_payloads_->Set(static_cast<double>(status.queued_payloads));
   transfer_open_->Set(status.transfer_id.has_value() ? 1 : 0);

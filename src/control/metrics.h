@@ -75,6 +75,8 @@ class ControlMetrics {
   prometheus::Gauge* version_ = nullptr;
   prometheus::Gauge* undo_bytes_ = nullptr;
   prometheus::Gauge* undo_file_bytes_ = nullptr;
+  prometheus::Gauge* device_to_bytes_ = nullptr;
+  prometheus::Gauge* device_from_bytes_ = nullptr;
   prometheus::Gauge* needs_anchor_ = nullptr;
   prometheus::Gauge* queued_payloads_ = nullptr;
   prometheus::Gauge* transfer_open_ = nullptr;

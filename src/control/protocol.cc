@@ -497,6 +497,8 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"expired_leases", receiver.expired_leases},
             {"received_payloads", receiver.received_payloads},
             {"received_bytes", receiver.received_bytes},
+            {"device_to_bytes", receiver.device_to_bytes},
+            {"device_from_bytes", receiver.device_from_bytes},
             {"last_error", nullptr},
             {"tensors", status.tensors},
             {"state_fingerprint", nullptr},
@@ -547,6 +549,11 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   if (fields.Has("received_payloads")) {
     REFIT_ASSIGN_OR_RETURN(receiver.received_payloads, fields.Uint("received_payloads"));
     REFIT_ASSIGN_OR_RETURN(receiver.received_bytes, fields.Uint("received_bytes"));
+  }
+  // Both absent from receivers older than device tensors.
+  if (fields.Has("device_to_bytes")) {
+    REFIT_ASSIGN_OR_RETURN(receiver.device_to_bytes, fields.Uint("device_to_bytes"));
+    REFIT_ASSIGN_OR_RETURN(receiver.device_from_bytes, fields.Uint("device_from_bytes"));
   }
   // Absent from receivers older than the anchor_undo policy, which always undo an anchor.
   if (fields.Has("needs_anchor")) {

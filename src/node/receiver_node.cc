@@ -29,7 +29,9 @@ uint64_t DefaultMaxPayloadBytes(const WeightStore& store, uint64_t bucket_bytes)
   }
   uint64_t largest = 0;
   for (const TensorView& tensor : store.tensors()) {
-    largest = std::max<uint64_t>(largest, tensor.bytes.size());
+    // From the shape: a device tensor's view has no bytes.
+    const Result<uint64_t> elements = NumElements(tensor.shape);
+    if (elements.ok()) largest = std::max<uint64_t>(largest, *elements * DTypeSize(tensor.dtype));
   }
   const uint64_t one_message = std::max(bucket_bytes, largest * canonical_per_local);
   return std::max(kMinDefaultMaxPayloadBytes, 2 * one_message);
@@ -131,6 +133,19 @@ Status ReceiverNode::RegisterTensor(const MutableTensorView& tensor) {
         impl_->options.model_path);
   }
   return impl_->store->AddExternal(tensor);
+}
+
+Status ReceiverNode::RegisterDeviceTensor(std::string name, DType dtype, Shape shape,
+                                          std::shared_ptr<TensorMemory> memory) {
+  if (impl_->started) {
+    return FailedPrecondition("receiver node: tensor '{}' registered after Start", name);
+  }
+  if (!impl_->options.model_path.empty()) {
+    return FailedPrecondition(
+        "receiver node: tensor '{}' registered, but the model comes from file '{}'", name,
+        impl_->options.model_path);
+  }
+  return impl_->store->AddDevice(std::move(name), dtype, std::move(shape), std::move(memory));
 }
 
 Status ReceiverNode::Start() { return impl_->Start(); }

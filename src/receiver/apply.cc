@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -33,6 +34,25 @@ namespace {
 constexpr size_t kLocationBatch = 4096;
 /// Bytes of a FULL item applied at a time: hashed, kept, copied and hashed again while in L2.
 constexpr uint64_t kFullApplyBlockBytes = uint64_t{256} << 10;
+/// The same for a device tensor, whose every block is a boundary call (a Python call, a copy
+/// across PCIe): larger, to amortise the call; still a bounded host buffer.
+constexpr uint64_t kDeviceFullBlockBytes = uint64_t{16} << 20;
+/// Delta elements applied to a device tensor per boundary round trip (TensorMemory::Update):
+/// enough to amortise a backend's per-call cost, few enough that the batch's host buffers
+/// (positions, values, gathered bits: about 3 MiB for bf16) stay small.
+constexpr size_t kDeviceBatch = size_t{1} << 18;
+
+/// 0, 1, 2, …: the locations of a compact buffer of gathered elements, to which ApplyOpValues
+/// applies a batch's values as it would at the elements' places in host memory.
+std::span<const uint64_t> Iota(size_t n) {
+  static const std::vector<uint64_t> iota = [] {
+    std::vector<uint64_t> values(kDeviceBatch);
+    std::iota(values.begin(), values.end(), uint64_t{0});
+    return values;
+  }();
+  REFIT_DCHECK(n <= iota.size(), "a device batch larger than kDeviceBatch");
+  return std::span<const uint64_t>(iota.data(), n);
+}
 
 Status CheckApplicable(const PayloadHeader& header, size_t index, const ItemView& item,
                        const WeightStore& store) {
@@ -88,6 +108,95 @@ struct UndoLog::Record {
 namespace {
 // Record::payload of a record whose payload is still being applied (not yet kept).
 constexpr size_t kCurrentPayload = SIZE_MAX;
+
+/// Delta elements bound for one device tensor, applied in one boundary round trip when
+/// kDeviceBatch are pending or the item ends: the old bits are gathered, the op is applied to them
+/// on the host exactly as it would be in host memory (ApplyOpValues over a compact buffer), and the
+/// new bits are scattered back. The record gets the positions and old bits (device deltas are
+/// always undone from old bits: a re-applied XOR would be wrong after a scatter that failed
+/// halfway).
+class DeviceDeltaBatch {
+ public:
+  /// Queue `local` positions (with their canonical positions, or empty when the same) and values.
+  void Add(std::span<const uint64_t> local, std::span<const uint64_t> canonical,
+           std::span<const std::byte> values) {
+    local_.insert(local_.end(), local.begin(), local.end());
+    if (!canonical.empty() || !canonical_.empty()) {
+      // Once positions differ, the canonical ones are kept for every element.
+      if (canonical_.size() < local_.size() - local.size()) {
+        canonical_.insert(canonical_.end(), local_.begin() + canonical_.size(),
+                          local_.end() - local.size());
+      }
+      const std::span<const uint64_t> same = canonical.empty() ? local : canonical;
+      canonical_.insert(canonical_.end(), same.begin(), same.end());
+    }
+    values_.insert(values_.end(), values.begin(), values.end());
+  }
+  size_t size() const { return local_.size(); }
+
+  /// Apply the queued elements of `item` to `memory` and clear. Adds the digest changes in local
+  /// and canonical coordinates to `local_delta` and `canonical_delta`. Whatever the device may
+  /// have been given is in `record` when this returns, after an error too.
+  Status Flush(TensorMemory& memory, const ItemView& item, UndoLog::Record& record,
+               uint64_t* local_delta, uint64_t* canonical_delta) {
+    const size_t n = local_.size();
+    if (n == 0) return Status::OK();
+    const uint32_t width = DTypeSize(item.dtype);
+    const std::span<const uint64_t> canonical = canonical_.empty() ? local_ : canonical_;
+    bits_.resize(n * width);
+    bool gathered = false;
+    uint64_t local_sum = 0;
+    uint64_t canonical_sum = 0;
+    const Status updated = memory.Update(local_, width, bits_, [&](std::span<std::byte> bits) {
+      gathered = true;
+      record.old_bits.insert(record.old_bits.end(), bits.begin(), bits.end());
+      for (size_t k = 0; k < n; ++k) {
+        const uint64_t old = LoadBits(bits, width, k);
+        local_sum -= ElementHash(local_[k], old);
+        canonical_sum -= ElementHash(canonical[k], old);
+      }
+      ApplyOpValues(item.op, item.dtype, item.value_dtype, bits, Iota(n), values_, nullptr);
+      for (size_t k = 0; k < n; ++k) {
+        const uint64_t now = LoadBits(bits, width, k);
+        local_sum += ElementHash(local_[k], now);
+        canonical_sum += ElementHash(canonical[k], now);
+      }
+    });
+    if (gathered) record.locations.insert(record.locations.end(), local_.begin(), local_.end());
+    local_.clear();
+    canonical_.clear();
+    values_.clear();
+    REFIT_RETURN_NOT_OK(updated);
+    *local_delta += local_sum;
+    if (canonical_delta != nullptr) *canonical_delta += canonical_sum;
+    return Status::OK();
+  }
+
+ private:
+  std::vector<uint64_t> local_;
+  std::vector<uint64_t> canonical_;
+  std::vector<std::byte> values_;
+  std::vector<std::byte> bits_;
+};
+
+/// Read bytes at `offset` of a device tensor into `out`, in blocks (one boundary call each).
+Status ReadDevice(TensorMemory& memory, uint64_t offset, std::span<std::byte> out) {
+  for (uint64_t done = 0; done < out.size(); done += kDeviceFullBlockBytes) {
+    const uint64_t length = std::min<uint64_t>(kDeviceFullBlockBytes, out.size() - done);
+    REFIT_RETURN_NOT_OK(memory.Read(offset + done, out.subspan(done, length)));
+  }
+  return Status::OK();
+}
+
+/// Write `bytes` at byte `offset` of a device tensor from a host buffer, in blocks (one boundary
+/// call each).
+Status WriteDevice(TensorMemory& memory, uint64_t offset, std::span<const std::byte> bytes) {
+  for (uint64_t done = 0; done < bytes.size(); done += kDeviceFullBlockBytes) {
+    const uint64_t length = std::min<uint64_t>(kDeviceFullBlockBytes, bytes.size() - done);
+    REFIT_RETURN_NOT_OK(memory.Write(offset + done, bytes.subspan(done, length)));
+  }
+  return Status::OK();
+}
 
 constexpr std::pair<AnchorUndo, std::string_view> kAnchorUndoNames[] = {
     {AnchorUndo::kMemory, "memory"}, {AnchorUndo::kFile, "file"}, {AnchorUndo::kNone, "none"}};
@@ -296,7 +405,32 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
   for (size_t i = records_.size(); i > savepoint; --i) {
     Record& r = records_[i - 1];
     MutableTensorView tensor = *store.Find(r.tensor);
-    if (r.reapply) {
+    if (TensorMemory* device = store.DeviceMemory(r.tensor); device != nullptr) {
+      // A device tensor: its records hold old bits (never a payload to re-apply).
+      REFIT_DCHECK(!r.reapply, "a device tensor's record re-applies its payload");
+      if (r.full && r.full_bits_lost) {
+        lost.push_back(i - 1);
+        continue;
+      }
+      Status restored = Status::OK();
+      if (r.full && r.spill_offset != Record::kNotSpilled) {
+        std::vector<std::byte> block;
+        for (uint64_t done = 0; done < r.full_bytes && restored.ok(); done += block.size()) {
+          block.resize(std::min(kDeviceFullBlockBytes, r.full_bytes - done));
+          restored = ReadSpill(r.spill_offset + done, block);
+          if (restored.ok()) restored = device->Write(r.span_begin * r.width + done, block);
+        }
+      } else if (r.full) {
+        restored = WriteDevice(*device, r.span_begin * r.width, r.old_bits);
+      } else {
+        restored = device->Scatter(r.locations, r.width, r.old_bits);
+      }
+      if (!restored.ok()) {
+        for (size_t k : lost) (void)store.RehashTensor(records_[k].tensor);
+        records_.resize(i);
+        return restored.WithContext(fmt::format("rollback of device tensor '{}'", r.tensor));
+      }
+    } else if (r.reapply) {
       const DecodedPayload* source = current;
       if (r.payload != kCurrentPayload) {
         if (decoded_slot != r.payload) {
@@ -396,6 +530,8 @@ struct PieceScratch {
 /// does not reach leave no record) and its digest changes.
 struct PieceWrite {
   MutableTensorView local;
+  /// The local tensor's device memory; null when it is in host memory (`local.bytes`).
+  TensorMemory* device = nullptr;
   size_t record = SIZE_MAX;
   uint64_t local_delta = 0;
   uint64_t piece_delta = 0;
@@ -458,6 +594,14 @@ Status ApplyDeltaToPieces(const ItemView& item, const CanonicalLayout& layout, W
   REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
                          LocationDecoder::Make(item.location_encoding, item.locations, item.count,
                                                item.span_begin, item.span_end));
+  // The elements bound for pieces in device memory, one batch per piece, applied when full and
+  // at the end of the item.
+  std::vector<DeviceDeltaBatch> device_batches(layout.pieces.size());
+  const auto flush_device = [&](size_t p) {
+    PieceWrite& write = writes[p];
+    return device_batches[p].Flush(*write.device, item, (*records)[write.record],
+                                   &write.local_delta, &write.piece_delta);
+  };
   uint64_t applied = 0;
   while (true) {
     REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(scratch.batch));
@@ -517,6 +661,17 @@ Status ApplyDeltaToPieces(const ItemView& item, const CanonicalLayout& layout, W
       PieceWrite& write = writes[p];
       const bool first_touch = write.record == SIZE_MAX;
       UndoLog::Record& record = TouchPiece(item, layout, p, false, 0, store, write, records);
+      if (write.device != nullptr) {
+        device_batches[p].Add(std::span<const uint64_t>(local_locations, m),
+                              local_locations == canonical
+                                  ? std::span<const uint64_t>()
+                                  : std::span<const uint64_t>(canonical, m),
+                              std::span<const std::byte>(values, m * value_width));
+        if (device_batches[p].size() >= kDeviceBatch - kLocationBatch) {
+          REFIT_RETURN_NOT_OK(flush_device(p));
+        }
+        continue;
+      }
       if (first_touch && layout.held_whole()) {
         // Every location of the item lands here: size the record once, as without a loader. A
         // shard's share is unknown in advance, so its records grow instead of over-reserving.
@@ -549,6 +704,9 @@ Status ApplyDeltaToPieces(const ItemView& item, const CanonicalLayout& layout, W
       }
     }
     applied += n;
+  }
+  for (size_t p = 0; p < layout.pieces.size(); ++p) {
+    if (device_batches[p].size() > 0) REFIT_RETURN_NOT_OK(flush_device(p));
   }
   return Status::OK();
 }
@@ -620,6 +778,31 @@ Status ApplyFullToPieces(const ItemView& item, const CanonicalLayout& layout, We
     });
     if (local_lo >= local_hi) continue;
     UndoLog::Record& record = TouchPiece(item, layout, p, true, local_lo, store, write, records);
+    if (write.device != nullptr) {
+      // In device memory: the local range is read, kept, hashed, patched and hashed again on
+      // the host, and written back whole (elements between a column block's segments are
+      // written with the bits they had).
+      std::vector<std::byte> range((local_hi - local_lo) * width);
+      REFIT_RETURN_NOT_OK(ReadDevice(*write.device, local_lo * width, range));
+      REFIT_RETURN_NOT_OK(keep_full(record, std::span<const std::byte>(range)));
+      uint64_t local_old = 0;
+      uint64_t local_new = 0;
+      uint64_t piece_old = 0;
+      for_each_segment([&](const Segment& s) {
+        const uint64_t count = s.canonical_end - s.canonical_begin;
+        const uint64_t at = s.local_begin - local_lo;
+        local_old += RemappedDigestRange(range, width, at, s.local_begin, count);
+        piece_old += RemappedDigestRange(range, width, at, s.canonical_begin, count);
+        std::memcpy(range.data() + at * width,
+                    item.values.data() + (s.canonical_begin - span_begin) * width, count * width);
+        local_new += RemappedDigestRange(range, width, at, s.local_begin, count);
+        write.span_digest += RemappedDigestRange(range, width, at, s.canonical_begin, count);
+      });
+      REFIT_RETURN_NOT_OK(WriteDevice(*write.device, local_lo * width, range));
+      write.local_delta = local_new - local_old;
+      write.piece_delta = write.span_digest - piece_old;
+      continue;
+    }
     REFIT_RETURN_NOT_OK(
         keep_full(record, std::span<const std::byte>(write.local.bytes)
                               .subspan(local_lo * width, (local_hi - local_lo) * width)));
@@ -759,6 +942,7 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
                 mine.writes.assign(layout.pieces.size(), PieceWrite{});
                 for (size_t p = 0; p < layout.pieces.size(); ++p) {
                   mine.writes[p].local = *store.Find(layout.pieces[p].local_tensor);
+                  mine.writes[p].device = store.DeviceMemory(layout.pieces[p].local_tensor);
                 }
                 REFIT_RETURN_NOT_OK(items[i].op == Op::kFull
                                         ? ApplyFullToPieces(items[i], layout, store, mine.writes,
@@ -799,6 +983,7 @@ Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
     writes.assign(layout.pieces.size(), PieceWrite{});
     for (size_t p = 0; p < layout.pieces.size(); ++p) {
       writes[p].local = *store.Find(layout.pieces[p].local_tensor);
+      writes[p].device = store.DeviceMemory(layout.pieces[p].local_tensor);
     }
     if (item.op == Op::kFull) {
       Status applied = ApplyFullToPieces(item, layout, store, writes, records, keep_full);
@@ -829,10 +1014,34 @@ struct FullSpanDigests {
 /// Copy FULL item `item` into `tensor` block by block, so that each block's old bits are hashed
 /// and kept (`keep(old_bits)`) and its new bits copied and hashed while it is in cache: one pass
 /// over memory instead of four.
+///
+/// A device tensor (`device` non-null) is read and written through its boundary in larger blocks;
+/// the new digest is that of the item's bytes. Its old bits are read only when they are needed:
+/// for a partial span's digest, or when `old_bits_kept` (the log keeps them).
 template <typename Keep>
-Status CopyFullSpan(const ItemView& item, const MutableTensorView& tensor, FullSpanDigests& digests,
-                    Keep&& keep) {
+Status CopyFullSpan(const ItemView& item, const MutableTensorView& tensor, TensorMemory* device,
+                    bool old_bits_kept, FullSpanDigests& digests, Keep&& keep) {
   const uint32_t width = DTypeSize(item.dtype);
+  if (device != nullptr) {
+    digests.whole = item.span_begin == 0 && item.span_end * width == device->size_bytes();
+    const uint64_t block = std::max<uint64_t>(1, kDeviceFullBlockBytes / width);
+    std::vector<std::byte> old;
+    for (uint64_t begin = item.span_begin; begin < item.span_end; begin += block) {
+      const uint64_t end = std::min(item.span_end, begin + block);
+      const uint64_t count = end - begin;
+      old.resize(count * width);
+      if (old_bits_kept || !digests.whole) {
+        REFIT_RETURN_NOT_OK(device->Read(begin * width, old));
+        if (!digests.whole) digests.before += RemappedDigestRange(old, width, 0, begin, count);
+      }
+      REFIT_RETURN_NOT_OK(keep(std::span<const std::byte>(old)));
+      const std::span<const std::byte> fresh =
+          item.values.subspan((begin - item.span_begin) * width, count * width);
+      REFIT_RETURN_NOT_OK(device->Write(begin * width, fresh));
+      digests.after += RemappedDigestRange(fresh, width, 0, begin, count);
+    }
+    return Status::OK();
+  }
   digests.whole = item.span_begin == 0 && item.span_end == tensor.numel();
   const uint64_t block = std::max<uint64_t>(1, kFullApplyBlockBytes / width);
   for (uint64_t begin = item.span_begin; begin < item.span_end; begin += block) {
@@ -873,12 +1082,31 @@ struct DeltaScratch {
 /// change of the tensor's digest. Touches nothing but `tensor`, `record` and `scratch`, so that
 /// items of distinct tensors can be applied at once.
 Result<uint64_t> ApplyDeltaItem(const ItemView& item, const MutableTensorView& tensor,
-                                UndoLog::Record& record, DeltaScratch& scratch) {
+                                TensorMemory* device, UndoLog::Record& record,
+                                DeltaScratch& scratch) {
   const uint32_t width = DTypeSize(item.dtype);
   const uint32_t value_width = DTypeSize(item.value_dtype);
   REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
                          LocationDecoder::Make(item.location_encoding, item.locations, item.count,
                                                item.span_begin, item.span_end));
+  if (device != nullptr) {
+    REFIT_DCHECK(!record.reapply, "a device tensor's record re-applies its payload");
+    DeviceDeltaBatch pending;
+    uint64_t digest_delta = 0;
+    uint64_t applied = 0;
+    while (true) {
+      REFIT_ASSIGN_OR_RETURN(const size_t n, decoder.Next(scratch.batch));
+      if (n == 0) break;
+      pending.Add(std::span<const uint64_t>(scratch.batch.data(), n), {},
+                  item.values.subspan(applied * value_width, n * value_width));
+      applied += n;
+      if (pending.size() >= kDeviceBatch - kLocationBatch) {
+        REFIT_RETURN_NOT_OK(pending.Flush(*device, item, record, &digest_delta, nullptr));
+      }
+    }
+    REFIT_RETURN_NOT_OK(pending.Flush(*device, item, record, &digest_delta, nullptr));
+    return digest_delta;
+  }
   const bool reapply = record.reapply;
   if (!reapply) {
     record.locations.reserve(item.count);
@@ -961,6 +1189,7 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
   }
 
   const size_t savepoint = undo->records_.size();
+  const bool old_bits_kept = undo->options_.anchor_undo != AnchorUndo::kNone;
   auto fail = [&](Status status) {
     Status rollback = undo->RollbackTo(store, savepoint, &payload);
     if (!rollback.ok()) return rollback.WithContext(status.ToString());
@@ -997,10 +1226,11 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
           for (uint64_t g = begin; g < end; ++g) {
             for (size_t i : groups[g]) {
               const MutableTensorView tensor = *store.Find(items[i].name);
-              REFIT_RETURN_NOT_OK(
-                  CopyFullSpan(items[i], tensor, digests[i], [&](std::span<const std::byte> bits) {
-                    return undo->KeepFullSpan(records[i], bits);
-                  }));
+              REFIT_RETURN_NOT_OK(CopyFullSpan(items[i], tensor, store.DeviceMemory(items[i].name),
+                                               old_bits_kept, digests[i],
+                                               [&](std::span<const std::byte> bits) {
+                                                 return undo->KeepFullSpan(records[i], bits);
+                                               }));
             }
           }
           return Status::OK();
@@ -1040,7 +1270,8 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
             undo->records_.emplace_back(UndoLog::Record{.tensor = std::string(item.name),
                                                         .width = DTypeSize(item.dtype),
                                                         .digest_before = *store.Digest(item.name)});
-        if (payload_bytes != nullptr && item.op == Op::kXor) {
+        if (payload_bytes != nullptr && item.op == Op::kXor &&
+            store.DeviceMemory(item.name) == nullptr) {
           record.reapply = true;
           record.payload = kCurrentPayload;
           record.item = i;
@@ -1062,7 +1293,8 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
                 started[i] = 1;
                 REFIT_ASSIGN_OR_RETURN(
                     digest_deltas[i],
-                    ApplyDeltaItem(items[i], *store.Find(items[i].name), records[i], *scratch));
+                    ApplyDeltaItem(items[i], *store.Find(items[i].name),
+                                   store.DeviceMemory(items[i].name), records[i], *scratch));
               }
             }
             return Status::OK();
@@ -1099,24 +1331,28 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
 
     if (item.op == Op::kFull) {
       FullSpanDigests digests;
-      Status copied = CopyFullSpan(item, tensor, digests, [&](std::span<const std::byte> bits) {
-        return undo->KeepFullSpan(record, bits);
-      });
+      Status copied = CopyFullSpan(
+          item, tensor, store.DeviceMemory(item.name), old_bits_kept, digests,
+          [&](std::span<const std::byte> bits) { return undo->KeepFullSpan(record, bits); });
       if (!copied.ok()) return fail(copied);
       Status updated = SetFullSpanDigest(header, i, item, digests, store);
       if (!updated.ok()) return fail(updated);
       continue;
     }
 
-    // An XOR item is undone by applying it again when the log can keep its payload.
-    const bool reapply = payload_bytes != nullptr && item.op == Op::kXor;
+    // An XOR item is undone by applying it again when the log can keep its payload (in host
+    // memory: on a device, a scatter that failed halfway leaves elements a re-applied XOR would
+    // corrupt, so device records keep old bits).
+    const bool reapply =
+        payload_bytes != nullptr && item.op == Op::kXor && store.DeviceMemory(item.name) == nullptr;
     if (reapply) {
       record.reapply = true;
       record.payload = kCurrentPayload;
       record.item = i;
       reapplied = true;
     }
-    Result<uint64_t> digest_delta = ApplyDeltaItem(item, tensor, record, *scratch);
+    Result<uint64_t> digest_delta =
+        ApplyDeltaItem(item, tensor, store.DeviceMemory(item.name), record, *scratch);
     if (!digest_delta.ok()) return fail(digest_delta.status());
     Status checked = CheckDeltaDigest(header, i, item, *digest_delta);
     if (!checked.ok()) return fail(checked);

@@ -636,6 +636,12 @@ struct ReceiverSession::Impl {
       return InvalidArgument("flush of transfer {}: {} payloads staged but {} expected", id,
                              transfer->staged.size(), *expected.total_payloads);
     }
+    // Device tensors: what was applied is made visible to the weights' readers (the engine's
+    // stream) before the flush reports it.
+    if (store.has_device_tensors()) {
+      Status synced = store.SynchronizeDevices();
+      if (!synced.ok()) return synced.WithContext(fmt::format("flush of transfer {}", id));
+    }
     FlushReport report;
     report.transfer_id = transfer->id;
     report.target_version = transfer->target_version;
@@ -1106,6 +1112,9 @@ ReceiverStatus ReceiverSession::GetStatus() const {
   status.expired_leases = s.expired_leases;
   status.received_payloads = s.received_payloads;
   status.received_bytes = s.received_bytes;
+  const BoundaryTraffic device = s.store.device_traffic();
+  status.device_to_bytes = device.to_device_bytes;
+  status.device_from_bytes = device.from_device_bytes;
   status.undo_file_bytes = s.undo_file_bytes;
   status.needs_anchor = s.needs_anchor.has_value();
   if (s.needs_anchor) status.needs_anchor_reason = *s.needs_anchor;

@@ -3,7 +3,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <span>
 
@@ -15,10 +18,13 @@
 namespace refit {
 
 struct WeightStore::Entry {
+  /// A device tensor's view has no bytes (`device` holds them).
   MutableTensorView view;
   uint64_t digest = 0;
   /// Backing for copies; empty for external or mmapped tensors.
   std::unique_ptr<std::byte[]> owned;
+  /// The memory of a device tensor (AddDevice); null for a host tensor.
+  std::shared_ptr<TensorMemory> device;
 };
 
 WeightStore::WeightStore() = default;
@@ -43,6 +49,15 @@ void ReleaseMappedPages(std::span<const std::byte> bytes) {
 
 Result<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& path, StoreMode mode) {
   auto store = Make();
+  if (mode == StoreMode::kDeviceTest) {
+    REFIT_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path, LoadMode::kMmap));
+    for (const TensorView& tensor : file->tensors()) {
+      REFIT_RETURN_NOT_OK(store->AddDevice(tensor.name, tensor.dtype, tensor.shape,
+                                           OpaqueTensorMemory::Make(tensor.bytes)));
+      ReleaseMappedPages(tensor.bytes);
+    }
+    return store;
+  }
   if (mode == StoreMode::kMemory) {
     REFIT_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path, LoadMode::kMmap));
     for (const TensorView& tensor : file->tensors()) {
@@ -94,6 +109,90 @@ Status WeightStore::AddExternal(const MutableTensorView& tensor) {
   by_name_[entry->view.name] = entry.get();
   entries_.push_back(std::move(entry));
   return Status::OK();
+}
+
+namespace {
+/// Bytes of a device tensor read (and hashed) at a time when it is registered or rehashed.
+constexpr uint64_t kDeviceReadBlockBytes = uint64_t{16} << 20;
+}  // namespace
+
+Status WeightStore::AddDevice(std::string name, DType dtype, Shape shape,
+                              std::shared_ptr<TensorMemory> memory) {
+  if (memory == nullptr) return InvalidArgument("device tensor '{}': its memory is null", name);
+  REFIT_ASSIGN_OR_RETURN(const uint64_t elements, NumElements(shape));
+  const uint32_t width = DTypeSize(dtype);
+  if (elements * width != memory->size_bytes()) {
+    return InvalidArgument("device tensor '{}': {} {} is {} bytes but its memory ({}) has {}", name,
+                           DTypeName(dtype), ShapeToString(shape), elements * width,
+                           memory->description(), memory->size_bytes());
+  }
+  if (by_name_.contains(name)) return AlreadyExists("tensor '{}' is already in the store", name);
+  auto entry = std::make_unique<Entry>();
+  entry->view = MutableTensorView{std::move(name), dtype, std::move(shape), {}};
+  // Hashed block by block: the host never holds more than one block of it.
+  std::vector<std::byte> block;
+  uint64_t digest = 0;
+  for (uint64_t offset = 0; offset < memory->size_bytes(); offset += block.size()) {
+    block.resize(std::min(kDeviceReadBlockBytes / width * width, memory->size_bytes() - offset));
+    Status read = memory->Read(offset, block);
+    if (!read.ok()) {
+      return read.WithContext(fmt::format("hashing device tensor '{}'", entry->view.name));
+    }
+    digest += RemappedDigestRange(block, width, 0, offset / width, block.size() / width);
+  }
+  entry->digest = digest;
+  entry->device = std::move(memory);
+  by_name_[entry->view.name] = entry.get();
+  entries_.push_back(std::move(entry));
+  ++device_tensors_;
+  return Status::OK();
+}
+
+TensorMemory* WeightStore::DeviceMemory(std::string_view name) const {
+  const Entry* entry = FindEntry(name);
+  return entry == nullptr ? nullptr : entry->device.get();
+}
+
+BoundaryTraffic WeightStore::device_traffic() const {
+  BoundaryTraffic total;
+  for (const auto& entry : entries_) {
+    if (entry->device != nullptr) total += entry->device->traffic();
+  }
+  return total;
+}
+
+Status WeightStore::SynchronizeDevices() {
+  for (const auto& entry : entries_) {
+    if (entry->device == nullptr) continue;
+    Status synced = entry->device->Synchronize();
+    if (!synced.ok()) {
+      return synced.WithContext(fmt::format("synchronizing device tensor '{}'", entry->view.name));
+    }
+  }
+  return Status::OK();
+}
+
+Status WeightStore::ReadBytes(std::string_view name, uint64_t offset,
+                              std::span<std::byte> out) const {
+  const Entry* entry = FindEntry(name);
+  if (entry == nullptr) return NotFound("unknown tensor '{}'", name);
+  if (entry->device != nullptr) return entry->device->Read(offset, out);
+  const std::span<const std::byte> bytes = entry->view.bytes;
+  if (offset > bytes.size() || out.size() > bytes.size() - offset) {
+    return InvalidArgument("tensor '{}': bytes [{}, {}) are past its {} bytes", name, offset,
+                           offset + out.size(), bytes.size());
+  }
+  if (!out.empty()) std::memcpy(out.data(), bytes.data() + offset, out.size());
+  return Status::OK();
+}
+
+Result<TensorView> WeightStore::HostView(const Entry& entry, std::vector<std::byte>& scratch) {
+  if (entry.device == nullptr) return entry.view.AsConst();
+  scratch.resize(entry.device->size_bytes());
+  Status read = entry.device->Read(0, scratch);
+  if (!read.ok())
+    return read.WithContext(fmt::format("reading device tensor '{}'", entry.view.name));
+  return TensorView{entry.view.name, entry.view.dtype, entry.view.shape, scratch};
 }
 
 WeightStore::Entry* WeightStore::FindEntry(std::string_view name) const {
@@ -152,20 +251,31 @@ Status WeightStore::SetDigest(std::string_view name, uint64_t digest) {
 
 std::map<std::string, uint64_t> WeightStore::RecomputeDigests() const {
   std::map<std::string, uint64_t> out;
-  for (const auto& entry : entries_) out[entry->view.name] = TensorDigest(entry->view.AsConst());
+  std::vector<std::byte> scratch;
+  for (const auto& entry : entries_) {
+    Result<TensorView> view = HostView(*entry, scratch);
+    if (!view.ok()) {
+      // A tool's or a test's check: a device that cannot be read leaves nothing to compare.
+      std::fprintf(stderr, "RecomputeDigests: %s\n", view.status().ToString().c_str());
+      std::abort();
+    }
+    out[entry->view.name] = TensorDigest(*view);
+  }
   return out;
 }
 
 Status WeightStore::RehashTensor(std::string_view name) {
   Entry* entry = FindEntry(name);
   if (entry == nullptr) return NotFound("unknown tensor '{}'", name);
-  entry->digest = TensorDigest(entry->view.AsConst());
+  std::vector<std::byte> scratch;
+  REFIT_ASSIGN_OR_RETURN(const TensorView view, HostView(*entry, scratch));
+  entry->digest = TensorDigest(view);
   std::lock_guard lock(pieces_mutex_);
   for (auto& [canonical, state] : pieces_) {
     for (size_t p = 0; p < state.layout->pieces.size(); ++p) {
       const CanonicalPiece& piece = state.layout->pieces[p];
       if (piece.local_tensor != name) continue;
-      state.digests[p] = PieceDigestOf(piece, state.layout->cols, entry->view.AsConst());
+      state.digests[p] = PieceDigestOf(piece, state.layout->cols, view);
     }
   }
   return Status::OK();
@@ -189,10 +299,12 @@ Result<WeightStore::Pieces*> WeightStore::PiecesLocked(std::string_view canonica
   Pieces state{layout, {}};
   // Hashed once from the bytes, when the tensor is first resolved (before any item of it is
   // applied); from then on the applier keeps the digests current in O(changes).
+  std::vector<std::byte> scratch;
   for (const CanonicalPiece& piece : layout->pieces) {
     const Entry* local = FindEntry(piece.local_tensor);
     REFIT_DCHECK(local != nullptr, "a resolved piece names a tensor the store lacks");
-    state.digests.push_back(PieceDigestOf(piece, layout->cols, local->view.AsConst()));
+    REFIT_ASSIGN_OR_RETURN(const TensorView view, HostView(*local, scratch));
+    state.digests.push_back(PieceDigestOf(piece, layout->cols, view));
   }
   return &pieces_.emplace(std::string(canonical_name), std::move(state)).first->second;
 }
@@ -246,7 +358,13 @@ Result<std::map<std::string, CanonicalHolding>> WeightStore::CollectHoldings(
     for (const std::string& name : canonical_names) {
       const Entry* entry = FindEntry(name);
       if (entry == nullptr) return NotFound("tensor '{}' is not in the receiver's store", name);
-      out[name].pieces[""] = recompute ? TensorDigest(entry->view.AsConst()) : entry->digest;
+      if (!recompute) {
+        out[name].pieces[""] = entry->digest;
+        continue;
+      }
+      std::vector<std::byte> scratch;
+      REFIT_ASSIGN_OR_RETURN(const TensorView view, HostView(*entry, scratch));
+      out[name].pieces[""] = TensorDigest(view);
     }
     return out;
   }
@@ -257,10 +375,14 @@ Result<std::map<std::string, CanonicalHolding>> WeightStore::CollectHoldings(
     holding.skipped = state->layout->skipped;
     for (size_t p = 0; p < state->layout->pieces.size(); ++p) {
       const CanonicalPiece& piece = state->layout->pieces[p];
-      holding.pieces[piece.id] = recompute
-                                     ? PieceDigestOf(piece, state->layout->cols,
-                                                     FindEntry(piece.local_tensor)->view.AsConst())
-                                     : state->digests[p];
+      if (!recompute) {
+        holding.pieces[piece.id] = state->digests[p];
+        continue;
+      }
+      std::vector<std::byte> scratch;
+      REFIT_ASSIGN_OR_RETURN(const TensorView view,
+                             HostView(*FindEntry(piece.local_tensor), scratch));
+      holding.pieces[piece.id] = PieceDigestOf(piece, state->layout->cols, view);
     }
   }
   return out;
@@ -277,7 +399,15 @@ Result<std::map<std::string, CanonicalHolding>> WeightStore::RecomputeHoldings(
 }
 
 Status WeightStore::Save(const std::string& path) const {
-  return WriteSafetensors(path, tensors());
+  if (device_tensors_ == 0) return WriteSafetensors(path, tensors());
+  // Device tensors are read to the host for the file: the model's size, once, for a save.
+  std::vector<std::vector<std::byte>> copies(entries_.size());
+  std::vector<TensorView> views;
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    REFIT_ASSIGN_OR_RETURN(TensorView view, HostView(*entries_[i], copies[i]));
+    views.push_back(std::move(view));
+  }
+  return WriteSafetensors(path, views);
 }
 
 }  // namespace refit

@@ -269,8 +269,12 @@ class Chaos:
         self.path = self.write(self.model)
         ports = free_ports(3)
         peers = [f"127.0.0.1:{p}" for p in ports]
+        # Daemon d1 holds its tensors behind the device boundary (its test backend): the device
+        # path must roll back, stay prepared and resolve exactly as host memory does.
         self.daemons = [Daemon(self.refit, self.workdir, f"d{i}", self.path, port, peers,
-                               self.lease_s, self.env) for i, port in enumerate(ports)]
+                               self.lease_s, self.env,
+                               ["--device-memory-test"] if i == 1 else [])
+                        for i, port in enumerate(ports)]
         for d in self.daemons:
             d.wait_ready()
         # Small payloads for the slowed push: several per tensor.
@@ -498,6 +502,11 @@ def main():
                 except AssertionError as recovery:
                     failures.append(f"recovery: {recovery}")
                     break
+        device, host = chaos.daemons[1].status(), chaos.daemons[0].status()
+        if not device.get("device_to_bytes") or host.get("device_to_bytes") != 0:
+            failures.append("d1 (--device-memory-test) should be the only daemon whose applies crossed "
+                            f"the device boundary: d1 {device.get('device_to_bytes')} bytes, "
+                            f"d0 {host.get('device_to_bytes')}")
     finally:
         chaos.close()
     if failures:

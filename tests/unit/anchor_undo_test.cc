@@ -18,6 +18,7 @@
 #include "refit/apply.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"
+#include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
 #include "trainer_step.h"
@@ -52,7 +53,7 @@ class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
                 RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, 3),
                 RandomTensor("model.norm.weight", DType::kBFloat16, {257}, 6)};
     for (const OwnedTensor& t : current_) {
-      ASSERT_OK(store_->AddCopy(t.view()));
+      ASSERT_OK(testing::AddTestTensor(*store_, t.view()));
       ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     }
     ReceiverSessionOptions options;
@@ -93,11 +94,7 @@ class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
 
   bool StoreHolds(const std::vector<OwnedTensor>& tensors) const {
     for (const OwnedTensor& t : tensors) {
-      Result<TensorView> got = std::as_const(*store_).Find(t.name);
-      if (!got.ok() ||
-          !std::equal(got->bytes.begin(), got->bytes.end(), t.bytes.begin(), t.bytes.end())) {
-        return false;
-      }
+      if (testing::StoreBytes(*store_, t.name) != t.bytes) return false;
     }
     return true;
   }
@@ -257,16 +254,12 @@ TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExa
 
   const auto make_store = [&] {
     auto store = WeightStore::Make();
-    for (const OwnedTensor& t : base) EXPECT_OK(store->AddCopy(t.view()));
+    for (const OwnedTensor& t : base) EXPECT_OK(testing::AddTestTensor(*store, t.view()));
     return store;
   };
   const auto holds = [](const WeightStore& store, const std::vector<OwnedTensor>& model) {
     for (const OwnedTensor& t : model) {
-      Result<TensorView> got = store.Find(t.name);
-      if (!got.ok() ||
-          !std::equal(got->bytes.begin(), got->bytes.end(), t.bytes.begin(), t.bytes.end())) {
-        return false;
-      }
+      if (testing::StoreBytes(store, t.name) != t.bytes) return false;
     }
     return true;
   };
@@ -317,7 +310,7 @@ TEST(AnchorUndoSpillTest, AFailedSpillWriteFailsThePayloadAndAppliesNothing) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
   auto store = WeightStore::Make();
   const OwnedTensor base = RandomTensor("big.weight", DType::kFloat32, {64, 64}, 11);
-  ASSERT_OK(store->AddCopy(base.view()));
+  ASSERT_OK(testing::AddTestTensor(*store, base.view()));
   ASSERT_OK(tracker->AdoptBaseline(base.view()));
   const Step step = EncodeTrainerStep(*tracker, {base}, 12, 0.5, 1, 1, /*anchor=*/true);
   ASSERT_EQ(step.payloads.size(), 1u);
@@ -340,9 +333,7 @@ TEST(AnchorUndoSpillTest, AFailedSpillWriteFailsThePayloadAndAppliesNothing) {
 
   EXPECT_EQ(applied.code(), StatusCode::kIoError) << applied.ToString();
   EXPECT_NE(applied.message().find("refit-anchor-undo-"), std::string::npos) << applied.ToString();
-  ASSERT_OK_AND_ASSIGN(TensorView held, std::as_const(*store).Find("big.weight"));
-  EXPECT_TRUE(
-      std::equal(held.bytes.begin(), held.bytes.end(), base.bytes.begin(), base.bytes.end()));
+  EXPECT_EQ(testing::StoreBytes(*store, "big.weight"), base.bytes);
   EXPECT_EQ(store->Digests(), store->RecomputeDigests());
   EXPECT_EQ(undo.records(), 0u);
 }

@@ -222,7 +222,9 @@ class ExpertLoaderTest : public ::testing::TestWithParam<Placement> {
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     for (const Shard& shard : GetParam().shards) {
       auto store = WeightStore::Make();
-      for (const auto& [name, t] : SliceShard(model_, shard)) ASSERT_OK(store->AddCopy(t.view()));
+      for (const auto& [name, t] : SliceShard(model_, shard)) {
+        ASSERT_OK(testing::AddTestTensor(*store, t.view()));
+      }
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<Loader> loader, Loader::Make(SpecOf(shard), *store));
       ASSERT_OK(store->AttachLoader(std::move(loader)));
       stores_.push_back(std::move(store));
@@ -245,8 +247,7 @@ class ExpertLoaderTest : public ::testing::TestWithParam<Placement> {
     for (size_t s = 0; s < stores_.size(); ++s) {
       const WeightStore& store = *stores_[s];
       for (const auto& [name, t] : SliceShard(model, GetParam().shards[s])) {
-        ASSERT_OK_AND_ASSIGN(TensorView got, store.Find(name));
-        EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin(), t.bytes.end()))
+        EXPECT_TRUE(testing::StoreBytes(store, name) == t.bytes)
             << "shard " << s << ": local tensor '" << name << "'";
       }
       EXPECT_EQ(store.Digests(), store.RecomputeDigests()) << "shard " << s;

@@ -311,7 +311,7 @@ class ShardGroup {
     for (uint32_t rank = 0; rank < tp; ++rank) {
       auto store = WeightStore::Make();
       for (const auto& [name, t] : SliceShard(model_, rank, tp))
-        ASSERT_OK(store->AddCopy(t.view()));
+        ASSERT_OK(testing::AddTestTensor(*store, t.view()));
       ASSERT_OK_AND_ASSIGN(LoaderSpec spec,
                            LoaderSpecFromYaml(LoaderYaml(rank, tp), "loader.yaml"));
       ASSERT_OK_AND_ASSIGN(std::unique_ptr<Loader> loader, Loader::Make(spec, *store));
@@ -340,7 +340,7 @@ class ShardGroup {
       for (const auto& [name, t] : expected) {
         ASSERT_OK_AND_ASSIGN(TensorView got, store.Find(name));
         EXPECT_EQ(got.shape, t.shape) << name;
-        EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin(), t.bytes.end()))
+        EXPECT_TRUE(testing::StoreBytes(store, name) == t.bytes)
             << "rank " << rank << " of " << tp_ << ": local tensor '" << name << "'";
       }
       EXPECT_EQ(store.Digests(), store.RecomputeDigests()) << "rank " << rank;
@@ -543,7 +543,9 @@ INSTANTIATE_TEST_SUITE_P(TpOpsAndThreads, LoaderGroupTest,
 TEST(LoaderLayoutTest, ResolvesTheGeometryOfEveryKind) {
   const std::vector<OwnedTensor> model = CanonicalModel();
   auto store = WeightStore::Make();
-  for (const auto& [name, t] : SliceShard(model, 1, 4)) ASSERT_OK(store->AddCopy(t.view()));
+  for (const auto& [name, t] : SliceShard(model, 1, 4)) {
+    ASSERT_OK(testing::AddTestTensor(*store, t.view()));
+  }
   ASSERT_OK_AND_ASSIGN(LoaderSpec spec, LoaderSpecFromYaml(LoaderYaml(1, 4), "loader.yaml"));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Loader> loader, Loader::Make(spec, *store));
 
@@ -644,7 +646,9 @@ TEST(LoaderLayoutTest, AVocabShardPastTheVocabularyHoldsNoPiece) {
 TEST(LoaderLayoutTest, ResolveIsSafeFromManyThreads) {
   const std::vector<OwnedTensor> model = CanonicalModel();
   auto store = WeightStore::Make();
-  for (const auto& [name, t] : SliceShard(model, 0, 2)) ASSERT_OK(store->AddCopy(t.view()));
+  for (const auto& [name, t] : SliceShard(model, 0, 2)) {
+    ASSERT_OK(testing::AddTestTensor(*store, t.view()));
+  }
   ASSERT_OK_AND_ASSIGN(LoaderSpec spec, LoaderSpecFromYaml(LoaderYaml(0, 2), "loader.yaml"));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Loader> loader, Loader::Make(spec, *store));
   const std::vector<std::string> names = Names(model);
@@ -775,11 +779,12 @@ TEST_F(LoaderRefusalTest, AWholeTensorNotAtBaseIsDetectedAndThePayloadUndone) {
     return t.name == "model.norm.weight";
   });
   ASSERT_NE(next_norm, next_.end());
-  ASSERT_OK_AND_ASSIGN(MutableTensorView norm, rank0().Find("model.norm.weight"));
+  const std::vector<std::byte> norm_bytes = testing::StoreBytes(rank0(), "model.norm.weight");
   size_t changed = 0;
-  while (norm.bytes[changed] == next_norm->bytes[changed]) ++changed;
-  norm.bytes[changed] ^= std::byte{0x40};
-  ASSERT_OK(rank0().SetDigest("model.norm.weight", TensorDigest(norm.AsConst())));
+  while (norm_bytes[changed] == next_norm->bytes[changed]) ++changed;
+  ASSERT_OK(testing::FlipByte(rank0(), "model.norm.weight", changed));
+  ASSERT_OK(
+      rank0().SetDigest("model.norm.weight", rank0().RecomputeDigests().at("model.norm.weight")));
   ASSERT_OK_AND_ASSIGN(auto recomputed, rank0().RecomputeHoldings(names));
   ASSERT_OK(rank0().SetPieceDigest("model.norm.weight", 0,
                                    recomputed.at("model.norm.weight").pieces.begin()->second));

@@ -56,7 +56,7 @@ class ReceiverSessionTest : public ::testing::Test {
                 RandomTensor("model.layers.1.mlp.up.weight", DType::kBFloat16, {1000}, 5),
                 RandomTensor("model.norm.weight", DType::kBFloat16, {257}, 6)};
     for (const OwnedTensor& t : current_) {
-      ASSERT_OK(store_->AddCopy(t.view()));
+      ASSERT_OK(testing::AddTestTensor(*store_, t.view()));
       ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     }
   }
@@ -92,9 +92,7 @@ class ReceiverSessionTest : public ::testing::Test {
 
   void ExpectStoreHolds(const std::vector<OwnedTensor>& tensors) {
     for (const OwnedTensor& t : tensors) {
-      ASSERT_OK_AND_ASSIGN(TensorView got, std::as_const(*store_).Find(t.name));
-      EXPECT_TRUE(std::equal(got.bytes.begin(), got.bytes.end(), t.bytes.begin(), t.bytes.end()))
-          << t.name;
+      EXPECT_TRUE(testing::StoreBytes(*store_, t.name) == t.bytes) << t.name;
     }
     EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
   }

@@ -28,9 +28,10 @@ installed code: ``WeightTransferEngine.__init__(config, vllm_config, device, mod
 loader and ``Worker`` methods, and check :func:`loader_rules` element by element against its
 models' ``load_weights``; docs/vllm.md says what still needs a GPU.
 
-vLLM on a GPU keeps its weights in device memory, which refit cannot write. Starting a receiver
-over such a model therefore raises InvalidArgument, naming the tensor and its device, unless the
-``mirror`` option is set (a host copy, copied in after each commit).
+vLLM on a GPU keeps its weights in device memory: refit writes them in place through its device
+boundary (refit.torch.TorchTensorMemory), in O(changes) per transfer, rolled back on the device
+when a transfer aborts. The ``memory`` option chooses otherwise ("host", "device", "mirror": a
+host copy copied in after each commit); a meta tensor is an InvalidArgument naming it.
 
 ``import refit.vllm`` never imports vLLM; :mod:`refit.vllm.engine` (which subclasses vLLM's
 base class) is imported by vLLM itself, or on first access of ``refit.vllm.RefitWeightTransferEngine``.
@@ -48,7 +49,7 @@ from ._runtime import (
     RefitOptions,
     WeightUpdateAborted,
     WorkerRuntime,
-    check_host_resident,
+    check_addressable,
     parallel_coordinates,
 )
 from .extension import RefitWorkerExtension, peers_of, receivers_of
@@ -69,7 +70,7 @@ __all__ = [
     "RefitWorkerExtension",
     "WeightUpdateAborted",
     "WorkerRuntime",
-    "check_host_resident",
+    "check_addressable",
     "loader_rules",
     "parallel_coordinates",
     "peers_of",

@@ -102,10 +102,13 @@ class RefitOptions:
     #: The name of an environment variable of the worker holding the control plane's key (the
     #: key itself never travels in these options, which vLLM logs and sends over RPC).
     api_key_env: Optional[str] = None
-    #: Keep a host copy of the model and copy it into the model's tensors after each commit
-    #: (``refit.torch.Receiver.attach(mirror=True)``): the way to serve from device memory, at
-    #: the price of a second copy of the weights in host memory and a whole-model host-to-device
-    #: copy per commit. False (default): a tensor in device memory is an InvalidArgument.
+    #: How refit reaches the model's tensors (``refit.torch.Receiver.attach(memory=…)``):
+    #: "auto" (default) — host tensors zero-copy, GPU tensors in place through the device
+    #: boundary in O(changes); "device" — every tensor through the boundary (the device path
+    #: forced, e.g. to test it on the CPU); "host" — a GPU tensor is an InvalidArgument;
+    #: "mirror" — a host copy of the model copied in after each commit (explicit opt-in).
+    memory: str = "auto"
+    #: The older spelling of memory="mirror".
     mirror: bool = False
     #: "gate" (default) or "none"; see :data:`PAUSE_MODES`.
     pause: str = "gate"
@@ -316,20 +319,19 @@ def model_tensors(model: Any) -> List[Tuple[str, Any]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
-def check_host_resident(model: Any) -> None:
-    """Raise InvalidArgument naming the first tensor of ``model`` that is not in host memory.
+def check_addressable(model: Any) -> None:
+    """Raise InvalidArgument naming the first tensor of ``model`` that has no memory (meta).
 
-    refit applies transfers into host memory, in place; vLLM on a GPU holds its weights in
-    device memory, which refit cannot write (see docs/vllm.md, "Device memory").
+    Host tensors are written in place, zero-copy; device tensors in place through refit's device
+    boundary (refit.torch.TorchTensorMemory, O(changes) per transfer); a meta tensor has nothing
+    to write (see docs/vllm.md, "Device memory").
     """
     for name, tensor in model_tensors(model):
         device = getattr(tensor, "device", None)
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
+        if device is not None and getattr(device, "type", "cpu") == "meta":
             raise InvalidArgument(
-                f"refit.vllm: tensor '{name}' of the worker's model is on {device}; refit applies "
-                "transfers in place into host memory and cannot write device memory. Run the "
-                "worker on the CPU (vLLM's CPU backend), or pass the option mirror=True (a host "
-                "copy of the model, copied in after each commit); see docs/vllm.md, \"Device memory\""
+                f"refit.vllm: tensor '{name}' of the worker's model is on the meta device: it has "
+                "no memory for refit to write; load the model's weights before starting refit"
             )
 
 
@@ -414,14 +416,13 @@ class WorkerRuntime:
     def start(self) -> Dict[str, Any]:
         """Build the loader, attach the receiver to the model in place, start it; return info.
 
-        Raises InvalidArgument for a tensor in device memory without ``mirror``, or bad loader
+        Raises InvalidArgument for a tensor without memory (meta), or bad loader
         options, and the receiver's errors (a port taken: Unavailable / AlreadyExists).
         """
         import refit.torch as refit_torch  # noqa: PLC0415 — needs torch, present in any worker
 
         options = self._options
-        if not options.mirror:
-            check_host_resident(self._model)
+        check_addressable(self._model)
         loader = self._make_loader(refit_torch)
         kwargs: Dict[str, Any] = dict(options.receiver_kwargs)
         if options.version is not None:
@@ -449,7 +450,7 @@ class WorkerRuntime:
         receiver = refit_torch.Receiver(
             replica=self.replica, pause=self._hook_pause, resume=self._hook_resume, **kwargs
         )
-        receiver.attach(self._model, loader=loader, mirror=bool(options.mirror))
+        receiver.attach(self._model, loader=loader, memory="mirror" if options.mirror else options.memory)
         if self._gate is not None:
             self._gate.install(self._model)
         try:

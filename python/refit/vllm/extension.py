@@ -92,8 +92,8 @@ class RefitWorkerExtension:
         :meth:`refit_reserve`) unless ``data_port`` is fixed. Returns ``{control_url,
         producer_endpoint, version, tp_rank, tp_size, dp_rank, replica, peers, pid}``. Raises
         FailedPrecondition if already started (call :meth:`refit_stop` first), InvalidArgument
-        for unknown options, missing peers or a model tensor in device memory without
-        ``mirror``, and the receiver's errors.
+        for unknown options, missing peers or a model tensor on the meta device, and the
+        receiver's errors.
         """
         if getattr(self, "_refit_runtime", None) is not None and self._refit_runtime.running:
             raise FailedPrecondition("refit.vllm: refit_start called twice; call refit_stop first")
