@@ -14,7 +14,7 @@ DataLoss              —                                       a corrupt or tru
 FailedPrecondition    —                                       the wrong state (version mismatch, …)
 Unavailable           ConnectionError                         a peer that cannot be reached
 DeadlineExceeded      TimeoutError                            a timeout
-ResourceExhausted     MemoryError                             a size or count limit
+ResourceExhausted     —                                       a size or count limit
 Cancelled             —                                       a cancelled or aborted transfer
 PermissionDenied      PermissionError                         a peer that failed authentication
 NotFound              KeyError                                a tensor, file or transfer not there
@@ -87,8 +87,12 @@ class DeadlineExceeded(Error, TimeoutError):
     code = "DeadlineExceeded"
 
 
-class ResourceExhausted(Error, MemoryError):
-    """A hard limit (size, count, memory) was hit."""
+class ResourceExhausted(Error):
+    """A hard limit (size, count, memory) was hit.
+
+    Not a MemoryError: that one means the interpreter ran out of memory, and code that catches it
+    to shed load (or lets it kill the process) must not mistake a refused oversized payload for
+    one."""
 
     code = "ResourceExhausted"
 
