@@ -40,6 +40,14 @@ Table StatusTable(const std::string& url, const ControlStatus& status) {
   table.AddRow({"queued", std::to_string(receiver.queued_payloads)});
   table.AddRow({"duplicates", std::to_string(receiver.duplicate_payloads)});
   table.AddRow({"undo log", FormatBytes(receiver.undo_bytes)});
+  table.AddRow({"received", fmt::format("{} payloads, {}", receiver.received_payloads,
+                                        FormatBytes(receiver.received_bytes))});
+  // Tensors behind the device boundary: what crossed it, each way (docs/architecture.md).
+  if (receiver.device_to_bytes > 0 || receiver.device_from_bytes > 0) {
+    table.AddRow(
+        {"device traffic", fmt::format("{} to, {} from", FormatBytes(receiver.device_to_bytes),
+                                       FormatBytes(receiver.device_from_bytes))});
+  }
   table.AddRow({"last error", receiver.last_error.ok() ? kNone : receiver.last_error.ToString()});
   table.AddRow({"replica", status.place.replica.empty()
                                ? std::string("- (a replica of its own)")
