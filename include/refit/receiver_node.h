@@ -49,7 +49,9 @@ struct ReceiverNodeOptions {
 
   /// The data-plane transport URI with its parameters (zmq://?api_key_env=…, s3://…).
   std::string transport_uri = "zmq://";
-  /// zmq: this receiver's data endpoint host:port, its name in `peers` (required). s3: unused.
+  /// zmq: this receiver's data endpoint host:port, its name in `peers` (required). Port 0 binds a
+  /// port the kernel chooses as it binds (no probe that another process could race), which
+  /// producer_endpoint() then names; it cannot be named in `peers`. s3: unused.
   std::string data_endpoint;
   /// zmq: the host to bind the data port on, when `data_endpoint` is not bindable (a wildcard,
   /// or a name). Empty: bind the endpoint itself.

@@ -332,6 +332,8 @@ class Listener {
   virtual Status RouteTransfer(const TransferId& transfer_id, const RelayTree& tree);
 
   virtual ListenerStats stats() const = 0;
+  /// Where producers and other relays reach this listener: ListenerContext::endpoint, with the
+  /// port bound for port 0 once Start succeeded.
   virtual const std::string& endpoint() const = 0;
 };
 

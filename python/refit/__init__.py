@@ -40,8 +40,8 @@ from . import _cuda_libraries
 _cuda_libraries.preload()  # before _core: torch's CUDA libraries, not the system's (see there)
 
 from . import _core, errors  # noqa: E402
-from ._ports import free_port, free_ports
-from ._tensors import TensorsLike, as_buffer_tensor, buffer_tensors
+from ._ports import free_ports
+from ._tensors import DeviceTensor, TensorsLike, as_buffer_tensor, buffer_tensors
 from .errors import (
     AlreadyExists,
     Cancelled,
@@ -70,6 +70,7 @@ __all__ = [
     "SyncReport",
     "Group",
     "TensorMemory",
+    "DeviceTensor",
     "tcp_group",
     "callback_group",
     "in_process_group",
@@ -294,6 +295,11 @@ class SyncReport:
     world_size: int
     #: The receivers' names (control URLs), rank 0 only.
     receivers: Tuple[str, ...]
+    #: Bytes this rank read from device memory (:class:`DeviceTensor`) to stage its chunks.
+    staged_bytes: int = 0
+    #: The staging pool's budget, and the most host memory it held (0 when nothing was staged).
+    staging_budget_bytes: int = 0
+    staging_peak_bytes: int = 0
 
     @property
     def density(self) -> float:
@@ -361,7 +367,9 @@ class Receiver:
     ):
         scheme = (transport or (config.transport if config is not None else "zmq://")).split("://")[0]
         if data_endpoint is None and scheme.split("+")[-1] == "zmq":
-            data_endpoint = f"{control_host}:{free_port(control_host)}"
+            # Port 0: the listener binds a port the kernel chooses and reports it
+            # (producer_endpoint) — no probe-then-bind for another process to race.
+            data_endpoint = f"{control_host}:0"
         if loader is not None and not isinstance(loader, Loader):
             raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
         self._core = _core.Receiver(
@@ -505,7 +513,9 @@ class Publisher:
     - ``api_key``: the receivers' control-plane key;
     - ``chunk_bytes``, ``bucket_bytes``: export chunk and payload bucket targets;
     - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
-    - ``transfer_timeout``: seconds one sync may take, on every rank.
+    - ``transfer_timeout``: seconds one sync may take, on every rank;
+    - ``staging_bytes``: host memory that tensors in device memory (:class:`DeviceTensor`) are
+      staged through, in reusable buffers (default: twice the largest chunk this rank stages).
     """
 
     def __init__(
@@ -520,6 +530,7 @@ class Publisher:
         bucket_bytes: Optional[int] = None,
         full_sync_interval: Optional[int] = None,
         transfer_timeout: float = 600.0,
+        staging_bytes: Optional[int] = None,
     ):
         if group is None:
             group = in_process_group(1)[0]
@@ -533,6 +544,7 @@ class Publisher:
             bucket_bytes=bucket_bytes,
             full_sync_interval=full_sync_interval,
             transfer_timeout_s=float(transfer_timeout),
+            staging_bytes=staging_bytes,
         )
 
     def adopt_baseline(self, tensors: TensorsLike, version: Optional[int] = None) -> None:
@@ -551,6 +563,10 @@ class Publisher:
         layout: Optional[Sequence[Mapping[str, Any]]] = None,
     ) -> SyncReport:
         """Refit the fleet with ``tensors`` (name → array, every rank the whole model in order).
+
+        A tensor is host memory (a numpy array, a CPU torch tensor), read in place, or a
+        :class:`DeviceTensor`, staged to the host through ``staging_bytes`` of reusable buffers,
+        only for the chunks this rank sends.
 
         With ``layout``, a sharded sync: ``tensors`` are this rank's local tensors and ``layout``
         its pieces (dicts ``tensor, dtype, shape, offset, extent`` and optionally ``local,

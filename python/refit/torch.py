@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import re
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -74,7 +75,9 @@ class TorchGroup:
     (plans, reports, per-tensor digests), so they run on a CPU group: ``process_group`` if given
     (it must support CPU tensors, i.e. gloo), else a new gloo group over every rank, made here —
     a collective call, so every rank constructs its TorchGroup at the same point. ``timeout``
-    bounds each collective (gloo takes it per group, not per call).
+    is the group's own (gloo's) bound on a collective; each call also waits at most the time left
+    in refit's transfer (``timeout_s``) and raises TimeoutError past it, which the sync reports as
+    DeadlineExceeded naming the rank.
     """
 
     def __init__(self, process_group: Any = None, timeout: float = 600.0):
@@ -87,22 +90,44 @@ class TorchGroup:
         self.world_size = dist.get_world_size(process_group)
         self._root = dist.get_global_rank(process_group, 0)
 
+    def _wait(self, work: Any, deadline: float, what: str) -> None:
+        """Wait for an asynchronous collective until ``deadline`` (time.monotonic())."""
+        left = deadline - time.monotonic()
+        try:
+            done = left > 0 and work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as error:  # gloo raises on its timeout; so does a peer that left
+            if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+                raise
+            done = False
+        if not done:
+            raise TimeoutError(
+                f"refit.torch.TorchGroup: {what} on rank {self.rank} of {self.world_size} did not complete "
+                "within the transfer's time left"
+            )
+
     def broadcast(self, message: Optional[bytes], timeout_s: float) -> bytes:
-        """Rank 0's ``message`` on every rank (length first, then the bytes)."""
+        """Rank 0's ``message`` on every rank (length first, then the bytes), within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         length = torch.tensor([len(message) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(length, src=self._root, group=self.process_group)
+        self._wait(dist.broadcast(length, src=self._root, group=self.process_group, async_op=True), deadline, "broadcast")
         if self.rank == 0:
             data = torch.frombuffer(bytearray(message), dtype=torch.uint8) if message else torch.empty(0, dtype=torch.uint8)
         else:
             data = torch.empty(int(length.item()), dtype=torch.uint8)
         if data.numel():
-            dist.broadcast(data, src=self._root, group=self.process_group)
+            self._wait(dist.broadcast(data, src=self._root, group=self.process_group, async_op=True), deadline, "broadcast")
         return data.numpy().tobytes()
 
     def gather(self, message: bytes, timeout_s: float) -> Optional[List[bytes]]:
-        """Every rank's ``message`` at rank 0, in rank order (padded to the longest, then cut)."""
+        """Every rank's ``message`` at rank 0, in rank order (padded to the longest, then cut),
+        within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(lengths, torch.tensor([len(message)], dtype=torch.int64), group=self.process_group)
+        self._wait(
+            dist.all_gather(lengths, torch.tensor([len(message)], dtype=torch.int64), group=self.process_group, async_op=True),
+            deadline,
+            "gather",
+        )
         longest = max(int(length.item()) for length in lengths)
         mine = torch.zeros(longest, dtype=torch.uint8)
         if message:
@@ -110,7 +135,7 @@ class TorchGroup:
         if longest == 0:
             return [b""] * self.world_size if self.rank == 0 else None
         slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(mine, gather_list=slots, dst=self._root, group=self.process_group)
+        self._wait(dist.gather(mine, gather_list=slots, dst=self._root, group=self.process_group, async_op=True), deadline, "gather")
         if self.rank != 0:
             return None
         return [slot[: int(length.item())].numpy().tobytes() for slot, length in zip(slots, lengths)]
@@ -128,17 +153,54 @@ class Publisher(refit.Publisher):
 
     ``group``: a :class:`TorchGroup`, a :data:`refit.Group`, or None — then a TorchGroup when
     torch.distributed is initialised (every rank must construct its Publisher together), else a
-    group of one. ``receivers`` matter on rank 0 only. Other keyword arguments are
-    :class:`refit.Publisher`'s.
+    group of one. ``receivers`` matter on rank 0 only.
+
+    ``memory``: how the trainer's tensors are read.
+
+    - ``"auto"`` (default): host tensors in place; tensors in device memory through refit's device
+      boundary (:class:`TorchTensorMemory`): the chunks this rank sends are copied device → host
+      into a bounded pool of reusable buffers (``staging_bytes``), each while the chunk before it
+      is compared, and the chunks it does not send are never read. Host memory stays the baseline
+      plus the pool, whatever the model's size.
+    - ``"device"``: every tensor through the device boundary, host tensors too (what the tests
+      use to run the staging path without a GPU).
+    - ``"host"``: host tensors only; a tensor in device memory is an InvalidArgument.
+
+    Other keyword arguments are :class:`refit.Publisher`'s.
     """
 
-    def __init__(self, receivers: Optional[Iterable[Any]] = None, *, group: Any = None, **options: Any):
+    def __init__(
+        self, receivers: Optional[Iterable[Any]] = None, *, group: Any = None, memory: str = "auto", **options: Any
+    ):
+        if memory not in ("auto", "device", "host"):
+            raise InvalidArgument(f"refit.torch.Publisher: memory={memory!r} is not one of 'auto', 'device', 'host'")
+        self.memory = memory
         if group is None and dist.is_available() and dist.is_initialized():
             group = TorchGroup(timeout=float(options.get("transfer_timeout", 600.0)))
         if isinstance(group, TorchGroup):
             self.torch_group = group
             group = group.as_group()
         super().__init__(receivers=receivers, group=group, **options)
+
+    def _exported(self, tensors: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, Any]]:
+        """``tensors`` as the core reads them: host tensors as they are, the others (by
+        ``memory``) as :class:`refit.DeviceTensor` over a :class:`TorchTensorMemory`."""
+        out: List[Tuple[str, Any]] = []
+        for name, tensor in tensors:
+            staged = self.memory == "device" or (self.memory == "auto" and tensor.device.type != "cpu")
+            if not staged:
+                out.append((name, tensor))
+                continue
+            if tensor.device.type == "meta":
+                raise InvalidArgument(f"refit.torch.Publisher: tensor '{name}' is on the meta device: it has no bytes to send")
+            if not tensor.is_contiguous():
+                raise InvalidArgument(
+                    f"refit.torch.Publisher: tensor '{name}' is not contiguous (strides {tuple(tensor.stride())}); "
+                    "export a contiguous copy"
+                )
+            memory = TorchTensorMemory(tensor.detach(), f"tensor '{name}' on {tensor.device}")
+            out.append((name, refit.DeviceTensor(str(tensor.dtype), tuple(tensor.shape), memory)))
+        return out
 
     def sync(  # type: ignore[override]
         self,
@@ -162,14 +224,17 @@ class Publisher(refit.Publisher):
         if layout is None and _holds_dtensors(model):
             from refit.layout import layout_of, local_tensors  # noqa: PLC0415
 
-            return super().sync(local_tensors(model), force_anchor, layout=layout_of(model))
+            locals_ = list(local_tensors(model).items())
+            return super().sync(self._exported(locals_), force_anchor, layout=layout_of(model))
         if layout is not None:
-            return super().sync(state_tensors(model), force_anchor, layout=layout)
-        return super().sync(state_tensors(model), force_anchor)
+            return super().sync(self._exported(state_tensors(model)), force_anchor, layout=layout)
+        return super().sync(self._exported(state_tensors(model)), force_anchor)
 
     def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:  # type: ignore[override]
-        """Take ``model`` as what the receivers hold now (they loaded it), so the next sync is a delta."""
-        super().adopt_baseline(state_tensors(model), version)
+        """Take ``model`` as what the receivers hold now (they loaded it), so the next sync is a delta.
+
+        Tensors in device memory are read one at a time into this rank's baseline."""
+        super().adopt_baseline(self._exported(state_tensors(model)), version)
 
 
 # ---- Device boundary -----------------------------------------------------------------------------

@@ -101,3 +101,37 @@ def test_a_rank_that_dies_fails_the_sync_on_rank_0_and_the_fleet_keeps_its_versi
         assert "rank 1" in failure["message"] or "broadcast" in failure["message"] or "gather" in failure["message"]
         status = receiver.status()
         assert (status.state, status.version) == ("idle", 2)
+
+
+STALLED = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch.distributed as dist
+    import refit.torch as rt
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = rt.TorchGroup(timeout=600)  # gloo's own bound: far beyond the call's
+    if rank == 1:
+        time.sleep(12)  # never joins the broadcast: a rank stuck in its training step
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        group.broadcast(b"plan", 1.0)
+        outcome = "returned"
+    except TimeoutError as error:
+        outcome = str(error)
+    print(json.dumps({"outcome": outcome, "seconds": time.monotonic() - start}), flush=True)
+    os._exit(0)  # the broadcast is still pending in gloo: no orderly teardown
+    """
+)
+
+
+def test_torch_group_calls_honour_the_time_left_in_the_transfer(tmp_path):
+    init = f"file://{tmp_path}/rendezvous"
+    ranks = [subprocess.Popen([sys.executable, "-c", STALLED, str(r), init], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    lines = [json.loads(line) for line in outputs[0][0].splitlines() if line.startswith("{")]
+    assert lines, outputs[0][1][-3000:]
+    assert "broadcast on rank 0 of 2 did not complete" in lines[0]["outcome"], lines
+    assert lines[0]["seconds"] < 8, lines  # the call's 1 s, not the group's 600 s

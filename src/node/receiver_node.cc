@@ -262,10 +262,11 @@ Status ReceiverNode::Impl::Start() {
     REFIT_LOG_WARN(
         "receiver node: no api key on the data plane ({}): anyone who can reach {} can write "
         "this receiver's weights",
-        options.transport_uri, options.data_endpoint);
+        options.transport_uri, listener->endpoint());
   }
   // Producers address an object-store receiver by its control plane, where manifests go.
-  producer_endpoint = caps.fan_out_tree      ? context.endpoint
+  // The listener's endpoint: the data endpoint, with the port the kernel chose for port 0.
+  producer_endpoint = caps.fan_out_tree      ? listener->endpoint()
                       : caps.carries_control ? listener->endpoint()
                                              : server->base_url();
   return Status::OK();

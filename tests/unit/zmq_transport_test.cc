@@ -1249,6 +1249,34 @@ TEST_F(ZmqTransportTest, ARelayBoundOnEveryInterfaceIsReachedAtItsAdvertisedEndp
   }
 }
 
+TEST_F(ZmqTransportTest, PortZeroBindsAPortTheKernelChoosesAndTheEndpointNamesIt) {
+  // Two relays on port 0, on every interface and on loopback: each endpoint names the bound
+  // port (no probe-then-bind), and a transfer whose tree names them reaches both.
+  std::vector<Receiver> relays;
+  relays.push_back(MakeReceiver("127.0.0.1:0", {}, nullptr, "0.0.0.0"));
+  relays.push_back(MakeReceiver("127.0.0.1:0", {}));
+  std::vector<std::string> endpoints;
+  for (const Receiver& relay : relays) {
+    ASSERT_NE(relay.listener, nullptr);
+    endpoints.push_back(relay.listener->endpoint());
+    EXPECT_TRUE(endpoints.back().starts_with("127.0.0.1:")) << endpoints.back();
+    EXPECT_NE(endpoints.back(), "127.0.0.1:0");
+  }
+  EXPECT_NE(endpoints[0], endpoints[1]);
+  const Step step = EncodeStep(1, 0);
+  for (size_t i = 0; i < relays.size(); ++i) {
+    ASSERT_OK(relays[i].listener->RouteTransfer(step.plan.transfer_id,
+                                                RelayTree{endpoints, static_cast<uint32_t>(i)}));
+  }
+  ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, step));
+  // Port 0 cannot be named among static peers: nobody could reach it by that name.
+  Receiver unused = MakeSession();
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "port 0",
+      transport_->MakeListener({"127.0.0.1:0", {"127.0.0.1:0", endpoints[0]}}, *unused.sink)
+          .status());
+}
+
 TEST_F(ZmqTransportTest, BindAddressesAreCheckedAndOnlyZmqTakesOne) {
   RefusingSink sink;
   for (const std::string bad : {"0.0.0.0:5555", "every interface", "host/24", "[::]"}) {

@@ -438,8 +438,12 @@ class WorkerRuntime:
             kwargs["api_key"] = key
         index = self.dp_rank * self.tp_size + self.tp_rank
         if is_zmq(options):
-            endpoint = kwargs.setdefault("data_endpoint", self._data_endpoint or data_endpoint_of(options, index))
             peers = list(kwargs.get("peers") or default_peers(options, self.tp_size, self.dp_size))
+            # Without a fixed port, a reserved endpoint or peers to be named in, port 0: the
+            # listener binds a port the kernel chooses and reports it (producer_endpoint).
+            fixed = self._data_endpoint or options.data_port or peers
+            default = data_endpoint_of(options, index) if fixed else f"{options.data_host}:0"
+            endpoint = kwargs.setdefault("data_endpoint", self._data_endpoint or default)
             if peers and endpoint not in peers:
                 raise InvalidArgument(
                     f"refit.vllm: this worker's data endpoint {endpoint} is not in peers {peers}"

@@ -14,7 +14,7 @@ constexpr uint16_t kMaxPort = 65535;
 
 }  // namespace
 
-Status CheckEndpoint(const std::string& endpoint) {
+Status CheckEndpoint(const std::string& endpoint, bool any_port) {
   const size_t colon = endpoint.rfind(':');
   const auto bad = [&](std::string_view why) {
     return InvalidArgument("zmq endpoint '{}': {} (expected host:port)", Printable(endpoint), why);
@@ -29,6 +29,7 @@ Status CheckEndpoint(const std::string& endpoint) {
     return bad("the port is not a number");
   }
   const int value = std::stoi(std::string(port));
+  if (value == 0 && any_port) return Status::OK();
   if (value < 1 || value > kMaxPort) return bad("the port is outside [1, 65535]");
   return Status::OK();
 }

@@ -27,9 +27,10 @@ struct ZmqConfig {
   CurveFiles curve;
 };
 
-/// Check a "host:port" endpoint: a printable host and a port in [1, 65535].
+/// Check a "host:port" endpoint: a printable host and a port in [1, 65535], or 0 when
+/// `any_port` (a listener binding a port the kernel chooses).
 /// Errors: InvalidArgument naming the endpoint.
-Status CheckEndpoint(const std::string& endpoint);
+Status CheckEndpoint(const std::string& endpoint, bool any_port = false);
 
 /// The port of a checked endpoint.
 std::string_view EndpointPort(const std::string& endpoint);

@@ -167,6 +167,18 @@ class ZmqListener final : public Listener {
       if (taken) return AlreadyExists("zmq listener: endpoint {} is taken: {}", where, error);
       return Unavailable("zmq listener: bind {}: {}", where, error);
     }
+    if (EndpointPort(endpoint_) == "0") {
+      // Port 0: the kernel chose one as it bound (no probe to race); the endpoint names it from
+      // here on. The threads that read endpoint_ start below.
+      char bound[256] = {};
+      size_t size = sizeof(bound);
+      if (zmq_getsockopt(router_.get(), ZMQ_LAST_ENDPOINT, bound, &size) != 0) {
+        return Unavailable("zmq listener {}: the bound port: {}", endpoint_, ZmqError());
+      }
+      const std::string_view last(bound);
+      endpoint_ = fmt::format("{}:{}", std::string_view(endpoint_).substr(0, endpoint_.rfind(':')),
+                              last.substr(last.rfind(':') + 1));
+    }
     if (zmq_bind(replies_in_.get(), kReplyInbox) != 0 ||
         zmq_connect(replies_out_.get(), kReplyInbox) != 0) {
       return Unavailable("zmq listener {}: reply channel: {}", endpoint_, ZmqError());
@@ -675,7 +687,8 @@ class ZmqListener final : public Listener {
   const std::optional<CurveServerKeys> curve_;
   // The host:port the ROUTER binds; the endpoint unless ListenerContext::bind_address is set.
   const std::string bind_;
-  const std::string endpoint_;
+  // Port 0 until Start binds the port the kernel chooses; fixed from then on.
+  std::string endpoint_;
   // The tree of transfers no prepare named one for: ListenerContext::peers.
   const TreeView static_tree_;
   PayloadSink& sink_;

@@ -62,7 +62,13 @@ class ZmqTransport final : public Transport {
 
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
                                                  PayloadSink& sink) override {
-    REFIT_RETURN_NOT_OK(CheckEndpoint(context.endpoint));
+    REFIT_RETURN_NOT_OK(CheckEndpoint(context.endpoint, /*any_port=*/true));
+    if (EndpointPort(context.endpoint) == "0" && !context.peers.empty()) {
+      return InvalidArgument(
+          "zmq listener {}: port 0 (the kernel's choice) cannot be named among static relay "
+          "peers; leave peers empty (each transfer names its relay tree)",
+          context.endpoint);
+    }
     if (!context.bind_address.empty()) {
       REFIT_RETURN_NOT_OK(CheckBindAddress(context.bind_address)
                               .WithContext(fmt::format("zmq listener {}", context.endpoint)));
