@@ -2,6 +2,11 @@
 // the whole-model helpers built on the chunking rule (a source over a tensor list, and the
 // baseline of the chunks a producer owns). Sharded ranks use the pieces source instead
 // (refit/piece_source.h).
+//
+// A trainer's tensors may be in device memory (a GPU): an ExportTensor is then reached through the
+// device boundary (refit/tensor_memory.h), and the chunks the producer sends are read into
+// buffers of a StagingPool as they are pulled — host memory stays within the pool's budget, and
+// chunks the producer does not send are never read.
 #pragma once
 
 #include <cstdint>
@@ -9,11 +14,15 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stop_token>
+#include <string_view>
 #include <vector>
 
 #include "refit/chunking.h"
+#include "refit/staging_pool.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
+#include "refit/tensor_memory.h"
 #include "refit/tracker.h"
 
 namespace refit {
@@ -27,19 +36,83 @@ struct ExportChunk {
   /// Optional owner of the bytes (e.g. the host copy of gathered tensors), released with the
   /// chunk so that the source's memory is bounded by ProducerStreamOptions::max_chunks_in_flight.
   std::shared_ptr<const void> keepalive;
+  /// The tensors carry their names, dtypes and shapes but no bytes (empty spans): what a source
+  /// may yield for a pull that does not read (ChunkPull::read false). The stream checks the
+  /// chunking rule on the sizes the shapes give.
+  bool unread = false;
 };
 
-/// Yield the next export chunk in canonical order, or nullopt at the end. Called on the thread
-/// that called ProducerStream::Run, one call at a time, for every chunk of the model (owned or
-/// not: in a real trainer each pull may take part in collectives that all ranks must join).
+/// What the stream asks of its source with each pull.
+struct ChunkPull {
+  /// The chunk's position in canonical order: 0, 1, … over the whole export.
+  uint64_t index = 0;
+  /// Whether the stream will read this chunk's bytes: true for a chunk this producer owns while
+  /// the stream runs. When false the source may yield the chunk unread, so that a source which
+  /// must copy bytes in first (device tensors staged to the host, refit/staged_source.h) copies
+  /// only the chunks the producer sends.
+  bool read = true;
+  /// Requested once the stream stops (a failure anywhere): a source waiting for memory to stage
+  /// a chunk into stops waiting and yields the chunk unread (the stream drops it).
+  std::stop_token stop;
+};
+
+/// Yield the next export chunk in canonical order (chunk `pull.index`), or nullopt at the end.
+/// Called on the thread that called ProducerStream::Run, one call at a time, for every chunk of
+/// the model (owned or not: in a real trainer each pull may take part in collectives that all
+/// ranks must join).
 /// After the first failure anywhere (its own included) the stream keeps calling it and drops
 /// what it yields, until it returns nullopt or fails again: a source that cannot go on after a
 /// failure returns nullopt or an error on the next call.
-using ChunkSource = std::function<Result<std::optional<ExportChunk>>()>;
+using ChunkSource = std::function<Result<std::optional<ExportChunk>>(const ChunkPull& pull)>;
 
 /// Return a source that yields `tensors` (borrowed) in the chunks PlanChunks makes of them.
 /// Thread-safety: the source is a sequential iterator, like every ChunkSource.
 ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_bytes);
+
+/// A tensor of a trainer's export: host memory, which the compare reads in place, or memory
+/// behind the device boundary, which is staged to the host first.
+struct ExportTensor {
+  std::string name;
+  DType dtype = DType::kUInt8;
+  Shape shape;
+  /// The bytes, when the tensor is in host memory (`device` null). Borrowed.
+  std::span<const std::byte> host;
+  /// The tensor's memory behind the device boundary, or null. Borrowed.
+  TensorMemory* device = nullptr;
+
+  /// A host tensor.
+  static ExportTensor Host(const TensorView& view) {
+    return ExportTensor{view.name, view.dtype, view.shape, view.bytes, nullptr};
+  }
+  uint64_t size_bytes() const { return device != nullptr ? device->size_bytes() : host.size(); }
+};
+
+/// Check that `tensor`'s size is its shape's and dtype's. Errors: InvalidArgument naming the
+/// tensor, its shape and both sizes.
+Status CheckExportTensorSize(const ExportTensor& tensor);
+
+/// The device bytes of the largest chunk PlanChunks makes of `tensors`: the least staging budget
+/// a source over them can work with.
+uint64_t LargestStagedChunkBytes(std::span<const ExportTensor> tensors, uint64_t chunk_bytes);
+
+/// Stage `bytes` of device memory for `what` ("the chunk starting with tensor 'w'"): wait for a
+/// buffer of `pool` (until `stop`). Returns null if `stop` was requested while waiting (the
+/// stream stopped: the chunk is yielded unread). Errors: InvalidArgument naming `what` when the
+/// bytes exceed the budget (or there is no pool); ResourceExhausted if mapping a buffer fails.
+Result<std::shared_ptr<StagingPool::Buffer>> AcquireStaging(StagingPool* pool, uint64_t bytes,
+                                                            std::string_view what,
+                                                            std::stop_token stop = {});
+
+/// Return a source that yields `tensors` in the chunks PlanChunks makes of them. Host tensors are
+/// yielded in place; a chunk with device tensors is read, when the pull reads it, into one
+/// buffer of `pool` (released with the chunk; the pull waits while the pool's budget is lent to
+/// chunks in flight), and is yielded unread otherwise. The copies are made on the pulling thread,
+/// while the stream's encode workers compare the chunks before it. `pool` may be null when no
+/// tensor is in device memory.
+/// Errors of a pull: InvalidArgument when a chunk's device bytes exceed the pool's budget (naming
+/// the chunk's first tensor and both sizes); the backend's error of a read, naming the tensor.
+ChunkSource StagedTensorSource(std::vector<ExportTensor> tensors, uint64_t chunk_bytes,
+                               std::shared_ptr<StagingPool> pool);
 
 /// Adopt as `tracker`'s committed baseline the tensors of `model` (canonical order) that producer
 /// `producer_id` of `num_producers` owns under PlanChunks(…, chunk_bytes): what a producer does
@@ -47,5 +120,12 @@ ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_byt
 /// transfer is a delta. Errors: as DeltaTracker::AdoptBaseline.
 Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers);
+/// As above with tensors in host or device memory: a device tensor is read into a buffer of
+/// `pool`, one tensor at a time, and copied into the baseline from there. Errors: as above;
+/// InvalidArgument for a device tensor larger than the pool's budget (or no pool); the backend's
+/// error of a read, naming the tensor.
+Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const ExportTensor> model,
+                          uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers,
+                          StagingPool* pool);
 
 }  // namespace refit

@@ -71,6 +71,12 @@ struct PublisherOptions {
   /// holdings"). A Sync of a tensor list or of a sharded model knows its tensor names and is
   /// routed from the first; a Sync of a bare chunk source from the second (the first tells them).
   bool route_by_holdings = true;
+  /// Host memory that device tensors (ExportTensor::device; ShardedModel locals in device memory)
+  /// are staged through on their way to the compare: a pool of reusable buffers, one per chunk
+  /// in flight, kept between Syncs (refit/staging_pool.h). 0: twice the largest chunk this rank
+  /// stages, so that one chunk is read while the one before it is compared. A chunk larger than
+  /// the budget fails the Sync, naming it and the budget it needs.
+  uint64_t staging_bytes = 0;
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and
@@ -79,8 +85,18 @@ struct PublisherOptions {
 /// tensors. Borrowed for one Sync.
 struct ShardedModel {
   ProducerLayout layout;
-  /// The local tensors the pieces name (LayoutPiece::local), in any order, each once.
-  std::vector<TensorView> locals;
+  /// The local tensors the pieces name (LayoutPiece::local), in any order, each once: host memory,
+  /// or device memory staged through PublisherOptions::staging_bytes.
+  std::vector<ExportTensor> locals;
+};
+
+/// How device tensors were staged to the host during a Sync (zeros when none was).
+struct StagingReport {
+  /// Bytes read from device memory, on this rank.
+  uint64_t staged_bytes = 0;
+  /// The staging pool's budget, and the most host memory it held (over all Syncs so far).
+  uint64_t budget_bytes = 0;
+  uint64_t peak_held_bytes = 0;
 };
 
 /// What one successful Sync did, as this rank saw it.
@@ -90,6 +106,8 @@ struct SyncReport {
   RefitReport transfer;
   uint32_t rank = 0;
   uint32_t world_size = 1;
+  /// This rank's staging of device tensors.
+  StagingReport staging = {};
 };
 
 /// One trainer rank's publisher.
@@ -115,6 +133,9 @@ class Publisher {
   /// Errors: as DeltaTracker::AdoptBaseline.
   Status AdoptBaseline(std::span<const TensorView> model,
                        std::optional<uint64_t> version = std::nullopt);
+  /// As above with tensors in host or device memory (device ones are read one at a time).
+  Status AdoptBaseline(std::span<const ExportTensor> model,
+                       std::optional<uint64_t> version = std::nullopt);
 
   /// Collective: refit the fleet with the model as `source` yields it (every chunk in canonical
   /// order; ranks that own a chunk read its bytes, the others may yield views they never touch).
@@ -124,6 +145,10 @@ class Publisher {
   Result<SyncReport> Sync(const ChunkSource& source, bool force_anchor = false);
   /// As above with the model's tensors, chunked by options.stream.chunk_bytes.
   Result<SyncReport> Sync(std::vector<TensorView> tensors, bool force_anchor = false);
+  /// As above with tensors in host or device memory: the chunks this rank sends are staged from
+  /// device memory through the staging pool (PublisherOptions::staging_bytes); the others are not
+  /// read. Errors: as above; InvalidArgument for a chunk larger than the staging budget.
+  Result<SyncReport> Sync(std::vector<ExportTensor> tensors, bool force_anchor = false);
   /// Collective: refit the fleet from a sharded model, every rank holding only its pieces and
   /// sending only its own boxes, straight into the fleet (no gather). Rank 0 gathers the ranks'
   /// layouts (a layout travels only while rank 0 does not hold it), checks that the distinct

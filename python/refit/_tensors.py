@@ -9,14 +9,26 @@ be viewed in place (not contiguous, not on the CPU) is refused with a message na
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Mapping, Tuple, Union
+from typing import Any, Iterable, List, Mapping, NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
 
 from .errors import InvalidArgument
 
-#: A tensor as the core takes it: (name, dtype name, shape, flat uint8 buffer).
-BufferTensor = Tuple[str, str, List[int], np.ndarray]
+#: A tensor as the core takes it: (name, dtype name, shape, flat uint8 buffer), or for a tensor in
+#: device memory (name, dtype name, shape, TensorMemory).
+BufferTensor = Tuple[str, str, List[int], Any]
+
+
+class DeviceTensor(NamedTuple):
+    """A tensor a publisher reads through refit's device boundary: its dtype (``"bfloat16"``,
+    ``"torch.bfloat16"``, …), its shape and its :class:`refit.TensorMemory` backend
+    (:class:`refit.torch.TorchTensorMemory`). The chunks a rank sends are staged through a bounded
+    pool of host buffers (``staging_bytes``); the others are never read."""
+
+    dtype: str
+    shape: Sequence[int]
+    memory: Any
 
 
 def _is_torch_tensor(value: Any) -> bool:
@@ -38,6 +50,8 @@ def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTen
     bytes are the same). Raises InvalidArgument for a tensor that is not contiguous, not on the
     CPU, or read-only when ``writable``.
     """
+    if isinstance(value, DeviceTensor):
+        return (name, str(value.dtype), [int(d) for d in value.shape], value.memory)
     if _is_torch_tensor(value):
         import torch  # noqa: PLC0415 — only when the caller passes torch tensors
 
@@ -53,7 +67,8 @@ def as_buffer_tensor(name: str, value: Any, writable: bool = False) -> BufferTen
         if tensor.device.type != "cpu":
             raise InvalidArgument(
                 f"tensor '{name}': it is on {tensor.device}; this call takes host memory "
-                "(refit.torch.Receiver.attach reaches device tensors through the device boundary)"
+                "(refit.torch.Publisher and refit.torch.Receiver.attach reach device tensors "
+                "through the device boundary)"
             )
         if not tensor.is_contiguous():
             raise InvalidArgument(

@@ -178,6 +178,47 @@ TensorView ViewOf(const BufferTensor& tensor) {
   return view;
 }
 
+// A trainer's export as Python passes it: each tensor (name, dtype, shape, buffer) in host memory
+// or (name, dtype, shape, TensorMemory) in device memory, staged by the publisher. Holds the
+// buffers and the backends alive while the core reads them.
+struct ExportTensors {
+  std::vector<BufferTensor> buffers;
+  std::vector<py::object> memories;
+  std::vector<ExportTensor> tensors;
+};
+
+ExportTensors ToExportTensors(const py::list& items) {
+  ExportTensors out;
+  // Two passes: the views point into `buffers`, which must not move after.
+  std::vector<bool> device(items.size(), false);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const py::tuple entry = py::reinterpret_borrow<py::tuple>(items[i]);
+    if (entry.size() == 4 && py::isinstance<TensorMemory>(entry[3])) {
+      device[i] = true;
+      out.memories.push_back(entry[3]);
+    } else {
+      out.buffers.push_back(ToBufferTensor(entry, false));
+    }
+  }
+  size_t next_buffer = 0;
+  size_t next_memory = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!device[i]) {
+      out.tensors.push_back(ExportTensor::Host(ViewOf(out.buffers[next_buffer++])));
+      continue;
+    }
+    const py::tuple entry = py::reinterpret_borrow<py::tuple>(items[i]);
+    ExportTensor tensor;
+    tensor.name = entry[0].cast<std::string>();
+    tensor.dtype = Unwrap(ParseDType(entry[1].cast<std::string>()));
+    tensor.shape = entry[2].cast<Shape>();
+    tensor.device = out.memories[next_memory++].cast<TensorMemory*>();
+    Check(CheckExportTensorSize(tensor));
+    out.tensors.push_back(std::move(tensor));
+  }
+  return out;
+}
+
 // ---- Loader specs (dicts)
 // ------------------------------------------------------------------------
 
@@ -416,6 +457,9 @@ py::dict SyncReportToDict(const SyncReport& sync) {
   py::list receivers;
   for (const ReceiverOutcome& receiver : report.receivers) receivers.append(receiver.name);
   out["receivers"] = receivers;
+  out["staged_bytes"] = sync.staging.staged_bytes;
+  out["staging_budget_bytes"] = sync.staging.budget_bytes;
+  out["staging_peak_bytes"] = sync.staging.peak_held_bytes;
   return out;
 }
 
@@ -751,22 +795,18 @@ class PyPublisher {
   }
 
   void AdoptBaseline(const py::list& tensors, std::optional<uint64_t> version) {
-    std::vector<BufferTensor> buffers;
-    std::vector<TensorView> views;
-    for (const py::handle& item : tensors) buffers.push_back(ToBufferTensor(item, false));
-    for (const BufferTensor& buffer : buffers) views.push_back(ViewOf(buffer));
+    ExportTensors exported = ToExportTensors(tensors);
     py::gil_scoped_release release;
-    Check(publisher_->AdoptBaseline(views, version));
+    Check(publisher_->AdoptBaseline(std::span<const ExportTensor>(exported.tensors), version));
   }
 
   py::dict Sync(const py::list& tensors, bool force_anchor) {
-    std::vector<BufferTensor> buffers;
-    std::vector<TensorView> views;
-    for (const py::handle& item : tensors) buffers.push_back(ToBufferTensor(item, false));
-    for (const BufferTensor& buffer : buffers) views.push_back(ViewOf(buffer));
+    ExportTensors exported = ToExportTensors(tensors);
     Publisher* publisher = publisher_.get();
     Result<SyncReport> synced = RunInterruptible<Result<SyncReport>>(
-        [publisher, &views, force_anchor] { return publisher->Sync(views, force_anchor); },
+        [publisher, &exported, force_anchor] {
+          return publisher->Sync(exported.tensors, force_anchor);
+        },
         [publisher] { publisher->Cancel(); });
     return SyncReportToDict(Unwrap(std::move(synced)));
   }
@@ -779,9 +819,8 @@ class PyPublisher {
       model.layout.pieces.push_back(LayoutPieceFromDict(piece.cast<py::dict>(), publisher_->rank(),
                                                         model.layout.pieces.size()));
     }
-    std::vector<BufferTensor> buffers;
-    for (const py::handle& item : locals) buffers.push_back(ToBufferTensor(item, false));
-    for (const BufferTensor& buffer : buffers) model.locals.push_back(ViewOf(buffer));
+    ExportTensors exported = ToExportTensors(locals);
+    model.locals = exported.tensors;
     Publisher* publisher = publisher_.get();
     Result<SyncReport> synced = RunInterruptible<Result<SyncReport>>(
         [publisher, &model, force_anchor] { return publisher->Sync(model, force_anchor); },
@@ -1095,17 +1134,18 @@ PYBIND11_MODULE(_core, m) {
                   const std::optional<std::string>& transport,
                   const std::optional<std::string>& api_key, std::optional<uint64_t> chunk_bytes,
                   std::optional<uint64_t> bucket_bytes, std::optional<uint64_t> full_sync_interval,
-                  double transfer_timeout_s) {
-                 return std::make_unique<PyPublisher>(
+                  double transfer_timeout_s, std::optional<uint64_t> staging_bytes) {
+                 PublisherOptions options =
                      PublisherOptionsFrom(config, receivers, transport, api_key, chunk_bytes,
-                                          bucket_bytes, full_sync_interval, transfer_timeout_s),
-                     group);
+                                          bucket_bytes, full_sync_interval, transfer_timeout_s);
+                 if (staging_bytes.has_value()) options.staging_bytes = *staging_bytes;
+                 return std::make_unique<PyPublisher>(options, group);
                }),
            py::arg("group"), py::kw_only(), py::arg("config") = py::none(),
            py::arg("receivers") = py::none(), py::arg("transport") = py::none(),
            py::arg("api_key") = py::none(), py::arg("chunk_bytes") = py::none(),
            py::arg("bucket_bytes") = py::none(), py::arg("full_sync_interval") = py::none(),
-           py::arg("transfer_timeout_s") = 600.0)
+           py::arg("transfer_timeout_s") = 600.0, py::arg("staging_bytes") = py::none())
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)

@@ -141,7 +141,7 @@ def vllm_rules():
     ]
 
 
-def rank_main(rank, world, init, out):
+def rank_main(rank, world, init, out, memory):
     import torch.distributed as dist
 
     import refit
@@ -173,7 +173,9 @@ def rank_main(rank, world, init, out):
             held.append((shard, arrays))
 
     loader = refit.Loader(rules=megatron_rules(), tp_rank=tp, tp_size=2)
-    publisher = rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120)
+    # memory="device": the ranks' local tensors are read through the device boundary and staged
+    # (the GPU path, forced on CPU tensors), the DP replicas' copies digested through it too.
+    publisher = rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120, memory=memory)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(7)  # the same data on every rank: replicas agree
     reports = []
@@ -196,7 +198,7 @@ def rank_main(rank, world, init, out):
                     want = canonical[name] if shard is None else vllm_slice(name, canonical, shard)
                     assert torch.equal(tensor.view(torch.int16), want.contiguous().view(torch.int16)), (
                         f"step {step}: receiver {shard} tensor {name} differs")
-            reports.append({"step": step, "anchor": report.anchor})
+            reports.append({"step": step, "anchor": report.anchor, "staged_bytes": report.staged_bytes})
     if rank == 0:
         for receiver in receivers:
             receiver.stop()
@@ -205,11 +207,13 @@ def rank_main(rank, world, init, out):
     dist.destroy_process_group()
 
 
-def test_megatron_ranks_state_their_layout_as_loader_rules_and_refit_vllm_style_receivers(tmp_path):
+@pytest.mark.parametrize("memory", ["auto", "device"])
+def test_megatron_ranks_state_their_layout_as_loader_rules_and_refit_vllm_style_receivers(tmp_path, memory):
     out = tmp_path / "reports.json"
-    run_ranks(__file__, 4, [4, f"file://{tmp_path}/rendezvous", out])
+    run_ranks(__file__, 4, [4, f"file://{tmp_path}/rendezvous", out, memory])
     reports = json.loads(out.read_text())
     assert [r["anchor"] for r in reports] == [True] + [False] * (STEPS - 1)
+    assert all((r["staged_bytes"] > 0) == (memory == "device") for r in reports), reports
 
 
 def test_layout_from_loader_names_what_does_not_fit():
@@ -236,4 +240,4 @@ def test_layout_from_loader_names_what_does_not_fit():
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

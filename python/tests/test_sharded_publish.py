@@ -56,7 +56,7 @@ def tp_slice(name, full, shard):
     return full
 
 
-def rank_main(rank, world, mesh_kind, init, out):
+def rank_main(rank, world, mesh_kind, init, out, memory):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -103,7 +103,9 @@ def rank_main(rank, world, mesh_kind, init, out):
             receivers.append(receiver.start())
             held.append(arrays)
 
-    publisher = rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120)
+    # memory="device": each rank's shards are read through the device boundary and staged (the
+    # GPU path, forced on CPU tensors).
+    publisher = rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120, memory=memory)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(data_rank)  # TP ranks see the same tokens
     reports = []
@@ -132,7 +134,8 @@ def rank_main(rank, world, mesh_kind, init, out):
                     want = tp_slice(name, full[name], shard) if shard is not None else full[name]
                     assert torch.equal(tensor.view(torch.int16), want.contiguous().view(torch.int16)), (
                         f"step {step}: receiver {index} tensor {name} differs")
-            reports.append({"step": step, "anchor": report.anchor, "wire_bytes": report.wire_bytes})
+            reports.append({"step": step, "anchor": report.anchor, "wire_bytes": report.wire_bytes,
+                            "staged_bytes": report.staged_bytes})
     if rank == 0:
         for receiver in receivers:
             receiver.stop()
@@ -141,13 +144,15 @@ def rank_main(rank, world, mesh_kind, init, out):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, mesh", [(2, "1d"), (3, "1d"), (4, "1d"), (4, "2x2")])
-def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp_path, world, mesh):
+@pytest.mark.parametrize("world, mesh, memory", [(2, "1d", "auto"), (3, "1d", "auto"), (4, "1d", "auto"),
+                                                 (4, "2x2", "auto"), (3, "1d", "device"), (4, "2x2", "device")])
+def test_fsdp2_ranks_refit_unsharded_and_tp_receivers_with_only_their_shards(tmp_path, world, mesh, memory):
     out = tmp_path / "reports.json"
-    run_ranks(__file__, world, [world, mesh, f"file://{tmp_path}/rendezvous", out])
+    run_ranks(__file__, world, [world, mesh, f"file://{tmp_path}/rendezvous", out, memory])
     reports = json.loads(out.read_text())
     assert [r["anchor"] for r in reports] == [True] + [False] * (STEPS - 1)
+    assert all((r["staged_bytes"] > 0) == (memory == "device") for r in reports), reports
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])

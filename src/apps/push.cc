@@ -343,7 +343,9 @@ Status RunPush(const PushArgs& args) {
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> checkpoint,
                          SafetensorsFile::Open(args.checkpoint));
   const std::vector<TensorView> model = checkpoint->tensors();
-  if (sharded.has_value()) sharded->locals = model;
+  if (sharded.has_value()) {
+    for (const TensorView& tensor : model) sharded->locals.push_back(ExportTensor::Host(tensor));
+  }
   std::unique_ptr<SafetensorsFile> base_file;
   std::vector<TensorView> base;
   if (!args.base.empty()) {

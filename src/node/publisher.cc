@@ -49,6 +49,15 @@ using internal::StreamReportToJson;
 // is waited for this long, in case it is reconnecting).
 constexpr std::chrono::seconds kAbortNoticeBudget{1};
 
+// The bytes read so far from the device tensors among `tensors` (their boundaries count them).
+uint64_t DeviceReadBytes(std::span<const ExportTensor> tensors) {
+  uint64_t bytes = 0;
+  for (const ExportTensor& tensor : tensors) {
+    if (tensor.device != nullptr) bytes += tensor.device->traffic().from_device_bytes;
+  }
+  return bytes;
+}
+
 }  // namespace
 
 // This rank's own producer: its tracker, stream and transport. Both rank 0 and the other ranks
@@ -73,11 +82,14 @@ struct PublisherRank {
   std::optional<TransferPlan> open;
   std::vector<std::string> endpoints;
   std::optional<StreamReport> streamed;
+  // The host buffers device tensors are staged through, kept between Syncs while the budget they
+  // need stays the same; null until a Sync stages.
+  std::shared_ptr<StagingPool> staging;
 
   // ---- A sharded Sync (Publisher::Sync(const ShardedModel&)). ----------------------------------
   // The model of the Sync in flight, and its local tensors by name; null for a whole-model Sync.
   const ShardedModel* sharded = nullptr;
-  std::map<std::string, TensorView> sharded_locals;
+  std::map<std::string, ExportTensor> sharded_locals;
   Status sharded_status;
   uint64_t sharded_layout_digest = 0;
   // Whether the last commit was of a sharded Sync: the tracker's baselines are boxes then,
@@ -94,6 +106,26 @@ struct PublisherRank {
   LayoutPlan layout_plan;
   uint64_t open_plan_digest = 0;
   uint64_t committed_plan_digest = 0;
+
+  StagingReport Staging(uint64_t staged_bytes) const {
+    StagingReport report;
+    report.staged_bytes = staged_bytes;
+    if (staging != nullptr) {
+      report.budget_bytes = staging->budget_bytes();
+      report.peak_held_bytes = staging->stats().peak_held_bytes;
+    }
+    return report;
+  }
+
+  // The staging pool for a Sync that stages chunks of up to `needed` device bytes (null when 0).
+  std::shared_ptr<StagingPool> StagingFor(uint64_t needed) {
+    if (needed == 0) return nullptr;
+    const uint64_t budget = options.staging_bytes != 0 ? options.staging_bytes : 2 * needed;
+    if (staging == nullptr || staging->budget_bytes() != budget) {
+      staging = std::make_shared<StagingPool>(budget);
+    }
+    return staging;
+  }
 
   uint32_t rank() const { return group->rank(); }
   uint32_t world() const { return group->world_size(); }
@@ -153,7 +185,7 @@ struct PublisherRank {
     // The errors reach rank 0 in this rank's proposal, which names the rank.
     sharded_status = CheckLayout(model->layout);
     if (!sharded_status.ok()) return;
-    Result<std::map<std::string, TensorView>> locals = LocalsOf(model->layout, model->locals);
+    Result<std::map<std::string, ExportTensor>> locals = LocalsOf(model->layout, model->locals);
     if (!locals.ok()) {
       sharded_status = locals.status();
       return;
@@ -237,7 +269,9 @@ struct PublisherRank {
       return ProducerStreamed{std::move(report), tracker->PendingDigests()};
     }
     const ChunkSource pieces =
-        SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes);
+        SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes,
+                         StagingFor(StagingBytesNeeded(sharded->layout, roles, sharded_locals,
+                                                       options.stream.chunk_bytes)));
     REFIT_ASSIGN_OR_RETURN(StreamReport report, piece_stream->Run(*tracker, pieces, stream_routes));
     REFIT_RETURN_NOT_OK(finish(report));
     streamed = report;
@@ -260,8 +294,9 @@ struct PublisherRank {
         }
         boxes.push_back(BoxDigest{piece.tensor, piece.offset, rank(), it->second});
       } else if (roles[i] == PieceRole::kCopy) {
-        boxes.push_back(BoxDigest{piece.tensor, piece.offset, rank(),
-                                  PieceDigest(piece, sharded_locals.at(piece.local))});
+        REFIT_ASSIGN_OR_RETURN(const uint64_t digest,
+                               CopyDigest(piece, sharded_locals.at(piece.local), staging.get()));
+        boxes.push_back(BoxDigest{piece.tensor, piece.offset, rank(), digest});
       }
     }
     return boxes;
@@ -854,8 +889,21 @@ Publisher::~Publisher() = default;
 
 Status Publisher::AdoptBaseline(std::span<const TensorView> model,
                                 std::optional<uint64_t> version) {
+  std::vector<ExportTensor> host;
+  host.reserve(model.size());
+  for (const TensorView& tensor : model) host.push_back(ExportTensor::Host(tensor));
+  return AdoptBaseline(std::span<const ExportTensor>(host), version);
+}
+
+Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
+                                std::optional<uint64_t> version) {
+  uint64_t largest_device = 0;
+  for (const ExportTensor& tensor : model) {
+    if (tensor.device != nullptr) largest_device = std::max(largest_device, tensor.size_bytes());
+  }
   REFIT_RETURN_NOT_OK(AdoptOwnedBaseline(*impl_->tracker, model, impl_->options.stream.chunk_bytes,
-                                         rank(), world_size()));
+                                         rank(), world_size(),
+                                         impl_->StagingFor(largest_device).get()));
   if (version.has_value()) REFIT_RETURN_NOT_OK(impl_->tracker->Rebase(*version));
   impl_->version_unknown = !version.has_value();
   impl_->committed_world = world_size();
@@ -868,13 +916,15 @@ Result<SyncReport> Publisher::Sync(const ChunkSource& source, bool force_anchor)
 }
 
 Result<SyncReport> Publisher::Sync(const ShardedModel& model, bool force_anchor) {
+  const uint64_t read_before = DeviceReadBytes(model.locals);
   impl_->SetSharded(&model);
   // The source is unused: each rank streams the boxes rank 0's plan gives it.
-  const ChunkSource none = []() -> Result<std::optional<ExportChunk>> {
+  const ChunkSource none = [](const ChunkPull&) -> Result<std::optional<ExportChunk>> {
     return std::optional<ExportChunk>();
   };
   Result<SyncReport> synced = SyncOf(none, force_anchor);
   impl_->SetSharded(nullptr);
+  if (synced.ok()) synced->staging = impl_->Staging(DeviceReadBytes(model.locals) - read_before);
   return synced;
 }
 
@@ -898,12 +948,24 @@ void Publisher::Cancel() {
 }
 
 Result<SyncReport> Publisher::Sync(std::vector<TensorView> tensors, bool force_anchor) {
+  std::vector<ExportTensor> host;
+  host.reserve(tensors.size());
+  for (const TensorView& tensor : tensors) host.push_back(ExportTensor::Host(tensor));
+  return Sync(std::move(host), force_anchor);
+}
+
+Result<SyncReport> Publisher::Sync(std::vector<ExportTensor> tensors, bool force_anchor) {
   impl_->listed_tensors.clear();
-  for (const TensorView& tensor : tensors) impl_->listed_tensors.push_back(tensor.name);
-  const ChunkSource source =
-      TensorListSource(std::move(tensors), impl_->options.stream.chunk_bytes);
+  for (const ExportTensor& tensor : tensors) impl_->listed_tensors.push_back(tensor.name);
+  const uint64_t read_before = DeviceReadBytes(tensors);
+  const std::vector<ExportTensor> kept = tensors;
+  const uint64_t chunk_bytes = impl_->options.stream.chunk_bytes;
+  std::shared_ptr<StagingPool> pool =
+      impl_->StagingFor(LargestStagedChunkBytes(tensors, chunk_bytes));
+  const ChunkSource source = StagedTensorSource(std::move(tensors), chunk_bytes, std::move(pool));
   Result<SyncReport> synced = Sync(source, force_anchor);
   impl_->listed_tensors.clear();
+  if (synced.ok()) synced->staging = impl_->Staging(DeviceReadBytes(kept) - read_before);
   return synced;
 }
 

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "refit/chunk_source.h"
 #include "refit/chunking.h"
 
@@ -38,39 +40,50 @@ std::vector<ChunkRange> PlanChunks(std::span<const uint64_t> tensor_bytes, uint6
 }
 
 ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_bytes) {
-  std::vector<uint64_t> sizes;
-  sizes.reserve(tensors.size());
-  for (const TensorView& tensor : tensors) sizes.push_back(tensor.bytes.size());
-  // The walk is shared: std::function copies its callable, and a copy (one a caller keeps before
-  // passing the source on) must continue the same walk rather than replay it.
-  struct Walk {
-    std::vector<TensorView> tensors;
-    std::vector<ChunkRange> chunks;
-    size_t next = 0;
-  };
-  auto walk = std::make_shared<Walk>();
-  walk->chunks = PlanChunks(sizes, chunk_bytes);
-  walk->tensors = std::move(tensors);
-  return [walk]() -> Result<std::optional<ExportChunk>> {
-    if (walk->next == walk->chunks.size()) return std::optional<ExportChunk>();
-    const ChunkRange& range = walk->chunks[walk->next++];
-    ExportChunk chunk;
-    chunk.tensors.assign(walk->tensors.begin() + static_cast<ptrdiff_t>(range.begin),
-                         walk->tensors.begin() + static_cast<ptrdiff_t>(range.end));
-    return std::optional<ExportChunk>(std::move(chunk));
-  };
+  std::vector<ExportTensor> host;
+  host.reserve(tensors.size());
+  for (const TensorView& tensor : tensors) host.push_back(ExportTensor::Host(tensor));
+  return StagedTensorSource(std::move(host), chunk_bytes, nullptr);
 }
 
 Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers) {
+  std::vector<ExportTensor> host;
+  host.reserve(model.size());
+  for (const TensorView& tensor : model) host.push_back(ExportTensor::Host(tensor));
+  return AdoptOwnedBaseline(tracker, host, chunk_bytes, producer_id, num_producers, nullptr);
+}
+
+Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const ExportTensor> model,
+                          uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers,
+                          StagingPool* pool) {
   std::vector<uint64_t> sizes;
   sizes.reserve(model.size());
-  for (const TensorView& tensor : model) sizes.push_back(tensor.bytes.size());
+  for (const ExportTensor& tensor : model) sizes.push_back(tensor.size_bytes());
   const std::vector<ChunkRange> chunks = PlanChunks(sizes, chunk_bytes);
   for (size_t k = 0; k < chunks.size(); ++k) {
     if (!OwnsChunk(k, producer_id, num_producers)) continue;
     for (size_t t = chunks[k].begin; t < chunks[k].end; ++t) {
-      REFIT_RETURN_NOT_OK(tracker.AdoptBaseline(model[t]));
+      const ExportTensor& tensor = model[t];
+      if (tensor.device == nullptr) {
+        REFIT_RETURN_NOT_OK(tracker.AdoptBaseline(
+            TensorView{tensor.name, tensor.dtype, tensor.shape, tensor.host}));
+        continue;
+      }
+      REFIT_RETURN_NOT_OK(CheckExportTensorSize(tensor));
+      if (tensor.size_bytes() == 0) {
+        REFIT_RETURN_NOT_OK(
+            tracker.AdoptBaseline(TensorView{tensor.name, tensor.dtype, tensor.shape, {}}));
+        continue;
+      }
+      REFIT_ASSIGN_OR_RETURN(
+          std::shared_ptr<StagingPool::Buffer> staged,
+          AcquireStaging(pool, tensor.size_bytes(), fmt::format("tensor '{}'", tensor.name)));
+      REFIT_RETURN_NOT_OK(
+          tensor.device->Read(0, staged->bytes())
+              .WithContext(fmt::format("adopting tensor '{}' as the baseline", tensor.name)));
+      REFIT_RETURN_NOT_OK(tracker.AdoptBaseline(
+          TensorView{tensor.name, tensor.dtype, tensor.shape, staged->bytes()}));
     }
   }
   // Also for a producer that owns none of the chunks: its empty baseline is complete, and its

@@ -1,8 +1,11 @@
 #include "refit/piece_source.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <utility>
+
+#include "refit/chunking.h"
 
 namespace refit {
 namespace {
@@ -37,13 +40,23 @@ uint64_t LocalStart(const LayoutPiece& piece) {
   return start;
 }
 
-/// Copy the box of `piece` out of `local`, row-major over the box, one last-dimension run at a
-/// time.
-std::vector<std::byte> CopyBox(const LayoutPiece& piece, const TensorView& local) {
+/// Copy the box of `piece` out of `local` into `out` (box bytes), row-major over the box: one
+/// range where the box is contiguous in the local tensor, else one last-dimension run at a time.
+/// Errors: the device backend's, naming the piece.
+Status ReadBox(const LayoutPiece& piece, const ExportTensor& local, std::span<std::byte> out) {
   const uint32_t width = DTypeSize(piece.dtype);
+  const auto read = [&](uint64_t local_byte, std::span<std::byte> to) -> Status {
+    if (local.device == nullptr) {
+      std::memcpy(to.data(), local.host.data() + local_byte, to.size());
+      return Status::OK();
+    }
+    return local.device->Read(local_byte, to)
+        .WithContext(
+            fmt::format("staging piece {} from local tensor '{}'", piece.ToString(), local.name));
+  };
+  if (out.empty()) return Status::OK();
+  if (ContiguousInLocal(piece)) return read(LocalStart(piece) * width, out);
   const size_t ndim = piece.extent.size();
-  std::vector<std::byte> out(piece.numel() * width);
-  if (out.empty()) return out;
   const std::vector<uint64_t> stride = Strides(piece.local_shape);
   const uint64_t run = static_cast<uint64_t>(piece.extent[ndim - 1]) * width;
   std::vector<int64_t> index(ndim, 0);
@@ -52,15 +65,17 @@ std::vector<std::byte> CopyBox(const LayoutPiece& piece, const TensorView& local
     for (size_t d = 0; d < ndim; ++d) {
       element += static_cast<uint64_t>(piece.local_offset[d] + index[d]) * stride[d];
     }
-    std::memcpy(out.data() + written, local.bytes.data() + element * width, run);
+    REFIT_RETURN_NOT_OK(read(element * width, out.subspan(written, run)));
     // The next index of the leading dimensions, row-major.
     for (size_t d = ndim - 1; d-- > 0;) {
       if (++index[d] < piece.extent[d]) break;
       index[d] = 0;
     }
   }
-  return out;
+  return Status::OK();
 }
+
+uint64_t BoxBytes(const LayoutPiece& piece) { return piece.numel() * DTypeSize(piece.dtype); }
 
 }  // namespace
 
@@ -70,10 +85,10 @@ CanonicalBox PieceBox(const LayoutPiece& piece) {
   return CanonicalBox{piece.tensor, piece.shape, piece.offset};
 }
 
-Result<std::map<std::string, TensorView>> LocalsOf(const ProducerLayout& layout,
-                                                   std::span<const TensorView> locals) {
-  std::map<std::string, TensorView> by_name;
-  for (const TensorView& local : locals) {
+Result<std::map<std::string, ExportTensor>> LocalsOf(const ProducerLayout& layout,
+                                                     std::span<const ExportTensor> locals) {
+  std::map<std::string, ExportTensor> by_name;
+  for (const ExportTensor& local : locals) {
     if (!by_name.emplace(local.name, local).second) {
       return InvalidArgument("local tensor '{}' is given twice", local.name);
     }
@@ -84,7 +99,7 @@ Result<std::map<std::string, TensorView>> LocalsOf(const ProducerLayout& layout,
       return InvalidArgument("piece {} is stored in local tensor '{}', which was not given",
                              piece.ToString(), piece.local);
     }
-    const TensorView& local = it->second;
+    const ExportTensor& local = it->second;
     // The piece may view the local tensor reshaped (an expert stack [experts, rows, cols] seen as
     // [experts·rows, cols] by a piece of one expert's matrix): row-major, the elements coincide.
     const Result<uint64_t> local_elements = NumElements(local.shape);
@@ -98,49 +113,122 @@ Result<std::map<std::string, TensorView>> LocalsOf(const ProducerLayout& layout,
           piece.ToString(), piece.local, DTypeName(piece.dtype), ShapeToString(piece.local_shape),
           DTypeName(local.dtype), ShapeToString(local.shape));
     }
-    REFIT_RETURN_NOT_OK(CheckTensorSize(local));
+    REFIT_RETURN_NOT_OK(CheckExportTensorSize(local));
   }
   return by_name;
 }
 
+uint64_t StagingBytesNeeded(const ProducerLayout& layout, std::span<const PieceRole> roles,
+                            const std::map<std::string, ExportTensor>& locals,
+                            uint64_t chunk_bytes) {
+  std::vector<uint64_t> sizes;
+  std::vector<uint64_t> device_sizes;
+  uint64_t largest_copy = 0;
+  for (size_t i = 0; i < layout.pieces.size(); ++i) {
+    const LayoutPiece& piece = layout.pieces[i];
+    const bool device = locals.at(piece.local).device != nullptr;
+    if (roles[i] == PieceRole::kSend) {
+      sizes.push_back(BoxBytes(piece));
+      device_sizes.push_back(device ? BoxBytes(piece) : 0);
+    } else if (roles[i] == PieceRole::kCopy && device) {
+      largest_copy = std::max(largest_copy, BoxBytes(piece));
+    }
+  }
+  uint64_t largest_chunk = 0;
+  for (const ChunkRange& range : PlanChunks(sizes, chunk_bytes)) {
+    uint64_t bytes = 0;
+    for (size_t p = range.begin; p < range.end; ++p) bytes += device_sizes[p];
+    largest_chunk = std::max(largest_chunk, bytes);
+  }
+  return std::max(largest_chunk, largest_copy);
+}
+
+Result<uint64_t> CopyDigest(const LayoutPiece& piece, const ExportTensor& local,
+                            StagingPool* pool) {
+  if (local.device == nullptr) {
+    return PieceDigest(piece, TensorView{local.name, local.dtype, local.shape, local.host});
+  }
+  const uint64_t bytes = BoxBytes(piece);
+  if (bytes == 0) return uint64_t{0};
+  REFIT_ASSIGN_OR_RETURN(std::shared_ptr<StagingPool::Buffer> staged,
+                         AcquireStaging(pool, bytes, fmt::format("piece {}", piece.ToString())));
+  REFIT_RETURN_NOT_OK(ReadBox(piece, local, staged->bytes()));
+  // The staged box is a local tensor of its own: the whole of it, at local offset 0.
+  LayoutPiece box = piece;
+  box.local_shape = piece.extent;
+  box.local_offset.assign(piece.extent.size(), 0);
+  return PieceDigest(box, TensorView{local.name, local.dtype, piece.extent, staged->bytes()});
+}
+
 ChunkSource SentPiecesSource(const ProducerLayout& layout, std::span<const PieceRole> roles,
-                             const std::map<std::string, TensorView>& locals,
-                             uint64_t chunk_bytes) {
+                             const std::map<std::string, ExportTensor>& locals,
+                             uint64_t chunk_bytes, std::shared_ptr<StagingPool> pool) {
   struct Walk {
     std::vector<const LayoutPiece*> pieces;
     std::vector<ChunkRange> chunks;
-    const std::map<std::string, TensorView>* locals = nullptr;
+    const std::map<std::string, ExportTensor>* locals = nullptr;
+    std::shared_ptr<StagingPool> pool;
     size_t next = 0;
   };
   auto walk = std::make_shared<Walk>();
   walk->locals = &locals;
+  walk->pool = std::move(pool);
   std::vector<uint64_t> sizes;
   for (size_t i = 0; i < layout.pieces.size(); ++i) {
     if (roles[i] != PieceRole::kSend) continue;
     walk->pieces.push_back(&layout.pieces[i]);
-    sizes.push_back(layout.pieces[i].numel() * DTypeSize(layout.pieces[i].dtype));
+    sizes.push_back(BoxBytes(layout.pieces[i]));
   }
   walk->chunks = PlanChunks(sizes, chunk_bytes);
-  return [walk]() -> Result<std::optional<ExportChunk>> {
+  return [walk](const ChunkPull& pull) -> Result<std::optional<ExportChunk>> {
     if (walk->next == walk->chunks.size()) return std::optional<ExportChunk>();
     const ChunkRange& range = walk->chunks[walk->next++];
-    ExportChunk chunk;
-    auto copies = std::make_shared<std::vector<std::vector<std::byte>>>();
-    copies->reserve(range.end - range.begin);
+    // What the chunk copies: the device pieces (staged through the pool) and the host pieces not
+    // contiguous in their local tensor (copied on the heap).
+    uint64_t staged_bytes = 0;
     for (size_t p = range.begin; p < range.end; ++p) {
       const LayoutPiece& piece = *walk->pieces[p];
-      const TensorView& local = walk->locals->at(piece.local);
+      if (walk->locals->at(piece.local).device != nullptr) staged_bytes += BoxBytes(piece);
+    }
+    ExportChunk chunk;
+    std::shared_ptr<StagingPool::Buffer> staged;
+    if (staged_bytes > 0 && pull.read) {
+      REFIT_ASSIGN_OR_RETURN(staged,
+                             AcquireStaging(walk->pool.get(), staged_bytes,
+                                            fmt::format("the chunk starting with piece {}",
+                                                        walk->pieces[range.begin]->ToString()),
+                                            pull.stop));
+    }
+    chunk.unread = staged_bytes > 0 && staged == nullptr;
+    auto copies = std::make_shared<std::vector<std::vector<std::byte>>>();
+    copies->reserve(range.end - range.begin);
+    uint64_t offset = 0;
+    for (size_t p = range.begin; p < range.end; ++p) {
+      const LayoutPiece& piece = *walk->pieces[p];
+      const ExportTensor& local = walk->locals->at(piece.local);
       const uint32_t width = DTypeSize(piece.dtype);
       std::span<const std::byte> bytes;
-      if (ContiguousInLocal(piece)) {
-        bytes = local.bytes.subspan(LocalStart(piece) * width, piece.numel() * width);
+      if (chunk.unread) {
+        bytes = {};
+      } else if (local.device != nullptr) {
+        const std::span<std::byte> out = staged->bytes().subspan(offset, BoxBytes(piece));
+        REFIT_RETURN_NOT_OK(ReadBox(piece, local, out));
+        offset += out.size();
+        bytes = out;
+      } else if (ContiguousInLocal(piece)) {
+        bytes = local.host.subspan(LocalStart(piece) * width, piece.numel() * width);
       } else {
-        copies->push_back(CopyBox(piece, local));
+        copies->emplace_back(BoxBytes(piece));
+        REFIT_RETURN_NOT_OK(ReadBox(piece, local, copies->back()));
         bytes = copies->back();
       }
       chunk.tensors.push_back(TensorView{PieceKey(piece), piece.dtype, piece.extent, bytes});
     }
-    if (!copies->empty()) chunk.keepalive = std::move(copies);
+    if (staged != nullptr || !copies->empty()) {
+      chunk.keepalive =
+          std::make_shared<std::pair<std::shared_ptr<StagingPool::Buffer>, decltype(copies)>>(
+              std::move(staged), std::move(copies));
+    }
     return std::optional<ExportChunk>(std::move(chunk));
   };
 }

@@ -394,7 +394,8 @@ void StreamRun::PullSource(const ChunkSource& source) {
     }
     const bool draining = stopped();
     const Clock::time_point pull_start = Clock::now();
-    Result<std::optional<ExportChunk>> next = source();
+    Result<std::optional<ExportChunk>> next =
+        source(ChunkPull{chunk_index, credit && !draining, stop_});
     source_time_.Add(pull_start);
     if (!next.ok() || !next->has_value()) {
       if (credit) chunk_credits_.Release();
@@ -418,6 +419,12 @@ void StreamRun::PullSource(const ChunkSource& source) {
       continue;
     }
     if (!credit) continue;  // Not ours: walked for the collectives, then dropped.
+    if (chunk.unread) {
+      chunk_credits_.Release();
+      Fail(InvalidArgument("{}: source chunk {} came unread, but this producer reads it", context_,
+                           index));
+      continue;
+    }
     ++owned_chunks_;
     // The credit now travels with the chunk; the bucketer releases it.
     if (!Dispatch(index, std::move(chunk))) continue;
@@ -430,7 +437,12 @@ Status StreamRun::CheckChunk(uint64_t chunk_index, const ExportChunk& chunk) {
   }
   for (size_t i = 0; i < chunk.tensors.size(); ++i) {
     const TensorView& tensor = chunk.tensors[i];
-    const uint64_t bytes = tensor.bytes.size();
+    uint64_t bytes = tensor.bytes.size();
+    if (chunk.unread) {
+      // An unread chunk's sizes are its shapes' (ExportChunk::unread).
+      REFIT_ASSIGN_OR_RETURN(const uint64_t elements, NumElements(tensor.shape));
+      bytes = elements * DTypeSize(tensor.dtype);
+    }
     const bool starts = chunker_.Add(bytes);
     if (i == 0 && !starts) {
       return InvalidArgument(

@@ -682,8 +682,9 @@ ShardedRank ShardedRankOf(const std::vector<Canonical>& model, uint64_t shard, u
     rank.model.layout.pieces.push_back(std::move(piece));
   }
   for (const LayoutPiece& piece : rank.model.layout.pieces) {
-    rank.model.locals.push_back(TensorView{piece.local, DType::kBFloat16, piece.local_shape,
-                                           std::as_bytes(std::span(rank.bits.at(piece.local)))});
+    rank.model.locals.push_back(
+        ExportTensor::Host(TensorView{piece.local, DType::kBFloat16, piece.local_shape,
+                                      std::as_bytes(std::span(rank.bits.at(piece.local)))}));
   }
   return rank;
 }
@@ -993,8 +994,8 @@ ShardedRank MegatronRank(const std::vector<Canonical>& model, uint32_t tp, uint3
     local_shapes[piece.local] = piece.local_shape;
   }
   for (const auto& [name, bits] : rank.bits) {
-    rank.model.locals.push_back(
-        TensorView{name, DType::kBFloat16, local_shapes.at(name), std::as_bytes(std::span(bits))});
+    rank.model.locals.push_back(ExportTensor::Host(
+        TensorView{name, DType::kBFloat16, local_shapes.at(name), std::as_bytes(std::span(bits))}));
   }
   return rank;
 }
@@ -1064,8 +1065,12 @@ TEST(ShardedPublisherTest, MegatronTp2Pp2Dp2WithFusedInterleavedQkvRefitsUnshard
       const uint32_t tp = r % 2;
       const uint32_t pp = (r / 2) % 2;
       held.push_back(MegatronRank(m, tp, pp));
+      std::vector<TensorView> locals;
+      for (const ExportTensor& local : held.back().model.locals) {
+        locals.push_back(TensorView{local.name, local.dtype, local.shape, local.host});
+      }
       Result<ProducerLayout> stated =
-          ProducerLayoutFromLoader(MegatronSpec(tp), held.back().model.locals, StageTensors(pp));
+          ProducerLayoutFromLoader(MegatronSpec(tp), locals, StageTensors(pp));
       EXPECT_TRUE(stated.ok()) << "rank " << r << ": " << stated.status().ToString();
       if (!stated.ok()) continue;
       EXPECT_EQ(PieceKeys(*stated), PieceKeys(held.back().model.layout)) << "rank " << r;

@@ -140,13 +140,13 @@ TEST(TensorListSourceTest, YieldsThePlannedChunksThenEnds) {
   ChunkSource source = TensorListSource(views, 100);
   std::vector<std::vector<std::string>> names;
   while (true) {
-    ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> chunk, source());
+    ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> chunk, source(ChunkPull{}));
     if (!chunk) break;
     names.emplace_back();
     for (const TensorView& t : chunk->tensors) names.back().push_back(t.name);
   }
   EXPECT_EQ(names, (std::vector<std::vector<std::string>>{{"a", "b"}, {"c"}, {"d"}}));
-  ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> after_end, source());
+  ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> after_end, source(ChunkPull{}));
   EXPECT_FALSE(after_end.has_value());
 }
 
@@ -767,12 +767,12 @@ class CountingSource {
       : inner_(TensorListSource(std::move(tensors), chunk_bytes)), fail_at_call_(fail_at_call) {}
 
   ChunkSource Source() {
-    return [this]() -> Result<std::optional<ExportChunk>> {
+    return [this](const ChunkPull& pull) -> Result<std::optional<ExportChunk>> {
       const int call = calls_++;
       if (fail_at_call_ && call == *fail_at_call_) {
         return Unavailable("injected source failure at call {}", call);
       }
-      Result<std::optional<ExportChunk>> next = inner_();
+      Result<std::optional<ExportChunk>> next = inner_(pull);
       if (next.ok() && !next->has_value()) ended_ = true;
       return next;
     };
@@ -891,7 +891,7 @@ class ListedChunkSource {
   ListedChunkSource(const std::vector<OwnedTensor>& model, std::vector<std::vector<size_t>> chunks)
       : views_(Views(model)), chunks_(std::move(chunks)) {}
   ChunkSource Source() {
-    return [this]() -> Result<std::optional<ExportChunk>> {
+    return [this](const ChunkPull&) -> Result<std::optional<ExportChunk>> {
       if (next_ == chunks_.size()) {
         ended_ = true;
         return std::optional<ExportChunk>();
@@ -1030,8 +1030,8 @@ TEST(ProducerStreamTest, InFlightChunksAndPayloadsNeverExceedTheirBounds) {
     std::atomic<int> chunks_alive = 0;
     std::atomic<int> max_chunks_alive = 0;
     ChunkSource inner = TensorListSource(Views(v1), kChunkBytes);
-    ChunkSource source = [&]() -> Result<std::optional<ExportChunk>> {
-      Result<std::optional<ExportChunk>> next = inner();
+    ChunkSource source = [&](const ChunkPull& pull) -> Result<std::optional<ExportChunk>> {
+      Result<std::optional<ExportChunk>> next = inner(pull);
       if (next.ok() && next->has_value()) {
         RaiseToAtLeast(max_chunks_alive, ++chunks_alive);
         (*next)->keepalive = std::make_shared<AliveToken>(chunks_alive);
