@@ -32,10 +32,11 @@ fi
 
 # 2. The device boundary's torch backend on CUDA tensors (refit.torch.TorchTensorMemory): the
 # tests named *cuda* in python/tests/test_torch.py (deltas and an anchor applied in place into a
-# module on the GPU, the traffic counted, an aborted sync rolled back on the device). They skip
-# without a device, which this script refuses.
+# module on the GPU, the traffic counted, an aborted sync rolled back on the device) and in
+# python/tests/test_torch_staging.py (a trainer on the GPU publishing through the staging pool).
+# They skip without a device, which this script refuses.
 PYTHONPATH=python:build/dev/python .venv/bin/python -m pytest -q -rs -p no:cacheprovider \
-  python/tests/test_torch.py -k cuda | tee /tmp/refit-gpu-torch.log
+  python/tests/test_torch.py python/tests/test_torch_staging.py -k cuda | tee /tmp/refit-gpu-torch.log
 if grep -qi "skipped" /tmp/refit-gpu-torch.log; then
   echo "gpu-tests.sh: a CUDA torch test was skipped although a device is visible" >&2
   exit 1

@@ -59,8 +59,9 @@ struct ServeSettings {
   std::string advertise_address;
   /// The HTTP control port; 0 picks a free one (reported on stdout and in the ready file).
   uint16_t control_port = 0;
-  /// The data port (required): its endpoint "<advertised host>:<data_port>" is this receiver's
-  /// name in `peers` and in the ready file, so it cannot be ephemeral.
+  /// The data port: its endpoint "<advertised host>:<data_port>" is this receiver's name in
+  /// `peers` and in the ready file. 0: one the kernel chooses as the listener binds (reported in
+  /// the ready file and the log); not with `peers`, which must name it before it exists.
   uint16_t data_port = 0;
   /// Every relay's data endpoint in tree order, the same list on every receiver of the fleet,
   /// this one's included. Empty: this receiver is the only relay.
@@ -135,10 +136,11 @@ Status CheckSettings(const ServeSettings& settings, bool relay) {
           "serve: --data-port and --peers are for relay-tree transports (zmq://); an object-store "
           "transport announces payloads through the control plane");
     }
-  } else if (settings.data_port == 0) {
+  } else if (settings.data_port == 0 && !settings.peers.empty()) {
     return InvalidArgument(
-        "serve: --data-port is required (1-65535): other relays and producers address this "
-        "receiver by it");
+        "serve: --peers needs a fixed --data-port (1-65535) to name this receiver in; port 0 "
+        "(the kernel's choice, the default) is for receivers without --peers, whose relay tree "
+        "each transfer names");
   }
   if (settings.bind_address.empty()) return InvalidArgument("serve: --bind is empty");
   const bool wildcard = std::find(std::begin(kWildcardAddresses), std::end(kWildcardAddresses),
@@ -475,7 +477,9 @@ void RegisterServe(CLI::App& app, Status* result) {
                   "when --bind is a wildcard such as 0.0.0.0)");
   cmd->add_option("--control-port", settings->control_port, "HTTP control port (0: any free one)")
       ->capture_default_str();
-  cmd->add_option("--data-port", settings->data_port, "Data port (required)");
+  cmd->add_option("--data-port", settings->data_port,
+                  "Data port; 0 (default): one the kernel chooses as it binds, reported in the "
+                  "log and the ready file (not with --peers)");
   cmd->add_option("--peers", settings->peers,
                   "A static relay tree, only for coordinators that name none (refit push and "
                   "Publisher name each transfer's tree): every relay's data endpoint host:port "

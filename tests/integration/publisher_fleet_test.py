@@ -206,7 +206,8 @@ def changed_per_rank(old, new, target, world, anchor):
 # ---- Daemons ------------------------------------------------------------------------------
 
 class Daemon:
-    """One `refit serve` process; restartable on the same ports."""
+    """One `refit serve` process; restartable on the same ports. `data_port` 0: the kernel
+    chooses it at the first start (read back from the ready file), kept for restarts."""
 
     def __init__(self, refit, workdir, name, model, data_port, env, loader=None, replica=None):
         self.refit, self.workdir, self.name, self.model = refit, workdir, name, model
@@ -248,6 +249,11 @@ class Daemon:
             info = json.load(f)
         self.url = info["control_url"]
         self.control_port = int(self.url.rsplit(":", 1)[1])
+        check(self.data_port in (0, int(info["data_endpoint"].rsplit(":", 1)[1])),
+              f"daemon {self.name} binds its data port {self.data_port}")
+        self.data = info["data_endpoint"]
+        self.data_port = int(self.data.rsplit(":", 1)[1])
+        check(self.data_port != 0, f"daemon {self.name} reports the data port the kernel chose")
 
     def log_tail(self, chars=1500):
         with open(self.log_path, errors="replace") as f:
@@ -501,7 +507,8 @@ def test_process_groups(ctx, rng):
     # 4 group sizes × (FULL, delta) and 3 steps of the kill tests.
     steps, paths = write_steps(ctx.workdir, "a", first, rng, 12)
     expected = [as_bytes(s) for s in steps]
-    ports = free_ports(2)
+    # Daemon a1 binds port 0: the kernel's choice, as `refit serve` does by default.
+    ports = [free_port(), 0]
     daemons = [Daemon(ctx.refit, ctx.workdir, f"a{i}", paths[0], ports[i], ctx.env)
                for i in range(2)]
     fleet = Fleet(daemons)
