@@ -148,8 +148,9 @@ class TorchGroup:
 # ---- Publisher -----------------------------------------------------------------------------------
 
 
-class Publisher(refit.Publisher):
-    """A trainer rank's publisher of a torch module (see :class:`refit.Publisher`).
+class Publisher:
+    """A trainer rank's publisher of a torch module: a :class:`refit.Publisher` that reads torch
+    modules, state dicts and DTensors where they are.
 
     ``group``: a :class:`TorchGroup`, a :data:`refit.Group`, or None — then a TorchGroup when
     torch.distributed is initialised (every rank must construct its Publisher together), else a
@@ -180,7 +181,7 @@ class Publisher(refit.Publisher):
         if isinstance(group, TorchGroup):
             self.torch_group = group
             group = group.as_group()
-        super().__init__(receivers=receivers, group=group, **options)
+        self._inner = refit.Publisher(receivers=receivers, group=group, **options)
 
     def _exported(self, tensors: List[Tuple[str, torch.Tensor]]) -> List[Tuple[str, Any]]:
         """``tensors`` as the core reads them: host tensors as they are, the others (by
@@ -202,7 +203,7 @@ class Publisher(refit.Publisher):
             out.append((name, refit.DeviceTensor(str(tensor.dtype), tuple(tensor.shape), memory)))
         return out
 
-    def sync(  # type: ignore[override]
+    def sync(
         self,
         model: ModuleOrState,
         force_anchor: bool = False,
@@ -225,16 +226,44 @@ class Publisher(refit.Publisher):
             from refit.layout import layout_of, local_tensors  # noqa: PLC0415
 
             locals_ = list(local_tensors(model).items())
-            return super().sync(self._exported(locals_), force_anchor, layout=layout_of(model))
+            return self._inner.sync(self._exported(locals_), force_anchor, layout=layout_of(model))
         if layout is not None:
-            return super().sync(self._exported(state_tensors(model)), force_anchor, layout=layout)
-        return super().sync(self._exported(state_tensors(model)), force_anchor)
+            return self._inner.sync(self._exported(state_tensors(model)), force_anchor, layout=layout)
+        return self._inner.sync(self._exported(state_tensors(model)), force_anchor)
 
-    def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:  # type: ignore[override]
+    def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:
         """Take ``model`` as what the receivers hold now (they loaded it), so the next sync is a delta.
 
         Tensors in device memory are read one at a time into this rank's baseline."""
-        super().adopt_baseline(self._exported(state_tensors(model)), version)
+        self._inner.adopt_baseline(self._exported(state_tensors(model)), version)
+
+    def set_receivers(self, receivers: Iterable[Any]) -> None:
+        """Rank 0: replace the fleet from the next sync on."""
+        self._inner.set_receivers(receivers)
+
+    def cancel(self) -> None:
+        """Make the sync in flight (on another thread) fail soon with Cancelled."""
+        self._inner.cancel()
+
+    @property
+    def rank(self) -> int:
+        """This rank in the producer group."""
+        return self._inner.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks W."""
+        return self._inner.world_size
+
+    @property
+    def version(self) -> int:
+        """The version this rank last committed."""
+        return self._inner.version
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes this rank keeps to diff against: its share of the model (its own boxes, when sharded)."""
+        return self._inner.baseline_bytes
 
 
 # ---- Device boundary -----------------------------------------------------------------------------

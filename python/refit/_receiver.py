@@ -1,0 +1,208 @@
+"""A receiver: one inference worker's (or tensor-parallel shard's) end of a fleet, holding the
+worker's own tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+from . import _core
+from ._config import Config
+from ._loader import Loader
+from ._tensors import as_buffer_tensor
+from .errors import FailedPrecondition, InvalidArgument
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverStatus:
+    """Where a receiver stands: its committed version and its open transfer, if any."""
+
+    #: "idle", "receiving" or "prepared".
+    state: str
+    #: The committed version the receiver holds.
+    version: int
+    #: The open transfer's id (hex), or None when idle.
+    transfer_id: Optional[str]
+    base_version: int
+    target_version: int
+    staged_payloads: int
+    applied_payloads: int
+    queued_payloads: int
+    #: Bytes of the open transfer's undo log (the old bits of every element it touched).
+    undo_bytes: int
+    #: Distinct payloads staged since the receiver started, and their bytes as received: what it
+    #: was sent (a TP shard is sent only its cut under routing by holdings).
+    received_payloads: int
+    received_bytes: int
+    #: Bytes that crossed the boundary of device tensors (registered with ``register_device``)
+    #: since the receiver started: positions and new bits to the device, old bits from it.
+    device_to_bytes: int
+    device_from_bytes: int
+    #: True when an aborted anchor left the weights a mix of versions (``anchor_undo="none"``):
+    #: deltas are refused until an anchor commits, and a Publisher sends one at its next sync.
+    needs_anchor: bool
+    #: Why the open (or last) transfer failed, or None.
+    last_error: Optional[str]
+
+
+Hook = Optional[Callable[..., None]]
+
+
+class Receiver:
+    """One receiver of the fleet, embedded in this process (a ReceiverNode).
+
+    It holds either a safetensors file (``model_path``) or tensors the caller registers with
+    :meth:`register` before :meth:`start` — the caller's own memory, written in place by every
+    transfer and rolled back bit-exactly by an aborted one. It listens on a ZeroMQ data port and
+    an HTTP control plane; a :class:`Publisher` reaches it through :attr:`endpoint`.
+
+    Keyword arguments (all optional):
+
+    - ``model_path``, ``mmap``: a safetensors file to hold (read into memory, or mapped);
+    - ``version``: the version the model is at (default: the file's ``refit.version``, else 0);
+    - ``loader``: a :class:`Loader` (tensor-parallel shards, fused and renamed tensors);
+    - ``replica``, ``shard``: the shard group this receiver belongs to (required with a loader
+      of ``tp_size > 1``; ``shard`` defaults to the loader's ``tp_rank``);
+    - ``transport``: the data-plane URI (default ``zmq://``; ``s3://…`` for an object store);
+    - ``data_endpoint``: zmq: this receiver's ``host:port`` (default: a free port on
+      ``control_host``); ``data_bind``: the address to bind it on if different; ``peers``: every
+      relay's endpoint in tree order, for a relay tree of receivers;
+    - ``control_host``, ``control_port``: where the control plane listens (0: a free port);
+    - ``api_key``: the shared secret of the control plane (default: none, or the config's);
+    - ``anchor_undo``: what undoes an anchor (a FULL sync) if it aborts: ``"memory"`` (the
+      default: the old bits in RAM, about 2× the model during a FULL), ``"file"`` (spilled to
+      ``anchor_undo_dir``, default ``$TMPDIR``), or ``"none"`` (about 1× the model; an aborted
+      anchor leaves :attr:`ReceiverStatus.needs_anchor` set and ``after_abort`` is not called,
+      so generation stays paused until the next anchor commits);
+    - ``config``: a :class:`Config`; explicit arguments override it;
+    - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
+      ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
+      generation in the first — the weights are a mix of two versions until one of the others.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_path: Optional[str] = None,
+        mmap: bool = False,
+        version: Optional[int] = None,
+        loader: Optional[Loader] = None,
+        replica: str = "",
+        shard: Optional[int] = None,
+        transport: Optional[str] = None,
+        data_endpoint: Optional[str] = None,
+        data_bind: Optional[str] = None,
+        peers: Optional[Sequence[str]] = None,
+        control_host: str = "127.0.0.1",
+        control_port: int = 0,
+        api_key: Optional[str] = None,
+        anchor_undo: Optional[str] = None,
+        anchor_undo_dir: Optional[str] = None,
+        config: Optional[Config] = None,
+        before_first_apply: Hook = None,
+        after_commit: Hook = None,
+        after_abort: Hook = None,
+    ):
+        scheme = (transport or (config.transport if config is not None else "zmq://")).split("://")[0]
+        if data_endpoint is None and scheme.split("+")[-1] == "zmq":
+            # Port 0: the listener binds a port the kernel chooses and reports it
+            # (producer_endpoint) — no probe-then-bind for another process to race.
+            data_endpoint = f"{control_host}:0"
+        if loader is not None and not isinstance(loader, Loader):
+            raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
+        self._core = _core.Receiver(
+            config=config,
+            model_path=str(model_path or ""),
+            mmap=mmap,
+            version=version,
+            loader=loader._spec if loader is not None else None,
+            replica=replica,
+            shard=shard,
+            transport=transport,
+            data_endpoint=data_endpoint or "",
+            data_bind=data_bind or "",
+            peers=list(peers or []),
+            control_host=control_host,
+            control_port=control_port,
+            api_key=api_key,
+            anchor_undo=anchor_undo,
+            anchor_undo_dir=None if anchor_undo_dir is None else str(anchor_undo_dir),
+            before_first_apply=before_first_apply,
+            after_commit=after_commit,
+            after_abort=after_abort,
+        )
+        # The registered tensors, kept alive while the receiver may write into them.
+        self._registered: List[Any] = []
+
+    def register(self, name: str, tensor: Any) -> None:
+        """Hold ``tensor`` (a writable contiguous numpy array or CPU torch tensor) as ``name``.
+
+        Zero-copy: transfers write into ``tensor``'s memory. Before :meth:`start` only; costs one
+        pass over the tensor (its digest). Raises AlreadyExists for a name registered before.
+        """
+        self._core.register(as_buffer_tensor(name, tensor, writable=True))
+        self._registered.append(tensor)
+
+    def register_device(self, name: str, memory: TensorMemory, dtype: str, shape: Sequence[int]) -> None:
+        """Hold a tensor in device memory as ``name``, reached only through ``memory``.
+
+        Transfers gather the old bits of the elements they change, compute the new ones on the
+        host and scatter them back: O(changes) across the boundary, no copy of the tensor on the
+        host. Before :meth:`start` only; costs one read of the tensor through ``memory`` (its
+        digest). ``dtype`` is refit's or torch's spelling ("bfloat16", "torch.bfloat16").
+        """
+        self._core.register_device(name, str(dtype), [int(extent) for extent in shape], memory)
+
+    def start(self) -> "Receiver":
+        """Attach the loader, start the data and control planes; accept transfers from now on."""
+        self._core.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; an open transfer is rolled back. Idempotent."""
+        self._core.stop()
+
+    def __enter__(self) -> "Receiver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _started(self, what: str) -> str:
+        value = getattr(self._core, what)
+        if not value:
+            raise FailedPrecondition(f"receiver: {what} is known once the receiver is started (call start())")
+        return value
+
+    @property
+    def control_url(self) -> str:
+        """The control plane's base URL, ``http://host:port``. FailedPrecondition before start."""
+        return self._started("control_url")
+
+    @property
+    def producer_endpoint(self) -> str:
+        """What producers send payloads to: the data endpoint (zmq) or the control URL (s3).
+
+        FailedPrecondition before start.
+        """
+        return self._started("producer_endpoint")
+
+    @property
+    def endpoint(self) -> Tuple[str, str]:
+        """(control URL, data endpoint): this receiver as a Publisher's ``receivers`` names it."""
+        return (self.control_url, self.producer_endpoint)
+
+    @property
+    def version(self) -> int:
+        """The committed version held."""
+        return self._core.status()["version"]
+
+    def status(self) -> ReceiverStatus:
+        """The receiver's state, version and open transfer."""
+        return ReceiverStatus(**self._core.status())
+
+    def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
+        """Block until the receiver has committed ``version`` (or a later one); return it.
+
+        Ctrl-C interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
+        """
+        return self._core.wait_for_version(version, -1.0 if timeout is None else float(timeout))
