@@ -29,11 +29,9 @@
 // authenticated link under its rank, replacing (and shutting down) an older link of that rank.
 // The collectives run on the caller's thread over non-blocking sockets, polling every link at
 // once so that one slow rank does not serialize the others.
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -48,9 +46,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <list>
@@ -59,7 +55,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -70,11 +65,24 @@
 #include "refit/producer_group.h"
 #include "util/endian.h"
 #include "util/logging.h"
+#include "util/tcp_socket.h"
 #include "util/thread_name.h"
 
 namespace refit {
 namespace {
 
+using internal::AddrInfoList;
+using internal::AwaitReady;
+using internal::ConnectOnce;
+using internal::Endpoint;
+using internal::EndpointText;
+using internal::ErrnoText;
+using internal::ParseAddress;
+using internal::PeerClosed;
+using internal::PollTimeout;
+using internal::Resolve;
+using internal::SetNoDelay;
+using internal::UniqueFd;
 using std::chrono::milliseconds;
 
 enum class FrameKind : uint32_t {
@@ -120,8 +128,6 @@ constexpr milliseconds kAcceptErrorPause{50};
 /// Linux limits thread names to 15 bytes plus the NUL.
 constexpr char kAcceptThreadName[] = "refit-group";
 
-std::string ErrnoText(int errnum) { return std::generic_category().message(errnum); }
-
 // The frame's integer fields (see the wire at the top of this file).
 void StoreLe32(uint32_t value, char* out) { internal::StoreLittleEndian(out, value); }
 void StoreLe64(uint64_t value, char* out) { internal::StoreLittleEndian(out, value); }
@@ -132,123 +138,6 @@ std::string SizeBody(uint64_t size) {
   std::string body(8, '\0');
   StoreLe64(size, body.data());
   return body;
-}
-
-/// Milliseconds poll() should wait for `deadline`, rounded up so that a wait never ends early.
-int PollTimeout(GroupClock::time_point deadline) {
-  const auto left = deadline - GroupClock::now();
-  if (left <= GroupClock::duration::zero()) return 0;
-  return static_cast<int>(
-      std::min<int64_t>(std::chrono::ceil<milliseconds>(left).count(), INT_MAX));
-}
-
-/// An owned file descriptor.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { Reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void Reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-/// Rank 0's address: host (without IPv6 brackets) and port.
-struct Endpoint {
-  std::string host;
-  uint16_t port = 0;
-};
-
-/// "host:port", with IPv6 hosts in brackets.
-std::string EndpointText(std::string_view host, uint16_t port) {
-  if (host.find(':') != std::string_view::npos) return fmt::format("[{}]:{}", host, port);
-  return fmt::format("{}:{}", host, port);
-}
-
-Result<Endpoint> ParseAddress(std::string_view address) {
-  const auto malformed = [&](std::string_view why) {
-    return InvalidArgument("tcp group: address '{}' is not tcp://HOST:PORT or HOST:PORT: {}",
-                           address, why);
-  };
-  std::string_view rest = address;
-  if (rest.starts_with("tcp://")) rest.remove_prefix(std::string_view("tcp://").size());
-  std::string_view host;
-  std::string_view port_text;
-  if (rest.starts_with('[')) {
-    const size_t close = rest.find(']');
-    if (close == std::string_view::npos || close + 1 >= rest.size() || rest[close + 1] != ':') {
-      return malformed("an IPv6 host needs the form [HOST]:PORT");
-    }
-    host = rest.substr(1, close - 1);
-    port_text = rest.substr(close + 2);
-  } else {
-    const size_t colon = rest.rfind(':');
-    if (colon == std::string_view::npos) return malformed("no port");
-    host = rest.substr(0, colon);
-    if (host.find(':') != std::string_view::npos) {
-      return malformed("an IPv6 host needs brackets");
-    }
-    port_text = rest.substr(colon + 1);
-  }
-  if (host.empty()) return malformed("no host");
-  unsigned port = 0;
-  const auto [end, error] =
-      std::from_chars(port_text.data(), port_text.data() + port_text.size(), port);
-  if (port_text.empty() || error != std::errc() || end != port_text.data() + port_text.size() ||
-      port > UINT16_MAX) {
-    return malformed(fmt::format("port '{}' is not a number in [0, 65535]", port_text));
-  }
-  return Endpoint{std::string(host), static_cast<uint16_t>(port)};
-}
-
-struct AddrInfoDeleter {
-  void operator()(addrinfo* list) const { ::freeaddrinfo(list); }
-};
-using AddrInfoList = std::unique_ptr<addrinfo, AddrInfoDeleter>;
-
-/// Resolve `endpoint` (a blocking name lookup: numeric hosts resolve at once).
-Result<AddrInfoList> Resolve(const Endpoint& endpoint, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  addrinfo* list = nullptr;
-  const std::string port = std::to_string(endpoint.port);
-  const int error = ::getaddrinfo(endpoint.host.c_str(), port.c_str(), &hints, &list);
-  if (error != 0) {
-    return Unavailable("cannot resolve '{}': {}", endpoint.host, ::gai_strerror(error));
-  }
-  return AddrInfoList(list);
-}
-
-/// Small frames (handshakes, reports) must not wait for Nagle's algorithm; failure only costs
-/// latency, so it is ignored.
-void SetNoDelay(int fd) {
-  const int on = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
-}
-
-/// Whether the peer of `fd` has closed its end (or the connection broke), without reading.
-bool PeerClosed(int fd) {
-  pollfd entry{fd, POLLRDHUP, 0};
-  return ::poll(&entry, 1, 0) > 0 && (entry.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 /// Writes one frame to a non-blocking socket, as far as the socket takes it each time.
@@ -367,18 +256,6 @@ class FrameReader {
   size_t got_ = 0;
 };
 
-/// Wait until `fd` is ready for `events` (or has an error, which the next I/O call reports).
-/// Errors: DeadlineExceeded, Unavailable (poll failed).
-Status AwaitReady(int fd, short events, GroupClock::time_point deadline) {
-  for (;;) {
-    pollfd entry{fd, events, 0};
-    const int ready = ::poll(&entry, 1, PollTimeout(deadline));
-    if (ready > 0) return Status::OK();
-    if (ready < 0 && errno != EINTR) return Unavailable("poll: {}", ErrnoText(errno));
-    if (ready == 0 && GroupClock::now() >= deadline) return DeadlineExceeded("deadline passed");
-  }
-}
-
 Status WriteFrame(int fd, FrameKind kind, uint64_t round, std::string_view body,
                   GroupClock::time_point deadline) {
   FrameWriter writer(kind, round, body);
@@ -415,41 +292,6 @@ Result<std::array<unsigned char, kMacBytes>> JoinMac(std::string_view api_key,
     return Internal("tcp group: HMAC-SHA256 failed");
   }
   return mac;
-}
-
-/// Connect to `endpoint` once, trying each resolved address until the deadline.
-/// Errors: Unavailable (refused, unreachable, unresolvable), DeadlineExceeded.
-Result<UniqueFd> ConnectOnce(const Endpoint& endpoint, GroupClock::time_point deadline) {
-  REFIT_ASSIGN_OR_RETURN(AddrInfoList addresses, Resolve(endpoint, /*passive=*/false));
-  Status last = Unavailable("'{}' resolved to no address", endpoint.host);
-  for (const addrinfo* address = addresses.get(); address != nullptr; address = address->ai_next) {
-    UniqueFd fd(::socket(address->ai_family, address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
-                         address->ai_protocol));
-    if (!fd.valid()) {
-      last = Unavailable("socket: {}", ErrnoText(errno));
-      continue;
-    }
-    if (::connect(fd.get(), address->ai_addr, address->ai_addrlen) != 0) {
-      if (errno != EINPROGRESS) {
-        last = Unavailable("connect: {}", ErrnoText(errno));
-        continue;
-      }
-      if (Status ready = AwaitReady(fd.get(), POLLOUT, deadline); !ready.ok()) {
-        last = ready;
-        continue;
-      }
-      int error = 0;
-      socklen_t error_bytes = sizeof(error);
-      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_bytes) != 0) error = errno;
-      if (error != 0) {
-        last = Unavailable("connect: {}", ErrnoText(error));
-        continue;
-      }
-    }
-    SetNoDelay(fd.get());
-    return fd;
-  }
-  return last;
 }
 
 /// A rank ≥ 1's side of the join handshake on a connected socket; return rank 0's round.
@@ -1251,7 +1093,9 @@ Result<std::unique_ptr<ProducerGroup>> MakeTcpGroup(const TcpGroupOptions& optio
     return InvalidArgument("tcp group: rank {} is not below the world size {}", options.rank,
                            options.world_size);
   }
-  REFIT_ASSIGN_OR_RETURN(Endpoint endpoint, ParseAddress(options.address));
+  Result<Endpoint> parsed = ParseAddress(options.address);
+  if (!parsed.ok()) return parsed.status().WithContext("tcp group");
+  Endpoint endpoint = *std::move(parsed);
   if (options.rank == 0) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TcpRootGroup> root,
                            TcpRootGroup::Make(options, endpoint));
