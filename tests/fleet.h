@@ -19,12 +19,14 @@
 #include <gtest/gtest.h>
 
 #include "loopback.h"
+#include "refit/chain_replay.h"
 #include "refit/chunk_source.h"
 #include "refit/control_client.h"
 #include "refit/control_server.h"
 #include "refit/coordinator.h"
 #include "refit/receiver_session.h"
 #include "refit/s3_chain.h"
+#include "refit/session_sink.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

@@ -20,10 +20,10 @@
 #include <vector>
 
 #include "refit/bucketing.h"
+#include "refit/chain_replay.h"
 #include "refit/control_server.h"
 #include "refit/loader.h"
 #include "refit/receiver_session.h"
-#include "refit/s3_chain.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
 #include "refit/transfer.h"

@@ -26,7 +26,8 @@
 // ids of a payload from its header with ValidatePayloadHeader — to name files, or to check that the
 // payload belongs to the sender's transfer — but never decodes the body; the codec never knows
 // which transport carries it. Receiving is transport-independent too: a Listener hands each payload
-// to a PayloadSink, and SessionSink adapts a ReceiverSession to that interface.
+// to a PayloadSink; SessionSink (refit/session_sink.h, the node layer) adapts a ReceiverSession
+// to that interface.
 #pragma once
 
 #include <cstddef>
@@ -45,7 +46,6 @@
 #include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
 #include "refit/payload.h"
-#include "refit/receiver_session.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 
@@ -192,44 +192,10 @@ class TransportSender : public PayloadChannel {
   Status Finish(uint64_t payloads) override = 0;
 };
 
-// ---- Receiver side ----------------------------------------------------------------------------
-
-/// A PayloadSink that stages payloads into a ReceiverSession (Stage, blocking while the apply
-/// queue is full) and remembers the stream ends it is told about, so that a receiver learns
-/// per-producer payload counts from transports that carry them.
-///
-/// Thread-safety: every member function may be called concurrently. The session must outlive
-/// the sink.
-class SessionSink final : public PayloadSink {
- public:
-  /// Stream ends remembered per transfer, for this many most recent transfers. Transfers run one
-  /// at a time per receiver; a few more cover stream ends that arrive after a retry began.
-  static constexpr size_t kRememberedTransfers = 16;
-
-  explicit SessionSink(ReceiverSession& session) : session_(session) {}
-
-  /// Stage into the session. Errors: as ReceiverSession::Stage.
-  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) override;
-
-  /// Record `end`. Errors: InvalidArgument when the same producer of the same transfer ended
-  /// before with another payload count.
-  Status EndOfStream(const StreamEnd& end) override;
-
-  /// Whether `transfer_id` is the session's open transfer (ReceiverSession::GetStatus).
-  bool IsTransferOpen(const TransferId& transfer_id) const override {
-    return session_.GetStatus().transfer_id == transfer_id;
-  }
-
-  /// Return the payload count of each producer whose stream end was reported for `transfer_id`
-  /// (empty when none), in the form of TransferExpectation::payloads_per_producer.
-  std::map<uint32_t, uint32_t> DeclaredPayloads(const TransferId& transfer_id) const;
-
- private:
-  ReceiverSession& session_;
-  mutable std::mutex mutex_;
-  // Most recent last; at most kRememberedTransfers entries.
-  std::vector<std::pair<TransferId, std::map<uint32_t, uint32_t>>> declared_;
-};
+/// How many of the most recent transfers a receiver's sink and relays remember stream ends and
+/// seals for. Transfers run one at a time per receiver; a few more cover stream ends that arrive
+/// after a retry began.
+inline constexpr size_t kRememberedTransfers = 16;
 
 /// Where and how a receiver listens.
 struct ListenerContext {

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "refit/safetensors.h"
+#include "refit/session_sink.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"

@@ -23,6 +23,7 @@
 #include <httplib.h>
 
 #include "fleet.h"
+#include "refit/chain_replay.h"
 #include "refit/digest.h"
 #include "refit/s3_chain.h"
 #include "s3_test_env.h"

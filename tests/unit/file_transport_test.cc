@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 
 #include "refit/receiver_session.h"
+#include "refit/session_sink.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

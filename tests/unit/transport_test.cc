@@ -1,4 +1,5 @@
 #include "refit/transport.h"
+#include "refit/session_sink.h"
 
 #include <gtest/gtest.h>
 
@@ -435,7 +436,7 @@ TEST(SessionSinkTest, RemembersStreamEndsOfRecentTransfers) {
                     sink.EndOfStream({first, 0, 6}));
   EXPECT_EQ(sink.DeclaredPayloads(first), (std::map<uint32_t, uint32_t>{{0, 5}, {3, 0}}));
   EXPECT_TRUE(sink.DeclaredPayloads(TransferId::Random()).empty());
-  for (size_t i = 1; i < SessionSink::kRememberedTransfers; ++i) {
+  for (size_t i = 1; i < kRememberedTransfers; ++i) {
     ASSERT_OK(sink.EndOfStream({TransferId::Random(), 0, 1}));
   }
   EXPECT_FALSE(sink.DeclaredPayloads(first).empty());

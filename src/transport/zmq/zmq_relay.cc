@@ -40,7 +40,7 @@ const char* const kReplyInbox = "inproc://refit-zmq-replies";
 // How many transfers a relay remembers stream seals and staged checksums for. Transfers run one
 // at a time per receiver; older ones are refused by the session itself, which remembers its
 // finished transfers.
-constexpr size_t kSealedTransfers = SessionSink::kRememberedTransfers;
+constexpr size_t kSealedTransfers = kRememberedTransfers;
 // Producers per transfer whose streams a relay remembers (and whose stream ends it hands to its
 // sink): far more than a fleet has trainer ranks, few enough that forged producer ids cannot
 // grow a relay's memory without bound (about 100 bytes per stream, a few MiB per transfer).
