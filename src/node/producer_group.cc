@@ -9,11 +9,9 @@
 // in-process counterpart of the TCP group dropping a link.
 #include "refit/producer_group.h"
 
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -22,12 +20,12 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "util/mutex.h"
+
 namespace refit {
 namespace {
 
 /// The state the W endpoints of one in-process group share.
-///
-/// Thread-safety: every member below `mutex` is guarded by it.
 struct InProcessHub {
   explicit InProcessHub(uint32_t world_size_in)
       : world_size(world_size_in),
@@ -36,15 +34,16 @@ struct InProcessHub {
         deposits(world_size_in) {}
 
   const uint32_t world_size;
-  std::mutex mutex;
+  internal::Mutex mutex;
   /// Notified on every post, deposit and departure.
-  std::condition_variable changed;
+  internal::CondVar changed;
   /// False once a rank's endpoint was destroyed.
-  std::vector<bool> alive;
+  std::vector<bool> alive REFIT_GUARDED_BY(mutex);
   /// Per receiving rank: rank 0's broadcast messages by round, one shared copy for all ranks.
-  std::vector<std::map<uint64_t, std::shared_ptr<const std::string>>> inboxes;
+  std::vector<std::map<uint64_t, std::shared_ptr<const std::string>>> inboxes
+      REFIT_GUARDED_BY(mutex);
   /// Per contributing rank: its gather messages by round, until rank 0 takes them.
-  std::vector<std::map<uint64_t, std::string>> deposits;
+  std::vector<std::map<uint64_t, std::string>> deposits REFIT_GUARDED_BY(mutex);
 };
 
 /// One rank's endpoint of an in-process group.
@@ -57,7 +56,7 @@ class InProcessGroup final : public ProducerGroup {
       : hub_(std::move(hub)), rank_(rank) {}
 
   ~InProcessGroup() override {
-    std::lock_guard lock(hub_->mutex);
+    internal::MutexLock lock(hub_->mutex);
     hub_->alive[rank_] = false;
     // Its deposits stay: a rank that contributed and then left did deliver.
     hub_->inboxes[rank_].clear();
@@ -107,7 +106,7 @@ class InProcessGroup final : public ProducerGroup {
     auto shared = std::make_shared<const std::string>(message);
     std::vector<uint32_t> departed;
     {
-      std::lock_guard lock(hub_->mutex);
+      internal::MutexLock lock(hub_->mutex);
       for (uint32_t rank = 1; rank < hub_->world_size; ++rank) {
         if (hub_->alive[rank]) {
           hub_->inboxes[rank][round] = shared;
@@ -122,12 +121,14 @@ class InProcessGroup final : public ProducerGroup {
   }
 
   Result<std::string> Take(uint64_t round, GroupClock::time_point deadline) {
-    std::unique_lock lock(hub_->mutex);
+    internal::MutexLock lock(hub_->mutex);
     auto& inbox = hub_->inboxes[rank_];
     // Entries of earlier rounds were posted after this rank gave up on them.
     inbox.erase(inbox.begin(), inbox.lower_bound(round));
-    hub_->changed.wait_until(lock, deadline,
-                             [&] { return inbox.contains(round) || !hub_->alive[0]; });
+    // The predicate runs with the mutex held (the wait retakes it first).
+    hub_->changed.wait_until(lock, deadline, [&]() REFIT_REQUIRES(hub_->mutex) {
+      return inbox.contains(round) || !hub_->alive[0];
+    });
     const auto posted = inbox.find(round);
     if (posted == inbox.end()) {
       if (!hub_->alive[0]) return RoundFailure("broadcast", round, {0}, {});
@@ -139,7 +140,7 @@ class InProcessGroup final : public ProducerGroup {
   }
 
   Status Deposit(std::string message, uint64_t round) {
-    std::lock_guard lock(hub_->mutex);
+    internal::MutexLock lock(hub_->mutex);
     // A message rank 0 can never take is not delivered: say so, as a closed connection would.
     if (!hub_->alive[0]) return RoundFailure("gather", round, {0}, {});
     hub_->deposits[rank_][round] = std::move(message);
@@ -149,11 +150,11 @@ class InProcessGroup final : public ProducerGroup {
 
   Result<std::vector<std::string>> Collect(std::string message, uint64_t round,
                                            GroupClock::time_point deadline) {
-    std::unique_lock lock(hub_->mutex);
-    const auto settled = [&](uint32_t rank) {
+    internal::MutexLock lock(hub_->mutex);
+    const auto settled = [&](uint32_t rank) REFIT_REQUIRES(hub_->mutex) {
       return hub_->deposits[rank].contains(round) || !hub_->alive[rank];
     };
-    hub_->changed.wait_until(lock, deadline, [&] {
+    hub_->changed.wait_until(lock, deadline, [&]() REFIT_REQUIRES(hub_->mutex) {
       for (uint32_t rank = 1; rank < hub_->world_size; ++rank) {
         if (!settled(rank)) return false;
       }

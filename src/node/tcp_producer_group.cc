@@ -51,7 +51,6 @@
 #include <cstring>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -65,6 +64,7 @@
 #include "refit/producer_group.h"
 #include "util/endian.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 #include "util/tcp_socket.h"
 #include "util/thread_name.h"
 
@@ -446,11 +446,11 @@ class TcpRootGroup final : public ProducerGroup {
   }
 
   uint64_t BeginRound() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return round_;
   }
   void EndRound() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     ++round_;
   }
 
@@ -462,7 +462,7 @@ class TcpRootGroup final : public ProducerGroup {
   /// peer sees the drop at once even while someone still holds the descriptor.
   void DropLink(uint32_t rank, const std::shared_ptr<Link>& link) {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (links_[rank] == link) links_[rank].reset();
     }
     ::shutdown(link->fd.get(), SHUT_RDWR);
@@ -511,12 +511,12 @@ class TcpRootGroup final : public ProducerGroup {
   /// for ranks to connect.
   const UniqueFd joined_event_;
 
-  std::mutex mutex_;
-  /// Index = rank; [0] stays empty. Guarded by mutex_.
-  std::vector<std::shared_ptr<Link>> links_;
-  /// The round of the collective in progress, or of the next one. Guarded by mutex_; written
-  /// only by the collective thread.
-  uint64_t round_ = 0;
+  internal::Mutex mutex_;
+  /// Index = rank; [0] stays empty.
+  std::vector<std::shared_ptr<Link>> links_ REFIT_GUARDED_BY(mutex_);
+  /// The round of the collective in progress, or of the next one; written only by the
+  /// collective thread.
+  uint64_t round_ REFIT_GUARDED_BY(mutex_) = 0;
 
   /// Declared last: it starts after every member it uses exists, and is joined first.
   std::jthread accept_thread_;
@@ -727,7 +727,7 @@ void TcpRootGroup::Admit(PendingJoin& join) {
   {
     // The WELCOME carries the round and the link is registered under one lock, so the joiner's
     // round is the one of the first collective that can see the link.
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     std::array<char, kFrameHeaderBytes> welcome{};
     StoreLe32(static_cast<uint32_t>(FrameKind::kWelcome), welcome.data());
     StoreLe64(round_, welcome.data() + 4);
@@ -769,7 +769,7 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
     bool awaiting = false;
     bool active = false;
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       for (uint32_t rank = 1; rank < options_.world_size; ++rank) {
         PeerExchange& peer = peers[rank];
         if (peer.phase == Phase::kAwaitingLink && links_[rank]) {

@@ -38,6 +38,7 @@
 #include "transport/transport_internal.h"
 #include "util/endian.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -230,7 +231,7 @@ class MpiListener final : public Listener {
   ~MpiListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     if (started_) return FailedPrecondition("mpi listener {}: started before", context_.endpoint);
     started_ = true;
     try {
@@ -251,7 +252,7 @@ class MpiListener final : public Listener {
     std::vector<std::jthread> threads;
     std::list<Handler> handlers;
     {
-      std::lock_guard lock(mutex_);
+      MutexLock lock(mutex_);
       threads = std::move(threads_);
       handlers = std::move(handlers_);
     }
@@ -261,7 +262,7 @@ class MpiListener final : public Listener {
   }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     return stats_;
   }
   const std::string& endpoint() const override { return context_.endpoint; }
@@ -269,7 +270,7 @@ class MpiListener final : public Listener {
  private:
   void RecordFailure(const Status& status) {
     REFIT_LOG_WARN("{}", status.ToString());
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     ++stats_.failures;
     stats_.last_error = status;
   }
@@ -316,7 +317,7 @@ class MpiListener final : public Listener {
         return;
       }
       if (kind == kDone) {
-        std::lock_guard lock(mutex_);
+        MutexLock lock(mutex_);
         ++stats_.streams_ended;
         continue;
       }
@@ -350,7 +351,7 @@ class MpiListener final : public Listener {
     // The sink owns the bytes from here (a broadcast that completed writes nothing more).
     Result<StageResult> staged = sink_.Deliver(std::move(*payload), stop);
     if (!staged.ok()) return staged.status().WithContext(from);
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     if (*staged == StageResult::kDuplicate) {
       ++stats_.duplicates;
     } else {
@@ -384,7 +385,7 @@ class MpiListener final : public Listener {
         continue;
       }
       job_.CountControl();
-      std::lock_guard lock(mutex_);
+      MutexLock lock(mutex_);
       // Finished handlers are joined as new ones start, so their number stays small; one that
       // set `done` touches nothing any more, so joining it under the lock cannot wait for it.
       std::erase_if(handlers_, [](const Handler& handler) { return handler.done->load(); });
@@ -406,16 +407,16 @@ class MpiListener final : public Listener {
   const ListenerContext context_;
   PayloadSink& sink_;
   const PayloadLimits limits_;
-  mutable std::mutex mutex_;
-  bool started_ = false;               // guarded by mutex_
-  ListenerStats stats_;                // guarded by mutex_
-  std::vector<std::jthread> threads_;  // guarded by mutex_
+  mutable Mutex mutex_;
+  bool started_ REFIT_GUARDED_BY(mutex_) = false;
+  ListenerStats stats_ REFIT_GUARDED_BY(mutex_);
+  std::vector<std::jthread> threads_ REFIT_GUARDED_BY(mutex_);
   // The threads answering control requests; `thread`, declared last, is joined before `done` goes.
   struct Handler {
     std::shared_ptr<std::atomic<bool>> done;
     std::jthread thread;
   };
-  std::list<Handler> handlers_;  // guarded by mutex_
+  std::list<Handler> handlers_ REFIT_GUARDED_BY(mutex_);
 };
 
 // ---- The coordinator's side of the control channel
@@ -428,7 +429,7 @@ class ControlChannel {
   ControlChannel(MpiJob& job, uint32_t receiver) : job_(job), receiver_(receiver) {}
 
   Result<ControlReply> Call(const ControlRequest& request, std::chrono::milliseconds timeout) {
-    std::lock_guard lock(mutex_);
+    MutexLock lock(mutex_);
     REFIT_RETURN_NOT_OK(job_.CheckUsable());
     const uint64_t sequence = ++sequence_;
     const int dest = job_.ReceiverRank(receiver_);
@@ -457,8 +458,8 @@ class ControlChannel {
  private:
   MpiJob& job_;
   const uint32_t receiver_;
-  std::mutex mutex_;
-  uint64_t sequence_ = 0;  // guarded by mutex_
+  Mutex mutex_;
+  uint64_t sequence_ REFIT_GUARDED_BY(mutex_) = 0;
 };
 
 std::string ReceiverName(const MpiJob& job, uint32_t receiver) {
