@@ -208,8 +208,8 @@ ChunkSource SentPiecesSource(const ProducerLayout& layout, std::span<const Piece
       const ExportTensor& local = walk->locals->at(piece.local);
       const uint32_t width = DTypeSize(piece.dtype);
       std::span<const std::byte> bytes;
-      if (chunk.unread) {
-        bytes = {};
+      if (chunk.unread || (local.device != nullptr && BoxBytes(piece) == 0)) {
+        bytes = {};  // An empty device box has nothing to stage (and may share a chunk with none).
       } else if (local.device != nullptr) {
         const std::span<std::byte> out = staged->bytes().subspan(offset, BoxBytes(piece));
         REFIT_RETURN_NOT_OK(ReadBox(piece, local, out));

@@ -109,8 +109,9 @@ ChunkSource StagedTensorSource(std::vector<ExportTensor> tensors, uint64_t chunk
         REFIT_RETURN_NOT_OK(CheckExportTensorSize(tensor));
       }
       std::span<const std::byte> bytes;
-      if (chunk.unread) {
-        bytes = {};
+      if (chunk.unread || (tensor.device != nullptr && tensor.size_bytes() == 0)) {
+        bytes =
+            {};  // An empty device tensor has nothing to stage (and may share a chunk with none).
       } else if (tensor.device == nullptr) {
         bytes = tensor.host;
       } else {

@@ -243,6 +243,27 @@ TEST(StagedSourceTest, MixesHostAndDeviceTensors) {
   EXPECT_EQ(device.read_bytes(), device_bytes);  // Host tensors are read in place.
 }
 
+TEST(StagedSourceTest, EmptyDeviceTensorsStageNothingAloneOrBesideOthers) {
+  // A chunk of one empty device tensor (it stages no bytes at all) and one where an empty tensor
+  // sits beside a full one.
+  std::vector<OwnedTensor> v0 = MakeModel(8);
+  v0.insert(v0.begin(), RandomTensor("empty_first", DType::kBFloat16, {0, 32}, 1));
+  v0.insert(v0.begin() + 3, RandomTensor("empty_inside", DType::kFloat32, {0}, 2));
+  const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.05, 800);
+  DeviceModel device(v1);
+  auto pool = std::make_shared<StagingPool>(2 * LargestStagedChunkBytes(device.tensors, 4096));
+  const ChunkSource alone = StagedTensorSource({device.tensors[0]}, kChunkBytes, pool);
+  ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> chunk, alone(ChunkPull{}));
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_FALSE(chunk.value().unread);
+  EXPECT_TRUE(chunk.value().tensors.at(0).bytes.empty());
+  ASSERT_OK_AND_ASSIGN(PayloadMap host,
+                       RunDelta(v0, TensorListSource(Views(v1), kChunkBytes), 0, 1));
+  ASSERT_OK_AND_ASSIGN(PayloadMap staged,
+                       RunDelta(v0, StagedTensorSource(device.tensors, kChunkBytes, pool), 0, 1));
+  EXPECT_EQ(staged, host);
+}
+
 TEST(StagedSourceTest, AChunkLargerThanTheBudgetFailsNamingItsFirstTensor) {
   const std::vector<OwnedTensor> v0 = MakeModel(3);
   DeviceModel device(v0);
@@ -325,6 +346,24 @@ TEST(StagedSourceTest, AdoptsADeviceBaselineOneTensorAtATime) {
 
 // ---------------------------------------------------------------------------------------------
 // Pieces in device memory
+
+TEST(StagedPiecesTest, AnEmptyDevicePieceStagesNothing) {
+  // More ranks than rows: this rank's box of `a` is empty, its local tensor too.
+  auto memory = OpaqueTensorMemory::Make({});
+  ProducerLayout layout;
+  layout.pieces.push_back(
+      LayoutPiece{"a", DType::kBFloat16, {3, 4}, {3, 0}, {0, 4}, "a_local", {0, 4}, {0, 0}});
+  const std::vector<PieceRole> roles = {PieceRole::kSend};
+  const std::vector<ExportTensor> locals = {
+      ExportTensor{"a_local", DType::kBFloat16, {0, 4}, {}, memory.get()}};
+  ASSERT_OK_AND_ASSIGN(auto by_name, LocalsOf(layout, locals));
+  EXPECT_EQ(StagingBytesNeeded(layout, roles, by_name, 1 << 20), 0u);
+  ChunkSource source = SentPiecesSource(layout, roles, by_name, 1 << 20, nullptr);
+  ASSERT_OK_AND_ASSIGN(std::optional<ExportChunk> chunk, source(ChunkPull{}));
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_TRUE(chunk.value().tensors.at(0).bytes.empty());
+  EXPECT_EQ(memory->traffic().calls, 0u);
+}
 
 TEST(StagedPiecesTest, DevicePiecesYieldTheHostPiecesBytesAndDigests) {
   // One rank holding rows 2..6 of a [8, 10] tensor (contiguous in its local) and columns 3..7 of
