@@ -48,7 +48,7 @@ struct ChunkPull {
   uint64_t index = 0;
   /// Whether the stream will read this chunk's bytes: true for a chunk this producer owns while
   /// the stream runs. When false the source may yield the chunk unread, so that a source which
-  /// must copy bytes in first (device tensors staged to the host, refit/staged_source.h) copies
+  /// must copy bytes in first (device tensors staged to the host, StagedTensorSource below) copies
   /// only the chunks the producer sends.
   bool read = true;
   /// Requested once the stream stops (a failure anywhere): a source waiting for memory to stage
