@@ -72,6 +72,9 @@ struct FleetOptions {
   std::string catch_up_chain = {};
   /// Every receiver's transfer lease (ReceiverSessionOptions::transfer_lease).
   std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
+  /// Every receiver's apply and decode threads (ReceiverSessionOptions).
+  int apply_threads = ReceiverSessionOptions{}.apply_threads;
+  int decode_threads = ReceiverSessionOptions{}.decode_threads;
 };
 
 /// One receiver: what `refit serve` holds.
@@ -132,6 +135,8 @@ class Fleet {
     node.store->set_version(version);
     ReceiverSessionOptions session_options;
     session_options.transfer_lease = options_.transfer_lease;
+    session_options.apply_threads = options_.apply_threads;
+    session_options.decode_threads = options_.decode_threads;
     session_options.before_apply = [&node](const PayloadIds& ids) {
       if (node.before_apply) node.before_apply(ids);
     };

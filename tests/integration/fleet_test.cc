@@ -28,12 +28,16 @@ constexpr auto kShortBudget = std::chrono::milliseconds(3000);
 class FleetTest : public ::testing::Test {
  protected:
   void StartFleet(size_t receivers = 4, uint32_t producers = 2,
-                  std::chrono::milliseconds budget = std::chrono::seconds(60)) {
+                  std::chrono::milliseconds budget = std::chrono::seconds(60),
+                  int apply_threads = ReceiverSessionOptions{}.apply_threads,
+                  int decode_threads = ReceiverSessionOptions{}.decode_threads) {
     fleet_ = std::make_unique<Fleet>(FleetOptions{.receivers = receivers,
                                                   .producers = producers,
                                                   .transport = "zmq://?timeout_ms=2000&retries=1",
                                                   .http_control = true,
-                                                  .transfer_timeout = budget});
+                                                  .transfer_timeout = budget,
+                                                  .apply_threads = apply_threads,
+                                                  .decode_threads = decode_threads});
     ASSERT_NO_FATAL_FAILURE(fleet_->Start());
     // A first committed step, so that faults hit a delta at version 1 → 2.
     fleet_->TrainStep(0.02, 1);
@@ -147,9 +151,22 @@ TEST_F(FleetTest, AReceiverKilledMidTransferLeavesTheSurvivorsAtTheBase) {
 // Whatever fails is aborted everywhere and its changes travel with the next transfer; every
 // transfer leaves the fleet consistent, and the last one leaves every receiver equal to the
 // trainer.
-TEST_F(FleetTest, TwoHundredStepsWithRandomFaultsEndBitIdenticalToTheTrainer) {
+/// The receivers' pipeline: apply threads and decode threads.
+struct Pipeline {
+  int apply_threads;
+  int decode_threads;
+};
+
+class FleetSoakTest : public FleetTest, public ::testing::WithParamInterface<Pipeline> {};
+
+// The same seeded steps and faults through a serial receiver (one apply thread, no decode
+// thread) and the default parallel one: each must hold exactly the trainer's bits after every
+// committed step and exactly the previous version's after every abort, so the two agree bit for
+// bit whatever the order their threads applied items in.
+TEST_P(FleetSoakTest, TwoHundredStepsWithRandomFaultsEndBitIdenticalToTheTrainer) {
   constexpr int kSteps = 200;
-  ASSERT_NO_FATAL_FAILURE(StartFleet(/*receivers=*/3, /*producers=*/2, kShortBudget));
+  ASSERT_NO_FATAL_FAILURE(StartFleet(/*receivers=*/3, /*producers=*/2, kShortBudget,
+                                     GetParam().apply_threads, GetParam().decode_threads));
   std::mt19937_64 rng(2026);
   std::uniform_real_distribution<double> density(0.001, 0.05);
   const std::string clean = "zmq://?timeout_ms=2000&retries=1";
@@ -194,10 +211,20 @@ TEST_F(FleetTest, TwoHundredStepsWithRandomFaultsEndBitIdenticalToTheTrainer) {
   for (testing::FleetReceiver& receiver : fleet_->receivers()) {
     EXPECT_EQ(receiver.store->Digests(), trainer);
   }
-  std::printf("200-step soak: %d committed, %d aborted by injected faults\n", committed, aborted);
+  std::printf(
+      "200-step soak (%d apply, %d decode threads): %d committed, %d aborted by injected "
+      "faults\n",
+      GetParam().apply_threads, GetParam().decode_threads, committed, aborted);
   EXPECT_GT(aborted, 10);
   EXPECT_GT(committed, 100);
 }
+
+INSTANTIATE_TEST_SUITE_P(Pipelines, FleetSoakTest,
+                         ::testing::Values(Pipeline{1, 0}, Pipeline{4, 2}),
+                         [](const auto& param_info) {
+                           return fmt::format("Apply{}Decode{}", param_info.param.apply_threads,
+                                              param_info.param.decode_threads);
+                         });
 
 }  // namespace
 }  // namespace refit
