@@ -19,6 +19,10 @@ using Shape = std::vector<int64_t>;
 /// product that overflows 2^63.
 Result<uint64_t> NumElements(const Shape& shape);
 
+/// Return the bytes a tensor of `shape` and `dtype` holds: NumElements × DTypeSize. Errors: as
+/// NumElements; InvalidArgument when the product overflows 2^64.
+Result<uint64_t> TensorBytes(const Shape& shape, DType dtype);
+
 /// Return "[d0, d1, …]".
 std::string ShapeToString(const Shape& shape);
 

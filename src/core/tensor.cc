@@ -22,16 +22,26 @@ Result<uint64_t> NumElements(const Shape& shape) {
   return count;
 }
 
+Result<uint64_t> TensorBytes(const Shape& shape, DType dtype) {
+  REFIT_ASSIGN_OR_RETURN(const uint64_t numel, NumElements(shape));
+  const uint64_t width = DTypeSize(dtype);
+  if (numel > UINT64_MAX / width) {
+    return InvalidArgument("shape {} of {} has more than 2^64 bytes", ShapeToString(shape),
+                           DTypeName(dtype));
+  }
+  return numel * width;
+}
+
 std::string ShapeToString(const Shape& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
 Status CheckTensorSize(const TensorView& tensor) {
-  REFIT_ASSIGN_OR_RETURN(uint64_t numel, NumElements(tensor.shape));
-  const uint64_t elem = DTypeSize(tensor.dtype);
-  if (numel > UINT64_MAX / elem || numel * elem != tensor.bytes.size()) {
+  const Result<uint64_t> bytes = TensorBytes(tensor.shape, tensor.dtype);
+  if (!bytes.ok()) return bytes.status().WithContext(fmt::format("tensor '{}'", tensor.name));
+  if (*bytes != tensor.bytes.size()) {
     return InvalidArgument("tensor '{}': shape {} of {} needs {} bytes, got {}", tensor.name,
-                           ShapeToString(tensor.shape), DTypeName(tensor.dtype), numel * elem,
+                           ShapeToString(tensor.shape), DTypeName(tensor.dtype), *bytes,
                            tensor.bytes.size());
   }
   return Status::OK();

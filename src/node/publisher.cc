@@ -958,14 +958,15 @@ Result<SyncReport> Publisher::Sync(std::vector<ExportTensor> tensors, bool force
   impl_->listed_tensors.clear();
   for (const ExportTensor& tensor : tensors) impl_->listed_tensors.push_back(tensor.name);
   const uint64_t read_before = DeviceReadBytes(tensors);
-  const std::vector<ExportTensor> kept = tensors;
   const uint64_t chunk_bytes = impl_->options.stream.chunk_bytes;
   std::shared_ptr<StagingPool> pool =
       impl_->StagingFor(LargestStagedChunkBytes(tensors, chunk_bytes));
-  const ChunkSource source = StagedTensorSource(std::move(tensors), chunk_bytes, std::move(pool));
+  // The source takes its own copy of the list (views and pointers); `tensors` stays to count
+  // what was read.
+  const ChunkSource source = StagedTensorSource(tensors, chunk_bytes, std::move(pool));
   Result<SyncReport> synced = Sync(source, force_anchor);
   impl_->listed_tensors.clear();
-  if (synced.ok()) synced->staging = impl_->Staging(DeviceReadBytes(kept) - read_before);
+  if (synced.ok()) synced->staging = impl_->Staging(DeviceReadBytes(tensors) - read_before);
   return synced;
 }
 

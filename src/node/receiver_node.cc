@@ -31,8 +31,8 @@ uint64_t DefaultMaxPayloadBytes(const WeightStore& store, uint64_t bucket_bytes)
   uint64_t largest = 0;
   for (const TensorView& tensor : store.tensors()) {
     // From the shape: a device tensor's view has no bytes.
-    const Result<uint64_t> elements = NumElements(tensor.shape);
-    if (elements.ok()) largest = std::max<uint64_t>(largest, *elements * DTypeSize(tensor.dtype));
+    const Result<uint64_t> bytes = TensorBytes(tensor.shape, tensor.dtype);
+    if (bytes.ok()) largest = std::max(largest, *bytes);
   }
   const uint64_t one_message = std::max(bucket_bytes, largest * canonical_per_local);
   return std::max(kMinDefaultMaxPayloadBytes, 2 * one_message);

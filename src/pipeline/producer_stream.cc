@@ -440,8 +440,7 @@ Status StreamRun::CheckChunk(uint64_t chunk_index, const ExportChunk& chunk) {
     uint64_t bytes = tensor.bytes.size();
     if (chunk.unread) {
       // An unread chunk's sizes are its shapes' (ExportChunk::unread).
-      REFIT_ASSIGN_OR_RETURN(const uint64_t elements, NumElements(tensor.shape));
-      bytes = elements * DTypeSize(tensor.dtype);
+      REFIT_ASSIGN_OR_RETURN(bytes, TensorBytes(tensor.shape, tensor.dtype));
     }
     const bool starts = chunker_.Add(bytes);
     if (i == 0 && !starts) {

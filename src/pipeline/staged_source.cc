@@ -37,13 +37,15 @@ std::vector<uint64_t> Sizes(std::span<const ExportTensor> tensors) {
 }  // namespace
 
 Status CheckExportTensorSize(const ExportTensor& tensor) {
-  REFIT_ASSIGN_OR_RETURN(const uint64_t numel, NumElements(tensor.shape));
-  const uint64_t width = DTypeSize(tensor.dtype);
-  if (numel > UINT64_MAX / width || numel * width != tensor.size_bytes()) {
+  if (tensor.device == nullptr) {
+    return CheckTensorSize(TensorView{tensor.name, tensor.dtype, tensor.shape, tensor.host});
+  }
+  const Result<uint64_t> bytes = TensorBytes(tensor.shape, tensor.dtype);
+  if (!bytes.ok()) return bytes.status().WithContext(fmt::format("tensor '{}'", tensor.name));
+  if (*bytes != tensor.size_bytes()) {
     return InvalidArgument("tensor '{}': shape {} of {} needs {} bytes, {} holds {}", tensor.name,
-                           ShapeToString(tensor.shape), DTypeName(tensor.dtype), numel * width,
-                           tensor.device != nullptr ? tensor.device->description() : "its buffer",
-                           tensor.size_bytes());
+                           ShapeToString(tensor.shape), DTypeName(tensor.dtype), *bytes,
+                           tensor.device->description(), tensor.size_bytes());
   }
   return Status::OK();
 }

@@ -41,6 +41,17 @@ TEST(TensorTest, NumElementsRejectsOverflow) {
   EXPECT_STATUS(InvalidArgument, NumElements({std::numeric_limits<int64_t>::max(), 2}));
 }
 
+TEST(TensorTest, TensorBytesIsElementsTimesWidthAndRejectsOverflow) {
+  ASSERT_OK_AND_ASSIGN(uint64_t bytes, TensorBytes({3, 4}, DType::kBFloat16));
+  EXPECT_EQ(bytes, 24u);
+  ASSERT_OK_AND_ASSIGN(uint64_t empty, TensorBytes({0, 4}, DType::kFloat64));
+  EXPECT_EQ(empty, 0u);
+  // 2^62 elements fit NumElements; 8 bytes each do not fit 2^64.
+  EXPECT_STATUS_MSG(InvalidArgument, "more than 2^64 bytes",
+                    TensorBytes({int64_t{1} << 62}, DType::kFloat64));
+  EXPECT_STATUS(InvalidArgument, TensorBytes({4, -2}, DType::kUInt8));
+}
+
 TEST(TensorTest, NumElementsRejectsNegativeExtents) {
   EXPECT_STATUS_MSG(InvalidArgument, "negative extent -2 in shape [4, -2]", NumElements({4, -2}));
   EXPECT_STATUS(InvalidArgument, NumElements({-1}));
