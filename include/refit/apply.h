@@ -47,7 +47,7 @@ struct UndoLogOptions {
 /// What undoes every element a transfer has touched, kept until commit or abort.
 /// Memory is O(changes) for OVERWRITE and ADD items (locations + old bits: 10 bytes per changed
 /// bf16 element), O(span) for FULL items (or none, by UndoLogOptions::anchor_undo), and O(wire)
-/// for XOR items applied with their payload's bytes (ApplyPayload's `payload_bytes`): XOR is its
+/// for XOR items applied with their payload's bytes (ApplyPayload's `received`): XOR is its
 /// own inverse, so the log keeps the compressed payload (about 1–2 bytes per changed element) and
 /// rolls such an item back by applying it again, instead of keeping its old bits.
 ///
@@ -94,8 +94,7 @@ class UndoLog {
   struct Record;
 
  private:
-  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*, std::vector<std::byte>*,
-                             int);
+  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*, ValidatedPayload*, int);
   // Undo the records from `savepoint` on. `current` is the payload being applied, whose XOR
   // records are not yet bound to kept bytes.
   Status RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current = nullptr);
@@ -116,7 +115,7 @@ class UndoLog {
   UndoLogOptions options_;
   std::vector<Record> records_;
   // The payloads whose XOR items are undone by applying them again (Record::payload).
-  std::vector<std::vector<std::byte>> payloads_;
+  std::vector<ValidatedPayload> payloads_;
   // kFile: the spill file (unlinked; -1 until first needed), its path for messages, and the end
   // of what this transfer wrote.
   int spill_fd_ = -1;
@@ -140,10 +139,10 @@ class UndoLog {
 /// per-item digest is checked only where one piece holds the whole tensor; a shard's partial
 /// digests are verified by the coordinator, which sums them over the shard group.
 ///
-/// `payload_bytes`: the bytes `payload` was decoded from. When given, XOR items applied without
-/// a loader are recorded without their old bits; instead, on success, the bytes are moved into
-/// the log (left empty here), which rolls those items back by decoding and applying them again
-/// (O(wire) memory instead of 10 bytes per changed element). Null: old bits, as for every other op.
+/// `received`: the payload `payload` was decoded from. When given, XOR items applied without a
+/// loader are recorded without their old bits; instead, on success, the payload is moved into the
+/// log, which rolls those items back by decoding and applying them again (O(wire) memory instead
+/// of 10 bytes per changed element). Null: old bits, as for every other op.
 ///
 /// `threads` > 1: a payload of more than one tensor whose items are all FULL (an anchor's) or all
 /// deltas applies its tensors on up to that many threads, one tensor (with its items in order)
@@ -153,6 +152,6 @@ class UndoLog {
 /// qkv_proj go together); a FULL span's old bits are then kept under a lock (spill file, or the
 /// log marked inexact) unless the policy keeps them in memory.
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    std::vector<std::byte>* payload_bytes = nullptr, int threads = 1);
+                    ValidatedPayload* received = nullptr, int threads = 1);
 
 }  // namespace refit

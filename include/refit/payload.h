@@ -3,7 +3,9 @@
 // The byte-exact spec is docs/format/payload.md. A payload is a fixed header followed by a zstd
 // frame (the body) holding the item table, the location bytes and the values grouped by element
 // width (optionally split into byte planes). Every byte of a received payload is untrusted:
-//   ValidatePayloadHeader()  — cheap: header fields, limits and sizes; allocates nothing.
+//   ValidatePayload()        — cheap: header fields, limits and sizes. A receiver's listener
+//                              calls it once; the ValidatedPayload it returns carries the header
+//                              with the bytes through relays and the session to the decoder.
 //   DecodePayload()          — full: checksum, bounded decompression, item table, every location
 //                              and value bound. Nothing may be applied before it returns OK.
 #pragma once
@@ -14,6 +16,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "refit/item.h"
@@ -42,6 +45,8 @@ struct PayloadIds {
   uint32_t payload_id = 0;
   uint64_t base_version = 0;
   uint64_t target_version = 0;
+
+  friend bool operator==(const PayloadIds&, const PayloadIds&) = default;
 };
 
 /// Format version written by this library.
@@ -100,6 +105,38 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
 Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
                                             const PayloadLimits& limits = {});
 
+/// Check the sizes a validated header declares against other `limits` — a receiver session's,
+/// which may be tighter than those of the transport that validated it — without reading bytes.
+/// Errors: ResourceExhausted naming the payload, the size and the limit.
+Status CheckPayloadLimits(const PayloadHeader& header, const PayloadLimits& limits);
+
+/// A payload whose header passed ValidatePayload, and that header: the two travel together from
+/// the listener that received the bytes through relays and the receiver's session to the decoder,
+/// so the header is parsed once on a payload's way in. The body is not checked yet:
+/// DecodePayload checks its checksum, decompresses it and validates every item.
+///
+/// Thread-safety: immutable; safe to read from many threads.
+class ValidatedPayload {
+ public:
+  const PayloadHeader& header() const { return header_; }
+  const PayloadIds& ids() const { return header_.ids; }
+  std::span<const std::byte> bytes() const { return bytes_; }
+  /// Header + compressed body, in bytes.
+  size_t size() const { return bytes_.size(); }
+
+ private:
+  friend Result<ValidatedPayload> ValidatePayload(std::vector<std::byte>, const PayloadLimits&);
+  ValidatedPayload(const PayloadHeader& header, std::vector<std::byte> bytes)
+      : header_(header), bytes_(std::move(bytes)) {}
+  PayloadHeader header_;
+  std::vector<std::byte> bytes_;
+};
+
+/// Check `payload`'s header as ValidatePayloadHeader does and keep it with the bytes.
+/// Errors: as ValidatePayloadHeader (the bytes are dropped).
+Result<ValidatedPayload> ValidatePayload(std::vector<std::byte> payload,
+                                         const PayloadLimits& limits = {});
+
 /// Return the total size (header + compressed body) of the payload at the start of `stream`, after
 /// checking its header exactly as ValidatePayloadHeader does — for payloads stored back to back,
 /// as `.rfp` files do. Unlike ValidatePayloadHeader, bytes may follow the payload.
@@ -115,7 +152,8 @@ class DecodedPayload {
   std::span<const ItemView> items() const { return items_; }
 
  private:
-  friend Result<DecodedPayload> DecodePayload(std::span<const std::byte>, const PayloadLimits&);
+  friend Result<DecodedPayload> DecodeBody(const PayloadHeader&, std::span<const std::byte>,
+                                           const PayloadLimits&);
   PayloadHeader header_;
   // unique_ptr keeps item views valid when the DecodedPayload moves.
   std::unique_ptr<std::vector<std::byte>> body_;
@@ -127,6 +165,10 @@ class DecodedPayload {
 /// Errors: as ValidatePayloadHeader, plus DataLoss for a checksum mismatch or any inconsistent
 /// body content, each naming the payload ids and the item.
 Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
+                                     const PayloadLimits& limits = {});
+/// As above for a payload whose header was validated already: its sizes are checked against
+/// `limits` (CheckPayloadLimits), the header is not parsed again.
+Result<DecodedPayload> DecodePayload(const ValidatedPayload& payload,
                                      const PayloadLimits& limits = {});
 
 }  // namespace refit

@@ -236,11 +236,13 @@ class ReceiverSession final : public ReceiverControl {
   /// rollback of an implied abort cannot find a tensor (the old transfer then stays open).
   Result<PrepareResult> Prepare(const PrepareRequest& request) override;
 
-  /// Stage one payload of the open transfer, taking ownership of its bytes; block while the
-  /// apply queue is full. Only the header is checked here (cheap); the checksum and body are
-  /// checked on the apply thread, and their errors surface at the next Stage and at Flush.
+  /// Stage one payload of the open transfer, its header validated by the listener that received
+  /// it (ValidatePayload), taking ownership; block while the apply queue is full. The header's
+  /// sizes are checked against options.limits (CheckPayloadLimits) and its ids against the open
+  /// transfer; the header is not parsed again. The checksum and the body are checked on the
+  /// decode threads, and their errors surface at the next Stage and at Flush.
   /// Errors (each one a NACK):
-  /// - as ValidatePayloadHeader (DataLoss, InvalidArgument, ResourceExhausted);
+  /// - ResourceExhausted: a declared size over options.limits;
   /// - FailedPrecondition: no open transfer, another transfer id (including finished ones),
   ///   base/target versions that differ from the transfer's, the transfer is sealed ("already
   ///   flushed") or being aborted;
@@ -250,12 +252,15 @@ class ReceiverSession final : public ReceiverControl {
   ///   was damaged — and neither is applied twice; the transfer should be aborted and retried.)
   /// - the first apply error of the transfer, once one happened (its own code, e.g. DataLoss);
   /// - Cancelled when `stop` is requested while waiting for room.
+  Result<StageResult> Stage(ValidatedPayload payload, std::stop_token stop = {});
+  /// As above for bytes nothing has validated yet (a payload read from a file, an HTTP upload):
+  /// validated here under options.limits. Errors: as ValidatePayloadHeader; as above.
   Result<StageResult> Stage(std::vector<std::byte> payload, std::stop_token stop = {});
 
   /// As Stage, but never block: when the apply queue is full, return ResourceExhausted (a
   /// retryable NACK) and leave `payload` untouched. `payload` is moved from only when the result
   /// is kAccepted.
-  Result<StageResult> TryStage(std::vector<std::byte>&& payload);
+  Result<StageResult> TryStage(ValidatedPayload& payload);
 
   /// Wait up to options.timeout until every expected payload of transfer `id` is staged and
   /// applied, then seal the transfer (later payloads: FailedPrecondition "already flushed"),

@@ -27,7 +27,7 @@ class SessionSink final : public PayloadSink {
   explicit SessionSink(ReceiverSession& session) : session_(session) {}
 
   /// Stage into the session. Errors: as ReceiverSession::Stage.
-  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) override;
+  Result<StageResult> Deliver(ValidatedPayload payload, std::stop_token stop) override;
 
   /// Record `end`. Errors: InvalidArgument when the same producer of the same transfer ended
   /// before with another payload count.

@@ -251,11 +251,12 @@ class PayloadSink {
  public:
   virtual ~PayloadSink() = default;
 
-  /// Take one received payload (ownership of its bytes). The bytes are untrusted: a listener
-  /// has checked at most the header. Return how it was staged; an error is the receiver's
-  /// refusal (a NACK) and leaves the payload with the transport (a file stays in the drop). May
-  /// block (a full apply queue); must return Cancelled soon after `stop` is requested.
-  virtual Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) = 0;
+  /// Take one received payload, its header validated by the listener (ValidatePayload, under
+  /// the listener's limits) and its body untrusted still. Return how it was staged; an error is
+  /// the receiver's refusal (a NACK) and leaves the payload with the transport (a file stays in
+  /// the drop). May block (a full apply queue); must return Cancelled soon after `stop` is
+  /// requested.
+  virtual Result<StageResult> Deliver(ValidatedPayload payload, std::stop_token stop) = 0;
 
   /// Learn that a producer's stream ended. A listener calls this only after delivering every
   /// payload of that stream it received. The default ignores it.

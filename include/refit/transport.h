@@ -24,10 +24,11 @@
 //
 // Transports move opaque bytes (the layering rule of docs/architecture.md): a sender may read the
 // ids of a payload from its header with ValidatePayloadHeader — to name files, or to check that the
-// payload belongs to the sender's transfer — but never decodes the body; the codec never knows
-// which transport carries it. Receiving is transport-independent too: a Listener hands each payload
-// to a PayloadSink; SessionSink (refit/session_sink.h, the node layer) adapts a ReceiverSession
-// to that interface.
+// payload belongs to the sender's transfer — and a listener validates each payload it receives
+// once (ValidatePayload, under TransportOptions::limits) — but neither decodes the body; the codec
+// never knows which transport carries it. Receiving is transport-independent too: a Listener hands
+// each ValidatedPayload to a PayloadSink; SessionSink (refit/session_sink.h, the node layer)
+// adapts a ReceiverSession to that interface.
 #pragma once
 
 #include <cstddef>

@@ -152,8 +152,10 @@ Result<ApplySeconds> ApplyAll(std::vector<std::vector<std::byte>> payloads, Weig
   UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kNone});
   ApplySeconds seconds;
   const auto start = std::chrono::steady_clock::now();
-  for (std::vector<std::byte>& payload : payloads) {
+  for (std::vector<std::byte>& bytes : payloads) {
+    // The listener's validation of the header is part of what a receiver does per payload.
     const auto decode_start = std::chrono::steady_clock::now();
+    REFIT_ASSIGN_OR_RETURN(ValidatedPayload payload, ValidatePayload(std::move(bytes)));
     REFIT_ASSIGN_OR_RETURN(DecodedPayload decoded, DecodePayload(payload));
     seconds.decode += SecondsSince(decode_start);
     REFIT_RETURN_NOT_OK(ApplyPayload(decoded, store, &undo, &payload));

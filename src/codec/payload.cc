@@ -830,20 +830,11 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
     return DataLoss("{}: target_version {} <= base_version {}", context(),
                     header.ids.target_version, header.ids.base_version);
   }
-  if (header.item_count > limits.max_items) {
-    return ResourceExhausted("{}: {} items > limit {}", context(), header.item_count,
-                             limits.max_items);
-  }
-  if (header.body_bytes > limits.max_body_bytes) {
-    return ResourceExhausted("{}: body_bytes {} > limit {}", context(), header.body_bytes,
-                             limits.max_body_bytes);
-  }
-  const uint64_t max_compressed_bytes =
-      limits.max_payload_bytes - std::min<uint64_t>(limits.max_payload_bytes, kPayloadHeaderSize);
-  if (header.compressed_bytes > max_compressed_bytes || payload.size() > limits.max_payload_bytes) {
+  if (payload.size() > limits.max_payload_bytes) {
     return ResourceExhausted("{}: payload of {} bytes (compressed body {}) > limit {}", context(),
                              payload.size(), header.compressed_bytes, limits.max_payload_bytes);
   }
+  REFIT_RETURN_NOT_OK(CheckPayloadLimits(header, limits));
   if (header.compressed_bytes != payload.size() - kPayloadHeaderSize) {
     return DataLoss("{}: compressed_bytes {} but {} bytes follow the header ({})", context(),
                     header.compressed_bytes, payload.size() - kPayloadHeaderSize,
@@ -858,16 +849,57 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   return header;
 }
 
+Status CheckPayloadLimits(const PayloadHeader& header, const PayloadLimits& limits) {
+  auto context = [&] { return PayloadContext(header.ids); };
+  if (header.item_count > limits.max_items) {
+    return ResourceExhausted("{}: {} items > limit {}", context(), header.item_count,
+                             limits.max_items);
+  }
+  if (header.body_bytes > limits.max_body_bytes) {
+    return ResourceExhausted("{}: body_bytes {} > limit {}", context(), header.body_bytes,
+                             limits.max_body_bytes);
+  }
+  const uint64_t max_compressed_bytes =
+      limits.max_payload_bytes - std::min<uint64_t>(limits.max_payload_bytes, kPayloadHeaderSize);
+  if (header.compressed_bytes > max_compressed_bytes) {
+    return ResourceExhausted("{}: compressed body of {} bytes > limit {} on the whole payload",
+                             context(), header.compressed_bytes, limits.max_payload_bytes);
+  }
+  return Status::OK();
+}
+
+Result<ValidatedPayload> ValidatePayload(std::vector<std::byte> payload,
+                                         const PayloadLimits& limits) {
+  REFIT_ASSIGN_OR_RETURN(const PayloadHeader header, ValidatePayloadHeader(payload, limits));
+  return ValidatedPayload(header, std::move(payload));
+}
+
 // ---- DecodePayload. ----------------------------------------------------------------------------
+
+// The body of a payload whose header is `header` (validated, and within `limits`): `compressed`
+// follows the header. A friend of DecodedPayload; ADL finds it through PayloadHeader.
+Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
+                                  std::span<const std::byte> compressed,
+                                  const PayloadLimits& limits);
 
 Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
                                      const PayloadLimits& limits) {
+  REFIT_ASSIGN_OR_RETURN(const PayloadHeader header, ValidatePayloadHeader(payload, limits));
+  return DecodeBody(header, payload.subspan(kPayloadHeaderSize), limits);
+}
+
+Result<DecodedPayload> DecodePayload(const ValidatedPayload& payload, const PayloadLimits& limits) {
+  REFIT_RETURN_NOT_OK(CheckPayloadLimits(payload.header(), limits));
+  return DecodeBody(payload.header(), payload.bytes().subspan(kPayloadHeaderSize), limits);
+}
+
+Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
+                                  std::span<const std::byte> compressed,
+                                  const PayloadLimits& limits) {
   DecodedPayload decoded;
-  REFIT_ASSIGN_OR_RETURN(decoded.header_, ValidatePayloadHeader(payload, limits));
-  const PayloadHeader& header = decoded.header_;
+  decoded.header_ = header;
   const PayloadIds& ids = header.ids;
   const std::string context = PayloadContext(ids);
-  const auto compressed = payload.subspan(kPayloadHeaderSize);
 
   // Checksum first: nothing of a corrupt body reaches the decompressor.
   const std::array<uint8_t, 16> checksum = ChecksumBytes(compressed);

@@ -65,11 +65,11 @@ Status ReplayVersion(const ChainVersion& version, const internal::S3TransportCon
                                          .checksum = p.checksum,
                                          .mac = p.mac};
       REFIT_ASSIGN_OR_RETURN(
-          std::vector<std::byte> bytes,
+          ValidatedPayload payload,
           internal::FetchVerifiedPayload(client, config, manifest, options.session.limits));
-      report.bytes += bytes.size();
+      report.bytes += payload.size();
       ++report.payloads;
-      REFIT_RETURN_NOT_OK(session.Stage(std::move(bytes)).status());
+      REFIT_RETURN_NOT_OK(session.Stage(std::move(payload)).status());
     }
     FlushOptions flush;
     flush.timeout = options.version_timeout;

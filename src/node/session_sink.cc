@@ -5,7 +5,7 @@
 
 namespace refit {
 
-Result<StageResult> SessionSink::Deliver(std::vector<std::byte> payload, std::stop_token stop) {
+Result<StageResult> SessionSink::Deliver(ValidatedPayload payload, std::stop_token stop) {
   return session_.Stage(std::move(payload), std::move(stop));
 }
 

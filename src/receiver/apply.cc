@@ -207,7 +207,7 @@ std::vector<std::vector<size_t>> GroupByTensor(std::span<const ItemView> items) 
 }  // namespace
 
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    std::vector<std::byte>* payload_bytes, int threads) {
+                    ValidatedPayload* received, int threads) {
   if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
   // The loader path is separate so that a store without one runs exactly the loop below.
   if (store.has_loader()) {
@@ -292,8 +292,7 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
   // undone by applying them again.
   auto keep_payload = [&] {
     const size_t slot = undo->payloads_.size();
-    undo->payloads_.push_back(std::move(*payload_bytes));
-    payload_bytes->clear();
+    undo->payloads_.push_back(std::move(*received));
     for (size_t r = savepoint; r < undo->records_.size(); ++r) {
       if (undo->records_[r].reapply) undo->records_[r].payload = slot;
     }
@@ -315,7 +314,7 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
             undo->records_.emplace_back(UndoLog::Record{.tensor = std::string(item.name),
                                                         .width = DTypeSize(item.dtype),
                                                         .digest_before = *store.Digest(item.name)});
-        if (payload_bytes != nullptr && item.op == Op::kXor &&
+        if (received != nullptr && item.op == Op::kXor &&
             store.DeviceMemory(item.name) == nullptr) {
           record.reapply = true;
           record.payload = kCurrentPayload;
@@ -389,7 +388,7 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     // memory: on a device, a scatter that failed halfway leaves elements a re-applied XOR would
     // corrupt, so device records keep old bits).
     const bool reapply =
-        payload_bytes != nullptr && item.op == Op::kXor && store.DeviceMemory(item.name) == nullptr;
+        received != nullptr && item.op == Op::kXor && store.DeviceMemory(item.name) == nullptr;
     if (reapply) {
       record.reapply = true;
       record.payload = kCurrentPayload;

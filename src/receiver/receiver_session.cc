@@ -87,11 +87,13 @@ Status CheckDigestNamesKnown(const WeightStore& store, const TransferExpectation
 /// (validation, checksum, decompression: the part of a payload's work that does not touch the
 /// store). Shared: a thread decoding it keeps it alive when an abort empties the queue.
 struct PayloadWork {
+  explicit PayloadWork(ValidatedPayload staged) : payload(std::move(staged)) {}
   /// Guarded by the session's mutex: who decodes it, and whether that is done.
   enum class Decode : uint8_t { kPending, kRunning, kDone };
   Decode decode = Decode::kPending;
+  /// As staged; the apply moves it to the undo log (an XOR item is undone by applying it again).
+  ValidatedPayload payload;
   /// Written by the thread that set kRunning, without the lock; read once kDone.
-  std::vector<std::byte> bytes;
   std::optional<Result<DecodedPayload>> decoded;
 };
 
@@ -346,10 +348,10 @@ struct ReceiverSession::Impl {
     return Status::OK();
   }
 
-  Result<StageResult> StagePayload(std::vector<std::byte>& payload, bool block,
+  Result<StageResult> StagePayload(ValidatedPayload& payload, bool block,
                                    const std::stop_token& stop) {
-    REFIT_ASSIGN_OR_RETURN(const PayloadHeader header,
-                           ValidatePayloadHeader(payload, options.limits));
+    const PayloadHeader& header = payload.header();
+    REFIT_RETURN_NOT_OK(CheckPayloadLimits(header, options.limits));
     const PayloadIds& ids = header.ids;
     const uint64_t key = PayloadKey(ids.producer_id, ids.payload_id);
     std::unique_lock lock(mutex);
@@ -392,9 +394,7 @@ struct ReceiverSession::Impl {
     ++transfer->staged_per_producer[ids.producer_id];
     ++received_payloads;
     received_bytes += payload.size();
-    auto staged_work = std::make_shared<PayloadWork>();
-    staged_work->bytes = std::move(payload);
-    queue.push_back(QueuedPayload{ids, std::move(staged_work)});
+    queue.push_back(QueuedPayload{ids, std::make_shared<PayloadWork>(std::move(payload))});
     work.notify_one();
     decode_work.notify_one();
     return StageResult::kAccepted;
@@ -408,7 +408,7 @@ struct ReceiverSession::Impl {
     if (payload.decode == PayloadWork::Decode::kPending) {
       payload.decode = PayloadWork::Decode::kRunning;
       lock.unlock();
-      payload.decoded = DecodePayload(payload.bytes, options.limits);
+      payload.decoded = DecodePayload(payload.payload, options.limits);
       lock.lock();
       payload.decode = PayloadWork::Decode::kDone;
       return;
@@ -433,7 +433,7 @@ struct ReceiverSession::Impl {
     // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
     // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
     outcome.status =
-        ApplyPayload(decoded_payload, store, &undo, &staged.bytes, options.apply_threads);
+        ApplyPayload(decoded_payload, store, &undo, &staged.payload, options.apply_threads);
     return outcome;
   }
 
@@ -462,7 +462,7 @@ struct ReceiverSession::Impl {
       if (!decode_work.wait(lock, stop, pending)) break;
       next->decode = PayloadWork::Decode::kRunning;
       lock.unlock();
-      next->decoded = DecodePayload(next->bytes, options.limits);
+      next->decoded = DecodePayload(next->payload, options.limits);
       lock.lock();
       next->decode = PayloadWork::Decode::kDone;
       decoded.notify_all();
@@ -1040,11 +1040,17 @@ Result<PrepareResult> ReceiverSession::Prepare(const PrepareRequest& request) {
   return result;
 }
 
-Result<StageResult> ReceiverSession::Stage(std::vector<std::byte> payload, std::stop_token stop) {
+Result<StageResult> ReceiverSession::Stage(ValidatedPayload payload, std::stop_token stop) {
   return impl_->StagePayload(payload, /*block=*/true, stop);
 }
 
-Result<StageResult> ReceiverSession::TryStage(std::vector<std::byte>&& payload) {
+Result<StageResult> ReceiverSession::Stage(std::vector<std::byte> payload, std::stop_token stop) {
+  REFIT_ASSIGN_OR_RETURN(ValidatedPayload validated,
+                         ValidatePayload(std::move(payload), impl_->options.limits));
+  return impl_->StagePayload(validated, /*block=*/true, stop);
+}
+
+Result<StageResult> ReceiverSession::TryStage(ValidatedPayload& payload) {
   return impl_->StagePayload(payload, /*block=*/false, std::stop_token());
 }
 

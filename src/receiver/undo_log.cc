@@ -210,7 +210,7 @@ uint64_t UndoLog::bytes() const {
 
 uint64_t UndoLog::payload_bytes() const {
   uint64_t total = 0;
-  for (const std::vector<std::byte>& payload : payloads_) total += payload.size();
+  for (const ValidatedPayload& payload : payloads_) total += payload.size();
   return total;
 }
 
@@ -263,7 +263,7 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
       if (r.payload != kCurrentPayload) {
         if (decoded_slot != r.payload) {
           // These bytes were verified when they were applied; only their size bounds the decode.
-          const std::vector<std::byte>& kept = payloads_[r.payload];
+          const ValidatedPayload& kept = payloads_[r.payload];
           PayloadLimits limits;
           limits.max_payload_bytes = kept.size();
           limits.max_body_bytes = std::numeric_limits<uint64_t>::max();
@@ -339,7 +339,8 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
   for (const Record& r : records_) {
     if (r.reapply && r.payload != kCurrentPayload) kept = std::max(kept, r.payload + 1);
   }
-  payloads_.resize(std::min(payloads_.size(), kept));
+  if (kept < payloads_.size())
+    payloads_.erase(payloads_.begin() + static_cast<ptrdiff_t>(kept), payloads_.end());
   return Status::OK();
 }
 

@@ -636,12 +636,12 @@ class FileListener final : public Listener {
       Keep(path, identity, status, report);
       return false;
     }
-    Result<PayloadHeader> header = ValidatePayloadHeader(read.bytes, limits_);
-    if (!header.ok()) {
-      Keep(path, identity, header.status().WithContext(fmt::format("'{}'", path)), report);
+    Result<ValidatedPayload> payload = ValidatePayload(std::move(read.bytes), limits_);
+    if (!payload.ok()) {
+      Keep(path, identity, payload.status().WithContext(fmt::format("'{}'", path)), report);
       return false;
     }
-    const PayloadIds& got = header->ids;
+    const PayloadIds& got = payload->ids();
     if (got.transfer_id != ids.transfer_id || got.producer_id != ids.producer_id ||
         got.payload_id != ids.payload_id) {
       Keep(path, identity,
@@ -650,7 +650,7 @@ class FileListener final : public Listener {
            report);
       return false;
     }
-    Result<StageResult> staged = sink_.Deliver(std::move(read.bytes), stop_.get_token());
+    Result<StageResult> staged = sink_.Deliver(std::move(*payload), stop_.get_token());
     if (!staged.ok()) {
       Keep(path, identity, staged.status().WithContext(fmt::format("delivering '{}'", path)),
            report);

@@ -29,13 +29,17 @@ constexpr TransportCapabilities kInprocCapabilities{
 // Thread-safety: every member function may be called concurrently.
 class InprocEndpoint {
  public:
-  explicit InprocEndpoint(PayloadSink& sink) : sink_(sink) {}
+  InprocEndpoint(PayloadSink& sink, const PayloadLimits& limits) : sink_(sink), limits_(limits) {}
 
-  // Deliver a copy of `payload`. Errors: Unavailable once closed; the sink's refusal.
+  // Deliver a copy of `payload`, its header validated under the listener's limits.
+  // Errors: Unavailable once closed; as ValidatePayloadHeader; the sink's refusal.
   Result<StageResult> Deliver(std::span<const std::byte> payload) {
     REFIT_RETURN_NOT_OK(Enter());
-    Result<StageResult> result =
-        sink_.Deliver(std::vector<std::byte>(payload.begin(), payload.end()), stop_.get_token());
+    Result<ValidatedPayload> validated =
+        ValidatePayload(std::vector<std::byte>(payload.begin(), payload.end()), limits_);
+    Result<StageResult> result = validated.ok()
+                                     ? sink_.Deliver(std::move(*validated), stop_.get_token())
+                                     : Result<StageResult>(validated.status());
     std::lock_guard lock(mutex_);
     if (result.ok()) {
       ++(*result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
@@ -91,6 +95,7 @@ class InprocEndpoint {
   }
 
   PayloadSink& sink_;
+  const PayloadLimits limits_;
   std::stop_source stop_;
   mutable std::mutex mutex_;
   std::condition_variable idle_;
@@ -196,8 +201,9 @@ class InprocSender final : public TransportSender {
 
 class InprocListener final : public Listener {
  public:
-  InprocListener(std::string hub, std::string endpoint, PayloadSink& sink)
-      : hub_(std::move(hub)), endpoint_name_(std::move(endpoint)), sink_(sink) {}
+  InprocListener(std::string hub, std::string endpoint, PayloadSink& sink,
+                 const PayloadLimits& limits)
+      : hub_(std::move(hub)), endpoint_name_(std::move(endpoint)), sink_(sink), limits_(limits) {}
 
   ~InprocListener() override { Stop(); }
 
@@ -207,7 +213,7 @@ class InprocListener final : public Listener {
       return FailedPrecondition("inproc://{}: listener at '{}' was started before", hub_,
                                 endpoint_name_);
     }
-    auto endpoint = std::make_shared<InprocEndpoint>(sink_);
+    auto endpoint = std::make_shared<InprocEndpoint>(sink_, limits_);
     REFIT_RETURN_NOT_OK(InprocDirectory::Get().Bind(hub_, endpoint_name_, endpoint));
     endpoint_ = std::move(endpoint);
     return Status::OK();
@@ -240,6 +246,7 @@ class InprocListener final : public Listener {
   const std::string hub_;
   const std::string endpoint_name_;
   PayloadSink& sink_;
+  const PayloadLimits limits_;
   mutable std::mutex mutex_;
   // Set by Start, kept after Stop for stats().
   std::shared_ptr<InprocEndpoint> endpoint_;
@@ -276,7 +283,7 @@ class InprocTransport final : public Transport {
           uri().target, context.endpoint, Printable(context.bind_address));
     }
     return std::unique_ptr<Listener>(
-        std::make_unique<InprocListener>(uri().target, context.endpoint, sink));
+        std::make_unique<InprocListener>(uri().target, context.endpoint, sink, options_.limits));
   }
 
  private:

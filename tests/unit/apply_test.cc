@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 
 #include "refit/digest.h"
@@ -20,6 +21,13 @@ using testing::TakeSnapshot;
 
 using testing::Perturb;
 using testing::RandomTensor;
+
+// `bytes` as a listener hands them on: the header validated (ValidatePayload).
+ValidatedPayload Validated(std::vector<std::byte> bytes) {
+  Result<ValidatedPayload> payload = ValidatePayload(std::move(bytes));
+  EXPECT_OK(payload.status());
+  return std::move(payload).ValueOrDie();
+}
 
 /// A producer and a receiver that start from the same weights, like a trainer and one replica.
 class ApplyTest : public ::testing::TestWithParam<std::tuple<DType, Op>> {
@@ -124,9 +132,10 @@ TEST_P(ApplyTest, RollbackThroughKeptPayloadsRestoresTheBaseBitExactly) {
   for (auto& payload : EncodeStep(next, id)) {
     wire += payload.size();
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, &payload));
+    ValidatedPayload received = Validated(payload);
+    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, &received));
     // The log took the bytes exactly when it undoes by re-applying (XOR items).
-    EXPECT_EQ(payload.empty(), reapplies);
+    EXPECT_EQ(received.size() == 0, reapplies);
   }
   EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
   if (reapplies) {
@@ -188,14 +197,14 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
   for (const bool keep_payload : {false, true}) {
     SCOPED_TRACE(keep_payload ? "payload kept" : "old bits kept");
     UndoLog undo;
-    std::vector<std::byte> kept = bytes;
+    ValidatedPayload kept = Validated(bytes);
     ASSERT_OK(ApplyPayload(decoded, *store_, &undo, keep_payload ? &kept : nullptr,
                            /*threads=*/4));
     EXPECT_EQ(TakeSnapshot(*store_), TakeSnapshot(*serial));
     EXPECT_EQ(store_->Digests(), serial->Digests());
     EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
-    EXPECT_EQ(kept.empty(), keep_payload && std::get<1>(GetParam()) == Op::kXor &&
-                                !testing::DeviceMemoryForced());
+    EXPECT_EQ(kept.size() == 0, keep_payload && std::get<1>(GetParam()) == Op::kXor &&
+                                    !testing::DeviceMemoryForced());
     ASSERT_OK(undo.Rollback(*store_));
     EXPECT_EQ(TakeSnapshot(*store_), before);
     EXPECT_EQ(store_->Digests(), digests_before);
@@ -207,13 +216,13 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
   const std::vector<std::byte> forged_bytes = encode(forged_items);
   ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
   UndoLog undo;
-  std::vector<std::byte> kept = forged_bytes;
+  ValidatedPayload kept = Validated(forged_bytes);
   EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
                     ApplyPayload(forged, *store_, &undo, &kept, /*threads=*/4));
   EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(store_->Digests(), digests_before);
   EXPECT_EQ(undo.records(), 0u);
-  EXPECT_EQ(kept, forged_bytes);
+  EXPECT_TRUE(std::ranges::equal(kept.bytes(), forged_bytes));
   ASSERT_OK(tracker_->Abort(id));
 }
 
@@ -322,15 +331,15 @@ TEST_F(ApplyRejectionTest, AFailedApplyWithKeptBytesUndoesItsXorItemsAndKeepsNot
   auto payload = MakePayload();
   ASSERT_OK_AND_ASSIGN(DecodedPayload good, DecodePayload(payload));
   UndoLog undo;
-  std::vector<std::byte> kept = payload;
+  ValidatedPayload kept = Validated(payload);
   ASSERT_OK(ApplyPayload(good, *store_, &undo, &kept));
-  EXPECT_TRUE(kept.empty());
+  EXPECT_EQ(kept.size(), 0u);
   const StoreSnapshot after_first = TakeSnapshot(*store_);
   // The same payload again: the receiver is no longer at its base, so its digest check fails
   // after the XOR was applied, and that payload is undone.
-  std::vector<std::byte> again = payload;
+  ValidatedPayload again = Validated(payload);
   EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(good, *store_, &undo, &again));
-  EXPECT_EQ(again, payload);
+  EXPECT_TRUE(std::ranges::equal(again.bytes(), payload));
   EXPECT_EQ(TakeSnapshot(*store_), after_first);
   EXPECT_EQ(undo.payload_bytes(), payload.size());
   ASSERT_OK(undo.Rollback(*store_));

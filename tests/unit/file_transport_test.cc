@@ -88,7 +88,7 @@ struct Receiver {
 /// Counts deliveries and refuses every one with DataLoss.
 class RefusingSink : public PayloadSink {
  public:
-  Result<StageResult> Deliver(std::vector<std::byte>, std::stop_token) override {
+  Result<StageResult> Deliver(ValidatedPayload, std::stop_token) override {
     ++calls_;
     return DataLoss("rejected by the test sink");
   }

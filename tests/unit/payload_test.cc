@@ -863,6 +863,50 @@ TEST(PayloadHostileTest, LimitsAreEnforced) {
   EXPECT_OK(DecodePayload(payload, limits));
 }
 
+// A listener validates a payload once (ValidatePayload); the session and the decoder take the
+// typed payload and only compare its header's sizes with their own, possibly tighter, limits.
+TEST(ValidatedPayloadTest, CarriesTheHeaderToTheDecoderAndMeetsEachStagesLimits) {
+  const std::vector<std::byte> payload = SamplePayload();
+  ASSERT_OK_AND_ASSIGN(const PayloadHeader header, ValidatePayloadHeader(payload));
+  ASSERT_OK_AND_ASSIGN(const ValidatedPayload validated, ValidatePayload(payload));
+  EXPECT_EQ(validated.header().ids, header.ids);
+  EXPECT_EQ(validated.header().checksum, header.checksum);
+  EXPECT_EQ(validated.size(), payload.size());
+  EXPECT_TRUE(std::ranges::equal(validated.bytes(), payload));
+  ASSERT_OK_AND_ASSIGN(const DecodedPayload from_bytes, DecodePayload(payload));
+  ASSERT_OK_AND_ASSIGN(const DecodedPayload from_validated, DecodePayload(validated));
+  ASSERT_EQ(from_validated.items().size(), from_bytes.items().size());
+  for (size_t i = 0; i < from_bytes.items().size(); ++i) {
+    EXPECT_EQ(from_validated.items()[i].name, from_bytes.items()[i].name);
+    EXPECT_TRUE(std::ranges::equal(from_validated.items()[i].values, from_bytes.items()[i].values));
+  }
+
+  // Tighter limits downstream of the listener: refused by name, without parsing bytes.
+  PayloadLimits limits;
+  EXPECT_OK(CheckPayloadLimits(header, limits));
+  limits.max_items = header.item_count - 1;
+  EXPECT_STATUS_MSG(ResourceExhausted, "items > limit", CheckPayloadLimits(header, limits));
+  EXPECT_STATUS_MSG(ResourceExhausted, "items > limit", DecodePayload(validated, limits));
+  limits = {};
+  limits.max_body_bytes = header.body_bytes - 1;
+  EXPECT_STATUS_MSG(ResourceExhausted, "body_bytes", DecodePayload(validated, limits));
+  limits = {};
+  limits.max_payload_bytes = payload.size() - 1;
+  EXPECT_STATUS_MSG(ResourceExhausted, "compressed body", DecodePayload(validated, limits));
+  limits = {};
+  limits.max_rank = 1;  // Body limits still apply to the items.
+  EXPECT_STATUS_MSG(ResourceExhausted, "rank", DecodePayload(validated, limits));
+
+  // What fails ValidatePayloadHeader fails ValidatePayload, and the body is still the decoder's.
+  std::vector<std::byte> bad_header = payload;
+  bad_header[kHeaderChecksumOffset] ^= std::byte{1};
+  EXPECT_STATUS_MSG(DataLoss, "header checksum", ValidatePayload(bad_header));
+  std::vector<std::byte> bad_body = payload;
+  bad_body.back() ^= std::byte{1};
+  ASSERT_OK_AND_ASSIGN(const ValidatedPayload unchecked_body, ValidatePayload(bad_body));
+  EXPECT_STATUS_MSG(DataLoss, "body checksum", DecodePayload(unchecked_body));
+}
+
 TEST(PayloadHostileTest, FlippedBodyBytesWithValidChecksumsNeverCrash) {
   // Re-seal each single-byte corruption of the decompressed body with valid checksums: the
   // decoder must reject it with a documented code or accept it, and whatever it accepts must

@@ -682,6 +682,27 @@ class ApplyGate {
   bool open_ = false;
 };
 
+// A payload arrives validated under its listener's limits; the session checks the header's
+// sizes against its own (tighter here) before queueing it, and the transfer goes on.
+TEST_F(ReceiverSessionTest, AValidatedPayloadOverTheSessionsLimitsIsRefusedByName) {
+  const Step step = EncodeStep(1, 2, 2);
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload largest, ValidatePayload(step.payloads[0]));
+  for (const std::vector<std::byte>& bytes : step.payloads) {
+    ASSERT_OK_AND_ASSIGN(ValidatedPayload payload, ValidatePayload(bytes));
+    if (payload.size() > largest.size()) largest = std::move(payload);
+  }
+  ReceiverSessionOptions options;
+  options.limits.max_payload_bytes = largest.size() - 1;
+  auto session = MakeSession(options);
+  ASSERT_NE(session, nullptr);
+  ASSERT_OK(session->Prepare(Request(step)));
+  EXPECT_STATUS_MSG(ResourceExhausted,
+                    fmt::format("payload {} of producer {}", largest.ids().payload_id,
+                                largest.ids().producer_id),
+                    session->Stage(std::move(largest)));
+  EXPECT_EQ(session->GetStatus().received_payloads, 0u);
+}
+
 TEST_F(ReceiverSessionTest, FullApplyQueueBlocksStageAndFailsTryStage) {
   constexpr size_t kDepth = 2;
   ApplyGate gate;
@@ -706,11 +727,12 @@ TEST_F(ReceiverSessionTest, FullApplyQueueBlocksStageAndFailsTryStage) {
   ASSERT_OK(session->Stage(step.payloads[2]));
   EXPECT_EQ(session->GetStatus().queued_payloads, kDepth);
 
-  std::vector<std::byte> refused = step.payloads[3];
-  EXPECT_STATUS_MSG(ResourceExhausted, "full at depth 2", session->TryStage(std::move(refused)));
-  EXPECT_EQ(refused, step.payloads[3]);  // Untouched, so the caller can retry it.
-  std::vector<std::byte> duplicate = step.payloads[1];
-  ASSERT_OK_AND_ASSIGN(StageResult dedupe, session->TryStage(std::move(duplicate)));
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload refused, ValidatePayload(step.payloads[3]));
+  EXPECT_STATUS_MSG(ResourceExhausted, "full at depth 2", session->TryStage(refused));
+  // Untouched, so the caller can retry it.
+  EXPECT_TRUE(std::ranges::equal(refused.bytes(), step.payloads[3]));
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload duplicate, ValidatePayload(step.payloads[1]));
+  ASSERT_OK_AND_ASSIGN(StageResult dedupe, session->TryStage(duplicate));
   EXPECT_EQ(dedupe, StageResult::kDuplicate);  // Dedupe needs no room.
 
   std::atomic<bool> returned{false};

@@ -500,7 +500,7 @@ TEST(S3ManifestTest, OversizeManifestsAreRefused) {
 /// A sink that counts deliveries and accepts everything.
 class CountingSink final : public PayloadSink {
  public:
-  Result<StageResult> Deliver(std::vector<std::byte>, std::stop_token) override {
+  Result<StageResult> Deliver(ValidatedPayload, std::stop_token) override {
     ++delivered;
     return StageResult::kAccepted;
   }

@@ -244,13 +244,13 @@ SenderContext ContextFor(std::vector<std::string> endpoints, uint32_t producer_i
 /// Records every delivery; a payload id seen before is reported as a duplicate.
 class RecordingSink : public PayloadSink {
  public:
-  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token) override {
-    REFIT_ASSIGN_OR_RETURN(PayloadHeader header, ValidatePayloadHeader(payload));
+  Result<StageResult> Deliver(ValidatedPayload payload, std::stop_token) override {
     std::lock_guard lock(mutex_);
-    const uint32_t id = header.ids.payload_id;
+    const uint32_t id = payload.ids().payload_id;
     const bool duplicate = std::any_of(deliveries_.begin(), deliveries_.end(),
                                        [&](const auto& d) { return d.first == id; });
-    deliveries_.emplace_back(id, std::move(payload));
+    deliveries_.emplace_back(
+        id, std::vector<std::byte>(payload.bytes().begin(), payload.bytes().end()));
     return duplicate ? StageResult::kDuplicate : StageResult::kAccepted;
   }
   Status EndOfStream(const StreamEnd& end) override {
@@ -281,7 +281,7 @@ class RecordingSink : public PayloadSink {
 /// Blocks every delivery until the listener cancels it.
 class BlockingSink : public PayloadSink {
  public:
-  Result<StageResult> Deliver(std::vector<std::byte>, std::stop_token stop) override {
+  Result<StageResult> Deliver(ValidatedPayload, std::stop_token stop) override {
     {
       std::lock_guard lock(mutex_);
       entered_ = true;

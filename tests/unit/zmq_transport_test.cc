@@ -146,7 +146,7 @@ Result<std::unique_ptr<Transport>> MakeZmq(
 // A sink for listeners that must fail before delivering anything.
 class RefusingSink final : public PayloadSink {
  public:
-  Result<StageResult> Deliver(std::vector<std::byte>, std::stop_token) override {
+  Result<StageResult> Deliver(ValidatedPayload, std::stop_token) override {
     return FailedPrecondition("this test delivers nothing");
   }
 };
@@ -1062,7 +1062,7 @@ class GatedSink final : public PayloadSink {
  public:
   explicit GatedSink(PayloadSink& inner) : inner_(inner) {}
 
-  Result<StageResult> Deliver(std::vector<std::byte> payload, std::stop_token stop) override {
+  Result<StageResult> Deliver(ValidatedPayload payload, std::stop_token stop) override {
     {
       std::unique_lock lock(mutex_);
       ++entered_;

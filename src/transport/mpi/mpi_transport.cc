@@ -349,7 +349,9 @@ class MpiListener final : public Listener {
         plane.Broadcast(producer, payload->data(), size, Deadline(), stop, payload, from));
     job_.CountReceived(size);
     // The sink owns the bytes from here (a broadcast that completed writes nothing more).
-    Result<StageResult> staged = sink_.Deliver(std::move(*payload), stop);
+    Result<ValidatedPayload> validated = ValidatePayload(std::move(*payload), limits_);
+    if (!validated.ok()) return validated.status().WithContext(from);
+    Result<StageResult> staged = sink_.Deliver(std::move(*validated), stop);
     if (!staged.ok()) return staged.status().WithContext(from);
     MutexLock lock(mutex_);
     if (*staged == StageResult::kDuplicate) {

@@ -289,10 +289,9 @@ Result<PayloadManifest> ManifestFromJson(std::string_view text) {
   return manifest;
 }
 
-Result<std::vector<std::byte>> FetchVerifiedPayload(S3Client& client,
-                                                    const S3TransportConfig& config,
-                                                    const PayloadManifest& expected,
-                                                    const PayloadLimits& limits) {
+Result<ValidatedPayload> FetchVerifiedPayload(S3Client& client, const S3TransportConfig& config,
+                                              const PayloadManifest& expected,
+                                              const PayloadLimits& limits) {
   const std::string what =
       fmt::format("payload object s3://{}/{}", config.client.bucket, Printable(expected.key));
   if (expected.size > limits.max_payload_bytes) {
@@ -312,15 +311,15 @@ Result<std::vector<std::byte>> FetchVerifiedPayload(S3Client& client,
   if (!config.mac_key.empty()) {
     REFIT_RETURN_NOT_OK(VerifyMac(config.mac_key, bytes, expected.mac, what));
   }
-  REFIT_ASSIGN_OR_RETURN(const PayloadHeader header, ValidatePayloadHeader(bytes, limits));
-  if (header.ids.transfer_id != expected.transfer_id ||
-      header.ids.producer_id != expected.producer_id ||
-      header.ids.payload_id != expected.payload_id) {
+  REFIT_ASSIGN_OR_RETURN(ValidatedPayload payload, ValidatePayload(std::move(bytes), limits));
+  const PayloadIds& ids = payload.ids();
+  if (ids.transfer_id != expected.transfer_id || ids.producer_id != expected.producer_id ||
+      ids.payload_id != expected.payload_id) {
     return DataLoss("{}: its header names transfer {} producer {} payload {}, not {} {} {}", what,
-                    header.ids.transfer_id.ToHex(), header.ids.producer_id, header.ids.payload_id,
+                    ids.transfer_id.ToHex(), ids.producer_id, ids.payload_id,
                     expected.transfer_id.ToHex(), expected.producer_id, expected.payload_id);
   }
-  return bytes;
+  return payload;
 }
 
 }  // namespace refit::internal

@@ -93,13 +93,11 @@ Result<PayloadManifest> ManifestFromJson(std::string_view text);
 
 /// Download the payload object `key` of `size` bytes and verify, before anything decodes it:
 /// its size against `limits`, its XXH3-128 against `checksum`, its MAC when `config.mac_key` is
-/// set, and its header (ValidatePayloadHeader) naming `expected_ids`' transfer, producer and
-/// payload. Errors: ResourceExhausted (a size over the limit); DataLoss (a checksum mismatch, a
-/// short object, a header naming other ids); PermissionDenied (a MAC mismatch); those of
-/// the download.
-Result<std::vector<std::byte>> FetchVerifiedPayload(S3Client& client,
-                                                    const S3TransportConfig& config,
-                                                    const PayloadManifest& expected,
-                                                    const PayloadLimits& limits);
+/// set, and its header (ValidatePayload) naming `expected_ids`' transfer, producer and payload.
+/// Errors: ResourceExhausted (a size over the limit); DataLoss (a checksum mismatch, a short
+/// object, a header naming other ids); PermissionDenied (a MAC mismatch); those of the download.
+Result<ValidatedPayload> FetchVerifiedPayload(S3Client& client, const S3TransportConfig& config,
+                                              const PayloadManifest& expected,
+                                              const PayloadLimits& limits);
 
 }  // namespace refit::internal

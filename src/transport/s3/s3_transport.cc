@@ -326,7 +326,7 @@ class S3Listener final : public Listener {
           Printable(manifest.key), manifest.transfer_id.ToHex(), manifest.producer_id,
           manifest.payload_id, config_->client.bucket, config_->prefix);
     }
-    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload,
+    REFIT_ASSIGN_OR_RETURN(ValidatedPayload payload,
                            FetchVerifiedPayload(*client_, *config_, manifest, limits_));
     const uint64_t bytes = payload.size();
     REFIT_ASSIGN_OR_RETURN(const StageResult staged,

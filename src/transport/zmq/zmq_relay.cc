@@ -461,15 +461,18 @@ class ZmqListener final : public Listener {
 
   void HandleData(const std::string& identity, std::vector<Frame> frames, uint32_t root,
                   const std::stop_token& stop) {
-    // The payload stays in the frame ZeroMQ received it in: the sink gets the one copy it keeps,
-    // and the children get the frame itself (Connection::Request shares it).
+    // The children get the frame ZeroMQ received the payload in (Connection::Request shares
+    // it); the sink gets the one copy it keeps, validated here once and handed on typed. (A
+    // retried copy of a staged payload is copied and dropped: rare, and one memcpy.)
     const std::span<const std::byte> bytes = frames[5].bytes();
-    Result<PayloadHeader> header = ValidatePayloadHeader(bytes, limits_);
-    if (!header.ok()) {
-      Reply(identity, {}, header.status().WithContext(fmt::format("zmq listener {}", endpoint_)));
+    Result<ValidatedPayload> payload =
+        ValidatePayload(std::vector<std::byte>(bytes.begin(), bytes.end()), limits_);
+    if (!payload.ok()) {
+      Reply(identity, {}, payload.status().WithContext(fmt::format("zmq listener {}", endpoint_)));
       return;
     }
-    const PayloadIds& ids = header->ids;
+    const PayloadHeader header = payload->header();
+    const PayloadIds& ids = header.ids;
     const ReplyKey key{ids.transfer_id.ToHex(), U32Bytes(ids.producer_id),
                        U32Bytes(ids.payload_id)};
     const TreeView tree = TreeOf(ids.transfer_id);
@@ -480,7 +483,7 @@ class ZmqListener final : public Listener {
     StreamRecord* stream = FindStream(ids.transfer_id, ids.producer_id);
     if (stream != nullptr && stream->sealed) {
       const auto staged = stream->staged.find(ids.payload_id);
-      if (staged == stream->staged.end() || staged->second.checksum != header->checksum) {
+      if (staged == stream->staged.end() || staged->second.checksum != header.checksum) {
         Reply(identity, key,
               FailedPrecondition("zmq relay {}: payload {} of producer {} (transfer {}) came "
                                  "after the producer's stream end: the stream is sealed",
@@ -500,8 +503,7 @@ class ZmqListener final : public Listener {
         return;
       }
     }
-    Result<StageResult> staged =
-        sink_.Deliver(std::vector<std::byte>(bytes.begin(), bytes.end()), stop);
+    Result<StageResult> staged = sink_.Deliver(std::move(*payload), stop);
     if (!staged.ok()) {
       Reply(identity, key, staged.status());
       return;
@@ -511,7 +513,7 @@ class ZmqListener final : public Listener {
     // push the streams of real transfers out of streams_.
     StagedPayload& record =
         Stream(ids.transfer_id, ids.producer_id)
-            .staged.try_emplace(ids.payload_id, StagedPayload{.checksum = header->checksum})
+            .staged.try_emplace(ids.payload_id, StagedPayload{.checksum = header.checksum})
             .first->second;
     ReplyOnceSubtreeHas(identity, std::move(frames), key, ids, record, tree, root);
   }
