@@ -17,6 +17,8 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
+#include "util/thread_annotations.h"
 
 namespace refit {
 namespace {
@@ -333,10 +335,11 @@ struct PublisherRank {
   std::vector<std::string> listed_tensors;
   // Set once rank 0 told the other ranks to abort the current Sync.
   bool told_abort = false;
-  // Publisher::Cancel: set while a Sync is in flight (guarded by cancel_mutex), read by every
-  // phase boundary and before each payload.
-  std::mutex cancel_mutex;
-  bool in_sync = false;
+  // Publisher::Cancel: in_sync says a Sync is in flight; cancel_requested, set only then (under
+  // cancel_mutex, so that a Cancel racing the end of a Sync cannot leak into the next one), is
+  // read without the lock by every phase boundary and before each payload.
+  internal::Mutex cancel_mutex;
+  bool in_sync REFIT_GUARDED_BY(cancel_mutex) = false;
   std::atomic<bool> cancel_requested{false};
 
   Status CheckCancelled(std::string_view where) const {
@@ -487,20 +490,22 @@ class GroupProducers final : public ProducerSet {
     REFIT_RETURN_NOT_OK(
         self_.group->Broadcast(stream.dump(), deadline).status().WithContext("rank 0: stream"));
     Result<ProducerStreamed> own = self_.Stream(source_, deadline, routes);
-    Json mine = StatusToJson(own.status());
-    if (own.ok()) {
-      mine["report"] = StreamReportToJson(own->report);
-      mine["digests"] = DigestsToJson(own->digests);
-      if (self_.sharded != nullptr) mine["boxes"] = BoxDigestsToJson(self_.streamed_boxes);
-    }
+    // Rank 0's own results stay as they are; only the other ranks' travel as JSON (rank 0's
+    // part of the gather is never read).
     REFIT_ASSIGN_OR_RETURN(std::vector<std::string> gathered,
-                           self_.group->Gather(mine.dump(), deadline));
+                           self_.group->Gather(std::string(), deadline));
     std::vector<ProducerStreamed> results(gathered.size());
     std::vector<Status> failures;
     std::vector<BoxDigest> boxes;
-    for (uint32_t r = 0; r < gathered.size(); ++r) {
+    if (own.ok()) {
+      results[0] = *std::move(own);
+      if (self_.sharded != nullptr) boxes = self_.streamed_boxes;
+    } else {
+      failures.push_back(own.status().WithContext("rank 0"));
+    }
+    for (uint32_t r = 1; r < gathered.size(); ++r) {
       const std::string where = fmt::format("rank {}", r);
-      Result<Json> reply = r == 0 ? Result<Json>(mine) : ParseGroupMessage(gathered[r], where);
+      Result<Json> reply = ParseGroupMessage(gathered[r], where);
       if (!reply.ok()) {
         failures.push_back(reply.status());
         continue;
@@ -930,20 +935,20 @@ Result<SyncReport> Publisher::Sync(const ShardedModel& model, bool force_anchor)
 
 Result<SyncReport> Publisher::SyncOf(const ChunkSource& source, bool force_anchor) {
   {
-    std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+    internal::MutexLock lock(impl_->cancel_mutex);
     impl_->in_sync = true;
     impl_->cancel_requested = false;
   }
   Result<SyncReport> synced =
       rank() == 0 ? impl_->Lead(source, force_anchor) : impl_->Follow(source);
-  std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+  internal::MutexLock lock(impl_->cancel_mutex);
   impl_->in_sync = false;
   impl_->cancel_requested = false;
   return synced;
 }
 
 void Publisher::Cancel() {
-  std::lock_guard<std::mutex> lock(impl_->cancel_mutex);
+  internal::MutexLock lock(impl_->cancel_mutex);
   if (impl_->in_sync) impl_->cancel_requested = true;
 }
 
