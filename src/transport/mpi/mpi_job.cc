@@ -37,8 +37,9 @@ class MpiBroadcast final : public DataCollective {
   MpiJob& job_;
 };
 
-std::mutex job_mutex;
-MpiJob* job = nullptr;  // guarded by job_mutex; lives for the rest of the process once made
+Mutex job_mutex;
+// Lives for the rest of the process once made.
+MpiJob* job REFIT_GUARDED_BY(job_mutex) = nullptr;
 
 Status MpiCall(int code, std::string_view what) {
   if (code == MPI_SUCCESS) return Status::OK();
@@ -64,7 +65,7 @@ void KeepForever(std::shared_ptr<void> buffers) {
 }
 
 Result<MpiJob*> MpiJob::Join(const MpiJobOptions& options) {
-  std::lock_guard lock(job_mutex);
+  MutexLock lock(job_mutex);
   if (job != nullptr) {
     const MpiJobOptions& held = job->options_;
     if (held.communicator != options.communicator || held.producers != options.producers ||
@@ -84,7 +85,7 @@ Result<MpiJob*> MpiJob::Join(const MpiJobOptions& options) {
 }
 
 MpiJob* MpiJob::Current() {
-  std::lock_guard lock(job_mutex);
+  MutexLock lock(job_mutex);
   return job;
 }
 
@@ -195,7 +196,11 @@ Status MpiJob::Build(const MpiJobOptions& options) {
                                 "MPI_Comm_split (data)"));
     if (data_[p] != MPI_COMM_NULL) MPI_Comm_set_errhandler(data_[p], MPI_ERRORS_RETURN);
   }
-  data_plane_ = std::make_unique<MpiBroadcast>(*this);
+  {
+    // Nothing else sees the job yet; the lock is for the analysis, and costs nothing.
+    MutexLock lock(data_plane_mutex_);
+    data_plane_ = std::make_unique<MpiBroadcast>(*this);
+  }
   REFIT_LOG_DEBUG("mpi: rank {} of {} joined as {} {}", info_.rank, info_.world_size,
                   info_.producer ? "producer" : "receiver", info_.index);
   return Status::OK();
@@ -241,7 +246,7 @@ Status MpiJob::Broadcast(std::byte* bytes, uint64_t size, int root, MPI_Comm com
 }
 
 Status MpiJob::UseDataPlane(std::unique_ptr<DataCollective> plane) {
-  std::lock_guard lock(data_plane_mutex_);
+  MutexLock lock(data_plane_mutex_);
   if (!data_plane_claimed_.empty() && data_plane_claimed_ != plane->name()) {
     return FailedPrecondition("mpi: this job's payloads already travel by {}, not {}",
                               data_plane_claimed_, plane->name());
@@ -252,7 +257,7 @@ Status MpiJob::UseDataPlane(std::unique_ptr<DataCollective> plane) {
 }
 
 Status MpiJob::ClaimDataPlane(std::string_view name) {
-  std::lock_guard lock(data_plane_mutex_);
+  MutexLock lock(data_plane_mutex_);
   if (data_plane_claimed_.empty()) data_plane_claimed_ = std::string(name);
   if (data_plane_claimed_ != name || data_plane_->name() != name) {
     return FailedPrecondition(
@@ -276,29 +281,30 @@ MpiJobStats MpiJob::stats() const {
 }
 
 void MpiJob::MarkDataClosed(uint32_t /*producer*/) {
-  std::lock_guard lock(end_mutex_);
+  MutexLock lock(end_mutex_);
   ++data_closed_;
   end_changed_.notify_all();
 }
 
 void MpiJob::MarkControlClosed() {
-  std::lock_guard lock(end_mutex_);
+  MutexLock lock(end_mutex_);
   control_closed_ = true;
   end_changed_.notify_all();
 }
 
 Status MpiJob::WaitForEnd(std::stop_token stop) {
   if (info_.producer) return FailedPrecondition("mpi: a producer does not wait for the job's end");
-  std::unique_lock lock(end_mutex_);
-  const bool ended = end_changed_.wait(
-      lock, stop, [this] { return control_closed_ && data_closed_ >= info_.producers; });
+  MutexLock lock(end_mutex_);
+  const bool ended = end_changed_.wait(lock, stop, [this]() REFIT_REQUIRES(end_mutex_) {
+    return control_closed_ && data_closed_ >= info_.producers;
+  });
   if (!ended) return Cancelled("mpi: stopped before the producers closed the job");
   return Status::OK();
 }
 
 void MpiJob::Finalize() {
   {
-    std::lock_guard lock(end_mutex_);
+    MutexLock lock(end_mutex_);
     if (finalized_) return;
     finalized_ = true;
   }

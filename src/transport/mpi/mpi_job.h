@@ -17,7 +17,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -29,6 +28,8 @@
 #include "refit/mpi.h"
 #include "refit/status.h"
 #include "refit/transport.h"
+#include "util/mutex.h"
+#include "util/thread_annotations.h"
 
 namespace refit::internal {
 
@@ -115,7 +116,7 @@ class MpiJob {
 
   /// The job's data plane: MPI's own broadcasts unless nccl:// installed another.
   DataCollective& data_plane() {
-    std::lock_guard lock(data_plane_mutex_);
+    MutexLock lock(data_plane_mutex_);
     return *data_plane_;
   }
   /// Install `plane` (nccl://) as the job's data plane. Errors: FailedPrecondition when another
@@ -166,9 +167,9 @@ class MpiJob {
   MPI_Comm producer_comm_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> data_;
   std::mutex data_mutex_;
-  std::mutex data_plane_mutex_;
-  std::unique_ptr<DataCollective> data_plane_;  // guarded by data_plane_mutex_
-  std::string data_plane_claimed_;              // guarded by data_plane_mutex_
+  Mutex data_plane_mutex_;
+  std::unique_ptr<DataCollective> data_plane_ REFIT_GUARDED_BY(data_plane_mutex_);
+  std::string data_plane_claimed_ REFIT_GUARDED_BY(data_plane_mutex_);
   std::atomic<bool> broken_{false};
   std::atomic<uint64_t> broadcasts_sent_{0};
   std::atomic<uint64_t> broadcasts_received_{0};
@@ -176,11 +177,11 @@ class MpiJob {
   std::atomic<uint64_t> bytes_received_{0};
   std::atomic<uint64_t> control_messages_{0};
 
-  std::mutex end_mutex_;
-  std::condition_variable_any end_changed_;
-  uint32_t data_closed_ = 0;     // guarded by end_mutex_
-  bool control_closed_ = false;  // guarded by end_mutex_
-  bool finalized_ = false;       // guarded by end_mutex_
+  Mutex end_mutex_;
+  CondVar end_changed_;
+  uint32_t data_closed_ REFIT_GUARDED_BY(end_mutex_) = 0;
+  bool control_closed_ REFIT_GUARDED_BY(end_mutex_) = false;
+  bool finalized_ REFIT_GUARDED_BY(end_mutex_) = false;
 };
 
 /// The job a collective transport URI (mpi://, nccl://) names: its layout parameters

@@ -19,7 +19,6 @@
 #include <nccl.h>
 
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -27,6 +26,8 @@
 
 #include "transport/mpi/mpi_job.h"
 #include "util/logging.h"
+#include "util/mutex.h"
+#include "util/thread_annotations.h"
 
 namespace refit::internal {
 namespace {
@@ -127,7 +128,7 @@ class NcclBroadcast final : public DataCollective {
       return InvalidArgument("{}: this rank is not on producer {}'s communicator", what, producer);
     }
     Channel& channel = *channels_[producer];
-    std::lock_guard lock(channel.mutex);
+    MutexLock lock(channel.mutex);
     if (channel.aborted) return FailedPrecondition("{}: its NCCL communicator was aborted", what);
     REFIT_RETURN_NOT_OK(CudaCall(cudaSetDevice(device_), "cudaSetDevice"));
     for (uint64_t offset = 0; offset < size; offset += kStagingBytes) {
@@ -156,8 +157,8 @@ class NcclBroadcast final : public DataCollective {
     cudaStream_t stream = nullptr;
     std::byte* device = nullptr;
     bool root = false;
-    bool aborted = false;  // guarded by mutex
-    std::mutex mutex;
+    Mutex mutex;
+    bool aborted REFIT_GUARDED_BY(mutex) = false;
   };
 
   NcclBroadcast(MpiJob& job, int device) : job_(job), device_(device) {}
@@ -168,7 +169,8 @@ class NcclBroadcast final : public DataCollective {
   }
 
   Status WaitForStream(Channel& channel, Clock::time_point deadline, const std::stop_token& stop,
-                       const std::shared_ptr<void>& owner, const std::string& what) {
+                       const std::shared_ptr<void>& owner, const std::string& what)
+      REFIT_REQUIRES(channel.mutex) {
     std::chrono::microseconds pause = kFirstPause;
     while (true) {
       const cudaError_t state = cudaStreamQuery(channel.stream);
