@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""PNG charts from the benchmarks' JSON (docs/benchmarking.md shows them next to the tables).
+"""PNG charts from the benchmarks' JSON (docs/benchmark-results.md shows them next to the tables).
 
     /usr/bin/python3 scripts/bench-charts.py --e2e e2e.json --mpi mpi.json [--codec codec.json] --out docs/img
 

@@ -17,7 +17,7 @@ namespace refit {
 
 /// What an undo log keeps of the bits a FULL item (an anchor) overwrites. An anchor rewrites the
 /// whole model, so its old bits are as large as the model: this is the receiver's memory policy
-/// during a FULL (docs/benchmarking.md, "Receiver memory during an anchor").
+/// during a FULL (docs/benchmark-results.md has the receiver peaks measured under each policy).
 enum class AnchorUndo : uint8_t {
   /// Old bits in memory: the receiver holds about 2× the model during a FULL; an abort restores
   /// the base at memory speed. The default.
