@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -19,6 +20,8 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+
+#include "refit/status_format.h"
 
 namespace refit::bench {
 

@@ -31,6 +31,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -72,6 +73,7 @@
 #include "refit/receiver_node.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "refit/status_format.h"
 #include "table.h"
 #include "util/splitmix64.h"
 #include "util/thread_pool.h"

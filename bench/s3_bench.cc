@@ -22,6 +22,7 @@
 // docs/benchmarking.md.
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -53,6 +54,7 @@
 #include "refit/environment.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "table.h"
 #include "transport/s3/s3_client.h"

@@ -38,6 +38,7 @@
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
+#include "refit/status_format.h"
 
 namespace refit::bench {
 namespace {

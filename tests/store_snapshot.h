@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/status_format.h"
 #include "refit/tensor_memory.h"
 #include "refit/weight_store.h"
 

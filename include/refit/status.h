@@ -4,6 +4,9 @@
 // `Result<T>`; both are [[nodiscard]]. Messages name the thing and the value, e.g.
 //   "payload 7 of producer 2: item 'model.layers.3.mlp.up_proj.weight' location 9123456 >= numel
 //   9123440".
+// The constructors that format such messages (InvalidArgument("… {} …", value)) are in
+// refit/status_format.h, so that this header — and every facade — needs only the standard
+// library.
 #pragma once
 
 #include <cstdint>
@@ -13,8 +16,6 @@
 #include <string_view>
 #include <utility>
 #include <variant>
-
-#include <fmt/format.h>
 
 namespace refit {
 
@@ -85,27 +86,6 @@ class [[nodiscard]] Status {
   };
   std::shared_ptr<const State> state_;
 };
-
-#define REFIT_STATUS_FACTORY(Name)                                                        \
-  template <typename... Args>                                                             \
-  Status Name(fmt::format_string<Args...> format, Args&&... args) {                       \
-    return Status(StatusCode::k##Name, fmt::format(format, std::forward<Args>(args)...)); \
-  }
-
-REFIT_STATUS_FACTORY(InvalidArgument)
-REFIT_STATUS_FACTORY(DataLoss)
-REFIT_STATUS_FACTORY(FailedPrecondition)
-REFIT_STATUS_FACTORY(Unavailable)
-REFIT_STATUS_FACTORY(DeadlineExceeded)
-REFIT_STATUS_FACTORY(ResourceExhausted)
-REFIT_STATUS_FACTORY(Cancelled)
-REFIT_STATUS_FACTORY(PermissionDenied)
-REFIT_STATUS_FACTORY(NotFound)
-REFIT_STATUS_FACTORY(AlreadyExists)
-REFIT_STATUS_FACTORY(IoError)
-REFIT_STATUS_FACTORY(Internal)
-
-#undef REFIT_STATUS_FACTORY
 
 /// Return an IoError for a failed OS call, with strerror(errnum) appended.
 Status IoErrorFromErrno(int errnum, std::string_view what);

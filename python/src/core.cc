@@ -37,6 +37,7 @@
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
 #include "refit/status.h"
+#include "refit/status_format.h"
 #include "refit/tensor.h"
 #include "refit/tensor_memory.h"
 #include "refit/version.h"

@@ -7,6 +7,8 @@
 #include <optional>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "cli_common.h"
 #include "refit/control_client.h"
 

@@ -1,8 +1,11 @@
 // refit apply BASE DELTA.rfp -o OUT: apply a payload file to a checkpoint, all or nothing.
 #include <cstdio>
 
+#include <fmt/format.h>
+
 #include "cli_common.h"
 #include "refit/apply.h"
+#include "refit/status_format.h"
 #include "refit/weight_store.h"
 
 namespace refit::cli {

@@ -1,6 +1,7 @@
 #include "cli_common.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <cerrno>

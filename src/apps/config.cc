@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
@@ -23,6 +24,7 @@
 
 #include "cli_common.h"
 #include "refit/environment.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "refit/values.h"
 

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -25,6 +26,7 @@
 #include "raw_copy.h"
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "table.h"
 

@@ -1,4 +1,5 @@
 // refit diff OLD NEW: what changed between two checkpoints and what each encoding would cost.
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <array>

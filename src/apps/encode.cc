@@ -4,6 +4,7 @@
 #include "cli_common.h"
 #include "refit/bucketing.h"
 #include "refit/producer_stream.h"
+#include "refit/status_format.h"
 
 namespace refit::cli {
 namespace {

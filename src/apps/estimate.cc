@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
@@ -35,6 +36,7 @@
 #include "refit/payload.h"
 #include "refit/producer_stream.h"
 #include "refit/receiver_session.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "table.h"

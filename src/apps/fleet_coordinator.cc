@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "refit/chunk_source.h"
+#include "refit/status_format.h"
 
 namespace refit::cli {
 

@@ -1,4 +1,5 @@
 // refit inspect FILE.rfp: headers, items and sizes of a payload file.
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <iostream>

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "cli_common.h"
+#include "refit/status_format.h"
 
 namespace refit::cli {
 namespace {

@@ -23,6 +23,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "refit/status_format.h"
+
 namespace refit::cli {
 namespace {
 

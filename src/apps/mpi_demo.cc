@@ -18,6 +18,7 @@
 #include "local_fleet.h"
 #include "progress.h"
 #include "refit/simulator.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "table.h"
 

@@ -11,6 +11,8 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
+
 namespace refit {
 namespace {
 

@@ -5,6 +5,7 @@
 // commit; any failure on any rank rolls every receiver back.
 #include <stdlib.h>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "refit/producer_layout.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 
 namespace refit::cli {

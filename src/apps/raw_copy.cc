@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "local_fleet.h"
+#include "refit/status_format.h"
 
 namespace refit::cli {
 namespace {

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
@@ -37,6 +38,7 @@
 #include "refit/logging.h"
 #include "refit/receiver_node.h"
 #include "refit/safetensors.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #if REFIT_HAVE_MPI
 #include "refit/mpi.h"

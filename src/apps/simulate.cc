@@ -3,10 +3,13 @@
 #include <filesystem>
 #include <iostream>
 
+#include <fmt/format.h>
+
 #include "cli_common.h"
 #include "progress.h"
 #include "refit/compare.h"
 #include "refit/simulator.h"
+#include "refit/status_format.h"
 #include "table.h"
 
 namespace refit::cli {

@@ -5,9 +5,12 @@
 #include <memory>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "cli_common.h"
 #include "progress.h"
 #include "refit/control_client.h"
+#include "refit/status_format.h"
 #include "table.h"
 
 namespace refit::cli {

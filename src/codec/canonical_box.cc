@@ -2,7 +2,10 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "refit/digest.h"
+#include "refit/status_format.h"
 
 namespace refit {
 namespace {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "codec/compare_kernels.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 
 namespace refit {

@@ -4,6 +4,8 @@
 #include <array>
 #include <string>
 
+#include "refit/status_format.h"
+
 namespace refit {
 namespace {
 

@@ -51,6 +51,7 @@
 #include <limits>
 #include <string>
 
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/endian.h"
 

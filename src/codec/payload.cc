@@ -18,11 +18,13 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <xxhash.h>
 #include <zstd.h>
 
 #include "refit/dtype.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 #include "refit/tensor.h"
 #include "refit/values.h"
 #include "util/check.h"

@@ -10,6 +10,7 @@
 
 #include "refit/digest.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 
 namespace refit {
 namespace {

@@ -16,6 +16,7 @@
 #include "refit/compare.h"
 #include "refit/digest.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 #include "refit/values.h"
 #include "util/check.h"
 #include "util/thread_pool.h"

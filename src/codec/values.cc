@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "refit/half_float.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/endian.h"
 

@@ -17,10 +17,12 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 
 #include "control/protocol.h"
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "util/logging.h"
 
 namespace refit {

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 
 #include "control/auth.h"
@@ -28,6 +29,7 @@
 #include "control/metrics.h"
 #include "control/protocol.h"
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"

@@ -24,6 +24,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "util/thread_name.h"
 
 namespace refit::internal {

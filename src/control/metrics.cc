@@ -12,6 +12,8 @@
 #include <prometheus/registry.h>
 #include <prometheus/text_serializer.h>
 
+#include "refit/status_format.h"
+
 namespace refit::internal {
 namespace {
 

@@ -13,6 +13,8 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
+
 namespace refit::internal {
 namespace {
 

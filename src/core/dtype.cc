@@ -2,6 +2,10 @@
 
 #include <array>
 
+#include <fmt/format.h>
+
+#include "refit/status_format.h"
+
 namespace refit {
 namespace {
 

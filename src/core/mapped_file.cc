@@ -1,6 +1,7 @@
 #include "core/mapped_file.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,6 +9,8 @@
 #include <cerrno>
 #include <string>
 #include <utility>
+
+#include "refit/status_format.h"
 
 namespace refit::internal {
 namespace {

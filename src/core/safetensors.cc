@@ -18,9 +18,11 @@
 #include <unordered_set>
 #include <utility>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/mapped_file.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/endian.h"
 

@@ -1,5 +1,9 @@
 #include "refit/tensor.h"
 
+#include <fmt/format.h>
+
+#include "refit/status_format.h"
+
 namespace refit {
 
 Result<uint64_t> NumElements(const Shape& shape) {

@@ -4,6 +4,8 @@
 #include <limits>
 #include <utility>
 
+#include "refit/status_format.h"
+
 namespace refit {
 
 TensorMemory::TensorMemory(uint64_t size_bytes, std::string description)

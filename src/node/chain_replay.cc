@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/s3/s3_chain_internal.h"
 #include "transport/s3/s3_client.h"

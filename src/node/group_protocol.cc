@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include "control/protocol.h"
+#include "refit/status_format.h"
 
 namespace refit::internal {
 namespace {

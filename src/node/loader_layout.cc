@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include "refit/status_format.h"
+
 namespace refit {
 namespace {
 

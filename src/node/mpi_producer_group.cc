@@ -35,6 +35,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "refit/status_format.h"
 #include "transport/mpi/mpi_job.h"
 #include "util/logging.h"
 

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "refit/status_format.h"
 #include "util/mutex.h"
 
 namespace refit {

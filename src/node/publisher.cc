@@ -14,6 +14,7 @@
 
 #include "node/group_protocol.h"
 #include "refit/piece_source.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"

@@ -9,6 +9,7 @@
 
 #include "refit/safetensors.h"
 #include "refit/session_sink.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"

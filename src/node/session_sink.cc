@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "refit/status_format.h"
+
 namespace refit {
 
 Result<StageResult> SessionSink::Deliver(ValidatedPayload payload, std::stop_token stop) {

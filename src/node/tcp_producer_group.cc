@@ -62,6 +62,7 @@
 #include <fmt/ranges.h>
 
 #include "refit/producer_group.h"
+#include "refit/status_format.h"
 #include "util/endian.h"
 #include "util/logging.h"
 #include "util/mutex.h"

@@ -4,6 +4,7 @@
 #include <string_view>
 #include <utility>
 
+#include "refit/status_format.h"
 #include "util/logging.h"
 
 namespace refit {

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "util/logging.h"
 
 namespace refit {

@@ -5,7 +5,10 @@
 #include <memory>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "refit/chunking.h"
+#include "refit/status_format.h"
 
 namespace refit {
 namespace {

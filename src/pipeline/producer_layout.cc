@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "refit/digest.h"
+#include "refit/status_format.h"
 
 namespace refit {
 namespace {

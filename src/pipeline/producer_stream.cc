@@ -38,6 +38,7 @@
 #include "anchor_compression.h"
 #include "refit/bucketing.h"
 #include "refit/producer_stream.h"
+#include "refit/status_format.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"

@@ -13,6 +13,7 @@
 
 #include "refit/chunk_source.h"
 #include "refit/chunking.h"
+#include "refit/status_format.h"
 
 namespace refit {
 

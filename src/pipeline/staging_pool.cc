@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "refit/status_format.h"
+
 namespace refit {
 
 namespace {

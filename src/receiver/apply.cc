@@ -14,8 +14,11 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "receiver/apply_internal.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"
 

@@ -9,9 +9,12 @@
 #include <string_view>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "receiver/apply_internal.h"
 #include "refit/loader.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"
 

@@ -9,9 +9,11 @@
 #include <regex>
 #include <utility>
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include "refit/digest.h"
+#include "refit/status_format.h"
 
 namespace refit {
 namespace {

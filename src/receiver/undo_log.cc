@@ -2,6 +2,7 @@
 // kept as the payload an XOR item is undone by — and the rollback that restores them, host or
 // device memory, newest first.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 
 #include "receiver/apply_internal.h"
 #include "refit/locations.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 
 namespace refit {

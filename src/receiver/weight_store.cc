@@ -1,5 +1,6 @@
 #include "refit/weight_store.h"
 
+#include <fmt/format.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "core/mapped_file.h"
 #include "refit/digest.h"
 #include "refit/loader.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 
 namespace refit {

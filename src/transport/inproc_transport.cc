@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 

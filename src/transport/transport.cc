@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 
 namespace refit {

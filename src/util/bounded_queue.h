@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "refit/status.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 
 namespace refit::internal {

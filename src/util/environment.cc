@@ -2,6 +2,8 @@
 
 #include <cstdlib>
 
+#include "refit/status_format.h"
+
 namespace refit {
 
 Result<std::string> SecretFromEnvironment(std::string_view name, std::string_view what) {

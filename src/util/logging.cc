@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 
+#include "refit/status_format.h"
+
 namespace refit {
 namespace internal {
 namespace {

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include <fmt/format.h>
+
 namespace refit {
 
 std::string_view StatusCodeName(StatusCode code) {

@@ -14,6 +14,8 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
+
 namespace refit::internal {
 
 void CloseFd(int fd) { ::close(fd); }

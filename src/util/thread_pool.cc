@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/logging.h"
 #include "util/thread_name.h"

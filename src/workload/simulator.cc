@@ -14,8 +14,11 @@
 #include <thread>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "refit/half_float.h"
 #include "refit/safetensors.h"
+#include "refit/status_format.h"
 #include "util/check.h"
 #include "util/splitmix64.h"
 

@@ -22,6 +22,7 @@
 
 #include "control/protocol.h"
 #include "refit/payload.h"
+#include "refit/status_format.h"
 #include "refit/transfer.h"
 
 namespace {

@@ -3,6 +3,7 @@
 // there. Receivers must not stay wedged past their lease, the fleet must end at one version
 // bit-exactly, and the next Refit must succeed. The same with real processes and kill -9 is
 // tests/integration/chaos_push_kill_test.py.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -15,6 +16,7 @@
 
 #include "fleet.h"
 #include "refit/coordinator.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "test_util.h"
 

@@ -43,6 +43,25 @@ fi
 cli_version=$("$prefix/bin/refit" --version)
 [[ $cli_version == "refit $version" ]] || { echo "FAIL: refit --version: '$cli_version'" >&2; exit 1; }
 
+# Including refit needs only the standard library: every installed header but
+# refit/status_format.h (the {fmt}-formatting error constructors, for code that makes errors)
+# compiles on its own include path with no third-party header behind it.
+echo "== the installed headers, all in one translation unit"
+probe=$work_dir/headers_probe.cc
+(cd "$prefix/include" && for h in refit/*.h; do
+   [[ $h == refit/status_format.h ]] || echo "#include \"$h\""
+ done) > "$probe"
+"$cxx" -std=c++20 -fsyntax-only -I"$prefix/include" -MD -MF "$work_dir/headers_probe.d" "$probe" \
+  || { echo "FAIL: the installed headers do not compile together" >&2; exit 1; }
+third_party=$(tr ' ' '\n' < "$work_dir/headers_probe.d" |
+  grep -E '/(fmt|spdlog|nlohmann|zmq|zstd|hwy|yaml-cpp|pugixml|httplib|curl|openssl|prometheus|xxhash)' || true)
+if [[ -n $third_party ]]; then
+  echo "FAIL: the installed headers pull in third-party headers:" >&2
+  echo "$third_party" >&2
+  exit 1
+fi
+echo "$(grep -c '^#include' "$probe") headers: standard library only"
+
 mkdir -p "$consumer"
 cat > "$consumer/CMakeLists.txt" <<CMAKE
 cmake_minimum_required(VERSION 3.25)

@@ -3,6 +3,7 @@
 // each stage (fault+zmq:// senders, a receiver killed mid-transfer, a coordinator timeout); after
 // each, every surviving receiver must be back at the base version bit-exactly, no tracker may
 // have committed, and the next transfer must succeed without restarting anything.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 
 #include "fleet.h"

@@ -3,6 +3,7 @@
 // through the real payload encoder and ApplyPayload.
 #include "refit/canonical_box.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -22,6 +22,7 @@
 #include "control/protocol.h"
 #include "refit/control_server.h"
 #include "refit/receiver_session.h"
+#include "refit/status_format.h"
 #include "refit/weight_store.h"
 #include "test_util.h"
 

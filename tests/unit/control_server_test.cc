@@ -24,12 +24,14 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
 #include "control/protocol.h"
 #include "refit/control_client.h"
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "store_snapshot.h"
 #include "test_data.h"

@@ -2,6 +2,7 @@
 // driven directly). The same protocol over real sockets is tests/integration/fleet_test.cc.
 #include "refit/coordinator.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "fleet.h"
+#include "refit/status_format.h"
 #include "test_util.h"
 
 namespace refit {

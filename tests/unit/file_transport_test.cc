@@ -22,6 +22,7 @@
 
 #include "refit/receiver_session.h"
 #include "refit/session_sink.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <xxhash.h>
 #include <zstd.h>

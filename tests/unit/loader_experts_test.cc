@@ -3,6 +3,7 @@
 // tensor parallelism, expert parallelism (linear and round-robin placements) and both at once.
 // Every shard is compared with a slice of the model made by plain loops, after deltas, anchors
 // and rollbacks; the distinct pieces of a group add up to the producer's digest.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>

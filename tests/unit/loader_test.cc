@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
 #include <unistd.h>
 #include <algorithm>
 #include <cstring>

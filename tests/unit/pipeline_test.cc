@@ -22,6 +22,7 @@
 #include "pipeline/anchor_compression.h"
 #include "refit/apply.h"
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"

@@ -3,6 +3,7 @@
 // piece digests that add up to the canonical tensor's.
 #include "refit/producer_layout.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstring>

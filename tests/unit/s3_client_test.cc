@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <httplib.h>
 
 #include "loopback.h"

@@ -1,5 +1,6 @@
 #include "refit/safetensors.h"
 
+#include <fmt/format.h>
 #include <stdlib.h>
 
 #include <algorithm>

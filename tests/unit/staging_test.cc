@@ -18,6 +18,7 @@
 #include "refit/chunk_source.h"
 #include "refit/piece_source.h"
 #include "refit/producer_stream.h"
+#include "refit/status_format.h"
 #include "refit/tensor_memory.h"
 #include "refit/tracker.h"
 #include "test_data.h"

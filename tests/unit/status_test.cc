@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "refit/status.h"
+#include "refit/status_format.h"
 #include "test_util.h"
 
 namespace refit {

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "refit/status_format.h"
 #include "test_util.h"
 
 namespace refit::internal {

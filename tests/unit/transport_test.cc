@@ -19,6 +19,7 @@
 
 #include "refit/producer_stream.h"
 #include "refit/receiver_session.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"

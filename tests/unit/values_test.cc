@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "refit/dtype.h"
 #include "refit/half_float.h"
 #include "test_util.h"

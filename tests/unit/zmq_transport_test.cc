@@ -34,6 +34,7 @@
 #include "loopback.h"
 #include "refit/receiver_session.h"
 #include "refit/session_sink.h"
+#include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

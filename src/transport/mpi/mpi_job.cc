@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "util/logging.h"
 
 namespace refit::internal {

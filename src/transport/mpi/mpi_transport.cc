@@ -34,6 +34,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "transport/mpi/mpi_job.h"
 #include "transport/transport_internal.h"
 #include "util/endian.h"

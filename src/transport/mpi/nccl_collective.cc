@@ -24,6 +24,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "transport/mpi/mpi_job.h"
 #include "util/logging.h"
 #include "util/mutex.h"

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/digest.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/s3/s3_chain_internal.h"
 #include "transport/s3/s3_client.h"

@@ -4,6 +4,7 @@
 #include "transport/s3/s3_client.h"
 
 #include <curl/curl.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <utility>
 
 #include "refit/environment.h"
+#include "refit/status_format.h"
 #include "transport/s3/s3_request.h"
 #include "transport/s3/s3_xml.h"
 #include "transport/transport_internal.h"

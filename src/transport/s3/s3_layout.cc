@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "refit/environment.h"
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 
 namespace refit::internal {

@@ -6,6 +6,9 @@
 #include <cstdint>
 #include <limits>
 
+#include <fmt/format.h>
+
+#include "refit/status_format.h"
 #include "transport/s3/sigv4.h"
 #include "transport/transport_internal.h"
 

@@ -29,6 +29,7 @@
 #include "refit/digest.h"
 #include "refit/manifest_announcer.h"
 #include "refit/s3_chain.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"

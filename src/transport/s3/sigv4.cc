@@ -1,6 +1,7 @@
 // AWS Signature Version 4: canonical request, string to sign, signing key, signature.
 #include "transport/s3/sigv4.h"
 
+#include <fmt/format.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 
 namespace refit {

@@ -22,6 +22,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_messages.h"
 #include "transport/zmq/zmq_zap.h"

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "util/endian.h"
 
 namespace refit::internal::zmq {

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 
 namespace refit::internal::zmq {

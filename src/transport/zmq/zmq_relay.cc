@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 
 #include "core/api_key.h"
+#include "refit/status_format.h"
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_client.h"
 #include "transport/zmq/zmq_frames.h"

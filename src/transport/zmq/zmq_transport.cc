@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "refit/environment.h"
+#include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_client.h"
