@@ -325,7 +325,7 @@ Status RunEstimate(const EstimateArgs& args) {
                         ? args.cores
                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads = std::max(args.threads, 1);
-  const double W = args.producers;
+  const double producers = args.producers;  // W
   // A producer's stages run on its own cores: at most `threads` of them at once.
   const double producer_parallel = std::min(threads, cores);
 
@@ -371,8 +371,8 @@ Status RunEstimate(const EstimateArgs& args) {
                            std::string apply_name) {
       const double wire = received * c.wire_bytes_per_changed;
       std::vector<Stage> stages = {
-          {"producer compare + encode", encode_cpu / W / producer_parallel, encode_cpu},
-          {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+          {"producer compare + encode", encode_cpu / producers / producer_parallel, encode_cpu},
+          {"producer serialize", serialize_cpu / producers / producer_parallel, serialize_cpu},
           {"link", wire * relay / link, 0.0}};
       for (Stage& stage : receiver_stages(received * decode_per_changed,
                                           received * apply_per_changed / apply_parallel,
@@ -380,7 +380,7 @@ Status RunEstimate(const EstimateArgs& args) {
         stages.push_back(std::move(stage));
       }
       return Pipeline(std::move(kind), static_cast<uint64_t>(wire), stages, shared,
-                      changed * c.commit_s_per_changed / W, "producer commit");
+                      changed * c.commit_s_per_changed / producers, "producer commit");
     };
     if (args.tp == 1) {
       // The items of different tensors apply on apply_threads (a large model has far more
@@ -405,7 +405,7 @@ Status RunEstimate(const EstimateArgs& args) {
       if (anchor_mode == AnchorCompression::kZstd) return true;
       if (anchor_mode == AnchorCompression::kNone) return false;
       // As the stream's auto rule: compress when the compressed path is 10 % faster.
-      const double compressor = W * producer_parallel / c.full_zstd_s_per_byte;
+      const double compressor = producers * producer_parallel / c.full_zstd_s_per_byte;
       return std::min(compressor, link / c.full_zstd_ratio) > 1.10 * link;
     }();
     const double serialize_s_per_byte =
@@ -423,8 +423,8 @@ Status RunEstimate(const EstimateArgs& args) {
     const double copy_cpu = (model_bytes * apply_s_per_byte - decode_cpu) / tp;
     const auto full = [&](std::string kind, double received_share) {
       std::vector<Stage> stages = {
-          {"producer encode", encode_cpu / W / producer_parallel, encode_cpu},
-          {"producer serialize", serialize_cpu / W / producer_parallel, serialize_cpu},
+          {"producer encode", encode_cpu / producers / producer_parallel, encode_cpu},
+          {"producer serialize", serialize_cpu / producers / producer_parallel, serialize_cpu},
           {"link", wire * received_share * relay / link, 0.0}};
       for (Stage& stage : receiver_stages(
                decode_cpu * received_share, copy_cpu / receiver_parallel, copy_cpu,

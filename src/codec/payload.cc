@@ -636,23 +636,23 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
                                              const PayloadEncodeOptions& options) {
   // The encoder never writes what the default decoder would refuse; the default name limit also
   // keeps every name length inside its u16 field.
-  constexpr PayloadLimits limits;
-  static_assert(limits.max_name_length <= std::numeric_limits<uint16_t>::max());
+  constexpr PayloadLimits kLimits;
+  static_assert(kLimits.max_name_length <= std::numeric_limits<uint16_t>::max());
   // Formatted only on failure: a successful call formats nothing.
   const auto context = [&ids] { return PayloadContext(ids); };
   if (ids.target_version <= ids.base_version) {
     return InvalidArgument("{}: target_version {} must be > base_version {}", context(),
                            ids.target_version, ids.base_version);
   }
-  if (items.size() > limits.max_items) {
-    return InvalidArgument("{}: {} items > limit {}", context(), items.size(), limits.max_items);
+  if (items.size() > kLimits.max_items) {
+    return InvalidArgument("{}: {} items > limit {}", context(), items.size(), kLimits.max_items);
   }
   if (options.zstd_level < ZSTD_minCLevel() || options.zstd_level > ZSTD_maxCLevel()) {
     return InvalidArgument("{}: zstd level {} outside [{}, {}]", context(), options.zstd_level,
                            ZSTD_minCLevel(), ZSTD_maxCLevel());
   }
   for (size_t i = 0; i < items.size(); ++i) {
-    REFIT_RETURN_NOT_OK(CheckEncoderItem(items[i], ids, i, limits));
+    REFIT_RETURN_NOT_OK(CheckEncoderItem(items[i], ids, i, kLimits));
   }
   Status agreement = CheckSameNameAgreement(items, ids);
   if (!agreement.ok()) return Status(StatusCode::kInvalidArgument, agreement.message());
@@ -667,9 +667,9 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
     body_bytes += ItemEntryBytes(item) + item.locations.size() + item.values.size();
   }
   body_bytes += plan.groups.size() * kGroupHeaderBytes;
-  if (body_bytes > limits.max_body_bytes) {
+  if (body_bytes > kLimits.max_body_bytes) {
     return InvalidArgument("{}: body of {} bytes > limit {}; split the items over payloads",
-                           context(), body_bytes, limits.max_body_bytes);
+                           context(), body_bytes, kLimits.max_body_bytes);
   }
 
   EncoderScratch& scratch = ThreadEncoderScratch();
@@ -707,9 +707,10 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   if (!options.compress) {
     const uint64_t frame_bytes = RawZstdFrameBytes(body.size());
-    if (kPayloadHeaderSize + frame_bytes > limits.max_payload_bytes) {
+    if (kPayloadHeaderSize + frame_bytes > kLimits.max_payload_bytes) {
       return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
-                             context(), kPayloadHeaderSize + frame_bytes, limits.max_payload_bytes);
+                             context(), kPayloadHeaderSize + frame_bytes,
+                             kLimits.max_payload_bytes);
     }
     std::vector<std::byte> payload(kPayloadHeaderSize + frame_bytes);
     WriteRawZstdFrame(body, std::span<std::byte>(payload).subspan(kPayloadHeaderSize));
@@ -735,9 +736,9 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   if (ZSTD_isError(compressed)) {
     return Internal("{}: zstd compression failed: {}", context(), ZSTD_getErrorName(compressed));
   }
-  if (kPayloadHeaderSize + compressed > limits.max_payload_bytes) {
+  if (kPayloadHeaderSize + compressed > kLimits.max_payload_bytes) {
     return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
-                           context(), kPayloadHeaderSize + compressed, limits.max_payload_bytes);
+                           context(), kPayloadHeaderSize + compressed, kLimits.max_payload_bytes);
   }
   std::vector<std::byte> payload(kPayloadHeaderSize + compressed);
   std::memcpy(payload.data() + kPayloadHeaderSize, compressed_bytes, compressed);
