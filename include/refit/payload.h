@@ -126,6 +126,7 @@ class ValidatedPayload {
 
  private:
   friend Result<ValidatedPayload> ValidatePayload(std::vector<std::byte>, const PayloadLimits&);
+  friend Result<ValidatedPayload> ValidatePayload(std::span<const std::byte>, const PayloadLimits&);
   ValidatedPayload(const PayloadHeader& header, std::vector<std::byte> bytes)
       : header_(header), bytes_(std::move(bytes)) {}
   PayloadHeader header_;
@@ -135,6 +136,10 @@ class ValidatedPayload {
 /// Check `payload`'s header as ValidatePayloadHeader does and keep it with the bytes.
 /// Errors: as ValidatePayloadHeader (the bytes are dropped).
 Result<ValidatedPayload> ValidatePayload(std::vector<std::byte> payload,
+                                         const PayloadLimits& limits = {});
+/// As above for bytes the caller keeps (a received frame): copied only once the header passed,
+/// so a refused payload costs no copy.
+Result<ValidatedPayload> ValidatePayload(std::span<const std::byte> payload,
                                          const PayloadLimits& limits = {});
 
 /// Return the total size (header + compressed body) of the payload at the start of `stream`, after

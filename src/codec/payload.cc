@@ -877,6 +877,12 @@ Result<ValidatedPayload> ValidatePayload(std::vector<std::byte> payload,
   return ValidatedPayload(header, std::move(payload));
 }
 
+Result<ValidatedPayload> ValidatePayload(std::span<const std::byte> payload,
+                                         const PayloadLimits& limits) {
+  REFIT_ASSIGN_OR_RETURN(const PayloadHeader header, ValidatePayloadHeader(payload, limits));
+  return ValidatedPayload(header, std::vector<std::byte>(payload.begin(), payload.end()));
+}
+
 // ---- DecodePayload. ----------------------------------------------------------------------------
 
 // The body of a payload whose header is `header` (validated, and within `limits`): `compressed`

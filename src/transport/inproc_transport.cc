@@ -36,8 +36,7 @@ class InprocEndpoint {
   // Errors: Unavailable once closed; as ValidatePayloadHeader; the sink's refusal.
   Result<StageResult> Deliver(std::span<const std::byte> payload) {
     REFIT_RETURN_NOT_OK(Enter());
-    Result<ValidatedPayload> validated =
-        ValidatePayload(std::vector<std::byte>(payload.begin(), payload.end()), limits_);
+    Result<ValidatedPayload> validated = ValidatePayload(payload, limits_);
     Result<StageResult> result = validated.ok()
                                      ? sink_.Deliver(std::move(*validated), stop_.get_token())
                                      : Result<StageResult>(validated.status());

@@ -874,6 +874,12 @@ TEST(ValidatedPayloadTest, CarriesTheHeaderToTheDecoderAndMeetsEachStagesLimits)
   EXPECT_EQ(validated.header().checksum, header.checksum);
   EXPECT_EQ(validated.size(), payload.size());
   EXPECT_TRUE(std::ranges::equal(validated.bytes(), payload));
+  // From bytes the caller keeps (a received frame): the same, as a copy.
+  ASSERT_OK_AND_ASSIGN(const ValidatedPayload copied,
+                       ValidatePayload(std::span<const std::byte>(payload)));
+  EXPECT_EQ(copied.header().ids, header.ids);
+  EXPECT_TRUE(std::ranges::equal(copied.bytes(), payload));
+  EXPECT_NE(copied.bytes().data(), payload.data());
   ASSERT_OK_AND_ASSIGN(const DecodedPayload from_bytes, DecodePayload(payload));
   ASSERT_OK_AND_ASSIGN(const DecodedPayload from_validated, DecodePayload(validated));
   ASSERT_EQ(from_validated.items().size(), from_bytes.items().size());
@@ -902,6 +908,8 @@ TEST(ValidatedPayloadTest, CarriesTheHeaderToTheDecoderAndMeetsEachStagesLimits)
   std::vector<std::byte> bad_header = payload;
   bad_header[kHeaderChecksumOffset] ^= std::byte{1};
   EXPECT_STATUS_MSG(DataLoss, "header checksum", ValidatePayload(bad_header));
+  EXPECT_STATUS_MSG(DataLoss, "header checksum",
+                    ValidatePayload(std::span<const std::byte>(bad_header)));
   std::vector<std::byte> bad_body = payload;
   bad_body.back() ^= std::byte{1};
   ASSERT_OK_AND_ASSIGN(const ValidatedPayload unchecked_body, ValidatePayload(bad_body));

@@ -696,10 +696,9 @@ TEST_F(ReceiverSessionTest, AValidatedPayloadOverTheSessionsLimitsIsRefusedByNam
   auto session = MakeSession(options);
   ASSERT_NE(session, nullptr);
   ASSERT_OK(session->Prepare(Request(step)));
-  EXPECT_STATUS_MSG(ResourceExhausted,
-                    fmt::format("payload {} of producer {}", largest.ids().payload_id,
-                                largest.ids().producer_id),
-                    session->Stage(std::move(largest)));
+  const std::string named =
+      fmt::format("payload {} of producer {}", largest.ids().payload_id, largest.ids().producer_id);
+  EXPECT_STATUS_MSG(ResourceExhausted, named, session->Stage(std::move(largest)));
   EXPECT_EQ(session->GetStatus().received_payloads, 0u);
 }
 

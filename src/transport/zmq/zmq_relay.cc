@@ -463,11 +463,10 @@ class ZmqListener final : public Listener {
   void HandleData(const std::string& identity, std::vector<Frame> frames, uint32_t root,
                   const std::stop_token& stop) {
     // The children get the frame ZeroMQ received the payload in (Connection::Request shares
-    // it); the sink gets the one copy it keeps, validated here once and handed on typed. (A
-    // retried copy of a staged payload is copied and dropped: rare, and one memcpy.)
+    // it); the sink gets the one copy it keeps, made once the header is validated and handed on
+    // typed. (A retried copy of a staged payload is copied and dropped: rare, and one memcpy.)
     const std::span<const std::byte> bytes = frames[5].bytes();
-    Result<ValidatedPayload> payload =
-        ValidatePayload(std::vector<std::byte>(bytes.begin(), bytes.end()), limits_);
+    Result<ValidatedPayload> payload = ValidatePayload(bytes, limits_);
     if (!payload.ok()) {
       Reply(identity, {}, payload.status().WithContext(fmt::format("zmq listener {}", endpoint_)));
       return;
