@@ -56,7 +56,7 @@
 
 #include "bench_util.h"
 #include "cli_common.h"
-#include "config.h"
+#include "config_file.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "progress.h"
@@ -74,6 +74,7 @@
 #include "refit/safetensors.h"
 #include "refit/simulator.h"
 #include "refit/status_format.h"
+#include "role_options.h"
 #include "table.h"
 #include "util/splitmix64.h"
 #include "util/thread_pool.h"
@@ -1267,17 +1268,15 @@ Result<std::string> WriteRefitConfig(const Args& args, const std::string& work_d
 // --config` derives them.
 Result<PublisherOptions> PublisherOptionsFromConfig(const std::string& config_path,
                                                     const std::vector<PublisherReceiver>& fleet) {
-  REFIT_ASSIGN_OR_RETURN(cli::RefitConfig config, cli::LoadConfigFile(config_path));
-  PublisherOptions options;
-  options.tracker = cli::ToTrackerOptions(config);
-  options.stream = cli::ToProducerStreamOptions(config);
-  REFIT_ASSIGN_OR_RETURN(options.transport_uri, cli::ToTransportUri(config));
-  options.receivers = fleet;
+  std::vector<config::ReceiverConfig> receivers;
   for (const PublisherReceiver& receiver : fleet) {
-    REFIT_ASSIGN_OR_RETURN(
-        options.control,
-        cli::ToControlClientOptions(config, {receiver.control_url, receiver.data_endpoint}));
+    receivers.push_back({receiver.control_url, receiver.data_endpoint});
   }
+  const config::ConfigOverride fleet_override{"receivers", std::move(receivers),
+                                              "the bench's fleet"};
+  REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config,
+                         config::LoadConfigFile(config_path, {&fleet_override, 1}));
+  REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.transfer_timeout = kPushTimeout;
   return options;
 }

@@ -47,6 +47,7 @@
 
 #include "bench_util.h"
 #include "cli_common.h"
+#include "config_file.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "progress.h"
@@ -168,7 +169,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
       args.quick = true;
     } else if (flag == "--model-bytes") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(model_bytes, cli::ParseByteSize(std::string(text)));
+      REFIT_ASSIGN_OR_RETURN(model_bytes, config::ParseByteSize(std::string(text)));
     } else if (flag == "--densities") {
       REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
       args.densities.clear();

@@ -33,12 +33,13 @@
 
 #include "bench_util.h"
 #include "cli_common.h"
-#include "config.h"
+#include "config_file.h"
 #include "refit/compare.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
+#include "role_options.h"
 
 namespace refit::bench {
 namespace {
@@ -245,14 +246,9 @@ Status Run(const Args& args) {
   }
   rss["loaded"] = Rss("VmRSS");
 
-  REFIT_ASSIGN_OR_RETURN(const cli::RefitConfig config, cli::LoadConfigFile(args.config));
-  PublisherOptions options;
-  options.tracker = cli::ToTrackerOptions(config);
-  options.stream = cli::ToProducerStreamOptions(config);
-  REFIT_ASSIGN_OR_RETURN(options.transport_uri, cli::ToTransportUri(config));
+  REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config, config::LoadConfigFile(args.config));
+  REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.receivers = args.receivers;
-  REFIT_ASSIGN_OR_RETURN(options.control,
-                         cli::ToControlClientOptions(config, cli::ReceiverConfig{}));
   REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<ProducerGroup>> groups, MakeInProcessGroup(1));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
                          Publisher::Make(options, std::move(groups[0])));

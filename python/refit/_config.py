@@ -1,4 +1,9 @@
-"""The configuration file a Publisher or a Receiver may start from."""
+"""The configuration file a Publisher or a Receiver may start from, and how keywords override it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Mapping, Optional, Tuple
 
 from . import _core
 
@@ -6,3 +11,30 @@ from . import _core
 #: ``Config.load(path)`` or ``Config.parse(text)``. Pass it as ``config=`` to a Publisher or a
 #: Receiver; explicit keyword arguments override what it says.
 Config = _core.Config
+
+
+def _text(value: Any) -> Any:
+    """A keyword's value as the configuration file would spell it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return [_text(element) if not isinstance(element, tuple) else element for element in value]
+    return value
+
+
+def overrides(owner: str, keys: Mapping[str, str], given: Mapping[str, Any]) -> List[Tuple[str, Any, str]]:
+    """The keywords of ``given`` that are not None, as (key path, value, origin) for ``keys``.
+
+    ``keys`` maps each keyword to the configuration key it sets — the one place a keyword is tied
+    to its key; the C++ configuration layer reads and checks the value as the file's own (and
+    names ``owner(keyword=)`` in its errors).
+    """
+    return [
+        (key, _text(given[keyword]), f"{owner}({keyword}=)")
+        for keyword, key in keys.items()
+        if given.get(keyword) is not None
+    ]

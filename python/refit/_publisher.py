@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _core
-from ._config import Config
+from ._config import Config, overrides
 from ._groups import Group, in_process_group
 from ._receiver import Receiver
 from ._tensors import TensorsLike, buffer_tensors
@@ -115,6 +115,15 @@ class Publisher:
       staged through, in reusable buffers (default: twice the largest chunk this rank stages).
     """
 
+    #: The keywords that set a key of the configuration file, and the key each sets.
+    _CONFIG_KEYS = {
+        "receivers": "receivers",
+        "transport": "transport",
+        "chunk_bytes": "delta_compression.export_chunk_bytes",
+        "bucket_bytes": "delta_compression.sparse_bucket_size_bytes",
+        "full_sync_interval": "delta_compression.full_sync_interval",
+    }
+
     def __init__(
         self,
         *,
@@ -131,15 +140,15 @@ class Publisher:
     ):
         if group is None:
             group = in_process_group(1)[0]
+        given = dict(
+            receivers=_receiver_endpoints(receivers), transport=transport, chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes, full_sync_interval=full_sync_interval,
+        )
         self._core = _core.Publisher(
             group,
-            config=config,
-            receivers=_receiver_endpoints(receivers),
-            transport=transport,
+            config,
+            overrides("Publisher", self._CONFIG_KEYS, given),
             api_key=api_key,
-            chunk_bytes=chunk_bytes,
-            bucket_bytes=bucket_bytes,
-            full_sync_interval=full_sync_interval,
             transfer_timeout_s=float(transfer_timeout),
             staging_bytes=staging_bytes,
         )

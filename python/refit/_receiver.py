@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from . import _core
-from ._config import Config
+from ._config import Config, overrides
 from ._loader import Loader
 from ._tensors import as_buffer_tensor
 from .errors import FailedPrecondition, InvalidArgument
@@ -79,21 +79,33 @@ class Receiver:
       generation in the first — the weights are a mix of two versions until one of the others.
     """
 
+    #: The keywords that set a key of the configuration file, and the key each sets.
+    _CONFIG_KEYS = {
+        "model_path": "server.model",
+        "mmap": "server.mmap",
+        "replica": "server.replica",
+        "transport": "transport",
+        "control_host": "server.bind",
+        "control_port": "http_refit_server_port",
+        "anchor_undo": "server.anchor_undo",
+        "anchor_undo_dir": "server.anchor_undo_dir",
+    }
+
     def __init__(
         self,
         *,
         model_path: Optional[str] = None,
-        mmap: bool = False,
+        mmap: Optional[bool] = None,
         version: Optional[int] = None,
         loader: Optional[Loader] = None,
-        replica: str = "",
+        replica: Optional[str] = None,
         shard: Optional[int] = None,
         transport: Optional[str] = None,
         data_endpoint: Optional[str] = None,
         data_bind: Optional[str] = None,
         peers: Optional[Sequence[str]] = None,
-        control_host: str = "127.0.0.1",
-        control_port: int = 0,
+        control_host: Optional[str] = None,
+        control_port: Optional[int] = None,
         api_key: Optional[str] = None,
         anchor_undo: Optional[str] = None,
         anchor_undo_dir: Optional[str] = None,
@@ -106,26 +118,24 @@ class Receiver:
         if data_endpoint is None and scheme.split("+")[-1] == "zmq":
             # Port 0: the listener binds a port the kernel chooses and reports it
             # (producer_endpoint) — no probe-then-bind for another process to race.
-            data_endpoint = f"{control_host}:0"
+            host = control_host or (config.bind if config is not None else "127.0.0.1")
+            data_endpoint = f"{host}:0"
         if loader is not None and not isinstance(loader, Loader):
             raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
+        given = dict(
+            model_path=model_path, mmap=mmap, replica=replica, transport=transport, control_host=control_host,
+            control_port=control_port, anchor_undo=anchor_undo, anchor_undo_dir=anchor_undo_dir,
+        )
         self._core = _core.Receiver(
-            config=config,
-            model_path=str(model_path or ""),
-            mmap=mmap,
+            config,
+            overrides("Receiver", self._CONFIG_KEYS, given),
             version=version,
             loader=loader._spec if loader is not None else None,
-            replica=replica,
             shard=shard,
-            transport=transport,
             data_endpoint=data_endpoint or "",
             data_bind=data_bind or "",
             peers=list(peers or []),
-            control_host=control_host,
-            control_port=control_port,
             api_key=api_key,
-            anchor_undo=anchor_undo,
-            anchor_undo_dir=None if anchor_undo_dir is None else str(anchor_undo_dir),
             before_first_apply=before_first_apply,
             after_commit=after_commit,
             after_abort=after_abort,

@@ -26,7 +26,7 @@
 
 #include <fmt/format.h>
 
-#include "config.h"
+#include "config_file.h"
 #include "refit/compare.h"
 #include "refit/dtype.h"
 #include "refit/loader.h"
@@ -41,6 +41,7 @@
 #include "refit/tensor.h"
 #include "refit/tensor_memory.h"
 #include "refit/version.h"
+#include "role_options.h"
 
 namespace py = pybind11;
 using namespace std::chrono_literals;
@@ -740,40 +741,69 @@ class PyReceiver {
   std::vector<py::object> device_memories_;
 };
 
-ReceiverNodeOptions ReceiverOptionsFrom(
-    const std::optional<cli::RefitConfig>& config, const std::string& model_path, bool mmap,
-    std::optional<uint64_t> version, const std::optional<py::dict>& loader,
-    const std::string& replica, std::optional<uint32_t> shard,
-    const std::optional<std::string>& transport, const std::string& data_endpoint,
-    const std::string& data_bind, const std::vector<std::string>& peers,
-    const std::string& control_host, uint16_t control_port,
-    const std::optional<std::string>& api_key, const std::optional<std::string>& anchor_undo,
-    const std::optional<std::string>& anchor_undo_dir) {
-  ReceiverNodeOptions options;
-  if (config.has_value()) {
-    options.session = cli::ToReceiverSessionOptions(*config);
-    options.control = Unwrap(cli::ToControlServerOptions(*config));
-    options.transport_uri = Unwrap(cli::ToTransportUri(*config));
+// ---- Configuration ------------------------------------------------------------------------------
+
+// A configuration file as Python holds it: its text, read again with each object's keywords on
+// top (config::ParseConfig's one merge rule), and what it parses to alone (Config's properties).
+struct LoadedConfig {
+  std::string text;
+  std::string source;
+  config::RefitConfig parsed;
+};
+
+// One keyword's value as the configuration layer takes it: text, a list of strings, or the
+// receivers as (control, data) pairs.
+config::ConfigValue ConfigValueFrom(const py::handle& value) {
+  if (py::isinstance<py::str>(value)) return value.cast<std::string>();
+  std::vector<std::string> strings;
+  std::vector<config::ReceiverConfig> receivers;
+  for (const py::handle& element : value.cast<py::list>()) {
+    if (py::isinstance<py::str>(element)) {
+      strings.push_back(element.cast<std::string>());
+    } else {
+      const auto [control, data] = element.cast<std::pair<std::string, std::string>>();
+      receivers.push_back({control, data});
+    }
   }
-  options.model_path = model_path;
-  options.store_mode = mmap ? StoreMode::kMmap : StoreMode::kMemory;
+  if (!strings.empty() && !receivers.empty()) {
+    Throw(InvalidArgument("a configuration value mixes strings and (control, data) pairs"));
+  }
+  if (!receivers.empty()) return receivers;
+  return strings;
+}
+
+// The configuration (the file's, or the defaults) with `overrides`, a list of (key path, value,
+// origin) from the Python keywords, on top.
+config::RefitConfig ResolveConfig(const std::optional<LoadedConfig>& file,
+                                  const py::list& overrides) {
+  std::vector<config::ConfigOverride> entries;
+  for (const py::handle& entry : overrides) {
+    const auto tuple = entry.cast<py::tuple>();
+    entries.push_back(
+        {tuple[0].cast<std::string>(), ConfigValueFrom(tuple[1]), tuple[2].cast<std::string>()});
+  }
+  if (!file.has_value()) return Unwrap(config::LoadConfigFile("", entries));
+  return Unwrap(config::ParseConfig(file->text, file->source, entries));
+}
+
+ReceiverNodeOptions ReceiverOptionsFrom(
+    const std::optional<LoadedConfig>& file, const py::list& overrides,
+    std::optional<uint64_t> version, const std::optional<py::dict>& loader,
+    std::optional<uint32_t> shard, const std::string& data_endpoint, const std::string& data_bind,
+    const std::vector<std::string>& peers, const std::optional<std::string>& api_key) {
+  ReceiverNodeOptions options =
+      Unwrap(config::ToReceiverNodeOptions(ResolveConfig(file, overrides)));
   options.version = version;
   if (loader.has_value()) options.loader = LoaderSpecFromDict(*loader);
-  options.place.replica = replica;
   if (shard.has_value()) options.place.shard = *shard;
-  if (loader.has_value() && options.loader->tp_size > 1) {
+  if (options.loader.has_value() && options.loader->tp_size > 1) {
     options.place.shards = options.loader->tp_size;
     if (!shard.has_value()) options.place.shard = options.loader->tp_rank;
   }
-  if (transport.has_value()) options.transport_uri = *transport;
   options.data_endpoint = data_endpoint;
   options.data_bind_address = data_bind;
   options.peers = peers;
-  options.control.bind_address = control_host;
-  options.control.port = control_port;
   if (api_key.has_value()) options.control.api_key = *api_key;
-  if (anchor_undo.has_value()) options.session.anchor_undo = Unwrap(ParseAnchorUndo(*anchor_undo));
-  if (anchor_undo_dir.has_value()) options.session.anchor_undo_directory = *anchor_undo_dir;
   return options;
 }
 
@@ -842,35 +872,19 @@ std::vector<PublisherReceiver> ReceiversFrom(
   return out;
 }
 
-PublisherOptions PublisherOptionsFrom(
-    const std::optional<cli::RefitConfig>& config,
-    const std::optional<std::vector<std::pair<std::string, std::string>>>& receivers,
-    const std::optional<std::string>& transport, const std::optional<std::string>& api_key,
-    std::optional<uint64_t> chunk_bytes, std::optional<uint64_t> bucket_bytes,
-    std::optional<uint64_t> full_sync_interval, double transfer_timeout_s) {
-  PublisherOptions options;
-  if (config.has_value()) {
-    options.tracker = cli::ToTrackerOptions(*config);
-    options.stream = cli::ToProducerStreamOptions(*config);
-    options.transport_uri = Unwrap(cli::ToTransportUri(*config));
-    for (const cli::ReceiverConfig& receiver : config->receivers) {
-      options.receivers.push_back({receiver.control, receiver.data});
-    }
-    cli::ReceiverConfig any =
-        config->receivers.empty() ? cli::ReceiverConfig{} : config->receivers.front();
-    options.control = Unwrap(cli::ToControlClientOptions(*config, any));
-  }
-  if (receivers.has_value()) options.receivers = ReceiversFrom(*receivers);
-  if (transport.has_value()) options.transport_uri = *transport;
+PublisherOptions PublisherOptionsFrom(const std::optional<LoadedConfig>& file,
+                                      const py::list& overrides,
+                                      const std::optional<std::string>& api_key,
+                                      double transfer_timeout_s,
+                                      std::optional<uint64_t> staging_bytes) {
+  PublisherOptions options = Unwrap(config::ToPublisherOptions(ResolveConfig(file, overrides)));
   if (api_key.has_value()) options.control.api_key = *api_key;
-  if (chunk_bytes.has_value()) options.stream.chunk_bytes = *chunk_bytes;
-  if (bucket_bytes.has_value()) options.stream.bucket_bytes = *bucket_bytes;
-  if (full_sync_interval.has_value()) options.tracker.full_sync_interval = *full_sync_interval;
   if (!(transfer_timeout_s > 0)) {
     Throw(InvalidArgument("transfer_timeout must be positive, got {} s", transfer_timeout_s));
   }
   options.transfer_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(transfer_timeout_s * 1000.0 + 0.5));
+  if (staging_bytes.has_value()) options.staging_bytes = *staging_bytes;
   return options;
 }
 
@@ -972,53 +986,59 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("spec"), "Validate a loader dict and return it normalised.");
 
-  py::class_<cli::RefitConfig>(
-      m, "Config",
-      "A refit configuration file (the YAML `refit push` and `refit serve` "
-      "read; docs/configuration.md lists every key).")
+  py::class_<LoadedConfig>(m, "Config",
+                           "A refit configuration file (the YAML `refit push` and `refit serve` "
+                           "read; docs/configuration.md lists every key).")
       .def_static(
-          "load", [](const std::string& path) { return Unwrap(cli::LoadConfigFile(path)); },
+          "load",
+          [](const std::string& path) {
+            std::string text = Unwrap(config::ReadConfigFile(path));
+            config::RefitConfig parsed = Unwrap(config::ParseConfig(text, path));
+            return LoadedConfig{std::move(text), path, std::move(parsed)};
+          },
           py::arg("path"), "Read and validate the configuration file at `path`.")
       .def_static(
           "parse",
           [](const std::string& text, const std::string& source) {
-            return Unwrap(cli::ParseConfig(text, source));
+            return LoadedConfig{text, source, Unwrap(config::ParseConfig(text, source))};
           },
           py::arg("text"), py::arg("source") = "<string>",
           "Parse configuration YAML text; `source` prefixes error messages.")
-      .def_readonly("transport", &cli::RefitConfig::transport, "The transport URI.")
+      .def_property_readonly(
+          "transport", [](const LoadedConfig& c) { return c.parsed.transport; },
+          "The transport URI.")
       .def_property_readonly(
           "receivers",
-          [](const cli::RefitConfig& config) {
+          [](const LoadedConfig& c) {
             std::vector<std::pair<std::string, std::string>> out;
-            for (const cli::ReceiverConfig& r : config.receivers)
+            for (const config::ReceiverConfig& r : c.parsed.receivers) {
               out.emplace_back(r.control, r.data);
+            }
             return out;
           },
           "The fleet: (control URL, data endpoint) per receiver, in tree order.")
-      .def_readonly("api_key_env", &cli::RefitConfig::http_refit_api_key_env_var,
-                    "The environment variable holding the shared API key ('' = none).")
-      .def_readonly("control_port", &cli::RefitConfig::http_refit_server_port,
-                    "The control plane's port (0 = any free one).")
-      .def_readonly("data_port", &cli::RefitConfig::zmq_refit_server_port,
-                    "The ZeroMQ data port of `refit serve`.")
       .def_property_readonly(
-          "model", [](const cli::RefitConfig& config) { return config.server.model; },
+          "api_key_env", [](const LoadedConfig& c) { return c.parsed.http_refit_api_key_env_var; },
+          "The environment variable holding the shared API key ('' = none).")
+      .def_property_readonly(
+          "control_port", [](const LoadedConfig& c) { return c.parsed.http_refit_server_port; },
+          "The control plane's port (0 = any free one).")
+      .def_property_readonly(
+          "data_port", [](const LoadedConfig& c) { return c.parsed.zmq_refit_server_port; },
+          "The ZeroMQ data port of `refit serve`.")
+      .def_property_readonly(
+          "model", [](const LoadedConfig& c) { return c.parsed.server.model; },
           "server.model: the safetensors file a receiver serves ('' = none).")
       .def_property_readonly(
-          "bind", [](const cli::RefitConfig& config) { return config.server.bind; },
+          "bind", [](const LoadedConfig& c) { return c.parsed.server.bind; },
           "server.bind: the address a receiver listens on.")
       .def_property_readonly(
           "export_chunk_bytes",
-          [](const cli::RefitConfig& config) {
-            return config.delta_compression.export_chunk_bytes;
-          },
+          [](const LoadedConfig& c) { return c.parsed.delta_compression.export_chunk_bytes; },
           "delta_compression.export_chunk_bytes.")
       .def_property_readonly(
           "full_sync_interval",
-          [](const cli::RefitConfig& config) {
-            return config.delta_compression.full_sync_interval;
-          },
+          [](const LoadedConfig& c) { return c.parsed.delta_compression.full_sync_interval; },
           "delta_compression.full_sync_interval.");
 
   py::class_<GroupHandle>(m, "Group",
@@ -1072,32 +1092,26 @@ PYBIND11_MODULE(_core, m) {
       py::arg("world_size"), "The W ranks of one group, for threads of one process.");
 
   py::class_<PyReceiver>(m, "Receiver", "A ReceiverNode embedded in this process.")
-      .def(py::init([](const std::optional<cli::RefitConfig>& config, const std::string& model_path,
-                       bool mmap, std::optional<uint64_t> version,
-                       const std::optional<py::dict>& loader, const std::string& replica,
-                       std::optional<uint32_t> shard, const std::optional<std::string>& transport,
-                       const std::string& data_endpoint, const std::string& data_bind,
-                       const std::vector<std::string>& peers, const std::string& control_host,
-                       uint16_t control_port, const std::optional<std::string>& api_key,
-                       const std::optional<std::string>& anchor_undo,
-                       const std::optional<std::string>& anchor_undo_dir,
+      .def(py::init([](const std::optional<LoadedConfig>& config, const py::list& overrides,
+                       std::optional<uint64_t> version, const std::optional<py::dict>& loader,
+                       std::optional<uint32_t> shard, const std::string& data_endpoint,
+                       const std::string& data_bind, const std::vector<std::string>& peers,
+                       const std::optional<std::string>& api_key,
                        const py::object& before_first_apply, const py::object& after_commit,
                        const py::object& after_abort) {
              return std::make_unique<PyReceiver>(
-                 ReceiverOptionsFrom(config, model_path, mmap, version, loader, replica, shard,
-                                     transport, data_endpoint, data_bind, peers, control_host,
-                                     control_port, api_key, anchor_undo, anchor_undo_dir),
+                 ReceiverOptionsFrom(config, overrides, version, loader, shard, data_endpoint,
+                                     data_bind, peers, api_key),
                  before_first_apply, after_commit, after_abort);
            }),
-           py::kw_only(), py::arg("config") = py::none(), py::arg("model_path") = "",
-           py::arg("mmap") = false, py::arg("version") = py::none(), py::arg("loader") = py::none(),
-           py::arg("replica") = "", py::arg("shard") = py::none(),
-           py::arg("transport") = py::none(), py::arg("data_endpoint") = "",
-           py::arg("data_bind") = "", py::arg("peers") = std::vector<std::string>(),
-           py::arg("control_host") = "127.0.0.1", py::arg("control_port") = 0,
-           py::arg("api_key") = py::none(), py::arg("anchor_undo") = py::none(),
-           py::arg("anchor_undo_dir") = py::none(), py::arg("before_first_apply") = py::none(),
-           py::arg("after_commit") = py::none(), py::arg("after_abort") = py::none())
+           py::arg("config"), py::arg("overrides"), py::kw_only(), py::arg("version") = py::none(),
+           py::arg("loader") = py::none(), py::arg("shard") = py::none(),
+           py::arg("data_endpoint") = "", py::arg("data_bind") = "",
+           py::arg("peers") = std::vector<std::string>(), py::arg("api_key") = py::none(),
+           py::arg("before_first_apply") = py::none(), py::arg("after_commit") = py::none(),
+           py::arg("after_abort") = py::none(),
+           "A receiver configured by `config` (a Config or None) with `overrides`, a list of "
+           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("register", &PyReceiver::Register, py::arg("tensor"),
            "Register (name, dtype, shape, writable buffer) as a tensor, zero-copy, before start.")
       .def("register_device", &PyReceiver::RegisterDevice, py::arg("name"), py::arg("dtype"),
@@ -1129,24 +1143,19 @@ PYBIND11_MODULE(_core, m) {
       .def("traffic", [](const TensorMemory& memory) { return TrafficToDict(memory.traffic()); });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
-      .def(py::init(
-               [](GroupHandle& group, const std::optional<cli::RefitConfig>& config,
-                  const std::optional<std::vector<std::pair<std::string, std::string>>>& receivers,
-                  const std::optional<std::string>& transport,
-                  const std::optional<std::string>& api_key, std::optional<uint64_t> chunk_bytes,
-                  std::optional<uint64_t> bucket_bytes, std::optional<uint64_t> full_sync_interval,
-                  double transfer_timeout_s, std::optional<uint64_t> staging_bytes) {
-                 PublisherOptions options =
-                     PublisherOptionsFrom(config, receivers, transport, api_key, chunk_bytes,
-                                          bucket_bytes, full_sync_interval, transfer_timeout_s);
-                 if (staging_bytes.has_value()) options.staging_bytes = *staging_bytes;
-                 return std::make_unique<PyPublisher>(options, group);
-               }),
-           py::arg("group"), py::kw_only(), py::arg("config") = py::none(),
-           py::arg("receivers") = py::none(), py::arg("transport") = py::none(),
-           py::arg("api_key") = py::none(), py::arg("chunk_bytes") = py::none(),
-           py::arg("bucket_bytes") = py::none(), py::arg("full_sync_interval") = py::none(),
-           py::arg("transfer_timeout_s") = 600.0, py::arg("staging_bytes") = py::none())
+      .def(
+          py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
+                      const py::list& overrides, const std::optional<std::string>& api_key,
+                      double transfer_timeout_s, std::optional<uint64_t> staging_bytes) {
+            return std::make_unique<PyPublisher>(
+                PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes),
+                group);
+          }),
+          py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
+          py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
+          py::arg("staging_bytes") = py::none(),
+          "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
+          "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)

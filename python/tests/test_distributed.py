@@ -93,7 +93,7 @@ def test_a_rank_that_dies_fails_the_sync_on_rank_0_and_the_fleet_keeps_its_versi
     loader = refit.Loader(rules=[{"kind": "rename", "match": r"layer\.(\d+)\.weight", "to": "layer_$1_weight"}])
     with rt.Receiver().attach(worker, loader=loader).start() as receiver:
         ranks, outputs, lines = run_ranks(tmp_path, receiver, die_at=3)
-        assert ranks[1].returncode == 3
+        assert ranks[1].returncode == 3, outputs[1][1][-3000:]  # rank 1's stderr, should it fail early
         failure = lines[0][-1]
         # The failure line first, so that an abort after it is told apart from one during the sync.
         assert ranks[0].returncode == 0, (failure, outputs[0][1][-4000:])

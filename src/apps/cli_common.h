@@ -28,9 +28,6 @@ void RegisterAbort(CLI::App& app, Status* result);
 void RegisterKeygen(CLI::App& app, Status* result);
 void RegisterRawCopySink(CLI::App& app, Status* result);
 
-/// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes. Errors: InvalidArgument naming the text.
-Result<uint64_t> ParseByteSize(const std::string& text);
-
 /// Read a whole file. Errors: IoError naming the path.
 Result<std::vector<std::byte>> ReadFile(const std::string& path);
 /// Write bytes to `path` atomically (temp file + rename). Errors: IoError naming the path.

@@ -18,7 +18,7 @@
 #include <iostream>
 
 #include "cli_common.h"
-#include "config.h"
+#include "config_file.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "mpi_demo.h"
@@ -28,6 +28,7 @@
 #include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
+#include "role_options.h"
 #include "table.h"
 
 namespace refit::cli {
@@ -106,7 +107,7 @@ Status RunDemo(const DemoArgs& args) {
     }
     MpiDemoSettings settings;
     settings.transport = args.transport;
-    REFIT_ASSIGN_OR_RETURN(settings.model_bytes, ParseByteSize(args.model_bytes));
+    REFIT_ASSIGN_OR_RETURN(settings.model_bytes, config::ParseByteSize(args.model_bytes));
     settings.dtype = args.dtype;
     settings.op = args.op;
     settings.steps = args.steps;
@@ -120,7 +121,7 @@ Status RunDemo(const DemoArgs& args) {
   }
   SimulatorOptions sim_options;
   REFIT_ASSIGN_OR_RETURN(sim_options.export_dtype, ParseDType(args.dtype));
-  REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, ParseByteSize(args.model_bytes));
+  REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, config::ParseByteSize(args.model_bytes));
   sim_options.tensors = MakeTransformerSpec(model_bytes, sim_options.export_dtype);
   sim_options.seed = args.seed;
   sim_options.threads = args.threads;
@@ -170,14 +171,15 @@ Status RunDemo(const DemoArgs& args) {
                                                     std::max<uint64_t>(model_bytes / 16, 1 << 20));
   } else {
     // The file sets the codec, pipeline and transport settings; the fleet is the demo's own.
-    REFIT_ASSIGN_OR_RETURN(RefitConfig config, LoadConfigFile(args.config));
-    config.http_refit_api_key_env_var = kDemoApiKeyEnv;
-    REFIT_ASSIGN_OR_RETURN(address.transport_uri, ToTransportUri(config));
-    if (!args.transport.empty()) {
-      REFIT_ASSIGN_OR_RETURN(address.transport_uri, WithDemoApiKey(args.transport));
-    }
-    tracker_options = ToTrackerOptions(config);
-    options.stream = ToProducerStreamOptions(config);
+    std::vector<config::ConfigOverride> overrides = {
+        {"http_refit_api_key_env_var", std::string(kDemoApiKeyEnv), "refit demo's own api key"}};
+    if (!args.transport.empty()) overrides.push_back({"transport", args.transport, "--transport"});
+    REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config,
+                           config::LoadConfigFile(args.config, overrides));
+    REFIT_ASSIGN_OR_RETURN(const std::string uri, config::ToTransportUri(config));
+    REFIT_ASSIGN_OR_RETURN(address.transport_uri, WithDemoApiKey(uri));
+    tracker_options = config::ToTrackerOptions(config);
+    options.stream = config::ToProducerStreamOptions(config);
   }
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<FleetCoordinator> fleet,
                          FleetCoordinator::Make(address, &model, args.producers, tracker_options,

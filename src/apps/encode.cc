@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "cli_common.h"
+#include "config_file.h"
 #include "refit/bucketing.h"
 #include "refit/producer_stream.h"
 #include "refit/status_format.h"
@@ -37,7 +38,7 @@ Status RunEncode(const EncodeArgs& args) {
   }
   options.compare.threads = args.threads;
   options.initial_version = WeightVersionOf(*old_file);
-  REFIT_ASSIGN_OR_RETURN(uint64_t bucket_bytes, ParseByteSize(args.bucket));
+  REFIT_ASSIGN_OR_RETURN(uint64_t bucket_bytes, config::ParseByteSize(args.bucket));
   REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
 
   for (const TensorView& tensor : old_file->tensors()) {

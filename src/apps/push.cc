@@ -15,10 +15,11 @@
 #include <thread>
 
 #include "cli_common.h"
-#include "config.h"
+#include "config_file.h"
 #include "progress.h"
 #include "refit/control_client.h"
 #include "refit/environment.h"
+#include "role_options.h"
 #if REFIT_HAVE_MPI
 #include "refit/mpi.h"
 #include "refit/mpi_producer_group.h"
@@ -41,37 +42,29 @@ struct PushArgs {
   std::string layout;
   /// "CONTROL_URL=DATA_ENDPOINT", one per receiver, in tree order.
   std::vector<std::string> receivers;
-  std::string transport = "zmq://";
-  std::string api_key_env;
   uint32_t producers = 1;
   // One rank of a multi-process group (--group): rank 0 coordinates.
   uint32_t rank = 0;
   uint32_t world_size = 1;
   std::string group;
-  int threads = 4;
   double timeout_s = 600;
   bool anchor = false;
-  std::optional<AnchorCompression> anchor_compression;
   bool json = false;
-  // Which flags were given, so that they override the configuration file.
-  bool transport_given = false;
-  bool threads_given = false;
+  /// The flags that set configuration keys, in the order given; they override the file.
+  std::vector<config::ConfigOverride> overrides;
 };
 
 // The configuration file (or the defaults) with the flags applied on top.
 // `collective`: the transport knows the receivers itself (mpi://, nccl://).
-Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collective) {
-  RefitConfig config;
-  if (!args.config.empty()) {
-    REFIT_ASSIGN_OR_RETURN(config, LoadConfigFile(args.config));
-  }
+Result<config::RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collective) {
+  std::vector<config::ConfigOverride> overrides = args.overrides;
   if (!args.receivers.empty()) {
-    config.receivers.clear();
+    std::vector<config::ReceiverConfig> receivers;
     for (const std::string& spec : args.receivers) {
       // A control URL alone serves transports that announce payloads on it (s3://).
       const size_t equals = spec.find('=');
       if (equals == std::string::npos) {
-        config.receivers.push_back({spec, ""});
+        receivers.push_back({spec, ""});
         continue;
       }
       if (equals == 0 || equals + 1 == spec.size()) {
@@ -80,22 +73,16 @@ Result<RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collec
             "http://10.0.0.5:8081=10.0.0.5:5555 (or CONTROL_URL alone for s3://)",
             spec);
       }
-      config.receivers.push_back({spec.substr(0, equals), spec.substr(equals + 1)});
+      receivers.push_back({spec.substr(0, equals), spec.substr(equals + 1)});
     }
+    overrides.push_back({"receivers", std::move(receivers), "--receiver"});
   }
-  if (args.transport_given) config.transport = args.transport;
+  REFIT_ASSIGN_OR_RETURN(config::RefitConfig config,
+                         config::LoadConfigFile(args.config, overrides));
   if (config.receivers.empty() && leader && !collective) {
     return InvalidArgument(
         "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
         "file with a receivers list (or run under mpirun with --transport mpi://)");
-  }
-  if (!args.api_key_env.empty()) config.http_refit_api_key_env_var = args.api_key_env;
-  if (args.threads_given) {
-    config.tuning.encode_workers = args.threads;
-    config.tuning.transfer_workers = args.threads;
-  }
-  if (args.anchor_compression) {
-    config.delta_compression.anchor_compression = *args.anchor_compression;
   }
   return config;
 }
@@ -321,9 +308,9 @@ Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
 }
 
 Status RunPush(const PushArgs& args) {
-  RefitConfig resolved;
+  config::RefitConfig resolved;
   { REFIT_ASSIGN_OR_RETURN(resolved, ResolveConfig(args, /*leader=*/false, /*collective=*/false)); }
-  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, ToTransportUri(resolved));
+  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, config::ToTransportUri(resolved));
   REFIT_ASSIGN_OR_RETURN(const MpiRank mpi, JoinMpiIfAsked(transport_uri));
   if (mpi.active && (!args.group.empty() || args.producers != 1)) {
     return InvalidArgument(
@@ -331,7 +318,7 @@ Status RunPush(const PushArgs& args) {
         "--group and --producers do not apply");
   }
   const bool leader = mpi.active ? mpi.index == 0 : args.rank == 0;
-  REFIT_ASSIGN_OR_RETURN(const RefitConfig config, ResolveConfig(args, leader, mpi.active));
+  REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config, ResolveConfig(args, leader, mpi.active));
   if (!args.layout.empty() && (!args.base.empty() || args.producers != 1)) {
     return InvalidArgument(
         "push: --layout sends this rank's pieces as an anchor, from one rank per process "
@@ -356,28 +343,20 @@ Status RunPush(const PushArgs& args) {
     REFIT_RETURN_NOT_OK(CheckSameTensors(base, model));
   }
 
-  PublisherOptions options;
-  options.tracker = ToTrackerOptions(config);
-  options.stream = ToProducerStreamOptions(config);
+  REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.transport_uri = transport_uri;
   options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
-  std::string api_key;
+  // A control call never outlives the transfer's own budget, whatever a receiver does.
+  options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
+  // Every rank holds the key: the group's ranks authenticate with it too.
+  const std::string api_key = options.control.api_key;
   std::optional<uint64_t> fleet_version;
-  if (leader && mpi.active) {
-    // The receivers are the job's ranks, asked at Sync; the first Sync takes their version.
-    options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
-  } else if (leader) {
-    for (const ReceiverConfig& receiver : config.receivers) {
-      options.receivers.push_back({receiver.control, receiver.data});
-      REFIT_ASSIGN_OR_RETURN(options.control, ToControlClientOptions(config, receiver));
-    }
-    // A control call never outlives the transfer's own budget, whatever a receiver does.
-    options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
-    api_key = options.control.api_key;
+  if (!leader) {
+    options.receivers.clear();
+  } else if (!mpi.active) {
+    // Under mpi:// the receivers are the job's ranks, asked at Sync; the first Sync takes their
+    // version.
     REFIT_ASSIGN_OR_RETURN(fleet_version, FleetVersion(options));
-  } else if (!config.http_refit_api_key_env_var.empty()) {
-    REFIT_ASSIGN_OR_RETURN(
-        api_key, SecretFromEnvironment(config.http_refit_api_key_env_var, "--api-key-env"));
   }
   std::vector<std::unique_ptr<ProducerGroup>> groups;
   if (mpi.active) {
@@ -459,23 +438,27 @@ void RegisterPush(CLI::App& app, Status* result) {
                   "is then this rank's local tensors, and it sends only its own boxes. Every "
                   "rank of the group passes one; the push is an anchor")
       ->check(CLI::ExistingFile);
-  cmd->add_option_function<std::string>(
-         "--anchor-compression",
-         [args](const std::string& name) {
-           Result<AnchorCompression> mode = ParseAnchorCompression(name);
-           if (!mode.ok()) {
-             throw CLI::ValidationError("--anchor-compression", mode.status().message());
-           }
-           args->anchor_compression = *mode;
-         },
-         "How an anchor's payloads are compressed: auto (measure the compressor against the "
-         "link, compress only if it is faster), zstd, none (raw)")
-      ->default_str("auto");
-  cmd->add_option("--transport", args->transport,
-                  "Transport URI for the payloads (zmq://?timeout_ms=…&api_key_env=…&curve_…)")
-      ->capture_default_str();
-  cmd->add_option("--api-key-env", args->api_key_env,
-                  "Environment variable holding the control plane's api key");
+  // Flags that set a key of the configuration file: each value is read and checked as the
+  // file's would be, and wins over the file (docs/configuration.md).
+  const auto config_flag = [&](const char* flag, std::vector<const char*> keys, const char* help,
+                               const char* default_text) {
+    cmd->add_option_function<std::string>(
+           flag,
+           [args, flag, keys](const std::string& value) {
+             for (const char* key : keys) args->overrides.push_back({key, value, flag});
+           },
+           help)
+        ->default_str(default_text);
+  };
+  config_flag("--anchor-compression", {"delta_compression.anchor_compression"},
+              "How an anchor's payloads are compressed: auto (measure the compressor against the "
+              "link, compress only if it is faster), zstd, none (raw)",
+              "auto");
+  config_flag("--transport", {"transport"},
+              "Transport URI for the payloads (zmq://?timeout_ms=…&api_key_env=…&curve_…)",
+              "zmq://");
+  config_flag("--api-key-env", {"http_refit_api_key_env_var"},
+              "Environment variable holding the control plane's api key", "");
   cmd->add_option("--producers", args->producers,
                   "Producer ranks W as threads of this process (chunk k goes to k % W)")
       ->capture_default_str()
@@ -488,16 +471,15 @@ void RegisterPush(CLI::App& app, Status* result) {
   cmd->add_option("--world-size", args->world_size, "The number of ranks W in --group")
       ->capture_default_str()
       ->check(CLI::Range(1, 65536));
-  cmd->add_option("--threads", args->threads, "Worker threads per stage")->capture_default_str();
+  config_flag("--threads", {"tuning.encode_workers", "tuning.transfer_workers"},
+              "Threads of the encode and the send stage (tuning.encode_workers and "
+              "tuning.transfer_workers; default: the file's, else 8 and 4)",
+              "");
   cmd->add_option("--timeout", args->timeout_s, "Seconds the whole transfer may take")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--json", args->json, "Print the result as one JSON line");
-  cmd->callback([cmd, args, result] {
-    args->transport_given = cmd->count("--transport") > 0;
-    args->threads_given = cmd->count("--threads") > 0;
-    *result = RunPush(*args);
-  });
+  cmd->callback([args, result] { *result = RunPush(*args); });
 }
 
 }  // namespace refit::cli

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "cli_common.h"
+#include "config_file.h"
 #include "progress.h"
 #include "refit/compare.h"
 #include "refit/simulator.h"
@@ -32,7 +33,7 @@ Status RunSimulate(const SimulateArgs& args) {
     return InvalidArgument("--checkpoints {} must be >= 1", args.checkpoints);
   SimulatorOptions options;
   REFIT_ASSIGN_OR_RETURN(options.export_dtype, ParseDType(args.dtype));
-  REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, ParseByteSize(args.model_bytes));
+  REFIT_ASSIGN_OR_RETURN(uint64_t model_bytes, config::ParseByteSize(args.model_bytes));
   if (args.init_from.empty()) {
     options.tensors = MakeTransformerSpec(model_bytes, options.export_dtype);
   } else {

@@ -1,4 +1,4 @@
-#include "config.h"
+#include "config_file.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -14,11 +14,11 @@
 #include <string>
 #include <string_view>
 
-#include "cli_common.h"
 #include "refit/transport.h"
+#include "role_options.h"
 #include "test_util.h"
 
-namespace refit::cli {
+namespace refit::config {
 namespace {
 
 constexpr const char* kKeyVar = "REFIT_CONFIG_TEST_API_KEY";
@@ -313,7 +313,7 @@ TEST(ConfigTest, BadValuesNamePathValueAndAllowedRange) {
       {"tuning: {encode_workers: 99999999999999999999}",
        "tuning.encode_workers: 99999999999999999999 is outside [1, 4096]"},
       {"http_refit_server_port: 65536", "http_refit_server_port: 65536 is outside [0, 65535]"},
-      {"zmq_refit_server_port: 0", "zmq_refit_server_port: 0 is outside [1, 65535]"},
+      {"zmq_refit_server_port: 65536", "zmq_refit_server_port: 65536 is outside [0, 65535]"},
       {"delta_compression: {sparse_bucket_size_bytes: 0}",
        "delta_compression.sparse_bucket_size_bytes: '0' must be a positive byte size"},
       {"delta_compression: {export_chunk_bytes: 0KiB}",
@@ -363,7 +363,7 @@ TEST(ConfigTest, ReceiversNeedControlUrlAndDataEndpoint) {
   };
   const Case cases[] = {
       {"receivers: [{control: http://a:1}]",
-       "test.yaml:1:13: receivers[0]: missing data: each receiver needs control"},
+       "test.yaml:1:13: receivers[0].data: '' has no :port (the zmq transport needs host:port)"},
       {"receivers: [{data: a:2}]", "receivers[0]: missing control"},
       {"receivers: [a:2]", "receivers[0]: expected a {control, data} mapping, got a scalar"},
       {"receivers: [{control: ftp://a:1, data: a:2}]",
@@ -390,6 +390,168 @@ TEST(ConfigTest, ReceiversNeedControlUrlAndDataEndpoint) {
                        Parse("transport: file:///mnt/drop\n"
                              "receivers: [{control: 'http://[::1]:8081', data: inbox-a}]\n"));
   EXPECT_EQ(config.receivers.at(0).data, "inbox-a");
+  // An object store's receivers are reached on their control plane alone.
+  ASSERT_OK_AND_ASSIGN(const RefitConfig store,
+                       Parse("transport: s3://bucket/run\n"
+                             "receivers: [{control: 'http://a:1'}, {control: 'http://b:1'}]\n"));
+  EXPECT_EQ(store.receivers.at(1), (ReceiverConfig{"http://b:1", ""}));
+}
+
+// ---- The merge rule: defaults, then the file, then the overrides in order ------------------
+
+TEST(ConfigOverrideTest, OverridesWinOverTheFileAndLaterOverridesWinOverEarlierOnes) {
+  const ConfigOverride overrides[] = {
+      {"tuning.apply_queue_depth", "8", "--apply-queue-depth"},
+      {"server.model", "/m/a.safetensors", "--model"},
+      {"server.model", "/m/b.safetensors", "Receiver(model_path=)"},
+      {"server.mmap", "yes", "--mmap"},
+      {"delta_compression.overwrite_names", std::vector<std::string>{"lm_head.weight"}, ""},
+  };
+  ASSERT_OK_AND_ASSIGN(const RefitConfig config,
+                       ParseConfig("tuning: {apply_queue_depth: 4, encode_workers: 3}\n"
+                                   "server: {model: /m/file.safetensors}\n",
+                                   "test.yaml", overrides));
+  EXPECT_EQ(config.tuning.apply_queue_depth, 8u);
+  EXPECT_EQ(config.tuning.encode_workers, 3);  // the file's, not overridden
+  EXPECT_EQ(config.server.model, "/m/b.safetensors");
+  EXPECT_TRUE(config.server.mmap);
+  EXPECT_EQ(config.delta_compression.overwrite_names, std::vector<std::string>{"lm_head.weight"});
+  // Without a file: the defaults with the overrides; a mapping on the way is made.
+  ASSERT_OK_AND_ASSIGN(const RefitConfig bare, LoadConfigFile("", overrides));
+  EXPECT_EQ(bare.tuning.apply_queue_depth, 8u);
+  EXPECT_EQ(bare.tuning.encode_workers, TuningConfig{}.encode_workers);
+  EXPECT_EQ(bare.server.model, "/m/b.safetensors");
+  ASSERT_OK_AND_ASSIGN(const RefitConfig none, LoadConfigFile("", {}));
+  ExpectLibraryDefaults(none);
+}
+
+TEST(ConfigOverrideTest, OverridesAreCheckedAsTheFileIsAndErrorsNameTheirOrigin) {
+  struct Case {
+    ConfigOverride entry;
+    std::string_view message;
+  };
+  const Case cases[] = {
+      {{"tuning.apply_queue_depth", "0", "--apply-queue-depth"},
+       "--apply-queue-depth (tuning.apply_queue_depth): 0 is outside [1, 65536]"},
+      {{"server.anchor_undo", "sometimes", "Receiver(anchor_undo=)"},
+       "Receiver(anchor_undo=) (server.anchor_undo): "},
+      {{"delta_compression.export_chunk_bytes", "0", "Publisher(chunk_bytes=)"},
+       "Publisher(chunk_bytes=) (delta_compression.export_chunk_bytes): '0' must be a positive"},
+      {{"tuning.apply_queu_depth", "8", "--typo"}, "--typo (tuning.apply_queu_depth): unknown key"},
+      {{"tuning..x", "8", "--dots"}, "--dots: 'tuning..x' is not a key path"},
+      {{"tuning.encode_workers.x", "1", "--nested"},
+       "--nested (tuning.encode_workers.x): the configuration's tuning.encode_workers is a scalar, "
+       "not a mapping"},
+      {{"transport", "zmq://?retries=500", "--transport"},
+       "--transport (transport): retries=500 is outside [0, 100]"},
+      {{"receivers", std::vector<ReceiverConfig>{{"http://a:1", "a"}}, "--receiver"},
+       "--receiver (receivers[0].data): 'a' has no :port"},
+      {{"server.max_payload_bytes", "lots", "--max-payload-bytes"},
+       "--max-payload-bytes (server.max_payload_bytes): 'lots' is not a byte size"},
+      {{"tuning.apply_threads", "0", "--apply-threads"},
+       "--apply-threads (tuning.apply_threads): 0 is outside [1, 256]"},
+      {{"tuning.decode_threads", "257", "--decode-threads"},
+       "--decode-threads (tuning.decode_threads): 257 is outside [0, 256]"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.entry.key);
+    EXPECT_STATUS_MSG(InvalidArgument, std::string(c.message),
+                      ParseConfig("tuning: {encode_workers: 2}\n", "test.yaml", {&c.entry, 1}));
+  }
+  // An error in the file itself still names the file, line and column.
+  const ConfigOverride fine{"tuning.apply_queue_depth", "8", "--apply-queue-depth"};
+  EXPECT_STATUS_MSG(InvalidArgument, "test.yaml:1:10: tuning.encode_workers: 0 is outside",
+                    ParseConfig("tuning: {encode_workers: 0}\n", "test.yaml", {&fine, 1}));
+}
+
+TEST(ConfigOverrideTest, ATransportOverrideReplacesUpstreamsKeyAndAdoptsItsRetries) {
+  const ConfigOverride transport{"transport", "zmq://?retries=7", "--transport"};
+  ASSERT_OK_AND_ASSIGN(const RefitConfig config, ParseConfig("refit_transport: vllm_s3_sparse\n",
+                                                             "test.yaml", {&transport, 1}));
+  EXPECT_EQ(config.transport, "zmq://?retries=7");
+  EXPECT_EQ(config.tuning.zmq_retries, 7);
+  // The file's own tuning.zmq_retries still contradicts it, by name.
+  EXPECT_STATUS_MSG(InvalidArgument, "tuning.zmq_retries: 3 contradicts retries=7",
+                    ParseConfig("tuning: {zmq_retries: 3}\n", "test.yaml", {&transport, 1}));
+}
+
+TEST(ConfigOverrideTest, ReceiverKeysMapOntoTheReceiverNodesOptions) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "refit_config_role";
+  std::filesystem::create_directories(dir);
+  const std::string loader_path = (dir / "loader.yaml").string();
+  std::ofstream(loader_path) << "tp_rank: 1\ntp_size: 2\n";
+  ScopedEnv key(kKeyVar, "secret-1");
+  const ConfigOverride overrides[] = {
+      {"server.loader", loader_path, "--loader"},
+      {"tuning.apply_threads", "3", "--apply-threads"},
+      {"tuning.decode_threads", "2", "--decode-threads"},
+      {"server.max_payload_bytes", "64MiB", "--max-payload-bytes"},
+  };
+  ASSERT_OK_AND_ASSIGN(
+      const RefitConfig config,
+      ParseConfig(fmt::format("http_refit_api_key_env_var: {}\n"
+                              "delta_compression: {{sparse_bucket_size_bytes: 32MiB}}\n"
+                              "server: {{model: /m.safetensors, mmap: true, replica: r1, bind: "
+                              "10.0.0.5, curve_secret_key: /k/server.key, bootstrap: "
+                              "'s3://b/p?chain=1', anchor_undo: file, anchor_undo_dir: /spill}}\n",
+                              kKeyVar),
+                  "test.yaml", overrides));
+  ASSERT_OK_AND_ASSIGN(const ReceiverNodeOptions node, ToReceiverNodeOptions(config));
+  EXPECT_EQ(node.model_path, "/m.safetensors");
+  EXPECT_EQ(node.store_mode, StoreMode::kMmap);
+  ASSERT_TRUE(node.loader.has_value());
+  EXPECT_EQ(node.loader->tp_rank, 1u);
+  EXPECT_EQ(node.loader->tp_size, 2u);
+  EXPECT_EQ(node.place.replica, "r1");
+  EXPECT_EQ(node.max_payload_bytes, uint64_t{64} << 20);
+  EXPECT_EQ(node.producer_bucket_bytes, uint64_t{32} << 20);
+  EXPECT_EQ(node.bootstrap_uri, "s3://b/p?chain=1");
+  EXPECT_EQ(node.control.api_key, "secret-1");
+  EXPECT_EQ(node.control.bind_address, "10.0.0.5");
+  EXPECT_EQ(node.session.apply_threads, 3);
+  EXPECT_EQ(node.session.decode_threads, 2);
+  EXPECT_EQ(node.session.anchor_undo, AnchorUndo::kFile);
+  EXPECT_EQ(node.session.anchor_undo_directory, "/spill");
+  EXPECT_EQ(node.transport_uri,
+            fmt::format("zmq://?retries=3&api_key_env={}&curve_secret_key=/k/server.key", kKeyVar));
+  // A key file set twice, and a loader spec that cannot be read, are refused by name.
+  const ConfigOverride twice{"transport", "zmq://?curve_secret_key=/other", "--transport"};
+  ASSERT_OK_AND_ASSIGN(
+      const RefitConfig both,
+      ParseConfig("server: {curve_secret_key: /k/server.key}\n", "test.yaml", {&twice, 1}));
+  EXPECT_STATUS_MSG(InvalidArgument, "server.curve_secret_key and the transport URI's",
+                    ToReceiverNodeOptions(both));
+  const ConfigOverride missing{"server.loader", (dir / "absent.yaml").string(), "--loader"};
+  ASSERT_OK_AND_ASSIGN(const RefitConfig no_loader, LoadConfigFile("", {&missing, 1}));
+  EXPECT_STATUS_MSG(NotFound, "server.loader", ToReceiverNodeOptions(no_loader));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ConfigOverrideTest, ProducerKeysMapOntoThePublishersOptions) {
+  ScopedEnv key(kKeyVar, "secret-2");
+  const ConfigOverride receivers{
+      "receivers",
+      std::vector<ReceiverConfig>{{"http://10.0.0.5:8081", "10.0.0.5:5555"},
+                                  {"http://10.0.0.6:8081", "10.0.0.6:5555"}},
+      "Publisher(receivers=)"};
+  ASSERT_OK_AND_ASSIGN(
+      const RefitConfig config,
+      ParseConfig(fmt::format("http_refit_api_key_env_var: {}\nrequest_timeout_s: 2.5\n"
+                              "delta_compression: {{full_sync_interval: 5, export_chunk_bytes: "
+                              "1MiB, encoding: add}}\ntuning: {{transfer_workers: 6}}\n",
+                              kKeyVar),
+                  "test.yaml", {&receivers, 1}));
+  ASSERT_OK_AND_ASSIGN(const PublisherOptions options, ToPublisherOptions(config));
+  ASSERT_EQ(options.receivers.size(), 2u);
+  EXPECT_EQ(options.receivers[1].control_url, "http://10.0.0.6:8081");
+  EXPECT_EQ(options.receivers[1].data_endpoint, "10.0.0.6:5555");
+  EXPECT_EQ(options.control.api_key, "secret-2");
+  EXPECT_EQ(options.control.timeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(options.tracker.full_sync_interval, 5u);
+  EXPECT_EQ(options.tracker.op, Op::kAdd);
+  EXPECT_EQ(options.stream.chunk_bytes, uint64_t{1} << 20);
+  EXPECT_EQ(options.stream.send_threads, 6);
+  EXPECT_EQ(options.transport_uri, fmt::format("zmq://?retries=3&api_key_env={}", kKeyVar));
 }
 
 TEST(ConfigTest, YamlSyntaxErrorsHaveLineAndColumn) {
@@ -591,4 +753,4 @@ TEST(ConfigTest, ExampleFileParsesAndTheDocsShowIt) {
 }
 
 }  // namespace
-}  // namespace refit::cli
+}  // namespace refit::config

@@ -1,4 +1,4 @@
-#include "config.h"
+#include "config_file.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -21,14 +21,15 @@
 #include <sstream>
 #include <system_error>
 #include <utility>
+#include <variant>
+#include <vector>
 
-#include "cli_common.h"
 #include "refit/environment.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "refit/values.h"
 
-namespace refit::cli {
+namespace refit::config {
 
 Result<uint64_t> ParseByteSize(const std::string& text) {
   struct Unit {
@@ -195,7 +196,15 @@ class ConfigReader {
  public:
   explicit ConfigReader(std::string_view source) : source_(source) {}
 
+  // Name `origin` (a flag, a keyword) as the giver of the value at `key` and below.
+  void SetOrigin(std::string key, std::string origin) {
+    origins_.insert_or_assign(std::move(key), std::move(origin));
+  }
+
   Status Error(const Where& where, std::string_view message) const {
+    if (const std::string* origin = OriginOf(where.path)) {
+      return InvalidArgument("{} ({}): {}", *origin, where.path, message);
+    }
     if (where.mark.is_null()) return InvalidArgument("{}: {}: {}", source_, where.path, message);
     return InvalidArgument("{}:{}:{}: {}: {}", source_, where.mark.line + 1, where.mark.column + 1,
                            where.path, message);
@@ -333,8 +342,24 @@ class ConfigReader {
     return Error(where, fmt::format("unknown key; known keys: {}", known));
   }
 
+  // The origin of the override that gave `path` or a mapping or list above it, if any.
+  const std::string* OriginOf(std::string_view path) const {
+    const std::string* found = nullptr;
+    size_t found_length = 0;
+    for (const auto& [key, origin] : origins_) {
+      const bool covers = path == key || (path.starts_with(key) && path.size() > key.size() &&
+                                          (path[key.size()] == '.' || path[key.size()] == '['));
+      if (covers && key.size() >= found_length) {
+        found = &origin;
+        found_length = key.size();
+      }
+    }
+    return found;
+  }
+
   std::string_view source_;
   std::map<std::string, YAML::Mark, std::less<>> present_;
+  std::map<std::string, std::string, std::less<>> origins_;
 };
 
 // ---- The schema: one KeySpec table per mapping ----------------------------------------------
@@ -451,10 +476,12 @@ Status ReadReceivers(ConfigReader& reader, const YAML::Node& node, const Where& 
           at, fmt::format("expected a {{control, data}} mapping, got {}", NodeKind(entry)));
     }
     REFIT_RETURN_NOT_OK(reader.ReadMap(entry, at, keys));
-    if (receiver.control.empty() || receiver.data.empty()) {
-      return reader.Error(at, fmt::format("missing {}: each receiver needs control (its "
-                                          "http(s)://host:port) and data (its data endpoint)",
-                                          receiver.control.empty() ? "control" : "data"));
+    // `data` is checked against the transport once the whole file is read (CrossChecks): an
+    // object store's receivers have none.
+    if (receiver.control.empty()) {
+      return reader.Error(at,
+                          "missing control: each receiver needs control (its "
+                          "http(s)://host:port) and, on a relay tree, data (its data endpoint)");
     }
     out->push_back(std::move(receiver));
     marks->push_back(entry.Mark());
@@ -544,6 +571,7 @@ class CrossChecks {
         return reader_.Error(
             control, fmt::format("'{}' repeats receivers[{}]", receiver.control, first->second));
       }
+      if (receiver.data.empty()) continue;
       if (const auto [first, inserted] = endpoints.emplace(receiver.data, i); !inserted) {
         return reader_.Error(
             data, fmt::format("'{}' repeats receivers[{}]", receiver.data, first->second));
@@ -633,6 +661,14 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
          return r.ReadInteger(v, w, 1, static_cast<int64_t>(ReceiverSession::kMaxApplyQueueDepth),
                               &tuning.apply_queue_depth);
        }},
+      {"apply_threads",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 1, ReceiverSession::kMaxApplyThreads, &tuning.apply_threads);
+       }},
+      {"decode_threads",
+       [&](R& r, const N& v, const W& w) {
+         return r.ReadInteger(v, w, 0, ReceiverSession::kMaxApplyThreads, &tuning.decode_threads);
+       }},
   };
   const KeySpec server_keys[] = {
       {"bind",
@@ -668,6 +704,20 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        [&](R& r, const N& v, const W& w) {
          return r.ReadString(v, w, &server.curve_authorized_keys);
        }},
+      {"advertise",
+       [&](R& r, const N& v, const W& w) { return r.ReadNonEmptyString(v, w, &server.advertise); }},
+      {"max_payload_bytes",
+       [&](R& r, const N& v, const W& w) {
+         uint64_t bytes = 0;
+         REFIT_RETURN_NOT_OK(r.ReadPositiveByteSize(v, w, &bytes));
+         server.max_payload_bytes = bytes;
+         return Status::OK();
+       }},
+      {"loader", [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.loader); }},
+      {"replica",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.replica); }},
+      {"bootstrap",
+       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.bootstrap); }},
   };
   std::vector<YAML::Mark> receiver_marks;
   const KeySpec top_keys[] = {
@@ -702,8 +752,9 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        }},
       {"zmq_refit_server_port",
        [&](R& r, const N& v, const W& w) {
-         // Not 0: push must know every relay's port, so the data port cannot be ephemeral.
-         return r.ReadInteger(v, w, 1, kMaxPort, &config.zmq_refit_server_port);
+         // 0: the kernel's choice, reported in the ready file (not for a static relay tree, whose
+         // peers name their ports; `refit serve` checks that).
+         return r.ReadInteger(v, w, 0, kMaxPort, &config.zmq_refit_server_port);
        }},
       {"server", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, server_keys); }},
   };
@@ -715,15 +766,65 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
   return CrossChecks(reader, config, std::move(receiver_marks)).Run();
 }
 
-Result<std::string> ResolveApiKey(const RefitConfig& config) {
-  const std::string& name = config.http_refit_api_key_env_var;
-  if (name.empty()) return std::string();
-  return SecretFromEnvironment(name, "http_refit_api_key_env_var");
-}
-
 }  // namespace
 
 namespace {
+
+// The YAML a value given beside the file stands for, as if the file had said it.
+YAML::Node OverrideNode(const ConfigValue& value) {
+  if (const auto* text = std::get_if<std::string>(&value)) return YAML::Node(*text);
+  YAML::Node sequence(YAML::NodeType::Sequence);
+  if (const auto* list = std::get_if<std::vector<std::string>>(&value)) {
+    for (const std::string& element : *list) sequence.push_back(YAML::Node(element));
+    return sequence;
+  }
+  for (const ReceiverConfig& receiver : std::get<std::vector<ReceiverConfig>>(value)) {
+    YAML::Node entry(YAML::NodeType::Map);
+    entry["control"] = receiver.control;
+    if (!receiver.data.empty()) entry["data"] = receiver.data;
+    sequence.push_back(entry);
+  }
+  return sequence;
+}
+
+// Set the key path of `entry` in `root` (a mapping) to its value, making the mappings on the way;
+// the document is then read as a whole, so an override is checked as the file's keys are.
+Status ApplyOverride(const ConfigOverride& entry, YAML::Node& root, ConfigReader& reader) {
+  const std::string& origin = entry.origin.empty() ? entry.key : entry.origin;
+  std::vector<std::string> parts;
+  for (size_t begin = 0; begin <= entry.key.size();) {
+    const size_t end = std::min(entry.key.find('.', begin), entry.key.size());
+    parts.push_back(entry.key.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  for (const std::string& part : parts) {
+    if (part.empty()) {
+      return InvalidArgument("{}: '{}' is not a key path such as tuning.apply_queue_depth", origin,
+                             entry.key);
+    }
+  }
+  // Handles are rebound with reset(): assigning to a YAML::Node writes through it.
+  YAML::Node mapping;
+  mapping.reset(root);
+  std::string path;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    path += (i == 0 ? "" : ".") + parts[i];
+    YAML::Node child = mapping[parts[i]];
+    if (!child.IsDefined() || child.IsNull()) {
+      mapping[parts[i]] = YAML::Node(YAML::NodeType::Map);
+      child.reset(mapping[parts[i]]);
+    } else if (!child.IsMap()) {
+      return InvalidArgument("{} ({}): the configuration's {} is {}, not a mapping of keys", origin,
+                             entry.key, path, NodeKind(child));
+    }
+    mapping.reset(child);
+  }
+  mapping[parts.back()] = OverrideNode(entry.value);
+  // `transport` and upstream's `refit_transport` are one setting: the override replaces both.
+  if (entry.key == "transport") root.remove("refit_transport");
+  reader.SetOrigin(entry.key, origin);
+  return Status::OK();
+}
 
 // Counts documents and nothing else (ParseConfig's first pass).
 class DocumentCounter final : public YAML::EventHandler {
@@ -744,7 +845,8 @@ class DocumentCounter final : public YAML::EventHandler {
 
 }  // namespace
 
-Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name) {
+Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name,
+                                std::span<const ConfigOverride> overrides) {
   RefitConfig config;
   ConfigReader reader(source_name);
   // yaml-cpp reports errors by exception; they stop here, as the project uses none.
@@ -771,8 +873,15 @@ Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view sou
       return InvalidArgument("{}: holds {} YAML documents; a configuration is one", source_name,
                              documents);
     }
-    REFIT_RETURN_NOT_OK(ReadDocument(
-        reader, documents == 0 ? YAML::Node() : YAML::Load(std::string(yaml_text)), config));
+    YAML::Node root = documents == 0 ? YAML::Node() : YAML::Load(std::string(yaml_text));
+    if (!overrides.empty() && root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+    // A document that is not a mapping takes no overrides; ReadDocument reports it.
+    if (root.IsMap()) {
+      for (const ConfigOverride& entry : overrides) {
+        REFIT_RETURN_NOT_OK(ApplyOverride(entry, root, reader));
+      }
+    }
+    REFIT_RETURN_NOT_OK(ReadDocument(reader, root, config));
   } catch (const YAML::Exception& e) {
     if (e.mark.is_null()) return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
     return InvalidArgument("{}:{}:{}: YAML syntax error: {}", source_name, e.mark.line + 1,
@@ -781,7 +890,7 @@ Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view sou
   return config;
 }
 
-Result<RefitConfig> LoadConfigFile(const std::string& path) {
+Result<std::string> ReadConfigFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return NotFound("configuration file '{}' does not exist", path);
@@ -810,84 +919,14 @@ Result<RefitConfig> LoadConfigFile(const std::string& path) {
                            kMaxConfigFileBytes);
   }
   text.resize(done);
-  return ParseConfig(text, path);
+  return text;
 }
 
-TrackerOptions ToTrackerOptions(const RefitConfig& config) {
-  const DeltaCompressionConfig& delta = config.delta_compression;
-  TrackerOptions options;
-  options.baseline_storage =
-      config.baseline.in_memory ? BaselineStorage::kMemory : BaselineStorage::kFile;
-  options.baseline_dir = config.baseline.mmap_dir;
-  // Without delta compression every transfer is an anchor.
-  options.full_sync_interval = delta.enabled ? delta.full_sync_interval : 1;
-  options.op = delta.encoding;
-  options.add_delta_dtype = delta.dtype;
-  options.overwrite_names = delta.overwrite_names;
-  return options;
+Result<RefitConfig> LoadConfigFile(const std::string& path,
+                                   std::span<const ConfigOverride> overrides) {
+  if (path.empty()) return ParseConfig("", "(no configuration file)", overrides);
+  REFIT_ASSIGN_OR_RETURN(const std::string text, ReadConfigFile(path));
+  return ParseConfig(text, path, overrides);
 }
 
-ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
-  ProducerStreamOptions options;
-  options.chunk_bytes = config.delta_compression.export_chunk_bytes;
-  options.bucket_bytes = config.delta_compression.sparse_bucket_size_bytes;
-  options.encode_threads = config.tuning.encode_workers;
-  options.serialize_threads = config.tuning.serialize_workers;
-  options.send_threads = config.tuning.transfer_workers;
-  options.payload.zstd_level = config.delta_compression.zstd_level;
-  options.anchor_compression = config.delta_compression.anchor_compression;
-  return options;
-}
-
-ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
-  ReceiverSessionOptions options;
-  options.apply_queue_depth = config.tuning.apply_queue_depth;
-  options.transfer_lease = config.server.transfer_lease;
-  options.anchor_undo = config.server.anchor_undo;
-  options.anchor_undo_directory = config.server.anchor_undo_dir;
-  return options;
-}
-
-Result<ControlServerOptions> ToControlServerOptions(const RefitConfig& config) {
-  ControlServerOptions options;
-  REFIT_ASSIGN_OR_RETURN(options.api_key, ResolveApiKey(config));
-  options.bind_address = config.server.bind;
-  options.port = config.http_refit_server_port;
-  options.tls_cert_path = config.server.tls_cert;
-  options.tls_key_path = config.server.tls_key;
-  return options;
-}
-
-Result<ControlClientOptions> ToControlClientOptions(const RefitConfig& config,
-                                                    const ReceiverConfig& receiver) {
-  ControlClientOptions options;
-  REFIT_ASSIGN_OR_RETURN(options.api_key, ResolveApiKey(config));
-  options.base_url = receiver.control;
-  options.timeout = config.request_timeout;
-  return options;
-}
-
-Result<std::string> ToTransportUri(const RefitConfig& config) {
-  REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(config.transport));
-  if (!uri.is_zmq()) return config.transport;
-  const std::string retries = std::to_string(config.tuning.zmq_retries);
-  if (const std::string* given = uri.Param("retries")) {
-    if (ParseUnsigned(*given) != ParseUnsigned(retries)) {
-      // The URI is not echoed: it may hold an api_key.
-      return InvalidArgument(
-          "the {} transport URI sets retries={} but tuning.zmq_retries is {}; "
-          "set one of them",
-          uri.scheme, *given, retries);
-    }
-  } else {
-    uri.params.emplace_back("retries", retries);
-  }
-  const std::string& key_env = config.http_refit_api_key_env_var;
-  if (!key_env.empty() && uri.Param(kUriApiKeyParam) == nullptr &&
-      uri.Param(kUriApiKeyEnvParam) == nullptr) {
-    uri.params.emplace_back(kUriApiKeyEnvParam, key_env);
-  }
-  return uri.ToString();
-}
-
-}  // namespace refit::cli
+}  // namespace refit::config

@@ -1,7 +1,9 @@
-// The `refit` configuration file: a flat YAML file whose group and key names follow NeMo RL's
+// The `refit` configuration: a flat YAML file whose group and key names follow NeMo RL's
 // `policy.generation.refit_cfg.sparse` (plus its vLLM-level port and API-key keys), read into a
-// plain struct and mapped onto the library's option structs. docs/configuration.md lists every
-// key, its default and its upstream counterpart; examples/refit.yaml is a complete file.
+// plain struct, with settings given beside the file (command-line flags, Python keywords) merged
+// in by one rule (ConfigOverride). role_options.h maps the result onto each role's options.
+// docs/configuration.md lists every key, its default and its upstream counterpart;
+// examples/refit.yaml is a complete file.
 //
 // Defaults are the library's own (each one is taken from a default-constructed option struct),
 // so an empty file configures exactly what the library does without one.
@@ -9,8 +11,11 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "refit/control_client.h"
@@ -22,7 +27,11 @@
 #include "refit/status.h"
 #include "refit/tracker.h"
 
-namespace refit::cli {
+namespace refit::config {
+
+/// Parse "4096", "64KiB", "1.5GiB", "2GB" into bytes: the byte sizes of the file and of the
+/// flags. Errors: InvalidArgument naming the text.
+Result<uint64_t> ParseByteSize(const std::string& text);
 
 /// `delta_compression:` — how changes are found, encoded and packed.
 struct DeltaCompressionConfig {
@@ -69,13 +78,20 @@ struct TuningConfig {
   int zmq_retries = kDefaultZmqRetries;
   /// `apply_queue_depth`: payloads staged and not yet applied, per receiver.
   size_t apply_queue_depth = ReceiverSessionOptions{}.apply_queue_depth;
+  /// `apply_threads`: threads that apply one payload, per receiver
+  /// (ReceiverSessionOptions::apply_threads).
+  int apply_threads = ReceiverSessionOptions{}.apply_threads;
+  /// `decode_threads`: threads that decode queued payloads ahead of the apply, per receiver;
+  /// 0: the apply thread decodes (ReceiverSessionOptions::decode_threads).
+  int decode_threads = ReceiverSessionOptions{}.decode_threads;
 };
 
 /// One entry of `receivers:`, a receiver of the fleet.
 struct ReceiverConfig {
   /// `control`: the base URL of its HTTP control plane, http(s)://host:port[/prefix].
   std::string control;
-  /// `data`: its data endpoint in the transport's syntax (host:port for zmq://).
+  /// `data`: its data endpoint in the transport's syntax (host:port for zmq://); may be left out
+  /// for a transport that announces payloads on the control plane (s3://).
   std::string data;
 
   friend bool operator==(const ReceiverConfig&, const ReceiverConfig&) = default;
@@ -105,6 +121,17 @@ struct ServerConfig {
   /// (ReceiverSessionOptions::anchor_undo); `anchor_undo_dir`: the spill directory for `file`.
   AnchorUndo anchor_undo = ReceiverSessionOptions{}.anchor_undo;
   std::string anchor_undo_dir;
+  /// `advertise`: the host other relays and producers reach this receiver by; empty: `bind`.
+  std::string advertise;
+  /// `max_payload_bytes`: the largest payload either plane accepts (ReceiverNodeOptions::
+  /// max_payload_bytes); unset: sized to the model and the producers' bucket size.
+  std::optional<uint64_t> max_payload_bytes;
+  /// `loader`: a loader spec (YAML) mapping canonical tensors onto this receiver's; empty: none.
+  std::string loader;
+  /// `replica`: the replica this receiver belongs to (its tensor-parallel group).
+  std::string replica;
+  /// `bootstrap`: an s3:// chain to catch up from before serving; empty: none.
+  std::string bootstrap;
 };
 
 /// Every setting of a configuration file. A plain value type.
@@ -129,9 +156,26 @@ struct RefitConfig {
   std::string http_refit_api_key_env_var;
   /// `http_refit_server_port`: the control plane's port; 0 (or null) = a free ephemeral port.
   uint16_t http_refit_server_port = ControlServerOptions{}.port;
-  /// `zmq_refit_server_port`: the ZeroMQ data port of `refit serve`.
+  /// `zmq_refit_server_port`: the ZeroMQ data port of `refit serve`; 0 = one the kernel chooses
+  /// as the listener binds (reported in the log and the ready file), which a static relay tree
+  /// (a receivers list that `refit serve` takes as its peers) cannot name.
   uint16_t zmq_refit_server_port = kDefaultZmqPort;
   ServerConfig server;
+};
+
+/// A value given beside the file: text (a scalar, read as the file's would be: "8", "64MiB",
+/// "true"), a list of strings, or the receivers list.
+using ConfigValue =
+    std::variant<std::string, std::vector<std::string>, std::vector<ReceiverConfig>>;
+
+/// One setting given beside the file, by a command-line flag or a Python keyword: the key path of
+/// the file's schema ("tuning.apply_queue_depth", "server.model", "receivers") and its value.
+struct ConfigOverride {
+  std::string key;
+  ConfigValue value;
+  /// Who gave it, for error messages ("--apply-queue-depth", "Receiver(anchor_undo=)"); empty:
+  /// the key.
+  std::string origin;
 };
 
 /// Parse the text of a configuration file. `source_name` (a path) prefixes every error message,
@@ -142,39 +186,25 @@ struct RefitConfig {
 /// duplicate keys (upstream keys that refit has no use for say why), values of the wrong type or
 /// out of range (naming the key path, the value and what is allowed), and settings that
 /// contradict each other.
-Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name);
+///
+/// The one merge rule: a setting is its default, unless the file gives it, unless an override
+/// does (a later override wins over an earlier one). Overrides are checked exactly as the file's
+/// keys are — ranges, syntax and the checks across keys, after the merge — and errors about them
+/// name their origin: "--apply-queue-depth (tuning.apply_queue_depth): 0 is outside [1, 1024]".
+/// An override of `transport` replaces upstream's `refit_transport` in the file.
+Result<RefitConfig> ParseConfig(std::string_view yaml_text, std::string_view source_name,
+                                std::span<const ConfigOverride> overrides = {});
 
-/// Read and parse the configuration file at `path`.
+/// Read the text of the configuration file at `path`.
+/// Errors: NotFound naming the path when it does not exist; IoError naming it when it cannot be
+/// read; InvalidArgument for a file larger than any configuration should be.
+Result<std::string> ReadConfigFile(const std::string& path);
+
+/// Read and parse the configuration file at `path` with `overrides` on top; an empty `path`
+/// reads no file (the defaults with `overrides`).
 /// Errors: NotFound naming the path when it does not exist; IoError naming it when it cannot be
 /// read; InvalidArgument for a file larger than any configuration should be, and as ParseConfig.
-Result<RefitConfig> LoadConfigFile(const std::string& path);
+Result<RefitConfig> LoadConfigFile(const std::string& path,
+                                   std::span<const ConfigOverride> overrides = {});
 
-/// Return the producer's tracker options. Options without a key keep their defaults.
-TrackerOptions ToTrackerOptions(const RefitConfig& config);
-
-/// Return the producer's stream options; producer_id and num_producers are left at their
-/// defaults for the caller to set.
-ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config);
-
-/// Return a receiver's session options.
-ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config);
-
-/// Return the control server options of `refit serve`, with the API key read from the
-/// environment variable the configuration names.
-/// Errors: InvalidArgument naming the variable when it is unset or empty.
-Result<ControlServerOptions> ToControlServerOptions(const RefitConfig& config);
-
-/// Return the options of a control client of `receiver`, with the API key read as above.
-/// Errors: InvalidArgument naming the variable when it is unset or empty.
-Result<ControlClientOptions> ToControlClientOptions(const RefitConfig& config,
-                                                    const ReceiverConfig& receiver);
-
-/// Return the transport URI to pass to MakeTransport. For zmq:// (also wrapped, as in
-/// fault+zmq://) it carries tuning.zmq_retries as `retries` and, when the configuration names an
-/// API key variable and the URI sets no key of its own, `api_key_env=<variable>`, so the same key
-/// guards the data plane and the control plane. Other URIs are returned as written.
-/// Errors: InvalidArgument for a malformed URI, or a zmq URI whose `retries` differs from
-/// tuning.zmq_retries.
-Result<std::string> ToTransportUri(const RefitConfig& config);
-
-}  // namespace refit::cli
+}  // namespace refit::config
