@@ -264,6 +264,27 @@ def test_config_files_configure_publishers_and_receivers(tmp_path):
         assert held["w"].tobytes() == np.ones(10, np.float32).tobytes()
 
 
+def test_keywords_override_the_config_and_are_checked_as_its_keys(tmp_path):
+    config = refit.Config.parse("delta_compression:\n  full_sync_interval: 5\n", "trainer.yaml")
+    held = {"w": np.zeros(10, np.float32)}
+    with refit.Receiver(config=config) as receiver:
+        receiver.register("w", held["w"])
+        receiver.start()
+        # full_sync_interval=1 (the keyword) wins over the file's 5: every sync is an anchor.
+        publisher = refit.Publisher(config=config, receivers=[receiver], full_sync_interval=1)
+        publisher.adopt_baseline({"w": held["w"].copy()}, version=0)
+        assert publisher.sync({"w": np.ones(10, np.float32)}).anchor
+        assert publisher.sync({"w": np.full(10, 2, np.float32)}).anchor
+        assert held["w"].tobytes() == np.full(10, 2, np.float32).tobytes()
+    # A keyword's value is read as the file's key would be, and its error names both.
+    with pytest.raises(refit.InvalidArgument, match=r"Receiver\(anchor_undo=\) \(server\.anchor_undo\)"):
+        refit.Receiver(anchor_undo="sometimes")
+    with pytest.raises(refit.InvalidArgument, match=r"Publisher\(chunk_bytes=\).*must be a positive byte size"):
+        refit.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2")], chunk_bytes=0)
+    with pytest.raises(refit.InvalidArgument, match=r"Publisher\(receivers=\) \(receivers\[1\]\.data\): '127\.0\.0\.1:2' repeats receivers\[0\]"):
+        refit.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2"), ("http://127.0.0.1:3", "127.0.0.1:2")])
+
+
 def test_the_package_version_is_the_projects():
     import pathlib
     import re
