@@ -27,11 +27,13 @@ def _text(value: Any) -> Any:
 
 
 def overrides(owner: str, keys: Mapping[str, str], given: Mapping[str, Any]) -> List[Tuple[str, Any, str]]:
-    """The keywords of ``given`` that are not None, as (key path, value, origin) for ``keys``.
+    """The keywords of ``keys`` that ``given`` (a constructor's ``locals()``) sets, as (key path,
+    value, origin).
 
-    ``keys`` maps each keyword to the configuration key it sets — the one place a keyword is tied
-    to its key; the C++ configuration layer reads and checks the value as the file's own (and
-    names ``owner(keyword=)`` in its errors).
+    ``keys`` maps each keyword to the configuration key it sets: with the signature, the only
+    places a keyword is spelled. A keyword left at None keeps the file's value (or the default);
+    the C++ configuration layer reads and checks a given one as the file's own key, and names
+    ``owner(keyword=)`` in its errors.
     """
     return [
         (key, _text(given[keyword]), f"{owner}({keyword}=)")

@@ -140,14 +140,11 @@ class Publisher:
     ):
         if group is None:
             group = in_process_group(1)[0]
-        given = dict(
-            receivers=_receiver_endpoints(receivers), transport=transport, chunk_bytes=chunk_bytes,
-            bucket_bytes=bucket_bytes, full_sync_interval=full_sync_interval,
-        )
+        receivers = _receiver_endpoints(receivers)
         self._core = _core.Publisher(
             group,
             config,
-            overrides("Publisher", self._CONFIG_KEYS, given),
+            overrides("Publisher", self._CONFIG_KEYS, locals()),
             api_key=api_key,
             transfer_timeout_s=float(transfer_timeout),
             staging_bytes=staging_bytes,

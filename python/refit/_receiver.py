@@ -122,13 +122,9 @@ class Receiver:
             data_endpoint = f"{host}:0"
         if loader is not None and not isinstance(loader, Loader):
             raise InvalidArgument(f"loader: expected a refit.Loader, got {type(loader).__name__}")
-        given = dict(
-            model_path=model_path, mmap=mmap, replica=replica, transport=transport, control_host=control_host,
-            control_port=control_port, anchor_undo=anchor_undo, anchor_undo_dir=anchor_undo_dir,
-        )
         self._core = _core.Receiver(
             config,
-            overrides("Receiver", self._CONFIG_KEYS, given),
+            overrides("Receiver", self._CONFIG_KEYS, locals()),
             version=version,
             loader=loader._spec if loader is not None else None,
             shard=shard,

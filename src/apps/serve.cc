@@ -244,7 +244,7 @@ Status RunServe(const ServeSettings& settings) {
   // Said once at start: a producer whose payload is over it is refused (ResourceExhausted).
   const std::string limit_source =
       server.max_payload_bytes.has_value()
-          ? std::string("--max-payload-bytes")
+          ? std::string("server.max_payload_bytes, --max-payload-bytes")
           : fmt::format(
                 "default: twice the larger of the producers' {} bucket and the model's largest "
                 "tensor, at least {}",
