@@ -1,9 +1,7 @@
 // What the end-to-end benchmarks (e2e_bench, s3_bench) share: flag parsing, pre-flight checks of
-// disk and memory, a monotonic clock, progress reporting, and the child processes they start
-// (daemons, producer ranks) with their memory figures.
+// disk and memory, a monotonic clock, progress reporting and medians. The child processes they
+// start (daemons, producer ranks) and their memory figures are refit_testing's (src/testing).
 #pragma once
-
-#include <sys/types.h>
 
 #include <chrono>
 #include <cstdint>
@@ -12,7 +10,6 @@
 #include <string_view>
 #include <vector>
 
-#include "local_fleet.h"
 #include "progress.h"
 #include "refit/status.h"
 
@@ -46,67 +43,5 @@ std::unique_ptr<ProgressReporter> Progress(const std::string& label, uint64_t to
 
 /// The median of `values` (the mean of the middle two for an even count; 0 for none).
 double Median(std::vector<double> values);
-
-// --- Child processes and their memory ---------------------------------------------------------
-
-// Free loopback ports and this executable's path: cli::FreeLoopbackPorts and
-// cli::SelfExecutable (local_fleet.h).
-
-/// Start `argv` (argv[0] is a path) in a process group of its own, so that a Ctrl-C at the
-/// terminal reaches only the benchmark, which then stops its children in order; stdin is
-/// /dev/null, stdout and stderr go to `stdout_path` and `stderr_path` (truncated; they may be the
-/// same file). Errors: IoError (open, fork).
-Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& stdout_path,
-                           const std::string& stderr_path);
-
-/// How a child process ended.
-struct ChildExit {
-  /// True when it exited (`code` is its exit status); false when a signal ended it (`code` is
-  /// the signal).
-  bool exited = false;
-  int code = 0;
-  /// Its peak resident memory (VmHWM) at the last poll before it ended, in bytes: the peak of
-  /// the program it exec'd, provided it ran longer than one poll; 0 when it ended before the first
-  /// sample. Not wait4's ru_maxrss: that survives exec and so starts at the forking parent's RSS.
-  uint64_t peak_rss_bytes = 0;
-
-  bool ok() const { return exited && code == 0; }
-  /// "status 3" or "signal 9".
-  std::string Describe() const;
-};
-
-/// Wait up to `timeout` for children `pids` to end and reap them, sampling the peak RSS of each
-/// while it runs; the exits come back in the order of `pids`. Past the timeout the children
-/// still running are killed (SIGKILL) and reaped, and DeadlineExceeded names them.
-/// Errors: IoError from waitpid.
-Result<std::vector<ChildExit>> WaitProcesses(const std::vector<pid_t>& pids,
-                                             std::chrono::milliseconds timeout);
-
-/// WaitProcesses for one child.
-Result<ChildExit> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
-
-/// Send SIGTERM to child `pid` and wait up to `grace` for it (then SIGKILL: DeadlineExceeded).
-Result<ChildExit> TerminateProcess(pid_t pid, std::chrono::milliseconds grace);
-
-/// Wait until the file at `path` exists (its writer renames it into place complete) and return
-/// its text. Errors: Unavailable when child `pid` exits first or `timeout` passes, quoting the end
-/// of `log_path`; the child is then reaped (exited) or left running (timeout).
-Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
-                                     std::chrono::milliseconds timeout,
-                                     const std::string& log_path);
-
-using cli::WriteTextFileAtomically;
-
-/// The last `max_chars` characters of the file at `path`, or "(no log)".
-std::string FileTail(const std::string& path, size_t max_chars = 2000);
-
-/// The value of memory field `field` of /proc/<pid>/status ("VmRSS" resident now, "VmHWM" its
-/// peak), in bytes; `pid` "self" is this process. Errors: NotFound (no such process or field).
-Result<uint64_t> ProcessMemoryBytes(const std::string& pid, std::string_view field);
-
-/// Reset the peak RSS (VmHWM) of process `pid` ("self" for this one) to its current RSS, so that
-/// a peak read afterwards belongs to what ran in between (writes 5 to /proc/<pid>/clear_refs,
-/// Linux 4.0+). Errors: IoError (not the owner, or a kernel without clear_refs).
-Status ResetPeakRss(const std::string& pid);
 
 }  // namespace refit::bench

@@ -50,6 +50,8 @@
 #include "config_file.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
+#include "loopback.h"
+#include "process.h"
 #include "progress.h"
 #include "raw_copy.h"
 #include "refit/environment.h"
@@ -457,7 +459,7 @@ Result<StoreYardstick> MeasureStore(const Store& store, const std::vector<Tensor
 // A fleet of daemons over the model file and a coordinator with the model as baseline.
 struct Fleet {
   std::string transport;
-  std::unique_ptr<cli::LocalFleet> daemons;
+  std::unique_ptr<testkit::LocalFleet> daemons;
   std::unique_ptr<cli::FleetCoordinator> coordinator;
   double start_s = 0;
 };
@@ -472,15 +474,14 @@ Result<Fleet> StartDaemons(const Args& args, const std::string& transport,
   std::error_code made_dir;
   std::filesystem::create_directories(work_dir, made_dir);
   if (made_dir) return IoError("cannot create {}: {}", work_dir, made_dir.message());
-  cli::LocalFleetOptions fleet_options;
+  testkit::LocalFleetOptions fleet_options;
   fleet_options.refit_binary = args.refit_binary;
-  fleet_options.model_path = model_path;
-  fleet_options.receivers = args.receivers;
+  fleet_options.receivers = testkit::LocalFleetOptions::Replicas(model_path, args.receivers);
   fleet_options.api_key_env = kApiKeyEnv;
   fleet_options.work_dir = work_dir;
   fleet_options.transport_uri = daemon_uri;
   const double t0 = Now();
-  REFIT_ASSIGN_OR_RETURN(fleet.daemons, cli::LocalFleet::Start(fleet_options));
+  REFIT_ASSIGN_OR_RETURN(fleet.daemons, testkit::LocalFleet::Start(fleet_options));
   fleet.start_s = Now() - t0;
   return fleet;
 }
@@ -497,7 +498,7 @@ Result<Fleet> StartDaemons(const Args& args, const std::string& transport,
 Status MakeCoordinator(const Args& args, const TransportUri& producer_uri,
                        const std::vector<TensorView>& model, Fleet& fleet) {
   cli::FleetAddress address;
-  for (const cli::LocalReceiver& receiver : fleet.daemons->receivers()) {
+  for (const testkit::LocalReceiver& receiver : fleet.daemons->receivers()) {
     address.control_urls.push_back(receiver.control_url);
     address.data_endpoints.push_back(receiver.data_endpoint);
   }
@@ -654,7 +655,7 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
   REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kWeightVersionMetadataKey, "0"}}));
   out["model"]["write_s"] = Now() - t0;
 
-  ::setenv(kApiKeyEnv, cli::GenerateApiKey().c_str(), /*overwrite=*/1);
+  ::setenv(kApiKeyEnv, testkit::GenerateApiKey().c_str(), /*overwrite=*/1);
   REFIT_ASSIGN_OR_RETURN(
       Fleet s3, StartDaemons(args, "s3", work_dir + "/s3", model_path, store.uri.ToString()));
   REFIT_ASSIGN_OR_RETURN(
@@ -877,7 +878,7 @@ Status Run(const Args& args) {
   std::string work_dir = args.work_dir;
   bool scratch = false;
   if (work_dir.empty()) {
-    REFIT_ASSIGN_OR_RETURN(work_dir, cli::MakeTemporaryDirectory("refit-s3-bench"));
+    REFIT_ASSIGN_OR_RETURN(work_dir, testkit::MakeTemporaryDirectory("refit-s3-bench"));
     scratch = true;
   }
 

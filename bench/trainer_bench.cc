@@ -34,6 +34,7 @@
 #include "bench_util.h"
 #include "cli_common.h"
 #include "config_file.h"
+#include "process.h"
 #include "refit/compare.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
@@ -228,7 +229,7 @@ Result<std::vector<ModelTensor>> LoadModel(const std::string& path, uint64_t off
 }
 
 uint64_t Rss(std::string_view field) {
-  Result<uint64_t> bytes = ProcessMemoryBytes("self", field);
+  Result<uint64_t> bytes = testkit::ProcessMemoryBytes("self", field);
   return bytes.ok() ? *bytes : 0;
 }
 
@@ -257,7 +258,7 @@ Status Run(const Args& args) {
   const double adopt_s = Now() - adopt_start;
   rss["adopted"] = Rss("VmRSS");
   rss["peak_setup"] = Rss("VmHWM");
-  rss["peak_reset"] = ResetPeakRss("self").ok();
+  rss["peak_reset"] = testkit::ResetPeakRss("self").ok();
   std::cout << nlohmann::json{{"ready", true},
                               {"trainer", "c++"},
                               {"compare_simd_target", std::string(BestCompareTarget())},

@@ -44,7 +44,7 @@ struct ChildGuard {
   pid_t pid;
   bool done = false;
   ~ChildGuard() {
-    if (!done) TerminateProcess(pid, kChildStopGrace).status().IgnoreError();
+    if (!done) testkit::TerminateProcess(pid, kChildStopGrace).status().IgnoreError();
   }
 };
 
@@ -71,10 +71,10 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
   sigaddset(&shutdown, SIGINT);
   pthread_sigmask(SIG_BLOCK, &shutdown, nullptr);
 
-  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_start, ProcessMemoryBytes("self", "VmRSS"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_start, testkit::ProcessMemoryBytes("self", "VmRSS"));
   REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
                          SyntheticModel::Make(args.model_bytes, args.seed, args.threads, nullptr));
-  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_model, ProcessMemoryBytes("self", "VmRSS"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_model, testkit::ProcessMemoryBytes("self", "VmRSS"));
   const char* key = std::getenv(kApiKeyEnv);
   ReceiverNodeOptions options;
   options.transport_uri = fmt::format("zmq://?api_key_env={}", kApiKeyEnv);
@@ -86,9 +86,10 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ReceiverNode> node, ReceiverNode::Make(options));
   const std::vector<MutableTensorView> buffers = model.mutable_views();
   for (const MutableTensorView& tensor : buffers) REFIT_RETURN_NOT_OK(node->RegisterTensor(tensor));
-  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_registered, ProcessMemoryBytes("self", "VmRSS"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_registered,
+                         testkit::ProcessMemoryBytes("self", "VmRSS"));
   REFIT_RETURN_NOT_OK(node->Start());
-  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_started, ProcessMemoryBytes("self", "VmRSS"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_started, testkit::ProcessMemoryBytes("self", "VmRSS"));
   // Zero-copy: every tensor of the node's store is one of this process's buffers.
   const std::vector<TensorView> held = node->store().tensors();
   bool store_is_registered_memory = held.size() == buffers.size();
@@ -106,22 +107,22 @@ Status RunEmbeddedChild(const EmbeddedChildArgs& args) {
                                 {"rss_registered", rss_registered},
                                 {"rss_started", rss_started},
                                 {"store_is_registered_memory", store_is_registered_memory}};
-  REFIT_RETURN_NOT_OK(WriteTextFileAtomically(args.ready_file, ready.dump() + "\n"));
+  REFIT_RETURN_NOT_OK(testkit::WriteTextFileAtomically(args.ready_file, ready.dump() + "\n"));
   int received = 0;
   sigwait(&shutdown, &received);
   node->Stop();
-  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_end, ProcessMemoryBytes("self", "VmRSS"));
+  REFIT_ASSIGN_OR_RETURN(const uint64_t rss_end, testkit::ProcessMemoryBytes("self", "VmRSS"));
   const nlohmann::json result = {
       {"fingerprint", fmt::format("{:016x}", FingerprintOf(model.views()))},
       {"version", node->store().version()},
       {"rss_end", rss_end}};
-  return WriteTextFileAtomically(args.result_file, result.dump() + "\n");
+  return testkit::WriteTextFileAtomically(args.result_file, result.dump() + "\n");
 }
 
 Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir) {
   nlohmann::json out;
-  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
+  REFIT_ASSIGN_OR_RETURN(const std::string self, testkit::SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, testkit::FreeLoopbackPorts(1));
   const std::string ready_path = work_dir + "/embedded.ready";
   const std::string result_path = work_dir + "/embedded.result";
   const std::string log_path = work_dir + "/embedded.log";
@@ -139,11 +140,11 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
                                          ready_path,
                                          "--result-file",
                                          result_path};
-  REFIT_ASSIGN_OR_RETURN(const pid_t pid, SpawnProcess(argv, log_path, log_path));
+  REFIT_ASSIGN_OR_RETURN(const pid_t pid, testkit::SpawnProcess(argv, log_path, log_path));
   // Stops the receiver process on every early return.
   ChildGuard guard{pid};
   REFIT_ASSIGN_OR_RETURN(const std::string ready_text,
-                         WaitForReadyFile(ready_path, pid, kChildStartTimeout, log_path));
+                         testkit::WaitForReadyFile(ready_path, pid, kChildStartTimeout, log_path));
   const nlohmann::json ready = nlohmann::json::parse(ready_text, nullptr, false);
   if (!ready.is_object() || !ready.contains("control_url")) {
     return DataLoss("embedded receiver: malformed ready file {}", ready_path);
@@ -176,16 +177,16 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
   bool rss_reset = true;
   std::vector<std::pair<double, double>> points;
   for (size_t k = 0; k < densities.size(); ++k) {
-    if (Status reset = ResetPeakRss(child); !reset.ok() && rss_reset) {
+    if (Status reset = testkit::ResetPeakRss(child); !reset.ok() && rss_reset) {
       rss_reset = false;
       std::cerr << "warning: " << reset.message()
                 << "; peak RSS figures are peaks since the receiver process started\n";
     }
-    REFIT_ASSIGN_OR_RETURN(const uint64_t before, ProcessMemoryBytes(child, "VmRSS"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t before, testkit::ProcessMemoryBytes(child, "VmRSS"));
     const uint64_t changed = model.Step(/*step=*/k + 1, densities[k]);
     REFIT_ASSIGN_OR_RETURN(const RefitReport report, SyncDelta(ranks, model.views()));
-    REFIT_ASSIGN_OR_RETURN(const uint64_t peak, ProcessMemoryBytes(child, "VmHWM"));
-    REFIT_ASSIGN_OR_RETURN(const uint64_t after, ProcessMemoryBytes(child, "VmRSS"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t peak, testkit::ProcessMemoryBytes(child, "VmHWM"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t after, testkit::ProcessMemoryBytes(child, "VmRSS"));
     if (report.changed_elements != changed) {
       return DataLoss("embedded: step {} changed {} elements but the producer found {}", k + 1,
                       changed, report.changed_elements);
@@ -215,11 +216,12 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
   }
 
   // The receiver's own buffers, read by that process after it stopped, against this model.
-  REFIT_ASSIGN_OR_RETURN(const ChildExit exit, TerminateProcess(pid, kChildStopGrace));
+  REFIT_ASSIGN_OR_RETURN(const testkit::ChildExit exit,
+                         testkit::TerminateProcess(pid, kChildStopGrace));
   guard.done = true;
   if (!exit.ok()) {
     return Internal("embedded receiver exited with {}; its log ends with:\n{}", exit.Describe(),
-                    FileTail(log_path));
+                    testkit::FileTail(log_path));
   }
   std::ifstream result_file(result_path);
   const nlohmann::json result = nlohmann::json::parse(result_file, nullptr, false);

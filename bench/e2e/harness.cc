@@ -359,10 +359,9 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
                          const std::string& model_path, size_t receivers,
                          const std::vector<TensorView>& model) {
   Fleet fleet;
-  cli::LocalFleetOptions fleet_options;
+  testkit::LocalFleetOptions fleet_options;
   fleet_options.refit_binary = args.refit_binary;
-  fleet_options.model_path = model_path;
-  fleet_options.receivers = receivers;
+  fleet_options.receivers = testkit::LocalFleetOptions::Replicas(model_path, receivers);
   fleet_options.api_key_env = kApiKeyEnv;
   fleet_options.work_dir = work_dir;
   if (args.receiver_mmap) fleet_options.extra_args.push_back("--mmap");
@@ -371,11 +370,11 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   fleet_options.extra_args.push_back("--apply-threads");
   fleet_options.extra_args.push_back(std::to_string(args.apply_threads));
   const double t0 = Now();
-  REFIT_ASSIGN_OR_RETURN(fleet.daemons, cli::LocalFleet::Start(fleet_options));
+  REFIT_ASSIGN_OR_RETURN(fleet.daemons, testkit::LocalFleet::Start(fleet_options));
   fleet.start_s = Now() - t0;
 
   cli::FleetAddress address;
-  for (const cli::LocalReceiver& receiver : fleet.daemons->receivers()) {
+  for (const testkit::LocalReceiver& receiver : fleet.daemons->receivers()) {
     address.control_urls.push_back(receiver.control_url);
     address.data_endpoints.push_back(receiver.data_endpoint);
   }
@@ -401,11 +400,11 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   return fleet;
 }
 
-Result<RssWindow> OpenRssWindow(const cli::LocalFleet& daemons) {
+Result<RssWindow> OpenRssWindow(const testkit::LocalFleet& daemons) {
   RssWindow window;
-  Status reset = ResetPeakRss("self");
-  for (const cli::LocalReceiver& receiver : daemons.receivers()) {
-    if (reset.ok()) reset = ResetPeakRss(std::to_string(receiver.pid));
+  Status reset = testkit::ResetPeakRss("self");
+  for (const testkit::LocalReceiver& receiver : daemons.receivers()) {
+    if (reset.ok()) reset = testkit::ResetPeakRss(std::to_string(receiver.pid));
   }
   if (!reset.ok()) {
     window.reset = false;
@@ -413,7 +412,7 @@ Result<RssWindow> OpenRssWindow(const cli::LocalFleet& daemons) {
               << "; peak RSS figures are peaks since process start\n";
   }
   // Right after the reset the peak equals the current RSS.
-  REFIT_ASSIGN_OR_RETURN(window.producer_before, cli::SelfPeakRssBytes());
+  REFIT_ASSIGN_OR_RETURN(window.producer_before, testkit::ProcessMemoryBytes("self", "VmHWM"));
   for (size_t r = 0; r < daemons.receivers().size(); ++r) {
     REFIT_ASSIGN_OR_RETURN(uint64_t before, daemons.PeakRssBytes(r));
     window.receiver_before = std::max(window.receiver_before, before);
@@ -421,8 +420,8 @@ Result<RssWindow> OpenRssWindow(const cli::LocalFleet& daemons) {
   return window;
 }
 
-Status CloseRssWindow(const cli::LocalFleet& daemons, RssWindow* window) {
-  REFIT_ASSIGN_OR_RETURN(window->producer_peak, cli::SelfPeakRssBytes());
+Status CloseRssWindow(const testkit::LocalFleet& daemons, RssWindow* window) {
+  REFIT_ASSIGN_OR_RETURN(window->producer_peak, testkit::ProcessMemoryBytes("self", "VmHWM"));
   for (size_t r = 0; r < daemons.receivers().size(); ++r) {
     REFIT_ASSIGN_OR_RETURN(uint64_t peak, daemons.PeakRssBytes(r));
     window->receiver_peak = std::max(window->receiver_peak, peak);
@@ -513,7 +512,7 @@ Result<std::string> WriteRefitConfig(const Args& args, const std::string& work_d
       "  transfer_workers: {}\n"
       "http_refit_api_key_env_var: {}\n",
       chunk_bytes, args.bucket_bytes, args.threads, args.threads, args.threads, kApiKeyEnv);
-  REFIT_RETURN_NOT_OK(WriteTextFileAtomically(path, text));
+  REFIT_RETURN_NOT_OK(testkit::WriteTextFileAtomically(path, text));
   return path;
 }
 
@@ -612,77 +611,26 @@ Result<uint64_t> ChildFlags::Number(std::string_view name) const {
   return ParseUnsigned(name, text);
 }
 
-Result<std::unique_ptr<DaemonGroup>> DaemonGroup::Start(const Args& args,
-                                                        const std::string& work_dir,
-                                                        const std::string& label,
-                                                        const std::vector<DaemonSpec>& specs) {
-  std::unique_ptr<DaemonGroup> group(new DaemonGroup());
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, cli::FreeLoopbackPorts(2 * specs.size()));
-  std::vector<std::string> peers;
-  for (size_t d = 0; d < specs.size(); ++d) {
-    peers.push_back(fmt::format("127.0.0.1:{}", ports[2 * d]));
-  }
-  const std::string peer_list = fmt::format("{}", fmt::join(peers, ","));
-  std::vector<std::string> ready_files;
-  for (size_t d = 0; d < specs.size(); ++d) {
-    Daemon daemon;
-    daemon.log_path = fmt::format("{}/{}-{}.log", work_dir, label, d);
-    ready_files.push_back(fmt::format("{}/{}-{}.ready", work_dir, label, d));
-    std::filesystem::remove(ready_files.back());
-    std::vector<std::string> argv = {args.refit_binary, "serve",
-                                     "--model",         specs[d].model_path,
-                                     "--bind",          "127.0.0.1",
-                                     "--control-port",  std::to_string(ports[2 * d + 1]),
-                                     "--data-port",     std::to_string(ports[2 * d]),
-                                     "--peers",         peer_list,
-                                     "--api-key-env",   kApiKeyEnv,
-                                     "--ready-file",    ready_files.back()};
-    if (!specs[d].loader_path.empty()) {
-      argv.insert(argv.end(), {"--loader", specs[d].loader_path});
-    }
-    if (!specs[d].replica.empty()) argv.insert(argv.end(), {"--replica", specs[d].replica});
-    if (args.receiver_mmap) argv.push_back("--mmap");
-    REFIT_ASSIGN_OR_RETURN(daemon.pid, SpawnProcess(argv, daemon.log_path, daemon.log_path));
-    group->daemons_.push_back(std::move(daemon));
-  }
-  for (size_t d = 0; d < specs.size(); ++d) {
-    Daemon& daemon = group->daemons_[d];
-    Result<std::string> ready =
-        WaitForReadyFile(ready_files[d], daemon.pid, kChildStartTimeout, daemon.log_path);
-    if (!ready.ok()) {
-      // WaitForReadyFile reaped a daemon that exited; the others are stopped by the group.
-      if (::kill(daemon.pid, 0) != 0) daemon.pid = -1;
-      return ready.status().WithContext(fmt::format("{} daemon {}", label, d));
-    }
-    const nlohmann::json info = nlohmann::json::parse(*ready, nullptr, false);
-    if (!info.is_object() || !info.contains("control_url") || !info.contains("data_endpoint")) {
-      return DataLoss("{} daemon {}: malformed ready file {}", label, d, ready_files[d]);
-    }
-    daemon.control_url = info["control_url"].get<std::string>();
-    daemon.data_endpoint = info["data_endpoint"].get<std::string>();
-  }
-  return group;
+Result<std::unique_ptr<testkit::LocalFleet>> StartDaemons(
+    const Args& args, const std::string& work_dir, const std::string& label,
+    std::vector<testkit::LocalReceiverSpec> specs) {
+  testkit::LocalFleetOptions options;
+  options.refit_binary = args.refit_binary;
+  options.receivers = std::move(specs);
+  options.api_key_env = kApiKeyEnv;
+  options.work_dir = work_dir;
+  options.label = label;
+  options.start_timeout = kChildStartTimeout;
+  if (args.receiver_mmap) options.extra_args.push_back("--mmap");
+  return testkit::LocalFleet::Start(options);
 }
 
-Status DaemonGroup::Stop() {
-  std::vector<std::string> problems;
-  for (const Daemon& daemon : daemons_) {
-    if (daemon.pid > 0) ::kill(daemon.pid, SIGTERM);
+std::vector<PublisherReceiver> PublisherReceivers(const testkit::LocalFleet& daemons) {
+  std::vector<PublisherReceiver> fleet;
+  for (const testkit::LocalReceiver& daemon : daemons.receivers()) {
+    fleet.push_back({daemon.control_url, daemon.data_endpoint});
   }
-  for (size_t d = 0; d < daemons_.size(); ++d) {
-    Daemon& daemon = daemons_[d];
-    if (daemon.pid <= 0) continue;
-    Result<ChildExit> exit = WaitProcess(daemon.pid, kChildStopGrace);
-    daemon.pid = -1;
-    if (!exit.ok() || !exit->ok()) {
-      problems.push_back(
-          fmt::format("daemon {} {}; its log ends with:\n{}", d,
-                      exit.ok() ? "exited with " + exit->Describe() : exit.status().ToString(),
-                      FileTail(daemon.log_path)));
-    }
-  }
-  if (!problems.empty()) return Internal("{}", fmt::join(problems, "\n"));
-  return Status::OK();
+  return fleet;
 }
 
 SyncStep StepFromReport(const RefitReport& report, uint64_t changed_by_step, double wall_s) {

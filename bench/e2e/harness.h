@@ -20,6 +20,8 @@
 
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
+#include "loopback.h"
+#include "process.h"
 #include "progress.h"
 #include "refit/apply.h"
 #include "refit/producer_stream.h"
@@ -167,7 +169,7 @@ class SyntheticModel {
 
 // A fleet of daemons over one model file and a coordinator with the model as baseline.
 struct Fleet {
-  std::unique_ptr<cli::LocalFleet> daemons;
+  std::unique_ptr<testkit::LocalFleet> daemons;
   std::unique_ptr<cli::FleetCoordinator> coordinator;
   double start_s = 0;
 };
@@ -188,8 +190,8 @@ struct RssWindow {
   uint64_t receiver_peak = 0;
 };
 
-Result<RssWindow> OpenRssWindow(const cli::LocalFleet& daemons);
-Status CloseRssWindow(const cli::LocalFleet& daemons, RssWindow* window);
+Result<RssWindow> OpenRssWindow(const testkit::LocalFleet& daemons);
+Status CloseRssWindow(const testkit::LocalFleet& daemons, RssWindow* window);
 
 // Download every tensor from every daemon and compare it with the producer's bytes; compare
 // every daemon's state fingerprint with the producers' committed digests.
@@ -279,48 +281,15 @@ class ChildFlags {
   std::map<std::string, std::string, std::less<>> values_;
 };
 
-// `refit serve` daemons started one by one, each with its own model file and optionally a loader
-// and a replica, forming one relay tree (the same --peers list on each, in start order).
-struct DaemonSpec {
-  std::string model_path;
-  std::string loader_path;
-  std::string replica;
-};
+// `refit serve` daemons for the producers and tp sections: one relay tree of `specs` in order,
+// on the run's key (kApiKeyEnv), mapped with --receiver-mmap; logs and ready files are
+// "<work_dir>/<label>-<i>.*".
+Result<std::unique_ptr<testkit::LocalFleet>> StartDaemons(
+    const Args& args, const std::string& work_dir, const std::string& label,
+    std::vector<testkit::LocalReceiverSpec> specs);
 
-struct Daemon {
-  pid_t pid = -1;
-  std::string control_url;
-  std::string data_endpoint;
-  std::string log_path;
-};
-
-// Not thread-safe; one owner. Stops its daemons when destroyed.
-class DaemonGroup {
- public:
-  static Result<std::unique_ptr<DaemonGroup>> Start(const Args& args, const std::string& work_dir,
-                                                    const std::string& label,
-                                                    const std::vector<DaemonSpec>& specs);
-
-  ~DaemonGroup() { Stop().IgnoreError(); }
-  DaemonGroup(const DaemonGroup&) = delete;
-  DaemonGroup& operator=(const DaemonGroup&) = delete;
-
-  // SIGTERM every daemon, then wait for each. Errors: Internal naming each daemon that did not
-  // exit with status 0 (with the end of its log).
-  Status Stop();
-
-  const std::vector<Daemon>& daemons() const { return daemons_; }
-  std::vector<PublisherReceiver> receivers() const {
-    std::vector<PublisherReceiver> fleet;
-    for (const Daemon& daemon : daemons_)
-      fleet.push_back({daemon.control_url, daemon.data_endpoint});
-    return fleet;
-  }
-
- private:
-  DaemonGroup() = default;
-  std::vector<Daemon> daemons_;
-};
+// The daemons as a Publisher names them.
+std::vector<PublisherReceiver> PublisherReceivers(const testkit::LocalFleet& daemons);
 
 // --- Delta steps (producers, tp) --------------------------------------------------------------
 

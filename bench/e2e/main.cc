@@ -84,10 +84,10 @@ Status Run(const Args& args) {
   std::string work_dir = args.work_dir;
   bool scratch = false;
   if (work_dir.empty()) {
-    REFIT_ASSIGN_OR_RETURN(work_dir, cli::MakeTemporaryDirectory("refit-e2e-bench"));
+    REFIT_ASSIGN_OR_RETURN(work_dir, testkit::MakeTemporaryDirectory("refit-e2e-bench"));
     scratch = true;
   }
-  ::setenv(kApiKeyEnv, cli::GenerateApiKey().c_str(), /*overwrite=*/1);
+  ::setenv(kApiKeyEnv, testkit::GenerateApiKey().c_str(), /*overwrite=*/1);
 
   nlohmann::json report;
   report["machine"] = {{"hardware_threads", std::thread::hardware_concurrency()},

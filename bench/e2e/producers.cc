@@ -34,7 +34,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
                                  const std::string& config_path, const std::string& base_path,
                                  const std::string& next_path,
                                  const std::vector<PublisherReceiver>& fleet) {
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, cli::FreeLoopbackPorts(1));
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> port, testkit::FreeLoopbackPorts(1));
   std::vector<std::string> common = {args.refit_binary,
                                      "push",
                                      next_path,
@@ -61,15 +61,16 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
     argv.insert(argv.end(), {"--rank", std::to_string(rank)});
     outputs.push_back(fmt::format("{}/push-rank-{}.out", work_dir, rank));
     logs.push_back(fmt::format("{}/push-rank-{}.log", work_dir, rank));
-    Result<pid_t> pid = SpawnProcess(argv, outputs.back(), logs.back());
+    Result<pid_t> pid = testkit::SpawnProcess(argv, outputs.back(), logs.back());
     if (!pid.ok()) {
       // The ranks already started would wait for the missing one until their timeout.
-      for (pid_t started : pids) TerminateProcess(started, kChildStopGrace).status().IgnoreError();
+      for (pid_t started : pids)
+        testkit::TerminateProcess(started, kChildStopGrace).status().IgnoreError();
       return pid.status();
     }
     pids.push_back(*pid);
   }
-  Result<std::vector<ChildExit>> exits = WaitProcesses(pids, kPushTimeout);
+  Result<std::vector<testkit::ChildExit>> exits = testkit::WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
   SyncStep step;
   for (uint32_t rank = 0; rank < world; ++rank) {
@@ -77,7 +78,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
       problems.push_back(fmt::format(
           "`refit push` rank {} of {} {}; its log ends with:\n{}", rank, world,
           exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
-          FileTail(logs[rank])));
+          testkit::FileTail(logs[rank])));
     } else {
       step.rank_peak_rss.push_back((*exits)[rank].peak_rss_bytes);
     }
@@ -92,7 +93,8 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
     if (parsed.is_object()) line = std::move(parsed);
   }
   if (!line.is_object() || !line.contains("time_s") || line.value("kind", "") != "delta") {
-    return DataLoss("`refit push` rank 0 printed no delta report: '{}'", FileTail(outputs[0]));
+    return DataLoss("`refit push` rank 0 printed no delta report: '{}'",
+                    testkit::FileTail(outputs[0]));
   }
   step.changed = line.value("changed", uint64_t{0});
   step.payloads = line.value("payloads", uint64_t{0});
@@ -106,8 +108,8 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
 Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::string& work_dir,
                                                   uint32_t world, const std::string& config_path,
                                                   const std::vector<PublisherReceiver>& fleet) {
-  REFIT_ASSIGN_OR_RETURN(const std::string self, cli::SelfExecutable());
-  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, cli::FreeLoopbackPorts(2));
+  REFIT_ASSIGN_OR_RETURN(const std::string self, testkit::SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, testkit::FreeLoopbackPorts(2));
   std::vector<std::string> entries;
   for (const PublisherReceiver& receiver : fleet) {
     entries.push_back(fmt::format("{}={}", receiver.control_url, receiver.data_endpoint));
@@ -144,14 +146,15 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
     std::vector<std::string> argv = common;
     argv.insert(argv.end(), {"--rank", std::to_string(rank)});
     logs.push_back(fmt::format("{}/rank-process-{}.log", work_dir, rank));
-    Result<pid_t> pid = SpawnProcess(argv, logs.back(), logs.back());
+    Result<pid_t> pid = testkit::SpawnProcess(argv, logs.back(), logs.back());
     if (!pid.ok()) {
-      for (pid_t started : pids) TerminateProcess(started, kChildStopGrace).status().IgnoreError();
+      for (pid_t started : pids)
+        testkit::TerminateProcess(started, kChildStopGrace).status().IgnoreError();
       return pid.status();
     }
     pids.push_back(*pid);
   }
-  Result<std::vector<ChildExit>> exits = WaitProcesses(pids, kPushTimeout);
+  Result<std::vector<testkit::ChildExit>> exits = testkit::WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
   std::vector<uint64_t> rank_peaks;
   for (uint32_t rank = 0; rank < world; ++rank) {
@@ -159,7 +162,7 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
       problems.push_back(fmt::format(
           "rank process {} of {} {}; its log ends with:\n{}", rank, world,
           exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
-          FileTail(logs[rank])));
+          testkit::FileTail(logs[rank])));
     } else {
       rank_peaks.push_back((*exits)[rank].peak_rss_bytes);
     }
@@ -249,7 +252,8 @@ Status RunProducerRank(const ChildFlags& flags) {
     if (rank == 0) reports.push_back(StepJson(StepFromReport(sync.transfer, changed, wall)));
   }
   if (rank != 0) return Status::OK();
-  return WriteTextFileAtomically(result_path, nlohmann::json{{"steps", reports}}.dump() + "\n");
+  return testkit::WriteTextFileAtomically(result_path,
+                                          nlohmann::json{{"steps", reports}}.dump() + "\n");
 }
 
 Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_dir) {
@@ -272,14 +276,15 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
   const std::string initial_path = work_dir + "/producers-model.safetensors";
   REFIT_RETURN_NOT_OK(
       WriteSafetensors(initial_path, model.views(), {{kWeightVersionMetadataKey, "0"}}));
-  const std::vector<DaemonSpec> specs(args.producers_receivers, DaemonSpec{initial_path, "", ""});
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DaemonGroup> daemons,
-                         DaemonGroup::Start(args, work_dir, "producers", specs));
+  const std::vector<testkit::LocalReceiverSpec> specs =
+      testkit::LocalFleetOptions::Replicas(initial_path, args.producers_receivers);
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<testkit::LocalFleet> daemons,
+                         StartDaemons(args, work_dir, "producers", specs));
   std::filesystem::remove(initial_path);
   REFIT_ASSIGN_OR_RETURN(const std::string config_path,
                          WriteRefitConfig(args, work_dir, "producers", chunk_bytes));
   REFIT_ASSIGN_OR_RETURN(const PublisherOptions options,
-                         PublisherOptionsFromConfig(config_path, daemons->receivers()));
+                         PublisherOptionsFromConfig(config_path, PublisherReceivers(*daemons)));
   const std::string base_path = work_dir + "/producers-base.safetensors";
   const std::string next_path = work_dir + "/producers-next.safetensors";
 
@@ -322,8 +327,8 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
       fleet_at_initial = false;
       std::vector<SyncStep> steps;
       if (mode == "processes") {
-        REFIT_ASSIGN_OR_RETURN(
-            steps, SyncAsRankProcesses(args, work_dir, world, config_path, daemons->receivers()));
+        REFIT_ASSIGN_OR_RETURN(steps, SyncAsRankProcesses(args, work_dir, world, config_path,
+                                                          PublisherReceivers(*daemons)));
         // This process's copy follows, for the next reset and the final check.
         for (uint64_t s = 1; s <= args.steps; ++s) model.Step(s, args.step_density);
       } else if (mode == "threads") {
@@ -343,7 +348,7 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
           REFIT_RETURN_NOT_OK(WriteSafetensors(next_path, model.views()));
           REFIT_ASSIGN_OR_RETURN(SyncStep step,
                                  PushAsProcesses(args, work_dir, world, config_path, base_path,
-                                                 next_path, daemons->receivers()));
+                                                 next_path, PublisherReceivers(*daemons)));
           step.changed_by_step = changed;
           steps.push_back(step);
           std::filesystem::rename(next_path, base_path);
@@ -379,7 +384,7 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
   }
   if (progress) progress->Finish();
   // Every daemon holds the last model bit for bit.
-  for (const Daemon& daemon : daemons->daemons()) {
+  for (const testkit::LocalReceiver& daemon : daemons->receivers()) {
     REFIT_RETURN_NOT_OK(CheckReceiverHolds(daemon.control_url, model.views()));
   }
   out["verified_bit_identical"] = true;

@@ -59,24 +59,25 @@ struct DaemonMemory {
   std::vector<uint64_t> peak;
 };
 
-Result<DaemonMemory> OpenDaemonMemory(const DaemonGroup& group) {
+Result<DaemonMemory> OpenDaemonMemory(const testkit::LocalFleet& group) {
   DaemonMemory memory;
-  for (const Daemon& daemon : group.daemons()) {
+  for (const testkit::LocalReceiver& daemon : group.receivers()) {
     const std::string pid = std::to_string(daemon.pid);
-    if (Status reset = ResetPeakRss(pid); !reset.ok() && memory.reset) {
+    if (Status reset = testkit::ResetPeakRss(pid); !reset.ok() && memory.reset) {
       memory.reset = false;
       std::cerr << "warning: " << reset.message()
                 << "; peak RSS figures are peaks since the daemon started\n";
     }
-    REFIT_ASSIGN_OR_RETURN(uint64_t rss, ProcessMemoryBytes(pid, "VmRSS"));
+    REFIT_ASSIGN_OR_RETURN(uint64_t rss, testkit::ProcessMemoryBytes(pid, "VmRSS"));
     memory.before.push_back(rss);
   }
   return memory;
 }
 
-Status CloseDaemonMemory(const DaemonGroup& group, DaemonMemory* memory) {
-  for (const Daemon& daemon : group.daemons()) {
-    REFIT_ASSIGN_OR_RETURN(uint64_t peak, ProcessMemoryBytes(std::to_string(daemon.pid), "VmHWM"));
+Status CloseDaemonMemory(const testkit::LocalFleet& group, DaemonMemory* memory) {
+  for (const testkit::LocalReceiver& daemon : group.receivers()) {
+    REFIT_ASSIGN_OR_RETURN(uint64_t peak,
+                           testkit::ProcessMemoryBytes(std::to_string(daemon.pid), "VmHWM"));
     memory->peak.push_back(peak);
   }
   return Status::OK();
@@ -278,7 +279,7 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     }
     const std::string label = fmt::format("tp{}", tp);
     std::vector<std::vector<OwnedTensor>> shards;
-    std::vector<DaemonSpec> specs;
+    std::vector<testkit::LocalReceiverSpec> specs;
     std::vector<uint64_t> slice_bytes;
     if (tp == 1) {
       specs.push_back({fmt::format("{}/{}-model.safetensors", work_dir, label), "", ""});
@@ -288,26 +289,28 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     } else {
       for (uint32_t rank = 0; rank < tp; ++rank) {
         shards.push_back(ShardModel(model.views(), layout, rank, tp));
-        DaemonSpec spec{fmt::format("{}/{}-shard-{}.safetensors", work_dir, label, rank),
-                        fmt::format("{}/{}-loader-{}.yaml", work_dir, label, rank), kTpReplica};
+        testkit::LocalReceiverSpec spec{
+            fmt::format("{}/{}-shard-{}.safetensors", work_dir, label, rank),
+            fmt::format("{}/{}-loader-{}.yaml", work_dir, label, rank), kTpReplica};
         REFIT_RETURN_NOT_OK(WriteSafetensors(spec.model_path, ViewsOf(shards.back()),
                                              {{kWeightVersionMetadataKey, "0"}}));
         REFIT_RETURN_NOT_OK(
-            WriteTextFileAtomically(spec.loader_path, LoaderYaml(layout, rank, tp)));
+            testkit::WriteTextFileAtomically(spec.loader_path, LoaderYaml(layout, rank, tp)));
         slice_bytes.push_back(BytesOf(ViewsOf(shards.back())));
         specs.push_back(std::move(spec));
       }
     }
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DaemonGroup> daemons,
-                           DaemonGroup::Start(args, work_dir, label, specs));
-    for (const DaemonSpec& spec : specs) std::filesystem::remove(spec.model_path);
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<testkit::LocalFleet> daemons,
+                           StartDaemons(args, work_dir, label, specs));
+    for (const testkit::LocalReceiverSpec& spec : specs) std::filesystem::remove(spec.model_path);
     std::vector<uint64_t> loaded_rss;
-    for (const Daemon& daemon : daemons->daemons()) {
-      REFIT_ASSIGN_OR_RETURN(uint64_t rss, ProcessMemoryBytes(std::to_string(daemon.pid), "VmRSS"));
+    for (const testkit::LocalReceiver& daemon : daemons->receivers()) {
+      REFIT_ASSIGN_OR_RETURN(uint64_t rss,
+                             testkit::ProcessMemoryBytes(std::to_string(daemon.pid), "VmRSS"));
       loaded_rss.push_back(rss);
     }
     REFIT_ASSIGN_OR_RETURN(const PublisherOptions options,
-                           PublisherOptionsFromConfig(config_path, daemons->receivers()));
+                           PublisherOptionsFromConfig(config_path, PublisherReceivers(*daemons)));
     REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Publisher>> ranks,
                            MakeThreadRanks(1, options));
     REFIT_RETURN_NOT_OK(AdoptBaseline(ranks, model.views()));
@@ -371,8 +374,8 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
       step_rows.push_back(std::move(step));
     }
     // Every shard holds exactly its slice of the last model.
-    for (size_t d = 0; d < daemons->daemons().size(); ++d) {
-      REFIT_RETURN_NOT_OK(CheckReceiverHolds(daemons->daemons()[d].control_url,
+    for (size_t d = 0; d < daemons->receivers().size(); ++d) {
+      REFIT_RETURN_NOT_OK(CheckReceiverHolds(daemons->receivers()[d].control_url,
                                              tp == 1 ? model.views() : ViewsOf(shards[d])));
     }
     REFIT_RETURN_NOT_OK(daemons->Stop());

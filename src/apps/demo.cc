@@ -22,6 +22,7 @@
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "mpi_demo.h"
+#include "process.h"
 #include "progress.h"
 #include "raw_copy.h"
 #include "refit/safetensors.h"
@@ -132,7 +133,7 @@ Status RunDemo(const DemoArgs& args) {
   std::string work_dir = args.work_dir;
   std::optional<std::filesystem::path> scratch;
   if (work_dir.empty()) {
-    REFIT_ASSIGN_OR_RETURN(work_dir, MakeTemporaryDirectory("refit-demo"));
+    REFIT_ASSIGN_OR_RETURN(work_dir, testkit::MakeTemporaryDirectory("refit-demo"));
     scratch = work_dir;
   }
   std::error_code made_dir;
@@ -141,17 +142,17 @@ Status RunDemo(const DemoArgs& args) {
   const std::string model_path = work_dir + "/model.safetensors";
   REFIT_RETURN_NOT_OK(WriteSafetensors(model_path, model, {{kWeightVersionMetadataKey, "0"}}));
 
-  ::setenv(kDemoApiKeyEnv, GenerateApiKey().c_str(), /*overwrite=*/1);
-  LocalFleetOptions fleet_options;
-  fleet_options.model_path = model_path;
-  fleet_options.receivers = args.receivers;
+  ::setenv(kDemoApiKeyEnv, testkit::GenerateApiKey().c_str(), /*overwrite=*/1);
+  testkit::LocalFleetOptions fleet_options;
+  fleet_options.receivers = testkit::LocalFleetOptions::Replicas(model_path, args.receivers);
   fleet_options.api_key_env = kDemoApiKeyEnv;
   fleet_options.work_dir = work_dir;
   fleet_options.transport_uri = args.transport;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<LocalFleet> daemons, LocalFleet::Start(fleet_options));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<testkit::LocalFleet> daemons,
+                         testkit::LocalFleet::Start(fleet_options));
 
   FleetAddress address;
-  for (const LocalReceiver& receiver : daemons->receivers()) {
+  for (const testkit::LocalReceiver& receiver : daemons->receivers()) {
     address.control_urls.push_back(receiver.control_url);
     address.data_endpoints.push_back(receiver.data_endpoint);
   }

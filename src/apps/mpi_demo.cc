@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
-#include "local_fleet.h"
+#include "process.h"
 #include "progress.h"
 #include "refit/simulator.h"
 #include "refit/status_format.h"
@@ -59,7 +59,7 @@ Result<std::vector<std::string>> OwnCommandLine() {
 
 Status Relaunch(const MpiDemoSettings& settings) {
   REFIT_ASSIGN_OR_RETURN(std::vector<std::string> args, OwnCommandLine());
-  REFIT_ASSIGN_OR_RETURN(args[0], SelfExecutable());
+  REFIT_ASSIGN_OR_RETURN(args[0], testkit::SelfExecutable());
   std::vector<std::string> command = {"mpirun"};
   // Open MPI refuses root (containers, CI) and more ranks than cores without these.
   if (::geteuid() == 0) command.push_back("--allow-run-as-root");

@@ -19,7 +19,8 @@
 #include <mutex>
 #include <thread>
 
-#include "local_fleet.h"
+#include "loopback.h"
+#include "process.h"
 #include "refit/status_format.h"
 
 namespace refit::cli {
@@ -30,7 +31,6 @@ constexpr int kAckTimeoutMs = 60'000;
 constexpr auto kStartTimeout = std::chrono::seconds(60);
 // After the last ACK a receiver only hashes its buffer and writes a line.
 constexpr auto kExitTimeout = std::chrono::seconds(120);
-constexpr auto kPollInterval = std::chrono::milliseconds(10);
 
 /// One message of the stream: `size` bytes of the tensors' concatenation from `offset`, read at
 /// `data`.
@@ -131,7 +131,7 @@ class Sinks {
   }
 
   Status Start(const std::vector<std::string>& argv, const std::string& log_path) {
-    REFIT_ASSIGN_OR_RETURN(const pid_t pid, SpawnWithLog(argv, log_path));
+    REFIT_ASSIGN_OR_RETURN(const pid_t pid, testkit::SpawnProcess(argv, log_path, log_path));
     pids_.push_back(pid);
     logs_.push_back(log_path);
     return Status::OK();
@@ -139,42 +139,24 @@ class Sinks {
 
   // Wait until `path` exists, or fail naming receiver `r` when it exits or the time is up.
   Status WaitForFile(size_t r, const std::string& path, std::chrono::seconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (::access(path.c_str(), F_OK) != 0) {
-      int wait_status = 0;
-      if (::waitpid(pids_[r], &wait_status, WNOHANG) == pids_[r]) {
-        pids_[r] = -1;
-        return Unavailable("raw-copy receiver {} exited before it wrote {}; its log ends with:\n{}",
-                           r, path, LogTail(logs_[r]));
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        return Unavailable(
-            "raw-copy receiver {} did not write {} within {} s; its log ends "
-            "with:\n{}",
-            r, path, timeout.count(), LogTail(logs_[r]));
-      }
-      std::this_thread::sleep_for(kPollInterval);
-    }
-    return Status::OK();
+    Result<std::string> ready = testkit::WaitForReadyFile(path, pids_[r], timeout, logs_[r]);
+    if (ready.ok()) return Status::OK();
+    // WaitForReadyFile reaped a receiver that exited.
+    if (::kill(pids_[r], 0) != 0) pids_[r] = -1;
+    return ready.status().WithContext(fmt::format("raw-copy receiver {}", r));
   }
 
   // Wait for receiver `r` to exit; it must exit with status 0.
   Status WaitForExit(size_t r, std::chrono::seconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    int wait_status = 0;
-    while (::waitpid(pids_[r], &wait_status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        return Unavailable("raw-copy receiver {} did not exit within {} s of the last ACK", r,
-                           timeout.count());
-      }
-      std::this_thread::sleep_for(kPollInterval);
-    }
+    Result<testkit::ChildExit> exit = testkit::WaitProcess(pids_[r], timeout);
     pids_[r] = -1;
-    if (!WIFEXITED(wait_status) || WEXITSTATUS(wait_status) != 0) {
-      return Internal("raw-copy receiver {} ended with {} {}; its log ends with:\n{}", r,
-                      WIFEXITED(wait_status) ? "status" : "signal",
-                      WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : WTERMSIG(wait_status),
-                      LogTail(logs_[r]));
+    if (!exit.ok()) {
+      return exit.status().WithContext(
+          fmt::format("raw-copy receiver {}, {} s after the last ACK", r, timeout.count()));
+    }
+    if (!exit->ok()) {
+      return Internal("raw-copy receiver {} ended with {}; its log ends with:\n{}", r,
+                      exit->Describe(), testkit::FileTail(logs_[r]));
     }
     return Status::OK();
   }
@@ -196,7 +178,7 @@ Result<RawCopySinkResult> RunZmqRawCopySink(const std::string& endpoint, uint64_
     zmq::socket_t router(context, zmq::socket_type::router);
     router.set(zmq::sockopt::linger, 0);
     router.bind(endpoint);
-    REFIT_RETURN_NOT_OK(WriteTextFileAtomically(ready_file, "ready\n"));
+    REFIT_RETURN_NOT_OK(testkit::WriteTextFileAtomically(ready_file, "ready\n"));
     while (result.bytes < total_bytes) {
       zmq::message_t identity, offset_frame, data;
       if (!router.recv(identity) || !identity.more() || !router.recv(offset_frame) ||
@@ -231,7 +213,7 @@ Result<RawCopyMeasurement> MeasureZmqRawCopy(const std::vector<TensorView>& tens
   }
   std::string binary = options.refit_binary;
   if (binary.empty()) {
-    REFIT_ASSIGN_OR_RETURN(binary, SelfExecutable());
+    REFIT_ASSIGN_OR_RETURN(binary, testkit::SelfExecutable());
   }
   const std::vector<Slice> slices =
       SliceTensors(tensors, std::max<uint64_t>(options.message_bytes, 1));
@@ -239,7 +221,8 @@ Result<RawCopyMeasurement> MeasureZmqRawCopy(const std::vector<TensorView>& tens
   for (const Slice& slice : slices) bytes += slice.size;
   const uint64_t checksum = Checksum(tensors);
 
-  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports, FreeLoopbackPorts(options.receivers));
+  REFIT_ASSIGN_OR_RETURN(std::vector<uint16_t> ports,
+                         testkit::FreeLoopbackPorts(options.receivers));
   Sinks sinks;
   std::vector<std::string> endpoints, ready_files, result_files;
   for (size_t r = 0; r < options.receivers; ++r) {
@@ -295,7 +278,7 @@ Status RunRawCopySinkCommand(const std::string& endpoint, uint64_t bytes,
   const nlohmann::json out = {{"bytes", result.bytes},
                               {"messages", result.messages},
                               {"checksum", fmt::format("{:016x}", result.checksum)}};
-  return WriteTextFileAtomically(result_file, out.dump() + "\n");
+  return testkit::WriteTextFileAtomically(result_file, out.dump() + "\n");
 }
 
 }  // namespace refit::cli

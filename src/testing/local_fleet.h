@@ -1,6 +1,7 @@
-// LocalFleet: N `refit serve` daemons on loopback, each its own process — the receivers of
-// `refit demo` and of the end-to-end benchmark. Every byte between trainer and receivers crosses
-// real sockets, and each receiver's memory is its own process's.
+// LocalFleet: `refit serve` daemons on loopback, each its own process — the receivers of `refit
+// demo`, of the benchmarks and of the tests that drive the CLI. Every byte between trainer and
+// receivers crosses real sockets, and each receiver's memory is its own process's. The one way
+// this project starts a fleet of daemons.
 #pragma once
 
 #include <sys/types.h>
@@ -14,20 +15,31 @@
 
 #include "refit/status.h"
 
-namespace refit::cli {
+namespace refit::testkit {
+
+/// What one daemon holds: its model file, and where it is one shard of a tensor-parallel replica
+/// its loader spec and replica name.
+struct LocalReceiverSpec {
+  std::string model_path;
+  /// A loader spec file (`refit serve --loader`); empty: none.
+  std::string loader_path;
+  /// The replica this daemon is a shard of (`--replica`); empty: none.
+  std::string replica;
+};
 
 /// Options of LocalFleet::Start.
 struct LocalFleetOptions {
   /// The `refit` executable; empty: this process's own executable.
   std::string refit_binary;
-  /// The safetensors file every receiver loads.
-  std::string model_path;
-  size_t receivers = 1;
+  /// The daemons, in relay-tree order.
+  std::vector<LocalReceiverSpec> receivers;
   /// The name of an environment variable (set in this process) holding the api key the daemons
   /// require; empty runs them without a key.
   std::string api_key_env;
   /// Where ready files and each daemon's log go (must exist).
   std::string work_dir;
+  /// The stem of each daemon's log and ready file: "<work_dir>/<label>-<i>.log".
+  std::string label = "receiver";
   /// The daemons' data-plane transport: empty for the zmq:// relay tree (a data port each, the
   /// relay list in receiver order), or an s3:// URI (no data port: manifests arrive on the
   /// control plane).
@@ -36,6 +48,11 @@ struct LocalFleetOptions {
   std::vector<std::string> extra_args;
   /// How long a daemon may take to load the model and bind its ports.
   std::chrono::seconds start_timeout{std::chrono::minutes(5)};
+
+  /// `count` daemons of the same model file.
+  static std::vector<LocalReceiverSpec> Replicas(const std::string& model_path, size_t count) {
+    return std::vector<LocalReceiverSpec>(count, LocalReceiverSpec{model_path, "", ""});
+  }
 };
 
 /// One running daemon.
@@ -77,34 +94,7 @@ class LocalFleet {
   bool stopped_ = false;
 };
 
-/// Return `count` distinct free TCP ports on 127.0.0.1: each is bound to port 0 and held until all
-/// are chosen, so none repeats; another process may still take one before it is used.
-/// Errors: IoError.
-Result<std::vector<uint16_t>> FreeLoopbackPorts(size_t count);
-
-/// Start `argv` (argv[0] a path) with stdout and stderr appended to `log_path`. The child is put
-/// in its own process group, so a Ctrl-C at the terminal reaches the parent, which then stops its
-/// children in order. Errors: IoError (the log cannot be opened, fork failed).
-Result<pid_t> SpawnWithLog(const std::vector<std::string>& argv, const std::string& log_path);
-
-/// Write `text` to `path` atomically (a temporary file renamed into place), as a child's ready
-/// and result files are written. Errors: IoError.
-Status WriteTextFileAtomically(const std::string& path, std::string_view text);
-
-/// The last 2000 characters of the file at `path` (a child's log), or "(no log)".
-std::string LogTail(const std::string& path);
-
-/// The path of this process's executable (/proc/self/exe). Errors: IoError.
-Result<std::string> SelfExecutable();
-
-/// Create a fresh, private directory "<system temp dir>/<stem>-XXXXXX" (mkdtemp) for a fleet's
-/// model file, ready files and logs, and return its path. Errors: IoError.
-Result<std::string> MakeTemporaryDirectory(std::string_view stem);
-
 /// Return a random api key (32 hex digits) for a fleet that lives only as long as this process.
 std::string GenerateApiKey();
 
-/// Return the peak resident memory (VmHWM) of this process.
-Result<uint64_t> SelfPeakRssBytes();
-
-}  // namespace refit::cli
+}  // namespace refit::testkit
