@@ -20,7 +20,7 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libpugixml-dev
   libzmq3-dev cppzmq-dev libsodium-dev libcpp-httplib-dev libssl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  clang-14 libclang-rt-14-dev clang-format
+  clang-14 libclang-rt-14-dev clang-format clang-tidy-14
   # The system Python's modules for the integration tests' peers (tests/integration/*.py run on
   # /usr/bin/python3, not the venv): numpy, pyzmq for hostile data-plane clients, the Prometheus
   # parser for /metrics.

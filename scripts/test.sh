@@ -14,6 +14,8 @@
 #    (a budget of seconds would fuzz more inputs on a faster machine). Randomized campaigns are a
 #    separate command, scripts/fuzz.sh --seconds 600, that reports findings without gating.
 #    REFIT_TEST_SANITIZERS=0 skips this stage (a quicker local loop).
+# Between the two, the naming checks of .clang-tidy over src/ and python/src/ (scripts/lint.sh,
+# STYLE.md's names; about 2 minutes). REFIT_TEST_LINT=0 skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +32,11 @@ eval "$(bash scripts/s3-test-server.sh env)"
 export REFIT_TEST_S3_REQUIRED=1
 
 ctest --preset dev -j"$jobs" --timeout 900 "$@"
+
+if [[ "${REFIT_TEST_LINT:-1}" != 0 ]]; then
+  echo "test.sh: naming checks (scripts/lint.sh)"
+  bash scripts/lint.sh build/dev
+fi
 
 if [[ "${REFIT_TEST_SANITIZERS:-1}" != 0 ]]; then
   echo "test.sh: sanitizer stage (asan preset: ASan + UBSan, unit tests and fuzz smoke)"
