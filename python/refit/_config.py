@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, List, Mapping, Optional, Tuple
 
@@ -14,11 +15,13 @@ Config = _core.Config
 
 
 def _text(value: Any) -> Any:
-    """A keyword's value as the configuration file would spell it."""
-    if isinstance(value, bool):
+    """A keyword's value as the configuration file would spell it (numpy scalars included)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, (list, tuple)):

@@ -271,7 +271,7 @@ def test_keywords_override_the_config_and_are_checked_as_its_keys(tmp_path):
         receiver.register("w", held["w"])
         receiver.start()
         # full_sync_interval=1 (the keyword) wins over the file's 5: every sync is an anchor.
-        publisher = refit.Publisher(config=config, receivers=[receiver], full_sync_interval=1)
+        publisher = refit.Publisher(config=config, receivers=[receiver], full_sync_interval=np.int64(1))
         publisher.adopt_baseline({"w": held["w"].copy()}, version=0)
         assert publisher.sync({"w": np.ones(10, np.float32)}).anchor
         assert publisher.sync({"w": np.full(10, 2, np.float32)}).anchor

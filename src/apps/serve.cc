@@ -96,9 +96,10 @@ Status CheckSettings(const ServeSettings& settings, bool relay) {
     }
   } else if (settings.config.zmq_refit_server_port == 0 && !settings.peers.empty()) {
     return InvalidArgument(
-        "serve: --peers needs a fixed --data-port (1-65535) to name this receiver in; port 0 "
-        "(the kernel's choice, the default) is for receivers without --peers, whose relay tree "
-        "each transfer names");
+        "serve: a static relay tree (--peers, or the configuration's receivers) needs a fixed "
+        "--data-port (1-65535) to name this receiver in; port 0 (the kernel's choice, the "
+        "default without --config) is for receivers without one, whose relay tree each transfer "
+        "names");
   }
   const bool wildcard = std::find(std::begin(kWildcardAddresses), std::end(kWildcardAddresses),
                                   server.bind) != std::end(kWildcardAddresses);

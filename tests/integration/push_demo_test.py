@@ -193,6 +193,20 @@ def main():
         before = [d.tensors(names) for d in daemons]
         check(all(b == files[2] for b in before), "every served tensor equals step 2's bytes")
 
+        # `refit serve` reads the same file; a flag that names a key wins over it and is checked
+        # as the key is, and an error names the flag (or the file, line and key). Both are refused
+        # before anything listens.
+        bad = os.path.join(args.workdir, "bad-depth.yaml")
+        with open(bad, "w") as f:
+            f.write(f"server:\n  model: {steps[0]}\ntuning:\n  apply_queue_depth: 0\n")
+        result = run([args.refit, "serve", "--config", bad], env=env)
+        check(result.returncode != 0 and "bad-depth.yaml:4:3: tuning.apply_queue_depth: 0 is outside"
+              in result.stderr, f"serve names the file's bad key: {result.stderr[:300]}")
+        result = run([args.refit, "serve", "--config", config, "--model", steps[0],
+                      "--apply-queue-depth", "0"], env=env)
+        check(result.returncode != 0 and "--apply-queue-depth (tuning.apply_queue_depth): 0 is outside"
+              in result.stderr, f"serve names the flag over the file: {result.stderr[:300]}")
+
         result = run(push + [steps[3], "--base", steps[1]], env=env)
         check(result.returncode != 0 and "DataLoss" in result.stderr
               and "not at base version" in result.stderr,
