@@ -183,7 +183,7 @@ Result<nlohmann::json> RunEmbedded(const Args& args, const std::string& work_dir
                 << "; peak RSS figures are peaks since the receiver process started\n";
     }
     REFIT_ASSIGN_OR_RETURN(const uint64_t before, testkit::ProcessMemoryBytes(child, "VmRSS"));
-    const uint64_t changed = model.Step(/*step=*/k + 1, densities[k]);
+    REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(/*step=*/k + 1, densities[k]));
     REFIT_ASSIGN_OR_RETURN(const RefitReport report, SyncDelta(ranks, model.views()));
     REFIT_ASSIGN_OR_RETURN(const uint64_t peak, testkit::ProcessMemoryBytes(child, "VmHWM"));
     REFIT_ASSIGN_OR_RETURN(const uint64_t after, testkit::ProcessMemoryBytes(child, "VmRSS"));

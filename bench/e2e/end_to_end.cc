@@ -283,7 +283,7 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   std::sort(densities.begin(), densities.end());
   std::vector<RefitRow> rows(1);
   for (size_t k = 0; k < densities.size(); ++k) {
-    const uint64_t changed = model.Step(/*step=*/k + 1, densities[k]);
+    REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(/*step=*/k + 1, densities[k]));
     REFIT_ASSIGN_OR_RETURN(const double compare_only_s,
                            MeasureCompareOnly(fleet, model.views(), args.threads));
     REFIT_ASSIGN_OR_RETURN(RefitRow row, MeasureRefit(fleet, /*full=*/false));

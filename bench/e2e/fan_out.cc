@@ -39,7 +39,7 @@ Result<nlohmann::json> RunFanOut(const Args& args, const std::string& work_dir) 
                            StartFleet(args, work_dir, model_path, receivers, model.views()));
     std::filesystem::remove(model_path);
     // Delta first, FULL second, for the reason RunEndToEnd gives.
-    const uint64_t changed = model.Step(/*step=*/1, args.fanout_density);
+    REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(/*step=*/1, args.fanout_density));
     REFIT_ASSIGN_OR_RETURN(RefitRow delta, MeasureRefit(fleet, /*full=*/false));
     if (delta.report.changed_elements != changed) {
       return DataLoss("fan-out x{}: the step changed {} elements but the tracker found {}",

@@ -26,6 +26,7 @@
 #include "refit/status_format.h"
 #include "role_options.h"
 #include "util/splitmix64.h"
+#include "util/thread_pool.h"
 
 namespace refit::bench::e2e {
 namespace {
@@ -94,19 +95,6 @@ std::vector<float> NormalQuantileTable() {
     table[kNormalTableSize - 1 - i] = -table[i];
   }
   return table;
-}
-
-// Run fn(t) for t in [0, count) on `threads` threads (this one included), each taking the next
-// index from a shared counter, so that a thread done with a small tensor moves on at once.
-template <typename Fn>
-void ParallelFor(size_t count, int threads, Fn&& fn) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t t = next++; t < count; t = next++) fn(t);
-  };
-  std::vector<std::jthread> workers;
-  for (int k = 1; k < threads; ++k) workers.emplace_back(work);
-  work();
 }
 
 // Move bf16 bits by one ulp in magnitude, up or down; a move into an Inf/NaN pattern (the top
@@ -317,41 +305,51 @@ Result<SyntheticModel> SyntheticModel::Make(uint64_t target_bytes, uint64_t seed
                    std::as_bytes(std::span<const uint16_t>(model.buffers_.back().get(), numel))});
     model.bytes_ += numel * sizeof(uint16_t);
   }
-  ParallelFor(specs.size(), threads, [&](size_t t) {
-    SplitMix64 rng(StreamSeed(seed, kInitStream, 0, t));
-    uint16_t* out = model.buffers_[t].get();
-    const float mean = specs[t].init_mean, stddev = specs[t].init_std;
-    const uint64_t n = model.numels_[t];
-    uint64_t r = 0;
-    for (uint64_t i = 0; i < n; ++i) {
-      // Four 16-bit table indices per draw.
-      if (i % 4 == 0) r = rng.Next();
-      const float z = normal[static_cast<uint16_t>(r >> (16 * (i % 4)))];
-      out[i] = FloatToBFloat16(mean + stddev * z);
-    }
-    if (progress != nullptr) progress->Advance(n * sizeof(uint16_t));
-  });
+  // Each tensor draws from its own seeded stream, so the model is the same for any thread count.
+  REFIT_RETURN_NOT_OK(
+      internal::ParallelFor(threads, specs.size(), [&](uint64_t begin, uint64_t end) -> Status {
+        for (uint64_t t = begin; t < end; ++t) {
+          SplitMix64 rng(StreamSeed(seed, kInitStream, 0, t));
+          uint16_t* out = model.buffers_[t].get();
+          const float mean = specs[t].init_mean, stddev = specs[t].init_std;
+          const uint64_t n = model.numels_[t];
+          uint64_t r = 0;
+          for (uint64_t i = 0; i < n; ++i) {
+            // Four 16-bit table indices per draw.
+            if (i % 4 == 0) r = rng.Next();
+            const float z = normal[static_cast<uint16_t>(r >> (16 * (i % 4)))];
+            out[i] = FloatToBFloat16(mean + stddev * z);
+          }
+          if (progress != nullptr) progress->Advance(n * sizeof(uint16_t));
+        }
+        return Status::OK();
+      }));
   return model;
 }
 
-uint64_t SyntheticModel::Step(uint64_t step, double density) {
+Result<uint64_t> SyntheticModel::Step(uint64_t step, double density) {
   std::atomic<uint64_t> changed{0};
   // log(1 - density): gaps are floor(log(u) / log(1 - density)), u uniform in (0, 1].
   const double log_keep = std::log1p(-density);
-  ParallelFor(buffers_.size(), threads_, [&](size_t t) {
-    SplitMix64 rng(StreamSeed(seed_, kStepStream, step, t));
-    uint16_t* bits = buffers_[t].get();
-    const double n = static_cast<double>(numels_[t]);
-    uint64_t count = 0;
-    // Positions are tracked in double so that a huge gap cannot overflow before the check.
-    for (double position = std::floor(std::log(OpenUnit(rng.Next())) / log_keep); position < n;
-         position += 1 + std::floor(std::log(OpenUnit(rng.Next())) / log_keep)) {
-      const uint64_t i = static_cast<uint64_t>(position);
-      bits[i] = NudgeOneUlp(bits[i], (rng.Next() & 1) != 0);
-      ++count;
-    }
-    changed += count;
-  });
+  REFIT_RETURN_NOT_OK(
+      internal::ParallelFor(threads_, buffers_.size(), [&](uint64_t begin, uint64_t end) -> Status {
+        for (uint64_t t = begin; t < end; ++t) {
+          SplitMix64 rng(StreamSeed(seed_, kStepStream, step, t));
+          uint16_t* bits = buffers_[t].get();
+          const double n = static_cast<double>(numels_[t]);
+          uint64_t count = 0;
+          // Positions are tracked in double so that a huge gap cannot overflow before the check.
+          for (double position = std::floor(std::log(OpenUnit(rng.Next())) / log_keep);
+               position < n;
+               position += 1 + std::floor(std::log(OpenUnit(rng.Next())) / log_keep)) {
+            const uint64_t i = static_cast<uint64_t>(position);
+            bits[i] = NudgeOneUlp(bits[i], (rng.Next() & 1) != 0);
+            ++count;
+          }
+          changed += count;
+        }
+        return Status::OK();
+      }));
   return changed.load();
 }
 

@@ -139,8 +139,9 @@ class SyntheticModel {
 
   /// Apply training step `step`: each element changes with probability `density`, positions
   /// drawn by geometric gaps (one draw per change, not per element). Returns the elements
-  /// changed, which is exactly what the tracker must find.
-  uint64_t Step(uint64_t step, double density);
+  /// changed, which is exactly what the tracker must find. Errors: those of starting the
+  /// threads (internal::ParallelFor).
+  Result<uint64_t> Step(uint64_t step, double density);
 
   const std::vector<TensorView>& views() const { return views_; }
   /// The same buffers, writable: what a receiver registers to apply refits into them in place.

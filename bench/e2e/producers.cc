@@ -239,7 +239,7 @@ Status RunProducerRank(const ChildFlags& flags) {
   REFIT_RETURN_NOT_OK(publisher->AdoptBaseline(model.views()));
   nlohmann::json reports = nlohmann::json::array();
   for (uint64_t s = 1; s <= steps; ++s) {
-    const uint64_t changed = model.Step(s, density);
+    REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(s, density));
     const GroupClock::time_point deadline = GroupClock::now() + kPushTimeout;
     REFIT_RETURN_NOT_OK(barrier->Gather({}, deadline).status().WithContext("barrier"));
     REFIT_RETURN_NOT_OK(barrier->Broadcast({}, deadline).status().WithContext("barrier"));
@@ -302,7 +302,7 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
     REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Publisher>> warm,
                            MakeThreadRanks(1, options));
     REFIT_RETURN_NOT_OK(AdoptBaseline(warm, model.views()));
-    model.Step(/*step=*/0, args.step_density);
+    REFIT_RETURN_NOT_OK(model.Step(/*step=*/0, args.step_density).status());
     REFIT_RETURN_NOT_OK(SyncDelta(warm, model.views()).status().WithContext("warm-up"));
   }
   bool fleet_at_initial = false;
@@ -330,13 +330,14 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
         REFIT_ASSIGN_OR_RETURN(steps, SyncAsRankProcesses(args, work_dir, world, config_path,
                                                           PublisherReceivers(*daemons)));
         // This process's copy follows, for the next reset and the final check.
-        for (uint64_t s = 1; s <= args.steps; ++s) model.Step(s, args.step_density);
+        for (uint64_t s = 1; s <= args.steps; ++s)
+          REFIT_RETURN_NOT_OK(model.Step(s, args.step_density).status());
       } else if (mode == "threads") {
         REFIT_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Publisher>> ranks,
                                MakeThreadRanks(world, options));
         REFIT_RETURN_NOT_OK(AdoptBaseline(ranks, model.views()));
         for (uint64_t s = 1; s <= args.steps; ++s) {
-          const uint64_t changed = model.Step(s, args.step_density);
+          REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(s, args.step_density));
           const double t0 = Now();
           REFIT_ASSIGN_OR_RETURN(RefitReport report, SyncDelta(ranks, model.views()));
           steps.push_back(StepFromReport(report, changed, Now() - t0));
@@ -344,7 +345,7 @@ Result<nlohmann::json> RunProducers(const Args& args, const std::string& work_di
       } else {
         REFIT_RETURN_NOT_OK(WriteSafetensors(base_path, model.views()));
         for (uint64_t s = 1; s <= args.steps; ++s) {
-          const uint64_t changed = model.Step(s, args.step_density);
+          REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(s, args.step_density));
           REFIT_RETURN_NOT_OK(WriteSafetensors(next_path, model.views()));
           REFIT_ASSIGN_OR_RETURN(SyncStep step,
                                  PushAsProcesses(args, work_dir, world, config_path, base_path,

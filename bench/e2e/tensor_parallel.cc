@@ -316,7 +316,7 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     REFIT_RETURN_NOT_OK(AdoptBaseline(ranks, model.views()));
     // Warm-up, not measured: one delta (step 0, the same for every layout), so that no measured
     // step pays the daemons' first transfer (first-touch pages of the apply path, connections).
-    model.Step(/*step=*/0, args.step_density);
+    REFIT_RETURN_NOT_OK(model.Step(/*step=*/0, args.step_density).status());
     REFIT_RETURN_NOT_OK(SyncDelta(ranks, model.views()).status().WithContext("warm-up"));
     for (uint32_t rank = 0; rank < shards.size(); ++rank) {
       shards[rank] = ShardModel(model.views(), layout, rank, tp);
@@ -333,7 +333,7 @@ Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& wo
     for (uint64_t s = 1; s <= args.steps; ++s) {
       REFIT_ASSIGN_OR_RETURN(DaemonMemory memory, OpenDaemonMemory(*daemons));
       rss_reset = rss_reset && memory.reset;
-      const uint64_t changed = model.Step(s, args.step_density);
+      REFIT_ASSIGN_OR_RETURN(const uint64_t changed, model.Step(s, args.step_density));
       const double t0 = Now();
       REFIT_ASSIGN_OR_RETURN(RefitReport report, SyncDelta(ranks, model.views()));
       const double wall = Now() - t0;
