@@ -50,7 +50,7 @@
 #include "config_file.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
-#include "loopback.h"
+#include "loopback_ports.h"
 #include "process.h"
 #include "progress.h"
 #include "raw_copy.h"

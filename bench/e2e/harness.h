@@ -20,7 +20,7 @@
 
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
-#include "loopback.h"
+#include "loopback_ports.h"
 #include "process.h"
 #include "progress.h"
 #include "refit/apply.h"

@@ -19,7 +19,7 @@
 #include <mutex>
 #include <thread>
 
-#include "loopback.h"
+#include "loopback_ports.h"
 #include "process.h"
 #include "refit/status_format.h"
 

@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "loopback.h"
+#include "loopback_ports.h"
 #include "process.h"
 #include "refit/status_format.h"
 

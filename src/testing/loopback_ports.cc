@@ -1,4 +1,4 @@
-#include "loopback.h"
+#include "loopback_ports.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
