@@ -55,8 +55,7 @@ struct PushArgs {
 };
 
 // The configuration file (or the defaults) with the flags applied on top.
-// `collective`: the transport knows the receivers itself (mpi://, nccl://).
-Result<config::RefitConfig> ResolveConfig(const PushArgs& args, bool leader, bool collective) {
+Result<config::RefitConfig> ResolveConfig(const PushArgs& args) {
   std::vector<config::ConfigOverride> overrides = args.overrides;
   if (!args.receivers.empty()) {
     std::vector<config::ReceiverConfig> receivers;
@@ -77,14 +76,7 @@ Result<config::RefitConfig> ResolveConfig(const PushArgs& args, bool leader, boo
     }
     overrides.push_back({"receivers", std::move(receivers), "--receiver"});
   }
-  REFIT_ASSIGN_OR_RETURN(config::RefitConfig config,
-                         config::LoadConfigFile(args.config, overrides));
-  if (config.receivers.empty() && leader && !collective) {
-    return InvalidArgument(
-        "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
-        "file with a receivers list (or run under mpirun with --transport mpi://)");
-  }
-  return config;
+  return config::LoadConfigFile(args.config, overrides);
 }
 
 // The newest version the receivers hold: what --base is (the receivers that loaded it and
@@ -308,9 +300,8 @@ Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
 }
 
 Status RunPush(const PushArgs& args) {
-  config::RefitConfig resolved;
-  { REFIT_ASSIGN_OR_RETURN(resolved, ResolveConfig(args, /*leader=*/false, /*collective=*/false)); }
-  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, config::ToTransportUri(resolved));
+  REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config, ResolveConfig(args));
+  REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, config::ToTransportUri(config));
   REFIT_ASSIGN_OR_RETURN(const MpiRank mpi, JoinMpiIfAsked(transport_uri));
   if (mpi.active && (!args.group.empty() || args.producers != 1)) {
     return InvalidArgument(
@@ -318,7 +309,12 @@ Status RunPush(const PushArgs& args) {
         "--group and --producers do not apply");
   }
   const bool leader = mpi.active ? mpi.index == 0 : args.rank == 0;
-  REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config, ResolveConfig(args, leader, mpi.active));
+  // A collective (mpi://, nccl://) knows its receivers itself; rank 0 of any other needs them.
+  if (config.receivers.empty() && leader && !mpi.active) {
+    return InvalidArgument(
+        "no receivers: give --receiver CONTROL_URL=DATA_ENDPOINT or a --config "
+        "file with a receivers list (or run under mpirun with --transport mpi://)");
+  }
   if (!args.layout.empty() && (!args.base.empty() || args.producers != 1)) {
     return InvalidArgument(
         "push: --layout sends this rank's pieces as an anchor, from one rank per process "

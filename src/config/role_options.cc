@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
+#include <cstdint>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "refit/environment.h"
@@ -98,7 +101,12 @@ Result<std::string> ToTransportUri(const RefitConfig& config) {
   if (!uri.is_zmq()) return config.transport;
   const std::string retries = std::to_string(config.tuning.zmq_retries);
   if (const std::string* given = uri.Param("retries")) {
-    if (*given != retries) {
+    // Compared as numbers: ParseConfig adopts the URI's value into tuning.zmq_retries, so
+    // "retries=03" and 3 are the same setting.
+    uint64_t value = 0;
+    const auto [end, error] = std::from_chars(given->data(), given->data() + given->size(), value);
+    if (error != std::errc() || end != given->data() + given->size() ||
+        value != static_cast<uint64_t>(config.tuning.zmq_retries)) {
       // The URI is not echoed: it may hold an api_key.
       return InvalidArgument(
           "the {} transport URI sets retries={} but tuning.zmq_retries is {}; "

@@ -470,6 +470,11 @@ TEST(ConfigOverrideTest, ATransportOverrideReplacesUpstreamsKeyAndAdoptsItsRetri
                                                              "test.yaml", {&transport, 1}));
   EXPECT_EQ(config.transport, "zmq://?retries=7");
   EXPECT_EQ(config.tuning.zmq_retries, 7);
+  // The URI's value and the adopted tuning value are one setting, compared as numbers.
+  const ConfigOverride padded{"transport", "zmq://?retries=03", "--transport"};
+  ASSERT_OK_AND_ASSIGN(const RefitConfig three, LoadConfigFile("", {&padded, 1}));
+  ASSERT_OK_AND_ASSIGN(const std::string uri, ToTransportUri(three));
+  EXPECT_EQ(uri, "zmq://?retries=03");
   // The file's own tuning.zmq_retries still contradicts it, by name.
   EXPECT_STATUS_MSG(InvalidArgument, "tuning.zmq_retries: 3 contradicts retries=7",
                     ParseConfig("tuning: {zmq_retries: 3}\n", "test.yaml", {&transport, 1}));
