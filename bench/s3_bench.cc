@@ -45,9 +45,11 @@
 #include <utility>
 #include <vector>
 
+#include "bench_fleet.h"
 #include "bench_util.h"
 #include "cli_common.h"
 #include "config_file.h"
+#include "flags.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "loopback_ports.h"
@@ -138,92 +140,88 @@ struct Args {
   bool help = false;
 };
 
-constexpr std::string_view kUsage =
-    "usage: s3_bench [--quick] [--model-bytes SIZE] [--densities D,D,...] [--receivers N]\n"
-    "                [--producers W] [--endpoint URL] [--bucket NAME] [--s3-param KEY=VALUE]...\n"
-    "                [--threads N] [--send-threads N] [--no-yardstick] [--json FILE|-]\n"
-    "                [--work-dir DIR] [--refit-binary PATH] [--seed N]\n"
+constexpr std::string_view kCredentialsHelp =
     "The S3 server's credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY; for the\n"
     "test server: eval \"$(bash scripts/s3-test-server.sh env)\"\n";
 
-// A count in [1, max].
-Result<uint64_t> ParseCount(std::string_view flag, std::string_view text, uint64_t max) {
-  REFIT_ASSIGN_OR_RETURN(uint64_t value, ParseUnsigned(flag, text));
-  if (value < 1 || value > max)
-    return InvalidArgument("{}: {} is not in [1, {}]", flag, value, max);
-  return value;
+// A count in [1, max], into `*target`.
+template <typename Count>
+FlagSet::Setter CountFlag(Count* target, uint64_t max) {
+  return [target, max](std::string_view flag, std::string_view text) -> Status {
+    REFIT_ASSIGN_OR_RETURN(uint64_t value, ParseUnsigned(flag, text));
+    if (value < 1 || value > max) {
+      return InvalidArgument("{}: {} is not in [1, {}]", flag, value, max);
+    }
+    *target = static_cast<Count>(value);
+    return Status::OK();
+  };
 }
 
 // Bounds of the fleet flags: LocalFleet starts one process per receiver on this machine.
 constexpr uint64_t kMaxReceivers = 64;
 constexpr uint64_t kMaxProducers = 64;
 
+// Declare every flag of s3_bench over `args`; --model-bytes goes to `model_bytes` (it wins over
+// --quick's size, whatever the order).
+FlagSet DeclareFlags(Args& args, std::optional<uint64_t>& model_bytes) {
+  FlagSet flags("s3_bench", std::string(kCredentialsHelp));
+  flags.Switch("--help", "print this and exit", &args.help);
+  flags.Switch("--quick", "a smoke run of a few seconds (32 MiB)", &args.quick);
+  flags.Value("--model-bytes", "SIZE", "the simulated model (e.g. 512MiB)",
+              [&model_bytes](std::string_view, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(model_bytes, config::ParseByteSize(std::string(text)));
+                return Status::OK();
+              });
+  flags.Value("--densities", "D,D,...", "one optimizer step and delta refit per density",
+              [&args](std::string_view flag, std::string_view text) -> Status {
+                args.densities.clear();
+                for (std::string_view part : SplitCommas(text)) {
+                  REFIT_ASSIGN_OR_RETURN(double density,
+                                         ParseDensity(flag, part, /*allow_one=*/false));
+                  args.densities.push_back(density);
+                }
+                return Status::OK();
+              });
+  flags.Value("--receivers", "N", "daemons per fleet", CountFlag(&args.receivers, kMaxReceivers));
+  flags.Value("--producers", "W", "producers per fleet", CountFlag(&args.producers, kMaxProducers));
+  flags.Text("--endpoint", "URL", "the S3 server (default: $REFIT_TEST_S3_ENDPOINT)",
+             &args.endpoint);
+  flags.Text("--bucket", "NAME", "the bucket every run's prefix lives in", &args.bucket);
+  flags.Value("--s3-param", "KEY=VALUE", "an s3:// URI parameter (repeatable)",
+              [&args](std::string_view, std::string_view text) -> Status {
+                const size_t equals = text.find('=');
+                if (equals == std::string_view::npos || equals == 0) {
+                  return InvalidArgument("--s3-param: '{}' is not KEY=VALUE", text);
+                }
+                args.s3_params.emplace_back(std::string(text.substr(0, equals)),
+                                            std::string(text.substr(equals + 1)));
+                return Status::OK();
+              });
+  flags.Value("--threads", "N", "encode and serialize threads per producer",
+              CountFlag(&args.threads, ProducerStream::kMaxThreads));
+  flags.Value("--send-threads", "N", "sending threads per producer",
+              CountFlag(&args.send_threads, ProducerStream::kMaxThreads));
+  flags.Switch("--no-yardstick", "skip the raw-copy yardsticks",
+               [&args] { args.yardstick = false; });
+  flags.Text("--json", "FILE|-", "write the JSON report (-: on stdout, instead of the table)",
+             &args.json_path);
+  flags.Text("--work-dir", "DIR", "where the model and the daemons' logs go", &args.work_dir);
+  flags.Text("--refit-binary", "PATH", "the refit executable", &args.refit_binary);
+  flags.Unsigned("--seed", "N", "the simulator's seed", &args.seed);
+  return flags;
+}
+
+std::string Usage() {
+  Args args;
+  std::optional<uint64_t> model_bytes;
+  return DeclareFlags(args, model_bytes).Usage();
+}
+
 Result<Args> ParseArgs(int argc, char** argv) {
   Args args;
   std::optional<uint64_t> model_bytes;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    auto value = [&]() -> Result<std::string_view> {
-      if (i + 1 >= argc) return InvalidArgument("{} needs a value", flag);
-      return std::string_view(argv[++i]);
-    };
-    if (flag == "--quick") {
-      args.quick = true;
-    } else if (flag == "--model-bytes") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(model_bytes, config::ParseByteSize(std::string(text)));
-    } else if (flag == "--densities") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      args.densities.clear();
-      for (std::string_view part : SplitCommas(text)) {
-        REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part, /*allow_one=*/false));
-        args.densities.push_back(density);
-      }
-    } else if (flag == "--receivers") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.receivers, ParseCount(flag, text, kMaxReceivers));
-    } else if (flag == "--producers") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(uint64_t producers, ParseCount(flag, text, kMaxProducers));
-      args.producers = static_cast<uint32_t>(producers);
-    } else if (flag == "--endpoint") {
-      REFIT_ASSIGN_OR_RETURN(args.endpoint, value());
-    } else if (flag == "--bucket") {
-      REFIT_ASSIGN_OR_RETURN(args.bucket, value());
-    } else if (flag == "--s3-param") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      const size_t equals = text.find('=');
-      if (equals == std::string_view::npos || equals == 0) {
-        return InvalidArgument("--s3-param: '{}' is not KEY=VALUE", text);
-      }
-      args.s3_params.emplace_back(std::string(text.substr(0, equals)),
-                                  std::string(text.substr(equals + 1)));
-    } else if (flag == "--threads") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseCount(flag, text, ProducerStream::kMaxThreads));
-      args.threads = static_cast<int>(threads);
-    } else if (flag == "--send-threads") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseCount(flag, text, ProducerStream::kMaxThreads));
-      args.send_threads = static_cast<int>(threads);
-    } else if (flag == "--no-yardstick") {
-      args.yardstick = false;
-    } else if (flag == "--json") {
-      REFIT_ASSIGN_OR_RETURN(args.json_path, value());
-    } else if (flag == "--work-dir") {
-      REFIT_ASSIGN_OR_RETURN(args.work_dir, value());
-    } else if (flag == "--refit-binary") {
-      REFIT_ASSIGN_OR_RETURN(args.refit_binary, value());
-    } else if (flag == "--seed") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.seed, ParseUnsigned(flag, text));
-    } else if (flag == "--help" || flag == "-h") {
-      args.help = true;
-      return args;
-    } else {
-      return InvalidArgument("unknown argument '{}'", flag);
-    }
-  }
+  REFIT_RETURN_NOT_OK(DeclareFlags(args, model_bytes).Parse(argc, argv));
+  if (args.help) return args;
   if (args.quick) args.model_bytes = kQuickModelBytes;
   // An explicit size wins over --quick.
   if (model_bytes) args.model_bytes = *model_bytes;
@@ -456,21 +454,11 @@ Result<StoreYardstick> MeasureStore(const Store& store, const std::vector<Tensor
 
 // --- Fleets -----------------------------------------------------------------------------------
 
-// A fleet of daemons over the model file and a coordinator with the model as baseline.
-struct Fleet {
-  std::string transport;
-  std::unique_ptr<testkit::LocalFleet> daemons;
-  std::unique_ptr<cli::FleetCoordinator> coordinator;
-  double start_s = 0;
-};
-
-// Start the daemons of one fleet. `daemon_uri`: their --transport (empty: the zmq:// relay
-// tree); both planes' api key is kApiKeyEnv's.
-Result<Fleet> StartDaemons(const Args& args, const std::string& transport,
-                           const std::string& work_dir, const std::string& model_path,
-                           const std::string& daemon_uri) {
-  Fleet fleet;
-  fleet.transport = transport;
+// Start the daemons of one fleet, labelled `transport`. `daemon_uri`: their --transport (empty:
+// the zmq:// relay tree); both planes' api key is kApiKeyEnv's.
+Result<BenchFleet> StartDaemons(const Args& args, const std::string& transport,
+                                const std::string& work_dir, const std::string& model_path,
+                                const std::string& daemon_uri) {
   std::error_code made_dir;
   std::filesystem::create_directories(work_dir, made_dir);
   if (made_dir) return IoError("cannot create {}: {}", work_dir, made_dir.message());
@@ -480,48 +468,23 @@ Result<Fleet> StartDaemons(const Args& args, const std::string& transport,
   fleet_options.api_key_env = kApiKeyEnv;
   fleet_options.work_dir = work_dir;
   fleet_options.transport_uri = daemon_uri;
-  const double t0 = Now();
-  REFIT_ASSIGN_OR_RETURN(fleet.daemons, testkit::LocalFleet::Start(fleet_options));
-  fleet.start_s = Now() - t0;
-  return fleet;
+  return StartBenchFleet(transport, fleet_options);
 }
 
 // Make the fleet's producers and coordinator, sending through `producer_uri`, with the model as
-// every tracker's baseline.
-//
-// Call it only once every daemon of the run is started: LocalFleet forks, and a fork write-protects
-// every page this process holds (copy-on-write), so the first write to each page of a baseline
-// made before a later fork takes a page fault. The first delta commit scatters into nearly every
-// page of the baseline: with a coordinator made between the two fleets' starts, that fleet's
-// first delta commit took about 0.3 ms per MiB of model longer than the other's (170 ms at
-// 512 MiB), whichever its transport.
+// every tracker's baseline (once both fleets' daemons are started: AttachProducers says why).
 Status MakeCoordinator(const Args& args, const TransportUri& producer_uri,
-                       const std::vector<TensorView>& model, Fleet& fleet) {
-  cli::FleetAddress address;
-  for (const testkit::LocalReceiver& receiver : fleet.daemons->receivers()) {
-    address.control_urls.push_back(receiver.control_url);
-    address.data_endpoints.push_back(receiver.data_endpoint);
-  }
-  TransportUri uri = producer_uri;
-  uri.params.emplace_back("api_key_env", kApiKeyEnv);
-  address.transport_uri = uri.ToString();
-  REFIT_ASSIGN_OR_RETURN(address.api_key,
-                         SecretFromEnvironment(kApiKeyEnv, "the bench fleet's key"));
-  TrackerOptions tracker_options;
-  // Parallelism comes from encoding chunks (and producers) concurrently; a parallel compare
-  // inside each encode would oversubscribe the cores.
-  tracker_options.compare.threads = 1;
-  CoordinatorOptions options;
-  options.stream.chunk_bytes = ChunkBytes(args.model_bytes);
-  options.stream.encode_threads = args.threads;
-  options.stream.serialize_threads = args.threads;
-  options.stream.send_threads = args.send_threads;
-  options.stream.max_payloads_in_flight =
+                       const std::vector<TensorView>& model, BenchFleet& fleet) {
+  BenchProducers producers;
+  producers.transport = producer_uri;
+  producers.producers = args.producers;
+  producers.stream.chunk_bytes = ChunkBytes(args.model_bytes);
+  producers.stream.encode_threads = args.threads;
+  producers.stream.serialize_threads = args.threads;
+  producers.stream.send_threads = args.send_threads;
+  producers.stream.max_payloads_in_flight =
       kPayloadsInFlightPerSender * static_cast<size_t>(args.send_threads);
-  REFIT_ASSIGN_OR_RETURN(fleet.coordinator,
-                         cli::FleetCoordinator::Make(address, &model, args.producers,
-                                                     tracker_options, options, &model));
-  return Status::OK();
+  return AttachProducers(fleet, producers, kApiKeyEnv, model);
 }
 
 // --- Refits -----------------------------------------------------------------------------------
@@ -536,29 +499,15 @@ struct Row {
   RefitReport report;
 };
 
-Result<Row> MeasureRefit(Fleet& fleet, bool full, uint64_t step) {
+Result<Row> MeasureRefit(BenchFleet& fleet, bool full, uint64_t step) {
   Row row;
-  row.transport = fleet.transport;
+  row.transport = fleet.label;
   row.full = full;
   row.step = step;
-  Result<RefitReport> report = fleet.coordinator->Refit(/*force_anchor=*/full);
-  if (!report.ok()) {
-    return report.status().WithContext(fmt::format("{} refit through {} after step {}",
-                                                   full ? "FULL" : "delta", fleet.transport, step));
-  }
+  Result<RefitReport> report = RefitOfKind(fleet, full);
+  if (!report.ok()) return report.status().WithContext(fmt::format("after step {}", step));
   row.report = std::move(report).ValueOrDie();
-  if (row.report.plan.anchor != full) {
-    return Internal("transfer {} through {} was {} but a {} was asked for",
-                    row.report.plan.transfer_id.ToHex(), fleet.transport,
-                    row.report.plan.anchor ? "FULL" : "a delta", full ? "FULL" : "delta");
-  }
   return row;
-}
-
-double Density(const RefitReport& report) {
-  return report.total_elements == 0 ? 0.0
-                                    : static_cast<double>(report.changed_elements) /
-                                          static_cast<double>(report.total_elements);
 }
 
 double Ratio(double numerator, double denominator) {
@@ -578,19 +527,11 @@ nlohmann::json RowJson(const Row& row, const Row& full, const Row& s3_full, cons
                          {"items", s.items},
                          {"item_bytes", s.item_bytes},
                          {"wire_bytes", s.wire_bytes},
-                         {"encode_s", s.timings.encode_s},
-                         {"serialize_s", s.timings.serialize_s},
-                         {"send_s", s.timings.send_s},
-                         {"wall_s", s.timings.wall_s},
-                         {"peak_payloads_in_flight", s.peak_payloads_in_flight}});
+                         {"stages", ProducerStagesJson(s)}});
   }
   nlohmann::json daemons = nlohmann::json::array();
-  for (const ReceiverOutcome& outcome : r.receivers) {
-    daemons.push_back({{"name", outcome.name},
-                       {"applied_payloads", outcome.flush.payloads},
-                       {"duplicates", outcome.flush.duplicates},
-                       {"committed", outcome.commit_status.ok()}});
-  }
+  for (const ReceiverOutcome& outcome : r.receivers)
+    daemons.push_back(ReceiverOutcomeJson(outcome));
   nlohmann::json out = {
       {"transport", row.transport},
       {"kind", row.full ? "full" : "delta"},
@@ -657,9 +598,9 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
 
   ::setenv(kApiKeyEnv, testkit::GenerateApiKey().c_str(), /*overwrite=*/1);
   REFIT_ASSIGN_OR_RETURN(
-      Fleet s3, StartDaemons(args, "s3", work_dir + "/s3", model_path, store.uri.ToString()));
+      BenchFleet s3, StartDaemons(args, "s3", work_dir + "/s3", model_path, store.uri.ToString()));
   REFIT_ASSIGN_OR_RETURN(
-      Fleet zmq, StartDaemons(args, "zmq", work_dir + "/zmq", model_path, /*daemon_uri=*/""));
+      BenchFleet zmq, StartDaemons(args, "zmq", work_dir + "/zmq", model_path, /*daemon_uri=*/""));
   REFIT_RETURN_NOT_OK(MakeCoordinator(args, store.uri, model, s3));
   REFIT_ASSIGN_OR_RETURN(TransportUri zmq_uri, TransportUri::Parse("zmq://"));
   REFIT_RETURN_NOT_OK(MakeCoordinator(args, zmq_uri, model, zmq));
@@ -723,7 +664,7 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
     REFIT_ASSIGN_OR_RETURN(double learning_rate,
                            simulator->CalibrateLearningRate(args.densities[k]));
     REFIT_RETURN_NOT_OK(simulator->Step());
-    for (Fleet* fleet : {&s3, &zmq}) {
+    for (BenchFleet* fleet : {&s3, &zmq}) {
       REFIT_ASSIGN_OR_RETURN(Row row, MeasureRefit(*fleet, /*full=*/false, step));
       row.target_density = args.densities[k];
       row.learning_rate = learning_rate;
@@ -747,9 +688,9 @@ Result<nlohmann::json> RunBench(const Args& args, const std::string& work_dir, c
 
   // Bit-exact: every tensor of every daemon of both fleets against the trainer's bytes.
   t0 = Now();
-  for (const Fleet* fleet : {&s3, &zmq}) {
+  for (const BenchFleet* fleet : {&s3, &zmq}) {
     Status held = fleet->coordinator->CheckReceiversHold(model);
-    if (!held.ok()) return held.WithContext(fmt::format("the {} fleet", fleet->transport));
+    if (!held.ok()) return held.WithContext(fmt::format("the {} fleet", fleet->label));
   }
   out["verify_s"] = Now() - t0;
   out["verified_bit_identical"] = true;
@@ -921,21 +862,7 @@ Status Run(const Args& args) {
 }
 
 int Main(int argc, char** argv) {
-  Result<Args> args = ParseArgs(argc, argv);
-  if (!args.ok()) {
-    std::cerr << "s3_bench: " << args.status().message() << "\n" << kUsage;
-    return 2;
-  }
-  if (args->help) {
-    std::cout << kUsage;
-    return 0;
-  }
-  Status status = Run(*args);
-  if (!status.ok()) {
-    std::cerr << "s3_bench: " << status.ToString() << "\n";
-    return 1;
-  }
-  return 0;
+  return RunBenchmark("s3_bench", ParseArgs(argc, argv), Usage(), Run);
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ Result<nlohmann::json> MeasureRawCopy(const Args& args, const std::string& work_
 // many threads as the producer encodes with, one tensor at a time per thread — what a delta
 // refit cannot do without. Only with one producer, whose tracker holds every tensor (zero
 // otherwise: not measured).
-Result<double> MeasureCompareOnly(const Fleet& fleet, const std::vector<TensorView>& model,
+Result<double> MeasureCompareOnly(const BenchFleet& fleet, const std::vector<TensorView>& model,
                                   int threads) {
   const auto& trackers = fleet.coordinator->trackers();
   if (trackers.size() != 1) return 0.0;
@@ -114,13 +114,8 @@ nlohmann::json RowJson(const RefitRow& row, const RefitRow& full, uint64_t model
     return static_cast<int64_t>(peak) - static_cast<int64_t>(held);
   };
   nlohmann::json receivers = nlohmann::json::array();
-  for (const ReceiverOutcome& outcome : r.receivers) {
-    receivers.push_back({{"name", outcome.name},
-                         {"applied_payloads", outcome.flush.payloads},
-                         {"duplicates", outcome.flush.duplicates},
-                         {"changed_elements", outcome.flush.changed_elements},
-                         {"committed", outcome.commit_status.ok()}});
-  }
+  for (const ReceiverOutcome& outcome : r.receivers)
+    receivers.push_back(ReceiverOutcomeJson(outcome));
   return {
       {"kind", row.full ? "full" : "delta"},
       {"transfer_id", r.plan.transfer_id.ToHex()},
@@ -148,22 +143,8 @@ nlohmann::json RowJson(const RefitRow& row, const RefitRow& full, uint64_t model
       {"compare_only_s", row.compare_only_s > 0 ? nlohmann::json(row.compare_only_s) : nullptr},
       {"time_over_compare_only",
        row.compare_only_s > 0 ? nlohmann::json(r.total_s / row.compare_only_s) : nullptr},
-      {"producer_stages",
-       {{"source_s", s.timings.source_s},
-        {"dispatch_wait_s", s.timings.dispatch_wait_s},
-        {"encode_s", s.timings.encode_s},
-        {"serialize_s", s.timings.serialize_s},
-        {"send_s", s.timings.send_s},
-        {"wall_s", s.timings.wall_s},
-        {"peak_chunks_in_flight", s.peak_chunks_in_flight},
-        {"peak_payloads_in_flight", s.peak_payloads_in_flight}}},
-      {"anchor_compression",
-       {{"compressed_payloads", s.anchor_compression.compressed_payloads},
-        {"raw_payloads", s.anchor_compression.raw_payloads},
-        {"measured", s.anchor_compression.measured},
-        {"compress_bytes_per_s", s.anchor_compression.compress_bytes_per_s},
-        {"ratio", s.anchor_compression.ratio},
-        {"link_bytes_per_s", s.anchor_compression.link_bytes_per_s}}},
+      {"producer_stages", ProducerStagesJson(s)},
+      {"anchor_compression", AnchorCompressionJson(s.anchor_compression)},
       {"rss_reset_per_refit", row.rss.reset},
       {"producer_rss_before", row.rss.producer_before},
       {"producer_peak_rss", row.rss.producer_peak},
@@ -266,7 +247,7 @@ Result<nlohmann::json> RunEndToEnd(const Args& args, const std::string& work_dir
   REFIT_RETURN_NOT_OK(
       WriteSafetensors(model_path, model.views(), {{kWeightVersionMetadataKey, "0"}}));
   out["write_s"] = Now() - t0;
-  REFIT_ASSIGN_OR_RETURN(Fleet fleet,
+  REFIT_ASSIGN_OR_RETURN(BenchFleet fleet,
                          StartFleet(args, work_dir, model_path, kEndToEndReceivers, model.views()));
   // Loaded (read into memory, or mapped: the open mapping keeps the file's pages): the path can
   // go, and with it the page cache a RAM-loading daemon no longer needs.

@@ -35,7 +35,7 @@ Result<nlohmann::json> RunFanOut(const Args& args, const std::string& work_dir) 
     out["tensors"] = model.views().size();
     REFIT_RETURN_NOT_OK(
         WriteSafetensors(model_path, model.views(), {{kWeightVersionMetadataKey, "0"}}));
-    REFIT_ASSIGN_OR_RETURN(Fleet fleet,
+    REFIT_ASSIGN_OR_RETURN(BenchFleet fleet,
                            StartFleet(args, work_dir, model_path, receivers, model.views()));
     std::filesystem::remove(model_path);
     // Delta first, FULL second, for the reason RunEndToEnd gives.

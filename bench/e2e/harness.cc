@@ -17,6 +17,7 @@
 
 #include "bench_util.h"
 #include "config_file.h"
+#include "flags.h"
 #include "refit/control_client.h"
 #include "refit/digest.h"
 #include "refit/environment.h"
@@ -107,134 +108,149 @@ uint16_t NudgeOneUlp(uint16_t bits, bool up) {
   return moved;
 }
 
-}  // namespace
-
-Result<Args> ParseArgs(int argc, char** argv) {
-  Args args;
+// The flags whose value is applied after --quick (an explicit size wins over its sizes), or that
+// are checked once every flag is read.
+struct GivenFlags {
   std::optional<uint64_t> model_mib, fanout_model_mib, chunk_mib, producers_model_mib, tp_model_mib,
       embedded_model_mib, steps;
   std::optional<std::vector<size_t>> fanout;
   std::optional<std::vector<std::string_view>> sections;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    auto value = [&]() -> Result<std::string_view> {
-      if (i + 1 >= argc) return InvalidArgument("{} needs a value", flag);
-      return std::string_view(argv[++i]);
-    };
-    if (flag == "--quick") {
-      args.quick = true;
-    } else if (flag == "--json") {
-      args.json = true;
-    } else if (flag == "--json-out") {
-      REFIT_ASSIGN_OR_RETURN(args.json_out, value());
-    } else if (flag == "--model-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(model_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--fanout-model-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(fanout_model_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--chunk-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(chunk_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--bucket-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(uint64_t mib, ParseUnsigned(flag, text));
-      args.bucket_bytes = mib * kMiB;
-    } else if (flag == "--densities") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      args.densities.clear();
+};
+
+// Declare every flag of e2e_bench over `args` and `given`.
+FlagSet DeclareFlags(Args& args, GivenFlags& given) {
+  const auto densities = [](std::vector<double>* target) {
+    return [target](std::string_view flag, std::string_view text) -> Status {
+      target->clear();
       for (std::string_view part : SplitCommas(text)) {
         REFIT_ASSIGN_OR_RETURN(double density, ParseDensity(flag, part, /*allow_one=*/true));
-        args.densities.push_back(density);
+        target->push_back(density);
       }
-    } else if (flag == "--fanout") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      fanout.emplace();
-      for (std::string_view part : SplitCommas(text)) {
-        REFIT_ASSIGN_OR_RETURN(uint64_t receivers, ParseUnsigned(flag, part));
-        fanout->push_back(receivers);
-      }
-    } else if (flag == "--fanout-density") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.fanout_density, ParseDensity(flag, text, /*allow_one=*/true));
-    } else if (flag == "--threads") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseUnsigned(flag, text));
-      args.threads = static_cast<int>(std::min<uint64_t>(threads, ProducerStream::kMaxThreads));
-    } else if (flag == "--mmap") {
-      args.receiver_mmap = true;
-    } else if (flag == "--no-verify") {
-      args.verify_end_to_end = false;
-    } else if (flag == "--anchor-undo") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.anchor_undo, ParseAnchorUndo(text));
-    } else if (flag == "--apply-threads") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(const uint64_t threads, ParseUnsigned(flag, text));
-      if (threads < 1 || threads > static_cast<uint64_t>(ReceiverSession::kMaxApplyThreads)) {
-        return InvalidArgument("--apply-threads {} is outside [1, {}]", threads,
-                               ReceiverSession::kMaxApplyThreads);
-      }
-      args.apply_threads = static_cast<int>(threads);
-    } else if (flag == "--anchor-compression") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.anchor_compression, ParseAnchorCompression(text));
-    } else if (flag == "--no-raw-copy") {
-      args.raw_copy = false;
-    } else if (flag == "--skip-end-to-end") {
-      args.skip_end_to_end = true;
-    } else if (flag == "--skip-fanout") {
-      args.skip_fanout = true;
-    } else if (flag == "--skip-producers") {
-      args.skip_producers = true;
-    } else if (flag == "--skip-tp") {
-      args.skip_tp = true;
-    } else if (flag == "--skip-embedded") {
-      args.skip_embedded = true;
-    } else if (flag == "--sections") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      sections = SplitCommas(text);
-      for (std::string_view name : *sections) {
-        if (std::find(kSectionNames.begin(), kSectionNames.end(), name) == kSectionNames.end()) {
-          return InvalidArgument("--sections: unknown section '{}' (known: {})", name,
-                                 fmt::join(kSectionNames, ", "));
+      return Status::OK();
+    };
+  };
+  const auto counts = [](std::vector<uint32_t>* target) {
+    return [target](std::string_view flag, std::string_view text) -> Status {
+      REFIT_ASSIGN_OR_RETURN(*target, ParseCounts(flag, text));
+      return Status::OK();
+    };
+  };
+  FlagSet flags("e2e_bench", std::string(kSectionsHelp));
+  flags.Switch("--help", "print this and exit", &args.help);
+  flags.Switch("--quick", "CI's smoke sizes (explicit sizes still win)", &args.quick);
+  flags.Switch("--json", "print the report as JSON instead of tables", &args.json);
+  flags.Text("--json-out", "PATH", "also write the JSON report here", &args.json_out);
+  flags.Unsigned("--model-mib", "N", "the end-to-end section's model", &given.model_mib);
+  flags.Value("--densities", "D,D,...", "the end-to-end section's delta densities",
+              densities(&args.densities));
+  flags.Value("--fanout", "N,N,...", "fan-out fleet sizes",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                given.fanout.emplace();
+                for (std::string_view part : SplitCommas(text)) {
+                  REFIT_ASSIGN_OR_RETURN(uint64_t receivers, ParseUnsigned(flag, part));
+                  given.fanout->push_back(receivers);
+                }
+                return Status::OK();
+              });
+  flags.Unsigned("--fanout-model-mib", "N", "the fan-out section's model", &given.fanout_model_mib);
+  flags.Value("--fanout-density", "D", "the fan-out section's delta density",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(args.fanout_density,
+                                       ParseDensity(flag, text, /*allow_one=*/true));
+                return Status::OK();
+              });
+  flags.Unsigned("--chunk-mib", "N", "export chunk target", &given.chunk_mib);
+  flags.Value("--bucket-mib", "N", "payload bucket size",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(uint64_t mib, ParseUnsigned(flag, text));
+                args.bucket_bytes = mib * kMiB;
+                return Status::OK();
+              });
+  flags.Value("--threads", "N", "threads per producer stage",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseUnsigned(flag, text));
+                args.threads =
+                    static_cast<int>(std::min<uint64_t>(threads, ProducerStream::kMaxThreads));
+                return Status::OK();
+              });
+  flags.Switch("--mmap", "receivers map the model copy-on-write", &args.receiver_mmap);
+  flags.Switch("--no-verify", "skip downloading and comparing every tensor at the end",
+               [&] { args.verify_end_to_end = false; });
+  flags.Value("--anchor-undo", "memory|file|none", "the daemons' anchor undo policy",
+              [&](std::string_view, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(args.anchor_undo, ParseAnchorUndo(text));
+                return Status::OK();
+              });
+  flags.Value("--anchor-compression", "auto|zstd|none", "the producers' anchor compression",
+              [&](std::string_view, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(args.anchor_compression, ParseAnchorCompression(text));
+                return Status::OK();
+              });
+  flags.Value(
+      "--apply-threads", "N", "the daemons' threads per payload",
+      [&](std::string_view flag, std::string_view text) -> Status {
+        REFIT_ASSIGN_OR_RETURN(const uint64_t threads, ParseUnsigned(flag, text));
+        if (threads < 1 || threads > static_cast<uint64_t>(ReceiverSession::kMaxApplyThreads)) {
+          return InvalidArgument("--apply-threads {} is outside [1, {}]", threads,
+                                 ReceiverSession::kMaxApplyThreads);
         }
-      }
-    } else if (flag == "--producers") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.producers, ParseCounts(flag, text));
-    } else if (flag == "--producers-model-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(producers_model_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--producers-receivers") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.producers_receivers, ParseUnsigned(flag, text));
-    } else if (flag == "--tp") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.tp, ParseCounts(flag, text));
-    } else if (flag == "--tp-model-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(tp_model_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--embedded-model-mib") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(embedded_model_mib, ParseUnsigned(flag, text));
-    } else if (flag == "--steps") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(steps, ParseUnsigned(flag, text));
-    } else if (flag == "--step-density") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.step_density, ParseDensity(flag, text, /*allow_one=*/true));
-    } else if (flag == "--work-dir") {
-      REFIT_ASSIGN_OR_RETURN(args.work_dir, value());
-    } else if (flag == "--refit-binary") {
-      REFIT_ASSIGN_OR_RETURN(args.refit_binary, value());
-    } else if (flag == "--seed") {
-      REFIT_ASSIGN_OR_RETURN(std::string_view text, value());
-      REFIT_ASSIGN_OR_RETURN(args.seed, ParseUnsigned(flag, text));
-    } else {
-      return InvalidArgument("unknown argument '{}'", flag);
-    }
-  }
+        args.apply_threads = static_cast<int>(threads);
+        return Status::OK();
+      });
+  flags.Switch("--no-raw-copy", "skip the raw-copy yardstick", [&] { args.raw_copy = false; });
+  flags.Switch("--skip-end-to-end", "skip the end-to-end section", &args.skip_end_to_end);
+  flags.Switch("--skip-fanout", "skip the fan-out section", &args.skip_fanout);
+  flags.Switch("--skip-producers", "skip the producers section", &args.skip_producers);
+  flags.Switch("--skip-tp", "skip the tp section", &args.skip_tp);
+  flags.Switch("--skip-embedded", "skip the embedded section", &args.skip_embedded);
+  flags.Value(
+      "--sections", "S,S,...", "run only these sections",
+      [&](std::string_view, std::string_view text) -> Status {
+        given.sections = SplitCommas(text);
+        for (std::string_view name : *given.sections) {
+          if (std::find(kSectionNames.begin(), kSectionNames.end(), name) == kSectionNames.end()) {
+            return InvalidArgument("--sections: unknown section '{}' (known: {})", name,
+                                   fmt::join(kSectionNames, ", "));
+          }
+        }
+        return Status::OK();
+      });
+  flags.Value("--producers", "W,W,...", "the producers section's rank counts",
+              counts(&args.producers));
+  flags.Unsigned("--producers-model-mib", "N", "the producers section's model",
+                 &given.producers_model_mib);
+  flags.Unsigned("--producers-receivers", "N", "the producers section's receivers",
+                 &args.producers_receivers);
+  flags.Value("--tp", "T,T,...", "the tp section's shard group sizes", counts(&args.tp));
+  flags.Unsigned("--tp-model-mib", "N", "the tp section's model", &given.tp_model_mib);
+  flags.Unsigned("--embedded-model-mib", "N", "the embedded section's model",
+                 &given.embedded_model_mib);
+  flags.Unsigned("--steps", "N", "delta steps of the producers and tp sections", &given.steps);
+  flags.Value("--step-density", "D", "their density",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(args.step_density,
+                                       ParseDensity(flag, text, /*allow_one=*/true));
+                return Status::OK();
+              });
+  flags.Text("--work-dir", "DIR", "where models, logs and ready files go", &args.work_dir);
+  flags.Text("--refit-binary", "PATH", "the refit executable", &args.refit_binary);
+  flags.Unsigned("--seed", "N", "the synthetic model's seed", &args.seed);
+  return flags;
+}
+
+}  // namespace
+
+std::string Usage() {
+  Args args;
+  GivenFlags given;
+  return DeclareFlags(args, given).Usage();
+}
+
+Result<Args> ParseArgs(int argc, char** argv) {
+  Args args;
+  GivenFlags given;
+  REFIT_RETURN_NOT_OK(DeclareFlags(args, given).Parse(argc, argv));
+  if (args.help) return args;
   // --quick: CI's smoke sizes (well under a minute on 2 cores); explicit sizes still win.
   if (args.quick) {
     args.model_bytes = 64 * kMiB;
@@ -245,17 +261,18 @@ Result<Args> ParseArgs(int argc, char** argv) {
     args.embedded_model_bytes = 64 * kMiB;
     args.steps = 3;
   }
-  if (model_mib) args.model_bytes = *model_mib * kMiB;
-  if (fanout_model_mib) args.fanout_model_bytes = *fanout_model_mib * kMiB;
-  if (chunk_mib) args.chunk_bytes = *chunk_mib * kMiB;
-  if (fanout) args.fanout = *fanout;
-  if (producers_model_mib) args.producers_model_bytes = *producers_model_mib * kMiB;
-  if (tp_model_mib) args.tp_model_bytes = *tp_model_mib * kMiB;
-  if (embedded_model_mib) args.embedded_model_bytes = *embedded_model_mib * kMiB;
-  if (steps) args.steps = *steps;
-  if (sections) {
+  if (given.model_mib) args.model_bytes = *given.model_mib * kMiB;
+  if (given.fanout_model_mib) args.fanout_model_bytes = *given.fanout_model_mib * kMiB;
+  if (given.chunk_mib) args.chunk_bytes = *given.chunk_mib * kMiB;
+  if (given.fanout) args.fanout = *given.fanout;
+  if (given.producers_model_mib) args.producers_model_bytes = *given.producers_model_mib * kMiB;
+  if (given.tp_model_mib) args.tp_model_bytes = *given.tp_model_mib * kMiB;
+  if (given.embedded_model_mib) args.embedded_model_bytes = *given.embedded_model_mib * kMiB;
+  if (given.steps) args.steps = *given.steps;
+  if (given.sections) {
     const auto listed = [&](std::string_view name) {
-      return std::find(sections->begin(), sections->end(), name) != sections->end();
+      return std::find(given.sections->begin(), given.sections->end(), name) !=
+             given.sections->end();
     };
     args.skip_end_to_end = args.skip_end_to_end || !listed("end-to-end");
     args.skip_fanout = args.skip_fanout || !listed("fan-out");
@@ -353,10 +370,9 @@ Result<uint64_t> SyntheticModel::Step(uint64_t step, double density) {
   return changed.load();
 }
 
-Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
-                         const std::string& model_path, size_t receivers,
-                         const std::vector<TensorView>& model) {
-  Fleet fleet;
+Result<BenchFleet> StartFleet(const Args& args, const std::string& work_dir,
+                              const std::string& model_path, size_t receivers,
+                              const std::vector<TensorView>& model) {
   testkit::LocalFleetOptions fleet_options;
   fleet_options.refit_binary = args.refit_binary;
   fleet_options.receivers = testkit::LocalFleetOptions::Replicas(model_path, receivers);
@@ -367,34 +383,19 @@ Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
   fleet_options.extra_args.push_back(std::string(AnchorUndoName(args.anchor_undo)));
   fleet_options.extra_args.push_back("--apply-threads");
   fleet_options.extra_args.push_back(std::to_string(args.apply_threads));
-  const double t0 = Now();
-  REFIT_ASSIGN_OR_RETURN(fleet.daemons, testkit::LocalFleet::Start(fleet_options));
-  fleet.start_s = Now() - t0;
+  REFIT_ASSIGN_OR_RETURN(BenchFleet fleet, StartBenchFleet("zmq", fleet_options));
 
-  cli::FleetAddress address;
-  for (const testkit::LocalReceiver& receiver : fleet.daemons->receivers()) {
-    address.control_urls.push_back(receiver.control_url);
-    address.data_endpoints.push_back(receiver.data_endpoint);
-  }
-  address.transport_uri = fmt::format("zmq://?api_key_env={}", kApiKeyEnv);
-  REFIT_ASSIGN_OR_RETURN(address.api_key,
-                         SecretFromEnvironment(kApiKeyEnv, "the bench fleet's key"));
-  TrackerOptions tracker_options;
-  // Parallelism comes from encoding chunks concurrently; a parallel compare inside each encode
-  // would oversubscribe the cores.
-  tracker_options.compare.threads = 1;
-  CoordinatorOptions options;
-  options.stream.chunk_bytes = args.chunk_bytes;
-  options.stream.bucket_bytes = args.bucket_bytes;
-  options.stream.encode_threads = args.threads;
-  options.stream.serialize_threads = args.threads;
-  options.stream.send_threads = args.threads;
+  BenchProducers producers;
+  REFIT_ASSIGN_OR_RETURN(producers.transport, TransportUri::Parse("zmq://"));
+  producers.stream.chunk_bytes = args.chunk_bytes;
+  producers.stream.bucket_bytes = args.bucket_bytes;
+  producers.stream.encode_threads = args.threads;
+  producers.stream.serialize_threads = args.threads;
+  producers.stream.send_threads = args.threads;
   // ProducerStream's default rule (2 × send threads) for the thread count actually used.
-  options.stream.max_payloads_in_flight = 2 * static_cast<size_t>(args.threads);
-  options.stream.anchor_compression = args.anchor_compression;
-  REFIT_ASSIGN_OR_RETURN(fleet.coordinator,
-                         cli::FleetCoordinator::Make(address, &model, /*producers=*/1,
-                                                     tracker_options, options, &model));
+  producers.stream.max_payloads_in_flight = 2 * static_cast<size_t>(args.threads);
+  producers.stream.anchor_compression = args.anchor_compression;
+  REFIT_RETURN_NOT_OK(AttachProducers(fleet, producers, kApiKeyEnv, model));
   return fleet;
 }
 
@@ -469,27 +470,16 @@ std::optional<MemoryFit> FitMemory(const std::vector<std::pair<double, double>>&
   return fit;
 }
 
-Result<RefitRow> MeasureRefit(Fleet& fleet, bool full) {
+Result<RefitRow> MeasureRefit(BenchFleet& fleet, bool full) {
   RefitRow row;
   row.full = full;
   REFIT_ASSIGN_OR_RETURN(row.rss, OpenRssWindow(*fleet.daemons));
-  REFIT_ASSIGN_OR_RETURN(row.report, fleet.coordinator->Refit(/*force_anchor=*/full));
+  REFIT_ASSIGN_OR_RETURN(row.report, RefitOfKind(fleet, full));
   REFIT_RETURN_NOT_OK(CloseRssWindow(*fleet.daemons, &row.rss));
-  if (row.report.plan.anchor != full) {
-    return Internal("transfer {} was {} but a {} was asked for",
-                    row.report.plan.transfer_id.ToHex(),
-                    row.report.plan.anchor ? "FULL" : "a delta", full ? "FULL" : "delta");
-  }
   for (const std::unique_ptr<DeltaTracker>& tracker : fleet.coordinator->trackers()) {
     row.baseline_bytes += tracker->baseline_bytes();
   }
   return row;
-}
-
-double Density(const RefitReport& report) {
-  return report.total_elements == 0 ? 0.0
-                                    : static_cast<double>(report.changed_elements) /
-                                          static_cast<double>(report.total_elements);
 }
 
 uint64_t SectionChunkBytes(uint64_t model_bytes) {

@@ -18,6 +18,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench_fleet.h"
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "loopback_ports.h"
@@ -98,23 +99,15 @@ struct Args {
   bool json = false;
   std::string json_out;
   bool quick = false;
+  bool help = false;
 };
 
-// What a flag error prints after the error.
-constexpr std::string_view kUsage =
-    "usage: e2e_bench [--quick] [--json] [--json-out PATH] [--model-mib N]\n"
-    "                 [--densities D,D,...] [--fanout N,N,...] [--fanout-model-mib N]\n"
-    "                 [--fanout-density D] [--chunk-mib N] [--bucket-mib N] [--threads N]\n"
-    "                 [--mmap] [--no-verify] [--skip-end-to-end] [--skip-fanout]\n"
-    "                 [--anchor-undo memory|file|none] [--anchor-compression auto|zstd|none]\n"
-    "                 [--apply-threads N]\n"
-    "                 [--no-raw-copy]\n"
-    "                 [--sections S,S,...] [--producers W,W,...] [--producers-model-mib N]\n"
-    "                 [--producers-receivers N] [--tp T,T,...] [--tp-model-mib N]\n"
-    "                 [--embedded-model-mib N] [--steps N] [--step-density D]\n"
-    "                 [--skip-producers] [--skip-tp] [--skip-embedded]\n"
-    "                 [--work-dir DIR] [--refit-binary PATH] [--seed N]\n"
+// The sections, for the usage text.
+constexpr std::string_view kSectionsHelp =
     "sections: end-to-end, fan-out, producers, tp, embedded (default: all)\n";
+
+// The usage text: every flag with its value and help.
+std::string Usage();
 
 // The flags (argv[1…]) as Args: --quick's sizes first, explicit sizes over them, --sections as
 // skips. Errors: InvalidArgument naming the flag.
@@ -168,18 +161,11 @@ class SyntheticModel {
 
 // --- Resources --------------------------------------------------------------------------------
 
-// A fleet of daemons over one model file and a coordinator with the model as baseline.
-struct Fleet {
-  std::unique_ptr<testkit::LocalFleet> daemons;
-  std::unique_ptr<cli::FleetCoordinator> coordinator;
-  double start_s = 0;
-};
-
 // Start `receivers` daemons over the model file at `model_path` with the flags of `args`, and a
 // coordinator over `model` as the baseline they hold.
-Result<Fleet> StartFleet(const Args& args, const std::string& work_dir,
-                         const std::string& model_path, size_t receivers,
-                         const std::vector<TensorView>& model);
+Result<BenchFleet> StartFleet(const Args& args, const std::string& work_dir,
+                              const std::string& model_path, size_t receivers,
+                              const std::vector<TensorView>& model);
 
 // Peak RSS of this process and of every daemon, reset before a refit and read after it.
 struct RssWindow {
@@ -210,9 +196,9 @@ struct MemoryFit {
 
 std::optional<MemoryFit> FitMemory(const std::vector<std::pair<double, double>>& points);
 
-// --- Refits through a Fleet (end to end, fan-out) ----------------------------------------------
+// --- Refits through a BenchFleet (end to end, fan-out) -----------------------------------------
 
-// One refit of a Fleet and the memory around it.
+// One refit of a BenchFleet and the memory around it.
 struct RefitRow {
   bool full = false;
   double target_density = 0;
@@ -227,10 +213,7 @@ struct RefitRow {
 
 // One refit of `fleet`, a FULL when `full`, with the peak RSS of every process around it. Errors:
 // Internal when the transfer was not the kind asked for.
-Result<RefitRow> MeasureRefit(Fleet& fleet, bool full);
-
-// The fraction of the model's elements a refit changed (0 for an empty model).
-double Density(const RefitReport& report);
+Result<RefitRow> MeasureRefit(BenchFleet& fleet, bool full);
 
 // --- Shared by the producers, tp and embedded sections ----------------------------------------
 

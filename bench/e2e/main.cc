@@ -23,6 +23,7 @@
 #include "bench_util.h"
 #include "e2e/harness.h"
 #include "e2e/sections.h"
+#include "flags.h"
 #include "refit/compare.h"
 #include "refit/status_format.h"
 
@@ -169,17 +170,7 @@ int Main(int argc, char** argv) {
     }
     return 0;
   }
-  Result<Args> args = ParseArgs(argc, argv);
-  if (!args.ok()) {
-    std::cerr << "e2e_bench: " << args.status().message() << "\n" << kUsage;
-    return 2;
-  }
-  Status status = Run(*args);
-  if (!status.ok()) {
-    std::cerr << "e2e_bench: " << status.ToString() << "\n";
-    return 1;
-  }
-  return 0;
+  return RunBenchmark("e2e_bench", ParseArgs(argc, argv), Usage(), Run);
 }
 
 }  // namespace
