@@ -262,6 +262,20 @@ class ReceiverSession final : public ReceiverControl {
   /// is kAccepted.
   Result<StageResult> TryStage(ValidatedPayload& payload);
 
+  /// Record that producer `end.producer_id` ended its stream of the open transfer with
+  /// `end.payloads` payloads (ids 0 … payloads − 1), as a transport reports it. The session keeps
+  /// these counts (one place for a transfer's payload counts) and holds every other account of the
+  /// same stream to them: a payload of that producer with a higher id is refused at Stage, and a
+  /// Flush whose per-producer count for it differs fails, instead of waiting for payloads the
+  /// producer says it never sent. A stream end of a finished transfer is ignored (a late or
+  /// repeated one). Errors: FailedPrecondition (the transfer is neither open nor finished);
+  /// InvalidArgument naming the transfer, the producer and both counts (another end of the same
+  /// stream, the payload count declared at Prepare or Flush, or a payload staged beyond it).
+  Status EndStream(const StreamEnd& end);
+  /// The payload count each producer's stream end declared for the open transfer `id`: empty when
+  /// none did or `id` is not open.
+  std::map<uint32_t, uint32_t> DeclaredPayloads(const TransferId& id) const;
+
   /// Wait up to options.timeout until every expected payload of transfer `id` is staged and
   /// applied, then seal the transfer (later payloads: FailedPrecondition "already flushed"),
   /// compare the expected digests with the store's, and move to kPrepared. A timed-out Flush

@@ -151,6 +151,8 @@ struct ReceiverSession::Impl {
     std::unordered_map<uint64_t, std::array<uint8_t, 16>> staged;
     /// Distinct payloads staged per producer.
     std::map<uint32_t, uint64_t> staged_per_producer;
+    /// The payload count of each producer whose stream end arrived (EndStream).
+    std::map<uint32_t, uint32_t> ended;
     uint64_t applied = 0;
     uint64_t items = 0;
     uint64_t changed_elements = 0;
@@ -336,6 +338,11 @@ struct ReceiverSession::Impl {
     if (!transfer->first_error.ok()) {
       return transfer->first_error.WithContext(
           fmt::format("{}: the transfer failed earlier", context()));
+    }
+    if (auto ended = transfer->ended.find(ids.producer_id);
+        ended != transfer->ended.end() && ids.payload_id >= ended->second) {
+      return InvalidArgument("{}: unexpected: producer {} ended its stream with {} payloads",
+                             context(), ids.producer_id, ended->second);
     }
     const auto& per_producer = transfer->expected.payloads_per_producer;
     if (!per_producer.empty()) {
@@ -583,6 +590,58 @@ struct ReceiverSession::Impl {
                        named, transfer->applied);
   }
 
+  /// Check that the per-producer counts of `expectation` (declared by `by`) agree with every
+  /// stream end recorded: a producer absent from them is expected to send nothing.
+  Status CheckStreamEndsLocked(const TransferExpectation& expectation, std::string_view by) const {
+    if (expectation.payloads_per_producer.empty()) return Status::OK();
+    for (const auto& [producer, payloads] : transfer->ended) {
+      auto it = expectation.payloads_per_producer.find(producer);
+      const uint32_t expected = it == expectation.payloads_per_producer.end() ? 0 : it->second;
+      if (expected != payloads) {
+        return InvalidArgument(
+            "transfer {}: producer {} ended its stream with {} payloads, but {} expects {}",
+            transfer->id.ToHex(), producer, payloads, by, expected);
+      }
+    }
+    return Status::OK();
+  }
+
+  Status EndStream(const StreamEnd& end) {
+    std::lock_guard lock(mutex);
+    if (!transfer || transfer->id != end.transfer_id) {
+      if (FinishedLocked(end.transfer_id).has_value()) return Status::OK();
+      return FailedPrecondition(
+          "stream end of producer {} for transfer {}: not the open transfer: {}", end.producer_id,
+          end.transfer_id.ToHex(), DescribeLocked());
+    }
+    const std::string id = transfer->id.ToHex();
+    if (auto earlier = transfer->ended.find(end.producer_id); earlier != transfer->ended.end()) {
+      if (earlier->second == end.payloads) return Status::OK();  // A repeated end.
+      return InvalidArgument(
+          "transfer {}: producer {} ended its stream with {} payloads, and earlier with {}", id,
+          end.producer_id, end.payloads, earlier->second);
+    }
+    // O(staged payloads), once per producer and transfer.
+    for (const auto& [key, checksum] : transfer->staged) {
+      const auto producer = static_cast<uint32_t>(key >> 32);
+      const auto payload = static_cast<uint32_t>(key);
+      if (producer == end.producer_id && payload >= end.payloads) {
+        return InvalidArgument(
+            "transfer {}: producer {} ended its stream with {} payloads, but its payload {} was "
+            "staged",
+            id, end.producer_id, end.payloads, payload);
+      }
+    }
+    transfer->ended.emplace(end.producer_id, end.payloads);
+    if (Status agreed = CheckStreamEndsLocked(transfer->expected, "the transfer's payload count");
+        !agreed.ok()) {
+      transfer->ended.erase(end.producer_id);
+      return agreed;
+    }
+    TouchLocked();
+    return Status::OK();
+  }
+
   /// Combine the expectation given to Flush with the one in force.
   Status MergeExpectationLocked(const TransferExpectation& given) {
     REFIT_RETURN_NOT_OK(CheckExpectation(given).WithContext("flush"));
@@ -608,6 +667,7 @@ struct ReceiverSession::Impl {
               transfer->id.ToHex(), payload, producer);
         }
       }
+      REFIT_RETURN_NOT_OK(CheckStreamEndsLocked(given, "the flush"));
       expected.payloads_per_producer = given.payloads_per_producer;
       expected.total_payloads = given.total_payloads;
     }
@@ -1053,6 +1113,14 @@ Result<StageResult> ReceiverSession::Stage(std::vector<std::byte> payload, std::
 
 Result<StageResult> ReceiverSession::TryStage(ValidatedPayload& payload) {
   return impl_->StagePayload(payload, /*block=*/false, std::stop_token());
+}
+
+Status ReceiverSession::EndStream(const StreamEnd& end) { return impl_->EndStream(end); }
+
+std::map<uint32_t, uint32_t> ReceiverSession::DeclaredPayloads(const TransferId& id) const {
+  std::lock_guard lock(impl_->mutex);
+  if (!impl_->transfer || impl_->transfer->id != id) return {};
+  return impl_->transfer->ended;
 }
 
 Result<FlushReport> ReceiverSession::Flush(const TransferId& id, const FlushOptions& options) {

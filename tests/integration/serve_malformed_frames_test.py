@@ -688,14 +688,18 @@ def test_open_transfer(receiver):
           f"the corrupt body was not reported: {status}")
     receiver.expect_nack("payload after a failed apply", data_request(second), DATA_LOSS,
                       "failed earlier", reply_key(second))
-    # A stream end of the open transfer is recorded (and seals the stream at the relay) whatever
-    # its count: the coordinator's flush decides what the receiver expects. So a huge count is
-    # ACKed, the same stream end again too, and a contradicting one is refused.
+    # A stream end of the open transfer is held to the count Prepare declared (the session keeps
+    # a transfer's per-producer counts in one place): a huge count is refused naming both, and
+    # nothing is sealed. The declared count is recorded (and seals the stream at the relay), the
+    # same stream end again is ACKed, and one contradicting it is refused.
     flush_key = (hex_id.encode(), struct.pack("<I", 0), b"")
-    receiver.expect_ack("FLUSH with a huge count", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
-    receiver.expect_ack("the same FLUSH again", flush_request(tid, 0, 0xFFFFFFFF), flush_key)
+    receiver.expect_nack("FLUSH with a huge count", flush_request(tid, 0, 0xFFFFFFFF),
+                      INVALID_ARGUMENT, "ended its stream with 4294967295 payloads, but the "
+                      "transfer's payload count expects 2", flush_key)
+    receiver.expect_ack("FLUSH with the declared count", flush_request(tid, 0, 2), flush_key)
+    receiver.expect_ack("the same FLUSH again", flush_request(tid, 0, 2), flush_key)
     receiver.expect_nack("FLUSH contradicting the count", flush_request(tid, 0, 1),
-                      INVALID_ARGUMENT, "", flush_key)
+                      INVALID_ARGUMENT, "and earlier with 2", flush_key)
     receiver.expect_nack("payload of a sealed stream", data_request(second), FAILED_PRECONDITION,
                       "sealed", reply_key(second))
     receiver.control.json("POST", "/v1/abort", {"transfer_id": hex_id})

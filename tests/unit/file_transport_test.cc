@@ -201,7 +201,8 @@ class FileTransportTest : public ::testing::Test {
   static void FlushAndCommit(Receiver& receiver, const Step& step) {
     FlushOptions flush;
     flush.timeout = kGenerousTimeout;
-    flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(step.plan.transfer_id);
+    flush.expected.payloads_per_producer =
+        receiver.session->DeclaredPayloads(step.plan.transfer_id);
     EXPECT_EQ(flush.expected.payloads_per_producer,
               (std::map<uint32_t, uint32_t>{{0, static_cast<uint32_t>(step.payloads.size())}}));
     flush.expected.digests = step.digests;
@@ -423,7 +424,7 @@ TEST_F(FileTransportTest, ACorruptBodyIsStagedAndFailsTheFlush) {
   EXPECT_FALSE(fs::exists(damaged));
   FlushOptions flush;
   flush.timeout = kGenerousTimeout;
-  flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(step.plan.transfer_id);
+  flush.expected.payloads_per_producer = receiver.session->DeclaredPayloads(step.plan.transfer_id);
   EXPECT_STATUS(DataLoss, receiver.session->Flush(step.plan.transfer_id, flush));
   ASSERT_OK(receiver.session->Abort(step.plan.transfer_id));
   EXPECT_EQ(receiver.store->Digests(), before);

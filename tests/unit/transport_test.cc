@@ -425,24 +425,73 @@ TEST(InprocTransportTest, StopCancelsADeliveryBlockedInTheSink) {
   EXPECT_EQ(listener->stats().last_error.code(), StatusCode::kCancelled);
 }
 
-TEST(SessionSinkTest, RemembersStreamEndsOfRecentTransfers) {
+TEST(SessionSinkTest, StreamEndsHoldTheOpenTransfersPayloadCounts) {
   auto store = WeightStore::Make();
   ASSERT_OK_AND_ASSIGN(auto session, ReceiverSession::Make({}, *store));
   SessionSink sink(*session);
-  const TransferId first = TransferId::Random();
-  ASSERT_OK(sink.EndOfStream({first, 0, 5}));
-  ASSERT_OK(sink.EndOfStream({first, 3, 0}));
-  ASSERT_OK(sink.EndOfStream({first, 0, 5}));  // A repeated end is fine.
-  EXPECT_STATUS_MSG(InvalidArgument, "producer 0 ended its stream with 6 payloads",
-                    sink.EndOfStream({first, 0, 6}));
-  EXPECT_EQ(sink.DeclaredPayloads(first), (std::map<uint32_t, uint32_t>{{0, 5}, {3, 0}}));
-  EXPECT_TRUE(sink.DeclaredPayloads(TransferId::Random()).empty());
-  for (size_t i = 1; i < kRememberedTransfers; ++i) {
-    ASSERT_OK(sink.EndOfStream({TransferId::Random(), 0, 1}));
-  }
-  EXPECT_FALSE(sink.DeclaredPayloads(first).empty());
-  ASSERT_OK(sink.EndOfStream({TransferId::Random(), 0, 1}));
-  EXPECT_TRUE(sink.DeclaredPayloads(first).empty());  // The oldest is forgotten first.
+  const TransferId id = TransferId::Random();
+  // Before Prepare nothing is open: refused, nothing recorded.
+  EXPECT_STATUS_MSG(FailedPrecondition, "not the open transfer", sink.EndOfStream({id, 0, 5}));
+  ASSERT_OK(session->Prepare(PrepareRequest{id, 0, {}}).status());
+  EXPECT_TRUE(session->DeclaredPayloads(id).empty());
+  ASSERT_OK(sink.EndOfStream({id, 0, 5}));
+  ASSERT_OK(sink.EndOfStream({id, 3, 0}));
+  ASSERT_OK(sink.EndOfStream({id, 0, 5}));  // A repeated end is fine.
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 0 ended its stream with 6 payloads, and earlier with 5",
+                    sink.EndOfStream({id, 0, 6}));
+  EXPECT_EQ(session->DeclaredPayloads(id), (std::map<uint32_t, uint32_t>{{0, 5}, {3, 0}}));
+  EXPECT_TRUE(session->DeclaredPayloads(TransferId::Random()).empty());
+
+  // A payload beyond its producer's end is refused; one within it is staged.
+  ASSERT_OK_AND_ASSIGN(const std::vector<std::byte> beyond,
+                       EncodePayload(PayloadIds{id, 0, 5, 0, 1}, {}));
+  EXPECT_STATUS_MSG(InvalidArgument, "producer 0 ended its stream with 5 payloads",
+                    session->Stage(beyond));
+  ASSERT_OK_AND_ASSIGN(const std::vector<std::byte> within,
+                       EncodePayload(PayloadIds{id, 0, 4, 0, 1}, {}));
+  ASSERT_OK(session->Stage(within));
+  // ... and a stream end below a payload already staged is refused too.
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 0 ended its stream with 4 payloads, and earlier with 5",
+                    sink.EndOfStream({id, 0, 4}));
+  ASSERT_OK_AND_ASSIGN(const std::vector<std::byte> other,
+                       EncodePayload(PayloadIds{id, 1, 2, 0, 1}, {}));
+  ASSERT_OK(session->Stage(other));
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 1 ended its stream with 2 payloads, but its payload 2 was staged",
+                    sink.EndOfStream({id, 1, 2}));
+
+  // A flush expecting other counts than the producers declared fails at once, naming both,
+  // instead of waiting for payloads that were never sent.
+  FlushOptions flush;
+  flush.timeout = std::chrono::seconds(30);
+  flush.expected.payloads_per_producer = {{0, 6}, {1, 3}};
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 0 ended its stream with 5 payloads, but the flush expects 6",
+                    session->Flush(id, flush));
+  ASSERT_OK(session->Abort(id));
+  // A late stream end of the finished transfer is ignored.
+  ASSERT_OK(sink.EndOfStream({id, 0, 7}));
+  EXPECT_TRUE(session->DeclaredPayloads(id).empty());
+
+  // A count declared at Prepare holds the stream ends to it.
+  const TransferId next = TransferId::Random();
+  TransferExpectation expected;
+  expected.payloads_per_producer = {{0, 2}};
+  ASSERT_OK(session->Prepare(PrepareRequest{next, 0, expected}).status());
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 0 ended its stream with 3 payloads, but the transfer's payload "
+                    "count expects 2",
+                    sink.EndOfStream({next, 0, 3}));
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "producer 1 ended its stream with 1 payloads, but the transfer's payload "
+                    "count expects 0",
+                    sink.EndOfStream({next, 1, 1}));
+  ASSERT_OK(sink.EndOfStream({next, 0, 2}));
+  ASSERT_OK(sink.EndOfStream({next, 1, 0}));  // A producer the count leaves out sent nothing.
+  EXPECT_EQ(session->DeclaredPayloads(next), (std::map<uint32_t, uint32_t>{{0, 2}, {1, 0}}));
+  ASSERT_OK(session->Abort(next));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -512,7 +561,7 @@ void FlushAndCommit(Receiver& receiver, const TransferId& id,
                     const std::map<std::string, uint64_t>& digests) {
   FlushOptions flush;
   flush.timeout = kGenerousTimeout;
-  flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(id);
+  flush.expected.payloads_per_producer = receiver.session->DeclaredPayloads(id);
   ASSERT_FALSE(flush.expected.payloads_per_producer.empty());
   flush.expected.digests = digests;
   ASSERT_OK(receiver.session->Flush(id, flush));
@@ -648,7 +697,7 @@ TEST(InprocTransportTest, ProducerStreamsReachTwoReceiversBitIdentically) {
       for (const auto& [name, digest] : trackers[p]->PendingDigests()) digests[name] = digest;
     }
     for (Receiver& receiver : receivers) {
-      EXPECT_EQ(receiver.sink->DeclaredPayloads(id),
+      EXPECT_EQ(receiver.session->DeclaredPayloads(id),
                 (std::map<uint32_t, uint32_t>{{0, static_cast<uint32_t>(sent[0])},
                                               {1, static_cast<uint32_t>(sent[1])}}));
       ASSERT_NO_FATAL_FAILURE(FlushAndCommit(receiver, id, digests));
@@ -829,7 +878,7 @@ TEST_F(FaultTransportTest, CorruptPayloadFailsTheReceiversFlush) {
   ASSERT_OK(sender->Finish(1));
   FlushOptions flush;
   flush.timeout = kGenerousTimeout;
-  flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(id);
+  flush.expected.payloads_per_producer = receiver.session->DeclaredPayloads(id);
   EXPECT_STATUS(DataLoss, receiver.session->Flush(id, flush));
   ASSERT_OK(receiver.session->Abort(id));
   EXPECT_EQ(receiver.store->Digests(), before);

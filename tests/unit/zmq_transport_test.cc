@@ -274,7 +274,8 @@ class ZmqTransportTest : public ::testing::Test {
   static void FlushCommitAndCheck(Receiver& receiver, const Step& step) {
     FlushOptions flush;
     flush.timeout = kGenerousTimeout;
-    flush.expected.payloads_per_producer = receiver.sink->DeclaredPayloads(step.plan.transfer_id);
+    flush.expected.payloads_per_producer =
+        receiver.session->DeclaredPayloads(step.plan.transfer_id);
     EXPECT_EQ(flush.expected.payloads_per_producer, step.declared);
     flush.expected.digests = step.digests;
     ASSERT_OK(receiver.session->Flush(step.plan.transfer_id, flush));
@@ -309,7 +310,7 @@ class ZmqTransportTest : public ::testing::Test {
       SCOPED_TRACE(fmt::format("relay {}", i));
       EXPECT_EQ(relays[i].listener->stats().delivered, 0u);
       EXPECT_EQ(relays[i].listener->stats().streams_ended, 0u);
-      EXPECT_TRUE(relays[i].sink->DeclaredPayloads(step.plan.transfer_id).empty());
+      EXPECT_TRUE(relays[i].session->DeclaredPayloads(step.plan.transfer_id).empty());
       const ReceiverStatus status = relays[i].session->GetStatus();
       EXPECT_EQ(status.state, ReceiverState::kReceiving);
       EXPECT_EQ(status.transfer_id, step.plan.transfer_id);
@@ -489,7 +490,7 @@ TEST_F(ZmqTransportTest, AWrongApiKeyIsPermissionDeniedAndStagesNothing) {
   for (const Receiver& relay : relays) {
     EXPECT_EQ(relay.listener->stats().delivered, 0u);
     EXPECT_EQ(relay.listener->stats().streams_ended, 0u);
-    EXPECT_EQ(relay.sink->DeclaredPayloads(step.plan.transfer_id).size(), 0u);
+    EXPECT_EQ(relay.session->DeclaredPayloads(step.plan.transfer_id).size(), 0u);
   }
 
   auto accepted = SenderFor(step, endpoints, right.get());
@@ -673,7 +674,8 @@ TEST_F(ZmqTransportTest, ARelaySealsAProducersStreamAtItsFlush) {
     // Payload 2 never arrived: the receiver's flush says so, and the transfer rolls back.
     FlushOptions flush;
     flush.timeout = kMissingPayloadTimeout;
-    flush.expected.payloads_per_producer = relays[i].sink->DeclaredPayloads(step.plan.transfer_id);
+    flush.expected.payloads_per_producer =
+        relays[i].session->DeclaredPayloads(step.plan.transfer_id);
     EXPECT_STATUS(DeadlineExceeded, relays[i].session->Flush(step.plan.transfer_id, flush));
     ASSERT_OK(relays[i].session->Abort(step.plan.transfer_id));
   }
@@ -1165,7 +1167,7 @@ TEST_F(ZmqTransportTest, AStreamEndOfATransferNotOpenIsRefusedAndSealsNothing) {
   EXPECT_STATUS_MSG(FailedPrecondition, "does not have open", early->Finish(step.payloads.size()));
   for (const Receiver& relay : relays) {
     EXPECT_EQ(relay.listener->stats().streams_ended, 0u);
-    EXPECT_TRUE(relay.sink->DeclaredPayloads(step.plan.transfer_id).empty());
+    EXPECT_TRUE(relay.session->DeclaredPayloads(step.plan.transfer_id).empty());
   }
   // Once prepared, the same stream flows and ends.
   ASSERT_NO_FATAL_FAILURE(RunStep(relays, endpoints, step));
@@ -1227,7 +1229,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "ACK") << reply[6];
-  EXPECT_EQ(receiver.sink->DeclaredPayloads(step.plan.transfer_id).size(), kMaxProducers);
+  EXPECT_EQ(receiver.session->DeclaredPayloads(step.plan.transfer_id).size(), kMaxProducers);
   EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
 }
 
