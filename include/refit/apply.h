@@ -146,7 +146,11 @@ class UndoLog {
 ///
 /// `threads` > 1: a payload of more than one tensor whose items are all FULL (an anchor's) or all
 /// deltas applies its tensors on up to that many threads, one tensor (with its items in order)
-/// per thread at a time, with the same all-or-nothing result; a payload that mixes FULL and
+/// per thread at a time, with the same all-or-nothing result. A tensor whose one item is an XOR
+/// delta recorded by `received` splits further, into slices of kLocationMarkInterval changes
+/// that decode from the item's location marks and apply on any of the threads, so that a payload
+/// of one large tensor uses them too (its rollback re-applies the item whole, once every slice
+/// ran). A payload that mixes FULL and
 /// delta items applies its items in order on the calling thread. Through a loader, any payload:
 /// a thread takes every item that writes one of its local tensors (q, k and v into one fused
 /// qkv_proj go together); a FULL span's old bits are then kept under a lock (spill file, or the

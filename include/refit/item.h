@@ -51,6 +51,21 @@ std::string_view LocationEncodingName(LocationEncoding encoding);
 /// Parse a location encoding name. Errors: InvalidArgument listing the accepted names.
 Result<LocationEncoding> ParseLocationEncoding(std::string_view text);
 
+/// A point in an item's location stream that decoding can go on from: the decoder's whole state
+/// after `emitted` locations (LocationDecoder::mark). A full decode of the item records one every
+/// kLocationMarkInterval locations (DecodedPayload::location_marks), so that the item's apply can
+/// decode and apply its slices on several threads.
+struct LocationMark {
+  uint64_t emitted = 0;
+  uint64_t byte_pos = 0;
+  uint64_t cursor = 0;
+  uint64_t run_left = 0;
+};
+
+/// Locations between two marks of an item: a slice of its apply on one thread. A multiple of the
+/// decoders' batch (4096), so that a full decode stands at every mark between batches.
+inline constexpr uint64_t kLocationMarkInterval = 32768;
+
 /// A read-only view of one item: what changed in elements [span_begin, span_end) of one tensor.
 /// Borrowed: the bytes belong to an `Item` or a `DecodedPayload` and must outlive the view.
 struct ItemView {

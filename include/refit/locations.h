@@ -57,8 +57,21 @@ class LocationDecoder {
   /// trailing bytes once all `count` locations are read.
   Result<size_t> Next(std::span<uint64_t> out);
 
-  /// Decode everything left, only to validate it. Errors as Next().
-  Status ValidateAll();
+  /// Decode everything left, only to validate it. With `marks`, append the decoder's mark at
+  /// every multiple of kLocationMarkInterval locations before the end. Errors as Next().
+  Status ValidateAll(std::vector<LocationMark>* marks = nullptr);
+
+  /// Where the decoder stands: it has emitted mark().emitted locations.
+  LocationMark mark() const { return {emitted_, byte_pos_, cursor_, run_left_}; }
+  /// Go on from `mark`, which a decoder of the same item's bytes reported (ValidateAll's marks):
+  /// the next location is the one at index mark.emitted. Precondition: the mark came from this
+  /// item, decoded without error that far (a mark is not checked).
+  void Seek(const LocationMark& mark) {
+    emitted_ = mark.emitted;
+    byte_pos_ = mark.byte_pos;
+    cursor_ = mark.cursor;
+    run_left_ = mark.run_left;
+  }
 
   uint64_t count() const { return count_; }
 

@@ -155,6 +155,9 @@ class DecodedPayload {
  public:
   const PayloadHeader& header() const { return header_; }
   std::span<const ItemView> items() const { return items_; }
+  /// Where the decode of item `index`'s locations stood at every kLocationMarkInterval
+  /// locations (none for an item of fewer): the starts of its slices after the first.
+  std::span<const LocationMark> location_marks(size_t index) const { return marks_[index]; }
 
  private:
   friend Result<DecodedPayload> DecodeBody(const PayloadHeader&, std::span<const std::byte>,
@@ -163,6 +166,7 @@ class DecodedPayload {
   // unique_ptr keeps item views valid when the DecodedPayload moves.
   std::unique_ptr<std::vector<std::byte>> body_;
   std::vector<ItemView> items_;
+  std::vector<std::vector<LocationMark>> marks_;
 };
 
 /// Validate everything (header, checksum, bounded decompression, item table, every location and

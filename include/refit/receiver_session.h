@@ -138,9 +138,9 @@ struct ReceiverSessionOptions {
   /// Threads that apply one payload, one tensor per thread at a time (ApplyPayload): an
   /// anchor's FULL items, whose apply hashes every element, which one core does slower than it
   /// copies; and a delta payload's items, whose locations are decoded and values applied and
-  /// hashed per element; through a loader, a delta payload's items, grouped by the local tensors
-  /// they write. Payloads are still applied one at a time, in arrival order.
-  /// 1 to kMaxApplyThreads.
+  /// hashed per element, a large XOR item in slices of its own; through a loader, a delta
+  /// payload's items, grouped by the local tensors they write. Payloads are still applied one at a
+  /// time, in arrival order. 1 to kMaxApplyThreads.
   int apply_threads = 4;
   /// Threads that decode (validate, checksum, decompress, parse) queued payloads ahead of the
   /// apply, each the first queued payload nobody has started, at most this many payloads ahead:

@@ -709,8 +709,16 @@ Result<size_t> LocationDecoder::Next(std::span<uint64_t> out) {
   return n;
 }
 
-Status LocationDecoder::ValidateAll() {
+Status LocationDecoder::ValidateAll(std::vector<LocationMark>* marks) {
+  static_assert(kLocationMarkInterval % kDecodeBatch == 0,
+                "a mark must fall between two batches of a full decode");
   if (encoding_ == LocationEncoding::kAll) {  // Make() checked everything there is to check.
+    if (marks != nullptr) {
+      for (uint64_t at = (emitted_ / kLocationMarkInterval + 1) * kLocationMarkInterval;
+           at < count_; at += kLocationMarkInterval) {
+        marks->push_back(LocationMark{at, byte_pos_, cursor_ + (at - emitted_), 0});
+      }
+    }
     cursor_ += count_ - emitted_;
     emitted_ = count_;
     return Status::OK();
@@ -719,6 +727,9 @@ Status LocationDecoder::ValidateAll() {
   while (true) {
     REFIT_ASSIGN_OR_RETURN(const size_t decoded, Next(scratch));
     if (decoded == 0) return Status::OK();
+    if (marks != nullptr && emitted_ < count_ && emitted_ % kLocationMarkInterval == 0) {
+      marks->push_back(mark());
+    }
   }
 }
 

@@ -239,10 +239,11 @@ Status CheckSameNameAgreement(std::span<const ItemView> items, const PayloadIds&
   return Status::OK();
 }
 
-Status ValidateLocations(const ItemView& item, const PayloadIds& ids, size_t index) {
+Status ValidateLocations(const ItemView& item, const PayloadIds& ids, size_t index,
+                         std::vector<LocationMark>* marks = nullptr) {
   auto decoder = LocationDecoder::Make(item.location_encoding, item.locations, item.count,
                                        item.span_begin, item.span_end);
-  Status status = decoder.ok() ? decoder->ValidateAll() : decoder.status();
+  Status status = decoder.ok() ? decoder->ValidateAll(marks) : decoder.status();
   return status.WithContext(ItemContext(ids, index, item.name));
 }
 
@@ -992,8 +993,9 @@ Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
   }
 
   // Every structure is consistent; now the O(count) checks of each item's locations.
+  decoded.marks_.resize(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    REFIT_RETURN_NOT_OK(ValidateLocations(items[i], ids, i));
+    REFIT_RETURN_NOT_OK(ValidateLocations(items[i], ids, i, &decoded.marks_[i]));
   }
 
   // Join byte planes in place (through one scratch buffer), then point each item at its values.

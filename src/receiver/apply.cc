@@ -125,6 +125,27 @@ struct DeltaScratch {
   std::vector<std::byte> batch_old_bits;
 };
 
+/// Apply the decoded `locations` of `item`, whose values start at change `first`, to `tensor`,
+/// appending the bits they held to `old_out`; return their digest change,
+/// Σ h(i, new) − h(i, old).
+uint64_t ApplyDeltaBatch(const ItemView& item, std::span<std::byte> tensor,
+                         std::span<const uint64_t> locations, uint64_t first,
+                         std::vector<std::byte>& old_out) {
+  const uint32_t width = DTypeSize(item.dtype);
+  const uint32_t value_width = DTypeSize(item.value_dtype);
+  const size_t n = locations.size();
+  const size_t old_start = old_out.size();
+  ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor, locations,
+                item.values.subspan(first * value_width, n * value_width), &old_out);
+  const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
+  uint64_t digest_delta = 0;
+  for (size_t k = 0; k < n; ++k) {
+    digest_delta += ElementHash(locations[k], LoadBits(tensor, width, locations[k])) -
+                    ElementHash(locations[k], LoadBits(old_bits, width, k));
+  }
+  return digest_delta;
+}
+
 /// Apply delta item `item` (not FULL) to `tensor`, recording into `record` the old bits and
 /// locations unless the record is one that re-applies the item (Record::reapply), and return the
 /// change of the tensor's digest. Touches nothing but `tensor`, `record` and `scratch`, so that
@@ -168,17 +189,47 @@ Result<uint64_t> ApplyDeltaItem(const ItemView& item, const MutableTensorView& t
     const std::span<const uint64_t> locations(scratch.batch.data(), n);
     std::vector<std::byte>& old_out = reapply ? scratch.batch_old_bits : record.old_bits;
     if (reapply) scratch.batch_old_bits.clear();
-    const size_t old_start = old_out.size();
-    ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor.bytes, locations,
-                  item.values.subspan(applied * value_width, n * value_width), &old_out);
+    digest_delta += ApplyDeltaBatch(item, tensor.bytes, locations, applied, old_out);
     if (!reapply) {
       record.locations.insert(record.locations.end(), locations.begin(), locations.end());
     }
-    const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
-    for (size_t k = 0; k < n; ++k) {
-      digest_delta += ElementHash(locations[k], LoadBits(tensor.bytes, width, locations[k])) -
-                      ElementHash(locations[k], LoadBits(old_bits, width, k));
+    applied += n;
+  }
+  return digest_delta;
+}
+
+/// A large XOR item of a host tensor whose record re-applies its payload splits into slices at
+/// its location marks (DecodedPayload::location_marks): each slice decodes from its mark and
+/// applies its own changes, disjoint from every other slice's (locations strictly increase), so
+/// the slices of one item run on several threads. Rolling it back re-applies the whole item,
+/// which is exact once every slice ran, whatever the order.
+bool SplitsIntoSlices(const ItemView& item, std::span<const LocationMark> marks, bool reapply) {
+  return reapply && item.op == Op::kXor && !marks.empty();
+}
+
+/// Apply the changes [from, end) of `item` to the host tensor `tensor`, decoding from `mark`
+/// (null: from the first location); return their digest change. Errors: Internal when the
+/// decode, validated before, runs out early; DataLoss as LocationDecoder::Next.
+Result<uint64_t> ApplyDeltaSlice(const ItemView& item, const MutableTensorView& tensor,
+                                 const LocationMark* mark, uint64_t end, DeltaScratch& scratch) {
+  REFIT_ASSIGN_OR_RETURN(LocationDecoder decoder,
+                         LocationDecoder::Make(item.location_encoding, item.locations, item.count,
+                                               item.span_begin, item.span_end));
+  if (mark != nullptr) decoder.Seek(*mark);
+  uint64_t applied = mark != nullptr ? mark->emitted : 0;
+  uint64_t digest_delta = 0;
+  while (applied < end) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(kLocationBatch, end - applied));
+    REFIT_ASSIGN_OR_RETURN(const size_t n,
+                           decoder.Next(std::span<uint64_t>(scratch.batch).first(want)));
+    if (n != want) {
+      return Internal("item '{}': {} of the locations {} … {} decoded", item.name, n, applied,
+                      applied + want - 1);
     }
+    scratch.batch_old_bits.clear();
+    digest_delta +=
+        ApplyDeltaBatch(item, tensor.bytes, std::span<const uint64_t>(scratch.batch.data(), n),
+                        applied, scratch.batch_old_bits);
     applied += n;
   }
   return digest_delta;
@@ -301,15 +352,36 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     }
   };
 
-  // A delta payload (no FULL item) of more than one tensor: its tensors are applied in parallel,
-  // each on one thread (the items of one tensor in order, on the same thread), and their digest
-  // changes checked and moved in item order afterwards. Still all or nothing: any error rolls
-  // back every item of the payload.
+  // A delta payload (no FULL item) on several threads: its tensors are applied in parallel, each
+  // on one thread (the items of one tensor in order, on the same thread), except that a tensor
+  // with one large XOR item splits into slices of that item (SplitsIntoSlices) that run on any
+  // threads; the digest changes are checked and moved in item order afterwards. Still all or
+  // nothing: any error rolls back every item of the payload.
   const bool any_full = std::any_of(items.begin(), items.end(),
                                     [](const ItemView& item) { return item.op == Op::kFull; });
-  if (threads > 1 && !any_full && items.size() > 1) {
+  if (threads > 1 && !any_full) {
     const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
-    if (groups.size() > 1) {
+    auto reapplies = [&](size_t i) {
+      return received != nullptr && items[i].op == Op::kXor &&
+             store.DeviceMemory(items[i].name) == nullptr;
+    };
+    // One task per tensor, or per slice of a tensor's one splittable item.
+    struct DeltaTask {
+      size_t group = 0;
+      bool slice = false;
+      size_t index = 0;  // The slice's index: it starts at mark index − 1 (the first at 0).
+    };
+    std::vector<DeltaTask> tasks;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const size_t first = groups[g].front();
+      const std::span<const LocationMark> marks = payload.location_marks(first);
+      if (groups[g].size() == 1 && SplitsIntoSlices(items[first], marks, reapplies(first))) {
+        for (size_t k = 0; k <= marks.size(); ++k) tasks.push_back({g, true, k});
+      } else {
+        tasks.push_back({g, false, 0});
+      }
+    }
+    if (tasks.size() > 1) {
       bool reapplied = false;
       for (size_t i = 0; i < items.size(); ++i) {
         const ItemView& item = items[i];
@@ -317,8 +389,7 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
             undo->records_.emplace_back(UndoLog::Record{.tensor = std::string(item.name),
                                                         .width = DTypeSize(item.dtype),
                                                         .digest_before = *store.Digest(item.name)});
-        if (received != nullptr && item.op == Op::kXor &&
-            store.DeviceMemory(item.name) == nullptr) {
+        if (reapplies(i)) {
           record.reapply = true;
           record.payload = kCurrentPayload;
           record.item = i;
@@ -328,29 +399,69 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
       const std::span<UndoLog::Record> records =
           std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
       std::vector<uint64_t> digest_deltas(items.size());
+      std::vector<uint64_t> slice_digests(tasks.size());
+      std::vector<Status> task_status(tasks.size());
+      std::vector<char> ran(tasks.size(), 0);
       // Which items a thread began to apply: after an error, the others were never written, and
-      // their records must not re-apply them on rollback.
+      // their records must not re-apply them on rollback. A split item always runs whole.
       std::vector<char> started(items.size(), 0);
-      Status applied = internal::ParallelFor(
-          std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
-          [&](uint64_t begin, uint64_t end) -> Status {
-            auto scratch = std::make_unique<DeltaScratch>();
-            for (uint64_t g = begin; g < end; ++g) {
-              for (size_t i : groups[g]) {
-                started[i] = 1;
-                REFIT_ASSIGN_OR_RETURN(
-                    digest_deltas[i],
-                    ApplyDeltaItem(items[i], *store.Find(items[i].name),
-                                   store.DeviceMemory(items[i].name), records[i], *scratch));
-              }
+      for (const DeltaTask& task : tasks) {
+        if (task.slice) started[groups[task.group].front()] = 1;
+      }
+      auto run = [&](size_t t, DeltaScratch& scratch) {
+        const DeltaTask& task = tasks[t];
+        if (task.slice) {
+          const size_t i = groups[task.group].front();
+          const std::span<const LocationMark> marks = payload.location_marks(i);
+          const LocationMark* mark = task.index == 0 ? nullptr : &marks[task.index - 1];
+          const uint64_t end =
+              task.index < marks.size() ? marks[task.index].emitted : items[i].count;
+          Result<uint64_t> delta =
+              ApplyDeltaSlice(items[i], *store.Find(items[i].name), mark, end, scratch);
+          if (delta.ok())
+            slice_digests[t] = *delta;
+          else
+            task_status[t] = delta.status();
+        } else {
+          for (size_t i : groups[task.group]) {
+            started[i] = 1;
+            Result<uint64_t> delta =
+                ApplyDeltaItem(items[i], *store.Find(items[i].name),
+                               store.DeviceMemory(items[i].name), records[i], scratch);
+            if (!delta.ok()) {
+              task_status[t] = delta.status();
+              break;
             }
-            return Status::OK();
-          });
-      if (!applied.ok()) {
+            digest_deltas[i] = *delta;
+          }
+        }
+        ran[t] = 1;
+      };
+      // Every task runs, even after another failed: a split item's record re-applies it whole,
+      // which is exact only once all its slices ran.
+      const Status pooled =
+          internal::ParallelFor(std::min<int>(threads, static_cast<int>(tasks.size())),
+                                tasks.size(), [&](uint64_t begin, uint64_t end) -> Status {
+                                  auto scratch = std::make_unique<DeltaScratch>();
+                                  for (uint64_t t = begin; t < end; ++t) run(t, *scratch);
+                                  return Status::OK();
+                                });
+      if (!pooled.ok()) {
+        // No threads (the pool could not start): what did not run, runs here.
+        auto scratch = std::make_unique<DeltaScratch>();
+        for (size_t t = 0; t < tasks.size(); ++t) {
+          if (!ran[t]) run(t, *scratch);
+        }
+      }
+      for (size_t t = 0; t < tasks.size(); ++t) {
+        if (tasks[t].slice) digest_deltas[groups[tasks[t].group].front()] += slice_digests[t];
+      }
+      for (const Status& status : task_status) {
+        if (status.ok()) continue;
         for (size_t i = 0; i < items.size(); ++i) {
           if (!started[i]) records[i].reapply = false;
         }
-        return fail(applied);
+        return fail(status);
       }
       for (size_t i = 0; i < items.size(); ++i) {
         Status checked = CheckDeltaDigest(header, i, items[i], digest_deltas[i]);

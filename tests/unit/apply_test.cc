@@ -1,5 +1,6 @@
 #include "refit/apply.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -224,6 +225,86 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
   EXPECT_EQ(undo.records(), 0u);
   EXPECT_TRUE(std::ranges::equal(kept.bytes(), forged_bytes));
   ASSERT_OK(tracker_->Abort(id));
+}
+
+// A payload of one large XOR item (and a small one) whose record keeps the payload applies the
+// large item in slices at its location marks on several threads: the bytes and digests of one
+// thread, an exact rollback (the item re-applied whole), and a forged digest undoes it all.
+TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
+  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  const std::vector<OwnedTensor> v0 = {RandomTensor("big", DType::kBFloat16, {1000, 700}, 1),
+                                       RandomTensor("small", DType::kBFloat16, {64}, 2)};
+  const auto make_store = [&] {
+    auto store = WeightStore::Make();
+    for (const OwnedTensor& t : v0) EXPECT_OK(AddTestTensor(*store, t.view()));
+    return store;
+  };
+  TransferId id = TransferId::Random();
+  ASSERT_OK(tracker->Begin(id));
+  for (const OwnedTensor& t : v0) ASSERT_OK(tracker->Encode(id, t.view()));
+  ASSERT_OK(tracker->Commit(id));
+
+  id = TransferId::Random();
+  ASSERT_OK_AND_ASSIGN(const TransferPlan plan, tracker->Begin(id));
+  std::vector<OwnedTensor> next;
+  for (const OwnedTensor& t : v0) next.push_back(Perturb(t, 0.3, 9));
+  std::vector<Item> items;
+  for (const OwnedTensor& t : next) {
+    ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(id, t.view()));
+    for (Item& item : encoded.items) items.push_back(std::move(item));
+  }
+  const auto encode = [&](const std::vector<Item>& of) {
+    std::vector<ItemView> views;
+    for (const Item& item : of) views.push_back(item.view());
+    Result<std::vector<std::byte>> bytes =
+        EncodePayload(PayloadIds{id, 0, 0, plan.base_version, plan.target_version}, views);
+    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+    return std::move(bytes).ValueOrDie();
+  };
+  const std::vector<std::byte> bytes = encode(items);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+  ASSERT_EQ(decoded.items()[0].name, "big");
+  ASSERT_GE(decoded.location_marks(0).size(), 4u) << "the large item must split";
+  EXPECT_TRUE(decoded.location_marks(1).empty());
+
+  auto serial = make_store();
+  serial->set_version(plan.base_version);
+  UndoLog serial_undo;
+  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  EXPECT_EQ(serial->Digests(), tracker->PendingDigests());
+  for (const int threads : {2, 4, 7}) {
+    SCOPED_TRACE(fmt::format("{} threads", threads));
+    auto store = make_store();
+    store->set_version(plan.base_version);
+    const StoreSnapshot before = TakeSnapshot(*store);
+    const std::map<std::string, uint64_t> digests_before = store->Digests();
+    UndoLog undo;
+    ValidatedPayload kept = Validated(bytes);
+    ASSERT_OK(ApplyPayload(decoded, *store, &undo, &kept, threads));
+    // Kept to undo the XOR items, which then split; a device tensor keeps old bits instead.
+    EXPECT_EQ(kept.size() == 0, !testing::DeviceMemoryForced());
+    EXPECT_EQ(TakeSnapshot(*store), TakeSnapshot(*serial));
+    EXPECT_EQ(store->Digests(), serial->Digests());
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+    ASSERT_OK(undo.Rollback(*store));
+    EXPECT_EQ(TakeSnapshot(*store), before);
+    EXPECT_EQ(store->Digests(), digests_before);
+
+    // The large item's digest forged (its values stay right): every slice applied, then all of
+    // the payload undone.
+    std::vector<Item> forged_items = items;
+    forged_items.front().digest ^= 1;
+    const std::vector<std::byte> forged_bytes = encode(forged_items);
+    ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
+    UndoLog forged_undo;
+    ValidatedPayload forged_kept = Validated(forged_bytes);
+    EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
+                      ApplyPayload(forged, *store, &forged_undo, &forged_kept, threads));
+    EXPECT_EQ(TakeSnapshot(*store), before);
+    EXPECT_EQ(store->Digests(), digests_before);
+    EXPECT_EQ(forged_undo.records(), 0u);
+  }
+  ASSERT_OK(tracker->Abort(id));
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypesAndOps, ApplyTest,

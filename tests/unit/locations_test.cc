@@ -267,6 +267,52 @@ std::vector<uint64_t> RandomLocations(std::mt19937_64& rng, uint64_t span_begin,
 // ---------------------------------------------------------------------------------------------
 // Round trips.
 
+// A full decode marks its state every kLocationMarkInterval locations, and a decoder of the same
+// bytes moved to any mark decodes exactly the locations after it, in every encoding: what lets
+// one item's apply run in slices on several threads.
+TEST(LocationsTest, ADecoderSeekingAMarkGoesOnExactlyAsTheFullDecode) {
+  const uint64_t span_begin = 1000;
+  // Runs and gaps of every width the encodings hold: 3 marks and a partial slice after them.
+  std::vector<uint64_t> sparse;
+  std::mt19937_64 rng(7);
+  for (uint64_t at = span_begin; sparse.size() < 3 * kLocationMarkInterval + 777;) {
+    sparse.push_back(at);
+    at += (rng() % 5 == 0) ? 1 + rng() % 200 : 1;
+  }
+  const uint64_t sparse_end = sparse.back() + 10;
+  std::vector<uint64_t> dense;  // Every element of its span, for kAll.
+  for (uint64_t at = span_begin; at < span_begin + 2 * kLocationMarkInterval + 5; ++at) {
+    dense.push_back(at);
+  }
+  for (const LocationEncoding encoding : kAllEncodings) {
+    SCOPED_TRACE(std::string(LocationEncodingName(encoding)));
+    const std::vector<uint64_t>& locations = encoding == LocationEncoding::kAll ? dense : sparse;
+    const uint64_t span_end = encoding == LocationEncoding::kAll ? dense.back() + 1 : sparse_end;
+    std::vector<uint8_t> bytes;
+    ASSERT_OK(EncodeLocations(encoding, locations, span_begin, span_end, &bytes));
+    ASSERT_OK_AND_ASSIGN(
+        LocationDecoder full,
+        LocationDecoder::Make(encoding, bytes, locations.size(), span_begin, span_end));
+    std::vector<LocationMark> marks;
+    ASSERT_OK(full.ValidateAll(&marks));
+    ASSERT_EQ(marks.size(), (locations.size() - 1) / kLocationMarkInterval);
+    for (size_t k = 0; k < marks.size(); ++k) {
+      SCOPED_TRACE(fmt::format("mark {}", k));
+      ASSERT_EQ(marks[k].emitted, (k + 1) * kLocationMarkInterval);
+      ASSERT_OK_AND_ASSIGN(
+          LocationDecoder resumed,
+          LocationDecoder::Make(encoding, bytes, locations.size(), span_begin, span_end));
+      resumed.Seek(marks[k]);
+      std::vector<uint64_t> rest(locations.size() - marks[k].emitted);
+      ASSERT_OK_AND_ASSIGN(const size_t decoded, resumed.Next(rest));
+      ASSERT_EQ(decoded, rest.size());
+      EXPECT_TRUE(std::equal(rest.begin(), rest.end(), locations.begin() + marks[k].emitted));
+      ASSERT_OK_AND_ASSIGN(const size_t after, resumed.Next(rest));
+      EXPECT_EQ(after, 0u);  // The end, with its trailing-byte checks.
+    }
+  }
+}
+
 TEST(LocationsTest, EmptyLocationsInAnEmptySpanAreAll) {
   ExpectRoundTripEverywhere({}, 5, 5);
   ASSERT_OK_AND_ASSIGN(LocationEncoding chosen, ChooseLocationEncoding({}, 5, 5));
