@@ -73,6 +73,9 @@ class Receiver:
       ``anchor_undo_dir``, default ``$TMPDIR``), or ``"none"`` (about 1× the model; an aborted
       anchor leaves :attr:`ReceiverStatus.needs_anchor` set and ``after_abort`` is not called,
       so generation stays paused until the next anchor commits);
+    - ``apply_threads``: threads that apply one payload (its tensors, and the slices of a large
+      one, in parallel; default 4); ``decode_threads``: threads that decode the next payloads
+      while one applies (default 2; 0: the applying thread decodes);
     - ``config``: a :class:`Config`; explicit arguments override it;
     - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
       ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
@@ -89,6 +92,8 @@ class Receiver:
         "control_port": "http_refit_server_port",
         "anchor_undo": "server.anchor_undo",
         "anchor_undo_dir": "server.anchor_undo_dir",
+        "apply_threads": "tuning.apply_threads",
+        "decode_threads": "tuning.decode_threads",
     }
 
     def __init__(
@@ -109,6 +114,8 @@ class Receiver:
         api_key: Optional[str] = None,
         anchor_undo: Optional[str] = None,
         anchor_undo_dir: Optional[str] = None,
+        apply_threads: Optional[int] = None,
+        decode_threads: Optional[int] = None,
         config: Optional[Config] = None,
         before_first_apply: Hook = None,
         after_commit: Hook = None,

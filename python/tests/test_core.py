@@ -285,6 +285,28 @@ def test_keywords_override_the_config_and_are_checked_as_its_keys(tmp_path):
         refit.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2"), ("http://127.0.0.1:3", "127.0.0.1:2")])
 
 
+def test_apply_threads_apply_a_large_tensor_in_slices_bit_identically():
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(400_000).astype(np.float32)
+    held = {"big": base.copy(), "small": np.zeros(7, np.float32)}
+    with refit.Receiver(apply_threads=3, decode_threads=0) as receiver:
+        for name, array in held.items():
+            receiver.register(name, array)
+        receiver.start()
+        publisher = refit.Publisher(receivers=[receiver])
+        publisher.adopt_baseline({"big": base.copy(), "small": np.zeros(7, np.float32)}, version=0)
+        for step in range(1, 3):
+            trainer = {"big": base.copy(), "small": np.full(7, step, np.float32)}
+            changed = rng.random(base.size) < 0.5  # about 200,000 changes: several slices
+            trainer["big"][changed] += np.float32(step)
+            report = publisher.sync(trainer)
+            assert not report.anchor and report.changed_elements >= 150_000
+            assert held["big"].tobytes() == trainer["big"].tobytes()
+            assert held["small"].tobytes() == trainer["small"].tobytes()
+    with pytest.raises(refit.InvalidArgument, match=r"Receiver\(apply_threads=\) \(tuning\.apply_threads\): 0 is outside"):
+        refit.Receiver(apply_threads=0)
+
+
 def test_the_package_version_is_the_projects():
     import pathlib
     import re
