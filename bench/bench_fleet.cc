@@ -5,9 +5,9 @@
 #include <utility>
 
 #include "bench_util.h"
-#include "refit/environment.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
+#include "util/environment.h"
 
 namespace refit::bench {
 

@@ -28,17 +28,17 @@
 #include <thread>
 #include <unordered_map>
 
+#include "codec/compare.h"
+#include "codec/locations.h"
+#include "codec/values.h"
 #include "progress.h"
 #include "refit/apply.h"
 #include "refit/bucketing.h"
-#include "refit/compare.h"
-#include "refit/locations.h"
 #include "refit/receiver_session.h"
-#include "refit/simulator.h"
 #include "refit/tracker.h"
-#include "refit/values.h"
 #include "refit/weight_store.h"
 #include "table.h"
+#include "workload/simulator.h"
 
 namespace refit::bench {
 namespace {

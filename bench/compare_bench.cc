@@ -1,4 +1,4 @@
-// Micro-benchmarks of the bitwise compare kernels (refit/compare.h).
+// Micro-benchmarks of the bitwise compare kernels (src/codec/compare.h).
 //
 // Comparing is memory bound: every element of both tensors is read once. Throughput is therefore
 // reported over both streams (2 × array bytes, printed as GB/s) and as the user counter
@@ -28,8 +28,8 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include "codec/compare.h"
 #include "codec/compare_kernels.h"
-#include "refit/compare.h"
 
 namespace refit {
 namespace {

@@ -56,14 +56,14 @@
 #include "process.h"
 #include "progress.h"
 #include "raw_copy.h"
-#include "refit/environment.h"
 #include "refit/safetensors.h"
-#include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "table.h"
 #include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
+#include "util/environment.h"
+#include "workload/simulator.h"
 
 #ifndef REFIT_BINARY
 #error "REFIT_BINARY must name the refit executable (set by bench/CMakeLists.txt)"

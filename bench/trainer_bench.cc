@@ -33,9 +33,9 @@
 
 #include "bench_util.h"
 #include "cli_common.h"
+#include "codec/compare.h"
 #include "config_file.h"
 #include "process.h"
-#include "refit/compare.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/safetensors.h"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The naming checks of .clang-tidy (readability-identifier-naming, STYLE.md's names) over the
-# library, the CLI and the Python binding, headers included. Needs the dev build's
+# The front door's includes (scripts/check_includes.sh: the binding, the examples and the CLI
+# include the installed API only), then the naming checks of .clang-tidy
+# (readability-identifier-naming, STYLE.md's names) over the library, the CLI and the Python
+# binding, headers included. Needs the dev build's
 # compile_commands.json (cmake --preset dev). Fails, listing them, on any name out of style.
 # About 2 minutes on 2 cores; scripts/test.sh runs it after the dev stage. Tests and benchmarks
 # are not scanned: gtest and Google Benchmark names (BM_…) follow their frameworks, and clang-14
@@ -10,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build/dev}
+bash scripts/check_includes.sh
 [[ -f $build/compile_commands.json ]] || {
   echo "lint: no $build/compile_commands.json (cmake --preset dev first)" >&2
   exit 2

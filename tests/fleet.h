@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "loopback.h"
+#include "node/session_sink.h"
 #include "refit/chain_replay.h"
 #include "refit/chunk_source.h"
 #include "refit/control_client.h"
@@ -26,7 +27,6 @@
 #include "refit/coordinator.h"
 #include "refit/receiver_session.h"
 #include "refit/s3_chain.h"
-#include "refit/session_sink.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

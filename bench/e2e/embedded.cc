@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "core/digest.h"
 #include "e2e/harness.h"
-#include "refit/digest.h"
 #include "refit/receiver_node.h"
 #include "refit/status_format.h"
 #include "table.h"
@@ -31,7 +31,7 @@
 namespace refit::bench::e2e {
 namespace {
 
-// The state fingerprint of `tensors` (refit/digest.h), computed from their bytes.
+// The state fingerprint of `tensors` (src/core/digest.h), computed from their bytes.
 uint64_t FingerprintOf(const std::vector<TensorView>& tensors) {
   std::map<std::string, uint64_t> digests;
   for (const TensorView& tensor : tensors) digests[tensor.name] = TensorDigest(tensor);

@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "codec/compare.h"
 #include "e2e/harness.h"
 #include "raw_copy.h"
-#include "refit/compare.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "table.h"

@@ -17,17 +17,17 @@
 
 #include "bench_util.h"
 #include "config_file.h"
+#include "core/digest.h"
+#include "core/half_float.h"
 #include "flags.h"
 #include "refit/control_client.h"
-#include "refit/digest.h"
-#include "refit/environment.h"
-#include "refit/half_float.h"
 #include "refit/producer_group.h"
-#include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "role_options.h"
+#include "util/environment.h"
 #include "util/splitmix64.h"
 #include "util/thread_pool.h"
+#include "workload/simulator.h"
 
 namespace refit::bench::e2e {
 namespace {

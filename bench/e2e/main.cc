@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "codec/compare.h"
 #include "e2e/harness.h"
 #include "e2e/sections.h"
 #include "flags.h"
-#include "refit/compare.h"
 #include "refit/status_format.h"
 
 namespace refit::bench::e2e {

@@ -4,7 +4,7 @@
 // A sharded rank's tracker compares and keeps only the box it holds (O(shard) memory), in the
 // box's own row-major numbering, while everything that leaves the rank speaks canonical
 // coordinates: item spans and locations, and digests, Σ h(canonical index, bits), so that the
-// boxes of a tensor add up to the whole tensor's digest (refit/digest.h). The box is a sequence
+// boxes of a tensor add up to the whole tensor's digest (src/core/digest.h). The box is a sequence
 // of *runs*, contiguous in both numberings; a row shard (a box spanning every dimension but the
 // first) is a single run, so its map is a shift.
 //

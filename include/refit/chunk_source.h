@@ -1,7 +1,7 @@
 // Export chunk sources: what a producer pulls from the trainer, one export chunk at a time, and
 // the whole-model helpers built on the chunking rule (a source over a tensor list, and the
 // baseline of the chunks a producer owns). Sharded ranks use the pieces source instead
-// (refit/piece_source.h).
+// (src/pipeline/piece_source.h).
 //
 // A trainer's tensors may be in device memory (a GPU): an ExportTensor is then reached through the
 // device boundary (refit/tensor_memory.h), and the chunks the producer sends are read into

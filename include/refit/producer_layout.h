@@ -16,7 +16,7 @@
 // The distinct boxes of each canonical tensor must tile it exactly; boxes that coincide are
 // copies (data-parallel replicas, `Replicate`, kv heads replicated over TP), sent by the lowest
 // rank that holds them. A box's digest is Σ h(canonical index, bits) over its elements, so the
-// distinct boxes of a tensor add up to the whole tensor's state digest (refit/digest.h).
+// distinct boxes of a tensor add up to the whole tensor's state digest (src/core/digest.h).
 #pragma once
 
 #include <cstdint>

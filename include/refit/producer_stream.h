@@ -56,8 +56,8 @@ struct ProducerStreamOptions {
   uint32_t producer_id = 0;
   uint32_t num_producers = 1;
   /// The source yields only this producer's own chunks (a sharded trainer rank's pieces,
-  /// refit/piece_source.h): every chunk is owned, whatever k % W says. producer_id still names
-  /// the payloads.
+  /// src/pipeline/piece_source.h): every chunk is owned, whatever k % W says. producer_id still
+  /// names the payloads.
   bool owns_every_chunk = false;
   /// The chunk target of the Chunker rule. Every chunk the source yields is checked against the
   /// rule with this target, because a drifting rule silently moves tensors between producers.

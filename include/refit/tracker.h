@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "refit/canonical_box.h"
-#include "refit/compare.h"
+#include "refit/compare_options.h"
 #include "refit/item.h"
 #include "refit/payload.h"
 #include "refit/status.h"

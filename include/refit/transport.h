@@ -27,7 +27,7 @@
 // payload belongs to the sender's transfer — and a listener validates each payload it receives
 // once (ValidatePayload, under TransportOptions::limits) — but neither decodes the body; the codec
 // never knows which transport carries it. Receiving is transport-independent too: a Listener hands
-// each ValidatedPayload to a PayloadSink; SessionSink (refit/session_sink.h, the node layer)
+// each ValidatedPayload to a PayloadSink; SessionSink (src/node/session_sink.h, the node layer)
 // adapts a ReceiverSession to that interface.
 #pragma once
 

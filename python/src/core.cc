@@ -27,7 +27,7 @@
 #include <fmt/format.h>
 
 #include "config_file.h"
-#include "refit/compare.h"
+#include "refit/compare_options.h"
 #include "refit/dtype.h"
 #include "refit/loader.h"
 #include "refit/loader_layout.h"

@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <chrono>
 
-#include "refit/environment.h"
+#include "util/environment.h"
 
 namespace refit::cli {
 

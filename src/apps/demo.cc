@@ -26,11 +26,11 @@
 #include "progress.h"
 #include "raw_copy.h"
 #include "refit/safetensors.h"
-#include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "role_options.h"
 #include "table.h"
+#include "workload/simulator.h"
 
 namespace refit::cli {
 namespace {

@@ -6,9 +6,9 @@
 #include <iostream>
 
 #include "cli_common.h"
+#include "codec/locations.h"
 #include "progress.h"
 #include "refit/bucketing.h"
-#include "refit/locations.h"
 #include "table.h"
 
 namespace refit::cli {

@@ -29,10 +29,10 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
+#include "core/half_float.h"
 #include "progress.h"
 #include "refit/apply.h"
 #include "refit/bucketing.h"
-#include "refit/half_float.h"
 #include "refit/payload.h"
 #include "refit/producer_stream.h"
 #include "refit/receiver_session.h"

@@ -17,10 +17,10 @@
 #include "cli_common.h"
 #include "process.h"
 #include "progress.h"
-#include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "table.h"
+#include "workload/simulator.h"
 
 #if REFIT_HAVE_MPI
 #include <mpi.h>

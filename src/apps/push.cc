@@ -18,7 +18,6 @@
 #include "config_file.h"
 #include "progress.h"
 #include "refit/control_client.h"
-#include "refit/environment.h"
 #include "role_options.h"
 #if REFIT_HAVE_MPI
 #include "refit/mpi.h"

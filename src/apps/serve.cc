@@ -33,7 +33,6 @@
 #include "cli_common.h"
 #include "config_file.h"
 #include "progress.h"
-#include "refit/environment.h"
 #include "refit/loader.h"
 #include "refit/logging.h"
 #include "refit/receiver_node.h"

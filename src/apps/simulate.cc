@@ -6,12 +6,12 @@
 #include <fmt/format.h>
 
 #include "cli_common.h"
+#include "codec/compare.h"
 #include "config_file.h"
 #include "progress.h"
-#include "refit/compare.h"
-#include "refit/simulator.h"
 #include "refit/status_format.h"
 #include "table.h"
+#include "workload/simulator.h"
 
 namespace refit::cli {
 namespace {

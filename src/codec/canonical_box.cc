@@ -4,7 +4,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 
 namespace refit {

@@ -1,7 +1,7 @@
 // Bitwise comparison front end: argument checks and multi-threaded chunking around the kernels
 // of compare_kernels.cc.
 
-#include "refit/compare.h"
+#include "codec/compare.h"
 
 #include <algorithm>
 #include <atomic>

@@ -1,5 +1,5 @@
 // Internal entry points of the bitwise compare kernels (compare_kernels.cc). The public API is
-// refit/compare.h; these functions trust their arguments, which compare.cc validates.
+// codec/compare.h; these functions trust their arguments, which compare.cc validates.
 #pragma once
 
 #include <cstddef>

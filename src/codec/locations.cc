@@ -42,7 +42,7 @@
 // runs, too few or too many locations, and trailing bytes. Every read is bounds-checked by
 // construction, every loop advances by at least one byte or one location, and the state only
 // advances past data that decoded correctly, so a failed decoder fails again if called again.
-#include "refit/locations.h"
+#include "codec/locations.h"
 
 #include <algorithm>
 #include <array>

@@ -22,11 +22,11 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include "codec/locations.h"
+#include "codec/values.h"
 #include "refit/dtype.h"
-#include "refit/locations.h"
 #include "refit/status_format.h"
 #include "refit/tensor.h"
-#include "refit/values.h"
 #include "util/check.h"
 #include "util/endian.h"
 

@@ -8,8 +8,8 @@
 
 #include <fmt/format.h>
 
-#include "refit/digest.h"
-#include "refit/locations.h"
+#include "codec/locations.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 
 namespace refit {

@@ -11,13 +11,13 @@
 
 #include <fmt/format.h>
 
+#include "codec/compare.h"
+#include "codec/locations.h"
+#include "codec/values.h"
+#include "core/digest.h"
 #include "core/mapped_file.h"
 #include "refit/canonical_box.h"
-#include "refit/compare.h"
-#include "refit/digest.h"
-#include "refit/locations.h"
 #include "refit/status_format.h"
-#include "refit/values.h"
 #include "util/check.h"
 #include "util/thread_pool.h"
 

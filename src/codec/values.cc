@@ -9,7 +9,7 @@
 //
 // This file is compiled once per SIMD target by Highway (foreach_target.h re-includes it); only
 // the byte-plane kernels are per-target, everything else sits inside `#if HWY_ONCE`.
-#include "refit/values.h"
+#include "codec/values.h"
 
 #include <bit>
 #include <cfloat>
@@ -17,7 +17,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "refit/half_float.h"
+#include "core/half_float.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/endian.h"

@@ -24,10 +24,10 @@
 #include <variant>
 #include <vector>
 
-#include "refit/environment.h"
+#include "codec/values.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
-#include "refit/values.h"
+#include "util/environment.h"
 
 namespace refit::config {
 

@@ -8,10 +8,10 @@
 #include <system_error>
 #include <utility>
 
-#include "refit/environment.h"
 #include "refit/loader.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
+#include "util/environment.h"
 
 namespace refit::config {
 namespace {

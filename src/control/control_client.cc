@@ -21,7 +21,7 @@
 #include <httplib.h>
 
 #include "control/protocol.h"
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
 

@@ -28,7 +28,7 @@
 #include "control/http_connections.h"
 #include "control/metrics.h"
 #include "control/protocol.h"
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"

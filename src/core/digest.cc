@@ -1,4 +1,4 @@
-#include "refit/digest.h"
+#include "core/digest.h"
 
 #include <cstring>
 

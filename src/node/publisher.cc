@@ -13,7 +13,7 @@
 #include <fmt/format.h>
 
 #include "node/group_protocol.h"
-#include "refit/piece_source.h"
+#include "pipeline/piece_source.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"

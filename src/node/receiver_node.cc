@@ -7,8 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "node/session_sink.h"
 #include "refit/safetensors.h"
-#include "refit/session_sink.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"

@@ -1,4 +1,4 @@
-#include "refit/session_sink.h"
+#include "node/session_sink.h"
 
 #include <utility>
 

@@ -1,4 +1,4 @@
-#include "refit/piece_source.h"
+#include "pipeline/piece_source.h"
 
 #include <algorithm>
 #include <cstring>

@@ -9,7 +9,7 @@
 
 #include <fmt/ranges.h>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 
 namespace refit {

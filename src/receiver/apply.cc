@@ -16,8 +16,8 @@
 
 #include <fmt/format.h>
 
+#include "codec/locations.h"
 #include "receiver/apply_internal.h"
-#include "refit/locations.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"

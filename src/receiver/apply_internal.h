@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "codec/values.h"
+#include "core/digest.h"
 #include "refit/apply.h"
-#include "refit/digest.h"
 #include "refit/payload.h"
 #include "refit/tensor_memory.h"
-#include "refit/values.h"
 #include "refit/weight_store.h"
 
 namespace refit {

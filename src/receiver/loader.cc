@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/status_format.h"
 
 namespace refit {

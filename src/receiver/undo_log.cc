@@ -15,8 +15,8 @@
 #include <optional>
 #include <utility>
 
+#include "codec/locations.h"
 #include "receiver/apply_internal.h"
-#include "refit/locations.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 

@@ -11,8 +11,8 @@
 #include <cstring>
 #include <span>
 
+#include "core/digest.h"
 #include "core/mapped_file.h"
-#include "refit/digest.h"
 #include "refit/loader.h"
 #include "refit/status_format.h"
 #include "util/check.h"

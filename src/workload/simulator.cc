@@ -1,4 +1,4 @@
-#include "refit/simulator.h"
+#include "workload/simulator.h"
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +16,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/half_float.h"
+#include "core/half_float.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "util/check.h"

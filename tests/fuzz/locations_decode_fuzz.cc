@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "refit/locations.h"
+#include "codec/locations.h"
 
 namespace {
 

@@ -19,9 +19,9 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include "codec/locations.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/locations.h"
 #include "refit/payload.h"
 
 namespace {

@@ -20,12 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "codec/locations.h"
+#include "codec/values.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/locations.h"
 #include "refit/payload.h"
 #include "refit/tensor.h"
-#include "refit/values.h"
 
 namespace {
 

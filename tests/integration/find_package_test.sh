@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # refit as an installed library, seen from a project outside the tree: install this build into a
-# fresh prefix, then build a tiny consumer against it twice — with CMake (find_package(refit),
-# refit::refit) and with pkg-config (refit.pc) — and check that each runs and prints the
-# project's version.
+# fresh prefix; check that the installed headers need only the standard library and are exactly
+# the API refit/api.h includes; then build a tiny consumer against it twice — with CMake
+# (find_package(refit), refit::refit) and with pkg-config (refit.pc) — and check that each runs
+# and prints the project's version, and one more with CMake that includes refit/api.h alone and
+# refits a receiver of its own memory from a trainer rank over loopback.
 #
 # Usage: find_package_test.sh BUILD_DIR WORK_DIR VERSION [CMAKE [CXX]]
 set -euo pipefail
@@ -61,6 +63,22 @@ if [[ -n $third_party ]]; then
   exit 1
 fi
 echo "$(grep -c '^#include' "$probe") headers: standard library only"
+# The installed headers are the API and nothing else: every one of them is refit/api.h or reached
+# from it (the facades and the types they use), but refit/status_format.h (opt-in, above). A
+# header installed beside them that the API does not use is an internal that belongs in src/.
+echo '#include "refit/api.h"' > "$work_dir/api_probe.cc"
+"$cxx" -std=c++20 -fsyntax-only -DREFIT_HAVE_MPI=1 -I"$prefix/include" -MD \
+  -MF "$work_dir/api_probe.d" "$work_dir/api_probe.cc" \
+  || { echo "FAIL: refit/api.h does not compile on its own" >&2; exit 1; }
+reached=$(tr ' ' '\n' < "$work_dir/api_probe.d" | grep -o 'refit/[a-z_0-9]*\.h$' | sort -u)
+installed=$(cd "$prefix/include" && ls refit/*.h | grep -v '^refit/status_format\.h$' | sort -u)
+outside=$(comm -13 <(echo "$reached") <(echo "$installed"))
+if [[ -n $outside ]]; then
+  echo "FAIL: installed, but not part of the API that refit/api.h includes:" >&2
+  echo "$outside" >&2
+  exit 1
+fi
+echo "$(echo "$installed" | wc -l) installed headers, every one reached from refit/api.h"
 
 mkdir -p "$consumer"
 cat > "$consumer/CMakeLists.txt" <<CMAKE
@@ -74,7 +92,54 @@ if(NOT refit_VERSION STREQUAL "$version")
 endif()
 add_executable(consumer main.cc)
 target_link_libraries(consumer PRIVATE refit::refit)
+add_executable(refit_consumer refit_main.cc)
+target_link_libraries(refit_consumer PRIVATE refit::refit)
 CMAKE
+cat > "$consumer/refit_main.cc" <<'CXX'
+// The front door from outside: refit/api.h alone, a receiver holding this process's memory and a
+// trainer rank refitting it over the real data and control planes on loopback. Prints
+// "refit ok" and the changed count, or why not.
+#include <cstdio>
+#include <span>
+#include <vector>
+#include "refit/api.h"
+int main() {
+  std::vector<float> held(1000, 0.0f);
+  std::vector<float> trainer(1000, 0.0f);
+  refit::ReceiverNodeOptions receiver_options;
+  receiver_options.data_endpoint = "127.0.0.1:0";
+  auto node = refit::ReceiverNode::Make(receiver_options);
+  if (!node.ok()) { std::fprintf(stderr, "%s\n", node.status().ToString().c_str()); return 1; }
+  refit::Status registered = (*node)->RegisterTensor(refit::MutableTensorView{
+      "w", refit::DType::kFloat32, {1000}, std::as_writable_bytes(std::span<float>(held))});
+  refit::Status started = registered.ok() ? (*node)->Start() : registered;
+  if (!started.ok()) { std::fprintf(stderr, "%s\n", started.ToString().c_str()); return 1; }
+  auto group = refit::MakeInProcessGroup(1);
+  if (!group.ok()) { std::fprintf(stderr, "%s\n", group.status().ToString().c_str()); return 1; }
+  refit::PublisherOptions publisher_options;
+  publisher_options.receivers = {{(*node)->control_url(), (*node)->producer_endpoint()}};
+  auto publisher = refit::Publisher::Make(publisher_options, std::move((*group)[0]));
+  if (!publisher.ok()) { std::fprintf(stderr, "%s\n", publisher.status().ToString().c_str()); return 1; }
+  const auto view = [&] {
+    return std::vector<refit::TensorView>{refit::TensorView{
+        "w", refit::DType::kFloat32, {1000}, std::as_bytes(std::span<const float>(trainer))}};
+  };
+  refit::Status adopted = (*publisher)->AdoptBaseline(std::span<const refit::TensorView>(view()), 0);
+  if (!adopted.ok()) { std::fprintf(stderr, "%s\n", adopted.ToString().c_str()); return 1; }
+  trainer[7] = 1.5f;
+  trainer[900] = -2.0f;
+  auto report = (*publisher)->Sync(view());
+  if (!report.ok()) { std::fprintf(stderr, "%s\n", report.status().ToString().c_str()); return 1; }
+  (*node)->Stop();
+  if (held != trainer || report->transfer.changed_elements != 2 || report->transfer.plan.anchor) {
+    std::fprintf(stderr, "the receiver does not hold the trainer's weights\n");
+    return 1;
+  }
+  std::printf("refit ok: %llu changed\n",
+              static_cast<unsigned long long>(report->transfer.changed_elements));
+  return 0;
+}
+CXX
 cat > "$consumer/main.cc" <<'CXX'
 // Prints refit::VersionString() and nothing else on stdout; checks a few real API calls.
 #include <cstdio>
@@ -130,6 +195,9 @@ if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 out=$("$consumer/build/consumer")
 echo "consumer (CMake) printed: $out"
 [[ $out == "$version" ]] || { echo "FAIL: expected '$version'" >&2; exit 1; }
+out=$("$consumer/build/refit_consumer")
+echo "refit_consumer (refit/api.h, CMake) printed: $out"
+[[ $out == "refit ok: 2 changed" ]] || { echo "FAIL: expected 'refit ok: 2 changed'" >&2; exit 1; }
 
 echo "== pkg-config consumer: refit.pc"
 export PKG_CONFIG_PATH=$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}

@@ -30,7 +30,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/half_float.h"
+#include "core/half_float.h"
 #include "refit/mpi.h"
 #include "refit/mpi_producer_group.h"
 #include "refit/publisher.h"

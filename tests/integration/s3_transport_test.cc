@@ -23,9 +23,9 @@
 #include <fmt/format.h>
 #include <httplib.h>
 
+#include "core/digest.h"
 #include "fleet.h"
 #include "refit/chain_replay.h"
-#include "refit/digest.h"
 #include "refit/s3_chain.h"
 #include "s3_test_env.h"
 #include "test_util.h"

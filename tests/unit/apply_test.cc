@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <map>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/tracker.h"
 #include "store_snapshot.h"
 #include "test_data.h"

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <map>
 
+#include "core/digest.h"
 #include "refit/apply.h"
 #include "refit/bucketing.h"
-#include "refit/digest.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"

@@ -1,11 +1,11 @@
-// Tests of the bitwise compare kernels (refit/compare.h).
+// Tests of the bitwise compare kernels (src/codec/compare.h).
 //
 // Every input is built by changing known elements of a random tensor, so each test checks the
 // kernels against the ground truth of the construction, and kBest against kScalar. The kernel
 // tests run once per SIMD target Highway compiled and this CPU supports (AVX-512, AVX2, SSE4,
 // ..., scalar), so targets other than the best one are covered too.
 
-#include "refit/compare.h"
+#include "codec/compare.h"
 
 #include <algorithm>
 #include <bit>

@@ -29,8 +29,8 @@
 #include <nlohmann/json.hpp>
 
 #include "control/protocol.h"
+#include "core/digest.h"
 #include "refit/control_client.h"
-#include "refit/digest.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "store_snapshot.h"

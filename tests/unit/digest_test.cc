@@ -1,8 +1,8 @@
-#include "refit/digest.h"
+#include "core/digest.h"
 
 #include <gtest/gtest.h>
 
-#include "refit/values.h"
+#include "codec/values.h"
 #include "test_data.h"
 
 namespace refit {

@@ -1,4 +1,4 @@
-#include "refit/environment.h"
+#include "util/environment.h"
 
 #include <gtest/gtest.h>
 

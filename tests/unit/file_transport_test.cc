@@ -20,8 +20,8 @@
 
 #include <fmt/format.h>
 
+#include "node/session_sink.h"
 #include "refit/receiver_session.h"
-#include "refit/session_sink.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"

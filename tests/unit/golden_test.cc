@@ -22,12 +22,12 @@
 #include <xxhash.h>
 #include <zstd.h>
 
-#include "refit/digest.h"
+#include "codec/locations.h"
+#include "codec/values.h"
+#include "core/digest.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/locations.h"
 #include "refit/payload.h"
-#include "refit/values.h"
 #include "test_util.h"
 #include "util/splitmix64.h"
 

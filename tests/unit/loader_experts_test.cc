@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "core/digest.h"
 #include "layout_check.h"
 #include "refit/apply.h"
-#include "refit/digest.h"
 #include "refit/loader.h"
 #include "refit/loader_layout.h"
 #include "refit/payload.h"

@@ -15,9 +15,9 @@
 #include <tuple>
 #include <vector>
 
+#include "core/digest.h"
 #include "layout_check.h"
 #include "refit/apply.h"
-#include "refit/digest.h"
 #include "refit/loader_layout.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"

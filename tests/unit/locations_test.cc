@@ -1,6 +1,6 @@
 // Tests of the location encodings (src/codec/locations.cc) and of the op / encoding names
 // (src/codec/item.cc).
-#include "refit/locations.h"
+#include "codec/locations.h"
 
 #include <algorithm>
 #include <cstdint>

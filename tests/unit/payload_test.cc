@@ -19,10 +19,10 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include "codec/locations.h"
+#include "codec/values.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/locations.h"
-#include "refit/values.h"
 #include "test_util.h"
 
 namespace refit {

@@ -19,9 +19,9 @@
 
 #include <fmt/format.h>
 
+#include "core/digest.h"
 #include "pipeline/anchor_compression.h"
 #include "refit/apply.h"
-#include "refit/digest.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"

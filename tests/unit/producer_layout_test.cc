@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "test_data.h"
 #include "test_util.h"
 

@@ -9,8 +9,8 @@
 #include <set>
 #include <vector>
 
-#include "refit/digest.h"
-#include "refit/locations.h"
+#include "codec/locations.h"
+#include "core/digest.h"
 #include "refit/routing.h"
 #include "test_util.h"
 

@@ -1,4 +1,4 @@
-#include "refit/simulator.h"
+#include "workload/simulator.h"
 
 #include <unistd.h>
 
@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "refit/half_float.h"
+#include "core/half_float.h"
 #include "refit/safetensors.h"
 #include "test_util.h"
 

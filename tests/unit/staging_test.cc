@@ -15,8 +15,8 @@
 
 #include <fmt/format.h>
 
+#include "pipeline/piece_source.h"
 #include "refit/chunk_source.h"
-#include "refit/piece_source.h"
 #include "refit/producer_stream.h"
 #include "refit/status_format.h"
 #include "refit/tensor_memory.h"

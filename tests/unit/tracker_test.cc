@@ -4,9 +4,9 @@
 
 #include <thread>
 
-#include "refit/digest.h"
-#include "refit/locations.h"
-#include "refit/values.h"
+#include "codec/locations.h"
+#include "codec/values.h"
+#include "core/digest.h"
 #include "test_data.h"
 #include "test_util.h"
 

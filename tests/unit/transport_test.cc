@@ -1,5 +1,5 @@
 #include "refit/transport.h"
-#include "refit/session_sink.h"
+#include "node/session_sink.h"
 
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // Tests of the value operations (src/codec/values.cc) and of the exact half / bfloat16
-// conversions they rest on (include/refit/half_float.h).
-#include "refit/values.h"
+// conversions they rest on (src/core/half_float.h).
+#include "codec/values.h"
 
 #include <algorithm>
 #include <bit>
@@ -13,8 +13,8 @@
 
 #include <fmt/format.h>
 
+#include "core/half_float.h"
 #include "refit/dtype.h"
-#include "refit/half_float.h"
 #include "test_util.h"
 
 namespace refit {

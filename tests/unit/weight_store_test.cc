@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "test_data.h"
 #include "test_util.h"
 

@@ -27,8 +27,8 @@
 #include <fmt/format.h>
 
 #include "loopback.h"
+#include "node/session_sink.h"
 #include "refit/receiver_session.h"
-#include "refit/session_sink.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"

@@ -32,8 +32,8 @@
 #include <fmt/format.h>
 
 #include "loopback.h"
+#include "node/session_sink.h"
 #include "refit/receiver_session.h"
-#include "refit/session_sink.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"

@@ -20,11 +20,11 @@
 #include <thread>
 #include <utility>
 
-#include "refit/environment.h"
 #include "refit/status_format.h"
 #include "transport/s3/s3_request.h"
 #include "transport/s3/s3_xml.h"
 #include "transport/transport_internal.h"
+#include "util/environment.h"
 #include "util/logging.h"
 #include "util/thread_pool.h"
 

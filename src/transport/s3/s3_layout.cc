@@ -13,9 +13,9 @@
 #include <xxhash.h>
 #include <nlohmann/json.hpp>
 
-#include "refit/environment.h"
 #include "refit/status_format.h"
 #include "transport/transport_internal.h"
+#include "util/environment.h"
 
 namespace refit::internal {
 namespace {

@@ -26,7 +26,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/digest.h"
+#include "core/digest.h"
 #include "refit/manifest_announcer.h"
 #include "refit/s3_chain.h"
 #include "refit/status_format.h"

@@ -18,7 +18,6 @@
 
 #include <fmt/format.h>
 
-#include "refit/environment.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
@@ -27,6 +26,7 @@
 #include "transport/zmq/zmq_curve.h"
 #include "transport/zmq/zmq_frames.h"
 #include "transport/zmq/zmq_relay.h"
+#include "util/environment.h"
 
 namespace refit::internal {
 namespace zmq {

@@ -1,4 +1,5 @@
-// Bitwise comparison of a tensor's new bytes against its baseline.
+// Bitwise comparison of a tensor's new bytes against its baseline (its options and kernels:
+// refit/compare_options.h).
 //
 // Elements are compared through a same-width unsigned view, never as floats: NaN payloads, ±0,
 // subnormals and FP8 patterns count as changed exactly when their bits differ.
@@ -10,20 +11,10 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/compare_options.h"
 #include "refit/status.h"
 
 namespace refit {
-
-/// Which implementation a comparison uses.
-enum class CompareKernel : uint8_t {
-  /// The fastest SIMD target Highway finds on this CPU at run time (AVX-512, AVX2, SSE4, …).
-  kBest,
-  /// Plain C++ loop: the reference the SIMD kernels are tested against.
-  kScalar,
-};
-
-/// Return the name of the SIMD target kBest dispatches to on this machine, e.g. "AVX3".
-std::string_view BestCompareTarget();
 
 /// Append to `out` the indices i in [begin, end) where element i of `old_bytes` and `new_bytes`
 /// (element width `width` ∈ {1, 2, 4, 8}) differ bitwise, in ascending order.
@@ -32,16 +23,6 @@ void AppendChangedLocations(std::span<const std::byte> old_bytes,
                             std::span<const std::byte> new_bytes, uint32_t width, uint64_t begin,
                             uint64_t end, std::vector<uint64_t>* out,
                             CompareKernel kernel = CompareKernel::kBest);
-
-/// Options of FindChangedLocations.
-struct CompareOptions {
-  /// Worker threads (1 = the calling thread only).
-  int threads = 1;
-  /// Elements per work unit when threads > 1. 1 Mi elements amortise thread hand-off while
-  /// keeping per-thread output small.
-  uint64_t chunk_elements = uint64_t{1} << 20;
-  CompareKernel kernel = CompareKernel::kBest;
-};
 
 /// Return the sorted indices in [begin, end) where the tensors differ, using `options.threads`
 /// threads over chunks. Errors: InvalidArgument for an unsupported width, unequal sizes or a
