@@ -32,7 +32,7 @@
 #include "codec/locations.h"
 #include "codec/values.h"
 #include "progress.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/bucketing.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"

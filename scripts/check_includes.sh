@@ -4,8 +4,8 @@
 # refit/api.h) and the configuration layer (src/config: the YAML file's keys, shared with the
 # CLI); never a header of the library's internals (src/<layer>/). The CLI (src/apps) may include
 # the configuration, testing and CLI-support layers too, and an internal header only where this
-# file allows it: its developer commands (simulate, diff, estimate, demo) work on the codec's
-# internals (the simulator, the compare, the location codec, half floats), and the CLI is built with the library, never against an installed copy.
+# file allows it: its developer commands (simulate, diff, estimate, demo, apply) work on the
+# library's internals (the simulator, the compare, the location codec, half floats, the applier), and the CLI is built with the library, never against an installed copy.
 # Fails, listing file:line, on anything else. Runs in scripts/lint.sh.
 #
 # Usage: scripts/check_includes.sh
@@ -24,6 +24,8 @@ src/apps/demo.cc workload/simulator.h
 src/apps/mpi_demo.cc workload/simulator.h
 src/apps/diff.cc codec/locations.h
 src/apps/estimate.cc core/half_float.h
+src/apps/estimate.cc receiver/apply.h
+src/apps/apply_command.cc receiver/apply.h
 "
 
 failures=()

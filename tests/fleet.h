@@ -19,20 +19,20 @@
 #include <gtest/gtest.h>
 
 #include "loopback.h"
+#include "node/chain_replay.h"
 #include "node/session_sink.h"
-#include "refit/chain_replay.h"
 #include "refit/chunk_source.h"
 #include "refit/control_client.h"
 #include "refit/control_server.h"
 #include "refit/coordinator.h"
 #include "refit/receiver_session.h"
-#include "refit/s3_chain.h"
 #include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "transport/s3/s3_chain.h"
 
 namespace refit::testing {
 

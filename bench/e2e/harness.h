@@ -24,7 +24,7 @@
 #include "loopback_ports.h"
 #include "process.h"
 #include "progress.h"
-#include "refit/apply.h"
+#include "refit/anchor_undo.h"
 #include "refit/producer_stream.h"
 #include "refit/publisher.h"
 #include "refit/status.h"

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "refit/bucketing.h"
-#include "refit/chain_replay.h"
+#include "refit/chain_version.h"
 #include "refit/control_server.h"
 #include "refit/loader.h"
 #include "refit/receiver_session.h"

@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-#include "refit/apply.h"
+#include "refit/anchor_undo.h"
 #include "refit/payload.h"
 #include "refit/status.h"
 #include "refit/transfer.h"

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "cli_common.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/status_format.h"
 #include "refit/weight_store.h"
 

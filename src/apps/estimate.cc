@@ -31,7 +31,7 @@
 #include "cli_common.h"
 #include "core/half_float.h"
 #include "progress.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/bucketing.h"
 #include "refit/payload.h"
 #include "refit/producer_stream.h"

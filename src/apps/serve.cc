@@ -4,8 +4,8 @@
 // payloads from its data plane — a relay-tree data port (zmq://), or an object store whose payloads
 // the producers announce through the control plane (s3://) — and the coordinator on an HTTP
 // control plane, and serves until SIGTERM or SIGINT. With --bootstrap s3://… it first catches up
-// from a versioned chain (refit/s3_chain.h). At shutdown the node rolls an open transfer back to
-// the committed version bit-exactly.
+// from a versioned chain (src/transport/s3/s3_chain.h). At shutdown the node rolls an open transfer
+// back to the committed version bit-exactly.
 #include <pthread.h>
 #include <signal.h>
 #include <unistd.h>

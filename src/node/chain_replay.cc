@@ -1,4 +1,4 @@
-#include "refit/chain_replay.h"
+#include "node/chain_replay.h"
 
 #include <chrono>
 #include <map>

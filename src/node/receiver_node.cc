@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "node/chain_replay.h"
 #include "node/session_sink.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"

@@ -1,7 +1,7 @@
-// ApplyPayload (refit/apply.h): a decoded payload applied all or nothing — without a loader here,
+// ApplyPayload (apply.h): a decoded payload applied all or nothing — without a loader here,
 // item by item or tensor groups in parallel; through a loader in apply_loader.cc — recording what
 // it overwrites in the UndoLog (undo_log.cc).
-#include "refit/apply.h"
+#include "receiver/apply.h"
 
 #include <algorithm>
 #include <array>

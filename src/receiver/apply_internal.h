@@ -13,7 +13,7 @@
 
 #include "codec/values.h"
 #include "core/digest.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/payload.h"
 #include "refit/tensor_memory.h"
 #include "refit/weight_store.h"

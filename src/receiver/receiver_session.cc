@@ -17,7 +17,7 @@
 
 #include <fmt/format.h>
 
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/logging.h"

@@ -1,4 +1,4 @@
-// UndoLog (refit/apply.h): the old bits a transfer overwrote — in memory, spilled to a file, or
+// UndoLog (apply.h): the old bits a transfer overwrote — in memory, spilled to a file, or
 // kept as the payload an XOR item is undone by — and the rollback that restores them, host or
 // device memory, newest first.
 #include <fcntl.h>

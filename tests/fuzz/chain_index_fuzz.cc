@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "refit/s3_chain.h"
+#include "transport/s3/s3_chain.h"
 
 namespace {
 

@@ -25,10 +25,10 @@
 
 #include "core/digest.h"
 #include "fleet.h"
-#include "refit/chain_replay.h"
-#include "refit/s3_chain.h"
+#include "node/chain_replay.h"
 #include "s3_test_env.h"
 #include "test_util.h"
+#include "transport/s3/s3_chain.h"
 #include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/receiver_session.h"
 #include "refit/tracker.h"
 #include "store_snapshot.h"

@@ -1,4 +1,4 @@
-#include "refit/apply.h"
+#include "receiver/apply.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

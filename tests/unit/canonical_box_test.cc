@@ -10,7 +10,7 @@
 #include <map>
 
 #include "core/digest.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/bucketing.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"

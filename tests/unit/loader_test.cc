@@ -17,7 +17,7 @@
 
 #include "core/digest.h"
 #include "layout_check.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/loader_layout.h"
 #include "refit/payload.h"
 #include "refit/tracker.h"

@@ -21,7 +21,7 @@
 
 #include "core/digest.h"
 #include "pipeline/anchor_compression.h"
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/status_format.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "refit/apply.h"
+#include "receiver/apply.h"
 #include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "store_snapshot.h"

@@ -1,4 +1,4 @@
-#include "refit/s3_chain.h"
+#include "transport/s3/s3_chain.h"
 
 #include <algorithm>
 #include <chrono>

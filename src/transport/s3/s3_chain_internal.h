@@ -5,8 +5,8 @@
 #include <memory>
 #include <string_view>
 
-#include "refit/s3_chain.h"
 #include "refit/status.h"
+#include "transport/s3/s3_chain.h"
 #include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 

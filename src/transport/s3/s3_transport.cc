@@ -12,7 +12,7 @@
 //            their sender gave up; what cannot be reached now is swept when a later transfer
 //            ends. An unfinished sender deletes what it stored on destruction.
 //   Commit:  chain=1 appends the version to <prefix>/chain/index.json, written last, then
-//            prunes past the retention (TransferCommitted; see refit/s3_chain.h).
+//            prunes past the retention (TransferCommitted; see s3_chain.h).
 #include <algorithm>
 #include <iterator>
 #include <map>
@@ -28,9 +28,9 @@
 
 #include "core/digest.h"
 #include "refit/manifest_announcer.h"
-#include "refit/s3_chain.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
+#include "transport/s3/s3_chain.h"
 #include "transport/s3/s3_client.h"
 #include "transport/s3/s3_layout.h"
 #include "transport/transport_internal.h"

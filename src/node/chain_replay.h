@@ -1,4 +1,5 @@
-// Receivers that join late or fall behind replay a versioned delta chain (refit/s3_chain.h).
+// Receivers that join late or fall behind replay a versioned delta chain
+// (src/transport/s3/s3_chain.h).
 //
 // A receiver bootstraps by replaying the active chain (or only the deltas after the version it
 // holds, when its state fingerprint matches that version's) through a ReceiverSession, so every
@@ -14,9 +15,9 @@
 #include <string_view>
 
 #include "refit/receiver_session.h"
-#include "refit/s3_chain.h"
 #include "refit/status.h"
 #include "refit/weight_store.h"
+#include "transport/s3/s3_chain.h"
 
 namespace refit {
 
@@ -28,20 +29,6 @@ struct ChainBootstrapOptions {
   std::chrono::milliseconds version_timeout{std::chrono::minutes(10)};
   /// Called after each version is committed (for progress reports), with that version.
   std::function<void(const ChainVersion&)> on_version;
-};
-
-/// What BootstrapFromChain did.
-struct ChainBootstrapReport {
-  /// The store's version before and after.
-  uint64_t start_version = 0;
-  uint64_t final_version = 0;
-  /// The versions replayed (0 when the store already held the newest version), starting with
-  /// an anchor unless the store held a version of the active chain.
-  uint64_t versions_replayed = 0;
-  bool replayed_anchor = false;
-  uint64_t payloads = 0;
-  uint64_t bytes = 0;
-  double seconds = 0;
 };
 
 /// Bring `store` to the newest committed version of the chain `s3_uri` names: replay the active

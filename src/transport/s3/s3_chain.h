@@ -16,7 +16,7 @@
 // Versions are contiguous from the first anchor: each delta's base is the version before it.
 // The *active chain* is the newest anchor and every delta after it; older versions are pruned
 // past a retention, whole chains at a time (a delta is useless without its anchor), never the
-// active one. Receivers replay a chain through a ReceiverSession (refit/chain_replay.h).
+// active one. Receivers replay a chain through a ReceiverSession (src/node/chain_replay.h).
 #pragma once
 
 #include <array>
@@ -27,39 +27,11 @@
 #include <string_view>
 #include <vector>
 
+#include "refit/chain_version.h"
 #include "refit/payload.h"
 #include "refit/status.h"
 
 namespace refit {
-
-/// One payload object of a chain version.
-struct ChainPayload {
-  std::string key;
-  uint32_t producer_id = 0;
-  uint32_t payload_id = 0;
-  uint64_t size = 0;
-  /// XXH3-128 of the whole object.
-  std::array<uint8_t, 16> checksum{};
-  /// HMAC-SHA256 of the whole object under the chain's MAC key, as 64 hex digits; empty
-  /// without a key.
-  std::string mac;
-
-  friend bool operator==(const ChainPayload&, const ChainPayload&) = default;
-};
-
-/// One committed version of a chain.
-struct ChainVersion {
-  uint64_t version = 0;
-  uint64_t base_version = 0;
-  bool anchor = false;
-  TransferId transfer_id;
-  /// StateFingerprint of every tensor's state digest at `version`.
-  uint64_t state_fingerprint = 0;
-  /// In (producer_id, payload_id) order.
-  std::vector<ChainPayload> payloads;
-
-  friend bool operator==(const ChainVersion&, const ChainVersion&) = default;
-};
 
 /// The index object of a chain: its versions, oldest first.
 struct ChainIndex {
