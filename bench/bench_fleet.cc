@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "bench_util.h"
+#include "codec/tracker.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "util/environment.h"
 
 namespace refit::bench {

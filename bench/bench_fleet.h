@@ -12,8 +12,8 @@
 
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
-#include "refit/coordinator.h"
-#include "refit/producer_stream.h"
+#include "pipeline/coordinator.h"
+#include "pipeline/producer_stream.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
 #include "refit/transport.h"

@@ -198,9 +198,9 @@ FlagSet DeclareFlags(Args& args, std::optional<uint64_t>& model_bytes) {
                 return Status::OK();
               });
   flags.Value("--threads", "N", "encode and serialize threads per producer",
-              CountFlag(&args.threads, ProducerStream::kMaxThreads));
+              CountFlag(&args.threads, ProducerStreamOptions::kMaxThreads));
   flags.Value("--send-threads", "N", "sending threads per producer",
-              CountFlag(&args.send_threads, ProducerStream::kMaxThreads));
+              CountFlag(&args.send_threads, ProducerStreamOptions::kMaxThreads));
   flags.Switch("--no-yardstick", "skip the raw-copy yardsticks",
                [&args] { args.yardstick = false; });
   flags.Text("--json", "FILE|-", "write the JSON report (-: on stdout, instead of the table)",

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The front door, checked: what stands where a user of the library stands — the Python binding
-# (python/src) and the examples — includes only the installed API (include/refit/, reached from
-# refit/api.h) and the configuration layer (src/config: the YAML file's keys, shared with the
-# CLI); never a header of the library's internals (src/<layer>/). The CLI (src/apps) may include
-# the configuration, testing and CLI-support layers too, and an internal header only where this
-# file allows it: its developer commands (simulate, diff, estimate, demo, apply) work on the
-# library's internals (the simulator, the compare, the location codec, half floats, the applier), and the CLI is built with the library, never against an installed copy.
+# (python/src), the examples and the configuration layer's headers (src/config: the YAML file's
+# keys → the facades' options, shared with the CLI and the binding) — includes only the installed
+# API (include/refit/, reached from refit/api.h) and the configuration layer; never a header of
+# the library's internals (src/<layer>/). The CLI (src/apps) may include the configuration,
+# testing and CLI-support layers too, and an internal header only where this file allows it: its
+# developer commands (simulate, diff, encode, estimate, apply, and the demo's in-process fleet of
+# trackers under one coordinator) work on the library's internals (the simulator, the compare,
+# the tracker, the stream, the coordinator, the location codec, half floats, the applier), and
+# the CLI is built with the library, never against an installed copy.
 # Fails, listing file:line, on anything else. Runs in scripts/lint.sh.
 #
 # Usage: scripts/check_includes.sh
@@ -26,6 +29,18 @@ src/apps/diff.cc codec/locations.h
 src/apps/estimate.cc core/half_float.h
 src/apps/estimate.cc receiver/apply.h
 src/apps/apply_command.cc receiver/apply.h
+src/apps/encode.cc codec/tracker.h
+src/apps/encode.cc pipeline/bucketing.h
+src/apps/encode.cc pipeline/producer_stream.h
+src/apps/diff.cc pipeline/bucketing.h
+src/apps/diff.cc codec/tracker.h
+src/apps/estimate.cc codec/tracker.h
+src/apps/estimate.cc pipeline/bucketing.h
+src/apps/estimate.cc pipeline/producer_stream.h
+src/apps/estimate.cc receiver/receiver_session.h
+src/apps/fleet_coordinator.h codec/tracker.h
+src/apps/fleet_coordinator.h pipeline/coordinator.h
+src/apps/fleet_coordinator.cc pipeline/staged_source.h
 "
 
 failures=()
@@ -47,7 +62,7 @@ check() {  # check FILE ALLOWED_BARE_HEADERS
   done < <(grep -n '^#include "' "$file" || true)
 }
 
-for file in python/src/*.cc python/src/*.h; do
+for file in src/config/*.h python/src/*.cc python/src/*.h; do
   [[ -f $file ]] && check "$file" "$config_layer"
 done
 while IFS= read -r file; do
@@ -62,4 +77,4 @@ if ((${#failures[@]})); then
   echo "check_includes: ${#failures[@]} include(s) reach past the installed API" >&2
   exit 1
 fi
-echo "check_includes: the binding, the examples and the CLI include the installed API only (the CLI's developer commands: $(grep -c . <<< "$cli_internal_allowed") allowed internal includes)"
+echo "check_includes: the binding, the configuration headers, the examples and the CLI include the installed API only (the CLI's developer commands: $(grep -c . <<< "$cli_internal_allowed") allowed internal includes)"

@@ -18,15 +18,16 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "codec/tracker.h"
+#include "control/control_server.h"
 #include "loopback.h"
 #include "node/chain_replay.h"
 #include "node/session_sink.h"
+#include "pipeline/coordinator.h"
+#include "pipeline/staged_source.h"
+#include "receiver/receiver_session.h"
 #include "refit/chunk_source.h"
 #include "refit/control_client.h"
-#include "refit/control_server.h"
-#include "refit/coordinator.h"
-#include "refit/receiver_session.h"
-#include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
 #include "store_snapshot.h"

@@ -8,9 +8,9 @@
 
 #include <gtest/gtest.h>
 
+#include "codec/tracker.h"
+#include "receiver/receiver_session.h"
 #include "refit/payload.h"
-#include "refit/receiver_session.h"
-#include "refit/tracker.h"
 #include "test_data.h"
 
 namespace refit::testing {

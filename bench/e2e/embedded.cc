@@ -56,7 +56,8 @@ Result<EmbeddedChildArgs> ParseEmbeddedChildArgs(int argc, char** argv) {
   REFIT_ASSIGN_OR_RETURN(args.model_bytes, flags.Number("--model-bytes"));
   REFIT_ASSIGN_OR_RETURN(args.seed, flags.Number("--seed"));
   REFIT_ASSIGN_OR_RETURN(const uint64_t threads, flags.Number("--threads"));
-  args.threads = static_cast<int>(std::clamp<uint64_t>(threads, 1, ProducerStream::kMaxThreads));
+  args.threads =
+      static_cast<int>(std::clamp<uint64_t>(threads, 1, ProducerStreamOptions::kMaxThreads));
   REFIT_ASSIGN_OR_RETURN(args.data_endpoint, flags.Text("--data-endpoint"));
   REFIT_ASSIGN_OR_RETURN(args.ready_file, flags.Text("--ready-file"));
   REFIT_ASSIGN_OR_RETURN(args.result_file, flags.Text("--result-file"));

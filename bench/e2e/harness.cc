@@ -129,6 +129,12 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
       return Status::OK();
     };
   };
+  const auto density = [](double* target) {
+    return [target](std::string_view flag, std::string_view text) -> Status {
+      REFIT_ASSIGN_OR_RETURN(*target, ParseDensity(flag, text, /*allow_one=*/true));
+      return Status::OK();
+    };
+  };
   const auto counts = [](std::vector<uint32_t>* target) {
     return [target](std::string_view flag, std::string_view text) -> Status {
       REFIT_ASSIGN_OR_RETURN(*target, ParseCounts(flag, text));
@@ -154,11 +160,7 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
               });
   flags.Unsigned("--fanout-model-mib", "N", "the fan-out section's model", &given.fanout_model_mib);
   flags.Value("--fanout-density", "D", "the fan-out section's delta density",
-              [&](std::string_view flag, std::string_view text) -> Status {
-                REFIT_ASSIGN_OR_RETURN(args.fanout_density,
-                                       ParseDensity(flag, text, /*allow_one=*/true));
-                return Status::OK();
-              });
+              density(&args.fanout_density));
   flags.Unsigned("--chunk-mib", "N", "export chunk target", &given.chunk_mib);
   flags.Value("--bucket-mib", "N", "payload bucket size",
               [&](std::string_view flag, std::string_view text) -> Status {
@@ -169,8 +171,8 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
   flags.Value("--threads", "N", "threads per producer stage",
               [&](std::string_view flag, std::string_view text) -> Status {
                 REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseUnsigned(flag, text));
-                args.threads =
-                    static_cast<int>(std::min<uint64_t>(threads, ProducerStream::kMaxThreads));
+                args.threads = static_cast<int>(
+                    std::min<uint64_t>(threads, ProducerStreamOptions::kMaxThreads));
                 return Status::OK();
               });
   flags.Switch("--mmap", "receivers map the model copy-on-write", &args.receiver_mmap);
@@ -186,17 +188,17 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
                 REFIT_ASSIGN_OR_RETURN(args.anchor_compression, ParseAnchorCompression(text));
                 return Status::OK();
               });
-  flags.Value(
-      "--apply-threads", "N", "the daemons' threads per payload",
-      [&](std::string_view flag, std::string_view text) -> Status {
-        REFIT_ASSIGN_OR_RETURN(const uint64_t threads, ParseUnsigned(flag, text));
-        if (threads < 1 || threads > static_cast<uint64_t>(ReceiverSession::kMaxApplyThreads)) {
-          return InvalidArgument("--apply-threads {} is outside [1, {}]", threads,
-                                 ReceiverSession::kMaxApplyThreads);
-        }
-        args.apply_threads = static_cast<int>(threads);
-        return Status::OK();
-      });
+  flags.Value("--apply-threads", "N", "the daemons' threads per payload",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(const uint64_t threads, ParseUnsigned(flag, text));
+                if (threads < 1 ||
+                    threads > static_cast<uint64_t>(ReceiverSessionOptions::kMaxApplyThreads)) {
+                  return InvalidArgument("--apply-threads {} is outside [1, {}]", threads,
+                                         ReceiverSessionOptions::kMaxApplyThreads);
+                }
+                args.apply_threads = static_cast<int>(threads);
+                return Status::OK();
+              });
   flags.Switch("--no-raw-copy", "skip the raw-copy yardstick", [&] { args.raw_copy = false; });
   flags.Switch("--skip-end-to-end", "skip the end-to-end section", &args.skip_end_to_end);
   flags.Switch("--skip-fanout", "skip the fan-out section", &args.skip_fanout);
@@ -226,12 +228,7 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
   flags.Unsigned("--embedded-model-mib", "N", "the embedded section's model",
                  &given.embedded_model_mib);
   flags.Unsigned("--steps", "N", "delta steps of the producers and tp sections", &given.steps);
-  flags.Value("--step-density", "D", "their density",
-              [&](std::string_view flag, std::string_view text) -> Status {
-                REFIT_ASSIGN_OR_RETURN(args.step_density,
-                                       ParseDensity(flag, text, /*allow_one=*/true));
-                return Status::OK();
-              });
+  flags.Value("--step-density", "D", "their density", density(&args.step_density));
   flags.Text("--work-dir", "DIR", "where models, logs and ready files go", &args.work_dir);
   flags.Text("--refit-binary", "PATH", "the refit executable", &args.refit_binary);
   flags.Unsigned("--seed", "N", "the synthetic model's seed", &args.seed);

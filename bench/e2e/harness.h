@@ -22,10 +22,10 @@
 #include "fleet_coordinator.h"
 #include "local_fleet.h"
 #include "loopback_ports.h"
+#include "pipeline/producer_stream.h"
 #include "process.h"
 #include "progress.h"
 #include "refit/anchor_undo.h"
-#include "refit/producer_stream.h"
 #include "refit/publisher.h"
 #include "refit/status.h"
 

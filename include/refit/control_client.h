@@ -14,7 +14,7 @@
 #include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
 #include "refit/payload.h"
-#include "refit/receiver_session.h"
+#include "refit/receiver_session_options.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
 

@@ -26,14 +26,15 @@
 #include <string>
 #include <vector>
 
+#include "refit/chunk_source.h"
 #include "refit/control_client.h"
-#include "refit/coordinator.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
-#include "refit/producer_stream.h"
+#include "refit/refit_report.h"
 #include "refit/status.h"
+#include "refit/stream_options.h"
 #include "refit/tensor.h"
-#include "refit/tracker.h"
+#include "refit/tracker_options.h"
 
 namespace refit {
 
@@ -73,9 +74,9 @@ struct PublisherOptions {
   bool route_by_holdings = true;
   /// Host memory that device tensors (ExportTensor::device; ShardedModel locals in device memory)
   /// are staged through on their way to the compare: a pool of reusable buffers, one per chunk
-  /// in flight, kept between Syncs (refit/staging_pool.h). 0: twice the largest chunk this rank
-  /// stages, so that one chunk is read while the one before it is compared. A chunk larger than
-  /// the budget fails the Sync, naming it and the budget it needs.
+  /// in flight, kept between Syncs (src/pipeline/staging_pool.h). 0: twice the largest chunk this
+  /// rank stages, so that one chunk is read while the one before it is compared. A chunk larger
+  /// than the budget fails the Sync, naming it and the budget it needs.
   uint64_t staging_bytes = 0;
 };
 
@@ -180,8 +181,8 @@ class Publisher {
   uint32_t world_size() const;
   /// The version this rank's tracker has committed.
   uint64_t version() const;
-  /// This rank's tracker (baseline bytes, digests), for tests and tools.
-  const DeltaTracker& tracker() const;
+  /// The bytes of baseline this rank's tracker keeps: the boxes (chunks) it sends, O(shard).
+  uint64_t baseline_bytes() const;
 
  private:
   struct Impl;

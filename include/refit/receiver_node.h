@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "refit/bucketing.h"
 #include "refit/chain_version.h"
-#include "refit/control_server.h"
+#include "refit/control_server_options.h"
 #include "refit/loader.h"
-#include "refit/receiver_session.h"
+#include "refit/receiver_session_options.h"
 #include "refit/status.h"
+#include "refit/stream_options.h"
 #include "refit/tensor.h"
 #include "refit/transfer.h"
 #include "refit/weight_store.h"

@@ -1170,5 +1170,5 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("world_size", [](PyPublisher& p) { return p.get().world_size(); })
       .def_property_readonly("version", [](PyPublisher& p) { return p.get().version(); })
       .def_property_readonly("baseline_bytes",
-                             [](PyPublisher& p) { return p.get().tracker().baseline_bytes(); });
+                             [](PyPublisher& p) { return p.get().baseline_bytes(); });
 }

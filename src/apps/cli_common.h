@@ -6,9 +6,12 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "refit/control_client.h"
+#include "refit/payload.h"
 #include "refit/status.h"
 
 namespace refit::cli {
@@ -39,16 +42,6 @@ bool StdoutIsTty();
 
 /// Seconds since an arbitrary epoch (steady clock).
 double NowSeconds();
-
-}  // namespace refit::cli
-
-#include "refit/control_client.h"
-#include "refit/item.h"
-#include "refit/payload.h"
-#include "refit/safetensors.h"
-#include "refit/tracker.h"
-
-namespace refit::cli {
 
 /// Return the options of a client of the control plane at `url`, holding the key environment
 /// variable `api_key_env` names (none when it is empty): what `--api-key-env` means to every

@@ -7,8 +7,10 @@
 
 #include "cli_common.h"
 #include "codec/locations.h"
+#include "codec/tracker.h"
+#include "pipeline/bucketing.h"
 #include "progress.h"
-#include "refit/bucketing.h"
+#include "refit/safetensors.h"
 #include "table.h"
 
 namespace refit::cli {

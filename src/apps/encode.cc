@@ -2,9 +2,11 @@
 #include <cstdio>
 
 #include "cli_common.h"
+#include "codec/tracker.h"
 #include "config_file.h"
-#include "refit/bucketing.h"
-#include "refit/producer_stream.h"
+#include "pipeline/bucketing.h"
+#include "pipeline/producer_stream.h"
+#include "refit/safetensors.h"
 #include "refit/status_format.h"
 
 namespace refit::cli {

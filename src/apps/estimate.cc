@@ -29,15 +29,15 @@
 #include <nlohmann/json.hpp>
 
 #include "cli_common.h"
+#include "codec/tracker.h"
 #include "core/half_float.h"
+#include "pipeline/bucketing.h"
+#include "pipeline/producer_stream.h"
 #include "progress.h"
 #include "receiver/apply.h"
-#include "refit/bucketing.h"
+#include "receiver/receiver_session.h"
 #include "refit/payload.h"
-#include "refit/producer_stream.h"
-#include "refit/receiver_session.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "table.h"
 

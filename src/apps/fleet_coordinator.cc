@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "pipeline/staged_source.h"
 #include "refit/chunk_source.h"
 #include "refit/status_format.h"
 

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "codec/tracker.h"
+#include "pipeline/coordinator.h"
 #include "refit/control_client.h"
-#include "refit/coordinator.h"
 #include "refit/tensor.h"
-#include "refit/tracker.h"
 #include "refit/transport.h"
 
 namespace refit::cli {

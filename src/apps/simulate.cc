@@ -9,6 +9,7 @@
 #include "codec/compare.h"
 #include "config_file.h"
 #include "progress.h"
+#include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "table.h"
 #include "workload/simulator.h"

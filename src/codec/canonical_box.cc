@@ -1,4 +1,4 @@
-#include "refit/canonical_box.h"
+#include "codec/canonical_box.h"
 
 #include <algorithm>
 

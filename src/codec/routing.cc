@@ -1,4 +1,4 @@
-#include "refit/routing.h"
+#include "codec/routing.h"
 
 #include <algorithm>
 #include <array>

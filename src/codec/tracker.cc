@@ -1,4 +1,4 @@
-#include "refit/tracker.h"
+#include "codec/tracker.h"
 
 #include <algorithm>
 #include <array>
@@ -11,12 +11,12 @@
 
 #include <fmt/format.h>
 
+#include "codec/canonical_box.h"
 #include "codec/compare.h"
 #include "codec/locations.h"
 #include "codec/values.h"
 #include "core/digest.h"
 #include "core/mapped_file.h"
-#include "refit/canonical_box.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"

@@ -593,7 +593,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
   BaselineConfig& baseline = config.baseline;
   TuningConfig& tuning = config.tuning;
   ServerConfig& server = config.server;
-  const int max_threads = ProducerStream::kMaxThreads;
+  const int max_threads = ProducerStreamOptions::kMaxThreads;
 
   const KeySpec delta_keys[] = {
       {"encoding",
@@ -658,16 +658,19 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
        }},
       {"apply_queue_depth",
        [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, static_cast<int64_t>(ReceiverSession::kMaxApplyQueueDepth),
+         return r.ReadInteger(v, w, 1,
+                              static_cast<int64_t>(ReceiverSessionOptions::kMaxApplyQueueDepth),
                               &tuning.apply_queue_depth);
        }},
       {"apply_threads",
        [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, ReceiverSession::kMaxApplyThreads, &tuning.apply_threads);
+         return r.ReadInteger(v, w, 1, ReceiverSessionOptions::kMaxApplyThreads,
+                              &tuning.apply_threads);
        }},
       {"decode_threads",
        [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 0, ReceiverSession::kMaxApplyThreads, &tuning.decode_threads);
+         return r.ReadInteger(v, w, 0, ReceiverSessionOptions::kMaxApplyThreads,
+                              &tuning.decode_threads);
        }},
   };
   const KeySpec server_keys[] = {

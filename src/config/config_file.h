@@ -19,13 +19,13 @@
 #include <vector>
 
 #include "refit/control_client.h"
-#include "refit/control_server.h"
+#include "refit/control_server_options.h"
 #include "refit/dtype.h"
 #include "refit/item.h"
-#include "refit/producer_stream.h"
-#include "refit/receiver_session.h"
+#include "refit/receiver_session_options.h"
 #include "refit/status.h"
-#include "refit/tracker.h"
+#include "refit/stream_options.h"
+#include "refit/tracker_options.h"
 
 namespace refit::config {
 

@@ -1,4 +1,4 @@
-#include "refit/control_server.h"
+#include "control/control_server.h"
 
 #include <sys/socket.h>
 #include <unistd.h>

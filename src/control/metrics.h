@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "receiver/receiver_session.h"
 #include "refit/payload.h"
-#include "refit/receiver_session.h"
 #include "refit/status.h"
 
 namespace prometheus {

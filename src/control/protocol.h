@@ -21,7 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/status.h"
 
 namespace refit::internal {

@@ -14,7 +14,7 @@
 #include <functional>
 #include <string_view>
 
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/status.h"
 #include "refit/weight_store.h"
 #include "transport/s3/s3_chain.h"

@@ -25,9 +25,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "pipeline/coordinator.h"
+#include "pipeline/producer_stream.h"
 #include "refit/producer_layout.h"
-#include "refit/coordinator.h"
-#include "refit/producer_stream.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 

@@ -12,8 +12,13 @@
 
 #include <fmt/format.h>
 
+#include "codec/tracker.h"
 #include "node/group_protocol.h"
+#include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
+#include "pipeline/producer_stream.h"
+#include "pipeline/staged_source.h"
+#include "pipeline/staging_pool.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
@@ -986,6 +991,6 @@ Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {
 uint32_t Publisher::rank() const { return impl_->rank(); }
 uint32_t Publisher::world_size() const { return impl_->world(); }
 uint64_t Publisher::version() const { return impl_->tracker->version(); }
-const DeltaTracker& Publisher::tracker() const { return *impl_->tracker; }
+uint64_t Publisher::baseline_bytes() const { return impl_->tracker->baseline_bytes(); }
 
 }  // namespace refit

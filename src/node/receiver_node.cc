@@ -7,8 +7,10 @@
 
 #include <fmt/format.h>
 
+#include "control/control_server.h"
 #include "node/chain_replay.h"
 #include "node/session_sink.h"
+#include "receiver/receiver_session.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"

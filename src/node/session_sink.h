@@ -4,7 +4,7 @@
 
 #include <stop_token>
 
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 #include "refit/transport.h"

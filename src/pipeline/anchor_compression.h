@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <mutex>
 
+#include "pipeline/producer_stream.h"
 #include "refit/payload.h"
-#include "refit/producer_stream.h"
 
 namespace refit::internal {
 

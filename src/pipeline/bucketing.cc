@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "refit/bucketing.h"
+#include "pipeline/bucketing.h"
 
 namespace refit {
 

@@ -9,8 +9,9 @@
 
 #include <fmt/format.h>
 
+#include "pipeline/chunking.h"
+#include "pipeline/staged_source.h"
 #include "refit/chunk_source.h"
-#include "refit/chunking.h"
 
 namespace refit {
 

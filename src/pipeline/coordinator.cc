@@ -1,4 +1,4 @@
-#include "refit/coordinator.h"
+#include "pipeline/coordinator.h"
 
 #include <algorithm>
 #include <chrono>

@@ -7,7 +7,8 @@
 
 #include <fmt/format.h>
 
-#include "refit/chunking.h"
+#include "pipeline/chunking.h"
+#include "pipeline/staged_source.h"
 #include "refit/status_format.h"
 
 namespace refit {

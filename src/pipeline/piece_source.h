@@ -9,7 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "refit/canonical_box.h"
+#include "codec/canonical_box.h"
+#include "pipeline/staging_pool.h"
 #include "refit/chunk_source.h"
 #include "refit/producer_layout.h"
 #include "refit/status.h"

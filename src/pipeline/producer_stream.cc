@@ -36,8 +36,8 @@
 #include <fmt/format.h>
 
 #include "anchor_compression.h"
-#include "refit/bucketing.h"
-#include "refit/producer_stream.h"
+#include "pipeline/bucketing.h"
+#include "pipeline/producer_stream.h"
 #include "refit/status_format.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
@@ -648,8 +648,9 @@ Result<std::unique_ptr<ProducerStream>> ProducerStream::Make(const ProducerStrea
   for (const auto& [name, threads] : {std::pair{"encode_threads", options.encode_threads},
                                       std::pair{"serialize_threads", options.serialize_threads},
                                       std::pair{"send_threads", options.send_threads}}) {
-    if (threads < 1 || threads > kMaxThreads) {
-      return InvalidArgument("{} {} is outside [1, {}]", name, threads, kMaxThreads);
+    if (threads < 1 || threads > ProducerStreamOptions::kMaxThreads) {
+      return InvalidArgument("{} {} is outside [1, {}]", name, threads,
+                             ProducerStreamOptions::kMaxThreads);
     }
   }
   if (options.max_payloads_in_flight == 0) return InvalidArgument("max_payloads_in_flight is 0");

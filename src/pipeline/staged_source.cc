@@ -1,4 +1,4 @@
-// The whole-model export source over host and device tensors (refit/chunk_source.h): chunks with
+// The whole-model export source over host and device tensors (staged_source.h): chunks with
 // device tensors are staged into a bounded pool as the stream pulls the ones it reads.
 #include <algorithm>
 #include <cstddef>
@@ -11,8 +11,9 @@
 
 #include <fmt/format.h>
 
+#include "pipeline/chunking.h"
+#include "pipeline/staged_source.h"
 #include "refit/chunk_source.h"
-#include "refit/chunking.h"
 #include "refit/status_format.h"
 
 namespace refit {

@@ -1,4 +1,4 @@
-#include "refit/staging_pool.h"
+#include "pipeline/staging_pool.h"
 
 #include <sys/mman.h>
 

@@ -1,4 +1,4 @@
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/loader.h"
 
 #include <array>
@@ -937,21 +937,26 @@ ReceiverSession::ReceiverSession(std::unique_ptr<Impl> impl) : impl_(std::move(i
 
 Result<std::unique_ptr<ReceiverSession>> ReceiverSession::Make(
     const ReceiverSessionOptions& options, WeightStore& store) {
-  if (options.apply_queue_depth == 0 || options.apply_queue_depth > kMaxApplyQueueDepth) {
+  if (options.apply_queue_depth == 0 ||
+      options.apply_queue_depth > ReceiverSessionOptions::kMaxApplyQueueDepth) {
     return InvalidArgument("receiver session: apply_queue_depth {} is outside [1, {}]",
-                           options.apply_queue_depth, kMaxApplyQueueDepth);
+                           options.apply_queue_depth, ReceiverSessionOptions::kMaxApplyQueueDepth);
   }
-  if (options.remembered_transfers == 0 || options.remembered_transfers > kMaxRememberedTransfers) {
+  if (options.remembered_transfers == 0 ||
+      options.remembered_transfers > ReceiverSessionOptions::kMaxRememberedTransfers) {
     return InvalidArgument("receiver session: remembered_transfers {} is outside [1, {}]",
-                           options.remembered_transfers, kMaxRememberedTransfers);
+                           options.remembered_transfers,
+                           ReceiverSessionOptions::kMaxRememberedTransfers);
   }
-  if (options.apply_threads < 1 || options.apply_threads > kMaxApplyThreads) {
+  if (options.apply_threads < 1 ||
+      options.apply_threads > ReceiverSessionOptions::kMaxApplyThreads) {
     return InvalidArgument("receiver session: apply_threads {} is outside [1, {}]",
-                           options.apply_threads, kMaxApplyThreads);
+                           options.apply_threads, ReceiverSessionOptions::kMaxApplyThreads);
   }
-  if (options.decode_threads < 0 || options.decode_threads > kMaxApplyThreads) {
+  if (options.decode_threads < 0 ||
+      options.decode_threads > ReceiverSessionOptions::kMaxApplyThreads) {
     return InvalidArgument("receiver session: decode_threads {} is outside [0, {}]",
-                           options.decode_threads, kMaxApplyThreads);
+                           options.decode_threads, ReceiverSessionOptions::kMaxApplyThreads);
   }
   if (options.transfer_lease.count() < 0) {
     return InvalidArgument("receiver session: transfer_lease {} ms is negative (0: no lease)",

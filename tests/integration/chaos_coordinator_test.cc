@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "fleet.h"
-#include "refit/coordinator.h"
+#include "pipeline/coordinator.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "test_util.h"

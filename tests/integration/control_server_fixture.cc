@@ -16,8 +16,8 @@
 #include <string_view>
 #include <vector>
 
-#include "refit/control_server.h"
-#include "refit/receiver_session.h"
+#include "control/control_server.h"
+#include "receiver/receiver_session.h"
 #include "refit/weight_store.h"
 
 namespace {

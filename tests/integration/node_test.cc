@@ -755,7 +755,7 @@ TEST(ShardedPublisherTest, ThreeRanksRefitAnUnshardedReceiverAndATpGroupFromThei
     for (uint32_t r = 0; r < 3; ++r) {
       EXPECT_GT(report.transfer.producers[r].payloads, 0u) << "rank " << r << " sent nothing";
       // A rank keeps its own boxes, not the model.
-      EXPECT_EQ(ranks[r]->tracker().baseline_bytes(), BoxBytes(held[r])) << "rank " << r;
+      EXPECT_EQ(ranks[r]->baseline_bytes(), BoxBytes(held[r])) << "rank " << r;
     }
     const std::string when = "step " + std::to_string(step);
     ExpectTpPairAndUnshardedHold(fleet, model, when);
@@ -797,8 +797,7 @@ TEST(ShardedPublisherTest, DataParallelCopiesAreSentOnceAndADivergedCopyRollsEve
     EXPECT_GT(report.transfer.producers[1].payloads, 0u);
     EXPECT_EQ(report.transfer.producers[2].payloads, 0u) << "a copy was sent twice";
     EXPECT_EQ(report.transfer.producers[3].payloads, 0u) << "a copy was sent twice";
-    EXPECT_EQ(ranks[3]->tracker().baseline_bytes(), 0u)
-        << "a rank that sends nothing keeps nothing";
+    EXPECT_EQ(ranks[3]->baseline_bytes(), 0u) << "a rank that sends nothing keeps nothing";
     ExpectHolds(*receiver, Unsharded(model), "step " + std::to_string(step));
   }
   // Rank 3's copy of shard 1 diverges from rank 1's by one bit of q_proj.

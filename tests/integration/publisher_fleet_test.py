@@ -173,7 +173,7 @@ def as_bytes(tensors):
 
 
 def chunk_of_each(tensors, target):
-    """The export chunk of each tensor, by the chunking rule of include/refit/chunking.h
+    """The export chunk of each tensor, by the chunking rule of src/pipeline/chunking.h
     (Chunker) in canonical order (the file's)."""
     chunk, total, open_ = -1, 0, False
     for tensor in tensors.values():

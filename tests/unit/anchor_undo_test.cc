@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "codec/tracker.h"
 #include "receiver/apply.h"
-#include "refit/receiver_session.h"
-#include "refit/tracker.h"
+#include "receiver/receiver_session.h"
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"

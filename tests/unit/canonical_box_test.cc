@@ -1,7 +1,7 @@
 // Canonical boxes: the index map, digests in canonical coordinates, and trackers that each keep
 // one box of a canonical tensor (DeltaTracker::Place) and together refit a whole-tensor receiver
 // through the real payload encoder and ApplyPayload.
-#include "refit/canonical_box.h"
+#include "codec/canonical_box.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -9,11 +9,11 @@
 #include <algorithm>
 #include <map>
 
+#include "codec/tracker.h"
 #include "core/digest.h"
+#include "pipeline/bucketing.h"
 #include "receiver/apply.h"
-#include "refit/bucketing.h"
 #include "refit/payload.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "pipeline/producer_stream.h"
 #include "refit/transport.h"
 #include "role_options.h"
 #include "test_util.h"

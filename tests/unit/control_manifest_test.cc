@@ -19,9 +19,9 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "control/control_server.h"
 #include "control/protocol.h"
-#include "refit/control_server.h"
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/status_format.h"
 #include "refit/weight_store.h"
 #include "test_util.h"

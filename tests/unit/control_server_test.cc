@@ -1,4 +1,4 @@
-#include "refit/control_server.h"
+#include "control/control_server.h"
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -28,11 +28,11 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "codec/tracker.h"
 #include "control/protocol.h"
 #include "core/digest.h"
 #include "refit/control_client.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"

@@ -22,9 +22,9 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include "control/control_server.h"
 #include "control/protocol.h"
 #include "refit/control_client.h"
-#include "refit/control_server.h"
 #include "test_data.h"
 #include "test_util.h"
 

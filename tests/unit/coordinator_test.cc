@@ -1,6 +1,6 @@
 // Coordinator: the two-phase commit over an in-process fleet (inproc:// transport, receivers
 // driven directly). The same protocol over real sockets is tests/integration/fleet_test.cc.
-#include "refit/coordinator.h"
+#include "pipeline/coordinator.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

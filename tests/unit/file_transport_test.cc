@@ -20,10 +20,10 @@
 
 #include <fmt/format.h>
 
+#include "codec/tracker.h"
 #include "node/session_sink.h"
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
 #include "test_data.h"

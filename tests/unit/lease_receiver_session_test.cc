@@ -9,8 +9,8 @@
 #include <utility>
 #include <vector>
 
-#include "refit/receiver_session.h"
-#include "refit/tracker.h"
+#include "codec/tracker.h"
+#include "receiver/receiver_session.h"
 #include "test_data.h"
 #include "test_util.h"
 #include "trainer_step.h"

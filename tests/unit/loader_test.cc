@@ -15,12 +15,12 @@
 #include <tuple>
 #include <vector>
 
+#include "codec/tracker.h"
 #include "core/digest.h"
 #include "layout_check.h"
 #include "receiver/apply.h"
 #include "refit/loader_layout.h"
 #include "refit/payload.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "store_snapshot.h"
 #include "test_data.h"

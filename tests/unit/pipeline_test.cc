@@ -1,5 +1,5 @@
-#include "refit/bucketing.h"
-#include "refit/producer_stream.h"
+#include "pipeline/bucketing.h"
+#include "pipeline/producer_stream.h"
 
 #include <gtest/gtest.h>
 
@@ -19,11 +19,11 @@
 
 #include <fmt/format.h>
 
+#include "codec/tracker.h"
 #include "core/digest.h"
 #include "pipeline/anchor_compression.h"
 #include "receiver/apply.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"

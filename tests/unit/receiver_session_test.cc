@@ -1,4 +1,4 @@
-#include "refit/receiver_session.h"
+#include "receiver/receiver_session.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "refit/tracker.h"
+#include "codec/tracker.h"
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
@@ -135,7 +135,7 @@ TEST_F(ReceiverSessionTest, MakeRejectsBadOptions) {
   ReceiverSessionOptions options;
   options.apply_queue_depth = 0;
   EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
-  options.apply_queue_depth = ReceiverSession::kMaxApplyQueueDepth + 1;
+  options.apply_queue_depth = ReceiverSessionOptions::kMaxApplyQueueDepth + 1;
   EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
   options = {};
   options.remembered_transfers = 0;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "codec/locations.h"
+#include "codec/routing.h"
 #include "core/digest.h"
-#include "refit/routing.h"
 #include "test_util.h"
 
 namespace refit {

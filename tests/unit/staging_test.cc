@@ -1,6 +1,6 @@
 // Staging a trainer's device tensors to the host: the bounded pool of reusable buffers, and the
 // whole-model and pieces sources that read only the chunks a producer sends, through it.
-#include "refit/staging_pool.h"
+#include "pipeline/staging_pool.h"
 
 #include <gtest/gtest.h>
 
@@ -15,12 +15,13 @@
 
 #include <fmt/format.h>
 
+#include "codec/tracker.h"
 #include "pipeline/piece_source.h"
+#include "pipeline/producer_stream.h"
+#include "pipeline/staged_source.h"
 #include "refit/chunk_source.h"
-#include "refit/producer_stream.h"
 #include "refit/status_format.h"
 #include "refit/tensor_memory.h"
-#include "refit/tracker.h"
 #include "test_data.h"
 #include "test_util.h"
 

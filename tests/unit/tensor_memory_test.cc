@@ -7,8 +7,8 @@
 
 #include <vector>
 
+#include "codec/tracker.h"
 #include "receiver/apply.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "store_snapshot.h"
 #include "test_data.h"

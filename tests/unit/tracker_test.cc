@@ -1,4 +1,4 @@
-#include "refit/tracker.h"
+#include "codec/tracker.h"
 
 #include <gtest/gtest.h>
 

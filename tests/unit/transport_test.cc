@@ -17,10 +17,10 @@
 
 #include <fmt/format.h>
 
-#include "refit/producer_stream.h"
-#include "refit/receiver_session.h"
+#include "codec/tracker.h"
+#include "pipeline/producer_stream.h"
+#include "receiver/receiver_session.h"
 #include "refit/status_format.h"
-#include "refit/tracker.h"
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"

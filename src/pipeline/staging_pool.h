@@ -1,6 +1,6 @@
 // A bounded pool of reusable host buffers, which a trainer's device tensors are staged through on
-// their way to the compare (StagedTensorSource, refit/chunk_source.h): host memory for the export
-// stays within a budget, whatever the model's size.
+// their way to the compare (StagedTensorSource, src/pipeline/staged_source.h): host memory for
+// the export stays within a budget, whatever the model's size.
 #pragma once
 
 #include <cstddef>

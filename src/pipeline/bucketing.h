@@ -7,16 +7,13 @@
 #include <span>
 #include <vector>
 
-#include "refit/chunking.h"
+#include "pipeline/chunking.h"
 #include "refit/item.h"
 #include "refit/payload.h"
 #include "refit/status.h"
+#include "refit/stream_options.h"
 
 namespace refit {
-
-/// The default bucket size of producers (ProducerStreamOptions::bucket_bytes), which receivers
-/// also size their default payload limit by (ReceiverNodeOptions::producer_bucket_bytes).
-inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
 
 /// Return the bytes of `item` that a payload bucket counts: its location and value bytes, before
 /// compression (the entry table and headers are not counted).

@@ -1,33 +1,21 @@
-// ProducerStream runs one transfer for one producer, from a source of export chunks
-// (refit/chunk_source.h) to a caller-supplied sender, with the chunking and bucketing rules of
-// refit/chunking.h and refit/bucketing.h.
-//
-//   source (caller's thread) ─▶ encode workers ─▶ bucketer ─▶ serialize+compress ─▶ senders
-//     every chunk is pulled;     DeltaTracker::     items in       EncodePayload      N threads,
-//     owned ones (k % W == p)    Encode, N threads  chunk order,                      cleanup once
-//     are dispatched                                ≤ bucket_bytes                    per thread
-//
-// Every stage is bounded and overlaps the next. Unlike the upstream design, which coalesces
-// encode results in completion order, payload contents and payload ids here depend only on the
-// inputs: encode results are consumed in chunk order, whatever the thread timing.
+// A producer rank's stream: its options (chunking, bucketing, threads, in-flight bounds, anchor
+// compression) and what one stream reports (stage times, bytes, routes). PublisherOptions::stream
+// and SyncReport carry them; the stream itself is internal (src/pipeline/producer_stream.h).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <span>
 #include <string_view>
 #include <vector>
 
-#include "refit/bucketing.h"
-#include "refit/chunk_source.h"
 #include "refit/payload.h"
-#include "refit/routing.h"
 #include "refit/status.h"
-#include "refit/tracker.h"
-#include "refit/transfer.h"
 
 namespace refit {
+
+/// The default bucket size of producers (ProducerStreamOptions::bucket_bytes), which receivers
+/// also size their default payload limit by (ReceiverNodeOptions::producer_bucket_bytes).
+inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
 
 /// How an anchor's payloads are compressed (ProducerStreamOptions::anchor_compression). An anchor
 /// sends every element, so its time is set by whichever is slower, the compressor or the link:
@@ -89,6 +77,10 @@ struct ProducerStreamOptions {
   /// How an anchor's payloads are compressed: `payload` as it is (kZstd), raw (kNone), or as
   /// measured (kAuto). Deltas always use `payload`.
   AnchorCompression anchor_compression = AnchorCompression::kAuto;
+
+  /// Upper bound on each thread count: far above any core count, low enough that a mistyped
+  /// value is reported instead of exhausting the process (as ThreadPool's bound).
+  static constexpr int kMaxThreads = 4096;
 };
 
 /// What a stream decided about an anchor's compression, and the rates it decided from.
@@ -136,16 +128,6 @@ struct RouteReport {
   friend bool operator==(const RouteReport&, const RouteReport&) = default;
 };
 
-/// One class of receivers a stream sends to (routing by holdings, refit/routing.h): the cut of
-/// items its receivers hold, and the sender of its payloads.
-struct StreamRoute {
-  /// Borrowed for the Run; null: the class holds everything (no item is cut).
-  const ItemRoute* items = nullptr;
-  PayloadSender send;
-  /// Optional: run once on each sender thread at its end.
-  SenderCleanup cleanup;
-};
-
 /// What one successful ProducerStream::Run did.
 struct StreamReport {
   /// Chunks the source yielded (every producer walks all of them), and those this one owns.
@@ -170,59 +152,6 @@ struct StreamReport {
   AnchorCompressionReport anchor_compression{};
   /// Per route, in the order Run was given them (one entry for a Run with one sender).
   std::vector<RouteReport> routes = {};
-};
-
-/// Runs transfers for one producer: pulls every export chunk, encodes the owned ones with a
-/// DeltaTracker, coalesces their items into payloads of at most bucket_bytes (in chunk order,
-/// then tensor order, then item order), serializes and compresses them, and hands them to a
-/// sender. Payload ids and payload bytes are a function of the inputs only, except the bytes of
-/// an anchor under AnchorCompression::kAuto, whose compression follows the measured rates.
-///
-/// Memory is bounded by the options, never by the model: about max_chunks_in_flight chunks
-/// (source bytes plus encoded items) + one partly filled bucket + max_payloads_in_flight payloads.
-///
-/// Thread-safety: immutable after Make; Run may be called concurrently for distinct trackers.
-/// Each Run starts its own threads and joins them all before returning.
-class ProducerStream {
- public:
-  /// Errors: InvalidArgument for inconsistent options (no producers, producer_id ≥
-  /// num_producers, a zero chunk or bucket size, thread counts outside
-  /// [1, kMaxThreads], zero max_payloads_in_flight).
-  static Result<std::unique_ptr<ProducerStream>> Make(const ProducerStreamOptions& options);
-
-  /// Upper bound on each thread count: far above any core count, low enough that a mistyped
-  /// value is reported instead of exhausting the process (as ThreadPool's bound).
-  static constexpr int kMaxThreads = 4096;
-
-  /// Stream the transfer open in `tracker` (DeltaTracker::Begin was called; its plan gives the
-  /// transfer id and versions of every payload): pull every chunk of `source`, encode the owned
-  /// ones, and call `send` for each payload. `cleanup` (optional) runs once on each sender
-  /// thread at its end. Commit or abort the tracker afterwards, as the coordinator decides.
-  ///
-  /// The first error anywhere (source, chunk rule, encode, serialize, send) cancels every stage
-  /// and is returned with the producer and chunk or payload named; the source is still drained
-  /// (see ChunkSource), every started thread runs its cleanup and is joined. The tracker then
-  /// holds a partial transfer: Abort it.
-  ///
-  /// Errors: FailedPrecondition (no open transfer in `tracker`, or an encode precondition such
-  /// as a tensor without baseline in a delta), InvalidArgument (a chunk that breaks the chunking
-  /// rule, is empty, or repeats a tensor name; a bad tensor), ResourceExhausted (a thread could
-  /// not start; more than 2^32 payloads), and whatever the source or sender return.
-  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
-                           const PayloadSender& send, const SenderCleanup& cleanup = nullptr) const;
-  /// As above, sending each route what its receivers hold: every encoded item is cut for each
-  /// route (ItemRoute::Cut) and bucketed into that route's own payloads, numbered from 0 per
-  /// route and handed to that route's sender. Items are encoded once whatever the routes.
-  /// Errors: as above; InvalidArgument for no routes or a route without a sender, and what
-  /// ItemRoute::Cut returns (naming the route).
-  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
-                           std::span<const StreamRoute> routes) const;
-
-  const ProducerStreamOptions& options() const { return options_; }
-
- private:
-  explicit ProducerStream(const ProducerStreamOptions& options) : options_(options) {}
-  ProducerStreamOptions options_;
 };
 
 }  // namespace refit

@@ -37,11 +37,12 @@
 #include <string>
 #include <vector>
 
+#include "codec/routing.h"
+#include "codec/tracker.h"
+#include "pipeline/producer_stream.h"
 #include "refit/payload.h"
-#include "refit/producer_stream.h"
-#include "refit/routing.h"
+#include "refit/refit_report.h"
 #include "refit/status.h"
-#include "refit/tracker.h"
 #include "refit/transfer.h"
 
 namespace refit {
@@ -70,20 +71,6 @@ struct CoordinatedReceiver {
   /// Where its data plane listens (the transport's syntax), for the relay trees the coordinator
   /// names (CoordinatorOptions::relay_trees) and for routing by holdings; empty: unknown.
   std::string data_endpoint = {};
-};
-
-/// One class of the receivers of a transfer: the receivers that hold the same elements (every
-/// TP rank-k shard of every replica; every unsharded receiver), which get the same payloads
-/// (routing by holdings, refit/routing.h). A transfer that is not routed has one route: every
-/// receiver, every item whole.
-struct TransferRoute {
-  /// Indices into the coordinator's receivers, in the coordinator's order: the relay tree order.
-  std::vector<size_t> receivers;
-  /// Their data endpoints, in the same order; empty for the unrouted route (the channel's
-  /// default: the whole fleet).
-  std::vector<std::string> endpoints;
-  /// What they hold; null: everything.
-  std::shared_ptr<const ItemRoute> items;
 };
 
 /// What a producer's channel is opened for.
@@ -181,48 +168,6 @@ struct CoordinatorOptions {
   /// The canonical tensor names to route by before any transfer told them (e.g. kept from an
   /// earlier Coordinator's RefitReport::digests).
   std::vector<std::string> tensor_names = {};
-};
-
-/// What one receiver reported.
-struct ReceiverOutcome {
-  std::string name;
-  FlushReport flush;
-  /// The transfer this receiver committed implicitly at Prepare, if any.
-  std::optional<TransferId> implied_commit;
-  /// OK, or why its Commit failed after the decision (it stays prepared and commits implicitly
-  /// at the next transfer's Prepare).
-  Status commit_status;
-  /// The prepared transfer this receiver rolled back at Prepare because this transfer comes
-  /// from its base (its coordinator never decided it), if any. (Last, with an initializer.)
-  std::optional<TransferId> implied_abort = std::nullopt;
-  /// The route (class of receivers holding the same elements) it was sent, an index into
-  /// RefitReport::routes.
-  size_t route = 0;
-};
-
-/// What one successful Refit did.
-struct RefitReport {
-  TransferPlan plan;
-  /// Per producer, in producer order.
-  std::vector<StreamReport> producers;
-  /// Per receiver, in receiver order.
-  std::vector<ReceiverOutcome> receivers;
-  /// The routes the transfer took (one unless routed by holdings), with what each producer sent
-  /// along each in producers[p].routes.
-  std::vector<TransferRoute> routes;
-  /// The state digest of every canonical tensor after the transfer, as the producers declared it.
-  std::map<std::string, uint64_t> digests;
-  /// Sums over producers.
-  uint64_t payloads = 0;
-  uint64_t wire_bytes = 0;
-  uint64_t changed_elements = 0;
-  uint64_t total_elements = 0;
-  /// Wall time of each phase and of the whole transfer, in seconds.
-  double prepare_s = 0;
-  double stream_s = 0;
-  double flush_s = 0;
-  double commit_s = 0;
-  double total_s = 0;
 };
 
 /// Drives transfers across W producers and N receivers.

@@ -1,0 +1,79 @@
+// What one transfer did across the fleet (RefitReport, in Publisher::Sync's SyncReport): the plan,
+// each producer's StreamReport, each receiver's outcome, the routes by holdings and the phase
+// times. The coordinator that drives a transfer is internal (src/pipeline/coordinator.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "refit/status.h"
+#include "refit/stream_options.h"
+#include "refit/transfer.h"
+
+namespace refit {
+
+/// The cut of items one class of receivers holds (src/codec/routing.h): opaque to users.
+class ItemRoute;
+
+/// One class of the receivers of a transfer: the receivers that hold the same elements (every
+/// TP rank-k shard of every replica; every unsharded receiver), which get the same payloads
+/// (routing by holdings, src/codec/routing.h). A transfer that is not routed has one route: every
+/// receiver, every item whole.
+struct TransferRoute {
+  /// Indices into the coordinator's receivers, in the coordinator's order: the relay tree order.
+  std::vector<size_t> receivers;
+  /// Their data endpoints, in the same order; empty for the unrouted route (the channel's
+  /// default: the whole fleet).
+  std::vector<std::string> endpoints;
+  /// What they hold; null: everything.
+  std::shared_ptr<const ItemRoute> items;
+};
+
+/// What one receiver reported.
+struct ReceiverOutcome {
+  std::string name;
+  FlushReport flush;
+  /// The transfer this receiver committed implicitly at Prepare, if any.
+  std::optional<TransferId> implied_commit;
+  /// OK, or why its Commit failed after the decision (it stays prepared and commits implicitly
+  /// at the next transfer's Prepare).
+  Status commit_status;
+  /// The prepared transfer this receiver rolled back at Prepare because this transfer comes
+  /// from its base (its coordinator never decided it), if any. (Last, with an initializer.)
+  std::optional<TransferId> implied_abort = std::nullopt;
+  /// The route (class of receivers holding the same elements) it was sent, an index into
+  /// RefitReport::routes.
+  size_t route = 0;
+};
+
+/// What one successful Refit did.
+struct RefitReport {
+  TransferPlan plan;
+  /// Per producer, in producer order.
+  std::vector<StreamReport> producers;
+  /// Per receiver, in receiver order.
+  std::vector<ReceiverOutcome> receivers;
+  /// The routes the transfer took (one unless routed by holdings), with what each producer sent
+  /// along each in producers[p].routes.
+  std::vector<TransferRoute> routes;
+  /// The state digest of every canonical tensor after the transfer, as the producers declared it.
+  std::map<std::string, uint64_t> digests;
+  /// Sums over producers.
+  uint64_t payloads = 0;
+  uint64_t wire_bytes = 0;
+  uint64_t changed_elements = 0;
+  uint64_t total_elements = 0;
+  /// Wall time of each phase and of the whole transfer, in seconds.
+  double prepare_s = 0;
+  double stream_s = 0;
+  double flush_s = 0;
+  double commit_s = 0;
+  double total_s = 0;
+};
+
+}  // namespace refit
