@@ -53,23 +53,17 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
     common.insert(common.end(), {"--receiver", fmt::format("{}={}", receiver.control_url,
                                                            receiver.data_endpoint)});
   }
-  std::vector<pid_t> pids;
-  std::vector<std::string> outputs, logs;
-  const double t0 = Now();
+  std::vector<testkit::ChildSpec> ranks;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    std::vector<std::string> argv = common;
-    argv.insert(argv.end(), {"--rank", std::to_string(rank)});
-    outputs.push_back(fmt::format("{}/push-rank-{}.out", work_dir, rank));
-    logs.push_back(fmt::format("{}/push-rank-{}.log", work_dir, rank));
-    Result<pid_t> pid = testkit::SpawnProcess(argv, outputs.back(), logs.back());
-    if (!pid.ok()) {
-      // The ranks already started would wait for the missing one until their timeout.
-      for (pid_t started : pids)
-        testkit::TerminateProcess(started, kChildStopGrace).status().IgnoreError();
-      return pid.status();
-    }
-    pids.push_back(*pid);
+    testkit::ChildSpec& child = ranks.emplace_back();
+    child.argv = common;
+    child.argv.insert(child.argv.end(), {"--rank", std::to_string(rank)});
+    child.stdout_path = fmt::format("{}/push-rank-{}.out", work_dir, rank);
+    child.stderr_path = fmt::format("{}/push-rank-{}.log", work_dir, rank);
   }
+  const double t0 = Now();
+  REFIT_ASSIGN_OR_RETURN(const std::vector<pid_t> pids,
+                         testkit::SpawnProcesses(ranks, kChildStopGrace));
   Result<std::vector<testkit::ChildExit>> exits = testkit::WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
   SyncStep step;
@@ -78,7 +72,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
       problems.push_back(fmt::format(
           "`refit push` rank {} of {} {}; its log ends with:\n{}", rank, world,
           exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
-          testkit::FileTail(logs[rank])));
+          testkit::FileTail(ranks[rank].stderr_path)));
     } else {
       step.rank_peak_rss.push_back((*exits)[rank].peak_rss_bytes);
     }
@@ -86,7 +80,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
   step.wall_s = Now() - t0;
   if (!problems.empty()) return Internal("{}", fmt::join(problems, "\n"));
   // Rank 0 prints one JSON line for the whole transfer (push.cc PrintReport).
-  std::ifstream printed(outputs[0]);
+  std::ifstream printed(ranks[0].stdout_path);
   nlohmann::json line;
   for (std::string text; std::getline(printed, text);) {
     nlohmann::json parsed = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -94,7 +88,7 @@ Result<SyncStep> PushAsProcesses(const Args& args, const std::string& work_dir, 
   }
   if (!line.is_object() || !line.contains("time_s") || line.value("kind", "") != "delta") {
     return DataLoss("`refit push` rank 0 printed no delta report: '{}'",
-                    testkit::FileTail(outputs[0]));
+                    testkit::FileTail(ranks[0].stdout_path));
   }
   step.changed = line.value("changed", uint64_t{0});
   step.payloads = line.value("payloads", uint64_t{0});
@@ -140,20 +134,15 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
                                            fmt::format("{}", args.step_density),
                                            "--result-file",
                                            result_path};
-  std::vector<pid_t> pids;
-  std::vector<std::string> logs;
+  std::vector<testkit::ChildSpec> ranks;
   for (uint32_t rank = 0; rank < world; ++rank) {
-    std::vector<std::string> argv = common;
-    argv.insert(argv.end(), {"--rank", std::to_string(rank)});
-    logs.push_back(fmt::format("{}/rank-process-{}.log", work_dir, rank));
-    Result<pid_t> pid = testkit::SpawnProcess(argv, logs.back(), logs.back());
-    if (!pid.ok()) {
-      for (pid_t started : pids)
-        testkit::TerminateProcess(started, kChildStopGrace).status().IgnoreError();
-      return pid.status();
-    }
-    pids.push_back(*pid);
+    testkit::ChildSpec& child = ranks.emplace_back();
+    child.argv = common;
+    child.argv.insert(child.argv.end(), {"--rank", std::to_string(rank)});
+    child.stdout_path = child.stderr_path = fmt::format("{}/rank-process-{}.log", work_dir, rank);
   }
+  REFIT_ASSIGN_OR_RETURN(const std::vector<pid_t> pids,
+                         testkit::SpawnProcesses(ranks, kChildStopGrace));
   Result<std::vector<testkit::ChildExit>> exits = testkit::WaitProcesses(pids, kPushTimeout);
   std::vector<std::string> problems;
   std::vector<uint64_t> rank_peaks;
@@ -162,7 +151,7 @@ Result<std::vector<SyncStep>> SyncAsRankProcesses(const Args& args, const std::s
       problems.push_back(fmt::format(
           "rank process {} of {} {}; its log ends with:\n{}", rank, world,
           exits.ok() ? "exited with " + (*exits)[rank].Describe() : exits.status().ToString(),
-          testkit::FileTail(logs[rank])));
+          testkit::FileTail(ranks[rank].stderr_path)));
     } else {
       rank_peaks.push_back((*exits)[rank].peak_rss_bytes);
     }
@@ -221,7 +210,7 @@ Status RunProducerRank(const ChildFlags& flags) {
   REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
                          SyntheticModel::Make(model_bytes, seed,
                                               static_cast<int>(std::clamp<uint64_t>(
-                                                  threads, 1, ProducerStream::kMaxThreads)),
+                                                  threads, 1, ProducerStreamOptions::kMaxThreads)),
                                               nullptr));
   const char* key = std::getenv(kApiKeyEnv);
   TcpGroupOptions group_options;

@@ -132,6 +132,20 @@ Result<ChildExit> TerminateProcess(pid_t pid, std::chrono::milliseconds grace) {
   return WaitProcess(pid, grace);
 }
 
+Result<std::vector<pid_t>> SpawnProcesses(const std::vector<ChildSpec>& children,
+                                          std::chrono::milliseconds grace) {
+  std::vector<pid_t> pids;
+  for (const ChildSpec& child : children) {
+    Result<pid_t> pid = SpawnProcess(child.argv, child.stdout_path, child.stderr_path);
+    if (!pid.ok()) {
+      for (pid_t started : pids) TerminateProcess(started, grace).status().IgnoreError();
+      return pid.status();
+    }
+    pids.push_back(*pid);
+  }
+  return pids;
+}
+
 Result<std::string> WaitForReadyFile(const std::string& path, pid_t pid,
                                      std::chrono::milliseconds timeout,
                                      const std::string& log_path) {

@@ -25,6 +25,19 @@ namespace refit::testkit {
 Result<pid_t> SpawnProcess(const std::vector<std::string>& argv, const std::string& stdout_path,
                            const std::string& stderr_path);
 
+/// One child of SpawnProcesses: its command line and where its output goes (as SpawnProcess).
+struct ChildSpec {
+  std::vector<std::string> argv;
+  std::string stdout_path;
+  std::string stderr_path;
+};
+
+/// Start every child of `children` in order, or none: when one cannot start, the ones started
+/// before it — which may be waiting for it, as the ranks of one job do — are terminated (SIGTERM,
+/// then SIGKILL after `grace`) and its error is returned. Errors: as SpawnProcess.
+Result<std::vector<pid_t>> SpawnProcesses(const std::vector<ChildSpec>& children,
+                                          std::chrono::milliseconds grace);
+
 /// How a child process ended.
 struct ChildExit {
   /// True when it exited (`code` is its exit status); false when a signal ended it (`code` is

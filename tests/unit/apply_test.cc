@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <map>
 
+#include "codec/tracker.h"
 #include "core/digest.h"
-#include "refit/tracker.h"
 #include "store_snapshot.h"
 #include "test_data.h"
 #include "test_util.h"
@@ -28,6 +28,39 @@ ValidatedPayload Validated(std::vector<std::byte> bytes) {
   Result<ValidatedPayload> payload = ValidatePayload(std::move(bytes));
   EXPECT_OK(payload.status());
   return std::move(payload).ValueOrDie();
+}
+
+// `items` as one payload of transfer `id` (producer 0, payload 0) from `plan`'s base to its target.
+std::vector<std::byte> EncodeItems(const TransferId& id, const TransferPlan& plan,
+                                   const std::vector<Item>& items) {
+  std::vector<ItemView> views;
+  for (const Item& item : items) views.push_back(item.view());
+  Result<std::vector<std::byte>> bytes =
+      EncodePayload(PayloadIds{id, 0, 0, plan.base_version, plan.target_version}, views);
+  EXPECT_OK(bytes.status());
+  return std::move(bytes).ValueOrDie();
+}
+
+// The digest of items[forged] forged (its values stay right), the payload of `items` applied into
+// `store` on `threads` threads with the payload kept for the undo: the apply fails with DataLoss
+// and every item of the payload is undone, whatever ran on the other threads; the kept payload is
+// untouched.
+void ExpectAForgedDigestUndoesThePayload(std::vector<Item> items, size_t forged,
+                                         const TransferId& id, const TransferPlan& plan,
+                                         WeightStore& store, int threads) {
+  const StoreSnapshot before = TakeSnapshot(store);
+  const std::map<std::string, uint64_t> digests_before = store.Digests();
+  items[forged].digest ^= 1;
+  const std::vector<std::byte> bytes = EncodeItems(id, plan, items);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+  UndoLog undo;
+  ValidatedPayload kept = Validated(bytes);
+  EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
+                    ApplyPayload(decoded, store, &undo, &kept, threads));
+  EXPECT_EQ(TakeSnapshot(store), before);
+  EXPECT_EQ(store.Digests(), digests_before);
+  EXPECT_EQ(undo.records(), 0u);
+  EXPECT_TRUE(std::ranges::equal(kept.bytes(), bytes));
 }
 
 /// A producer and a receiver that start from the same weights, like a trainer and one replica.
@@ -179,15 +212,7 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
     }
   }
   ASSERT_GE(items.size(), 3u);
-  const auto encode = [&](const std::vector<Item>& of) {
-    std::vector<ItemView> views;
-    for (const Item& item : of) views.push_back(item.view());
-    Result<std::vector<std::byte>> bytes =
-        EncodePayload(PayloadIds{id, 0, 0, plan.base_version, plan.target_version}, views);
-    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-    return std::move(bytes).ValueOrDie();
-  };
-  const std::vector<std::byte> bytes = encode(items);
+  const std::vector<std::byte> bytes = EncodeItems(id, plan, items);
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
 
   auto serial = WeightStore::Make();
@@ -211,19 +236,8 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
     EXPECT_EQ(store_->Digests(), digests_before);
   }
 
-  // The last item's digest forged (its values stay right): every item of the payload undone.
-  std::vector<Item> forged_items = items;
-  forged_items.back().digest ^= 1;
-  const std::vector<std::byte> forged_bytes = encode(forged_items);
-  ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
-  UndoLog undo;
-  ValidatedPayload kept = Validated(forged_bytes);
-  EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
-                    ApplyPayload(forged, *store_, &undo, &kept, /*threads=*/4));
-  EXPECT_EQ(TakeSnapshot(*store_), before);
-  EXPECT_EQ(store_->Digests(), digests_before);
-  EXPECT_EQ(undo.records(), 0u);
-  EXPECT_TRUE(std::ranges::equal(kept.bytes(), forged_bytes));
+  // The last item's digest forged: every item of the payload undone.
+  ExpectAForgedDigestUndoesThePayload(items, items.size() - 1, id, plan, *store_, /*threads=*/4);
   ASSERT_OK(tracker_->Abort(id));
 }
 
@@ -253,15 +267,7 @@ TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
     ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(id, t.view()));
     for (Item& item : encoded.items) items.push_back(std::move(item));
   }
-  const auto encode = [&](const std::vector<Item>& of) {
-    std::vector<ItemView> views;
-    for (const Item& item : of) views.push_back(item.view());
-    Result<std::vector<std::byte>> bytes =
-        EncodePayload(PayloadIds{id, 0, 0, plan.base_version, plan.target_version}, views);
-    EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-    return std::move(bytes).ValueOrDie();
-  };
-  const std::vector<std::byte> bytes = encode(items);
+  const std::vector<std::byte> bytes = EncodeItems(id, plan, items);
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
   ASSERT_EQ(decoded.items()[0].name, "big");
   ASSERT_GE(decoded.location_marks(0).size(), 4u) << "the large item must split";
@@ -290,19 +296,8 @@ TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
     EXPECT_EQ(TakeSnapshot(*store), before);
     EXPECT_EQ(store->Digests(), digests_before);
 
-    // The large item's digest forged (its values stay right): every slice applied, then all of
-    // the payload undone.
-    std::vector<Item> forged_items = items;
-    forged_items.front().digest ^= 1;
-    const std::vector<std::byte> forged_bytes = encode(forged_items);
-    ASSERT_OK_AND_ASSIGN(DecodedPayload forged, DecodePayload(forged_bytes));
-    UndoLog forged_undo;
-    ValidatedPayload forged_kept = Validated(forged_bytes);
-    EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
-                      ApplyPayload(forged, *store, &forged_undo, &forged_kept, threads));
-    EXPECT_EQ(TakeSnapshot(*store), before);
-    EXPECT_EQ(store->Digests(), digests_before);
-    EXPECT_EQ(forged_undo.records(), 0u);
+    // The large item's digest forged: every slice applied, then all of the payload undone.
+    ExpectAForgedDigestUndoesThePayload(items, 0, id, plan, *store, threads);
   }
   ASSERT_OK(tracker->Abort(id));
 }
