@@ -74,9 +74,9 @@ struct PublisherOptions {
   bool route_by_holdings = true;
   /// Host memory that device tensors (ExportTensor::device; ShardedModel locals in device memory)
   /// are staged through on their way to the compare: a pool of reusable buffers, one per chunk
-  /// in flight, kept between Syncs (src/pipeline/staging_pool.h). 0: twice the largest chunk this
-  /// rank stages, so that one chunk is read while the one before it is compared. A chunk larger
-  /// than the budget fails the Sync, naming it and the budget it needs.
+  /// in flight, kept between Syncs. 0: twice the largest chunk this rank stages, so that one
+  /// chunk is read while the one before it is compared. A chunk larger than the budget fails the
+  /// Sync, naming it and the budget it needs.
   uint64_t staging_bytes = 0;
 };
 
