@@ -5,9 +5,9 @@
 #include "codec/tracker.h"
 #include "config_file.h"
 #include "pipeline/bucketing.h"
-#include "pipeline/producer_stream.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
+#include "refit/stream_options.h"
 
 namespace refit::cli {
 namespace {
