@@ -216,6 +216,8 @@ class Receiver:
     def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
         """Block until the receiver has committed ``version`` (or a later one); return it.
 
-        Ctrl-C interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
+        The version is reported once the receiver's memory holds it: after the commit and after
+        the commit hook that moves the bytes into the engine (a mirror's copy) returned. Ctrl-C
+        interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
         """
         return self._core.wait_for_version(version, -1.0 if timeout is None else float(timeout))

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -120,6 +121,34 @@ def test_mirror_mode_copies_into_the_module_only_after_commit():
         assert [kind for kind, _ in events] == ["pause", "resume"] and events[1][1] == (True, 1)
         assert torch.equal(events[0][1], before)  # paused before anything changed
         assert torch.equal(bits(worker)["proj.weight"], bits(trainer)["proj.weight"])
+
+
+def test_wait_for_version_returns_only_once_the_module_holds_the_version():
+    """Regression: in mirror mode the version was visible before the after_commit hook had copied
+    the mirror into the module, so a reader woken by wait_for_version saw the old weights. The
+    module is large enough (48 MiB) that the copy takes milliseconds, several 5 ms polls."""
+    torch.manual_seed(12)
+    trainer = torch.nn.Linear(4096, 6144, bias=False).to(torch.bfloat16)
+    worker = torch.nn.Linear(4096, 6144, bias=False).to(torch.bfloat16)
+    worker.load_state_dict(trainer.state_dict())
+    with rt.Receiver().attach(worker, memory="mirror").start() as receiver:
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        for version in range(1, 4):
+            step(trainer, 100 + version, fraction=0.02)
+            expected = trainer.weight.detach().view(torch.int16).clone()
+            seen = {}
+
+            def reader():
+                seen["version"] = receiver.wait_for_version(version, timeout=120)
+                seen["weight"] = worker.weight.detach().view(torch.int16).clone()
+
+            thread = threading.Thread(target=reader)
+            thread.start()
+            publisher.sync(trainer)
+            thread.join()
+            assert seen["version"] == version
+            assert torch.equal(seen["weight"], expected), f"version {version}: the module still held an older version"
 
 
 def test_the_device_path_moves_o_changes_and_no_copy_of_the_model_after_a_commit():
