@@ -290,38 +290,33 @@ std::string InboxPath(const std::string& root, const std::string& inbox) {
 class FileSender final : public TransportSender {
  public:
   FileSender(std::string root, SenderContext context, PayloadLimits limits, uint64_t nonce_base)
-      : root_(std::move(root)),
-        context_(std::move(context)),
-        limits_(limits),
-        transfer_name_(context_.transfer_id.ToHex()),
-        producer_name_(IdName(context_.producer_id)),
+      : TransportSender(std::move(context), limits),
+        root_(std::move(root)),
+        transfer_name_(this->context().transfer_id.ToHex()),
+        producer_name_(IdName(this->context().producer_id)),
         next_nonce_(nonce_base) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
-    for (const std::string& inbox : context_.endpoints) {
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
+    for (const std::string& inbox : context().endpoints) {
       REFIT_RETURN_NOT_OK(Write(inbox, PayloadName(payload_id), payload)
                               .WithContext(fmt::format("file://{}: payload {} of producer {}",
-                                                       root_, payload_id, context_.producer_id)));
+                                                       root_, payload_id, context().producer_id)));
     }
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
+  Status EndStream(uint64_t payloads) override {
     const std::string marker = fmt::format("{}\n", payloads);
-    for (const std::string& inbox : context_.endpoints) {
+    for (const std::string& inbox : context().endpoints) {
       REFIT_RETURN_NOT_OK(Write(inbox, kDoneName, std::as_bytes(std::span(marker)))
                               .WithContext(fmt::format("file://{}: end of producer {}", root_,
-                                                       context_.producer_id)));
+                                                       context().producer_id)));
     }
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   // Write one file into this producer's directory of `inbox`, creating the directories.
   Status Write(const std::string& inbox, std::string_view name, std::span<const std::byte> bytes) {
     // The drop directory is a mount point: if it is gone, creating it again would write to the
@@ -354,12 +349,9 @@ class FileSender final : public TransportSender {
   }
 
   const std::string root_;
-  const SenderContext context_;
-  const PayloadLimits limits_;
   const std::string transfer_name_;
   const std::string producer_name_;
   std::atomic<uint64_t> next_nonce_;
-  SenderProgress progress_;
 };
 
 // ---- Listener --------------------------------------------------------------------------------

@@ -155,48 +155,41 @@ Status CheckEndpointName(const std::string& hub, const std::string& name) {
 class InprocSender final : public TransportSender {
  public:
   InprocSender(std::string hub, SenderContext context, PayloadLimits limits)
-      : hub_(std::move(hub)), context_(std::move(context)), limits_(limits) {}
+      : TransportSender(std::move(context), limits), hub_(std::move(hub)) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
-    for (const std::string& name : context_.endpoints) {
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
+    for (const std::string& name : context().endpoints) {
       const std::shared_ptr<InprocEndpoint> endpoint = InprocDirectory::Get().Find(hub_, name);
       if (endpoint == nullptr) return NoListener(name);
       Result<StageResult> staged = endpoint->Deliver(payload);
       if (!staged.ok()) {
         return staged.status().WithContext(
             fmt::format("inproc://{} endpoint '{}', payload {} of producer {}", hub_, name,
-                        payload_id, context_.producer_id));
+                        payload_id, context().producer_id));
       }
     }
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
-    const StreamEnd end{context_.transfer_id, context_.producer_id,
+  Status EndStream(uint64_t payloads) override {
+    const StreamEnd end{context().transfer_id, context().producer_id,
                         static_cast<uint32_t>(payloads)};
-    for (const std::string& name : context_.endpoints) {
+    for (const std::string& name : context().endpoints) {
       const std::shared_ptr<InprocEndpoint> endpoint = InprocDirectory::Get().Find(hub_, name);
       if (endpoint == nullptr) return NoListener(name);
       REFIT_RETURN_NOT_OK(endpoint->EndOfStream(end).WithContext(fmt::format(
-          "inproc://{} endpoint '{}', end of producer {}", hub_, name, context_.producer_id)));
+          "inproc://{} endpoint '{}', end of producer {}", hub_, name, context().producer_id)));
     }
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   Status NoListener(const std::string& name) const {
     return Unavailable("inproc://{}: no listener at endpoint '{}'", hub_, name);
   }
 
   const std::string hub_;
-  const SenderContext context_;
-  const PayloadLimits limits_;
-  SenderProgress progress_;
 };
 
 class InprocListener final : public Listener {

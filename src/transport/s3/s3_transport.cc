@@ -151,11 +151,10 @@ class S3Sender final : public TransportSender {
   S3Sender(SenderContext context, std::shared_ptr<const S3TransportConfig> config,
            std::shared_ptr<S3Client> client, std::shared_ptr<UploadLog> log, PayloadLimits limits,
            std::vector<std::shared_ptr<ManifestAnnouncer>> announcers)
-      : context_(std::move(context)),
+      : TransportSender(std::move(context), limits),
         config_(std::move(config)),
         client_(std::move(client)),
         log_(std::move(log)),
-        limits_(limits),
         announcers_(std::move(announcers)) {}
 
   // A stream that failed is not finished: delete what it stored, so an aborted transfer leaves
@@ -168,16 +167,15 @@ class S3Sender final : public TransportSender {
     DeleteObjects(*client_, keys);
   }
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
     PayloadManifest manifest;
-    manifest.transfer_id = context_.transfer_id;
-    manifest.producer_id = context_.producer_id;
+    manifest.transfer_id = context().transfer_id;
+    manifest.producer_id = context().producer_id;
     manifest.payload_id = payload_id;
-    manifest.key = PayloadObjectKey(*config_, config_->chain, context_.transfer_id,
-                                    context_.producer_id, payload_id);
+    manifest.key = PayloadObjectKey(*config_, config_->chain, context().transfer_id,
+                                    context().producer_id, payload_id);
     manifest.size = payload.size();
     manifest.checksum = ObjectChecksum(payload);
     if (!config_->mac_key.empty()) manifest.mac = MacHex(config_->mac_key, payload);
@@ -187,12 +185,12 @@ class S3Sender final : public TransportSender {
       std::lock_guard lock(mutex_);
       kept_.push_back(manifest.key);
     }
-    log_->Record(context_.transfer_id, ChainPayload{.key = manifest.key,
-                                                    .producer_id = manifest.producer_id,
-                                                    .payload_id = manifest.payload_id,
-                                                    .size = manifest.size,
-                                                    .checksum = manifest.checksum,
-                                                    .mac = manifest.mac});
+    log_->Record(context().transfer_id, ChainPayload{.key = manifest.key,
+                                                     .producer_id = manifest.producer_id,
+                                                     .payload_id = manifest.payload_id,
+                                                     .size = manifest.size,
+                                                     .checksum = manifest.checksum,
+                                                     .mac = manifest.mac});
     REFIT_RETURN_NOT_OK(Announce(manifest));
     if (!config_->chain) {
       Status deleted = client_->DeleteObject(manifest.key);
@@ -209,19 +207,16 @@ class S3Sender final : public TransportSender {
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
+  Status EndStream(uint64_t /*payloads*/) override {
     std::lock_guard lock(mutex_);
     undeleted_ = DeleteObjects(*client_, undeleted_);
     // Still failing: the transport retries once the transfer is decided.
-    log_->RecordUndeleted(context_.transfer_id, std::move(undeleted_));
+    log_->RecordUndeleted(context().transfer_id, std::move(undeleted_));
     undeleted_.clear();
     finished_ = true;
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   // Announce the manifest to every receiver concurrently; the first failure is Send's error.
   Status Announce(const PayloadManifest& manifest) {
     const std::string text = ManifestToJson(manifest);
@@ -244,14 +239,12 @@ class S3Sender final : public TransportSender {
     return Status::OK();
   }
 
-  const SenderContext context_;
   const std::shared_ptr<const S3TransportConfig> config_;
   const std::shared_ptr<S3Client> client_;
   const std::shared_ptr<UploadLog> log_;
-  const PayloadLimits limits_;
-  // One per endpoint, in the order of context_.endpoints.
+  // One per endpoint, in the order of context().endpoints.
   const std::vector<std::shared_ptr<ManifestAnnouncer>> announcers_;
-  SenderProgress progress_;
+
   std::mutex mutex_;
   // Objects stored and not deleted (chain objects, or live ones awaiting their ACKs).
   std::vector<std::string> kept_;
