@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "refit/status.h"
+#include "util/mutex.h"
 
 namespace refit {
 
@@ -114,7 +115,7 @@ class ProgressReporter {
   std::atomic<uint64_t> done_{0};
   // Clock::time_point of the next allowed draw, in ns since start_; whoever advances it draws.
   std::atomic<int64_t> next_draw_ns_{0};
-  std::mutex draw_mutex_;
+  internal::Mutex draw_mutex_;
   bool finished_ = false;       // guarded by draw_mutex_
   size_t last_line_bytes_ = 0;  // guarded by draw_mutex_; blanks a longer previous bar
 };

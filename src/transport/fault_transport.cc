@@ -44,6 +44,7 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 #include "util/splitmix64.h"
 
 namespace refit::internal {
@@ -132,7 +133,7 @@ class FaultSender final : public TransportSender {
 
  private:
   uint64_t NextAttempt(uint32_t payload_id) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return attempts_[payload_id]++;
   }
 
@@ -154,7 +155,7 @@ class FaultSender final : public TransportSender {
   const std::string uri_;
   const uint32_t producer_id_;
   std::atomic<uint64_t> calls_{0};
-  std::mutex mutex_;
+  internal::Mutex mutex_;
   // Send calls so far per payload id.
   std::unordered_map<uint32_t, uint64_t> attempts_;
 };

@@ -54,6 +54,7 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -395,7 +396,7 @@ class FileListener final : public Listener {
   ~FileListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     if (started_ || stopped_) {
       return FailedPrecondition("file://{}: listener of inbox '{}' was started before", root_,
                                 inbox_);
@@ -424,20 +425,20 @@ class FileListener final : public Listener {
 
   void Stop() override {
     {
-      std::lock_guard lock(state_mutex_);
+      internal::MutexLock lock(state_mutex_);
       if (stopped_) return;
       stopped_ = true;
     }
     stop_.request_stop();
     if (thread_.joinable()) thread_.join();
     // Wait for a Poll running on another thread: after Stop the sink is never called again.
-    std::lock_guard poll_lock(poll_mutex_);
+    internal::MutexLock poll_lock(poll_mutex_);
   }
 
   Result<PollReport> Poll() override { return PollRound(); }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     return stats_;
   }
 
@@ -447,8 +448,8 @@ class FileListener final : public Listener {
   void RunPolling() {
     NameCurrentThread(kPollThreadName);
     const std::stop_token stop = stop_.get_token();
-    std::mutex wait_mutex;
-    std::condition_variable_any wake;
+    internal::Mutex wait_mutex;
+    internal::CondVar wake;
     Status previous;
     while (!stop.stop_requested()) {
       Result<PollReport> round = PollRound();
@@ -462,15 +463,15 @@ class FileListener final : public Listener {
         }
         previous = round.status();
       }
-      std::unique_lock lock(wait_mutex);
+      internal::MutexLock lock(wait_mutex);
       wake.wait_for(lock, stop, poll_interval_, [] { return false; });
     }
   }
 
   Result<PollReport> PollRound() {
-    std::lock_guard poll_lock(poll_mutex_);
+    internal::MutexLock poll_lock(poll_mutex_);
     {
-      std::lock_guard lock(state_mutex_);
+      internal::MutexLock lock(state_mutex_);
       if (!started_ || stopped_) {
         return FailedPrecondition("file://{}: listener of inbox '{}' is {}", root_, inbox_,
                                   stopped_ ? "stopped" : "not started");
@@ -486,7 +487,7 @@ class FileListener final : public Listener {
       std::erase_if(kept_, [&](const auto& entry) { return !seen.contains(entry.first); });
     }
 
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     stats_.delivered += report.delivered;
     stats_.duplicates += report.duplicates;
     stats_.streams_ended += report.ended.size();
@@ -718,13 +719,13 @@ class FileListener final : public Listener {
   PayloadSink& sink_;
   std::stop_source stop_;
 
-  mutable std::mutex state_mutex_;
+  mutable internal::Mutex state_mutex_;
   bool started_ = false;
   bool stopped_ = false;
   ListenerStats stats_;
 
   // Serialises rounds; guards round_ and kept_.
-  std::mutex poll_mutex_;
+  internal::Mutex poll_mutex_;
   uint64_t round_ = 0;
   std::map<std::string, KeptFile> kept_;
 

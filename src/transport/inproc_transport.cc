@@ -18,6 +18,7 @@
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -40,7 +41,7 @@ class InprocEndpoint {
     Result<StageResult> result = validated.ok()
                                      ? sink_.Deliver(std::move(*validated), stop_.get_token())
                                      : Result<StageResult>(validated.status());
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (result.ok()) {
       ++(*result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
     } else {
@@ -54,7 +55,7 @@ class InprocEndpoint {
   Status EndOfStream(const StreamEnd& end) {
     REFIT_RETURN_NOT_OK(Enter());
     Status status = sink_.EndOfStream(end);
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (status.ok()) {
       ++stats_.streams_ended;
     } else {
@@ -68,22 +69,22 @@ class InprocEndpoint {
   // Refuse new deliveries, cancel blocked ones, and wait until none runs.
   void Close() {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       closed_ = true;
     }
     stop_.request_stop();
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     idle_.wait(lock, [this] { return active_ == 0; });
   }
 
   ListenerStats stats() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return stats_;
   }
 
  private:
   Status Enter() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (closed_) return Unavailable("the listener stopped");
     ++active_;
     return Status::OK();
@@ -97,8 +98,8 @@ class InprocEndpoint {
   PayloadSink& sink_;
   const PayloadLimits limits_;
   std::stop_source stop_;
-  mutable std::mutex mutex_;
-  std::condition_variable idle_;
+  mutable internal::Mutex mutex_;
+  internal::CondVar idle_;
   int active_ = 0;
   bool closed_ = false;
   ListenerStats stats_;
@@ -114,7 +115,7 @@ class InprocDirectory {
 
   Status Bind(const std::string& hub, const std::string& name,
               std::shared_ptr<InprocEndpoint> endpoint) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (!endpoints_.emplace(std::pair(hub, name), std::move(endpoint)).second) {
       return AlreadyExists("inproc://{}: endpoint '{}' is already bound", hub, name);
     }
@@ -123,20 +124,20 @@ class InprocDirectory {
 
   // Unbind `name` if `endpoint` is still the one bound there.
   void Unbind(const std::string& hub, const std::string& name, const InprocEndpoint* endpoint) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     auto it = endpoints_.find(std::pair(hub, name));
     if (it != endpoints_.end() && it->second.get() == endpoint) endpoints_.erase(it);
   }
 
   // Return the endpoint bound at `name`, or null.
   std::shared_ptr<InprocEndpoint> Find(const std::string& hub, const std::string& name) const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     auto it = endpoints_.find(std::pair(hub, name));
     return it == endpoints_.end() ? nullptr : it->second;
   }
 
  private:
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<InprocEndpoint>> endpoints_;
 };
 
@@ -201,7 +202,7 @@ class InprocListener final : public Listener {
   ~InprocListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (endpoint_ != nullptr) {
       return FailedPrecondition("inproc://{}: listener at '{}' was started before", hub_,
                                 endpoint_name_);
@@ -215,7 +216,7 @@ class InprocListener final : public Listener {
   void Stop() override {
     std::shared_ptr<InprocEndpoint> endpoint;
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (stopped_ || endpoint_ == nullptr) {
         stopped_ = true;
         return;
@@ -229,7 +230,7 @@ class InprocListener final : public Listener {
   }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return endpoint_ == nullptr ? ListenerStats{} : endpoint_->stats();
   }
 
@@ -240,7 +241,7 @@ class InprocListener final : public Listener {
   const std::string endpoint_name_;
   PayloadSink& sink_;
   const PayloadLimits limits_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   // Set by Start, kept after Stop for stats().
   std::shared_ptr<InprocEndpoint> endpoint_;
   bool stopped_ = false;

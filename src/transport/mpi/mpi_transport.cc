@@ -109,7 +109,7 @@ class MpiSender final : public TransportSender {
     const std::string what =
         fmt::format("mpi: producer {} payload {} of transfer {}", context().producer_id, payload_id,
                     context().transfer_id.ToHex());
-    std::lock_guard lock(job_.data_mutex());
+    internal::MutexLock lock(job_.data_mutex());
     REFIT_RETURN_NOT_OK(BroadcastHeader(job_, context().producer_id, header, what));
     REFIT_RETURN_NOT_OK(job_.data_plane().Broadcast(context().producer_id, owned->data(),
                                                     owned->size(), Deadline(), {}, owned, what));
@@ -119,7 +119,7 @@ class MpiSender final : public TransportSender {
 
   Status EndStream(uint64_t payloads) override {
     REFIT_RETURN_NOT_OK(job_.CheckUsable());
-    std::lock_guard lock(job_.data_mutex());
+    internal::MutexLock lock(job_.data_mutex());
     REFIT_RETURN_NOT_OK(BroadcastHeader(
         job_, context().producer_id, {kDone, kNoPayload, static_cast<int64_t>(payloads), 0},
         fmt::format("mpi: producer {} done of transfer {}", context().producer_id,
@@ -589,7 +589,7 @@ Status CloseMpiJob() {
   const auto deadline = std::chrono::steady_clock::now() + job->options().timeout;
   const std::string what = fmt::format("mpi: producer {} closing the job", info.index);
   {
-    std::lock_guard lock(job->data_mutex());
+    internal::MutexLock lock(job->data_mutex());
     REFIT_RETURN_NOT_OK(internal::BroadcastHeader(
         *job, info.index, {internal::kClose, internal::kNoPayload, 0, 0}, what));
   }
