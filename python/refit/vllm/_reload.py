@@ -112,12 +112,16 @@ def checkpoint_copies(vllm_config: Any, model: Any, layers: Dict[str, str]) -> L
     packed.update(getattr(model, "packed_modules_mapping", None) or {})
     packed_parts = {part: fused for fused, parts in packed.items() for part in parts}
     loader = get_model_loader(vllm_config.load_config)
+    # The engine's dtype, as vLLM's weight loaders cast the checkpoint to it: the copies hold what
+    # the trainer exports for this engine (a float32 checkpoint served in bfloat16 is bfloat16).
+    dtype = getattr(vllm_config.model_config, "dtype", None)
     copies: List[Tuple[str, Any, str]] = []
     for name, tensor in loader.get_all_weights(vllm_config.model_config, model):
         module = _module_of(name, model, packed_parts)
         if module is None or module not in layers:
             continue
-        copies.append((name, tensor.detach().to("cpu", copy=True).contiguous(), module))
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        copies.append((name, tensor.detach().to(device="cpu", dtype=cast, copy=True).contiguous(), module))
     covered = {module for _, _, module in copies}
     missing = sorted(set(layers) - covered)
     if missing:
