@@ -431,8 +431,6 @@ class ReloadPath:
                 )
 
 
-
-
 def _module_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """Every parameter and buffer (persistent or not) of ``module``, by qualified name.
 

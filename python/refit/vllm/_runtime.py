@@ -571,8 +571,9 @@ class WorkerRuntime:
         Keys: the fields of :class:`refit.ReceiverStatus` (when running), plus ``running``,
         ``applying`` (between a transfer's first apply and its end), ``gate_closed``,
         ``forwards_in_flight``, ``pauses`` (transfers that began applying), ``commits`` and
-        ``aborts`` (how those ended), ``last_event`` (a dict, or None), ``tp_rank``,
-        ``tp_size``, ``dp_rank``, ``replica``.
+        ``aborts`` (how those ended), ``last_event`` (a dict, or None), ``reloads`` and
+        ``last_reload`` (the reload path's commits; see :class:`refit.torch.ReloadPath`),
+        ``tp_rank``, ``tp_size``, ``dp_rank``, ``replica``.
         """
         receiver = self._receiver
         status = dataclasses.asdict(receiver.status()) if receiver is not None else {}
@@ -585,6 +586,10 @@ class WorkerRuntime:
                 last_event=dataclasses.asdict(self._events[-1]) if self._events else None,
             )
         status.update(
+            # The reload path (docs/vllm.md): commits that handed tensors to the engine's
+            # reload_weights, and the last one's changed / loaded names and seconds.
+            reloads=int(getattr(receiver, "reloads", 0) or 0),
+            last_reload=getattr(receiver, "last_reload", None),
             running=receiver is not None,
             gate_closed=self._gate.closed if self._gate is not None else False,
             forwards_in_flight=self._gate.in_flight if self._gate is not None else 0,

@@ -35,6 +35,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -42,8 +43,7 @@ from typing import Any, Dict, List
 import pytest
 
 try:
-    import vllm  # noqa: F401
-    from vllm import LLM  # noqa: F401 — the whole engine, not the project venv's partial vLLM
+    from vllm import LLM  # the whole engine, not the project venv's partial vLLM
 except ImportError as error:  # pragma: no cover — depends on the interpreter
     if os.environ.get("REFIT_TEST_VLLM_ENGINE_REQUIRED") == "1":
         raise
@@ -111,9 +111,11 @@ class Trainer:
 
     def __init__(self, checkpoint: str, dtype: str):
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # Its log goes to a file: a pipe nobody reads while the test waits could fill and block it.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
             [sys.executable, str(TRAINER), checkpoint, dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=env,
+            stderr=self.log, text=True, env=env,
         )
 
     def ask(self, **command: Any) -> Dict[str, Any]:
@@ -123,7 +125,8 @@ class Trainer:
         for line in self.process.stdout:
             if line.startswith("@@ "):
                 return json.loads(line[3:])
-        raise AssertionError(f"the trainer exited ({self.process.wait()}): {self.process.stderr.read()[-4000:]}")
+        self.log.seek(0)
+        raise AssertionError(f"the trainer exited ({self.process.wait()}): {self.log.read()[-4000:]}")
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -193,11 +196,13 @@ def check_paths(info: Dict[str, Any]) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llm_in_process(checkpoint, dtype, monkeypatch, record_property):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM  # noqa: PLC0415
-
     trainer = Trainer(checkpoint, dtype)
     started = time.perf_counter()
-    llm = LLM(**engine_kwargs(checkpoint, dtype))
+    try:
+        llm = LLM(**engine_kwargs(checkpoint, dtype))
+    except BaseException:
+        trainer.close()
+        raise
     record_property("engine_start_s", round(time.perf_counter() - started, 2))
     try:
         params = sampling()
@@ -237,13 +242,15 @@ def test_llm_in_process(checkpoint, dtype, monkeypatch, record_property):
             assert version == str(reply["version"]) == str(llm.collective_rpc("refit_version")[0])
             expected = reply["generations"]
             assert_generations(generate(), expected, dtype, f"after step {step} (version {version})")
+            # AdamW changed every element: every reload tensor went through vLLM's reload_weights.
+            reloaded = llm.collective_rpc("refit_status")[0]["last_reload"]
+            assert reloaded["version"] == int(version) and set(reloaded["loaded"]) == set(infos[0]["paths"]["reload"])
             syncs.append(reply["seconds"])
         assert int(version) == STEPS
         record_property("sync_s", [round(s, 3) for s in syncs])
     finally:
         trainer.close()
         llm.llm_engine.engine_core.shutdown()
-        del llm
 
 
 def test_async_llm_engine_process(checkpoint, monkeypatch, record_property):
