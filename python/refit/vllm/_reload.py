@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from refit.errors import FailedPrecondition, InvalidArgument
@@ -72,9 +71,9 @@ def transformed_layers(model: Any, mode: str = "auto") -> Dict[str, str]:
     return found
 
 
-def _module_of(name: str, model: Any, packed_parts: Dict[str, str]) -> Optional[str]:
-    """The vLLM module a checkpoint tensor loads into, or None when the model has none."""
-    modules = dict(model.named_modules())
+def _module_of(name: str, model: Any, modules: Any, packed_parts: Dict[str, str]) -> Optional[str]:
+    """The vLLM module (one of ``modules``, the model's module names) a checkpoint tensor loads
+    into, or None when the model has none."""
     candidates = [name]
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapped = getattr(mapper, "_map_name", None)
@@ -115,9 +114,10 @@ def checkpoint_copies(vllm_config: Any, model: Any, layers: Dict[str, str]) -> L
     # The engine's dtype, as vLLM's weight loaders cast the checkpoint to it: the copies hold what
     # the trainer exports for this engine (a float32 checkpoint served in bfloat16 is bfloat16).
     dtype = getattr(vllm_config.model_config, "dtype", None)
+    modules = {name for name, _ in model.named_modules()}
     copies: List[Tuple[str, Any, str]] = []
     for name, tensor in loader.get_all_weights(vllm_config.model_config, model):
-        module = _module_of(name, model, packed_parts)
+        module = _module_of(name, model, modules, packed_parts)
         if module is None or module not in layers:
             continue
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -158,8 +158,3 @@ def reload_into(vllm_config: Any, model: Any, weights: List[Tuple[str, Any]]) ->
 
     with set_current_vllm_config(vllm_config), torch.no_grad(), _quiet_partial_reload():
         reload_weights(vllm_config, model, weights_iterator=iter(weights), weights_path=None, is_checkpoint_format=True)
-
-
-def exact_name(name: str) -> str:
-    """A regex that matches ``name`` alone (loader rules match whole names)."""
-    return re.escape(name)
