@@ -10,8 +10,8 @@ system's libraries. Where it is built — the first that applies:
 - otherwise ``<checkout>/build/python``, configured here once (Release, no tests or benchmarks).
 
 pip shows a build's output only with ``-v``; so that an install is not silent for minutes, each
-step and the build's progress are also written to the terminal (``/dev/tty``) when there is one
-and ``CI`` is not ``true``.
+step and the build's progress are also written to the terminal (``/dev/tty``) when there is one,
+unless ``CI=true`` or ``REFIT_BUILD_PROGRESS=0`` (the offline-install test sets it).
 
 ``REFIT_SOURCE_DIR`` names the checkout when this file does not sit in its ``python/`` folder.
 """
@@ -42,7 +42,7 @@ class Progress:
 
     def __init__(self) -> None:
         self.tty = None
-        if os.environ.get("CI") != "true":
+        if os.environ.get("CI") != "true" and os.environ.get("REFIT_BUILD_PROGRESS") != "0":
             try:
                 self.tty = open("/dev/tty", "w")  # noqa: SIM115 (closed in close())
             except OSError:
