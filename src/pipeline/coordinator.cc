@@ -405,7 +405,9 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
       message += fmt::format("; abort failed at {}: {}", f.where, f.status.ToString());
     }
   }
-  REFIT_LOG_WARN("{}", message);
+  // The caller gets this message as the returned error and reports it; a warning too would show
+  // a user the same text twice.
+  REFIT_LOG_INFO("{}", message);
   if (options.observer != nullptr) options.observer->TransferAborted(id);
   return Status(combined.code(), std::move(message));
 }
