@@ -1,0 +1,695 @@
+// Context-coded deltas (see context_coding.h and docs/format/context-coding.md).
+
+#include "codec/context_coding.h"
+
+#include <htscodecs/rANS_static4x16.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "codec/context_kernels.h"
+#include "refit/status_format.h"
+#include "util/check.h"
+
+namespace refit::internal {
+namespace {
+
+/// Version byte of the layout; the only one this decoder reads.
+constexpr uint8_t kLayoutVersion = 1;
+/// Largest span an item may context-code: keeps every count and bit offset far from overflow,
+/// and a span that large is a 2 TB bf16 tensor.
+constexpr uint64_t kMaxSpan = uint64_t{1} << 40;
+/// Low-plane symbols the encoder's size model tells apart (differences of 63 or more share one
+/// bin); enough to separate the 1-ulp classes from the many-ulp ones.
+constexpr uint32_t kModelSymbols = 64;
+/// Blocks of class masks computed per kernel call: 256 KiB of old bf16 per call at most.
+constexpr uint64_t kBlocksPerBatch = 2048;
+/// The longest LEB128 varint of a 64-bit value.
+constexpr uint64_t kMaxVarintBytes = 10;
+/// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the rANS
+/// headers and tables of its streams (measured on real step pairs, 20–60 bytes a stream).
+constexpr double kClassBytes = 6;
+constexpr double kMaskStreamBytes = 24;
+constexpr double kPlaneStreamBytes = 8;
+
+// htscodecs' order byte: the only flags this decoder accepts besides the order bit.
+constexpr int kRansOrderCat = RANS_ORDER_CAT;
+
+uint32_t MantissaBits(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return 7;
+    case DType::kFloat16:
+      return 10;
+    case DType::kFloat32:
+      return 23;
+    case DType::kFloat8E4M3FN:
+    case DType::kFloat8E4M3FNUZ:
+      return 3;
+    case DType::kFloat8E5M2:
+    case DType::kFloat8E5M2FNUZ:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+uint64_t LoadElement(const std::byte* base, uint32_t width, uint64_t index) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, base + index * width, width);
+  return bits;
+}
+
+uint64_t WidthMask(uint32_t width) {
+  return width == 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * width)) - 1;
+}
+
+// Zig-zag the w-byte two's complement difference new − old: small steps either way are small.
+uint64_t ZigZag(uint64_t difference, uint32_t width) {
+  const uint32_t bits = 8 * width;
+  const uint64_t mask = WidthMask(width);
+  const uint64_t sign = (difference >> (bits - 1)) & 1;
+  return ((difference << 1) ^ (sign ? mask : 0)) & mask;
+}
+
+uint64_t UnZigZag(uint64_t zigzag, uint32_t width) {
+  const uint64_t mask = WidthMask(width);
+  return ((zigzag >> 1) ^ ((zigzag & 1) ? mask : 0)) & mask;
+}
+
+void PutVarint(uint64_t value, std::vector<uint8_t>* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<uint8_t>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<uint8_t>(value));
+}
+
+// Read a minimal LEB128 varint; false on truncation, overlength or a non-minimal encoding.
+bool GetVarint(std::span<const uint8_t> bytes, uint64_t* position, uint64_t* value) {
+  uint64_t result = 0;
+  for (uint32_t i = 0; i < kMaxVarintBytes; ++i) {
+    if (*position >= bytes.size()) return false;
+    const uint8_t byte = bytes[(*position)++];
+    if (i == kMaxVarintBytes - 1 && byte > 1) return false;
+    result |= static_cast<uint64_t>(byte & 0x7F) << (7 * i);
+    if ((byte & 0x80) == 0) {
+      if (i > 0 && byte == 0) return false;
+      *value = result;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Compress one stream with the smallest of rANS order 0 and order 1 (htscodecs stores it
+// instead when neither saves a byte). Empty in, empty out.
+Result<std::vector<uint8_t>> CompressStream(std::span<const uint8_t> raw) {
+  std::vector<uint8_t> best;
+  if (raw.empty()) return best;
+  if (raw.size() > std::numeric_limits<int32_t>::max() / 2) {
+    return InvalidArgument("context coding: a stream of {} bytes is over the coder's limit",
+                           raw.size());
+  }
+  const auto size = static_cast<unsigned int>(raw.size());
+  for (int order : {0, 1}) {
+    unsigned int out_size = rans_compress_bound_4x16(size, order);
+    std::vector<uint8_t> out(out_size);
+    // htscodecs takes non-const input pointers; it does not write through them.
+    if (rans_compress_to_4x16(const_cast<uint8_t*>(raw.data()), size, out.data(), &out_size,
+                              order) == nullptr) {
+      return Status(StatusCode::kInternal, "context coding: rANS compression failed");
+    }
+    out.resize(out_size);
+    if (best.empty() || out.size() < best.size()) best = std::move(out);
+  }
+  return best;
+}
+
+// Decompress an untrusted stream into exactly out.size() bytes.
+Status DecompressStream(std::span<const uint8_t> stream, std::span<uint8_t> out, const char* what,
+                        uint32_t klass) {
+  if (out.empty()) {
+    if (!stream.empty()) {
+      return DataLoss("context-coded {} stream of class {}: {} bytes for no symbols", what, klass,
+                      stream.size());
+    }
+    return Status::OK();
+  }
+  if (stream.empty()) {
+    return DataLoss("context-coded {} stream of class {}: empty, {} symbols expected", what, klass,
+                    out.size());
+  }
+  const int order_byte = stream[0];
+  if ((order_byte & ~(1 | kRansOrderCat)) != 0) {
+    return DataLoss(
+        "context-coded {} stream of class {}: rANS method byte 0x{:02x} is not one "
+        "this decoder accepts (order 0/1, stored)",
+        what, klass, order_byte);
+  }
+  if (stream.size() > std::numeric_limits<int32_t>::max() ||
+      out.size() > std::numeric_limits<int32_t>::max()) {
+    return DataLoss(
+        "context-coded {} stream of class {}: {} bytes, {} symbols: over the coder's "
+        "limit",
+        what, klass, stream.size(), out.size());
+  }
+  auto out_size = static_cast<unsigned int>(out.size());
+  const unsigned char* decoded =
+      rans_uncompress_to_4x16(const_cast<uint8_t*>(stream.data()),
+                              static_cast<unsigned int>(stream.size()), out.data(), &out_size);
+  if (decoded == nullptr || out_size != out.size()) {
+    return DataLoss(
+        "context-coded {} stream of class {}: corrupt rANS stream of {} bytes ({} "
+        "symbols expected)",
+        what, klass, stream.size(), out.size());
+  }
+  return Status::OK();
+}
+
+// The magnitude bits of an element: its sign cleared.
+uint32_t Magnitude(uint64_t bits, uint32_t width) {
+  return static_cast<uint32_t>(bits & (WidthMask(width) >> 1));
+}
+
+// Class masks of one block from its threshold masks: class c holds the elements at or above
+// threshold c − 1 and below threshold c.
+void ClassMasks(const uint64_t* ge, uint32_t classes, uint64_t valid, uint64_t* masks) {
+  uint64_t below = valid;
+  for (uint32_t c = 0; c + 1 < classes; ++c) {
+    masks[c] = below & ~ge[c];
+    below &= ge[c];
+  }
+  masks[classes - 1] = below;
+}
+
+// Walks the span's blocks of 64 elements and hands each block's class masks to `visit`
+// (block index, masks): SIMD for whole blocks, one element at a time for the tail.
+template <typename Visit>
+void ForEachBlock(const std::byte* old, uint32_t width, uint64_t span_length,
+                  std::span<const uint32_t> thresholds, Visit&& visit) {
+  const uint32_t classes = static_cast<uint32_t>(thresholds.size()) + 1;
+  const uint32_t threshold_count = classes - 1;
+  uint64_t masks[kMaxContextThresholds + 1];
+  const uint64_t whole = span_length / kContextBlock;
+  if (threshold_count == 0) {
+    for (uint64_t block = 0; block < whole; ++block) {
+      masks[0] = ~uint64_t{0};
+      visit(block, masks);
+    }
+  } else {
+    std::vector<uint64_t> ge(std::min(whole, kBlocksPerBatch) * threshold_count);
+    for (uint64_t first = 0; first < whole; first += kBlocksPerBatch) {
+      const uint64_t blocks = std::min(kBlocksPerBatch, whole - first);
+      ContextGeMasks(old + first * kContextBlock * width, width, blocks, thresholds.data(),
+                     threshold_count, ge.data());
+      for (uint64_t b = 0; b < blocks; ++b) {
+        ClassMasks(ge.data() + b * threshold_count, classes, ~uint64_t{0}, masks);
+        visit(first + b, masks);
+      }
+    }
+  }
+  const uint64_t tail = span_length - whole * kContextBlock;
+  if (tail == 0) return;
+  uint64_t ge[kMaxContextThresholds] = {};
+  for (uint64_t i = 0; i < tail; ++i) {
+    const uint32_t magnitude = Magnitude(LoadElement(old, width, whole * kContextBlock + i), width);
+    for (uint32_t j = 0; j < threshold_count; ++j) {
+      ge[j] |= static_cast<uint64_t>(magnitude >= thresholds[j]) << i;
+    }
+  }
+  ClassMasks(ge, classes, (uint64_t{1} << tail) - 1, masks);
+  visit(whole, masks);
+}
+
+// Deposit the low bits of `bits` at the set bits of `mask`, lowest first (PDEP).
+uint64_t Deposit(uint64_t bits, uint64_t mask) {
+  uint64_t result = 0;
+  while (bits != 0) {
+    const uint64_t lowest = mask & (~mask + 1);
+    if (bits & 1) result |= lowest;
+    mask ^= lowest;
+    bits >>= 1;
+  }
+  return result;
+}
+
+// `count` ≤ 64 bits of `words` from bit `offset`. words must hold one word past the last bit.
+uint64_t ExtractBits(const uint64_t* words, uint64_t offset, uint32_t count) {
+  if (count == 0) return 0;
+  const uint64_t word = offset / 64;
+  const uint32_t shift = offset % 64;
+  uint64_t value = words[word] >> shift;
+  if (shift != 0) value |= words[word + 1] << (64 - shift);
+  return count == 64 ? value : value & ((uint64_t{1} << count) - 1);
+}
+
+double BinaryEntropyBits(double n, double k) {
+  if (k <= 0 || k >= n) return 0;
+  const double p = k / n;
+  return -n * (p * std::log2(p) + (1 - p) * std::log2(1 - p));
+}
+
+struct ExponentStats {
+  std::vector<uint64_t> members;  // per exponent bin
+  std::vector<uint64_t> changes;  // per exponent bin
+  std::vector<uint64_t> symbols;  // per bin × kModelSymbols: low-plane symbol counts
+};
+
+// Choose class thresholds over the exponents present: a K-segment partition of the sorted
+// present exponents minimising the modelled size (ideal mask bits + order-0 value bits +
+// per-class overheads), K ≤ max_classes. Exact dynamic programme, O(K · D²) for D present
+// exponents (≤ 256).
+std::vector<uint32_t> ChooseThresholds(const ExponentStats& stats, uint32_t mantissa_bits,
+                                       uint32_t width, uint32_t max_classes) {
+  std::vector<uint32_t> present;
+  for (uint32_t e = 0; e < stats.members.size(); ++e) {
+    if (stats.members[e] > 0) present.push_back(e);
+  }
+  const size_t d = present.size();
+  if (d <= 1 || max_classes <= 1) return {};
+  // Prefix sums over present exponents.
+  std::vector<uint64_t> pm(d + 1), pk(d + 1), ps((d + 1) * kModelSymbols);
+  for (size_t i = 0; i < d; ++i) {
+    pm[i + 1] = pm[i] + stats.members[present[i]];
+    pk[i + 1] = pk[i] + stats.changes[present[i]];
+    for (uint32_t s = 0; s < kModelSymbols; ++s) {
+      ps[(i + 1) * kModelSymbols + s] =
+          ps[i * kModelSymbols + s] + stats.symbols[present[i] * kModelSymbols + s];
+    }
+  }
+  auto cost = [&](size_t a, size_t b) {
+    const double n = static_cast<double>(pm[b] - pm[a]);
+    const double k = static_cast<double>(pk[b] - pk[a]);
+    double bits = BinaryEntropyBits(n, k) + 8 * kClassBytes;
+    if (k > 0 && k < n) bits += 8 * kMaskStreamBytes;
+    if (k > 0) {
+      bits += 8 * kPlaneStreamBytes * width;
+      for (uint32_t s = 0; s < kModelSymbols; ++s) {
+        const double c = static_cast<double>(ps[b * kModelSymbols + s] - ps[a * kModelSymbols + s]);
+        if (c > 0) bits += -c * std::log2(c / k) + 8;  // + a byte of frequency table
+      }
+    }
+    return bits;
+  };
+  const size_t max_k = std::min<size_t>(max_classes, d);
+  std::vector<double> table(d * (d + 1));
+  for (size_t a = 0; a < d; ++a) {
+    for (size_t b = a + 1; b <= d; ++b) table[a * (d + 1) + b] = cost(a, b);
+  }
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  // best[k][j]: k segments covering present[0, j); from[k][j]: start of the last segment.
+  std::vector<std::vector<double>> best(max_k + 1, std::vector<double>(d + 1, kInf));
+  std::vector<std::vector<size_t>> from(max_k + 1, std::vector<size_t>(d + 1, 0));
+  best[0][0] = 0;
+  for (size_t k = 1; k <= max_k; ++k) {
+    for (size_t j = k; j <= d; ++j) {
+      for (size_t i = k - 1; i < j; ++i) {
+        if (best[k - 1][i] == kInf) continue;
+        const double candidate = best[k - 1][i] + table[i * (d + 1) + j];
+        if (candidate < best[k][j]) {
+          best[k][j] = candidate;
+          from[k][j] = i;
+        }
+      }
+    }
+  }
+  size_t best_k = 1;
+  for (size_t k = 2; k <= max_k; ++k) {
+    if (best[k][d] < best[best_k][d]) best_k = k;
+  }
+  std::vector<uint32_t> thresholds;
+  for (size_t k = best_k, j = d; k > 1; --k) {
+    j = from[k][j];
+    thresholds.push_back(present[j] << mantissa_bits);
+  }
+  std::reverse(thresholds.begin(), thresholds.end());
+  return thresholds;
+}
+
+}  // namespace
+
+bool ContextCodingSupported(DType dtype) { return MantissaBits(dtype) != 0; }
+
+std::string_view ContextCodingSimdTarget() { return DispatchedContextTarget(); }
+
+Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std::byte> old_span,
+                                                std::span<const uint64_t> locations,
+                                                std::span<const std::byte> xor_values,
+                                                const ContextCodingOptions& options) {
+  if (!ContextCodingSupported(dtype)) {
+    return InvalidArgument("context coding is not defined for dtype {}", DTypeName(dtype));
+  }
+  const uint32_t width = DTypeSize(dtype);
+  const uint32_t mantissa_bits = MantissaBits(dtype);
+  if (old_span.size() % width != 0) {
+    return InvalidArgument("context coding: old span of {} bytes is not whole {} elements",
+                           old_span.size(), DTypeName(dtype));
+  }
+  const uint64_t span_length = old_span.size() / width;
+  if (span_length >= kMaxSpan) {
+    return InvalidArgument("context coding: span of {} elements is over 2^40", span_length);
+  }
+  const uint64_t count = locations.size();
+  if (xor_values.size() != count * width) {
+    return InvalidArgument("context coding: {} value bytes for {} locations of {}",
+                           xor_values.size(), count, DTypeName(dtype));
+  }
+  if (options.max_classes < 1 || options.max_classes > kMaxContextThresholds + 1) {
+    return InvalidArgument("context coding: max_classes {} is not in [1, {}]", options.max_classes,
+                           kMaxContextThresholds + 1);
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    if (locations[i] >= span_length || (i > 0 && locations[i] <= locations[i - 1])) {
+      return InvalidArgument(
+          "context coding: location #{} ({}) is unsorted or outside the span "
+          "of {} elements",
+          i, locations[i], span_length);
+    }
+  }
+  const std::byte* old = old_span.data();
+
+  // Statistics per exponent: members, changes, low-plane symbols of the differences.
+  const uint32_t bins = uint32_t{1} << (8 * width - 1 - mantissa_bits);
+  ExponentStats stats{std::vector<uint64_t>(bins), std::vector<uint64_t>(bins),
+                      std::vector<uint64_t>(uint64_t{bins} * kModelSymbols)};
+  {
+    // Four sub-histograms: consecutive elements often share an exponent, and one counter would
+    // serialise on it.
+    std::vector<uint64_t> sub(4 * uint64_t{bins});
+    uint64_t i = 0;
+    for (; i + 4 <= span_length; i += 4) {
+      for (uint32_t lane = 0; lane < 4; ++lane) {
+        ++sub[lane * bins + (Magnitude(LoadElement(old, width, i + lane), width) >> mantissa_bits)];
+      }
+    }
+    for (; i < span_length; ++i) {
+      ++sub[Magnitude(LoadElement(old, width, i), width) >> mantissa_bits];
+    }
+    for (uint32_t e = 0; e < bins; ++e) {
+      stats.members[e] = sub[e] + sub[bins + e] + sub[2 * bins + e] + sub[3 * bins + e];
+    }
+  }
+  const uint64_t mask = WidthMask(width);
+  std::vector<uint64_t> zigzags(count);
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t old_bits = LoadElement(old, width, locations[i]);
+    const uint64_t new_bits = old_bits ^ LoadElement(xor_values.data(), width, i);
+    if (new_bits == old_bits) {
+      return InvalidArgument("context coding: location {} has a zero XOR value", locations[i]);
+    }
+    zigzags[i] = ZigZag((new_bits - old_bits) & mask, width);
+    const uint32_t e = Magnitude(old_bits, width) >> mantissa_bits;
+    ++stats.changes[e];
+    ++stats.symbols[uint64_t{e} * kModelSymbols +
+                    std::min<uint64_t>(zigzags[i] & 0xFF, kModelSymbols - 1)];
+  }
+  const std::vector<uint32_t> thresholds =
+      ChooseThresholds(stats, mantissa_bits, width, options.max_classes);
+  const uint32_t classes = static_cast<uint32_t>(thresholds.size()) + 1;
+
+  // Ranks of the changes within their classes, and each class's differences in order.
+  std::vector<uint64_t> members(classes, 0);
+  std::vector<std::vector<uint64_t>> ranks(classes);
+  std::vector<std::vector<uint64_t>> class_zigzags(classes);
+  uint64_t next = 0;
+  ForEachBlock(old, width, span_length, thresholds, [&](uint64_t block, const uint64_t* masks) {
+    const uint64_t block_end = (block + 1) * kContextBlock;
+    for (; next < count && locations[next] < block_end; ++next) {
+      const uint32_t bit = locations[next] % kContextBlock;
+      const uint64_t below = (uint64_t{1} << bit) - 1;
+      uint32_t c = 0;
+      while (((masks[c] >> bit) & 1) == 0) ++c;
+      ranks[c].push_back(members[c] + std::popcount(masks[c] & below));
+      class_zigzags[c].push_back(zigzags[next]);
+    }
+    for (uint32_t c = 0; c < classes; ++c) members[c] += std::popcount(masks[c]);
+  });
+
+  std::vector<uint8_t> out = {kLayoutVersion, static_cast<uint8_t>(dtype),
+                              static_cast<uint8_t>(classes), 0};
+  PutVarint(span_length, &out);
+  PutVarint(count, &out);
+  for (uint32_t t : thresholds) PutVarint(t, &out);
+  for (uint32_t c = 0; c < classes; ++c) {
+    PutVarint(members[c], &out);
+    PutVarint(ranks[c].size(), &out);
+  }
+  std::vector<uint8_t> raw;
+  for (uint32_t c = 0; c < classes; ++c) {
+    const uint64_t n = members[c];
+    const uint64_t k = ranks[c].size();
+    if (k == 0 || k == n) continue;
+    // Gaps between the ranks of the changes, or of the unchanged members when most change.
+    raw.clear();
+    uint64_t previous_end = 0;
+    auto put_rank = [&](uint64_t rank) {
+      PutVarint(rank - previous_end, &raw);
+      previous_end = rank + 1;
+    };
+    if (2 * k <= n) {
+      for (uint64_t rank : ranks[c]) put_rank(rank);
+    } else {
+      uint64_t r = 0;
+      for (uint64_t rank : ranks[c]) {
+        for (; r < rank; ++r) put_rank(r);
+        r = rank + 1;
+      }
+      for (; r < n; ++r) put_rank(r);
+    }
+    REFIT_ASSIGN_OR_RETURN(std::vector<uint8_t> packed, CompressStream(raw));
+    PutVarint(raw.size(), &out);
+    PutVarint(packed.size(), &out);
+    out.insert(out.end(), packed.begin(), packed.end());
+  }
+  for (uint32_t c = 0; c < classes; ++c) {
+    const std::vector<uint64_t>& values = class_zigzags[c];
+    if (values.empty()) continue;
+    for (uint32_t plane = 0; plane < width; ++plane) {
+      raw.resize(values.size());
+      for (size_t i = 0; i < values.size(); ++i) {
+        raw[i] = static_cast<uint8_t>(values[i] >> (8 * plane));
+      }
+      REFIT_ASSIGN_OR_RETURN(std::vector<uint8_t> packed, CompressStream(raw));
+      PutVarint(packed.size(), &out);
+      out.insert(out.end(), packed.begin(), packed.end());
+    }
+  }
+  return out;
+}
+
+Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte> old_span,
+                                          std::span<const uint8_t> bytes, uint64_t expected_count) {
+  if (!ContextCodingSupported(dtype)) {
+    return InvalidArgument("context coding is not defined for dtype {}", DTypeName(dtype));
+  }
+  const uint32_t width = DTypeSize(dtype);
+  const uint64_t span_length = old_span.size() / width;
+  if (bytes.size() < 4) {
+    return DataLoss("context-coded changes: {} bytes, shorter than the 4-byte preamble",
+                    bytes.size());
+  }
+  if (bytes[0] != kLayoutVersion) {
+    return InvalidArgument("context-coded changes: layout version {} (this decoder reads {})",
+                           bytes[0], kLayoutVersion);
+  }
+  if (bytes[1] != static_cast<uint8_t>(dtype)) {
+    return DataLoss("context-coded changes: dtype code {} for a {} tensor", bytes[1],
+                    DTypeName(dtype));
+  }
+  const uint32_t classes = bytes[2];
+  if (classes < 1 || classes > kMaxContextThresholds + 1) {
+    return DataLoss("context-coded changes: {} classes (1 to {} allowed)", classes,
+                    kMaxContextThresholds + 1);
+  }
+  if (bytes[3] != 0) {
+    return InvalidArgument("context-coded changes: reserved byte is {}", bytes[3]);
+  }
+  uint64_t position = 4;
+  auto read = [&](const char* field, uint64_t* value) -> Status {
+    if (!GetVarint(bytes, &position, value)) {
+      return DataLoss("context-coded changes: {} at byte {}: truncated or malformed varint", field,
+                      position);
+    }
+    return Status::OK();
+  };
+  uint64_t declared_span = 0;
+  uint64_t count = 0;
+  REFIT_RETURN_NOT_OK(read("span length", &declared_span));
+  REFIT_RETURN_NOT_OK(read("count", &count));
+  if (declared_span != span_length) {
+    return DataLoss("context-coded changes: span of {} elements, the old tensor's span holds {}",
+                    declared_span, span_length);
+  }
+  if (count != expected_count || count > span_length) {
+    return DataLoss("context-coded changes: {} changes, the item declares {} (span {})", count,
+                    expected_count, span_length);
+  }
+  const uint64_t max_magnitude = WidthMask(width) >> 1;
+  std::vector<uint32_t> thresholds(classes - 1);
+  for (uint32_t j = 0; j + 1 < classes; ++j) {
+    uint64_t t = 0;
+    REFIT_RETURN_NOT_OK(read("threshold", &t));
+    if (t == 0 || t > max_magnitude || (j > 0 && t <= thresholds[j - 1])) {
+      return DataLoss("context-coded changes: threshold #{} is {} (must increase, in [1, {}])", j,
+                      t, max_magnitude);
+    }
+    thresholds[j] = static_cast<uint32_t>(t);
+  }
+  std::vector<uint64_t> members(classes), changes(classes);
+  uint64_t member_sum = 0;
+  uint64_t change_sum = 0;
+  for (uint32_t c = 0; c < classes; ++c) {
+    REFIT_RETURN_NOT_OK(read("class members", &members[c]));
+    REFIT_RETURN_NOT_OK(read("class changes", &changes[c]));
+    if (members[c] > span_length || changes[c] > members[c]) {
+      return DataLoss("context-coded changes: class {} has {} members and {} changes (span {})", c,
+                      members[c], changes[c], span_length);
+    }
+    member_sum += members[c];
+    change_sum += changes[c];
+  }
+  if (member_sum != span_length || change_sum != count) {
+    return DataLoss(
+        "context-coded changes: classes hold {} members and {} changes, the span {} "
+        "and the item {}",
+        member_sum, change_sum, span_length, count);
+  }
+  // Change bitmaps over each class's members, one spare word for ExtractBits.
+  std::vector<std::vector<uint64_t>> bitmaps(classes);
+  std::vector<uint8_t> raw;
+  for (uint32_t c = 0; c < classes; ++c) {
+    const uint64_t n = members[c];
+    const uint64_t k = changes[c];
+    bitmaps[c].assign(n / 64 + 2, k == n && n > 0 ? ~uint64_t{0} : 0);
+    if (k == 0 || k == n) continue;
+    const bool inverted = 2 * k > n;
+    const uint64_t tokens = inverted ? n - k : k;
+    uint64_t raw_size = 0;
+    uint64_t packed_size = 0;
+    REFIT_RETURN_NOT_OK(read("mask stream size", &raw_size));
+    REFIT_RETURN_NOT_OK(read("mask stream length", &packed_size));
+    if (raw_size < tokens || raw_size > tokens * kMaxVarintBytes ||
+        packed_size > bytes.size() - position) {
+      return DataLoss(
+          "context-coded changes: mask stream of class {}: {} bytes for {} gaps, {} "
+          "bytes stored with {} left",
+          c, raw_size, tokens, packed_size, bytes.size() - position);
+    }
+    raw.resize(raw_size);
+    REFIT_RETURN_NOT_OK(DecompressStream(bytes.subspan(position, packed_size), raw, "mask", c));
+    position += packed_size;
+    if (inverted) {
+      for (uint64_t w = 0; w < n / 64; ++w) bitmaps[c][w] = ~uint64_t{0};
+      if (n % 64 != 0) bitmaps[c][n / 64] = (uint64_t{1} << (n % 64)) - 1;
+    }
+    uint64_t raw_position = 0;
+    uint64_t next_rank = 0;
+    for (uint64_t t = 0; t < tokens; ++t) {
+      uint64_t gap = 0;
+      if (!GetVarint(raw, &raw_position, &gap) || gap >= n - next_rank) {
+        return DataLoss(
+            "context-coded changes: mask stream of class {}: gap #{} is malformed or "
+            "runs past the class's {} members",
+            c, t, n);
+      }
+      const uint64_t rank = next_rank + gap;
+      bitmaps[c][rank / 64] ^= uint64_t{1} << (rank % 64);
+      next_rank = rank + 1;
+    }
+    if (raw_position != raw.size()) {
+      return DataLoss("context-coded changes: mask stream of class {}: {} trailing bytes", c,
+                      raw.size() - raw_position);
+    }
+  }
+  std::vector<std::vector<uint8_t>> planes(classes);
+  for (uint32_t c = 0; c < classes; ++c) {
+    const uint64_t k = changes[c];
+    if (k == 0) continue;
+    planes[c].resize(k * width);
+    for (uint32_t plane = 0; plane < width; ++plane) {
+      uint64_t packed_size = 0;
+      REFIT_RETURN_NOT_OK(read("value stream length", &packed_size));
+      if (packed_size > bytes.size() - position) {
+        return DataLoss("context-coded changes: value plane {} of class {}: {} bytes with {} left",
+                        plane, c, packed_size, bytes.size() - position);
+      }
+      REFIT_RETURN_NOT_OK(DecompressStream(bytes.subspan(position, packed_size),
+                                           std::span(planes[c]).subspan(plane * k, k), "value", c));
+      position += packed_size;
+    }
+  }
+  if (position != bytes.size()) {
+    return DataLoss("context-coded changes: {} trailing bytes", bytes.size() - position);
+  }
+
+  // The one pass over the old elements: deposit each class's change bits at its members.
+  ContextDecoded decoded;
+  decoded.locations.resize(count);
+  decoded.xor_values.resize(count * width);
+  std::vector<uint64_t> offsets(classes, 0);
+  std::vector<uint64_t> emitted(classes, 0);
+  uint64_t total = 0;
+  const std::byte* old = old_span.data();
+  const uint64_t mask = WidthMask(width);
+  Status status;
+  ForEachBlock(old, width, span_length, thresholds, [&](uint64_t block, const uint64_t* masks) {
+    if (!status.ok()) return;
+    uint64_t deposited[kMaxContextThresholds + 1];
+    uint64_t changed = 0;
+    for (uint32_t c = 0; c < classes; ++c) {
+      const uint32_t in_block = std::popcount(masks[c]);
+      if (offsets[c] + in_block > members[c]) {
+        status = DataLoss(
+            "context-coded changes: the old tensor has more than the {} members of "
+            "class {} the producer saw (old weights differ)",
+            members[c], c);
+        return;
+      }
+      const uint64_t bits = ExtractBits(bitmaps[c].data(), offsets[c], in_block);
+      offsets[c] += in_block;
+      deposited[c] = bits == 0 ? 0 : Deposit(bits, masks[c]);
+      changed |= deposited[c];
+    }
+    while (changed != 0) {
+      const uint32_t bit = std::countr_zero(changed);
+      changed &= changed - 1;
+      uint32_t c = 0;
+      while (((deposited[c] >> bit) & 1) == 0) ++c;
+      const uint64_t location = block * kContextBlock + bit;
+      const uint64_t k = changes[c];
+      const uint64_t v = emitted[c]++;
+      uint64_t zigzag = 0;
+      for (uint32_t plane = 0; plane < width; ++plane) {
+        zigzag |= uint64_t{planes[c][plane * k + v]} << (8 * plane);
+      }
+      if (zigzag == 0) {
+        status = DataLoss("context-coded changes: location {} changes by 0", location);
+        return;
+      }
+      const uint64_t old_bits = LoadElement(old, width, location);
+      const uint64_t new_bits = (old_bits + UnZigZag(zigzag, width)) & mask;
+      const uint64_t xor_bits = old_bits ^ new_bits;
+      decoded.locations[total] = location;
+      std::memcpy(decoded.xor_values.data() + total * width, &xor_bits, width);
+      ++total;
+    }
+  });
+  REFIT_RETURN_NOT_OK(status);
+  for (uint32_t c = 0; c < classes; ++c) {
+    if (offsets[c] != members[c]) {
+      return DataLoss(
+          "context-coded changes: the old tensor has {} members of class {}, the "
+          "producer saw {} (old weights differ)",
+          offsets[c], c, members[c]);
+    }
+  }
+  REFIT_DCHECK(total == count, "the merge emits exactly the declared changes");
+  return decoded;
+}
+
+}  // namespace refit::internal
