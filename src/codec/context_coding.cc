@@ -28,6 +28,17 @@ constexpr uint64_t kMaxSpan = uint64_t{1} << 40;
 constexpr uint32_t kModelSymbols = 64;
 /// Blocks of class masks computed per kernel call: 256 KiB of old bf16 per call at most.
 constexpr uint64_t kBlocksPerBatch = 2048;
+/// Spans of this many elements or more sample one element in kSampleStride for the class choice:
+/// the exponent histogram was most of the encoder's time, and the choice's size model moved by
+/// under 0.1 % on the step pairs of bench/context_bench.cc.
+constexpr uint64_t kSampleAbove = uint64_t{1} << 16;
+constexpr uint64_t kSampleStride = 8;
+/// Golomb split of the mask's gaps: quotients of mean about 2^kQuotientMeanBits go through rANS
+/// as byte symbols; kQuotientEscape and a varint carry the rare larger ones.
+constexpr uint32_t kQuotientMeanBits = 4;
+constexpr uint8_t kQuotientEscape = 255;
+/// A span below 2^40 elements has gaps below 2^40.
+constexpr uint32_t kMaxGapShift = 40;
 /// The longest LEB128 varint of a 64-bit value.
 constexpr uint64_t kMaxVarintBytes = 10;
 /// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the rANS
@@ -58,10 +69,42 @@ uint32_t MantissaBits(DType dtype) {
   }
 }
 
+// A fixed-size memcpy per width: a variable-size one is a library call.
 uint64_t LoadElement(const std::byte* base, uint32_t width, uint64_t index) {
-  uint64_t bits = 0;
-  std::memcpy(&bits, base + index * width, width);
-  return bits;
+  const std::byte* at = base + index * width;
+  switch (width) {
+    case 1:
+      return std::to_integer<uint64_t>(*at);
+    case 2: {
+      uint16_t v;
+      std::memcpy(&v, at, 2);
+      return v;
+    }
+    default: {
+      uint32_t v;
+      std::memcpy(&v, at, 4);
+      return v;
+    }
+  }
+}
+
+void StoreElement(std::byte* base, uint32_t width, uint64_t index, uint64_t bits) {
+  std::byte* at = base + index * width;
+  switch (width) {
+    case 1:
+      *at = static_cast<std::byte>(bits);
+      return;
+    case 2: {
+      const auto v = static_cast<uint16_t>(bits);
+      std::memcpy(at, &v, 2);
+      return;
+    }
+    default: {
+      const auto v = static_cast<uint32_t>(bits);
+      std::memcpy(at, &v, 4);
+      return;
+    }
+  }
 }
 
 uint64_t WidthMask(uint32_t width) {
@@ -106,8 +149,8 @@ bool GetVarint(std::span<const uint8_t> bytes, uint64_t* position, uint64_t* val
   return false;
 }
 
-// Compress one stream with the smallest of rANS order 0 and order 1 (htscodecs stores it
-// instead when neither saves a byte). Empty in, empty out.
+// Compress one stream with rANS order 0 (htscodecs stores it instead when that saves no byte).
+// Empty in, empty out.
 Result<std::vector<uint8_t>> CompressStream(std::span<const uint8_t> raw) {
   std::vector<uint8_t> best;
   if (raw.empty()) return best;
@@ -116,7 +159,10 @@ Result<std::vector<uint8_t>> CompressStream(std::span<const uint8_t> raw) {
                            raw.size());
   }
   const auto size = static_cast<unsigned int>(raw.size());
-  for (int order : {0, 1}) {
+  // Order 0 only: order 1 never came out smaller on the step pairs of bench/context_bench.cc (the
+  // class split already took the context out of the streams), and it cost 2.5× the encode time
+  // and a 256-table setup per stream on decode. The decoder reads either.
+  for (int order : {0}) {
     unsigned int out_size = rans_compress_bound_4x16(size, order);
     std::vector<uint8_t> out(out_size);
     // htscodecs takes non-const input pointers; it does not write through them.
@@ -176,76 +222,80 @@ uint32_t Magnitude(uint64_t bits, uint32_t width) {
   return static_cast<uint32_t>(bits & (WidthMask(width) >> 1));
 }
 
-// Class masks of one block from its threshold masks: class c holds the elements at or above
-// threshold c − 1 and below threshold c.
-void ClassMasks(const uint64_t* ge, uint32_t classes, uint64_t valid, uint64_t* masks) {
-  uint64_t below = valid;
-  for (uint32_t c = 0; c + 1 < classes; ++c) {
-    masks[c] = below & ~ge[c];
-    below &= ge[c];
-  }
-  masks[classes - 1] = below;
+// Population count without the popcnt instruction this translation unit may not assume (the
+// hot loops get theirs from the SIMD kernel); for the O(changes) paths.
+uint32_t PopCount(uint64_t x) {
+  x -= (x >> 1) & 0x5555555555555555ULL;
+  x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+  x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+  return static_cast<uint32_t>((x * 0x0101010101010101ULL) >> 56);
 }
 
-// Walks the span's blocks of 64 elements and hands each block's class masks to `visit`
-// (block index, masks): SIMD for whole blocks, one element at a time for the tail.
+// Walks the span's blocks of 64 elements and hands each block's class masks and their counts to
+// `visit` (block index, masks, counts): SIMD for whole blocks, one element at a time for the
+// tail, whose masks hold only the span's elements.
 template <typename Visit>
 void ForEachBlock(const std::byte* old, uint32_t width, uint64_t span_length,
                   std::span<const uint32_t> thresholds, Visit&& visit) {
   const uint32_t classes = static_cast<uint32_t>(thresholds.size()) + 1;
   const uint32_t threshold_count = classes - 1;
-  uint64_t masks[kMaxContextThresholds + 1];
   const uint64_t whole = span_length / kContextBlock;
   if (threshold_count == 0) {
-    for (uint64_t block = 0; block < whole; ++block) {
-      masks[0] = ~uint64_t{0};
-      visit(block, masks);
-    }
+    const uint64_t all = ~uint64_t{0};
+    const uint8_t full = kContextBlock;
+    for (uint64_t block = 0; block < whole; ++block) visit(block, &all, &full);
   } else {
-    std::vector<uint64_t> ge(std::min(whole, kBlocksPerBatch) * threshold_count);
+    const uint64_t batch = std::min(whole, kBlocksPerBatch);
+    std::vector<uint64_t> masks(batch * classes);
+    std::vector<uint8_t> counts(batch * classes);
     for (uint64_t first = 0; first < whole; first += kBlocksPerBatch) {
       const uint64_t blocks = std::min(kBlocksPerBatch, whole - first);
-      ContextGeMasks(old + first * kContextBlock * width, width, blocks, thresholds.data(),
-                     threshold_count, ge.data());
+      ContextClassMasks(old + first * kContextBlock * width, width, blocks, thresholds.data(),
+                        threshold_count, masks.data(), counts.data());
       for (uint64_t b = 0; b < blocks; ++b) {
-        ClassMasks(ge.data() + b * threshold_count, classes, ~uint64_t{0}, masks);
-        visit(first + b, masks);
+        visit(first + b, masks.data() + b * classes, counts.data() + b * classes);
       }
     }
   }
   const uint64_t tail = span_length - whole * kContextBlock;
   if (tail == 0) return;
-  uint64_t ge[kMaxContextThresholds] = {};
+  uint64_t tail_masks[kMaxContextThresholds + 1] = {};
+  uint8_t tail_counts[kMaxContextThresholds + 1] = {};
   for (uint64_t i = 0; i < tail; ++i) {
     const uint32_t magnitude = Magnitude(LoadElement(old, width, whole * kContextBlock + i), width);
-    for (uint32_t j = 0; j < threshold_count; ++j) {
-      ge[j] |= static_cast<uint64_t>(magnitude >= thresholds[j]) << i;
-    }
+    uint32_t c = 0;
+    while (c < threshold_count && magnitude >= thresholds[c]) ++c;
+    tail_masks[c] |= uint64_t{1} << i;
+    ++tail_counts[c];
   }
-  ClassMasks(ge, classes, (uint64_t{1} << tail) - 1, masks);
-  visit(whole, masks);
+  visit(whole, tail_masks, tail_counts);
 }
 
-// Deposit the low bits of `bits` at the set bits of `mask`, lowest first (PDEP).
-uint64_t Deposit(uint64_t bits, uint64_t mask) {
-  uint64_t result = 0;
-  while (bits != 0) {
-    const uint64_t lowest = mask & (~mask + 1);
-    if (bits & 1) result |= lowest;
-    mask ^= lowest;
-    bits >>= 1;
+// Count the elements of each exponent (magnitude >> mantissa_bits) into `members` (sized to the
+// exponent range), every `stride`-th element, each counting for `stride`. Four sub-histograms:
+// consecutive elements often share an exponent, and one counter would serialise on it.
+template <typename T>
+void ExponentHistogram(const std::byte* old, uint64_t span_length, uint64_t stride,
+                       uint32_t mantissa_bits, std::vector<uint64_t>* members) {
+  const uint64_t bins = members->size();
+  std::vector<uint64_t> sub(4 * bins);
+  constexpr T kMagnitude = static_cast<T>(~T{0}) >> 1;
+  const auto load = [&](uint64_t index) {
+    T v;
+    std::memcpy(&v, old + index * sizeof(T), sizeof(T));
+    return static_cast<uint64_t>((v & kMagnitude) >> mantissa_bits);
+  };
+  uint64_t i = 0;
+  for (; i + 4 * stride <= span_length; i += 4 * stride) {
+    ++sub[load(i)];
+    ++sub[bins + load(i + stride)];
+    ++sub[2 * bins + load(i + 2 * stride)];
+    ++sub[3 * bins + load(i + 3 * stride)];
   }
-  return result;
-}
-
-// `count` ≤ 64 bits of `words` from bit `offset`. words must hold one word past the last bit.
-uint64_t ExtractBits(const uint64_t* words, uint64_t offset, uint32_t count) {
-  if (count == 0) return 0;
-  const uint64_t word = offset / 64;
-  const uint32_t shift = offset % 64;
-  uint64_t value = words[word] >> shift;
-  if (shift != 0) value |= words[word + 1] << (64 - shift);
-  return count == 64 ? value : value & ((uint64_t{1} << count) - 1);
+  for (; i < span_length; i += stride) ++sub[load(i)];
+  for (uint64_t e = 0; e < bins; ++e) {
+    (*members)[e] = stride * (sub[e] + sub[bins + e] + sub[2 * bins + e] + sub[3 * bins + e]);
+  }
 }
 
 double BinaryEntropyBits(double n, double k) {
@@ -377,22 +427,19 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
   const uint32_t bins = uint32_t{1} << (8 * width - 1 - mantissa_bits);
   ExponentStats stats{std::vector<uint64_t>(bins), std::vector<uint64_t>(bins),
                       std::vector<uint64_t>(uint64_t{bins} * kModelSymbols)};
-  {
-    // Four sub-histograms: consecutive elements often share an exponent, and one counter would
-    // serialise on it.
-    std::vector<uint64_t> sub(4 * uint64_t{bins});
-    uint64_t i = 0;
-    for (; i + 4 <= span_length; i += 4) {
-      for (uint32_t lane = 0; lane < 4; ++lane) {
-        ++sub[lane * bins + (Magnitude(LoadElement(old, width, i + lane), width) >> mantissa_bits)];
-      }
-    }
-    for (; i < span_length; ++i) {
-      ++sub[Magnitude(LoadElement(old, width, i), width) >> mantissa_bits];
-    }
-    for (uint32_t e = 0; e < bins; ++e) {
-      stats.members[e] = sub[e] + sub[bins + e] + sub[2 * bins + e] + sub[3 * bins + e];
-    }
+  // The class choice needs the exponents' proportions, not exact counts (the class sizes written
+  // are counted exactly below): a large span is sampled.
+  const uint64_t stride = span_length >= kSampleAbove ? kSampleStride : 1;
+  switch (width) {
+    case 1:
+      ExponentHistogram<uint8_t>(old, span_length, stride, mantissa_bits, &stats.members);
+      break;
+    case 2:
+      ExponentHistogram<uint16_t>(old, span_length, stride, mantissa_bits, &stats.members);
+      break;
+    default:
+      ExponentHistogram<uint32_t>(old, span_length, stride, mantissa_bits, &stats.members);
+      break;
   }
   const uint64_t mask = WidthMask(width);
   std::vector<uint64_t> zigzags(count);
@@ -417,18 +464,19 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
   std::vector<std::vector<uint64_t>> ranks(classes);
   std::vector<std::vector<uint64_t>> class_zigzags(classes);
   uint64_t next = 0;
-  ForEachBlock(old, width, span_length, thresholds, [&](uint64_t block, const uint64_t* masks) {
-    const uint64_t block_end = (block + 1) * kContextBlock;
-    for (; next < count && locations[next] < block_end; ++next) {
-      const uint32_t bit = locations[next] % kContextBlock;
-      const uint64_t below = (uint64_t{1} << bit) - 1;
-      uint32_t c = 0;
-      while (((masks[c] >> bit) & 1) == 0) ++c;
-      ranks[c].push_back(members[c] + std::popcount(masks[c] & below));
-      class_zigzags[c].push_back(zigzags[next]);
-    }
-    for (uint32_t c = 0; c < classes; ++c) members[c] += std::popcount(masks[c]);
-  });
+  ForEachBlock(old, width, span_length, thresholds,
+               [&](uint64_t block, const uint64_t* masks, const uint8_t* counts) {
+                 const uint64_t block_end = (block + 1) * kContextBlock;
+                 for (; next < count && locations[next] < block_end; ++next) {
+                   const uint32_t bit = locations[next] % kContextBlock;
+                   const uint64_t below = (uint64_t{1} << bit) - 1;
+                   uint32_t c = 0;
+                   while (((masks[c] >> bit) & 1) == 0) ++c;
+                   ranks[c].push_back(members[c] + PopCount(masks[c] & below));
+                   class_zigzags[c].push_back(zigzags[next]);
+                 }
+                 for (uint32_t c = 0; c < classes; ++c) members[c] += counts[c];
+               });
 
   std::vector<uint8_t> out = {kLayoutVersion, static_cast<uint8_t>(dtype),
                               static_cast<uint8_t>(classes), 0};
@@ -445,10 +493,10 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
     const uint64_t k = ranks[c].size();
     if (k == 0 || k == n) continue;
     // Gaps between the ranks of the changes, or of the unchanged members when most change.
-    raw.clear();
+    std::vector<uint64_t> gaps;
     uint64_t previous_end = 0;
     auto put_rank = [&](uint64_t rank) {
-      PutVarint(rank - previous_end, &raw);
+      gaps.push_back(rank - previous_end);
       previous_end = rank + 1;
     };
     if (2 * k <= n) {
@@ -461,10 +509,35 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
       }
       for (; r < n; ++r) put_rank(r);
     }
+    // Golomb-style split: the low `shift` bits of each gap are stored raw (near uniform for
+    // geometric gaps), the quotient goes through rANS. The shift leaves quotients of mean about
+    // 2^kQuotientMeanBits, well inside a byte symbol.
+    const uint64_t gap_sum = n - gaps.size();
+    const uint64_t mean = gap_sum / gaps.size();
+    const uint32_t mean_bits = static_cast<uint32_t>(std::bit_width(mean));
+    const uint32_t shift = mean_bits > kQuotientMeanBits ? mean_bits - kQuotientMeanBits : 0;
+    raw.clear();
+    std::vector<uint8_t> low_bits((gaps.size() * shift + 7) / 8);
+    uint64_t bit_position = 0;
+    for (uint64_t gap : gaps) {
+      const uint64_t quotient = gap >> shift;
+      if (quotient < kQuotientEscape) {
+        raw.push_back(static_cast<uint8_t>(quotient));
+      } else {
+        raw.push_back(kQuotientEscape);
+        PutVarint(quotient - kQuotientEscape, &raw);
+      }
+      for (uint32_t bit = 0; bit < shift; ++bit, ++bit_position) {
+        low_bits[bit_position / 8] |=
+            static_cast<uint8_t>(((gap >> bit) & 1) << (bit_position % 8));
+      }
+    }
     REFIT_ASSIGN_OR_RETURN(std::vector<uint8_t> packed, CompressStream(raw));
+    out.push_back(static_cast<uint8_t>(shift));
     PutVarint(raw.size(), &out);
     PutVarint(packed.size(), &out);
     out.insert(out.end(), packed.begin(), packed.end());
+    out.insert(out.end(), low_bits.begin(), low_bits.end());
   }
   for (uint32_t c = 0; c < classes; ++c) {
     const std::vector<uint64_t>& values = class_zigzags[c];
@@ -569,32 +642,68 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
     if (k == 0 || k == n) continue;
     const bool inverted = 2 * k > n;
     const uint64_t tokens = inverted ? n - k : k;
+    if (position >= bytes.size()) {
+      return DataLoss("context-coded changes: mask stream of class {} is missing", c);
+    }
+    const uint32_t shift = bytes[position++];
+    if (shift > kMaxGapShift) {
+      return DataLoss("context-coded changes: mask stream of class {}: gap shift {} (at most {})",
+                      c, shift, kMaxGapShift);
+    }
     uint64_t raw_size = 0;
     uint64_t packed_size = 0;
     REFIT_RETURN_NOT_OK(read("mask stream size", &raw_size));
     REFIT_RETURN_NOT_OK(read("mask stream length", &packed_size));
-    if (raw_size < tokens || raw_size > tokens * kMaxVarintBytes ||
-        packed_size > bytes.size() - position) {
+    const uint64_t low_size = (tokens * shift + 7) / 8;
+    if (raw_size < tokens || raw_size > tokens * (1 + kMaxVarintBytes) ||
+        packed_size > bytes.size() - position || low_size > bytes.size() - position - packed_size) {
       return DataLoss(
-          "context-coded changes: mask stream of class {}: {} bytes for {} gaps, {} "
+          "context-coded changes: mask stream of class {}: {} bytes for {} gaps, {} + {} "
           "bytes stored with {} left",
-          c, raw_size, tokens, packed_size, bytes.size() - position);
+          c, raw_size, tokens, packed_size, low_size, bytes.size() - position);
     }
     raw.resize(raw_size);
     REFIT_RETURN_NOT_OK(DecompressStream(bytes.subspan(position, packed_size), raw, "mask", c));
     position += packed_size;
+    const std::span<const uint8_t> low_bits = bytes.subspan(position, low_size);
+    position += low_size;
     if (inverted) {
       for (uint64_t w = 0; w < n / 64; ++w) bitmaps[c][w] = ~uint64_t{0};
       if (n % 64 != 0) bitmaps[c][n / 64] = (uint64_t{1} << (n % 64)) - 1;
     }
     uint64_t raw_position = 0;
     uint64_t next_rank = 0;
+    uint64_t bit_position = 0;
     for (uint64_t t = 0; t < tokens; ++t) {
-      uint64_t gap = 0;
-      if (!GetVarint(raw, &raw_position, &gap) || gap >= n - next_rank) {
+      if (raw_position >= raw.size()) {
+        return DataLoss("context-coded changes: mask stream of class {}: gap #{} is missing", c, t);
+      }
+      uint64_t quotient = raw[raw_position++];
+      if (quotient == kQuotientEscape) {
+        uint64_t more = 0;
+        if (!GetVarint(raw, &raw_position, &more) || more > (n >> shift)) {
+          return DataLoss(
+              "context-coded changes: mask stream of class {}: gap #{} escape is "
+              "malformed or over the class's {} members",
+              c, t, n);
+        }
+        quotient += more;
+      }
+      uint64_t low = 0;
+      for (uint32_t bit = 0; bit < shift; ++bit, ++bit_position) {
+        low |= static_cast<uint64_t>((low_bits[bit_position / 8] >> (bit_position % 8)) & 1) << bit;
+      }
+      if (quotient > ((n - next_rank) >> shift)) {
         return DataLoss(
-            "context-coded changes: mask stream of class {}: gap #{} is malformed or "
-            "runs past the class's {} members",
+            "context-coded changes: mask stream of class {}: gap #{} runs past the "
+            "class's {} members",
+            c, t, n);
+      }
+      const uint64_t gap = (quotient << shift) | low;
+      if (gap >= n - next_rank) {
+        return DataLoss(
+            "context-coded changes: mask stream of class {}: gap #{} runs past the "
+            "class's {} members",
             c, t, n);
       }
       const uint64_t rank = next_rank + gap;
@@ -604,6 +713,9 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
     if (raw_position != raw.size()) {
       return DataLoss("context-coded changes: mask stream of class {}: {} trailing bytes", c,
                       raw.size() - raw_position);
+    }
+    if (shift != 0 && tokens * shift % 8 != 0 && (low_bits.back() >> (tokens * shift % 8)) != 0) {
+      return DataLoss("context-coded changes: mask stream of class {}: padding bits set", c);
     }
   }
   std::vector<std::vector<uint8_t>> planes(classes);
@@ -627,40 +739,34 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
     return DataLoss("context-coded changes: {} trailing bytes", bytes.size() - position);
   }
 
-  // The one pass over the old elements: deposit each class's change bits at its members.
+  // The one pass over the old elements: deposit each class's change bits at its members (SIMD
+  // kernel), then turn each changed element's difference into its XOR value.
   ContextDecoded decoded;
   decoded.locations.resize(count);
   decoded.xor_values.resize(count * width);
   std::vector<uint64_t> offsets(classes, 0);
   std::vector<uint64_t> emitted(classes, 0);
+  std::vector<const uint64_t*> bitmap_words(classes);
+  for (uint32_t c = 0; c < classes; ++c) bitmap_words[c] = bitmaps[c].data();
   uint64_t total = 0;
   const std::byte* old = old_span.data();
   const uint64_t mask = WidthMask(width);
-  Status status;
-  ForEachBlock(old, width, span_length, thresholds, [&](uint64_t block, const uint64_t* masks) {
-    if (!status.ok()) return;
-    uint64_t deposited[kMaxContextThresholds + 1];
-    uint64_t changed = 0;
-    for (uint32_t c = 0; c < classes; ++c) {
-      const uint32_t in_block = std::popcount(masks[c]);
-      if (offsets[c] + in_block > members[c]) {
-        status = DataLoss(
-            "context-coded changes: the old tensor has more than the {} members of "
-            "class {} the producer saw (old weights differ)",
-            members[c], c);
-        return;
-      }
-      const uint64_t bits = ExtractBits(bitmaps[c].data(), offsets[c], in_block);
-      offsets[c] += in_block;
-      deposited[c] = bits == 0 ? 0 : Deposit(bits, masks[c]);
-      changed |= deposited[c];
-    }
+  const auto more_members = [&](uint32_t klass) {
+    return DataLoss(
+        "context-coded changes: the old tensor has more than the {} members of class {} the "
+        "producer saw (old weights differ)",
+        members[klass], klass);
+  };
+  // Emit the changes of one block's changed word.
+  const auto emit = [&](uint64_t block, uint64_t changed) -> Status {
     while (changed != 0) {
       const uint32_t bit = std::countr_zero(changed);
       changed &= changed - 1;
-      uint32_t c = 0;
-      while (((deposited[c] >> bit) & 1) == 0) ++c;
       const uint64_t location = block * kContextBlock + bit;
+      const uint64_t old_bits = LoadElement(old, width, location);
+      const uint32_t magnitude = Magnitude(old_bits, width);
+      uint32_t c = 0;
+      while (c + 1 < classes && magnitude >= thresholds[c]) ++c;
       const uint64_t k = changes[c];
       const uint64_t v = emitted[c]++;
       uint64_t zigzag = 0;
@@ -668,18 +774,45 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
         zigzag |= uint64_t{planes[c][plane * k + v]} << (8 * plane);
       }
       if (zigzag == 0) {
-        status = DataLoss("context-coded changes: location {} changes by 0", location);
-        return;
+        return DataLoss("context-coded changes: location {} changes by 0", location);
       }
-      const uint64_t old_bits = LoadElement(old, width, location);
       const uint64_t new_bits = (old_bits + UnZigZag(zigzag, width)) & mask;
-      const uint64_t xor_bits = old_bits ^ new_bits;
       decoded.locations[total] = location;
-      std::memcpy(decoded.xor_values.data() + total * width, &xor_bits, width);
+      StoreElement(decoded.xor_values.data(), width, total, old_bits ^ new_bits);
       ++total;
     }
-  });
-  REFIT_RETURN_NOT_OK(status);
+    return Status::OK();
+  };
+  const uint64_t whole = span_length / kContextBlock;
+  std::vector<uint64_t> changed_words(std::min(whole, kBlocksPerBatch));
+  for (uint64_t first = 0; first < whole; first += kBlocksPerBatch) {
+    const uint64_t blocks = std::min(kBlocksPerBatch, whole - first);
+    if (!ContextChangedWords(old + first * kContextBlock * width, width, blocks, thresholds.data(),
+                             classes - 1, bitmap_words.data(), members.data(), offsets.data(),
+                             changed_words.data())) {
+      return DataLoss(
+          "context-coded changes: the old tensor holds more members of a class than the producer "
+          "saw, within the span's first {} elements (old weights differ)",
+          (first + blocks) * kContextBlock);
+    }
+    for (uint64_t b = 0; b < blocks; ++b) {
+      if (changed_words[b] != 0) REFIT_RETURN_NOT_OK(emit(first + b, changed_words[b]));
+    }
+  }
+  if (span_length % kContextBlock != 0) {
+    // The tail, one element at a time.
+    uint64_t changed = 0;
+    for (uint64_t i = 0; i < span_length % kContextBlock; ++i) {
+      const uint32_t magnitude =
+          Magnitude(LoadElement(old, width, whole * kContextBlock + i), width);
+      uint32_t c = 0;
+      while (c + 1 < classes && magnitude >= thresholds[c]) ++c;
+      if (offsets[c] >= members[c]) return more_members(c);
+      const uint64_t at = offsets[c]++;
+      changed |= ((bitmaps[c][at / 64] >> (at % 64)) & 1) << i;
+    }
+    REFIT_RETURN_NOT_OK(emit(whole, changed));
+  }
   for (uint32_t c = 0; c < classes; ++c) {
     if (offsets[c] != members[c]) {
       return DataLoss(

@@ -14,15 +14,33 @@ inline constexpr uint64_t kContextBlock = 64;
 inline constexpr uint32_t kMaxContextThresholds = 15;
 
 /// For each of the `blocks` blocks of 64 elements starting at `old_elements` (element width
-/// `width` ∈ {1, 2, 4}, little-endian, any alignment), and each threshold j < `threshold_count`,
-/// write to `ge_masks[block * threshold_count + j]` the word whose bit i is set iff the magnitude
-/// bits of element i of the block (the element with its sign bit cleared) are ≥ thresholds[j].
-/// Uses the best SIMD target of this CPU (Highway dynamic dispatch).
-/// Thread-safe: reads its inputs only.
-void ContextGeMasks(const std::byte* old_elements, uint32_t width, uint64_t blocks,
-                    const uint32_t* thresholds, uint32_t threshold_count, uint64_t* ge_masks);
+/// `width` ∈ {1, 2, 4}, little-endian, any alignment), split the block into `threshold_count` + 1
+/// classes by the elements' magnitude bits (the element with its sign bit cleared): class c holds
+/// the elements with thresholds[c − 1] ≤ magnitude < thresholds[c] (no lower bound for class 0,
+/// no upper bound for the last). Writes the class's mask word (bit i: element i of the block) to
+/// `masks[block * classes + c]` and its population count to `counts[block * classes + c]`.
+/// Preconditions: 1 ≤ threshold_count ≤ kMaxContextThresholds; thresholds strictly increasing,
+/// each in [1, 2^(8·width − 1)). Uses the best SIMD target of this CPU (Highway dynamic
+/// dispatch). Thread-safe: reads its inputs only.
+void ContextClassMasks(const std::byte* old_elements, uint32_t width, uint64_t blocks,
+                       const uint32_t* thresholds, uint32_t threshold_count, uint64_t* masks,
+                       uint8_t* counts);
 
-/// Return the Highway name of the target ContextGeMasks dispatches to, e.g. "AVX3".
+/// The decoder's pass: for each of the `blocks` blocks of 64 elements starting at
+/// `old_elements`, split the block into classes as ContextClassMasks does (threshold_count may be
+/// 0: one class), take the next popcount(class mask) bits of class c's change bitmap
+/// `bitmaps[c]` from bit `offsets[c]` (advancing it), deposit them at the class's members, and
+/// write the block's changed-elements word to `changed[block]`. Returns false, with `offsets`
+/// unspecified, as soon as a class would read past its `members[c]` bits: the old elements hold
+/// more members of a class than the encoder saw. Each bitmap must hold one word past its last
+/// bit. Uses the best SIMD target (and BMI2's PDEP where the target has it).
+/// Thread-safe: writes only `offsets` and `changed`.
+bool ContextChangedWords(const std::byte* old_elements, uint32_t width, uint64_t blocks,
+                         const uint32_t* thresholds, uint32_t threshold_count,
+                         const uint64_t* const* bitmaps, const uint64_t* members, uint64_t* offsets,
+                         uint64_t* changed);
+
+/// Return the Highway name of the target ContextClassMasks dispatches to, e.g. "AVX3".
 std::string_view DispatchedContextTarget();
 
 }  // namespace refit::internal
