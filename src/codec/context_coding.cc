@@ -2,6 +2,7 @@
 
 #include "codec/context_coding.h"
 
+#include <htscodecs/arith_dynamic.h>
 #include <htscodecs/rANS_static4x16.h>
 
 #include <algorithm>
@@ -42,13 +43,23 @@ constexpr uint32_t kMaxGapShift = 40;
 /// The longest LEB128 varint of a 64-bit value.
 constexpr uint64_t kMaxVarintBytes = 10;
 /// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the rANS
-/// headers and tables of its streams (measured on real step pairs, 20–60 bytes a stream).
+/// headers, final states (16 bytes) and tables of its streams (measured on the step pairs of
+/// bench/context_bench.cc: 20–60 bytes a stream). One value plane is counted (the low one: the
+/// others of small steps are all zero and cost a byte).
 constexpr double kClassBytes = 6;
-constexpr double kMaskStreamBytes = 24;
-constexpr double kPlaneStreamBytes = 8;
+constexpr double kMaskStreamBytes = 28;
+constexpr double kPlaneStreamBytes = 24;
 
-// htscodecs' order byte: the only flags this decoder accepts besides the order bit.
+// htscodecs' order byte: the only flags this decoder accepts besides the order bit (the
+// arithmetic coder uses the same bit for stored bytes).
 constexpr int kRansOrderCat = RANS_ORDER_CAT;
+// Streams longer than this go through rANS only: the adaptive arithmetic decoder runs at a
+// fraction of rANS's speed, and its saving (the table and states, ~20–60 bytes) is under 1 % of
+// a stream this long.
+constexpr size_t kMaxArithSymbols = 4096;
+// The method byte before each stream.
+constexpr uint8_t kStreamRans = 0;
+constexpr uint8_t kStreamArith = 1;
 
 uint32_t MantissaBits(DType dtype) {
   switch (dtype) {
@@ -149,8 +160,12 @@ bool GetVarint(std::span<const uint8_t> bytes, uint64_t* position, uint64_t* val
   return false;
 }
 
-// Compress one stream with rANS order 0 (htscodecs stores it instead when that saves no byte).
-// Empty in, empty out.
+// Compress one stream with the smaller of htscodecs' static rANS (4×16, order 0) and its
+// adaptive arithmetic coder (order 0; streams of up to kMaxArithSymbols), behind a method byte.
+// The arithmetic coder has no frequency table and a 4-byte flush where rANS stores a table and
+// four 4-byte states: it wins the small streams of small classes, rANS the large ones (and
+// decodes faster). Either stores the bytes instead when coding saves nothing. Empty in, empty
+// out.
 Result<std::vector<uint8_t>> CompressStream(std::span<const uint8_t> raw) {
   std::vector<uint8_t> best;
   if (raw.empty()) return best;
@@ -161,16 +176,23 @@ Result<std::vector<uint8_t>> CompressStream(std::span<const uint8_t> raw) {
   const auto size = static_cast<unsigned int>(raw.size());
   // Order 0 only: order 1 never came out smaller on the step pairs of bench/context_bench.cc (the
   // class split already took the context out of the streams), and it cost 2.5× the encode time
-  // and a 256-table setup per stream on decode. The decoder reads either.
-  for (int order : {0}) {
-    unsigned int out_size = rans_compress_bound_4x16(size, order);
-    std::vector<uint8_t> out(out_size);
+  // and a 256-table setup per stream on decode.
+  constexpr int kOrder = 0;
+  for (uint8_t method : {kStreamRans, kStreamArith}) {
+    if (method == kStreamArith && raw.size() > kMaxArithSymbols) break;
+    unsigned int out_size = method == kStreamRans ? rans_compress_bound_4x16(size, kOrder)
+                                                  : arith_compress_bound(size, kOrder);
+    std::vector<uint8_t> out(1 + out_size);
+    out[0] = method;
     // htscodecs takes non-const input pointers; it does not write through them.
-    if (rans_compress_to_4x16(const_cast<uint8_t*>(raw.data()), size, out.data(), &out_size,
-                              order) == nullptr) {
-      return Status(StatusCode::kInternal, "context coding: rANS compression failed");
+    auto* in = const_cast<uint8_t*>(raw.data());
+    const unsigned char* done =
+        method == kStreamRans ? rans_compress_to_4x16(in, size, out.data() + 1, &out_size, kOrder)
+                              : arith_compress_to(in, size, out.data() + 1, &out_size, kOrder);
+    if (done == nullptr) {
+      return Status(StatusCode::kInternal, "context coding: entropy coding of a stream failed");
     }
-    out.resize(out_size);
+    out.resize(1 + out_size);
     if (best.empty() || out.size() < best.size()) best = std::move(out);
   }
   return best;
@@ -186,16 +208,17 @@ Status DecompressStream(std::span<const uint8_t> stream, std::span<uint8_t> out,
     }
     return Status::OK();
   }
-  if (stream.empty()) {
-    return DataLoss("context-coded {} stream of class {}: empty, {} symbols expected", what, klass,
-                    out.size());
+  if (stream.size() < 2) {
+    return DataLoss("context-coded {} stream of class {}: {} bytes, {} symbols expected", what,
+                    klass, stream.size(), out.size());
   }
-  const int order_byte = stream[0];
-  if ((order_byte & ~(1 | kRansOrderCat)) != 0) {
+  const uint8_t method = stream[0];
+  const int order_byte = stream[1];
+  if (method > kStreamArith || (order_byte & ~(1 | kRansOrderCat)) != 0) {
     return DataLoss(
-        "context-coded {} stream of class {}: rANS method byte 0x{:02x} is not one "
-        "this decoder accepts (order 0/1, stored)",
-        what, klass, order_byte);
+        "context-coded {} stream of class {}: method {} with order byte 0x{:02x} is not one "
+        "this decoder accepts (rANS 0 or arithmetic 1, order 0/1 or stored)",
+        what, klass, method, order_byte);
   }
   if (stream.size() > std::numeric_limits<int32_t>::max() ||
       out.size() > std::numeric_limits<int32_t>::max()) {
@@ -205,12 +228,14 @@ Status DecompressStream(std::span<const uint8_t> stream, std::span<uint8_t> out,
         what, klass, stream.size(), out.size());
   }
   auto out_size = static_cast<unsigned int>(out.size());
-  const unsigned char* decoded =
-      rans_uncompress_to_4x16(const_cast<uint8_t*>(stream.data()),
-                              static_cast<unsigned int>(stream.size()), out.data(), &out_size);
+  auto* in = const_cast<uint8_t*>(stream.data() + 1);
+  const auto in_size = static_cast<unsigned int>(stream.size() - 1);
+  const unsigned char* decoded = method == kStreamRans
+                                     ? rans_uncompress_to_4x16(in, in_size, out.data(), &out_size)
+                                     : arith_uncompress_to(in, in_size, out.data(), &out_size);
   if (decoded == nullptr || out_size != out.size()) {
     return DataLoss(
-        "context-coded {} stream of class {}: corrupt rANS stream of {} bytes ({} "
+        "context-coded {} stream of class {}: corrupt stream of {} bytes ({} "
         "symbols expected)",
         what, klass, stream.size(), out.size());
   }
@@ -338,7 +363,7 @@ std::vector<uint32_t> ChooseThresholds(const ExponentStats& stats, uint32_t mant
     double bits = BinaryEntropyBits(n, k) + 8 * kClassBytes;
     if (k > 0 && k < n) bits += 8 * kMaskStreamBytes;
     if (k > 0) {
-      bits += 8 * kPlaneStreamBytes * width;
+      bits += 8 * (kPlaneStreamBytes + width - 1);
       for (uint32_t s = 0; s < kModelSymbols; ++s) {
         const double c = static_cast<double>(ps[b * kModelSymbols + s] - ps[a * kModelSymbols + s]);
         if (c > 0) bits += -c * std::log2(c / k) + 8;  // + a byte of frequency table
@@ -547,6 +572,12 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
       for (size_t i = 0; i < values.size(); ++i) {
         raw[i] = static_cast<uint8_t>(values[i] >> (8 * plane));
       }
+      if (std::all_of(raw.begin(), raw.end(), [](uint8_t b) { return b == 0; })) {
+        // An all-zero plane (the high bytes of small steps) is stored as nothing: a rANS stream
+        // would cost its four final states and a table.
+        PutVarint(0, &out);
+        continue;
+      }
       REFIT_ASSIGN_OR_RETURN(std::vector<uint8_t> packed, CompressStream(raw));
       PutVarint(packed.size(), &out);
       out.insert(out.end(), packed.begin(), packed.end());
@@ -730,6 +761,7 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
         return DataLoss("context-coded changes: value plane {} of class {}: {} bytes with {} left",
                         plane, c, packed_size, bytes.size() - position);
       }
+      if (packed_size == 0) continue;  // an all-zero plane; planes[c] starts zeroed
       REFIT_RETURN_NOT_OK(DecompressStream(bytes.subspan(position, packed_size),
                                            std::span(planes[c]).subspan(plane * k, k), "value", c));
       position += packed_size;
