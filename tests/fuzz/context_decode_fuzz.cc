@@ -64,7 +64,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint32_t width = refit::DTypeSize(dtype);
   if (size - kHeaderBytes < span * width) return 0;
   std::vector<std::byte> old_bytes(span * width);
-  std::memcpy(old_bytes.data(), data + kHeaderBytes, old_bytes.size());
+  if (!old_bytes.empty()) std::memcpy(old_bytes.data(), data + kHeaderBytes, old_bytes.size());
   const std::span<const uint8_t> tail(data + kHeaderBytes + old_bytes.size(),
                                       size - kHeaderBytes - old_bytes.size());
   const bool supported = refit::internal::ContextCodingSupported(dtype);
