@@ -10,6 +10,9 @@
 //             exponent + the difference given the old exponent, pooled over the model).
 //   speed     context decode and encode in model bytes per second on one core, including the
 //             O(N) pass over the old elements, beside today's payload decode and encode.
+//   choice    what the producer's auto choice (src/pipeline/context_choice.h) would send per
+//             link — zmq (fast), s3:// (bytes priced), file:// (its hint, 4 decode threads), a
+//             10 MB/s WAN — with this run's decode rate.
 //
 // Usage: context_bench [--pair DIR] [--synthetic-bytes N] [--repetitions R] [--max-classes K]
 //                      [--json PATH]
@@ -32,6 +35,7 @@
 #include "codec/compare.h"
 #include "codec/context_coding.h"
 #include "codec/locations.h"
+#include "pipeline/context_choice.h"
 #include "progress.h"
 #include "refit/payload.h"
 #include "table.h"
@@ -193,7 +197,8 @@ uint32_t ExponentOf(uint64_t bits, DType dtype) {
 
 std::string Verdict(bool met) { return met ? "MET" : "NOT MET"; }
 
-nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Table* speeds) {
+nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Table* speeds,
+                           Table* choices) {
   const uint32_t width = DTypeSize(pair.dtype);
   uint64_t model_bytes = 0;
   uint64_t changed = 0;
@@ -253,6 +258,7 @@ nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Tab
   std::vector<std::byte> payload = EncodePayload(ids, views).ValueOrDie();
   // Context coding, item by item, with the choice.
   uint64_t today_items = 0, context_items = 0, chosen_items = 0, chosen_context = 0;
+  std::vector<uint64_t> today_of(pair.tensors.size(), 0), context_of(pair.tensors.size(), 0);
   std::vector<std::vector<uint8_t>> coded(pair.tensors.size());
   for (size_t i = 0; i < pair.tensors.size(); ++i) {
     const Item& item = items[i];
@@ -266,6 +272,8 @@ nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Tab
     // The item's table entry, which a context-coded item carries too: counted uncompressed.
     const uint64_t entry = 2 + item.name.size() + 5 + 8 + 40;
     const uint64_t context = coded[i].size() + entry;
+    today_of[i] = today;
+    context_of[i] = context;
     today_items += today;
     context_items += context;
     chosen_items += std::min(today, context);
@@ -301,6 +309,46 @@ nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Tab
       MedianSeconds(args.repetitions, [&] { (void)EncodePayload(ids, views).ValueOrDie(); });
   const auto gbps = [&](double s) { return static_cast<double>(model_bytes) / s / 1e9; };
 
+  // The producer's auto choice (pipeline/context_choice.h) per link, with this run's decode rate:
+  // what each link would carry, in bytes per changed element, and how many items go
+  // context-coded.
+  const double decode_rate = static_cast<double>(model_bytes) / decode_s;
+  struct Link {
+    std::string name;
+    internal::LinkHint hint;
+    uint32_t decode_threads;
+  };
+  const internal::LinkHint s3 = internal::LinkHintForTransport("s3://bucket/prefix");
+  const std::vector<Link> links = {
+      {"zmq", internal::LinkHintForTransport("zmq://host:5555"), 1},
+      {"s3:// (priced)", s3, 1},
+      {"file:// (500 MB/s)", internal::LinkHintForTransport("file:///drop"), 4},
+      {"WAN 10 MB/s", {10e6, false}, 1}};
+  nlohmann::json link_rows = nlohmann::json::array();
+  std::vector<std::string> link_cells;
+  for (const Link& link : links) {
+    uint64_t bytes = 0;
+    uint64_t picked = 0;
+    for (size_t i = 0; i < pair.tensors.size(); ++i) {
+      if (items[i].count == 0) continue;
+      const internal::ContextChoiceInputs inputs{.today_bytes = today_of[i],
+                                                 .context_bytes = context_of[i],
+                                                 .span_bytes = pair.tensors[i].old_bytes.size(),
+                                                 .decode_bytes_per_s = decode_rate,
+                                                 .decode_threads = link.decode_threads,
+                                                 .link_bytes_per_s = link.hint.bytes_per_s,
+                                                 .bytes_priced = link.hint.bytes_priced};
+      const bool context =
+          internal::ChooseContextCoding(internal::ContextCodingMode::kAuto, true, inputs);
+      bytes += context ? context_of[i] : today_of[i];
+      picked += context ? 1 : 0;
+    }
+    link_cells.push_back(fmt::format("{:.3f} ({})", per(bytes), picked));
+    link_rows.push_back(
+        {{"link", link.name}, {"b_per_changed", per(bytes)}, {"items_context_coded", picked}});
+  }
+  choices->AddRow({pair.label, link_cells[0], link_cells[1], link_cells[2], link_cells[3]});
+
   const double density = static_cast<double>(changed) / (static_cast<double>(model_bytes) / width);
   const double ratio = per(chosen_items) / memoryless;
   sizes->AddRow(
@@ -332,7 +380,8 @@ nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Tab
           {"context_decode_gbps", gbps(decode_s)},
           {"context_encode_gbps", gbps(encode_s)},
           {"today_decode_gbps", gbps(today_decode_s)},
-          {"today_encode_gbps", gbps(today_encode_s)}};
+          {"today_encode_gbps", gbps(today_encode_s)},
+          {"auto_choice_by_link", link_rows}};
 }
 
 int Main(int argc, char** argv) {
@@ -369,15 +418,19 @@ int Main(int argc, char** argv) {
                "ctx items", "memoryless", "ideal ctx", "choice/bound", "choice/today"});
   Table speeds({"pair", "model", "ctx decode GB/s", "ctx encode GB/s", "today decode GB/s",
                 "today encode GB/s"});
+  Table choices({"pair", "zmq", "s3:// (priced)", "file://, 4 decode threads", "WAN 10 MB/s"});
   nlohmann::json rows = nlohmann::json::array();
   for (const Pair& pair : pairs) {
     if (pair.tensors.empty()) continue;
-    rows.push_back(MeasurePair(pair, args, &sizes, &speeds));
+    rows.push_back(MeasurePair(pair, args, &sizes, &speeds, &choices));
   }
   std::cout << "-- bytes per changed element\n";
   sizes.Print(std::cout);
   std::cout << "-- speed, model bytes per second\n";
   speeds.Print(std::cout);
+  std::cout << "-- auto choice per link (pipeline/context_choice.h, this run's decode rate): "
+               "B/changed sent (items context-coded)\n";
+  choices.Print(std::cout);
 
   // Targets.
   Table targets({"target", "figure", "goal", "verdict"});

@@ -24,10 +24,11 @@ Result<ContextCodingMode> ParseContextCodingMode(std::string_view text) {
 }
 
 bool ContextCodingPays(const ContextChoiceInputs& inputs) {
-  if (inputs.decode_bytes_per_s <= 0 || inputs.link_bytes_per_s <= 0) return false;
   const auto today = static_cast<double>(inputs.today_bytes);
   const auto context = static_cast<double>(inputs.context_bytes);
   if (context > (1 - kContextMinSaving) * today) return false;
+  if (inputs.bytes_priced) return true;
+  if (inputs.decode_bytes_per_s <= 0 || inputs.link_bytes_per_s <= 0) return false;
   const double decode_seconds =
       static_cast<double>(inputs.span_bytes) /
       (inputs.decode_bytes_per_s * std::max<uint32_t>(inputs.decode_threads, 1));
@@ -49,12 +50,12 @@ bool ChooseContextCoding(ContextCodingMode mode, bool supported,
   return ContextCodingPays(inputs);
 }
 
-double LinkHintBytesPerSecond(std::string_view transport_uri) {
+LinkHint LinkHintForTransport(std::string_view transport_uri) {
   constexpr std::string_view kFault = "fault+";
   if (transport_uri.starts_with(kFault)) transport_uri.remove_prefix(kFault.size());
-  if (transport_uri.starts_with("s3://")) return kObjectStoreBytesPerSecond;
-  if (transport_uri.starts_with("file://")) return kSharedFilesystemBytesPerSecond;
-  return 0;
+  if (transport_uri.starts_with("s3://")) return {kObjectStoreBytesPerSecond, true};
+  if (transport_uri.starts_with("file://")) return {kSharedFilesystemBytesPerSecond, false};
+  return {};
 }
 
 }  // namespace refit::internal

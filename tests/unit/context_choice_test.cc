@@ -45,6 +45,14 @@ TEST(ContextChoice, NeedsAMarginAndKnownRates) {
   EXPECT_FALSE(ContextCodingPays(Item(0)));
 }
 
+TEST(ContextChoice, PricedBytesPayOverTheMarginWhateverTheDecode) {
+  ContextChoiceInputs stored = Item(200e6);
+  stored.bytes_priced = true;
+  EXPECT_TRUE(ContextCodingPays(stored));
+  stored.context_bytes = 9600;  // under the margin
+  EXPECT_FALSE(ContextCodingPays(stored));
+}
+
 TEST(ContextChoice, ForceAndForbidOverrideTheEstimate) {
   EXPECT_TRUE(ChooseContextCoding(ContextCodingMode::kForce, true, Item(12.5e9)));
   EXPECT_FALSE(ChooseContextCoding(ContextCodingMode::kForce, false, Item(1e6)));
@@ -64,12 +72,17 @@ TEST(ContextChoice, ParsesTheModes) {
 }
 
 TEST(ContextChoice, TransportHints) {
-  EXPECT_GT(LinkHintBytesPerSecond("s3://bucket/prefix?endpoint=http://localhost:9000"), 0);
-  EXPECT_GT(LinkHintBytesPerSecond("file:///shared/drop"), 0);
-  EXPECT_GT(LinkHintBytesPerSecond("fault+s3://bucket/p"), 0);
-  EXPECT_EQ(LinkHintBytesPerSecond("zmq://10.0.0.1:5555"), 0);
-  EXPECT_EQ(LinkHintBytesPerSecond("mpi://"), 0);
-  EXPECT_EQ(LinkHintBytesPerSecond("inproc://x"), 0);
+  const LinkHint s3 = LinkHintForTransport("s3://bucket/prefix?endpoint=http://localhost:9000");
+  EXPECT_GT(s3.bytes_per_s, 0);
+  EXPECT_TRUE(s3.bytes_priced);
+  EXPECT_TRUE(LinkHintForTransport("fault+s3://bucket/p").bytes_priced);
+  const LinkHint file = LinkHintForTransport("file:///shared/drop");
+  EXPECT_GT(file.bytes_per_s, 0);
+  EXPECT_FALSE(file.bytes_priced);
+  for (const char* fast : {"zmq://10.0.0.1:5555", "mpi://", "inproc://x", "nccl://"}) {
+    EXPECT_EQ(LinkHintForTransport(fast).bytes_per_s, 0) << fast;
+    EXPECT_FALSE(LinkHintForTransport(fast).bytes_priced) << fast;
+  }
 }
 
 }  // namespace
