@@ -779,7 +779,12 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
   std::vector<uint64_t> offsets(classes, 0);
   std::vector<uint64_t> emitted(classes, 0);
   std::vector<const uint64_t*> bitmap_words(classes);
-  for (uint32_t c = 0; c < classes; ++c) bitmap_words[c] = bitmaps[c].data();
+  uint32_t all_changed = 0;
+  for (uint32_t c = 0; c < classes; ++c) {
+    const bool uniform = changes[c] == 0 || changes[c] == members[c];
+    bitmap_words[c] = uniform ? nullptr : bitmaps[c].data();
+    if (changes[c] == members[c] && members[c] > 0) all_changed |= 1u << c;
+  }
   uint64_t total = 0;
   const std::byte* old = old_span.data();
   const uint64_t mask = WidthMask(width);
@@ -800,6 +805,9 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
       uint32_t c = 0;
       while (c + 1 < classes && magnitude >= thresholds[c]) ++c;
       const uint64_t k = changes[c];
+      // A class without change bitmap (none or all of it changed) is bounded per batch only: an
+      // old tensor with more members than the producer saw shows up here first.
+      if (emitted[c] >= k || total >= count) return more_members(c);
       const uint64_t v = emitted[c]++;
       uint64_t zigzag = 0;
       for (uint32_t plane = 0; plane < width; ++plane) {
@@ -820,8 +828,8 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
   for (uint64_t first = 0; first < whole; first += kBlocksPerBatch) {
     const uint64_t blocks = std::min(kBlocksPerBatch, whole - first);
     if (!ContextChangedWords(old + first * kContextBlock * width, width, blocks, thresholds.data(),
-                             classes - 1, bitmap_words.data(), members.data(), offsets.data(),
-                             changed_words.data())) {
+                             classes - 1, bitmap_words.data(), all_changed, members.data(),
+                             offsets.data(), changed_words.data())) {
       return DataLoss(
           "context-coded changes: the old tensor holds more members of a class than the producer "
           "saw, within the span's first {} elements (old weights differ)",

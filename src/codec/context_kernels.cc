@@ -150,13 +150,19 @@ HWY_INLINE uint64_t Deposit(uint64_t bits, uint64_t mask) {
 template <typename T>
 bool ChangedWordsOfType(const std::byte* old_elements, uint64_t blocks, const uint32_t* thresholds,
                         uint32_t threshold_count, const uint64_t* const* bitmaps,
-                        const uint64_t* members, uint64_t* offsets, uint64_t* changed) {
+                        uint32_t all_changed, const uint64_t* members, uint64_t* offsets,
+                        uint64_t* changed) {
   const uint32_t classes = threshold_count + 1;
   constexpr uint64_t kBatch = 256;
   uint64_t masks[kBatch * (kMaxContextThresholds + 1)];
   uint8_t counts[kBatch * (kMaxContextThresholds + 1)];
   for (uint64_t first = 0; first < blocks; first += kBatch) {
     const uint64_t batch = HWY_MIN(kBatch, blocks - first);
+    // A class read without bitmap may have overrun in the last batch: its offset is checked
+    // once per batch (it reads nothing, so a late check is safe).
+    for (uint32_t c = 0; c < classes; ++c) {
+      if (offsets[c] > members[c]) return false;
+    }
     if (threshold_count == 0) {
       for (uint64_t b = 0; b < batch; ++b) {
         masks[b] = ~uint64_t{0};
@@ -170,6 +176,13 @@ bool ChangedWordsOfType(const std::byte* old_elements, uint64_t blocks, const ui
       uint64_t word = 0;
       for (uint32_t c = 0; c < classes; ++c) {
         const uint32_t in_block = counts[b * classes + c];
+        if (bitmaps[c] == nullptr) {
+          // No member changes, or every one does: no bits to read (and so no bound to check
+          // before the end).
+          offsets[c] += in_block;
+          if ((all_changed >> c) & 1) word |= masks[b * classes + c];
+          continue;
+        }
         if (offsets[c] + in_block > members[c]) return false;
         const uint64_t bits = ExtractBits(bitmaps[c], offsets[c], in_block);
         offsets[c] += in_block;
@@ -183,18 +196,18 @@ bool ChangedWordsOfType(const std::byte* old_elements, uint64_t blocks, const ui
 
 bool ChangedWordsKernel(const std::byte* old_elements, uint32_t width, uint64_t blocks,
                         const uint32_t* thresholds, uint32_t threshold_count,
-                        const uint64_t* const* bitmaps, const uint64_t* members, uint64_t* offsets,
-                        uint64_t* changed) {
+                        const uint64_t* const* bitmaps, uint32_t all_changed,
+                        const uint64_t* members, uint64_t* offsets, uint64_t* changed) {
   switch (width) {
     case 1:
       return ChangedWordsOfType<uint8_t>(old_elements, blocks, thresholds, threshold_count, bitmaps,
-                                         members, offsets, changed);
+                                         all_changed, members, offsets, changed);
     case 2:
       return ChangedWordsOfType<uint16_t>(old_elements, blocks, thresholds, threshold_count,
-                                          bitmaps, members, offsets, changed);
+                                          bitmaps, all_changed, members, offsets, changed);
     default:
       return ChangedWordsOfType<uint32_t>(old_elements, blocks, thresholds, threshold_count,
-                                          bitmaps, members, offsets, changed);
+                                          bitmaps, all_changed, members, offsets, changed);
   }
 }
 
@@ -222,11 +235,12 @@ void ContextClassMasks(const std::byte* old_elements, uint32_t width, uint64_t b
 
 bool ContextChangedWords(const std::byte* old_elements, uint32_t width, uint64_t blocks,
                          const uint32_t* thresholds, uint32_t threshold_count,
-                         const uint64_t* const* bitmaps, const uint64_t* members, uint64_t* offsets,
-                         uint64_t* changed) {
+                         const uint64_t* const* bitmaps, uint32_t all_changed,
+                         const uint64_t* members, uint64_t* offsets, uint64_t* changed) {
   if (blocks == 0) return true;
-  return HWY_DYNAMIC_DISPATCH(ChangedWordsKernel)(
-      old_elements, width, blocks, thresholds, threshold_count, bitmaps, members, offsets, changed);
+  return HWY_DYNAMIC_DISPATCH(ChangedWordsKernel)(old_elements, width, blocks, thresholds,
+                                                  threshold_count, bitmaps, all_changed, members,
+                                                  offsets, changed);
 }
 
 std::string_view DispatchedContextTarget() { return HWY_DYNAMIC_DISPATCH(KernelTargetName)(); }

@@ -30,15 +30,17 @@ void ContextClassMasks(const std::byte* old_elements, uint32_t width, uint64_t b
 /// `old_elements`, split the block into classes as ContextClassMasks does (threshold_count may be
 /// 0: one class), take the next popcount(class mask) bits of class c's change bitmap
 /// `bitmaps[c]` from bit `offsets[c]` (advancing it), deposit them at the class's members, and
-/// write the block's changed-elements word to `changed[block]`. Returns false, with `offsets`
-/// unspecified, as soon as a class would read past its `members[c]` bits: the old elements hold
-/// more members of a class than the encoder saw. Each bitmap must hold one word past its last
-/// bit. Uses the best SIMD target (and BMI2's PDEP where the target has it).
-/// Thread-safe: writes only `offsets` and `changed`.
+/// write the block's changed-elements word to `changed[block]`. A null `bitmaps[c]` means no
+/// member of class c changed, or (bit c of `all_changed` set) every one did. Returns false, with
+/// `offsets` unspecified, when a class reads past its `members[c]` bits: the old elements hold
+/// more members of a class than the encoder saw (a class without bitmap is checked per batch and
+/// may end up to one batch past its members: the caller checks every offset at the end). Each
+/// bitmap must hold one word past its last bit. Uses the best SIMD target (and BMI2's PDEP where
+/// the target has it). Thread-safe: writes only `offsets` and `changed`.
 bool ContextChangedWords(const std::byte* old_elements, uint32_t width, uint64_t blocks,
                          const uint32_t* thresholds, uint32_t threshold_count,
-                         const uint64_t* const* bitmaps, const uint64_t* members, uint64_t* offsets,
-                         uint64_t* changed);
+                         const uint64_t* const* bitmaps, uint32_t all_changed,
+                         const uint64_t* members, uint64_t* offsets, uint64_t* changed);
 
 /// Return the Highway name of the target ContextClassMasks dispatches to, e.g. "AVX3".
 std::string_view DispatchedContextTarget();
