@@ -28,6 +28,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -140,6 +141,28 @@ Pair SyntheticPair(uint64_t bytes, double density) {
   const std::vector<TensorView> exported = simulator->Exported();
   for (size_t i = 0; i < exported.size(); ++i) {
     pair.tensors[i].new_bytes.assign(exported[i].bytes.begin(), exported[i].bytes.end());
+  }
+  return pair;
+}
+
+// A pair where the old value predicts nothing: uniformly random bf16 bits, 3 % of elements
+// changed at random positions to random other bits. Context coding cannot win here; the per-item
+// choice must fall back to today's encodings.
+Pair UniformPair(uint64_t bytes) {
+  Pair pair{"uniform random bits, 3 %", DType::kBFloat16, {}};
+  std::mt19937_64 rng(44);
+  const uint64_t per_tensor = std::max<uint64_t>(bytes / 8, 2) / 2 * 2;
+  for (int t = 0; t < 4; ++t) {
+    Tensor tensor{fmt::format("uniform.{}.weight", t), std::vector<std::byte>(per_tensor), {}};
+    for (std::byte& b : tensor.old_bytes) b = static_cast<std::byte>(rng());
+    tensor.new_bytes = tensor.old_bytes;
+    for (uint64_t i = 0; i < per_tensor / 2; ++i) {
+      if (rng() % 100 >= 3) continue;
+      const uint16_t bits = static_cast<uint16_t>(rng() | 1);
+      tensor.new_bytes[2 * i] ^= static_cast<std::byte>(bits);
+      tensor.new_bytes[2 * i + 1] ^= static_cast<std::byte>(bits >> 8);
+    }
+    pair.tensors.push_back(std::move(tensor));
   }
   return pair;
 }
@@ -411,6 +434,7 @@ int Main(int argc, char** argv) {
   for (double density : {0.01, 0.03, 0.05}) {
     pairs.push_back(SyntheticPair(args.synthetic_bytes, density));
   }
+  pairs.push_back(UniformPair(args.synthetic_bytes));
   const std::string target(internal::ContextCodingSimdTarget());
   std::cout << "== context-coded deltas, SIMD target " << target
             << ", 1 thread, thread CPU time, median of " << args.repetitions << "\n";

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "codec/context_kernels.h"
 #include "refit/status_format.h"
@@ -40,6 +41,8 @@ constexpr uint32_t kQuotientMeanBits = 4;
 constexpr uint8_t kQuotientEscape = 255;
 /// A span below 2^40 elements has gaps below 2^40.
 constexpr uint32_t kMaxGapShift = 40;
+/// Most candidate boundary bins of the class choice's dynamic programme.
+constexpr size_t kMaxChoiceBins = 64;
 /// The longest LEB128 varint of a 64-bit value.
 constexpr uint64_t kMaxVarintBytes = 10;
 /// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the rANS
@@ -341,20 +344,38 @@ struct ExponentStats {
 // exponents (≤ 256).
 std::vector<uint32_t> ChooseThresholds(const ExponentStats& stats, uint32_t mantissa_bits,
                                        uint32_t width, uint32_t max_classes) {
-  std::vector<uint32_t> present;
+  // Candidate boundaries: the exponents present, grouped into at most kMaxChoiceBins runs of
+  // consecutive ones (weights span ~40 exponents; uniformly random bits span all 256, where
+  // the O(K · D²) programme would cost more than the pass over the span).
+  std::vector<uint32_t> exponents;
   for (uint32_t e = 0; e < stats.members.size(); ++e) {
-    if (stats.members[e] > 0) present.push_back(e);
+    if (stats.members[e] > 0) exponents.push_back(e);
+  }
+  const size_t group = (exponents.size() + kMaxChoiceBins - 1) / kMaxChoiceBins;
+  // present[i]: the first exponent of bin i; a bin's statistics sum its exponents'.
+  std::vector<uint32_t> present;
+  std::vector<std::pair<size_t, size_t>> bin_exponents;
+  for (size_t i = 0; i < exponents.size(); i += std::max<size_t>(group, 1)) {
+    present.push_back(exponents[i]);
+    bin_exponents.emplace_back(i, std::min(exponents.size(), i + group));
   }
   const size_t d = present.size();
   if (d <= 1 || max_classes <= 1) return {};
-  // Prefix sums over present exponents.
+  // Prefix sums over the bins.
   std::vector<uint64_t> pm(d + 1), pk(d + 1), ps((d + 1) * kModelSymbols);
   for (size_t i = 0; i < d; ++i) {
-    pm[i + 1] = pm[i] + stats.members[present[i]];
-    pk[i + 1] = pk[i] + stats.changes[present[i]];
+    pm[i + 1] = pm[i];
+    pk[i + 1] = pk[i];
     for (uint32_t s = 0; s < kModelSymbols; ++s) {
-      ps[(i + 1) * kModelSymbols + s] =
-          ps[i * kModelSymbols + s] + stats.symbols[present[i] * kModelSymbols + s];
+      ps[(i + 1) * kModelSymbols + s] = ps[i * kModelSymbols + s];
+    }
+    for (size_t x = bin_exponents[i].first; x < bin_exponents[i].second; ++x) {
+      const uint32_t e = exponents[x];
+      pm[i + 1] += stats.members[e];
+      pk[i + 1] += stats.changes[e];
+      for (uint32_t s = 0; s < kModelSymbols; ++s) {
+        ps[(i + 1) * kModelSymbols + s] += stats.symbols[uint64_t{e} * kModelSymbols + s];
+      }
     }
   }
   auto cost = [&](size_t a, size_t b) {
