@@ -14,7 +14,7 @@
 //             link — zmq (fast), s3:// (bytes priced), file:// (its hint, 4 decode threads), a
 //             10 MB/s WAN — with this run's decode rate.
 //
-// Usage: context_bench [--pair DIR] [--synthetic-bytes N] [--repetitions R] [--max-classes K]
+// Usage: context_bench [--pair DIR]... [--synthetic-bytes N] [--repetitions R] [--max-classes K]
 //                      [--json PATH]
 // Prints tables and, with --json, every figure as JSON. See docs/benchmark-results.md.
 #include <time.h>
@@ -51,7 +51,8 @@ constexpr double kTargetDecodeGBps = 1.0;
 constexpr double kTargetEncodeGBps = 0.5;
 
 struct Args {
-  std::string pair_dir;
+  /// Directories of adamw_step_pair.py step pairs (--pair, repeatable).
+  std::vector<std::string> pair_dirs;
   uint64_t synthetic_bytes = uint64_t{64} << 20;
   int repetitions = 3;
   std::string json_path;
@@ -101,7 +102,8 @@ std::vector<std::byte> ReadFile(const std::string& path) {
 // The pair adamw_step_pair.py wrote: index.txt ("name numel element_offset") and the old/new
 // exports of `tag` ("bf16" or "fp16"). Empty on a missing or short file (said on stderr).
 Pair LoadTorchPair(const std::string& dir, const std::string& tag, DType dtype) {
-  Pair pair{fmt::format("torch AdamW lr 1e-6, {}", tag), dtype, {}};
+  const std::string base = dir.substr(dir.find_last_of('/') + 1);
+  Pair pair{fmt::format("torch AdamW lr 1e-6, {} ({})", tag, base), dtype, {}};
   const std::vector<std::byte> old_all = ReadFile(dir + "/old_" + tag + ".bin");
   const std::vector<std::byte> new_all = ReadFile(dir + "/new_" + tag + ".bin");
   std::ifstream index(dir + "/index.txt");
@@ -292,8 +294,20 @@ nlohmann::json MeasurePair(const Pair& pair, const Args& args, Table* sizes, Tab
         internal::EncodeContextCoded(pair.dtype, pair.tensors[i].old_bytes, changes[i].locations,
                                      changes[i].xor_values, args.coding)
             .ValueOrDie();
-    // The item's table entry, which a context-coded item carries too: counted uncompressed.
-    const uint64_t entry = 2 + item.name.size() + 5 + 8 + 40;
+    // What a context-coded item carries besides its coded bytes — its table entry, compressed
+    // with the body as today's is — measured as today's payload of the item cut to its first
+    // change, less that change's raw bytes (its gap and value).
+    Item first = item;
+    first.count = 1;
+    first.location_encoding = LocationEncoding::kGap64;
+    first.locations.clear();
+    (void)EncodeLocations(first.location_encoding, std::span(changes[i].locations).first(1), 0,
+                          first.span_end, &first.locations);
+    first.values.resize(DTypeSize(pair.dtype));
+    const ItemView first_view = first.view();
+    const uint64_t framed =
+        EncodePayload(ids, {&first_view, 1}).ValueOrDie().size() - kPayloadHeaderSize;
+    const uint64_t entry = framed - std::min<uint64_t>(framed, 8 + DTypeSize(pair.dtype));
     const uint64_t context = coded[i].size() + entry;
     today_of[i] = today;
     context_of[i] = context;
@@ -412,7 +426,7 @@ int Main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--pair")
-      args.pair_dir = argv[i + 1];
+      args.pair_dirs.push_back(argv[i + 1]);
     else if (flag == "--synthetic-bytes")
       args.synthetic_bytes = std::stoull(argv[i + 1]);
     else if (flag == "--repetitions")
@@ -427,9 +441,9 @@ int Main(int argc, char** argv) {
     }
   }
   std::vector<Pair> pairs;
-  if (!args.pair_dir.empty()) {
-    pairs.push_back(LoadTorchPair(args.pair_dir, "bf16", DType::kBFloat16));
-    pairs.push_back(LoadTorchPair(args.pair_dir, "fp16", DType::kFloat16));
+  for (const std::string& dir : args.pair_dirs) {
+    pairs.push_back(LoadTorchPair(dir, "bf16", DType::kBFloat16));
+    pairs.push_back(LoadTorchPair(dir, "fp16", DType::kFloat16));
   }
   for (double density : {0.01, 0.03, 0.05}) {
     pairs.push_back(SyntheticPair(args.synthetic_bytes, density));

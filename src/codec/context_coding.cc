@@ -35,9 +35,11 @@ constexpr uint64_t kBlocksPerBatch = 2048;
 /// under 0.1 % on the step pairs of bench/context_bench.cc.
 constexpr uint64_t kSampleAbove = uint64_t{1} << 16;
 constexpr uint64_t kSampleStride = 8;
-/// Golomb split of the mask's gaps: quotients of mean about 2^kQuotientMeanBits go through rANS
-/// as byte symbols; kQuotientEscape and a varint carry the rare larger ones.
-constexpr uint32_t kQuotientMeanBits = 4;
+/// Golomb split of the mask's gaps: quotients of mean about 2^kQuotientMeanBits go through the
+/// entropy coder as byte symbols; kQuotientEscape and a varint carry the rare larger ones. Mean 4:
+/// a small alphabet for the adaptive coder to learn on small streams (mean 16 cost 1–2 % more on
+/// bench/context_bench.cc's torch pairs, mean 2 no less).
+constexpr uint32_t kQuotientMeanBits = 2;
 constexpr uint8_t kQuotientEscape = 255;
 /// A span below 2^40 elements has gaps below 2^40.
 constexpr uint32_t kMaxGapShift = 40;
@@ -45,13 +47,14 @@ constexpr uint32_t kMaxGapShift = 40;
 constexpr size_t kMaxChoiceBins = 64;
 /// The longest LEB128 varint of a 64-bit value.
 constexpr uint64_t kMaxVarintBytes = 10;
-/// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the rANS
-/// headers, final states (16 bytes) and tables of its streams (measured on the step pairs of
-/// bench/context_bench.cc: 20–60 bytes a stream). One value plane is counted (the low one: the
-/// others of small steps are all zero and cost a byte).
+/// Fixed per-class cost estimate in bytes: two varints of counts, a threshold, and the headers of
+/// its streams (a small stream's arithmetic coding costs ~6 bytes over its entropy, a large
+/// stream's rANS table and states 20–60). One value plane is counted (the low one: the others of
+/// small steps are all zero and cost a byte). Tuned on the step pairs of bench/context_bench.cc
+/// (sizes within 0.5 % over a 2x range of these constants).
 constexpr double kClassBytes = 6;
-constexpr double kMaskStreamBytes = 28;
-constexpr double kPlaneStreamBytes = 24;
+constexpr double kMaskStreamBytes = 12;
+constexpr double kPlaneStreamBytes = 10;
 
 // htscodecs' order byte: the only flags this decoder accepts besides the order bit (the
 // arithmetic coder uses the same bit for stored bytes).
