@@ -15,11 +15,12 @@
 //             10 MB/s WAN — with this run's decode rate.
 //
 // Usage: context_bench [--pair DIR]... [--synthetic-bytes N] [--repetitions R] [--max-classes K]
-//                      [--json PATH]
+//                      [--no-avx512 1] [--json PATH]
 // Prints tables and, with --json, every figure as JSON. See docs/benchmark-results.md.
 #include <time.h>
 
 #include <fmt/format.h>
+#include <hwy/targets.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -433,6 +434,9 @@ int Main(int argc, char** argv) {
       args.repetitions = std::stoi(argv[i + 1]);
     else if (flag == "--json")
       args.json_path = argv[i + 1];
+    else if (flag == "--no-avx512" && std::string(argv[i + 1]) == "1")
+      // Measure the AVX2 kernels on an AVX-512 machine.
+      hwy::DisableTargets(HWY_AVX3 | HWY_AVX3_DL);
     else if (flag == "--max-classes")
       args.coding.max_classes = std::stoul(argv[i + 1]);
     else {
