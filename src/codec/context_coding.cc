@@ -262,6 +262,14 @@ uint32_t PopCount(uint64_t x) {
   return static_cast<uint32_t>((x * 0x0101010101010101ULL) >> 56);
 }
 
+// The class of a magnitude: the number of thresholds at or below it. Branch-free, since the class
+// of consecutive changes is as unpredictable as the data.
+uint32_t ClassOf(uint32_t magnitude, std::span<const uint32_t> thresholds) {
+  uint32_t c = 0;
+  for (uint32_t t : thresholds) c += static_cast<uint32_t>(magnitude >= t);
+  return c;
+}
+
 // Walks the span's blocks of 64 elements and hands each block's class masks and their counts to
 // `visit` (block index, masks, counts): SIMD for whole blocks, one element at a time for the
 // tail, whose masks hold only the span's elements.
@@ -519,8 +527,11 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
                  for (; next < count && locations[next] < block_end; ++next) {
                    const uint32_t bit = locations[next] % kContextBlock;
                    const uint64_t below = (uint64_t{1} << bit) - 1;
+                   // Branch-free: the class of consecutive changes is as unpredictable as data.
                    uint32_t c = 0;
-                   while (((masks[c] >> bit) & 1) == 0) ++c;
+                   for (uint32_t j = 1; j < classes; ++j) {
+                     c += j * static_cast<uint32_t>((masks[j] >> bit) & 1);
+                   }
                    ranks[c].push_back(members[c] + PopCount(masks[c] & below));
                    class_zigzags[c].push_back(zigzags[next]);
                  }
@@ -825,9 +836,7 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
       changed &= changed - 1;
       const uint64_t location = block * kContextBlock + bit;
       const uint64_t old_bits = LoadElement(old, width, location);
-      const uint32_t magnitude = Magnitude(old_bits, width);
-      uint32_t c = 0;
-      while (c + 1 < classes && magnitude >= thresholds[c]) ++c;
+      const uint32_t c = ClassOf(Magnitude(old_bits, width), thresholds);
       const uint64_t k = changes[c];
       // A class without change bitmap (none or all of it changed) is bounded per batch only: an
       // old tensor with more members than the producer saw shows up here first.
