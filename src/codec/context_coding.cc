@@ -262,6 +262,30 @@ uint32_t PopCount(uint64_t x) {
   return static_cast<uint32_t>((x * 0x0101010101010101ULL) >> 56);
 }
 
+// The low `count` ≤ 40 bits of `value` into `bytes` from bit `position`, LSB first. The bits
+// there are zero.
+void WriteBits(uint64_t value, uint32_t count, uint64_t position, std::span<uint8_t> bytes) {
+  value &= (uint64_t{1} << count) - 1;
+  for (uint64_t at = position / 8; count != 0 && at < bytes.size(); ++at) {
+    const uint32_t offset = at == position / 8 ? position % 8 : 0;
+    bytes[at] |= static_cast<uint8_t>(value << offset);
+    const uint32_t taken = std::min<uint32_t>(count, 8 - offset);
+    value >>= taken;
+    count -= taken;
+  }
+}
+
+// Read `count` ≤ 40 bits from `bytes` at bit `position`, LSB first. Precondition: they lie within
+// `bytes`.
+uint64_t ReadBits(std::span<const uint8_t> bytes, uint64_t position, uint32_t count) {
+  if (count == 0) return 0;
+  const uint64_t first = position / 8;
+  const uint64_t last = (position + count - 1) / 8;
+  uint64_t window = 0;
+  for (uint64_t at = first; at <= last; ++at) window |= uint64_t{bytes[at]} << (8 * (at - first));
+  return (window >> (position % 8)) & ((uint64_t{1} << count) - 1);
+}
+
 // The class of a magnitude: the number of thresholds at or below it. Branch-free, since the class
 // of consecutive changes is as unpredictable as the data.
 uint32_t ClassOf(uint32_t magnitude, std::span<const uint32_t> thresholds) {
@@ -587,10 +611,8 @@ Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std
         raw.push_back(kQuotientEscape);
         PutVarint(quotient - kQuotientEscape, &raw);
       }
-      for (uint32_t bit = 0; bit < shift; ++bit, ++bit_position) {
-        low_bits[bit_position / 8] |=
-            static_cast<uint8_t>(((gap >> bit) & 1) << (bit_position % 8));
-      }
+      WriteBits(gap, shift, bit_position, low_bits);
+      bit_position += shift;
     }
     REFIT_ASSIGN_OR_RETURN(std::vector<uint8_t> packed, CompressStream(raw));
     out.push_back(static_cast<uint8_t>(shift));
@@ -755,10 +777,8 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
         }
         quotient += more;
       }
-      uint64_t low = 0;
-      for (uint32_t bit = 0; bit < shift; ++bit, ++bit_position) {
-        low |= static_cast<uint64_t>((low_bits[bit_position / 8] >> (bit_position % 8)) & 1) << bit;
-      }
+      const uint64_t low = ReadBits(low_bits, bit_position, shift);
+      bit_position += shift;
       if (quotient > ((n - next_rank) >> shift)) {
         return DataLoss(
             "context-coded changes: mask stream of class {}: gap #{} runs past the "
