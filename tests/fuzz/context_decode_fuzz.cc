@@ -27,10 +27,10 @@
 namespace {
 
 constexpr size_t kHeaderBytes = 7;
-constexpr refit::DType kDTypes[] = {
-    refit::DType::kBFloat16,     refit::DType::kFloat16,        refit::DType::kFloat32,
-    refit::DType::kFloat8E4M3FN, refit::DType::kFloat8E5M2,     refit::DType::kFloat8E4M3FNUZ,
-    refit::DType::kFloat8E5M2FNUZ, refit::DType::kInt16};
+constexpr refit::DType kDTypes[] = {refit::DType::kBFloat16,       refit::DType::kFloat16,
+                                    refit::DType::kFloat32,        refit::DType::kFloat8E4M3FN,
+                                    refit::DType::kFloat8E5M2,     refit::DType::kFloat8E4M3FNUZ,
+                                    refit::DType::kFloat8E5M2FNUZ, refit::DType::kInt16};
 
 void Check(bool condition) {
   if (!condition) std::abort();
@@ -98,7 +98,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       refit::internal::EncodeContextCoded(dtype, old_bytes, locations, xor_values, options);
   Check(encoded.ok() == supported);
   if (!encoded.ok()) return 0;
-  auto again = refit::internal::EncodeContextCoded(dtype, old_bytes, locations, xor_values, options);
+  auto again =
+      refit::internal::EncodeContextCoded(dtype, old_bytes, locations, xor_values, options);
   Check(again.ok() && *again == *encoded);
   if (mode == 1) {
     auto decoded =
