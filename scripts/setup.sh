@@ -29,6 +29,7 @@ esac
 cpp_packages=(
   build-essential cmake ninja-build pkg-config git
   libzstd-dev libxxhash-dev libhwy-dev
+  libhtscodecs-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libpugixml-dev
   libzmq3-dev cppzmq-dev libsodium-dev libcpp-httplib-dev libssl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
