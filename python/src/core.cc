@@ -459,6 +459,18 @@ py::dict SyncReportToDict(const SyncReport& sync) {
   py::list receivers;
   for (const ReceiverOutcome& receiver : report.receivers) receivers.append(receiver.name);
   out["receivers"] = receivers;
+  // How each receiver reached the version (docs/protocol.md "Per-receiver plans").
+  py::list catch_ups;
+  for (const ReceiverOutcome& receiver : report.receivers) {
+    py::dict one;
+    one["name"] = receiver.name;
+    one["held_version"] = receiver.held_version;
+    one["lag"] = receiver.lag;
+    one["caught_up_by"] = std::string(CatchUpName(receiver.caught_up_by));
+    one["wire_bytes"] = receiver.wire_bytes;
+    catch_ups.append(std::move(one));
+  }
+  out["catch_ups"] = catch_ups;
   out["staged_bytes"] = sync.staging.staged_bytes;
   out["staging_budget_bytes"] = sync.staging.budget_bytes;
   out["staging_peak_bytes"] = sync.staging.peak_held_bytes;

@@ -63,6 +63,16 @@ class DeltaTracker {
   Result<EncodeResult> Encode(const TransferId& id, const TensorView& current,
                               uint64_t span_begin = 0, uint64_t span_end = UINT64_MAX);
 
+  /// Encode elements [span_begin, span_end) of `current` as FULL items of its bits now, for a
+  /// receiver that gets an anchor of its own inside a delta transfer (docs/protocol.md
+  /// "Per-receiver plans"). Reads only `current` and records nothing: the transfer's pending
+  /// state comes from Encode. Items are in canonical coordinates for a placed box (as an
+  /// anchor's). Errors: FailedPrecondition (wrong transfer id), InvalidArgument (bad span, size
+  /// mismatch, a box of another extent).
+  Result<std::vector<Item>> EncodeFull(const TransferId& id, const TensorView& current,
+                                       uint64_t span_begin = 0,
+                                       uint64_t span_end = UINT64_MAX) const;
+
   /// Check that the open delta transfer encoded every element of every baseline tensor: a sync
   /// that leaves a tensor out would commit with that tensor silently stale. OK for an anchor
   /// (whose Commit drops the baseline of every tensor it did not send).
