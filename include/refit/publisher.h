@@ -147,6 +147,19 @@ class Publisher {
   Status AdoptBaseline(std::span<const ExportTensor> model,
                        std::optional<uint64_t> version = std::nullopt);
 
+  /// Adopt this rank's pieces of a sharded model (FSDP2/DTensor shards, Megatron slices) as what
+  /// the receivers hold now — a trainer rank restarted from the checkpoint they loaded — so that
+  /// the next Sync(const ShardedModel&) is a delta for every receiver holding that version
+  /// (docs/protocol.md "Trainer restarts"). Every piece this rank holds is adopted; at the next
+  /// Sync, the boxes rank 0's plan gives another rank (data-parallel copies) are dropped. Every
+  /// rank of W may adopt, or one rank that restarted alone; the receivers' state digests check
+  /// the adopted baseline at the next flush (a wrong checkpoint fails that Sync, rolled back).
+  /// `version`: as above. Local, not collective.
+  /// Errors: InvalidArgument for a layout CheckLayout refuses or a local tensor missing or of
+  /// another shape, naming the piece; those of DeltaTracker::AdoptBaseline. Nothing is adopted
+  /// on error (the previous baseline stays).
+  Status AdoptBaseline(const ShardedModel& model, std::optional<uint64_t> version = std::nullopt);
+
   /// Collective: refit the fleet with the model as `source` yields it (every chunk in canonical
   /// order; ranks that own a chunk read its bytes, the others may yield views they never touch).
   /// `force_anchor` on rank 0 makes the transfer FULL.

@@ -843,6 +843,20 @@ class PyPublisher {
     Check(publisher_->AdoptBaseline(std::span<const ExportTensor>(exported.tensors), version));
   }
 
+  // A sharded rank's adoption: its pieces and local tensors, as SyncSharded takes them.
+  void AdoptBaselineSharded(const py::list& pieces, const py::list& locals,
+                            std::optional<uint64_t> version) {
+    ShardedModel model;
+    for (const py::handle& piece : pieces) {
+      model.layout.pieces.push_back(LayoutPieceFromDict(piece.cast<py::dict>(), publisher_->rank(),
+                                                        model.layout.pieces.size()));
+    }
+    ExportTensors exported = ToExportTensors(locals);
+    model.locals = exported.tensors;
+    py::gil_scoped_release release;
+    Check(publisher_->AdoptBaseline(model, version));
+  }
+
   py::dict Sync(const py::list& tensors, bool force_anchor) {
     ExportTensors exported = ToExportTensors(tensors);
     Publisher* publisher = publisher_.get();
@@ -1170,6 +1184,8 @@ PYBIND11_MODULE(_core, m) {
           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
+      .def("adopt_baseline_sharded", &PyPublisher::AdoptBaselineSharded, py::arg("pieces"),
+           py::arg("locals"), py::arg("version") = py::none())
       .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)
       .def("sync_sharded", &PyPublisher::SyncSharded, py::arg("pieces"), py::arg("locals"),
            py::arg("force_anchor") = false)

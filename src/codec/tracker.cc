@@ -807,6 +807,17 @@ Status DeltaTracker::Place(const std::string& name, const CanonicalBox& box, con
   return Status::OK();
 }
 
+Status DeltaTracker::Forget(const std::string& name) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot forget tensor '{}' while transfer {} is open", name,
+                              s.open->transfer_id.ToHex());
+  }
+  s.entries.erase(name);
+  s.boxes.erase(name);
+  return Status::OK();
+}
+
 std::optional<CanonicalBox> DeltaTracker::PlacementOf(const std::string& name) const {
   const BoxIndexMap* box = state_->BoxOf(name);
   if (box == nullptr) return std::nullopt;

@@ -98,6 +98,10 @@ class DeltaTracker {
   /// drops the tensor's baseline and makes the next transfer an anchor.
   /// Errors: FailedPrecondition while a transfer is open; InvalidArgument (BoxIndexMap::Make).
   Status Place(const std::string& name, const CanonicalBox& box, const Shape& extent);
+  /// Stop tracking `name` (its baseline and placement), without a transfer: a box this producer
+  /// adopted but another producer sends (a data-parallel copy, DeltaTracker::Place). No-op for a
+  /// name not tracked. Errors: FailedPrecondition while a transfer is open.
+  Status Forget(const std::string& name);
   /// The box `name` was placed at, if any.
   std::optional<CanonicalBox> PlacementOf(const std::string& name) const;
   /// Open the transfer a coordinator planned for every producer (as Begin, with the plan's

@@ -118,6 +118,9 @@ struct PublisherRank {
   LayoutPlan layout_plan;
   uint64_t open_plan_digest = 0;
   uint64_t committed_plan_digest = 0;
+  // Rank 0 adopted a sharded baseline (it restarted): the next plan is taken as the one the
+  // adopted checkpoint was sent under, rather than a new plan that needs an anchor.
+  bool adopted_plan = false;
 
   StagingReport Staging(uint64_t staged_bytes) const {
     StagingReport report;
@@ -219,10 +222,14 @@ struct PublisherRank {
       }
       REFIT_ASSIGN_OR_RETURN(roles, internal::RolesFromString(
                                         all_roles[rank()], sharded->layout.pieces.size(), where));
-      // The tracker keeps each box this rank sends in the box's own numbering.
+      // The tracker keeps each box this rank sends in the box's own numbering; a box it adopted
+      // but another rank sends (AdoptBaseline of a sharded model) is dropped.
       for (size_t i = 0; i < roles.size(); ++i) {
-        if (roles[i] != PieceRole::kSend) continue;
         const LayoutPiece& piece = sharded->layout.pieces[i];
+        if (roles[i] != PieceRole::kSend) {
+          REFIT_RETURN_NOT_OK(tracker->Forget(PieceKey(piece)));
+          continue;
+        }
         REFIT_RETURN_NOT_OK(tracker->Place(PieceKey(piece), PieceBox(piece), piece.extent));
       }
     }
@@ -480,6 +487,12 @@ class GroupProducers final : public ProducerSet {
     if (Status planned = PlanPieces(proposals, roles); !planned.ok()) {
       Abort(id);
       return planned;
+    }
+    if (self_.sharded != nullptr && self_.adopted_plan) {
+      // Rank 0 restarted and adopted the checkpoint the fleet holds: the plan it was sent under
+      // is this one (the flush's digests check that).
+      self_.committed_plan_digest = self_.open_plan_digest;
+      self_.adopted_plan = false;
     }
     if (self_.sharded != nullptr && self_.open_plan_digest != self_.committed_plan_digest &&
         !anchor) {
@@ -973,6 +986,56 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
   if (impl_->history != nullptr) impl_->history->Clear();
   impl_->version_unknown = !version.has_value();
   impl_->committed_world = world_size();
+  return Status::OK();
+}
+
+Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_t> version) {
+  PublisherRank& self = *impl_;
+  self.SetSharded(&model);
+  Status adopted = self.sharded_status;
+  // Built aside and swapped in at the end: nothing changes on error.
+  std::unique_ptr<DeltaTracker> tracker;
+  if (adopted.ok()) {
+    Result<std::unique_ptr<DeltaTracker>> made = DeltaTracker::Make(self.options.tracker);
+    adopted = made.status();
+    if (made.ok()) tracker = *std::move(made);
+  }
+  if (adopted.ok()) {
+    // Every piece this rank holds: which rank sends a replicated box is rank 0's to plan, at
+    // the next Sync, which drops the boxes this rank does not send.
+    const std::vector<PieceRole> all(model.layout.pieces.size(), PieceRole::kSend);
+    for (const LayoutPiece& piece : model.layout.pieces) {
+      adopted = tracker->Place(PieceKey(piece), PieceBox(piece), piece.extent);
+      if (!adopted.ok()) break;
+    }
+    const uint64_t chunk_bytes = self.options.stream.chunk_bytes;
+    const ChunkSource pieces = SentPiecesSource(
+        model.layout, all, self.sharded_locals, chunk_bytes,
+        self.StagingFor(StagingBytesNeeded(model.layout, all, self.sharded_locals, chunk_bytes)));
+    std::stop_source never;
+    for (uint64_t chunk = 0; adopted.ok(); ++chunk) {
+      Result<std::optional<ExportChunk>> next = pieces(ChunkPull{chunk, true, never.get_token()});
+      if (!next.ok()) {
+        adopted = next.status();
+        break;
+      }
+      if (!next->has_value()) break;
+      for (const TensorView& box : (*next)->tensors) {
+        adopted = tracker->AdoptBaseline(box);
+        if (!adopted.ok()) break;
+      }
+    }
+    if (adopted.ok()) adopted = tracker->MarkBaselineAdopted();
+    if (adopted.ok() && version.has_value()) adopted = tracker->Rebase(*version);
+  }
+  self.SetSharded(nullptr);
+  if (!adopted.ok()) return adopted.WithContext(fmt::format("publisher rank {}: adopt", rank()));
+  self.tracker = std::move(tracker);
+  if (self.history != nullptr) self.history->Clear();
+  self.version_unknown = !version.has_value();
+  self.committed_world = world_size();
+  self.committed_sharded = true;
+  self.adopted_plan = rank() == 0;
   return Status::OK();
 }
 
