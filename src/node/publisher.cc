@@ -998,7 +998,7 @@ Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_
   if (adopted.ok()) {
     Result<std::unique_ptr<DeltaTracker>> made = DeltaTracker::Make(self.options.tracker);
     adopted = made.status();
-    if (made.ok()) tracker = *std::move(made);
+    if (made.ok()) tracker = std::move(made).ValueOrDie();
   }
   if (adopted.ok()) {
     // Every piece this rank holds: which rank sends a replicated box is rank 0's to plan, at

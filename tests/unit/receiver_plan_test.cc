@@ -94,8 +94,8 @@ struct RouteSink {
 
   // Apply every payload to `state` as a receiver does (XOR or FULL), checking its header.
   void ApplyTo(Model& state, uint64_t base, uint64_t target) {
-    for (const std::vector<std::byte>& bytes : payloads) {
-      ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+    for (const std::vector<std::byte>& payload : payloads) {
+      ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
       EXPECT_EQ(decoded.header().ids.base_version, base);
       EXPECT_EQ(decoded.header().ids.target_version, target);
       for (const ItemView& item : decoded.items()) {
