@@ -234,6 +234,10 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
     nlohmann::json commits = nlohmann::json::array();
     for (const ReceiverOutcome& receiver : report.receivers) {
       commits.push_back({{"receiver", receiver.name},
+                         {"held_version", receiver.held_version},
+                         {"lag", receiver.lag},
+                         {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
+                         {"wire_bytes", receiver.wire_bytes},
                          {"committed", receiver.commit_status.ok()},
                          {"error", receiver.commit_status.ok()
                                        ? nlohmann::json(nullptr)

@@ -536,6 +536,7 @@ Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   Json body = TransferBody(request.transfer_id);
   body["base_version"] = request.base_version;
   if (request.anchor) body["anchor"] = true;
+  if (request.target_version != 0) body["target_version"] = request.target_version;
   internal::PutExpectation(request.expected, body);
   if (request.relay_tree.has_value()) internal::PutRelayTree(*request.relay_tree, body);
   REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));
