@@ -20,6 +20,7 @@
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -104,7 +105,7 @@ struct BaselineEntry {
   std::unique_ptr<BaselineBuffer> buffer;
   uint64_t digest = 0;
   /// Guards `pending` against concurrent Encode calls on disjoint spans of this tensor.
-  std::mutex pending_mutex;
+  internal::Mutex pending_mutex;
   PendingChanges pending;
 };
 
@@ -559,7 +560,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
   const uint64_t span_digest = box ? box->Digest(current.bytes, width, begin, end)
                                    : DigestRange(current.bytes, width, begin, end);
 
-  std::lock_guard lock(entry->pending_mutex);
+  internal::MutexLock lock(entry->pending_mutex);
   PendingChanges& pending = entry->pending;
   pending.encoded += end - begin;
   const bool same_layout =
@@ -643,7 +644,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   const uint64_t digest_total = gathered.digest_delta;
   result.changed_elements = changed.size();
   if (changed.empty()) {
-    std::lock_guard lock(entry.pending_mutex);
+    internal::MutexLock lock(entry.pending_mutex);
     entry.pending.encoded += end - begin;
     return result;
   }
@@ -684,7 +685,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   if (!run.has_value() && !changed.empty()) {
     REFIT_ASSIGN_OR_RETURN(run, MakePendingRun(changed, begin, end));
   }
-  std::lock_guard lock(entry.pending_mutex);
+  internal::MutexLock lock(entry.pending_mutex);
   PendingChanges& pending = entry.pending;
   pending.encoded += end - begin;
   if (run.has_value()) pending.runs.push_back(*std::move(run));

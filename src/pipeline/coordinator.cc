@@ -15,6 +15,7 @@
 
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -35,20 +36,20 @@ struct Failure {
 class Failures {
  public:
   void Add(std::string where, Status status) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     list_.push_back({std::move(where), std::move(status)});
   }
   bool empty() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return list_.empty();
   }
   std::vector<Failure> Take() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return std::move(list_);
   }
 
  private:
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   std::vector<Failure> list_;
 };
 

@@ -42,6 +42,7 @@
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -82,7 +83,7 @@ class InFlightLimit {
   // Block until fewer than `limit` units are taken, then take one. Return false, taking nothing,
   // once `stop` is requested.
   bool Acquire(const std::stop_token& stop) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     released_.wait(lock, stop, [this] { return in_use_ < limit_; });
     if (stop.stop_requested()) return false;
     ++in_use_;
@@ -91,21 +92,21 @@ class InFlightLimit {
   }
 
   void Release() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     --in_use_;
     released_.notify_one();
   }
 
   size_t peak() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return peak_;
   }
 
  private:
   const size_t limit_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   // condition_variable_any: only it can wait on a stop_token.
-  std::condition_variable_any released_;
+  internal::CondVar released_;
   size_t in_use_ = 0;
   size_t peak_ = 0;
 };
@@ -129,14 +130,14 @@ struct EncodedChunk {
 class EncodedChunkSlot {
  public:
   void Fulfil(Result<EncodedChunk> result) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     result_.emplace(std::move(result));
     ready_.notify_all();
   }
 
   // Wait for the result; nullopt once `stop` is requested first.
   std::optional<Result<EncodedChunk>> Take(const std::stop_token& stop) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     ready_.wait(lock, stop, [this] { return result_.has_value(); });
     if (!result_) return std::nullopt;
     std::optional<Result<EncodedChunk>> result = std::move(result_);
@@ -145,8 +146,8 @@ class EncodedChunkSlot {
   }
 
  private:
-  std::mutex mutex_;
-  std::condition_variable_any ready_;
+  internal::Mutex mutex_;
+  internal::CondVar ready_;
   std::optional<Result<EncodedChunk>> result_;
 };
 
@@ -256,7 +257,7 @@ class StreamRun {
 
   std::stop_source stop_source_;
   const std::stop_token stop_ = stop_source_.get_token();
-  std::mutex error_mutex_;
+  internal::Mutex error_mutex_;
   Status first_error_;
 
   // Caller thread only: the chunking rule replayed over the source's chunks, and the chunk of
@@ -295,7 +296,7 @@ class StreamRun {
 
 void StreamRun::Fail(const Status& status) {
   {
-    std::lock_guard lock(error_mutex_);
+    internal::MutexLock lock(error_mutex_);
     if (first_error_.ok()) first_error_ = status;
   }
   stop_source_.request_stop();
