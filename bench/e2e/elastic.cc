@@ -298,7 +298,7 @@ void PrintElastic(const nlohmann::json& section) {
       fold["folded_vs_missed"].get<double>(), fold["met"].get<bool>() ? "met" : "NOT MET",
       section["laggard_folded_end_to_end"].get<bool>()
           ? "yes"
-          : "NOT MET (receivers do not yet prepare to a named target: an anchor of its own)");
+          : "NOT MET (the laggard was not caught up by a fold: an anchor of its own)");
 }
 
 }  // namespace refit::bench::e2e

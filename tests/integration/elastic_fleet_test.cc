@@ -230,15 +230,15 @@ TEST_F(ElasticFleetTest, ANewcomerAndALaggardCatchUpInOneSyncWhileTheMembersGetT
     EXPECT_LE(received, 2 * delta_bytes);
     EXPECT_LT(received * 4, model_bytes);
   }
-  // Without a receiver that prepares to a named target (accepts_target_version), each catches up
-  // by an anchor of its own: the model's bytes reach it, and only it.
+  // Both are within the retained history (8 versions): each is prepared from its own version to
+  // the target and gets the deltas it missed folded into one, far below an anchor.
   for (Receiver* behind : {laggard.get(), newcomer.get()}) {
     SCOPED_TRACE(behind->who);
     const ReceiverOutcome& outcome = OutcomeOf(joined, *behind);
-    EXPECT_EQ(outcome.caught_up_by, CatchUp::kAnchor);
+    EXPECT_EQ(outcome.caught_up_by, CatchUp::kFolded);
     const uint64_t received = behind->received_bytes() - before[behind == laggard.get() ? 3 : 4];
     EXPECT_EQ(received, outcome.wire_bytes);
-    EXPECT_GE(received * 2, model_bytes) << "an anchor carries every element";
+    EXPECT_LT(received * 2, model_bytes) << "a fold of a few sparse deltas, not an anchor";
   }
   EXPECT_EQ(OutcomeOf(joined, *laggard).held_version, 2u);
   EXPECT_EQ(OutcomeOf(joined, *laggard).lag, 3u);
@@ -256,6 +256,40 @@ TEST_F(ElasticFleetTest, ANewcomerAndALaggardCatchUpInOneSyncWhileTheMembersGetT
   for (Receiver* receiver : everyone) {
     SCOPED_TRACE(receiver->who);
     EXPECT_EQ(OutcomeOf(next, *receiver).caught_up_by, CatchUp::kDelta);
+    receiver->ExpectHolds(model);
+  }
+}
+
+// Beyond the retained history (here 2 versions) a receiver gets an anchor for itself alone; the
+// members still get the delta.
+TEST_F(ElasticFleetTest, AReceiverBeyondTheRetainedHistoryGetsAnAnchorOfItsOwn) {
+  std::mt19937_64 rng(41);
+  const std::vector<Tensor> step0 = MakeModel(41);
+  std::vector<Tensor> model = step0;
+  std::unique_ptr<Receiver> member = StartReceiver("member", step0);
+  std::unique_ptr<Receiver> laggard = StartReceiver("laggard", step0);
+  MakeRanks(/*world=*/2, /*history_versions=*/2);
+  for (auto& rank : ranks_) ASSERT_OK(rank->AdoptBaseline(Views(step0), 0));
+  ASSERT_NO_FATAL_FAILURE(SetFleet({member.get()}));
+  for (int s = 0; s < 3; ++s) {
+    Step(model, rng);
+    ASSERT_OK(SyncAll(model).status());
+  }
+  ASSERT_NO_FATAL_FAILURE(SetFleet({member.get(), laggard.get()}));
+  Step(model, rng);
+  const uint64_t member_before = member->received_bytes();
+  const uint64_t laggard_before = laggard->received_bytes();
+  ASSERT_OK_AND_ASSIGN(SyncReport joined, SyncAll(model));
+  EXPECT_FALSE(joined.transfer.plan.anchor);
+  EXPECT_EQ(OutcomeOf(joined, *member).caught_up_by, CatchUp::kDelta);
+  EXPECT_EQ(OutcomeOf(joined, *laggard).caught_up_by, CatchUp::kAnchor);
+  EXPECT_EQ(OutcomeOf(joined, *laggard).lag, 3u);
+  const uint64_t model_bytes = 8 * 4096 * 2;
+  EXPECT_GE((laggard->received_bytes() - laggard_before) * 2, model_bytes);
+  EXPECT_LT((member->received_bytes() - member_before) * 4, model_bytes);
+  for (Receiver* receiver : {member.get(), laggard.get()}) {
+    SCOPED_TRACE(receiver->who);
+    EXPECT_EQ(receiver->version(), 4u);
     receiver->ExpectHolds(model);
   }
 }
