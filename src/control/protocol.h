@@ -128,8 +128,9 @@ Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body);
 inline constexpr size_t kMaxRelayTreeEndpoints = size_t{1} << 16;
 
 /// The request fields of each route (what CheckObject accepts).
-inline constexpr std::array<std::string_view, 6> kPrepareFields = {
-    "transfer_id", "base_version", "anchor", "expected", "expected_digests", "relay_tree"};
+inline constexpr std::array<std::string_view, 7> kPrepareFields = {
+    "transfer_id",      "base_version", "anchor",        "expected",
+    "expected_digests", "relay_tree",   "target_version"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};

@@ -178,10 +178,11 @@ TEST_F(TransferLedgerTest, APrepareMayNameATargetSeveralVersionsOn) {
   Open(folded);
   EXPECT_EQ(ledger_.open()->target_version, 10u);
   PayloadIds ids = Ids(folded, 0, 0);
+  ASSERT_EQ(ids.target_version, 10u);
+  ASSERT_OK(ledger_.CheckStageable(ids));
+  ids.target_version = 8;  // A payload of a one-step delta does not belong to it.
   EXPECT_STATUS_MSG(FailedPrecondition, "moves version 7 -> 8 but the transfer moves 7 -> 10",
                     ledger_.CheckStageable(ids));
-  ids.target_version = 10;
-  ASSERT_OK(ledger_.CheckStageable(ids));
   // The same id with another target is another request.
   PrepareRequest other_target = folded;
   other_target.target_version = 9;
