@@ -96,8 +96,16 @@ class ZmqSender final : public TransportSender {
     const std::string root = U32Bytes(root_index_);
     const ReplyKey key{sender_.transfer_id.ToHex(), U32Bytes(sender_.producer_id),
                        U32Bytes(payload_id)};
+    // Parts of at most kMaxFrameBytes, which is all a relay reads in one frame (zmq_frames.h).
+    std::vector<std::string_view> frames{kProtocol, kKindData, config_.api_key, root};
+    frames.reserve(kDataHeadFrames + PayloadParts(payload.size()));
+    const std::string_view bytes = AsText(payload);
+    for (size_t offset = 0; offset < bytes.size(); offset += kMaxFrameBytes) {
+      frames.push_back(bytes.substr(offset, kMaxFrameBytes));
+    }
+    if (bytes.empty()) frames.push_back(bytes);
     return ThreadConnection()
-        .Request({kProtocol, kKindData, config_.api_key, root, AsText(payload)}, key)
+        .Request(frames, key)
         .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
                                  sender_.producer_id, root_));
   }
