@@ -88,8 +88,9 @@ def connect(endpoint):
 def closed_by_daemon(peer):
     """Whether the daemon closed or reset `peer` (without blocking)."""
     try:
-        readable, _, _ = select.select([peer], [], [], 0)
-        if not readable:
+        poller = select.poll()
+        poller.register(peer, select.POLLIN)
+        if not poller.poll(0):
             return False
         return peer.recv(4096) == b""
     except OSError:
