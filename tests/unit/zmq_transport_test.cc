@@ -585,6 +585,28 @@ TEST_F(ZmqTransportTest, ASenderToADeadEndpointFailsAfterItsRetries) {
   EXPECT_STATUS(DeadlineExceeded, sender->Finish(step.payloads.size()));
 }
 
+// Issue 45, item 4: a sender given the transfer's deadline (SenderContext::deadline) stops at it,
+// however long its attempts and retries would take: a push's --timeout bounds its sends.
+TEST_F(ZmqTransportTest, ASenderStopsAtTheTransfersDeadlineWhateverItsRetries) {
+  ASSERT_OK_AND_ASSIGN(auto patient, MakeTransport("zmq://?timeout_ms=10000&retries=3"));
+  const Step step = EncodeStep(1, 0);
+  constexpr auto kBudget = std::chrono::milliseconds(300);
+  // Scheduling slack on a loaded 2-core machine; the attempts alone would take 40 s.
+  constexpr auto kSlack = std::chrono::milliseconds(1500);
+  const auto start = std::chrono::steady_clock::now();
+  SenderContext context{step.plan.transfer_id,
+                        step.producer,
+                        step.plan.base_version,
+                        step.plan.target_version,
+                        {testing::FreeLoopbackEndpoint()}};
+  context.deadline = start + kBudget;
+  ASSERT_OK_AND_ASSIGN(auto sender, patient->MakeSender(context));
+  const Status status = sender->Send(0, step.payloads[0]);
+  EXPECT_STATUS(DeadlineExceeded, status);
+  EXPECT_NE(status.message().find("deadline passed"), std::string::npos) << status.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, kBudget + kSlack);
+}
+
 TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
   EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://host:1").status());
   EXPECT_STATUS(InvalidArgument, MakeTransport("zmq://?color=blue").status());
