@@ -63,9 +63,10 @@ inline constexpr size_t kMaxFrameBytes = size_t{128} << 10;
 
 /// The payload parts of a payload of `payload_bytes` (at least one, an empty payload included).
 inline constexpr size_t PayloadParts(uint64_t payload_bytes) {
-  return payload_bytes == 0
-             ? 1
-             : static_cast<size_t>((payload_bytes + kMaxFrameBytes - 1) / kMaxFrameBytes);
+  // Divided first, so that no limit near 2^64 overflows.
+  const uint64_t parts =
+      payload_bytes / kMaxFrameBytes + (payload_bytes % kMaxFrameBytes != 0 ? 1 : 0);
+  return parts == 0 ? 1 : static_cast<size_t>(parts);
 }
 
 /// The most frames a relay takes in one request (its identity frame included) when payloads are
