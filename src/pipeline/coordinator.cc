@@ -145,7 +145,8 @@ class LocalProducers final : public ProducerSet {
                                      .producer_id = static_cast<uint32_t>(p),
                                      .base_version = plan.base_version,
                                      .target_version = plan.target_version,
-                                     .endpoints = routes[k].endpoints});
+                                     .endpoints = routes[k].endpoints,
+                                     .deadline = deadline});
         if (!channel.ok()) {
           return failures.Add(
               where, routes.size() == 1 ? channel.status()
