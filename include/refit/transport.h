@@ -31,6 +31,7 @@
 // adapts a ReceiverSession to that interface.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -174,6 +175,9 @@ struct SenderContext {
 ///
 /// Thread-safety: Send and CleanupThread may be called concurrently from any thread; Finish must
 /// not run concurrently with Send.
+///
+/// The contract every transport keeps is checked here, once, for all of them: a transport
+/// implements Deliver and EndStream, and Send and Finish hold the stream to its context first.
 class TransportSender : public PayloadChannel {
  public:
   /// Send payload `payload_id`; the bytes are borrowed for the call only. Return once the
@@ -184,7 +188,7 @@ class TransportSender : public PayloadChannel {
   /// the header errors of ValidatePayloadHeader; FailedPrecondition after Finish; Unavailable
   /// (no receiver at an endpoint, a vanished directory: retrying may succeed); IoError; and a
   /// receiver's refusal where the transport reports it (staged_ack).
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override = 0;
+  Status Send(uint32_t payload_id, std::span<const std::byte> payload) final;
 
   /// Release the calling thread's per-thread resources (sockets, clients). Transports without
   /// per-thread resources do nothing.
@@ -196,7 +200,31 @@ class TransportSender : public PayloadChannel {
   /// Errors: FailedPrecondition after a successful Finish; InvalidArgument when a sent payload id
   /// is not below `payloads` or `payloads` exceeds the 32-bit id space; as Send for delivery
   /// failures.
-  Status Finish(uint64_t payloads) override = 0;
+  Status Finish(uint64_t payloads) final;
+
+  /// The transfer, producer, version step and endpoints this sender streams for.
+  const SenderContext& context() const { return context_; }
+
+ protected:
+  /// `limits`: what the header of an outgoing payload is held to (TransportOptions::limits).
+  TransportSender(SenderContext context, PayloadLimits limits);
+
+  /// Deliver payload `payload_id`, whose header Send checked (`header`: it names this sender's
+  /// transfer, producer, version step and id, and its sizes are within the limits). Errors: as
+  /// Send's delivery failures.
+  virtual Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                         const PayloadHeader& header) = 0;
+  /// Hand the end of the stream (`payloads`, checked against the ids sent) to the receivers, as
+  /// the transport reports it. Errors: as Finish's delivery failures.
+  virtual Status EndStream(uint64_t payloads) = 0;
+
+ private:
+  const SenderContext context_;
+  const PayloadLimits limits_;
+  /// Whether Finish succeeded, and the highest payload id sent (-1: none), to check Finish's
+  /// count.
+  std::atomic<bool> finished_{false};
+  std::atomic<int64_t> max_sent_id_{-1};
 };
 
 /// How many of the most recent transfers a receiver's sink and relays remember stream ends and

@@ -4,7 +4,7 @@ worker's own tensors."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from . import _core
 from ._config import Config, overrides
@@ -76,6 +76,10 @@ class Receiver:
     - ``apply_threads``: threads that apply one payload (its tensors, and the slices of a large
       one, in parallel; default 4); ``decode_threads``: threads that decode the next payloads
       while one applies (default 2; 0: the applying thread decodes);
+    - ``max_payload_bytes``: the largest payload either plane accepts, and the largest
+      decompressed body, in bytes (or a size such as ``"512MiB"``); default: sized to the model
+      (twice the larger of the sparse bucket size and the largest tensor, at least 256 MiB), as
+      ``refit serve --max-payload-bytes`` and the file's ``server.max_payload_bytes``;
     - ``config``: a :class:`Config`; explicit arguments override it;
     - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
       ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
@@ -94,6 +98,7 @@ class Receiver:
         "anchor_undo_dir": "server.anchor_undo_dir",
         "apply_threads": "tuning.apply_threads",
         "decode_threads": "tuning.decode_threads",
+        "max_payload_bytes": "server.max_payload_bytes",
     }
 
     def __init__(
@@ -116,6 +121,7 @@ class Receiver:
         anchor_undo_dir: Optional[str] = None,
         apply_threads: Optional[int] = None,
         decode_threads: Optional[int] = None,
+        max_payload_bytes: Optional[Union[int, str]] = None,
         config: Optional[Config] = None,
         before_first_apply: Hook = None,
         after_commit: Hook = None,
@@ -216,6 +222,8 @@ class Receiver:
     def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
         """Block until the receiver has committed ``version`` (or a later one); return it.
 
-        Ctrl-C interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
+        The version is reported once the receiver's memory holds it: after the commit and after
+        the commit hook that moves the bytes into the engine (a mirror's copy) returned. Ctrl-C
+        interrupts the wait. Raises DeadlineExceeded after ``timeout`` seconds.
         """
         return self._core.wait_for_version(version, -1.0 if timeout is None else float(timeout))

@@ -32,7 +32,16 @@ import torch.distributed as dist
 import refit
 from refit.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["Publisher", "Receiver", "TensorMemory", "TorchGroup", "TorchTensorMemory", "state_tensors", "tp_loader"]
+__all__ = [
+    "Publisher",
+    "Receiver",
+    "ReloadPath",
+    "TensorMemory",
+    "TorchGroup",
+    "TorchTensorMemory",
+    "state_tensors",
+    "tp_loader",
+]
 
 TensorMemory = refit.TensorMemory
 
@@ -351,6 +360,77 @@ class _NoStream:
 # ---- Receiver ------------------------------------------------------------------------------------
 
 
+class _TouchedMemory(TorchTensorMemory):
+    """A host copy behind the device boundary that records whether a transfer wrote into it.
+
+    The boundary's scatter and write are the only calls that change bits, so a tensor that none
+    of them reached since the last commit did not change: which tensors a commit changed is known
+    in O(changes), without comparing copies.
+    """
+
+    def __init__(self, tensor: torch.Tensor, name: str, touched: "set[str]"):
+        super().__init__(tensor, f"reload copy '{name}'")
+        self._name = name
+        self._touched = touched
+
+    def scatter(self, positions: Optional[memoryview], width: int, bits: memoryview) -> None:
+        self._touched.add(self._name)
+        super().scatter(positions, width, bits)
+
+    def write(self, offset: int, data: memoryview) -> None:
+        self._touched.add(self._name)
+        super().write(offset, data)
+
+
+class ReloadPath:
+    """The reload path of a module whose engine does not read some parameters as loaded.
+
+    Some engines transform weights after loading (vLLM's CPU backend repacks linear weights into
+    its GEMM layout and empties ``.weight``; quantized layers run
+    ``process_weights_after_loading``): writing into those parameters in place changes memory
+    the engine no longer reads. For them, :meth:`Receiver.attach` registers ``canonical`` instead —
+    refit's own copies of the checkpoint-format tensors, which transfers write (and an aborted
+    one rolls back) in O(changes) — and after each commit hands the tensors that changed to
+    ``load``, which runs the engine's own loading path (``load_weights`` / ``reload_weights`` and
+    the post-processing). The module's other tensors keep the in-place path.
+
+    - ``skip``: the module's own tensor names (qualified, without ``attach``'s prefix) that
+      transfers must not write: the transformed parameters;
+    - ``canonical``: (canonical name, host tensor) pairs, contiguous, owned by refit from here on;
+      their values must be the version the receiver starts at;
+    - ``load(weights)``: called with a list of (canonical name, tensor) on refit's thread inside
+      the commit hook, before ``resume`` and before the committed version is reported to the
+      engine's readers; it must have finished moving the bytes into the engine when it returns.
+      The tensors are refit's copies: the callable must not keep or modify them;
+    - ``group_of(name)``: the key of the tensors the engine loads together (the parts of one
+      fused layer, whose post-processing needs all of them); every tensor of a group with a
+      changed member is handed over. Default: each tensor alone.
+
+    Thread-safety: ``load`` is called from one refit thread at a time, never concurrently.
+    """
+
+    def __init__(
+        self,
+        skip: Iterable[str],
+        canonical: Sequence[Tuple[str, torch.Tensor]],
+        load: Callable[[List[Tuple[str, torch.Tensor]]], None],
+        group_of: Optional[Callable[[str], str]] = None,
+    ):
+        self.skip = frozenset(skip)
+        self.canonical = list(canonical)
+        self.load = load
+        self.group_of = group_of
+        names = [name for name, _ in self.canonical]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("refit.torch.ReloadPath: a canonical name is given twice")
+        for name, tensor in self.canonical:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise InvalidArgument(
+                    f"refit.torch.ReloadPath: canonical tensor '{name}' must be a contiguous host "
+                    f"tensor (device {tensor.device}, strides {tuple(tensor.stride())})"
+                )
+
+
 def _module_tensors(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """Every parameter and buffer (persistent or not) of ``module``, by qualified name.
 
@@ -392,6 +472,14 @@ class Receiver:
         self._mirrors: List[Tuple[torch.Tensor, torch.Tensor]] = []
         # The device boundary's backends of tensors reached through it.
         self._device_memories: List[TorchTensorMemory] = []
+        # The reload path (attach(reload=...)): the canonical copies written since the last
+        # commit or abort, and what the last commit handed to the engine's loading path.
+        self._reload: Optional[ReloadPath] = None
+        self._touched: "set[str]" = set()
+        self._groups: Dict[str, List[str]] = {}
+        self._paths: Dict[str, str] = {}
+        self.last_reload: Optional[Dict[str, Any]] = None
+        self.reloads = 0
         self.module: Optional[torch.nn.Module] = None
 
     # Hooks, called by the core on its threads.
@@ -402,15 +490,56 @@ class Receiver:
             self._paused = True
 
     def _finish(self, committed: bool, version: int) -> None:
+        # Runs inside the core's commit (or abort) hook: the engine's memory must hold `version`
+        # when this returns, so the copies and the reload happen here, synchronously.
         with self._lock:
-            if committed:
-                for target, host in self._mirrors:
-                    target.copy_(host)
-            if self._paused and self._resume is not None:
-                self._resume(committed, version)
-            self._paused = False
+            try:
+                if committed:
+                    for target, host in self._mirrors:
+                        target.copy_(host)
+                    self._load_touched(version)
+                else:
+                    # The core rolled the canonical copies back; the engine was never handed them.
+                    self._touched.clear()
+            finally:
+                if self._paused and self._resume is not None:
+                    self._resume(committed, version)
+                self._paused = False
 
-    def attach(self, module: torch.nn.Module, loader: Optional[refit.Loader] = None, prefix: str = "", memory: str = "auto", mirror: Optional[bool] = None) -> "Receiver":
+    def _load_touched(self, version: int) -> None:
+        reload = self._reload
+        if reload is None or not self._touched:
+            return
+        touched = sorted(self._touched)
+        names: List[str] = []
+        seen: "set[str]" = set()
+        for name in touched:
+            for member in self._groups.get(name, [name]):
+                if member not in seen:
+                    seen.add(member)
+                    names.append(member)
+        tensors = dict(reload.canonical)
+        started = time.perf_counter()
+        reload.load([(name, tensors[name]) for name in names])
+        # Cleared only once the engine holds them: a load that raised is retried at the next commit.
+        self._touched.clear()
+        self.reloads += 1
+        self.last_reload = {
+            "version": int(version),
+            "changed": touched,
+            "loaded": names,
+            "seconds": time.perf_counter() - started,
+        }
+
+    def attach(
+        self,
+        module: torch.nn.Module,
+        loader: Optional[refit.Loader] = None,
+        prefix: str = "",
+        memory: str = "auto",
+        mirror: Optional[bool] = None,
+        reload: Optional[ReloadPath] = None,
+    ) -> "Receiver":
         """Register every parameter and buffer of ``module`` (named ``prefix`` + qualified name).
 
         Tensors tied to another (one storage under two names, e.g. a tied LM head) are registered
@@ -427,8 +556,14 @@ class Receiver:
           the model's size in host memory and a whole-model copy per commit; kept for engines
           whose weights cannot be indexed in place.
 
-        ``mirror=True`` / ``False`` are the older spellings of ``"mirror"`` / ``"host"``. Call
-        once, before start.
+        ``mirror=True`` / ``False`` are the older spellings of ``"mirror"`` / ``"host"``.
+
+        ``reload``: a :class:`ReloadPath` for modules whose engine transformed some parameters
+        after loading: those (``reload.skip``) are not registered; refit's canonical copies
+        (``reload.canonical``) are, under their canonical names, and the ones a commit changed
+        are handed to ``reload.load`` inside the commit hook. :attr:`paths` says which path each
+        tensor takes. The loader's rules must not map onto a skipped tensor. Call once, before
+        start.
         """
         if self._inner is not None:
             raise FailedPrecondition("refit.torch.Receiver: a module is attached already")
@@ -447,6 +582,18 @@ class Receiver:
         seen: Dict[Tuple[int, int, str, Tuple[int, ...]], str] = {}
         registered: List[Tuple[str, torch.Tensor]] = []
         tied: List[str] = []
+        if reload is not None:
+            unknown = sorted(reload.skip - {name for name, _ in tensors})
+            if unknown:
+                raise InvalidArgument(f"refit.torch.Receiver.attach: reload.skip names no tensor of the module: {unknown[:5]}")
+            local = {prefix + name for name, _ in tensors}
+            clash = sorted(local & {name for name, _ in reload.canonical})
+            clash = [name for name in clash if name[len(prefix):] not in reload.skip]
+            if clash:
+                raise InvalidArgument(
+                    f"refit.torch.Receiver.attach: reload copies {clash[:5]} have the names of module tensors written in place"
+                )
+            tensors = [(name, tensor) for name, tensor in tensors if name not in reload.skip]
         for name, tensor in tensors:
             key = (tensor.data_ptr(), tensor.numel(), str(tensor.dtype), tuple(tensor.shape))
             if tensor.numel() and key in seen:
@@ -469,7 +616,18 @@ class Receiver:
             after_abort=lambda transfer_id, version: self._finish(False, version),
             **self._options,
         )
+        paths: Dict[str, str] = {}
+        if reload is not None:
+            groups: Dict[str, List[str]] = {}
+            for name, tensor in reload.canonical:
+                key = reload.group_of(name) if reload.group_of is not None else name
+                groups.setdefault(key, []).append(name)
+                inner.register_device(name, _TouchedMemory(tensor, name, self._touched), str(tensor.dtype), tuple(tensor.shape))
+                paths[name] = "reload"
+            self._groups = {name: members for members in groups.values() for name in members}
+            self._reload = reload
         for name, tensor in registered:
+            paths[name] = "mirror" if memory == "mirror" else "in_place"
             if memory == "mirror":
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
                 host.copy_(tensor)
@@ -482,6 +640,7 @@ class Receiver:
             else:
                 inner.register(name, tensor)
         self._inner = inner
+        self._paths = paths
         self.module = module
         return self
 
@@ -505,6 +664,14 @@ class Receiver:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    @property
+    def paths(self) -> Dict[str, str]:
+        """How each registered tensor is written, by registered name: ``"in_place"`` (the
+        module's own memory), ``"mirror"`` (a host copy copied in after each commit) or
+        ``"reload"`` (refit's canonical copy, handed to the engine's loading path after each
+        commit that changed it; see :class:`ReloadPath`)."""
+        return dict(self._paths)
 
     @property
     def control_url(self) -> str:

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -120,6 +121,34 @@ def test_mirror_mode_copies_into_the_module_only_after_commit():
         assert [kind for kind, _ in events] == ["pause", "resume"] and events[1][1] == (True, 1)
         assert torch.equal(events[0][1], before)  # paused before anything changed
         assert torch.equal(bits(worker)["proj.weight"], bits(trainer)["proj.weight"])
+
+
+def test_wait_for_version_returns_only_once_the_module_holds_the_version():
+    """Regression: in mirror mode the version was visible before the after_commit hook had copied
+    the mirror into the module, so a reader woken by wait_for_version saw the old weights. The
+    module is large enough (48 MiB) that the copy takes milliseconds, several 5 ms polls."""
+    torch.manual_seed(12)
+    trainer = torch.nn.Linear(4096, 6144, bias=False).to(torch.bfloat16)
+    worker = torch.nn.Linear(4096, 6144, bias=False).to(torch.bfloat16)
+    worker.load_state_dict(trainer.state_dict())
+    with rt.Receiver().attach(worker, memory="mirror").start() as receiver:
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        for version in range(1, 4):
+            step(trainer, 100 + version, fraction=0.02)
+            expected = trainer.weight.detach().view(torch.int16).clone()
+            seen = {}
+
+            def reader():
+                seen["version"] = receiver.wait_for_version(version, timeout=120)
+                seen["weight"] = worker.weight.detach().view(torch.int16).clone()
+
+            thread = threading.Thread(target=reader)
+            thread.start()
+            publisher.sync(trainer)
+            thread.join()
+            assert seen["version"] == version
+            assert torch.equal(seen["weight"], expected), f"version {version}: the module still held an older version"
 
 
 def test_the_device_path_moves_o_changes_and_no_copy_of_the_model_after_a_commit():
@@ -344,3 +373,78 @@ def test_a_dtensor_state_dict_publishes_its_shard_and_a_receiver_refuses_one_by_
             refit.Receiver().register("w", weight)
     finally:
         dist.destroy_process_group()
+
+
+class RepackedLinear(torch.nn.Module):
+    """A layer that transforms its weight after loading, as vLLM's CPU backend does: the forward
+    reads a packed copy, and ``weight`` is emptied (writing it in place would change nothing)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.packed = weight.detach().t().contiguous() * 1  # the "kernel layout"
+
+    def forward(self, x):
+        return x @ self.packed
+
+
+class Engine(torch.nn.Module):
+    def __init__(self, up, gate, norm):
+        super().__init__()
+        self.fused = RepackedLinear(torch.cat([up, gate]))
+        self.norm = torch.nn.Parameter(norm.clone(), requires_grad=False)
+
+
+def test_the_reload_path_hands_only_changed_tensors_to_the_engine_and_rolls_back_exactly():
+    """A module whose engine repacked a fused layer: refit keeps the checkpoint-format parts,
+    applies deltas to them and, inside the commit, hands the changed ones (with their fused
+    sibling) to the engine's loading path; the norm stays in place; an aborted sync hands
+    nothing over and leaves the copies bit-identical."""
+    torch.manual_seed(3)
+    trainer = {"up": torch.randn(8, 6), "gate": torch.randn(8, 6), "norm": torch.randn(6), "other": torch.randn(4, 6)}
+    engine = Engine(trainer["up"], trainer["gate"], trainer["norm"])
+    other = RepackedLinear(trainer["other"])
+    loads = []
+
+    def load(weights):
+        loads.append([name for name, _ in weights])
+        parts = dict(weights)
+        if "up" in parts:
+            assert "gate" in parts, "a fused layer's parts are handed over together"
+            engine.fused.packed.copy_(torch.cat([parts["up"], parts["gate"]]).t())
+        if "other" in parts:
+            other.packed.copy_(parts["other"].t())
+
+    copies = [(name, trainer[name].clone()) for name in ("up", "gate", "other")]
+    reload = rt.ReloadPath(["fused.weight"], copies, load, group_of=lambda name: "fused" if name in ("up", "gate") else name)
+    with rt.Receiver().attach(engine, reload=reload).start() as receiver:
+        assert receiver.paths == {"up": "reload", "gate": "reload", "other": "reload", "norm": "in_place"}
+        publisher = rt.Publisher([receiver])
+        publisher.adopt_baseline(trainer, version=0)
+        # Step 1: only `up` and the norm change: `up` and its sibling `gate` are loaded, `other`
+        # is not handed over.
+        trainer["up"][2, 3] += 1.0
+        trainer["norm"][1] += 1.0
+        publisher.sync(trainer)
+        assert [sorted(names) for names in loads] == [["gate", "up"]] and receiver.last_reload["changed"] == ["up"]
+        assert torch.equal(engine.fused.packed, torch.cat([trainer["up"], trainer["gate"]]).t())
+        assert torch.equal(engine.norm, trainer["norm"])
+        # An aborted sync: nothing is handed over; the copies and the norm are rolled back.
+        before = {name: tensor.clone() for name, tensor in copies}
+        packed = engine.fused.packed.clone()
+        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=64)
+        faulty.adopt_baseline(trainer, version=1)
+        changed = {name: tensor + 0.5 for name, tensor in trainer.items()}
+        with pytest.raises(refit.Unavailable):
+            faulty.sync(changed)
+        assert receiver.version == 1 and len(loads) == 1
+        for name, tensor in copies:
+            assert torch.equal(tensor.view(torch.int32), before[name].view(torch.int32)), name
+        assert torch.equal(engine.fused.packed, packed) and torch.equal(engine.norm, trainer["norm"])
+        # Step 2: only `other` changed since the last commit: it alone is loaded.
+        trainer["other"][0, 0] -= 1.0
+        publisher.sync(trainer)
+        assert loads[-1] == ["other"] and torch.equal(other.packed, trainer["other"].t())
+    with pytest.raises(refit.InvalidArgument, match="reload.skip names no tensor"):
+        rt.Receiver().attach(Engine(trainer["up"], trainer["gate"], trainer["norm"]),
+                             reload=rt.ReloadPath(["nope.weight"], [], load))

@@ -25,6 +25,7 @@
 #include "process.h"
 #include "progress.h"
 #include "raw_copy.h"
+#include "step_json.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -73,30 +74,15 @@ struct StepRow {
   RefitReport report;
 };
 
-nlohmann::json StepJson(const StepRow& row, const RefitReport& full, double raw_copy_s) {
-  const RefitReport& r = row.report;
-  const double density =
-      r.total_elements ? static_cast<double>(r.changed_elements) / r.total_elements : 0;
-  return {{"step", row.step},
-          {"kind", row.anchor ? "full" : "delta"},
-          {"transfer_id", r.plan.transfer_id.ToHex()},
-          {"version", r.plan.target_version},
-          {"learning_rate", row.learning_rate},
-          {"density", density},
-          {"changed", r.changed_elements},
-          {"payloads", r.payloads},
-          {"wire_bytes", r.wire_bytes},
-          {"full_wire_bytes", full.wire_bytes},
-          {"bytes_saved", 1.0 - static_cast<double>(r.wire_bytes) /
-                                    static_cast<double>(std::max<uint64_t>(full.wire_bytes, 1))},
-          {"time_s", r.total_s},
-          {"stream_s", r.stream_s},
-          {"flush_s", r.flush_s},
-          {"commit_s", r.commit_s},
-          {"speedup_vs_full", full.total_s / std::max(r.total_s, 1e-9)},
-          {"time_over_raw_copy", r.total_s / std::max(raw_copy_s, 1e-9)},
-          {"receivers", r.receivers.size()},
-          {"digests_verified", true}};
+// refit demo's line: the shared figures, the step's learning rate and transfer id, and the
+// daemons' verdict (every flush compared every tensor's digest).
+nlohmann::json DemoStepJson(const StepRow& row, const RefitReport& full, double raw_copy_s) {
+  nlohmann::json json = StepJson(row.step, row.report, full, raw_copy_s);
+  json["kind"] = row.anchor ? "full" : "delta";
+  json["transfer_id"] = row.report.plan.transfer_id.ToHex();
+  json["learning_rate"] = row.learning_rate;
+  json["digests_verified"] = true;
+  return json;
 }
 
 Status RunDemo(const DemoArgs& args) {
@@ -227,7 +213,7 @@ Status RunDemo(const DemoArgs& args) {
   REFIT_ASSIGN_OR_RETURN(RefitReport full, fleet->Refit(/*force_anchor=*/true));
   rows.push_back({0, true, 0.0, full});
   progress->Advance(1);
-  if (args.json) std::cout << StepJson(rows.back(), full, raw.seconds).dump() << std::endl;
+  if (args.json) std::cout << DemoStepJson(rows.back(), full, raw.seconds).dump() << std::endl;
   for (int step = 1; step <= args.steps; ++step) {
     if (!args.densities.empty()) {
       const double target = args.densities[(step - 1) % args.densities.size()];
@@ -237,7 +223,7 @@ Status RunDemo(const DemoArgs& args) {
     REFIT_ASSIGN_OR_RETURN(RefitReport report, fleet->Refit());
     rows.push_back({step, report.plan.anchor, simulator->learning_rate(), std::move(report)});
     progress->Advance(1);
-    if (args.json) std::cout << StepJson(rows.back(), full, raw.seconds).dump() << std::endl;
+    if (args.json) std::cout << DemoStepJson(rows.back(), full, raw.seconds).dump() << std::endl;
   }
   progress->Finish();
   REFIT_RETURN_NOT_OK(fleet->CheckReceiversHold(model));
@@ -248,7 +234,7 @@ Status RunDemo(const DemoArgs& args) {
   Table table({"step", "kind", "version", "density", "changed", "payloads", "wire", "saved", "time",
                "stream", "flush", "commit", "speedup", "vs raw", "digests"});
   for (const StepRow& row : rows) {
-    const nlohmann::json j = StepJson(row, full, raw.seconds);
+    const nlohmann::json j = DemoStepJson(row, full, raw.seconds);
     const RefitReport& r = row.report;
     table.AddRow(
         {std::to_string(row.step), row.anchor ? "FULL" : "delta",

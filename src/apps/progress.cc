@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "refit/status_format.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -154,12 +155,12 @@ void ProgressReporter::Advance(uint64_t units) {
                                              std::memory_order_relaxed)) {
     return;
   }
-  std::lock_guard lock(draw_mutex_);
+  internal::MutexLock lock(draw_mutex_);
   if (!finished_) DrawLocked(/*final=*/false);
 }
 
 void ProgressReporter::Finish() {
-  std::lock_guard lock(draw_mutex_);
+  internal::MutexLock lock(draw_mutex_);
   if (finished_) return;
   finished_ = true;
   if (style_ != Style::kQuiet) DrawLocked(/*final=*/true);

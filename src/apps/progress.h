@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "refit/status.h"
+#include "util/mutex.h"
 
 namespace refit {
 
@@ -104,8 +105,8 @@ class ProgressReporter {
   // Return the line for `done` units after `elapsed_s` seconds; `final` shows the elapsed time
   // instead of an ETA.
   std::string RenderLine(uint64_t done, double elapsed_s, bool final) const;
-  // Print the current state. Requires draw_mutex_.
-  void DrawLocked(bool final);
+  // Print the current state.
+  void DrawLocked(bool final) REFIT_REQUIRES(draw_mutex_);
 
   const Options options_;
   const Style style_;
@@ -114,9 +115,10 @@ class ProgressReporter {
   std::atomic<uint64_t> done_{0};
   // Clock::time_point of the next allowed draw, in ns since start_; whoever advances it draws.
   std::atomic<int64_t> next_draw_ns_{0};
-  std::mutex draw_mutex_;
-  bool finished_ = false;       // guarded by draw_mutex_
-  size_t last_line_bytes_ = 0;  // guarded by draw_mutex_; blanks a longer previous bar
+  internal::Mutex draw_mutex_;
+  bool finished_ REFIT_GUARDED_BY(draw_mutex_) = false;
+  // Blanks a longer previous bar.
+  size_t last_line_bytes_ REFIT_GUARDED_BY(draw_mutex_) = 0;
 };
 
 }  // namespace refit

@@ -83,8 +83,8 @@ Result<config::RefitConfig> ResolveConfig(const PushArgs& args) {
 // followed the trainer). A receiver behind it (restarted from an older checkpoint) is refit by
 // an anchor, which Publisher decides at Sync. A receiver that is prepared (its push died before
 // the decision) is resolved by this push's prepare (implied commit or abort, docs/protocol.md);
-// one still receiving is another push's, until that push finishes or the transfer's lease
-// expires.
+// one still receiving is another push's: this push's prepare rolls it back once it has been
+// quiet for the receiver's preempt_after (its push died), and is refused naming it otherwise.
 Result<uint64_t> FleetVersion(const PublisherOptions& options,
                               std::chrono::steady_clock::time_point deadline) {
   std::optional<uint64_t> version;
@@ -96,21 +96,6 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options,
     // The push's one deadline bounds the question to every receiver together.
     client->SetCallDeadline(deadline);
     REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());
-    const std::string& url = receiver.control_url;
-    if (status.receiver.state == ReceiverState::kReceiving) {
-      const std::string id =
-          status.receiver.transfer_id ? status.receiver.transfer_id->ToHex() : std::string("?");
-      if (status.receiver.lease_remaining_ms.has_value()) {
-        return FailedPrecondition(
-            "receiver {} is receiving transfer {}: wait for it (its lease expires in {} ms "
-            "without progress) or abort it first (refit abort {})",
-            url, id, *status.receiver.lease_remaining_ms, url);
-      }
-      return FailedPrecondition(
-          "receiver {} is receiving transfer {} (no lease): wait for it or abort it first "
-          "(refit abort {})",
-          url, id, url);
-    }
     version = std::max(version.value_or(0), status.receiver.version);
   }
   return *version;

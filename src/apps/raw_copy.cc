@@ -22,6 +22,7 @@
 #include "loopback_ports.h"
 #include "process.h"
 #include "refit/status_format.h"
+#include "util/mutex.h"
 
 namespace refit::cli {
 namespace {
@@ -85,7 +86,7 @@ Status SendSlices(zmq::context_t& context, const std::string& endpoint,
     return Unavailable("raw copy to {}: {}", endpoint, error.what());
   }
   std::atomic<size_t> next{0};
-  std::mutex error_mutex;
+  internal::Mutex error_mutex;
   Status first_error;
   std::vector<std::jthread> senders;
   for (int t = 0; t < threads; ++t) {
@@ -99,7 +100,7 @@ Status SendSlices(zmq::context_t& context, const std::string& endpoint,
           socket.send(zmq::buffer(slice.data, slice.size), zmq::send_flags::none);
           zmq::message_t ack;
           if (!socket.recv(ack)) {
-            std::lock_guard lock(error_mutex);
+            internal::MutexLock lock(error_mutex);
             if (first_error.ok()) {
               first_error =
                   Unavailable("raw copy to {}: no ACK within {} ms", endpoint, kAckTimeoutMs);
@@ -108,7 +109,7 @@ Status SendSlices(zmq::context_t& context, const std::string& endpoint,
           }
         }
       } catch (const zmq::error_t& error) {
-        std::lock_guard lock(error_mutex);
+        internal::MutexLock lock(error_mutex);
         if (first_error.ok()) {
           first_error = Unavailable("raw copy to {}: {}", endpoint, error.what());
         }

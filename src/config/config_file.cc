@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "codec/values.h"
+#include "core/yaml_reader.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "util/environment.h"
@@ -128,22 +129,6 @@ constexpr std::pair<std::string_view, std::string_view> kUpstreamOnlyKeys[] = {
     {"tuning.zmq_relay_forward_workers", "refit's zmq relay has no such thread pool"},
 };
 
-std::string_view NodeKind(const YAML::Node& node) {
-  switch (node.Type()) {
-    case YAML::NodeType::Null:
-      return "null";
-    case YAML::NodeType::Scalar:
-      return "a scalar";
-    case YAML::NodeType::Sequence:
-      return "a sequence";
-    case YAML::NodeType::Map:
-      return "a mapping";
-    case YAML::NodeType::Undefined:
-      break;
-  }
-  return "nothing";
-}
-
 // Parse a whole unsigned decimal number; nullopt for anything else.
 std::optional<uint64_t> ParseUnsigned(std::string_view text) {
   uint64_t value = 0;
@@ -176,10 +161,8 @@ bool IsEnvVarName(std::string_view name) {
 
 // Where a value sits: its key path ("tuning.encode_workers", "receivers[2].data") and the
 // position of its key in the file.
-struct Where {
-  std::string path;
-  YAML::Mark mark;
-};
+using Where = internal::YamlWhere;
+using internal::YamlNodeKind;
 
 class ConfigReader;
 
@@ -190,58 +173,36 @@ struct KeySpec {
 };
 
 // Walks a loaded YAML document into a RefitConfig, producing errors that name the source, line,
-// column and key path. yaml-cpp is only asked for node types, scalars and marks here, none of
-// which throw on loaded nodes.
-class ConfigReader {
+// column and key path (internal::YamlReader), or the flag or keyword that gave the value.
+class ConfigReader : public internal::YamlReader {
  public:
-  explicit ConfigReader(std::string_view source) : source_(source) {}
+  explicit ConfigReader(std::string_view source) : YamlReader(std::string(source)) {}
 
   // Name `origin` (a flag, a keyword) as the giver of the value at `key` and below.
   void SetOrigin(std::string key, std::string origin) {
     origins_.insert_or_assign(std::move(key), std::move(origin));
   }
 
-  Status Error(const Where& where, std::string_view message) const {
+  Status Error(const Where& where, std::string_view message) const override {
     if (const std::string* origin = OriginOf(where.path)) {
       return InvalidArgument("{} ({}): {}", *origin, where.path, message);
     }
-    if (where.mark.is_null()) return InvalidArgument("{}: {}: {}", source_, where.path, message);
-    return InvalidArgument("{}:{}:{}: {}: {}", source_, where.mark.line + 1, where.mark.column + 1,
-                           where.path, message);
+    return YamlReader::Error(where, message);
   }
 
   // Read the keys of mapping `node` (null: no keys). Unknown and repeated keys are errors;
   // null values keep their defaults. Every key read is remembered with its position.
   Status ReadMap(const YAML::Node& node, const Where& where, std::span<const KeySpec> keys) {
     if (node.IsNull()) return Status::OK();
-    if (!node.IsMap()) {
-      return Error(where, fmt::format("expected a mapping of keys, got {}", NodeKind(node)));
-    }
-    std::map<std::string, YAML::Mark, std::less<>> seen;
-    for (const auto& entry : node) {
-      // Copies: yaml-cpp's iterator yields a temporary pair, and nodes are handles.
-      const YAML::Node key = entry.first;
-      const YAML::Node value = entry.second;
-      const Where here{where.path, key.Mark()};
-      if (!key.IsScalar()) {
-        return Error(here, fmt::format("keys must be scalars, got {}", NodeKind(key)));
-      }
-      const std::string& name = key.Scalar();
-      const Where child{where.path.empty() ? name : fmt::format("{}.{}", where.path, name),
-                        key.Mark()};
-      const auto [previous, inserted] = seen.emplace(name, key.Mark());
-      if (!inserted) {
-        return Error(child,
-                     fmt::format("duplicate key (first at line {})", previous->second.line + 1));
-      }
-      const auto spec =
-          std::find_if(keys.begin(), keys.end(), [&](const KeySpec& k) { return k.name == name; });
-      if (spec == keys.end()) return UnknownKey(child, keys);
-      if (value.IsNull()) continue;
-      present_.emplace(child.path, key.Mark());
-      REFIT_RETURN_NOT_OK(spec->read(*this, value, child));
-    }
-    return Status::OK();
+    return ForEachKey(
+        node, where, [&](const std::string& name, const Where& child, const YAML::Node& value) {
+          const auto spec = std::find_if(keys.begin(), keys.end(),
+                                         [&](const KeySpec& k) { return k.name == name; });
+          if (spec == keys.end()) return UnknownKey(child, keys);
+          if (value.IsNull()) return Status::OK();
+          present_.emplace(child.path, child.mark);
+          return spec->read(*this, value, child);
+        });
   }
 
   // The position of the key at `path` when the file gave it a non-null value.
@@ -252,10 +213,7 @@ class ConfigReader {
   }
 
   Result<std::string> ReadScalar(const YAML::Node& node, const Where& where) const {
-    if (!node.IsScalar()) {
-      return Error(where, fmt::format("expected a scalar value, got {}", NodeKind(node)));
-    }
-    return node.Scalar();
+    return Scalar(node, where);
   }
 
   Status ReadString(const YAML::Node& node, const Where& where, std::string* out) const {
@@ -273,22 +231,7 @@ class ConfigReader {
   template <typename Int>
   Status ReadInteger(const YAML::Node& node, const Where& where, int64_t min, int64_t max,
                      Int* out) const {
-    REFIT_ASSIGN_OR_RETURN(const std::string text, ReadScalar(node, where));
-    // YAML allows an explicit '+'; from_chars does not.
-    const std::string_view digits =
-        text.starts_with('+') ? std::string_view(text).substr(1) : std::string_view(text);
-    int64_t value = 0;
-    auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    const bool whole = !digits.empty() && end == digits.data() + digits.size();
-    if (whole && error == std::errc::result_out_of_range) {
-      return Error(where, fmt::format("{} is outside [{}, {}]", text, min, max));
-    }
-    if (!whole || error != std::errc()) {
-      return Error(where, fmt::format("expected an integer, got '{}'", text));
-    }
-    if (value < min || value > max) {
-      return Error(where, fmt::format("{} is outside [{}, {}]", text, min, max));
-    }
+    REFIT_ASSIGN_OR_RETURN(const int64_t value, Integer(node, where, min, max));
     *out = static_cast<Int>(value);
     return Status::OK();
   }
@@ -315,11 +258,11 @@ class ConfigReader {
   Status ReadStringList(const YAML::Node& node, const Where& where,
                         std::vector<std::string>* out) const {
     if (!node.IsSequence()) {
-      return Error(where, fmt::format("expected a sequence, got {}", NodeKind(node)));
+      return Error(where, fmt::format("expected a sequence, got {}", YamlNodeKind(node)));
     }
     out->clear();
     for (const YAML::Node& element : node) {
-      const Where at{fmt::format("{}[{}]", where.path, out->size()), element.Mark()};
+      const Where at = where.Element(out->size(), element.Mark());
       std::string text;
       REFIT_RETURN_NOT_OK(ReadNonEmptyString(element, at, &text));
       out->push_back(std::move(text));
@@ -357,7 +300,6 @@ class ConfigReader {
     return found;
   }
 
-  std::string_view source_;
   std::map<std::string, YAML::Mark, std::less<>> present_;
   std::map<std::string, std::string, std::less<>> origins_;
 };
@@ -399,6 +341,18 @@ Status ReadDeltaDType(ConfigReader& reader, const YAML::Node& node, const Where&
                                            text));
   }
   *out = *dtype;
+  return Status::OK();
+}
+
+Status ReadEnvVarName(ConfigReader& reader, const YAML::Node& node, const Where& where,
+                      std::string* out) {
+  REFIT_ASSIGN_OR_RETURN(std::string name, reader.ReadScalar(node, where));
+  if (!IsEnvVarName(name)) {
+    return reader.Error(where, fmt::format("'{}' is not an environment variable name (letters, "
+                                           "digits and '_', not starting with a digit)",
+                                           name));
+  }
+  *out = std::move(name);
   return Status::OK();
 }
 
@@ -458,7 +412,7 @@ Status ReadReceivers(ConfigReader& reader, const YAML::Node& node, const Where& 
   if (!node.IsSequence()) {
     return reader.Error(where, fmt::format("expected a sequence of {{control, data}} entries, "
                                            "got {}",
-                                           NodeKind(node)));
+                                           YamlNodeKind(node)));
   }
   out->clear();
   marks->clear();
@@ -473,7 +427,7 @@ Status ReadReceivers(ConfigReader& reader, const YAML::Node& node, const Where& 
     };
     if (!entry.IsMap()) {
       return reader.Error(
-          at, fmt::format("expected a {{control, data}} mapping, got {}", NodeKind(entry)));
+          at, fmt::format("expected a {{control, data}} mapping, got {}", YamlNodeKind(entry)));
     }
     REFIT_RETURN_NOT_OK(reader.ReadMap(entry, at, keys));
     // `data` is checked against the transport once the whole file is read (CrossChecks): an
@@ -585,6 +539,92 @@ class CrossChecks {
   std::vector<YAML::Mark> receiver_marks_;
 };
 
+// ---- Declarative keys: each KeySpec says how its value is read and where it goes -------------
+
+// For SecondsKey: whether 0 is a value of its own (e.g. "no lease") or a mistake.
+constexpr bool kZeroAllowed = true;
+constexpr bool kZeroRefused = false;
+
+KeySpec StringKey(std::string_view name, std::string* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadString(v, w, out);
+          }};
+}
+
+KeySpec NonEmptyStringKey(std::string_view name, std::string* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadNonEmptyString(v, w, out);
+          }};
+}
+
+KeySpec StringListKey(std::string_view name, std::vector<std::string>* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadStringList(v, w, out);
+          }};
+}
+
+KeySpec BoolKey(std::string_view name, bool* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadBool(v, w, out);
+          }};
+}
+
+KeySpec ByteSizeKey(std::string_view name, uint64_t* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadPositiveByteSize(v, w, out);
+          }};
+}
+
+KeySpec ByteSizeKey(std::string_view name, std::optional<uint64_t>* out) {
+  return {name, [out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            uint64_t bytes = 0;
+            REFIT_RETURN_NOT_OK(r.ReadPositiveByteSize(v, w, &bytes));
+            *out = bytes;
+            return Status::OK();
+          }};
+}
+
+template <typename Int>
+KeySpec IntegerKey(std::string_view name, int64_t min, int64_t max, Int* out) {
+  return {name, [min, max, out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadInteger(v, w, min, max, out);
+          }};
+}
+
+KeySpec SecondsKey(std::string_view name, std::chrono::milliseconds* out, bool zero_allowed) {
+  return {name, [out, zero_allowed](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return ReadSeconds(r, v, w, out, zero_allowed);
+          }};
+}
+
+// A mapping of its own keys.
+KeySpec MapKey(std::string_view name, std::span<const KeySpec> keys) {
+  return {name, [keys](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return r.ReadMap(v, w, keys);
+          }};
+}
+
+// A name `parse` turns into a value (an enum's spelling), its error reported at the key.
+template <typename T>
+KeySpec ParsedKey(std::string_view name, Result<T> (*parse)(std::string_view), T* out) {
+  return {name, [parse, out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            REFIT_ASSIGN_OR_RETURN(const std::string text, r.ReadScalar(v, w));
+            Result<T> value = parse(text);
+            if (!value.ok()) return r.Error(w, value.status().message());
+            *out = *value;
+            return Status::OK();
+          }};
+}
+
+// A value with a reader of its own (ReadTransport, ReadEncoding, ...).
+template <typename T>
+KeySpec ReadKey(std::string_view name,
+                Status (*read)(ConfigReader&, const YAML::Node&, const Where&, T*), T* out) {
+  return {name, [read, out](ConfigReader& r, const YAML::Node& v, const Where& w) {
+            return read(r, v, w, out);
+          }};
+}
+
 Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& config) {
   using R = ConfigReader;
   using N = YAML::Node;
@@ -596,174 +636,77 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
   const int max_threads = ProducerStreamOptions::kMaxThreads;
 
   const KeySpec delta_keys[] = {
-      {"encoding",
-       [&](R& r, const N& v, const W& w) { return ReadEncoding(r, v, w, &delta.encoding); }},
-      {"dtype",
-       [&](R& r, const N& v, const W& w) { return ReadDeltaDType(r, v, w, &delta.dtype); }},
-      {"sparse_bucket_size_bytes",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadPositiveByteSize(v, w, &delta.sparse_bucket_size_bytes);
-       }},
-      {"export_chunk_bytes",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadPositiveByteSize(v, w, &delta.export_chunk_bytes);
-       }},
-      {"full_sync_interval",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 0, std::numeric_limits<int64_t>::max(),
-                              &delta.full_sync_interval);
-       }},
-      {"zstd_level",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, ZSTD_minCLevel(), ZSTD_maxCLevel(), &delta.zstd_level);
-       }},
+      ReadKey("encoding", ReadEncoding, &delta.encoding),
+      ReadKey("dtype", ReadDeltaDType, &delta.dtype),
+      ByteSizeKey("sparse_bucket_size_bytes", &delta.sparse_bucket_size_bytes),
+      ByteSizeKey("export_chunk_bytes", &delta.export_chunk_bytes),
+      IntegerKey("full_sync_interval", 0, std::numeric_limits<int64_t>::max(),
+                 &delta.full_sync_interval),
+      IntegerKey("zstd_level", ZSTD_minCLevel(), ZSTD_maxCLevel(), &delta.zstd_level),
       {"zstd_threads", [](R& r, const N& v, const W& w) { return ReadZstdThreads(r, v, w); }},
-      {"anchor_compression",
-       [&](R& r, const N& v, const W& w) {
-         std::string name;
-         REFIT_RETURN_NOT_OK(r.ReadString(v, w, &name));
-         Result<AnchorCompression> mode = ParseAnchorCompression(name);
-         if (!mode.ok()) return r.Error(w, mode.status().message());
-         delta.anchor_compression = *mode;
-         return Status::OK();
-       }},
-      {"overwrite_names",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadStringList(v, w, &delta.overwrite_names);
-       }},
-      {"enabled", [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &delta.enabled); }},
+      ParsedKey("anchor_compression", ParseAnchorCompression, &delta.anchor_compression),
+      StringListKey("overwrite_names", &delta.overwrite_names),
+      BoolKey("enabled", &delta.enabled),
   };
   const KeySpec baseline_keys[] = {
-      {"in_memory",
-       [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &baseline.in_memory); }},
-      {"mmap_dir", [&](R& r, const N& v,
-                       const W& w) { return r.ReadNonEmptyString(v, w, &baseline.mmap_dir); }},
+      BoolKey("in_memory", &baseline.in_memory),
+      NonEmptyStringKey("mmap_dir", &baseline.mmap_dir),
   };
   const KeySpec tuning_keys[] = {
-      {"encode_workers",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, max_threads, &tuning.encode_workers);
-       }},
-      {"serialize_workers",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, max_threads, &tuning.serialize_workers);
-       }},
-      {"transfer_workers",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, max_threads, &tuning.transfer_workers);
-       }},
-      {"zmq_retries",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 0, kMaxZmqRetries, &tuning.zmq_retries);
-       }},
-      {"apply_queue_depth",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1,
-                              static_cast<int64_t>(ReceiverSessionOptions::kMaxApplyQueueDepth),
-                              &tuning.apply_queue_depth);
-       }},
-      {"apply_threads",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 1, ReceiverSessionOptions::kMaxApplyThreads,
-                              &tuning.apply_threads);
-       }},
-      {"decode_threads",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 0, ReceiverSessionOptions::kMaxApplyThreads,
-                              &tuning.decode_threads);
-       }},
+      IntegerKey("encode_workers", 1, max_threads, &tuning.encode_workers),
+      IntegerKey("serialize_workers", 1, max_threads, &tuning.serialize_workers),
+      IntegerKey("transfer_workers", 1, max_threads, &tuning.transfer_workers),
+      IntegerKey("zmq_retries", 0, kMaxZmqRetries, &tuning.zmq_retries),
+      IntegerKey("apply_queue_depth", 1,
+                 static_cast<int64_t>(ReceiverSessionOptions::kMaxApplyQueueDepth),
+                 &tuning.apply_queue_depth),
+      IntegerKey("apply_threads", 1, ReceiverSessionOptions::kMaxApplyThreads,
+                 &tuning.apply_threads),
+      IntegerKey("decode_threads", 0, ReceiverSessionOptions::kMaxApplyThreads,
+                 &tuning.decode_threads),
   };
   const KeySpec server_keys[] = {
-      {"bind",
-       [&](R& r, const N& v, const W& w) { return r.ReadNonEmptyString(v, w, &server.bind); }},
-      {"model", [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.model); }},
-      {"mmap", [&](R& r, const N& v, const W& w) { return r.ReadBool(v, w, &server.mmap); }},
-      {"tls_cert",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.tls_cert); }},
-      {"tls_key",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.tls_key); }},
-      {"ready_file",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.ready_file); }},
-      {"transfer_lease_s",
-       [&](R& r, const N& v, const W& w) {
-         return ReadSeconds(r, v, w, &server.transfer_lease, /*zero_allowed=*/true);
-       }},
-      {"anchor_undo",
-       [&](R& r, const N& v, const W& w) {
-         std::string name;
-         REFIT_RETURN_NOT_OK(r.ReadString(v, w, &name));
-         Result<AnchorUndo> policy = ParseAnchorUndo(name);
-         if (!policy.ok()) return r.Error(w, policy.status().message());
-         server.anchor_undo = *policy;
-         return Status::OK();
-       }},
-      {"anchor_undo_dir",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.anchor_undo_dir); }},
-      {"curve_secret_key",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_secret_key); }},
-      {"curve_server_key",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.curve_server_key); }},
-      {"curve_authorized_keys",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadString(v, w, &server.curve_authorized_keys);
-       }},
-      {"advertise",
-       [&](R& r, const N& v, const W& w) { return r.ReadNonEmptyString(v, w, &server.advertise); }},
-      {"max_payload_bytes",
-       [&](R& r, const N& v, const W& w) {
-         uint64_t bytes = 0;
-         REFIT_RETURN_NOT_OK(r.ReadPositiveByteSize(v, w, &bytes));
-         server.max_payload_bytes = bytes;
-         return Status::OK();
-       }},
-      {"loader", [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.loader); }},
-      {"replica",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.replica); }},
-      {"bootstrap",
-       [&](R& r, const N& v, const W& w) { return r.ReadString(v, w, &server.bootstrap); }},
+      NonEmptyStringKey("bind", &server.bind),
+      StringKey("model", &server.model),
+      BoolKey("mmap", &server.mmap),
+      StringKey("tls_cert", &server.tls_cert),
+      StringKey("tls_key", &server.tls_key),
+      StringKey("ready_file", &server.ready_file),
+      SecondsKey("transfer_lease_s", &server.transfer_lease, kZeroAllowed),
+      SecondsKey("preempt_after_s", &server.preempt_after, kZeroAllowed),
+      ParsedKey("anchor_undo", ParseAnchorUndo, &server.anchor_undo),
+      StringKey("anchor_undo_dir", &server.anchor_undo_dir),
+      StringKey("curve_secret_key", &server.curve_secret_key),
+      StringKey("curve_server_key", &server.curve_server_key),
+      StringKey("curve_authorized_keys", &server.curve_authorized_keys),
+      NonEmptyStringKey("advertise", &server.advertise),
+      ByteSizeKey("max_payload_bytes", &server.max_payload_bytes),
+      StringKey("loader", &server.loader),
+      StringKey("replica", &server.replica),
+      StringKey("bootstrap", &server.bootstrap),
   };
   std::vector<YAML::Mark> receiver_marks;
   const KeySpec top_keys[] = {
-      {"transport",
-       [&](R& r, const N& v, const W& w) { return ReadTransport(r, v, w, &config.transport); }},
-      {"refit_transport",
-       [&](R& r, const N& v, const W& w) { return ReadTransport(r, v, w, &config.transport); }},
-      {"delta_compression",
-       [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, delta_keys); }},
-      {"baseline", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, baseline_keys); }},
-      {"tuning", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, tuning_keys); }},
-      {"request_timeout_s",
-       [&](R& r, const N& v, const W& w) { return ReadSeconds(r, v, w, &config.request_timeout); }},
+      ReadKey("transport", ReadTransport, &config.transport),
+      ReadKey("refit_transport", ReadTransport, &config.transport),
+      MapKey("delta_compression", delta_keys),
+      MapKey("baseline", baseline_keys),
+      MapKey("tuning", tuning_keys),
+      SecondsKey("request_timeout_s", &config.request_timeout, kZeroRefused),
       {"receivers",
        [&](R& r, const N& v, const W& w) {
          return ReadReceivers(r, v, w, &config.receivers, &receiver_marks);
        }},
-      {"http_refit_api_key_env_var",
-       [&](R& r, const N& v, const W& w) -> Status {
-         REFIT_ASSIGN_OR_RETURN(std::string name, r.ReadScalar(v, w));
-         if (!IsEnvVarName(name)) {
-           return r.Error(w, fmt::format("'{}' is not an environment variable name (letters, "
-                                         "digits and '_', not starting with a digit)",
-                                         name));
-         }
-         config.http_refit_api_key_env_var = std::move(name);
-         return Status::OK();
-       }},
-      {"http_refit_server_port",
-       [&](R& r, const N& v, const W& w) {
-         return r.ReadInteger(v, w, 0, kMaxPort, &config.http_refit_server_port);
-       }},
-      {"zmq_refit_server_port",
-       [&](R& r, const N& v, const W& w) {
-         // 0: the kernel's choice, reported in the ready file (not for a static relay tree, whose
-         // peers name their ports; `refit serve` checks that).
-         return r.ReadInteger(v, w, 0, kMaxPort, &config.zmq_refit_server_port);
-       }},
-      {"server", [&](R& r, const N& v, const W& w) { return r.ReadMap(v, w, server_keys); }},
+      ReadKey("http_refit_api_key_env_var", ReadEnvVarName, &config.http_refit_api_key_env_var),
+      IntegerKey("http_refit_server_port", 0, kMaxPort, &config.http_refit_server_port),
+      // 0: the kernel's choice, reported in the ready file (not for a static relay tree, whose
+      // peers name their ports; `refit serve` checks that).
+      IntegerKey("zmq_refit_server_port", 0, kMaxPort, &config.zmq_refit_server_port),
+      MapKey("server", server_keys),
   };
   if (!root.IsNull() && !root.IsMap()) {
     return reader.Error(Where{"(top level)", root.Mark()},
-                        fmt::format("expected a mapping of keys, got {}", NodeKind(root)));
+                        fmt::format("expected a mapping of keys, got {}", YamlNodeKind(root)));
   }
   REFIT_RETURN_NOT_OK(reader.ReadMap(root, Where{"", YAML::Mark::null_mark()}, top_keys));
   return CrossChecks(reader, config, std::move(receiver_marks)).Run();
@@ -818,7 +761,7 @@ Status ApplyOverride(const ConfigOverride& entry, YAML::Node& root, ConfigReader
       child.reset(mapping[parts[i]]);
     } else if (!child.IsMap()) {
       return InvalidArgument("{} ({}): the configuration's {} is {}, not a mapping of keys", origin,
-                             entry.key, path, NodeKind(child));
+                             entry.key, path, YamlNodeKind(child));
     }
     mapping.reset(child);
   }

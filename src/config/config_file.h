@@ -117,6 +117,10 @@ struct ServerConfig {
   /// `transfer_lease_s`: how long a receiving transfer may go without progress before the
   /// receiver aborts it itself (ReceiverSessionOptions::transfer_lease); 0 = no lease.
   std::chrono::milliseconds transfer_lease = ReceiverSessionOptions{}.transfer_lease;
+  /// `preempt_after_s`: how long a receiving transfer must have been quiet before a Prepare of
+  /// another transfer from the same base rolls it back (ReceiverSessionOptions::preempt_after);
+  /// 0 = never.
+  std::chrono::milliseconds preempt_after = ReceiverSessionOptions{}.preempt_after;
   /// `anchor_undo`: memory | file | none, what the receiver keeps to undo an anchor
   /// (ReceiverSessionOptions::anchor_undo); `anchor_undo_dir`: the spill directory for `file`.
   AnchorUndo anchor_undo = ReceiverSessionOptions{}.anchor_undo;

@@ -72,6 +72,7 @@ ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
   options.apply_threads = config.tuning.apply_threads;
   options.decode_threads = config.tuning.decode_threads;
   options.transfer_lease = config.server.transfer_lease;
+  options.preempt_after = config.server.preempt_after;
   options.anchor_undo = config.server.anchor_undo;
   options.anchor_undo_directory = config.server.anchor_undo_dir;
   return options;

@@ -13,6 +13,7 @@
 #include <prometheus/text_serializer.h>
 
 #include "refit/status_format.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -130,13 +131,13 @@ void ControlMetrics::RecordPayload(uint64_t bytes, const Result<StageResult>& st
 }
 
 void ControlMetrics::RecordPrepared(const TransferId& id) {
-  std::lock_guard lock(timer_mutex_);
+  internal::MutexLock lock(timer_mutex_);
   timed_transfer_ = id;
   prepared_at_ = std::chrono::steady_clock::now();
 }
 
 void ControlMetrics::RecordFlushed(const TransferId& id) {
-  std::lock_guard lock(timer_mutex_);
+  internal::MutexLock lock(timer_mutex_);
   if (timed_transfer_ != id) return;
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - prepared_at_;
   apply_seconds_->Observe(elapsed.count());
@@ -158,7 +159,7 @@ std::string ControlMetrics::Render(const ReceiverStatus& status) {
   transfer_open_->Set(status.transfer_id.has_value() ? 1 : 0);
   {
     // Under a lock: two concurrent scrapes must not both add the same expiries.
-    std::lock_guard lock(timer_mutex_);
+    internal::MutexLock lock(timer_mutex_);
     const auto counted = static_cast<uint64_t>(leases_expired_->Value());
     if (status.expired_leases > counted) {
       leases_expired_->Increment(static_cast<double>(status.expired_leases - counted));

@@ -12,6 +12,7 @@
 #include "receiver/receiver_session.h"
 #include "refit/payload.h"
 #include "refit/status.h"
+#include "util/mutex.h"
 
 namespace prometheus {
 class Counter;
@@ -84,7 +85,7 @@ class ControlMetrics {
   prometheus::Counter* leases_expired_ = nullptr;
 
   // The transfer whose apply time is being measured, and when it was prepared.
-  std::mutex timer_mutex_;
+  internal::Mutex timer_mutex_;
   std::optional<TransferId> timed_transfer_;
   std::chrono::steady_clock::time_point prepared_at_;
 };

@@ -9,7 +9,6 @@
 
 #include "control/control_server.h"
 #include "node/chain_replay.h"
-#include "node/session_sink.h"
 #include "receiver/receiver_session.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
@@ -50,7 +49,6 @@ struct ReceiverNode::Impl {
   std::optional<ChainBootstrapReport> bootstrap_report;
   // Declared in the order they are built; Stop tears them down in reverse.
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
   std::unique_ptr<ControlServer> server;
   std::string producer_endpoint;
@@ -187,7 +185,6 @@ Status ReceiverNode::Impl::Start() {
   Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(options.session, *store);
   if (!made.ok()) return made.status().WithContext("receiver node: session");
   session = std::move(made).ValueOrDie();
-  sink = std::make_unique<SessionSink>(*session);
 
   // The control plane, made before the data plane and started after it: a transport that
   // carries its own control channel (mpi://) answers it through the server's Serve.
@@ -252,7 +249,7 @@ Status ReceiverNode::Impl::Start() {
       return served->Serve(request);
     };
   }
-  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(context, *sink);
+  Result<std::unique_ptr<Listener>> listener_made = transport->MakeListener(context, *session);
   if (!listener_made.ok()) {
     return listener_made.status().WithContext(
         "receiver node: data plane (the peers must list this receiver's data endpoint exactly)");
@@ -288,7 +285,6 @@ void ReceiverNode::Impl::Stop() {
   if (listener != nullptr) listener->Stop();
   server.reset();
   listener.reset();
-  sink.reset();
   session.reset();
 }
 

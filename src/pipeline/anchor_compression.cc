@@ -6,6 +6,7 @@
 
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -52,7 +53,7 @@ AnchorCompressionChooser::AnchorCompressionChooser(const ProducerStreamOptions& 
 }
 
 PayloadEncodeOptions AnchorCompressionChooser::Next() {
-  std::lock_guard lock(mutex_);
+  internal::MutexLock lock(mutex_);
   if (choice_ == Choice::kZstd) return base_;
   // Probing: every other payload raw, so that each path is timed end to end (the link, and the
   // receivers' decode and apply behind its acknowledgements) under the same conditions.
@@ -68,7 +69,7 @@ void AnchorCompressionChooser::RecordEncoded(const PayloadEncodeOptions& options
                                              uint64_t body_bytes, uint64_t wire_bytes,
                                              double seconds) {
   if (!options.compress) return;
-  std::lock_guard lock(mutex_);
+  internal::MutexLock lock(mutex_);
   if (choice_ != Choice::kProbing) return;
   probe_body_bytes_ += body_bytes;
   probe_compressed_bytes_ += wire_bytes;
@@ -76,7 +77,7 @@ void AnchorCompressionChooser::RecordEncoded(const PayloadEncodeOptions& options
 }
 
 void AnchorCompressionChooser::RecordSent(bool compressed, uint64_t wire_bytes, double seconds) {
-  std::lock_guard lock(mutex_);
+  internal::MutexLock lock(mutex_);
   ++(compressed ? report_.compressed_payloads : report_.raw_payloads);
   if (choice_ != Choice::kProbing) return;
   if (compressed) {
@@ -127,7 +128,7 @@ void AnchorCompressionChooser::DecideLocked() {
 }
 
 AnchorCompressionReport AnchorCompressionChooser::report() const {
-  std::lock_guard lock(mutex_);
+  internal::MutexLock lock(mutex_);
   return report_;
 }
 

@@ -7,6 +7,7 @@
 
 #include "pipeline/producer_stream.h"
 #include "refit/payload.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 
@@ -51,7 +52,7 @@ class AnchorCompressionChooser {
   // One per serializer and per sender: the fewest of each kind, however large.
   const uint64_t probe_min_payloads_;
 
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   Choice choice_;
   AnchorCompressionReport report_;
   // The probe: payloads handed out by Next while probing (odd ones raw); compressed payloads

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "refit/status_format.h"
+#include "util/mutex.h"
 
 namespace refit {
 
@@ -38,8 +39,8 @@ struct Storage {
 }  // namespace
 
 struct StagingPool::State {
-  std::mutex mutex;
-  std::condition_variable_any released;
+  internal::Mutex mutex;
+  internal::CondVar released;
   // Buffers kept for reuse, not lent.
   std::vector<Storage> kept;
   // Counts releases, so that a waiter wakes only when something came back.
@@ -68,7 +69,7 @@ Result<std::shared_ptr<StagingPool::Buffer>> StagingPool::Acquire(uint64_t size,
                            size, budget_bytes_);
   }
   State& state = *state_;
-  std::unique_lock lock(state.mutex);
+  internal::MutexLock lock(state.mutex);
   Storage storage;
   while (true) {
     // The smallest kept buffer that fits.
@@ -124,7 +125,7 @@ Result<std::shared_ptr<StagingPool::Buffer>> StagingPool::Acquire(uint64_t size,
   return std::shared_ptr<Buffer>(lent, [owner](Buffer* buffer) {
     auto* returned = static_cast<LentBuffer*>(buffer);
     {
-      std::lock_guard held(owner->mutex);
+      internal::MutexLock held(owner->mutex);
       owner->kept.push_back(std::move(returned->storage));
       ++owner->generation;
     }
@@ -134,7 +135,7 @@ Result<std::shared_ptr<StagingPool::Buffer>> StagingPool::Acquire(uint64_t size,
 }
 
 StagingPoolStats StagingPool::stats() const {
-  std::lock_guard lock(state_->mutex);
+  internal::MutexLock lock(state_->mutex);
   return state_->stats;
 }
 

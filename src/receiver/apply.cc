@@ -8,7 +8,6 @@
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string_view>
 #include <utility>
@@ -258,252 +257,236 @@ std::vector<std::vector<size_t>> GroupByTensor(std::span<const ItemView> items) 
   return groups;
 }
 
-}  // namespace
+/// Undo a failed payload's records (those from `savepoint` on) and return why it failed.
+Status RollBackPayload(UndoLog& undo, WeightStore& store, size_t savepoint,
+                       const DecodedPayload& payload, Status why) {
+  Status rollback = undo.RollbackTo(store, savepoint, &payload);
+  if (!rollback.ok()) return rollback.WithContext(why.ToString());
+  return why;
+}
 
-Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    ValidatedPayload* received, int threads) {
-  if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
-  // The loader path is separate so that a store without one runs exactly the loop below.
-  if (store.has_loader()) {
-    // Records through a loader are made while their items apply, so their spill ranges cannot
-    // be set aside beforehand (ReserveFullSpans): with several threads, keeping old bits in the
-    // spill file (its end) or marking the log inexact is serialized. Memory needs no lock: each
-    // record keeps its own bits.
-    std::mutex keep_mutex;
-    const bool keep_locked = threads > 1 && undo->options_.anchor_undo != AnchorUndo::kMemory;
-    return internal::ApplyThroughLoader(
-        payload, store, &undo->records_,
-        [&](size_t savepoint) { return undo->RollbackTo(store, savepoint); },
-        [&](UndoLog::Record& record, std::span<const std::byte> old_bits) {
-          std::unique_lock lock(keep_mutex, std::defer_lock);
-          if (keep_locked) lock.lock();
-          return undo->KeepFullSpan(record, old_bits);
-        },
-        threads);
-  }
+/// Whether XOR item `item` is recorded to be undone by applying it again, with its payload kept
+/// (`received` given): in host memory only — on a device, a scatter that failed halfway leaves
+/// elements a re-applied XOR would corrupt, so device records keep old bits.
+bool ReappliesItem(const ItemView& item, const WeightStore& store,
+                   const ValidatedPayload* received) {
+  return received != nullptr && item.op == Op::kXor && store.DeviceMemory(item.name) == nullptr;
+}
+
+/// An anchor's payload (every item FULL) of more than one tensor on several threads: its tensors
+/// are copied in parallel, each on one thread (spans of one tensor stay together: they share its
+/// digest), and their digests checked and moved in item order afterwards. Still all or nothing:
+/// any error rolls back every item of the payload.
+Status ApplyAnchorInParallel(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
+                             int threads) {
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
-  for (size_t i = 0; i < items.size(); ++i) {
-    REFIT_RETURN_NOT_OK(CheckApplicable(header, i, items[i], store));
-  }
-
-  const size_t savepoint = undo->records_.size();
-  const bool old_bits_kept = undo->options_.anchor_undo != AnchorUndo::kNone;
+  const size_t savepoint = undo.Savepoint();
   auto fail = [&](Status status) {
-    Status rollback = undo->RollbackTo(store, savepoint, &payload);
-    if (!rollback.ok()) return rollback.WithContext(status.ToString());
-    return status;
+    return RollBackPayload(undo, store, savepoint, payload, std::move(status));
   };
-
-  // An anchor's payload (every item FULL) of more than one tensor: its tensors are copied in
-  // parallel, each on one thread (spans of one tensor stay together: they share its digest), and
-  // their digests checked and moved in item order afterwards. Still all or nothing: any error
-  // rolls back every item of the payload.
-  const bool all_full = std::all_of(items.begin(), items.end(),
-                                    [](const ItemView& item) { return item.op == Op::kFull; });
-  if (threads > 1 && all_full && items.size() > 1) {
-    std::vector<uint64_t> span_bytes;
-    for (size_t i = 0; i < items.size(); ++i) {
-      const ItemView& item = items[i];
-      const uint32_t width = DTypeSize(item.dtype);
-      undo->records_.push_back(UndoLog::Record{.tensor = std::string(item.name),
-                                               .width = width,
-                                               .full = true,
-                                               .span_begin = item.span_begin,
-                                               .digest_before = *store.Digest(item.name)});
-      span_bytes.push_back((item.span_end - item.span_begin) * width);
-    }
-    const std::span<UndoLog::Record> records =
-        std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
-    Status reserved = undo->ReserveFullSpans(records, span_bytes);
-    if (!reserved.ok()) return fail(reserved);
-    const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
-    std::vector<FullSpanDigests> digests(items.size());
-    Status copied = internal::ParallelFor(
-        std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
-        [&](uint64_t begin, uint64_t end) -> Status {
-          for (uint64_t g = begin; g < end; ++g) {
-            for (size_t i : groups[g]) {
-              const MutableTensorView tensor = *store.Find(items[i].name);
-              REFIT_RETURN_NOT_OK(CopyFullSpan(items[i], tensor, store.DeviceMemory(items[i].name),
-                                               old_bits_kept, digests[i],
-                                               [&](std::span<const std::byte> bits) {
-                                                 return undo->KeepFullSpan(records[i], bits);
-                                               }));
-            }
-          }
-          return Status::OK();
-        });
-    if (!copied.ok()) return fail(copied);
-    for (size_t i = 0; i < items.size(); ++i) {
-      Status updated = SetFullSpanDigest(header, i, items[i], digests[i], store);
-      if (!updated.ok()) return fail(updated);
-    }
-    return Status::OK();
+  std::vector<uint64_t> span_bytes;
+  for (const ItemView& item : items) {
+    const uint32_t width = DTypeSize(item.dtype);
+    undo.AddRecord(UndoLog::Record{.tensor = std::string(item.name),
+                                   .width = width,
+                                   .full = true,
+                                   .span_begin = item.span_begin,
+                                   .digest_before = *store.Digest(item.name)});
+    span_bytes.push_back((item.span_end - item.span_begin) * width);
   }
+  const std::span<UndoLog::Record> records = undo.RecordsFrom(savepoint);
+  Status reserved = undo.ReserveFullSpans(records, span_bytes);
+  if (!reserved.ok()) return fail(reserved);
+  const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
+  std::vector<FullSpanDigests> digests(items.size());
+  Status copied = internal::ParallelFor(
+      std::min<int>(threads, static_cast<int>(groups.size())), groups.size(),
+      [&](uint64_t begin, uint64_t end) -> Status {
+        for (uint64_t g = begin; g < end; ++g) {
+          for (size_t i : groups[g]) {
+            const MutableTensorView tensor = *store.Find(items[i].name);
+            REFIT_RETURN_NOT_OK(CopyFullSpan(items[i], tensor, store.DeviceMemory(items[i].name),
+                                             undo.KeepsFullBits(), digests[i],
+                                             [&](std::span<const std::byte> bits) {
+                                               return undo.KeepFullSpan(records[i], bits);
+                                             }));
+          }
+        }
+        return Status::OK();
+      });
+  if (!copied.ok()) return fail(copied);
+  for (size_t i = 0; i < items.size(); ++i) {
+    Status updated = SetFullSpanDigest(header, i, items[i], digests[i], store);
+    if (!updated.ok()) return fail(updated);
+  }
+  return Status::OK();
+}
 
-  // Bind the payload's XOR records to its bytes, which the log keeps from now on: they are
-  // undone by applying them again.
-  auto keep_payload = [&] {
-    const size_t slot = undo->payloads_.size();
-    undo->payloads_.push_back(std::move(*received));
-    for (size_t r = savepoint; r < undo->records_.size(); ++r) {
-      if (undo->records_[r].reapply) undo->records_[r].payload = slot;
+/// One task of a parallel delta apply: a tensor (its items in order), or a slice of a tensor's
+/// one splittable XOR item.
+struct DeltaTask {
+  size_t group = 0;
+  bool slice = false;
+  size_t index = 0;  // The slice's index: it starts at mark index − 1 (the first at 0).
+};
+
+/// The tasks a delta payload splits into (ApplyDeltaInParallel): one per tensor, or per slice of
+/// a tensor's one large XOR item (SplitsIntoSlices).
+std::vector<DeltaTask> DeltaTasks(const DecodedPayload& payload,
+                                  const std::vector<std::vector<size_t>>& groups,
+                                  const WeightStore& store, const ValidatedPayload* received) {
+  const auto items = payload.items();
+  std::vector<DeltaTask> tasks;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const size_t first = groups[g].front();
+    const std::span<const LocationMark> marks = payload.location_marks(first);
+    if (groups[g].size() == 1 &&
+        SplitsIntoSlices(items[first], marks, ReappliesItem(items[first], store, received))) {
+      for (size_t k = 0; k <= marks.size(); ++k) tasks.push_back({g, true, k});
+    } else {
+      tasks.push_back({g, false, 0});
     }
-  };
+  }
+  return tasks;
+}
 
-  // A delta payload (no FULL item) on several threads: its tensors are applied in parallel, each
-  // on one thread (the items of one tensor in order, on the same thread), except that a tensor
-  // with one large XOR item splits into slices of that item (SplitsIntoSlices) that run on any
-  // threads; the digest changes are checked and moved in item order afterwards. Still all or
-  // nothing: any error rolls back every item of the payload.
-  const bool any_full = std::any_of(items.begin(), items.end(),
-                                    [](const ItemView& item) { return item.op == Op::kFull; });
-  if (threads > 1 && !any_full) {
-    const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
-    auto reapplies = [&](size_t i) {
-      return received != nullptr && items[i].op == Op::kXor &&
-             store.DeviceMemory(items[i].name) == nullptr;
-    };
-    // One task per tensor, or per slice of a tensor's one splittable item.
-    struct DeltaTask {
-      size_t group = 0;
-      bool slice = false;
-      size_t index = 0;  // The slice's index: it starts at mark index − 1 (the first at 0).
-    };
-    std::vector<DeltaTask> tasks;
-    for (size_t g = 0; g < groups.size(); ++g) {
-      const size_t first = groups[g].front();
-      const std::span<const LocationMark> marks = payload.location_marks(first);
-      if (groups[g].size() == 1 && SplitsIntoSlices(items[first], marks, reapplies(first))) {
-        for (size_t k = 0; k <= marks.size(); ++k) tasks.push_back({g, true, k});
+/// A delta payload (no FULL item) of several tasks (DeltaTasks) on several threads: the tasks run
+/// in parallel; the digest changes are checked and moved in item order afterwards. Still all or
+/// nothing: any error rolls back every item of the payload.
+Status ApplyDeltaInParallel(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
+                            ValidatedPayload* received, int threads,
+                            const std::vector<std::vector<size_t>>& groups,
+                            const std::vector<DeltaTask>& tasks) {
+  const PayloadHeader& header = payload.header();
+  const auto items = payload.items();
+  const size_t savepoint = undo.Savepoint();
+  auto fail = [&](Status status) {
+    return RollBackPayload(undo, store, savepoint, payload, std::move(status));
+  };
+  bool reapplied = false;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ItemView& item = items[i];
+    UndoLog::Record& record =
+        undo.AddRecord(UndoLog::Record{.tensor = std::string(item.name),
+                                       .width = DTypeSize(item.dtype),
+                                       .digest_before = *store.Digest(item.name)});
+    if (ReappliesItem(item, store, received)) {
+      record.reapply = true;
+      record.payload = kCurrentPayload;
+      record.item = i;
+      reapplied = true;
+    }
+  }
+  const std::span<UndoLog::Record> records = undo.RecordsFrom(savepoint);
+  std::vector<uint64_t> digest_deltas(items.size());
+  std::vector<uint64_t> slice_digests(tasks.size());
+  std::vector<Status> task_status(tasks.size());
+  std::vector<char> ran(tasks.size(), 0);
+  // Which items a thread began to apply: after an error, the others were never written, and
+  // their records must not re-apply them on rollback. A split item always runs whole.
+  std::vector<char> started(items.size(), 0);
+  for (const DeltaTask& task : tasks) {
+    if (task.slice) started[groups[task.group].front()] = 1;
+  }
+  auto run = [&](size_t t, DeltaScratch& scratch) {
+    const DeltaTask& task = tasks[t];
+    if (task.slice) {
+      const size_t i = groups[task.group].front();
+      const std::span<const LocationMark> marks = payload.location_marks(i);
+      const LocationMark* mark = task.index == 0 ? nullptr : &marks[task.index - 1];
+      const uint64_t end = task.index < marks.size() ? marks[task.index].emitted : items[i].count;
+      Result<uint64_t> delta =
+          ApplyDeltaSlice(items[i], *store.Find(items[i].name), mark, end, scratch);
+      if (delta.ok()) {
+        slice_digests[t] = *delta;
       } else {
-        tasks.push_back({g, false, 0});
+        task_status[t] = delta.status();
+      }
+    } else {
+      for (size_t i : groups[task.group]) {
+        started[i] = 1;
+        Result<uint64_t> delta =
+            ApplyDeltaItem(items[i], *store.Find(items[i].name), store.DeviceMemory(items[i].name),
+                           records[i], scratch);
+        if (!delta.ok()) {
+          task_status[t] = delta.status();
+          break;
+        }
+        digest_deltas[i] = *delta;
       }
     }
-    if (tasks.size() > 1) {
-      bool reapplied = false;
-      for (size_t i = 0; i < items.size(); ++i) {
-        const ItemView& item = items[i];
-        UndoLog::Record& record =
-            undo->records_.emplace_back(UndoLog::Record{.tensor = std::string(item.name),
-                                                        .width = DTypeSize(item.dtype),
-                                                        .digest_before = *store.Digest(item.name)});
-        if (reapplies(i)) {
-          record.reapply = true;
-          record.payload = kCurrentPayload;
-          record.item = i;
-          reapplied = true;
-        }
-      }
-      const std::span<UndoLog::Record> records =
-          std::span<UndoLog::Record>(undo->records_).subspan(savepoint);
-      std::vector<uint64_t> digest_deltas(items.size());
-      std::vector<uint64_t> slice_digests(tasks.size());
-      std::vector<Status> task_status(tasks.size());
-      std::vector<char> ran(tasks.size(), 0);
-      // Which items a thread began to apply: after an error, the others were never written, and
-      // their records must not re-apply them on rollback. A split item always runs whole.
-      std::vector<char> started(items.size(), 0);
-      for (const DeltaTask& task : tasks) {
-        if (task.slice) started[groups[task.group].front()] = 1;
-      }
-      auto run = [&](size_t t, DeltaScratch& scratch) {
-        const DeltaTask& task = tasks[t];
-        if (task.slice) {
-          const size_t i = groups[task.group].front();
-          const std::span<const LocationMark> marks = payload.location_marks(i);
-          const LocationMark* mark = task.index == 0 ? nullptr : &marks[task.index - 1];
-          const uint64_t end =
-              task.index < marks.size() ? marks[task.index].emitted : items[i].count;
-          Result<uint64_t> delta =
-              ApplyDeltaSlice(items[i], *store.Find(items[i].name), mark, end, scratch);
-          if (delta.ok())
-            slice_digests[t] = *delta;
-          else
-            task_status[t] = delta.status();
-        } else {
-          for (size_t i : groups[task.group]) {
-            started[i] = 1;
-            Result<uint64_t> delta =
-                ApplyDeltaItem(items[i], *store.Find(items[i].name),
-                               store.DeviceMemory(items[i].name), records[i], scratch);
-            if (!delta.ok()) {
-              task_status[t] = delta.status();
-              break;
-            }
-            digest_deltas[i] = *delta;
-          }
-        }
-        ran[t] = 1;
-      };
-      // Every task runs, even after another failed: a split item's record re-applies it whole,
-      // which is exact only once all its slices ran.
-      const Status pooled =
-          internal::ParallelFor(std::min<int>(threads, static_cast<int>(tasks.size())),
-                                tasks.size(), [&](uint64_t begin, uint64_t end) -> Status {
-                                  auto scratch = std::make_unique<DeltaScratch>();
-                                  for (uint64_t t = begin; t < end; ++t) run(t, *scratch);
-                                  return Status::OK();
-                                });
-      if (!pooled.ok()) {
-        // No threads (the pool could not start): what did not run, runs here.
-        auto scratch = std::make_unique<DeltaScratch>();
-        for (size_t t = 0; t < tasks.size(); ++t) {
-          if (!ran[t]) run(t, *scratch);
-        }
-      }
-      for (size_t t = 0; t < tasks.size(); ++t) {
-        if (tasks[t].slice) digest_deltas[groups[tasks[t].group].front()] += slice_digests[t];
-      }
-      for (const Status& status : task_status) {
-        if (status.ok()) continue;
-        for (size_t i = 0; i < items.size(); ++i) {
-          if (!started[i]) records[i].reapply = false;
-        }
-        return fail(status);
-      }
-      for (size_t i = 0; i < items.size(); ++i) {
-        Status checked = CheckDeltaDigest(header, i, items[i], digest_deltas[i]);
-        if (!checked.ok()) return fail(checked);
-      }
-      for (size_t i = 0; i < items.size(); ++i) {
-        REFIT_RETURN_NOT_OK(store.AdjustDigest(items[i].name, digest_deltas[i]));
-      }
-      if (reapplied) keep_payload();
-      return Status::OK();
+    ran[t] = 1;
+  };
+  // Every task runs, even after another failed: a split item's record re-applies it whole, which
+  // is exact only once all its slices ran.
+  const Status pooled =
+      internal::ParallelFor(std::min<int>(threads, static_cast<int>(tasks.size())), tasks.size(),
+                            [&](uint64_t begin, uint64_t end) -> Status {
+                              auto scratch = std::make_unique<DeltaScratch>();
+                              for (uint64_t t = begin; t < end; ++t) run(t, *scratch);
+                              return Status::OK();
+                            });
+  if (!pooled.ok()) {
+    // No threads (the pool could not start): what did not run, runs here.
+    auto scratch = std::make_unique<DeltaScratch>();
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      if (!ran[t]) run(t, *scratch);
     }
   }
+  for (size_t t = 0; t < tasks.size(); ++t) {
+    if (tasks[t].slice) digest_deltas[groups[tasks[t].group].front()] += slice_digests[t];
+  }
+  for (const Status& status : task_status) {
+    if (status.ok()) continue;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!started[i]) records[i].reapply = false;
+    }
+    return fail(status);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    Status checked = CheckDeltaDigest(header, i, items[i], digest_deltas[i]);
+    if (!checked.ok()) return fail(checked);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    REFIT_RETURN_NOT_OK(store.AdjustDigest(items[i].name, digest_deltas[i]));
+  }
+  // The payload's XOR records are undone by applying it again: the log keeps its bytes.
+  if (reapplied) undo.KeepPayload(savepoint, std::move(*received));
+  return Status::OK();
+}
 
+/// Any payload, item by item in order on the calling thread.
+Status ApplyInOrder(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
+                    ValidatedPayload* received) {
+  const PayloadHeader& header = payload.header();
+  const auto items = payload.items();
+  const size_t savepoint = undo.Savepoint();
+  auto fail = [&](Status status) {
+    return RollBackPayload(undo, store, savepoint, payload, std::move(status));
+  };
   auto scratch = std::make_unique<DeltaScratch>();
   bool reapplied = false;
   for (size_t i = 0; i < items.size(); ++i) {
     const ItemView& item = items[i];
     MutableTensorView tensor = *store.Find(item.name);
-    undo->records_.push_back(UndoLog::Record{.tensor = std::string(item.name),
-                                             .width = DTypeSize(item.dtype),
-                                             .full = item.op == Op::kFull,
-                                             .span_begin = item.span_begin,
-                                             .digest_before = *store.Digest(item.name)});
-    UndoLog::Record& record = undo->records_.back();
-
+    UndoLog::Record& record =
+        undo.AddRecord(UndoLog::Record{.tensor = std::string(item.name),
+                                       .width = DTypeSize(item.dtype),
+                                       .full = item.op == Op::kFull,
+                                       .span_begin = item.span_begin,
+                                       .digest_before = *store.Digest(item.name)});
     if (item.op == Op::kFull) {
       FullSpanDigests digests;
       Status copied = CopyFullSpan(
-          item, tensor, store.DeviceMemory(item.name), old_bits_kept, digests,
-          [&](std::span<const std::byte> bits) { return undo->KeepFullSpan(record, bits); });
+          item, tensor, store.DeviceMemory(item.name), undo.KeepsFullBits(), digests,
+          [&](std::span<const std::byte> bits) { return undo.KeepFullSpan(record, bits); });
       if (!copied.ok()) return fail(copied);
       Status updated = SetFullSpanDigest(header, i, item, digests, store);
       if (!updated.ok()) return fail(updated);
       continue;
     }
-
-    // An XOR item is undone by applying it again when the log can keep its payload (in host
-    // memory: on a device, a scatter that failed halfway leaves elements a re-applied XOR would
-    // corrupt, so device records keep old bits).
-    const bool reapply =
-        received != nullptr && item.op == Op::kXor && store.DeviceMemory(item.name) == nullptr;
-    if (reapply) {
+    if (ReappliesItem(item, store, received)) {
       record.reapply = true;
       record.payload = kCurrentPayload;
       record.item = i;
@@ -516,8 +499,37 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     if (!checked.ok()) return fail(checked);
     REFIT_RETURN_NOT_OK(store.AdjustDigest(item.name, *digest_delta));
   }
-  if (reapplied) keep_payload();
+  if (reapplied) undo.KeepPayload(savepoint, std::move(*received));
   return Status::OK();
+}
+
+}  // namespace
+
+Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
+                    ValidatedPayload* received, int threads) {
+  if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
+  // The loader path is separate so that a store without one runs exactly the paths below.
+  if (store.has_loader()) return internal::ApplyThroughLoader(payload, store, *undo, threads);
+  const PayloadHeader& header = payload.header();
+  const auto items = payload.items();
+  for (size_t i = 0; i < items.size(); ++i) {
+    REFIT_RETURN_NOT_OK(CheckApplicable(header, i, items[i], store));
+  }
+  const bool all_full = std::all_of(items.begin(), items.end(),
+                                    [](const ItemView& item) { return item.op == Op::kFull; });
+  const bool any_full = std::any_of(items.begin(), items.end(),
+                                    [](const ItemView& item) { return item.op == Op::kFull; });
+  if (threads > 1 && all_full && items.size() > 1) {
+    return ApplyAnchorInParallel(payload, store, *undo, threads);
+  }
+  if (threads > 1 && !any_full) {
+    const std::vector<std::vector<size_t>> groups = GroupByTensor(items);
+    const std::vector<DeltaTask> tasks = DeltaTasks(payload, groups, store, received);
+    if (tasks.size() > 1) {
+      return ApplyDeltaInParallel(payload, store, *undo, received, threads, groups, tasks);
+    }
+  }
+  return ApplyInOrder(payload, store, *undo, received);
 }
 
 }  // namespace refit

@@ -69,27 +69,46 @@ class UndoLog {
   /// through a loader).
   size_t records() const;
 
-  /// One applied item (or piece of one); defined and used only by the applier.
+  /// One applied item (or piece of one); defined in apply_internal.h and made only by the
+  /// applier.
   struct Record;
 
- private:
-  friend Status ApplyPayload(const DecodedPayload&, WeightStore&, UndoLog*, ValidatedPayload*, int);
-  // Undo the records from `savepoint` on. `current` is the payload being applied, whose XOR
-  // records are not yet bound to kept bytes.
+  // ---- What the applier (apply.cc, apply_loader.cc) records while a payload applies. ---------
+
+  /// Where the records of the next payload begin: RollbackTo(savepoint) undoes exactly it.
+  size_t Savepoint() const;
+  /// Add `record`; the reference is valid until the next record is added.
+  Record& AddRecord(Record record);
+  /// Add records made apart (by the threads of a parallel apply), in order, after the others.
+  void AppendRecords(std::vector<Record>&& records);
+  /// The records from `savepoint` on.
+  std::span<Record> RecordsFrom(size_t savepoint);
+  /// Whether the old bits of a FULL span are kept (anchor_undo is not kNone).
+  bool KeepsFullBits() const { return options_.anchor_undo != AnchorUndo::kNone; }
+  /// Whether KeepFullSpan of distinct records may run on several threads at once without a lock
+  /// (kMemory: each record keeps its own bits; the others share the spill file or the flag).
+  bool KeepsFullBitsPerRecord() const { return options_.anchor_undo == AnchorUndo::kMemory; }
+  /// Keep `payload`: the XOR records from `savepoint` on that re-apply the payload being applied
+  /// now refer to it, and are undone by applying it again.
+  void KeepPayload(size_t savepoint, ValidatedPayload payload);
+  /// Undo the records from `savepoint` on, newest first. `current` is the payload being applied,
+  /// whose XOR records are not yet bound to kept bytes. Errors: as Rollback.
   Status RollbackTo(WeightStore& store, size_t savepoint, const DecodedPayload* current = nullptr);
-  // Keep the old bits of a FULL record's span, as the anchor_undo policy says, before they are
-  // overwritten. Errors: IoError when the spill file cannot be made or written.
+  /// Keep the old bits of a FULL record's span, as the anchor_undo policy says, before they are
+  /// overwritten. Errors: IoError when the spill file cannot be made or written.
   Status KeepFullSpan(Record& record, std::span<const std::byte> old_bits);
+  /// Before FULL spans of `records` (of `span_bytes` each) are kept from several threads at once:
+  /// set aside each record's range of the spill file, size its memory, or mark the log inexact,
+  /// so that KeepFullSpan of distinct records touches nothing shared. Errors: IoError.
+  Status ReserveFullSpans(std::span<Record> records, std::span<const uint64_t> span_bytes);
+
+ private:
   // Read `length` spilled bytes at `offset` back into `out`. Errors: IoError.
   Status ReadSpill(uint64_t offset, std::span<std::byte> out) const;
   // Shrink the spill file to what the remaining records use.
   void TrimSpill();
   // Make the spill file if there is none. Errors: IoError.
   Status OpenSpillFile();
-  // Before FULL spans of `records` (of `span_bytes` each) are kept from several threads at once:
-  // set aside each record's range of the spill file, size its memory, or mark the log inexact,
-  // so that KeepFullSpan of distinct records touches nothing shared. Errors: IoError.
-  Status ReserveFullSpans(std::span<Record> records, std::span<const uint64_t> span_bytes);
 
   UndoLogOptions options_;
   std::vector<Record> records_;

@@ -148,17 +148,11 @@ Status ReadDevice(TensorMemory& memory, uint64_t offset, std::span<std::byte> ou
 /// call each).
 Status WriteDevice(TensorMemory& memory, uint64_t offset, std::span<const std::byte> bytes);
 
-/// ApplyPayload through the store's loader (apply_loader.cc). `rollback_to(savepoint)` undoes
-/// the records from `savepoint` on (UndoLog::RollbackTo) and `keep_full` keeps a FULL record's
-/// old bits (UndoLog::KeepFullSpan), both of which only ApplyPayload may call; `keep_full` must
-/// be safe to call from several threads at once for distinct records. `threads` > 1: a payload
-/// (deltas, FULL items or both) whose items write more than one group of local tensors applies
-/// the groups in parallel, with the same all-or-nothing result.
-Status ApplyThroughLoader(
-    const DecodedPayload& payload, WeightStore& store, std::vector<UndoLog::Record>* records,
-    const std::function<Status(size_t savepoint)>& rollback_to,
-    const std::function<Status(UndoLog::Record&, std::span<const std::byte>)>& keep_full,
-    int threads);
+/// ApplyPayload through the store's loader (apply_loader.cc), recording into `undo`. `threads` > 1:
+/// a payload (deltas, FULL items or both) whose items write more than one group of local tensors
+/// applies the groups in parallel, with the same all-or-nothing result.
+Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
+                          int threads);
 
 }  // namespace internal
 }  // namespace refit

@@ -16,6 +16,7 @@
 #include "refit/loader.h"
 #include "refit/status_format.h"
 #include "util/check.h"
+#include "util/mutex.h"
 #include "util/thread_pool.h"
 
 namespace refit::internal {
@@ -398,11 +399,8 @@ std::vector<std::vector<size_t>> GroupByLocalTensor(
 
 }  // namespace
 
-Status ApplyThroughLoader(
-    const DecodedPayload& payload, WeightStore& store, std::vector<UndoLog::Record>* records,
-    const std::function<Status(size_t savepoint)>& rollback_to,
-    const std::function<Status(UndoLog::Record&, std::span<const std::byte>)>& keep_full,
-    int threads) {
+Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
+                          int threads) {
   const PayloadHeader& header = payload.header();
   const auto items = payload.items();
   std::vector<const CanonicalLayout*> layouts(items.size());
@@ -410,11 +408,22 @@ Status ApplyThroughLoader(
     REFIT_ASSIGN_OR_RETURN(layouts[i], CheckApplicableThroughLoader(header, i, items[i], store));
   }
 
-  const size_t savepoint = records->size();
+  const size_t savepoint = undo.Savepoint();
   auto fail = [&](Status status) {
-    Status rollback = rollback_to(savepoint);
+    Status rollback = undo.RollbackTo(store, savepoint);
     if (!rollback.ok()) return rollback.WithContext(status.ToString());
     return status;
+  };
+  // Records through a loader are made while their items apply, so their spill ranges cannot be
+  // set aside beforehand (ReserveFullSpans): with several threads, keeping old bits in the spill
+  // file (its end) or marking the log inexact is serialized. Memory needs no lock: each record
+  // keeps its own bits.
+  Mutex keep_mutex;
+  const bool keep_locked = threads > 1 && !undo.KeepsFullBitsPerRecord();
+  auto keep_full = [&](UndoLog::Record& record, std::span<const std::byte> old_bits) {
+    if (!keep_locked) return undo.KeepFullSpan(record, old_bits);
+    MutexLock lock(keep_mutex);
+    return undo.KeepFullSpan(record, old_bits);
   };
 
   // A payload of several groups: each group on one thread, its items in order, every item's
@@ -455,9 +464,7 @@ Status ApplyThroughLoader(
             return Status::OK();
           });
       // Whatever was written is in these records, after an error too: they join the log first.
-      for (ItemWrites& mine : applied_items) {
-        for (UndoLog::Record& record : mine.records) records->push_back(std::move(record));
-      }
+      for (ItemWrites& mine : applied_items) undo.AppendRecords(std::move(mine.records));
       if (!applied.ok()) return fail(applied);
       for (size_t i = 0; i < items.size(); ++i) {
         if (layouts[i]->skipped || layouts[i]->pieces.empty()) continue;
@@ -477,6 +484,8 @@ Status ApplyThroughLoader(
   // One scratch per payload (128 KiB): too large for the stack of an arbitrary caller thread.
   auto scratch = std::make_unique<PieceScratch>();
   std::vector<PieceWrite> writes;
+  // One item's records, made as it applies; they join the log before anything can undo them.
+  std::vector<UndoLog::Record> records;
   for (size_t i = 0; i < items.size(); ++i) {
     const ItemView& item = items[i];
     const CanonicalLayout& layout = *layouts[i];
@@ -486,13 +495,11 @@ Status ApplyThroughLoader(
       writes[p].local = *store.Find(layout.pieces[p].local_tensor);
       writes[p].device = store.DeviceMemory(layout.pieces[p].local_tensor);
     }
-    if (item.op == Op::kFull) {
-      Status applied = ApplyFullToPieces(item, layout, store, writes, records, keep_full);
-      if (!applied.ok()) return fail(applied);
-    } else {
-      Status applied = ApplyDeltaToPieces(item, layout, store, writes, *scratch, records);
-      if (!applied.ok()) return fail(applied);
-    }
+    Status applied = item.op == Op::kFull
+                         ? ApplyFullToPieces(item, layout, store, writes, &records, keep_full)
+                         : ApplyDeltaToPieces(item, layout, store, writes, *scratch, &records);
+    undo.AppendRecords(std::move(records));
+    if (!applied.ok()) return fail(applied);
     Status checked = CheckItemThroughLoader(header, i, item, layout, writes);
     if (!checked.ok()) return fail(checked);
     REFIT_RETURN_NOT_OK(AdjustDigestsThroughLoader(layout, writes, store));

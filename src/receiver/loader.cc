@@ -13,6 +13,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "core/digest.h"
+#include "core/yaml_reader.h"
 #include "refit/status_format.h"
 
 namespace refit {
@@ -797,89 +798,9 @@ Result<std::unique_ptr<CanonicalLayout>> Loader::Build(std::string_view canonica
 
 namespace {
 
-std::string_view NodeKind(const YAML::Node& node) {
-  switch (node.Type()) {
-    case YAML::NodeType::Null:
-      return "null";
-    case YAML::NodeType::Scalar:
-      return "a scalar";
-    case YAML::NodeType::Sequence:
-      return "a sequence";
-    case YAML::NodeType::Map:
-      return "a mapping";
-    case YAML::NodeType::Undefined:
-      break;
-  }
-  return "nothing";
-}
-
-/// Produces errors that name the source, the position and the key path ("rules[2].num_heads").
-class SpecReader {
- public:
-  explicit SpecReader(std::string_view source) : source_(source) {}
-
-  Status Error(const YAML::Mark& mark, std::string_view path, std::string_view message) const {
-    if (mark.is_null()) return InvalidArgument("{}: {}: {}", source_, path, message);
-    return InvalidArgument("{}:{}:{}: {}: {}", source_, mark.line + 1, mark.column + 1, path,
-                           message);
-  }
-
-  Result<std::string> Scalar(const YAML::Node& node, const YAML::Mark& mark,
-                             std::string_view path) const {
-    if (!node.IsScalar()) {
-      return Error(mark, path, fmt::format("expected a scalar value, got {}", NodeKind(node)));
-    }
-    return node.Scalar();
-  }
-
-  Result<uint64_t> Unsigned(const YAML::Node& node, const YAML::Mark& mark, std::string_view path,
-                            uint64_t min, uint64_t max) const {
-    REFIT_ASSIGN_OR_RETURN(const std::string text, Scalar(node, mark, path));
-    // YAML allows an explicit '+'; from_chars does not.
-    const std::string_view digits =
-        text.starts_with('+') ? std::string_view(text).substr(1) : std::string_view(text);
-    uint64_t value = 0;
-    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
-    const bool whole = !digits.empty() && end == digits.data() + digits.size();
-    if (!whole || (error != std::errc() && error != std::errc::result_out_of_range)) {
-      return Error(mark, path, fmt::format("expected a non-negative integer, got '{}'", text));
-    }
-    if (error == std::errc::result_out_of_range || value < min || value > max) {
-      return Error(mark, path, fmt::format("{} is outside [{}, {}]", text, min, max));
-    }
-    return value;
-  }
-
- private:
-  std::string_view source_;
-};
-
-/// Iterate the keys of mapping `node`, rejecting non-scalar and repeated keys; `visit(name, key
-/// mark, value)` handles each.
-template <typename Visit>
-Status ForEachKey(const SpecReader& reader, const YAML::Node& node, std::string_view path,
-                  Visit&& visit) {
-  std::map<std::string, YAML::Mark, std::less<>> seen;
-  for (const auto& entry : node) {
-    // Copies: yaml-cpp's iterator yields a temporary pair, and nodes are handles.
-    const YAML::Node key = entry.first;
-    const YAML::Node value = entry.second;
-    if (!key.IsScalar()) {
-      return reader.Error(key.Mark(), path,
-                          fmt::format("keys must be scalars, got {}", NodeKind(key)));
-    }
-    const std::string& name = key.Scalar();
-    const std::string key_path = path.empty() ? name : fmt::format("{}.{}", path, name);
-    const auto [previous, inserted] = seen.emplace(name, key.Mark());
-    if (!inserted) {
-      return reader.Error(
-          key.Mark(), key_path,
-          fmt::format("duplicate key (first at line {})", previous->second.line + 1));
-    }
-    REFIT_RETURN_NOT_OK(visit(name, key_path, key.Mark(), value));
-  }
-  return Status::OK();
-}
+using internal::YamlNodeKind;
+using internal::YamlReader;
+using internal::YamlWhere;
 
 std::string RuleKeyList(LoaderKind kind) {
   std::string out;
@@ -892,35 +813,34 @@ std::string RuleKeyList(LoaderKind kind) {
 }
 
 /// Read one rule mapping; `marks` receives the position of each key given.
-Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Mark& rule_mark,
-                const std::string& path, LoaderRule* rule,
-                std::map<std::string, YAML::Mark, std::less<>>* marks) {
+Status ReadRule(const YamlReader& reader, const YAML::Node& node, const YamlWhere& rule_where,
+                LoaderRule* rule, std::map<std::string, YAML::Mark, std::less<>>* marks) {
   if (!node.IsMap()) {
-    return reader.Error(rule_mark, path,
-                        fmt::format("expected a mapping with a kind, got {}", NodeKind(node)));
+    return reader.Error(rule_where,
+                        fmt::format("expected a mapping with a kind, got {}", YamlNodeKind(node)));
   }
   const YAML::Node kind_node = node["kind"];
+  const YamlWhere kind_where{rule_where.path + ".kind", kind_node.Mark()};
   if (!kind_node.IsDefined() || kind_node.IsNull()) {
-    return reader.Error(rule_mark, path + ".kind",
+    return reader.Error(YamlWhere{kind_where.path, rule_where.mark},
                         fmt::format("missing; a rule needs one of {}", KindNames()));
   }
-  REFIT_ASSIGN_OR_RETURN(const std::string kind_text,
-                         reader.Scalar(kind_node, kind_node.Mark(), path + ".kind"));
+  REFIT_ASSIGN_OR_RETURN(const std::string kind_text, reader.Scalar(kind_node, kind_where));
   Result<LoaderKind> kind = ParseLoaderKind(kind_text);
-  if (!kind.ok()) return reader.Error(kind_node.Mark(), path + ".kind", kind.status().message());
+  if (!kind.ok()) return reader.Error(kind_where, kind.status().message());
   rule->kind = *kind;
-  return ForEachKey(
-      reader, node, path,
-      [&](const std::string& key, const std::string& key_path, const YAML::Mark& mark,
-          const YAML::Node& value) -> Status {
+  return reader.ForEachKey(
+      node, rule_where,
+      [&](const std::string& key, const YamlWhere& where, const YAML::Node& value) -> Status {
+        const YAML::Mark& mark = where.mark;
         if (key == "kind") return Status::OK();
         if (std::find(std::begin(kRuleKeys), std::end(kRuleKeys), key) == std::end(kRuleKeys)) {
-          return reader.Error(mark, key_path,
-                              fmt::format("unknown key; a {} rule takes {}",
-                                          LoaderKindName(rule->kind), RuleKeyList(rule->kind)));
+          return reader.Error(
+              where, fmt::format("unknown key; a {} rule takes {}", LoaderKindName(rule->kind),
+                                 RuleKeyList(rule->kind)));
         }
         if (!KeyApplies(rule->kind, key)) {
-          return reader.Error(mark, key_path,
+          return reader.Error(where,
                               fmt::format("does not apply to a {} rule, which takes {}",
                                           LoaderKindName(rule->kind), RuleKeyList(rule->kind)));
         }
@@ -934,32 +854,29 @@ Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Ma
                             : key == "up"   ? &rule->up
                                             : nullptr;
         if (text != nullptr) {
-          REFIT_ASSIGN_OR_RETURN(*text, reader.Scalar(value, mark, key_path));
+          REFIT_ASSIGN_OR_RETURN(*text, reader.Scalar(value, where));
           return Status::OK();
         }
         if (key == "num_heads" || key == "num_kv_heads") {
           REFIT_ASSIGN_OR_RETURN(const uint64_t heads,
-                                 reader.Unsigned(value, mark, key_path, 1, UINT32_MAX));
+                                 reader.Unsigned(value, where, 1, UINT32_MAX));
           (key == "num_heads" ? rule->num_heads : rule->num_kv_heads) =
               static_cast<uint32_t>(heads);
           return Status::OK();
         }
         if (key == "vocab_size") {
-          REFIT_ASSIGN_OR_RETURN(rule->vocab_size,
-                                 reader.Unsigned(value, mark, key_path, 1, INT64_MAX));
+          REFIT_ASSIGN_OR_RETURN(rule->vocab_size, reader.Unsigned(value, where, 1, INT64_MAX));
           return Status::OK();
         }
         if (key == "experts") {
           if (!value.IsSequence()) {
-            return reader.Error(
-                mark, key_path,
-                fmt::format("expected a sequence of expert indices, got {}", NodeKind(value)));
+            return reader.Error(where, fmt::format("expected a sequence of expert indices, got {}",
+                                                   YamlNodeKind(value)));
           }
           for (const YAML::Node& element : value) {
             REFIT_ASSIGN_OR_RETURN(
                 const uint64_t expert,
-                reader.Unsigned(element, element.Mark(),
-                                fmt::format("{}[{}]", key_path, rule->experts.size()), 0,
+                reader.Unsigned(element, where.Element(rule->experts.size(), element.Mark()), 0,
                                 UINT32_MAX - 1));
             rule->experts.push_back(static_cast<uint32_t>(expert));
           }
@@ -968,15 +885,14 @@ Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Ma
         if (key == "expert_group" || key == "num_experts" || key == "expert_tp_rank" ||
             key == "expert_tp_size") {
           const uint64_t min = key == "expert_tp_rank" ? 0 : 1;
-          REFIT_ASSIGN_OR_RETURN(const uint64_t n,
-                                 reader.Unsigned(value, mark, key_path, min, UINT32_MAX));
+          REFIT_ASSIGN_OR_RETURN(const uint64_t n, reader.Unsigned(value, where, min, UINT32_MAX));
           (key == "expert_group"     ? rule->expert_group
            : key == "num_experts"    ? rule->num_experts
            : key == "expert_tp_rank" ? rule->expert_tp_rank
                                      : rule->expert_tp_size) = static_cast<uint32_t>(n);
           return Status::OK();
         }
-        REFIT_ASSIGN_OR_RETURN(rule->pad_to, reader.Unsigned(value, mark, key_path, 1, UINT32_MAX));
+        REFIT_ASSIGN_OR_RETURN(rule->pad_to, reader.Unsigned(value, where, 1, UINT32_MAX));
         return Status::OK();
       });
 }
@@ -984,73 +900,67 @@ Status ReadRule(const SpecReader& reader, const YAML::Node& node, const YAML::Ma
 }  // namespace
 
 Result<LoaderSpec> LoaderSpecFromYaml(std::string_view yaml_text, std::string_view source_name) {
-  const SpecReader reader(source_name);
+  const YamlReader reader{std::string(source_name)};
   LoaderSpec spec;
-  // yaml-cpp reports errors by exception; they stop here, as the project uses none. One document
-  // only: YAML::LoadAll of yaml-cpp 0.7 can hang on malformed input.
-  try {
-    const YAML::Node root = YAML::Load(std::string(yaml_text));
-    if (root.IsNull()) return spec;
-    if (!root.IsMap()) {
-      return InvalidArgument("{}: expected a mapping with tp_rank, tp_size and rules, got {}",
-                             source_name, NodeKind(root));
-    }
-    YAML::Mark tp_rank_mark = YAML::Mark::null_mark();
-    std::vector<YAML::Mark> rule_marks;
-    std::vector<std::map<std::string, YAML::Mark, std::less<>>> key_marks;
-    const Status read = ForEachKey(
-        reader, root, "",
-        [&](const std::string& key, const std::string& path, const YAML::Mark& mark,
-            const YAML::Node& value) -> Status {
-          if (key == "tp_rank" || key == "tp_size") {
-            REFIT_ASSIGN_OR_RETURN(
-                const uint64_t n,
-                reader.Unsigned(value, mark, path, key == "tp_size" ? 1 : 0, UINT32_MAX));
-            if (key == "tp_rank") {
-              spec.tp_rank = static_cast<uint32_t>(n);
-              tp_rank_mark = mark;
-            } else {
-              spec.tp_size = static_cast<uint32_t>(n);
-            }
-            return Status::OK();
-          }
-          if (key != "rules") {
-            return reader.Error(mark, path, "unknown key; known keys: tp_rank, tp_size, rules");
-          }
-          if (value.IsNull()) return Status::OK();
-          if (!value.IsSequence()) {
-            return reader.Error(
-                mark, path, fmt::format("expected a sequence of rules, got {}", NodeKind(value)));
-          }
-          for (const YAML::Node& element : value) {
-            const std::string rule_path = fmt::format("rules[{}]", spec.rules.size());
-            LoaderRule rule;
-            key_marks.emplace_back();
-            REFIT_RETURN_NOT_OK(
-                ReadRule(reader, element, element.Mark(), rule_path, &rule, &key_marks.back()));
-            spec.rules.push_back(std::move(rule));
-            rule_marks.push_back(element.Mark());
+  // One document only: YAML::LoadAll of yaml-cpp 0.7 can hang on malformed input.
+  REFIT_ASSIGN_OR_RETURN(const YAML::Node root, internal::LoadYamlDocument(yaml_text, source_name));
+  if (root.IsNull()) return spec;
+  if (!root.IsMap()) {
+    return InvalidArgument("{}: expected a mapping with tp_rank, tp_size and rules, got {}",
+                           source_name, YamlNodeKind(root));
+  }
+  YAML::Mark tp_rank_mark = YAML::Mark::null_mark();
+  std::vector<YAML::Mark> rule_marks;
+  std::vector<std::map<std::string, YAML::Mark, std::less<>>> key_marks;
+  const Status read = reader.ForEachKey(
+      root, YamlWhere{},
+      [&](const std::string& key, const YamlWhere& where, const YAML::Node& value) -> Status {
+        if (key == "tp_rank" || key == "tp_size") {
+          REFIT_ASSIGN_OR_RETURN(
+              const uint64_t n,
+              reader.Unsigned(value, where, key == "tp_size" ? 1 : 0, UINT32_MAX));
+          if (key == "tp_rank") {
+            spec.tp_rank = static_cast<uint32_t>(n);
+            tp_rank_mark = where.mark;
+          } else {
+            spec.tp_size = static_cast<uint32_t>(n);
           }
           return Status::OK();
-        });
-    REFIT_RETURN_NOT_OK(read);
-    if (spec.tp_rank >= spec.tp_size) {
-      return reader.Error(tp_rank_mark, "tp_rank",
-                          fmt::format("{} is not below tp_size {}", spec.tp_rank, spec.tp_size));
+        }
+        if (key != "rules") {
+          return reader.Error(where, "unknown key; known keys: tp_rank, tp_size, rules");
+        }
+        if (value.IsNull()) return Status::OK();
+        if (!value.IsSequence()) {
+          return reader.Error(
+              where, fmt::format("expected a sequence of rules, got {}", YamlNodeKind(value)));
+        }
+        for (const YAML::Node& element : value) {
+          LoaderRule rule;
+          key_marks.emplace_back();
+          REFIT_RETURN_NOT_OK(
+              ReadRule(reader, element,
+                       YamlWhere{fmt::format("rules[{}]", spec.rules.size()), element.Mark()},
+                       &rule, &key_marks.back()));
+          spec.rules.push_back(std::move(rule));
+          rule_marks.push_back(element.Mark());
+        }
+        return Status::OK();
+      });
+  REFIT_RETURN_NOT_OK(read);
+  if (spec.tp_rank >= spec.tp_size) {
+    return reader.Error(YamlWhere{"tp_rank", tp_rank_mark},
+                        fmt::format("{} is not below tp_size {}", spec.tp_rank, spec.tp_size));
+  }
+  // The checks that need the whole spec (tp_size may follow the rules).
+  std::vector<std::regex> compiled;
+  for (size_t i = 0; i < spec.rules.size(); ++i) {
+    if (auto problem = CheckRule(spec.rules[i], spec.tp_size, &compiled)) {
+      const auto mark = key_marks[i].find(problem->key);
+      return reader.Error(YamlWhere{fmt::format("rules[{}].{}", i, problem->key),
+                                    mark == key_marks[i].end() ? rule_marks[i] : mark->second},
+                          problem->message);
     }
-    // The checks that need the whole spec (tp_size may follow the rules).
-    std::vector<std::regex> compiled;
-    for (size_t i = 0; i < spec.rules.size(); ++i) {
-      if (auto problem = CheckRule(spec.rules[i], spec.tp_size, &compiled)) {
-        const auto mark = key_marks[i].find(problem->key);
-        return reader.Error(mark == key_marks[i].end() ? rule_marks[i] : mark->second,
-                            fmt::format("rules[{}].{}", i, problem->key), problem->message);
-      }
-    }
-  } catch (const YAML::Exception& e) {
-    if (e.mark.is_null()) return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
-    return InvalidArgument("{}:{}:{}: YAML syntax error: {}", source_name, e.mark.line + 1,
-                           e.mark.column + 1, e.msg);
   }
   return spec;
 }

@@ -2,6 +2,10 @@
 // FIFO apply queue drained by one apply thread, flush with verification, commit, and abort with a
 // bit-exact rollback. Transport-independent: `refit serve` feeds it from ZeroMQ and HTTP.
 //
+// Three rooms: the TransferLedger (transfer_ledger.h) says what the protocol allows, as pure
+// state; the ApplyQueue (apply_queue.h) does the work — decode ahead, apply, undo; this session
+// joins them under one lock and runs the engine hooks without it.
+//
 // Lifecycle of one transfer T (base version v, target v + 1):
 //
 //   kIdle (at v) ──Prepare(T)──▶ kReceiving ──Flush(T)──▶ kPrepared ──Commit(T)──▶ kIdle (at v+1)
@@ -24,6 +28,7 @@
 #include <stop_token>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "refit/anchor_undo.h"
@@ -61,17 +66,23 @@ namespace refit {
 /// Finished transfer ids (committed or aborted) are remembered (remembered_transfers): their
 /// payloads and a new Prepare with their id are refused, because replaying an XOR delta reverts it.
 ///
+/// A receiving transfer quiet for options.preempt_after is rolled back by a Prepare of another
+/// transfer from the same base (PrepareResult::implied_abort): its coordinator died, and a
+/// transfer this receiver never flushed was committed nowhere.
+///
 /// Thread-safety: every member function may be called concurrently from any thread. Stage and
 /// TryStage are meant for many transport threads; the control calls (Prepare, Flush, Commit,
-/// Abort) for the control plane. One mutex guards the state; blocked callers (Stage on a full
-/// queue, Flush waiting for payloads, Abort waiting for the payload being applied) wait on
-/// condition variables without holding it. Payloads are decoded and applied on the session's own
-/// apply thread without the lock. No call may be in flight when the session is destroyed.
+/// Abort) for the control plane. One mutex (the apply queue's) guards the ledger and the queue;
+/// blocked callers (Stage on a full queue, Flush waiting for payloads, Abort waiting for the
+/// payload being applied, a repeated Commit waiting for the first one's hook) wait on condition
+/// variables without holding it. Payloads are decoded and applied on the session's own threads
+/// without the lock, and the engine hooks run without it. No call may be in flight when the
+/// session is destroyed.
 ///
 /// The store must outlive the session, and while the session exists it is the only writer of
 /// the store's bytes, digests and version. Reading the store is safe while no transfer is open,
 /// or while one is kPrepared and no Commit or Abort runs concurrently.
-class ReceiverSession final : public ReceiverControl {
+class ReceiverSession final : public ReceiverControl, public PayloadSink {
  public:
   /// Create a session idle at store.version() and start its apply thread.
   /// Errors: InvalidArgument for apply_queue_depth or remembered_transfers outside
@@ -168,11 +179,25 @@ class ReceiverSession final : public ReceiverControl {
   /// rollback cannot find a tensor (the transfer then stays open).
   Status Abort(const TransferId& id) override;
 
+  // ---- PayloadSink: a transport's Listener delivers into the session itself. ----------------
+
+  /// Stage a payload a listener received (Stage, blocking while the apply queue is full).
+  Result<StageResult> Deliver(ValidatedPayload payload, std::stop_token stop) override {
+    return Stage(std::move(payload), std::move(stop));
+  }
+  /// Record a stream end a listener received (EndStream).
+  Status EndOfStream(const StreamEnd& end) override { return EndStream(end); }
+  /// Whether `transfer_id` is the open transfer (prepared, not yet committed or aborted).
+  bool IsTransferOpen(const TransferId& transfer_id) const override;
+
   /// What the store's loader holds of each named canonical tensor (ReceiverControl::Regions);
   /// empty without a loader. Resolves each name (cached by the loader); touches no weights.
   Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override;
 
-  /// Return a snapshot of the state and counters. Cheap (no store access).
+  /// Return a snapshot of the state and counters. Cheap (no store access). Its version is the
+  /// last committed version once its after_commit hook returned: while the hook moves the bytes
+  /// into the engine's memory, the version before it is reported (a reader never sees a version
+  /// the engine does not hold yet).
   ReceiverStatus GetStatus() const;
 
  private:

@@ -203,6 +203,29 @@ Status UndoLog::ReadSpill(uint64_t offset, std::span<std::byte> out) const {
 
 size_t UndoLog::records() const { return records_.size(); }
 
+size_t UndoLog::Savepoint() const { return records_.size(); }
+
+UndoLog::Record& UndoLog::AddRecord(Record record) {
+  return records_.emplace_back(std::move(record));
+}
+
+void UndoLog::AppendRecords(std::vector<Record>&& records) {
+  for (Record& record : records) records_.push_back(std::move(record));
+  records.clear();
+}
+
+std::span<UndoLog::Record> UndoLog::RecordsFrom(size_t savepoint) {
+  return std::span<Record>(records_).subspan(savepoint);
+}
+
+void UndoLog::KeepPayload(size_t savepoint, ValidatedPayload payload) {
+  const size_t slot = payloads_.size();
+  payloads_.push_back(std::move(payload));
+  for (size_t r = savepoint; r < records_.size(); ++r) {
+    if (records_[r].reapply) records_[r].payload = slot;
+  }
+}
+
 uint64_t UndoLog::bytes() const {
   uint64_t total = payload_bytes();
   for (const Record& r : records_)

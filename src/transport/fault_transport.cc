@@ -44,6 +44,7 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 #include "util/splitmix64.h"
 
 namespace refit::internal {
@@ -83,10 +84,18 @@ struct FaultPlan {
 class FaultSender final : public TransportSender {
  public:
   FaultSender(std::unique_ptr<TransportSender> inner, const FaultPlan& plan, std::string uri,
-              uint32_t producer_id)
-      : inner_(std::move(inner)), plan_(plan), uri_(std::move(uri)), producer_id_(producer_id) {}
+              PayloadLimits limits)
+      : TransportSender(inner->context(), limits),
+        inner_(std::move(inner)),
+        plan_(plan),
+        uri_(std::move(uri)),
+        producer_id_(context().producer_id) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
+  void CleanupThread() override { inner_->CleanupThread(); }
+
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
     const uint64_t call = calls_.fetch_add(1);
     if (plan_.disconnect_after && call >= *plan_.disconnect_after) {
       return Unavailable(
@@ -120,13 +129,11 @@ class FaultSender final : public TransportSender {
     return Status::OK();
   }
 
-  void CleanupThread() override { inner_->CleanupThread(); }
-
-  Status Finish(uint64_t payloads) override { return inner_->Finish(payloads); }
+  Status EndStream(uint64_t payloads) override { return inner_->Finish(payloads); }
 
  private:
   uint64_t NextAttempt(uint32_t payload_id) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return attempts_[payload_id]++;
   }
 
@@ -148,22 +155,23 @@ class FaultSender final : public TransportSender {
   const std::string uri_;
   const uint32_t producer_id_;
   std::atomic<uint64_t> calls_{0};
-  std::mutex mutex_;
+  internal::Mutex mutex_;
   // Send calls so far per payload id.
   std::unordered_map<uint32_t, uint64_t> attempts_;
 };
 
 class FaultTransport final : public Transport {
  public:
-  FaultTransport(TransportUri uri, const FaultPlan& plan, std::unique_ptr<Transport> inner)
-      : Transport(std::move(uri)), plan_(plan), inner_(std::move(inner)) {}
+  FaultTransport(TransportUri uri, const FaultPlan& plan, PayloadLimits limits,
+                 std::unique_ptr<Transport> inner)
+      : Transport(std::move(uri)), plan_(plan), limits_(limits), inner_(std::move(inner)) {}
 
   TransportCapabilities capabilities() const override { return inner_->capabilities(); }
 
   Result<std::unique_ptr<TransportSender>> MakeSender(const SenderContext& context) override {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> inner, inner_->MakeSender(context));
     return std::unique_ptr<TransportSender>(std::make_unique<FaultSender>(
-        std::move(inner), plan_, Printable(uri().ToString()), context.producer_id));
+        std::move(inner), plan_, Printable(uri().ToString()), limits_));
   }
 
   Result<std::unique_ptr<Listener>> MakeListener(const ListenerContext& context,
@@ -177,6 +185,7 @@ class FaultTransport final : public Transport {
 
  private:
   const FaultPlan plan_;
+  const PayloadLimits limits_;
   const std::unique_ptr<Transport> inner_;
 };
 
@@ -226,7 +235,7 @@ Result<std::unique_ptr<Transport>> MakeFaultTransport(const TransportUri& uri,
   }
   REFIT_LOG_WARN("fault injection is active on transport '{}'", Printable(uri.ToString()));
   return std::unique_ptr<Transport>(
-      std::make_unique<FaultTransport>(uri, plan, std::move(inner).ValueOrDie()));
+      std::make_unique<FaultTransport>(uri, plan, options.limits, std::move(inner).ValueOrDie()));
 }
 
 }  // namespace refit::internal

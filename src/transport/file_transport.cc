@@ -54,6 +54,7 @@
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -290,38 +291,33 @@ std::string InboxPath(const std::string& root, const std::string& inbox) {
 class FileSender final : public TransportSender {
  public:
   FileSender(std::string root, SenderContext context, PayloadLimits limits, uint64_t nonce_base)
-      : root_(std::move(root)),
-        context_(std::move(context)),
-        limits_(limits),
-        transfer_name_(context_.transfer_id.ToHex()),
-        producer_name_(IdName(context_.producer_id)),
+      : TransportSender(std::move(context), limits),
+        root_(std::move(root)),
+        transfer_name_(this->context().transfer_id.ToHex()),
+        producer_name_(IdName(this->context().producer_id)),
         next_nonce_(nonce_base) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
-    for (const std::string& inbox : context_.endpoints) {
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
+    for (const std::string& inbox : context().endpoints) {
       REFIT_RETURN_NOT_OK(Write(inbox, PayloadName(payload_id), payload)
                               .WithContext(fmt::format("file://{}: payload {} of producer {}",
-                                                       root_, payload_id, context_.producer_id)));
+                                                       root_, payload_id, context().producer_id)));
     }
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
+  Status EndStream(uint64_t payloads) override {
     const std::string marker = fmt::format("{}\n", payloads);
-    for (const std::string& inbox : context_.endpoints) {
+    for (const std::string& inbox : context().endpoints) {
       REFIT_RETURN_NOT_OK(Write(inbox, kDoneName, std::as_bytes(std::span(marker)))
                               .WithContext(fmt::format("file://{}: end of producer {}", root_,
-                                                       context_.producer_id)));
+                                                       context().producer_id)));
     }
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   // Write one file into this producer's directory of `inbox`, creating the directories.
   Status Write(const std::string& inbox, std::string_view name, std::span<const std::byte> bytes) {
     // The drop directory is a mount point: if it is gone, creating it again would write to the
@@ -354,12 +350,9 @@ class FileSender final : public TransportSender {
   }
 
   const std::string root_;
-  const SenderContext context_;
-  const PayloadLimits limits_;
   const std::string transfer_name_;
   const std::string producer_name_;
   std::atomic<uint64_t> next_nonce_;
-  SenderProgress progress_;
 };
 
 // ---- Listener --------------------------------------------------------------------------------
@@ -403,7 +396,7 @@ class FileListener final : public Listener {
   ~FileListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     if (started_ || stopped_) {
       return FailedPrecondition("file://{}: listener of inbox '{}' was started before", root_,
                                 inbox_);
@@ -432,20 +425,20 @@ class FileListener final : public Listener {
 
   void Stop() override {
     {
-      std::lock_guard lock(state_mutex_);
+      internal::MutexLock lock(state_mutex_);
       if (stopped_) return;
       stopped_ = true;
     }
     stop_.request_stop();
     if (thread_.joinable()) thread_.join();
     // Wait for a Poll running on another thread: after Stop the sink is never called again.
-    std::lock_guard poll_lock(poll_mutex_);
+    internal::MutexLock poll_lock(poll_mutex_);
   }
 
   Result<PollReport> Poll() override { return PollRound(); }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     return stats_;
   }
 
@@ -455,8 +448,8 @@ class FileListener final : public Listener {
   void RunPolling() {
     NameCurrentThread(kPollThreadName);
     const std::stop_token stop = stop_.get_token();
-    std::mutex wait_mutex;
-    std::condition_variable_any wake;
+    internal::Mutex wait_mutex;
+    internal::CondVar wake;
     Status previous;
     while (!stop.stop_requested()) {
       Result<PollReport> round = PollRound();
@@ -470,15 +463,15 @@ class FileListener final : public Listener {
         }
         previous = round.status();
       }
-      std::unique_lock lock(wait_mutex);
+      internal::MutexLock lock(wait_mutex);
       wake.wait_for(lock, stop, poll_interval_, [] { return false; });
     }
   }
 
   Result<PollReport> PollRound() {
-    std::lock_guard poll_lock(poll_mutex_);
+    internal::MutexLock poll_lock(poll_mutex_);
     {
-      std::lock_guard lock(state_mutex_);
+      internal::MutexLock lock(state_mutex_);
       if (!started_ || stopped_) {
         return FailedPrecondition("file://{}: listener of inbox '{}' is {}", root_, inbox_,
                                   stopped_ ? "stopped" : "not started");
@@ -494,7 +487,7 @@ class FileListener final : public Listener {
       std::erase_if(kept_, [&](const auto& entry) { return !seen.contains(entry.first); });
     }
 
-    std::lock_guard lock(state_mutex_);
+    internal::MutexLock lock(state_mutex_);
     stats_.delivered += report.delivered;
     stats_.duplicates += report.duplicates;
     stats_.streams_ended += report.ended.size();
@@ -726,13 +719,13 @@ class FileListener final : public Listener {
   PayloadSink& sink_;
   std::stop_source stop_;
 
-  mutable std::mutex state_mutex_;
+  mutable internal::Mutex state_mutex_;
   bool started_ = false;
   bool stopped_ = false;
   ListenerStats stats_;
 
   // Serialises rounds; guards round_ and kept_.
-  std::mutex poll_mutex_;
+  internal::Mutex poll_mutex_;
   uint64_t round_ = 0;
   std::map<std::string, KeptFile> kept_;
 

@@ -18,6 +18,7 @@
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -40,7 +41,7 @@ class InprocEndpoint {
     Result<StageResult> result = validated.ok()
                                      ? sink_.Deliver(std::move(*validated), stop_.get_token())
                                      : Result<StageResult>(validated.status());
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (result.ok()) {
       ++(*result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
     } else {
@@ -54,7 +55,7 @@ class InprocEndpoint {
   Status EndOfStream(const StreamEnd& end) {
     REFIT_RETURN_NOT_OK(Enter());
     Status status = sink_.EndOfStream(end);
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (status.ok()) {
       ++stats_.streams_ended;
     } else {
@@ -68,22 +69,22 @@ class InprocEndpoint {
   // Refuse new deliveries, cancel blocked ones, and wait until none runs.
   void Close() {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       closed_ = true;
     }
     stop_.request_stop();
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     idle_.wait(lock, [this] { return active_ == 0; });
   }
 
   ListenerStats stats() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return stats_;
   }
 
  private:
   Status Enter() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (closed_) return Unavailable("the listener stopped");
     ++active_;
     return Status::OK();
@@ -97,8 +98,8 @@ class InprocEndpoint {
   PayloadSink& sink_;
   const PayloadLimits limits_;
   std::stop_source stop_;
-  mutable std::mutex mutex_;
-  std::condition_variable idle_;
+  mutable internal::Mutex mutex_;
+  internal::CondVar idle_;
   int active_ = 0;
   bool closed_ = false;
   ListenerStats stats_;
@@ -114,7 +115,7 @@ class InprocDirectory {
 
   Status Bind(const std::string& hub, const std::string& name,
               std::shared_ptr<InprocEndpoint> endpoint) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (!endpoints_.emplace(std::pair(hub, name), std::move(endpoint)).second) {
       return AlreadyExists("inproc://{}: endpoint '{}' is already bound", hub, name);
     }
@@ -123,20 +124,20 @@ class InprocDirectory {
 
   // Unbind `name` if `endpoint` is still the one bound there.
   void Unbind(const std::string& hub, const std::string& name, const InprocEndpoint* endpoint) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     auto it = endpoints_.find(std::pair(hub, name));
     if (it != endpoints_.end() && it->second.get() == endpoint) endpoints_.erase(it);
   }
 
   // Return the endpoint bound at `name`, or null.
   std::shared_ptr<InprocEndpoint> Find(const std::string& hub, const std::string& name) const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     auto it = endpoints_.find(std::pair(hub, name));
     return it == endpoints_.end() ? nullptr : it->second;
   }
 
  private:
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   std::map<std::pair<std::string, std::string>, std::shared_ptr<InprocEndpoint>> endpoints_;
 };
 
@@ -155,48 +156,41 @@ Status CheckEndpointName(const std::string& hub, const std::string& name) {
 class InprocSender final : public TransportSender {
  public:
   InprocSender(std::string hub, SenderContext context, PayloadLimits limits)
-      : hub_(std::move(hub)), context_(std::move(context)), limits_(limits) {}
+      : TransportSender(std::move(context), limits), hub_(std::move(hub)) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
-    for (const std::string& name : context_.endpoints) {
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
+    for (const std::string& name : context().endpoints) {
       const std::shared_ptr<InprocEndpoint> endpoint = InprocDirectory::Get().Find(hub_, name);
       if (endpoint == nullptr) return NoListener(name);
       Result<StageResult> staged = endpoint->Deliver(payload);
       if (!staged.ok()) {
         return staged.status().WithContext(
             fmt::format("inproc://{} endpoint '{}', payload {} of producer {}", hub_, name,
-                        payload_id, context_.producer_id));
+                        payload_id, context().producer_id));
       }
     }
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
-    const StreamEnd end{context_.transfer_id, context_.producer_id,
+  Status EndStream(uint64_t payloads) override {
+    const StreamEnd end{context().transfer_id, context().producer_id,
                         static_cast<uint32_t>(payloads)};
-    for (const std::string& name : context_.endpoints) {
+    for (const std::string& name : context().endpoints) {
       const std::shared_ptr<InprocEndpoint> endpoint = InprocDirectory::Get().Find(hub_, name);
       if (endpoint == nullptr) return NoListener(name);
       REFIT_RETURN_NOT_OK(endpoint->EndOfStream(end).WithContext(fmt::format(
-          "inproc://{} endpoint '{}', end of producer {}", hub_, name, context_.producer_id)));
+          "inproc://{} endpoint '{}', end of producer {}", hub_, name, context().producer_id)));
     }
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   Status NoListener(const std::string& name) const {
     return Unavailable("inproc://{}: no listener at endpoint '{}'", hub_, name);
   }
 
   const std::string hub_;
-  const SenderContext context_;
-  const PayloadLimits limits_;
-  SenderProgress progress_;
 };
 
 class InprocListener final : public Listener {
@@ -208,7 +202,7 @@ class InprocListener final : public Listener {
   ~InprocListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (endpoint_ != nullptr) {
       return FailedPrecondition("inproc://{}: listener at '{}' was started before", hub_,
                                 endpoint_name_);
@@ -222,7 +216,7 @@ class InprocListener final : public Listener {
   void Stop() override {
     std::shared_ptr<InprocEndpoint> endpoint;
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (stopped_ || endpoint_ == nullptr) {
         stopped_ = true;
         return;
@@ -236,7 +230,7 @@ class InprocListener final : public Listener {
   }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return endpoint_ == nullptr ? ListenerStats{} : endpoint_->stats();
   }
 
@@ -247,7 +241,7 @@ class InprocListener final : public Listener {
   const std::string endpoint_name_;
   PayloadSink& sink_;
   const PayloadLimits limits_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   // Set by Start, kept after Stop for stats().
   std::shared_ptr<InprocEndpoint> endpoint_;
   bool stopped_ = false;

@@ -426,34 +426,42 @@ Result<PayloadHeader> CheckOutgoingPayload(const SenderContext& context, uint32_
   return header;
 }
 
-Status SenderProgress::CheckOpen(const SenderContext& context) const {
+}  // namespace internal
+
+TransportSender::TransportSender(SenderContext context, PayloadLimits limits)
+    : context_(std::move(context)), limits_(limits) {}
+
+Status TransportSender::Send(uint32_t payload_id, std::span<const std::byte> payload) {
   if (finished_.load()) {
     return FailedPrecondition("producer {} of transfer {} already finished its stream",
-                              context.producer_id, context.transfer_id.ToHex());
+                              context_.producer_id, context_.transfer_id.ToHex());
   }
-  return Status::OK();
-}
-
-void SenderProgress::RecordSent(uint32_t payload_id) {
+  REFIT_ASSIGN_OR_RETURN(const PayloadHeader header,
+                         internal::CheckOutgoingPayload(context_, payload_id, payload, limits_));
   int64_t seen = max_sent_id_.load();
   while (seen < int64_t{payload_id} && !max_sent_id_.compare_exchange_weak(seen, payload_id)) {
   }
+  return Deliver(payload_id, payload, header);
 }
 
-Status SenderProgress::CheckFinish(const SenderContext& context, uint64_t payloads) const {
-  REFIT_RETURN_NOT_OK(CheckOpen(context));
+Status TransportSender::Finish(uint64_t payloads) {
+  if (finished_.load()) {
+    return FailedPrecondition("producer {} of transfer {} already finished its stream",
+                              context_.producer_id, context_.transfer_id.ToHex());
+  }
   if (payloads > std::numeric_limits<uint32_t>::max()) {
     return InvalidArgument("finishing producer {} of transfer {}: {} payloads exceed 32-bit ids",
-                           context.producer_id, context.transfer_id.ToHex(), payloads);
+                           context_.producer_id, context_.transfer_id.ToHex(), payloads);
   }
   const int64_t max_sent_id = max_sent_id_.load();
   if (max_sent_id >= 0 && static_cast<uint64_t>(max_sent_id) >= payloads) {
     return InvalidArgument(
         "finishing producer {} of transfer {} with {} payloads, but payload {} was sent",
-        context.producer_id, context.transfer_id.ToHex(), payloads, max_sent_id);
+        context_.producer_id, context_.transfer_id.ToHex(), payloads, max_sent_id);
   }
+  REFIT_RETURN_NOT_OK(EndStream(payloads));
+  finished_.store(true);
   return Status::OK();
 }
 
-}  // namespace internal
 }  // namespace refit

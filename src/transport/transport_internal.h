@@ -56,28 +56,6 @@ Result<PayloadHeader> CheckOutgoingPayload(const SenderContext& context, uint32_
                                            std::span<const std::byte> payload,
                                            const PayloadLimits& limits);
 
-/// The bookkeeping every sender shares: whether Finish succeeded, and the highest id sent (to
-/// check Finish's count).
-///
-/// Thread-safety: every member function may be called concurrently.
-class SenderProgress {
- public:
-  /// Errors: FailedPrecondition naming the producer once Finish succeeded.
-  Status CheckOpen(const SenderContext& context) const;
-  /// Record that payload `payload_id` was handed to the transport.
-  void RecordSent(uint32_t payload_id);
-  /// Check Finish's payload count against the 32-bit id space and the highest id sent.
-  /// Errors: FailedPrecondition after a successful Finish; InvalidArgument naming the counts.
-  Status CheckFinish(const SenderContext& context, uint64_t payloads) const;
-  /// Record a successful Finish.
-  void MarkFinished() { finished_.store(true); }
-
- private:
-  std::atomic<bool> finished_{false};
-  // -1 while nothing was sent.
-  std::atomic<int64_t> max_sent_id_{-1};
-};
-
 /// The built-in factories, installed by the registry on first use.
 Result<std::unique_ptr<Transport>> MakeInprocTransport(const TransportUri& uri,
                                                        const TransportOptions& options);

@@ -13,6 +13,7 @@
 #include "refit/status.h"
 #include "refit/status_format.h"
 #include "util/check.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 
@@ -47,7 +48,7 @@ class BoundedQueue {
   /// Append `value`, blocking while the queue is full. Errors: Cancelled when the queue is
   /// closed (before or while waiting) or `stop` is requested; `value` is then dropped.
   Status Push(T value, std::stop_token stop = {}) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     not_full_.wait(lock, stop, [this] { return closed_ || size_ < slots_.size(); });
     if (closed_) return ClosedError();
     if (stop.stop_requested()) return Cancelled("push to {}: stop requested", name_);
@@ -59,7 +60,7 @@ class BoundedQueue {
   /// Append `value` if there is room, without blocking. `value` is moved from only on success,
   /// so a caller may retry with it. Errors: ResourceExhausted when full, Cancelled when closed.
   Status TryPush(T&& value) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (closed_) return ClosedError();
     if (size_ == slots_.size()) {
       return ResourceExhausted("{} is full at capacity {}", name_, slots_.size());
@@ -73,7 +74,7 @@ class BoundedQueue {
   /// Return nullopt when the queue is closed and drained, or when `stop` is requested (even if
   /// elements remain: a stopped consumer must not start new work).
   std::optional<T> Pop(std::stop_token stop = {}) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     not_empty_.wait(lock, stop, [this] { return closed_ || size_ > 0; });
     if (stop.stop_requested() || size_ == 0) return std::nullopt;
     T value = TakeLocked();
@@ -83,7 +84,7 @@ class BoundedQueue {
 
   /// Remove and return the oldest element if there is one, without blocking; closed or not.
   std::optional<T> TryPop() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (size_ == 0) return std::nullopt;
     std::optional<T> value(TakeLocked());
     not_full_.notify_one();
@@ -92,7 +93,7 @@ class BoundedQueue {
 
   /// Refuse further pushes and wake every blocked caller. Idempotent.
   void Close() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     closed_ = true;
     not_full_.notify_all();
     not_empty_.notify_all();
@@ -100,14 +101,14 @@ class BoundedQueue {
 
   /// Return the number of queued elements (a snapshot: other threads may change it at once).
   size_t size() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return size_;
   }
 
   size_t capacity() const { return slots_.size(); }
 
   bool closed() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return closed_;
   }
 
@@ -129,10 +130,10 @@ class BoundedQueue {
   }
 
   const std::string name_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   // condition_variable_any rather than condition_variable: only it can wait on a stop_token.
-  std::condition_variable_any not_full_;
-  std::condition_variable_any not_empty_;
+  internal::CondVar not_full_;
+  internal::CondVar not_empty_;
   // Ring buffer: the elements are slots_[head_], …, slots_[(head_ + size_ - 1) % capacity].
   std::vector<std::optional<T>> slots_;
   size_t head_ = 0;

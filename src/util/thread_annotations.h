@@ -24,5 +24,7 @@
 /// A function that takes the locks, or releases them.
 #define REFIT_ACQUIRE(...) REFIT_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
 #define REFIT_RELEASE(...) REFIT_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
+/// A function that returns a reference to the lock `mu` (so that callers may name it).
+#define REFIT_RETURN_CAPABILITY(mu) REFIT_THREAD_ANNOTATION(lock_returned(mu))
 /// A function the analysis does not check (say why where it is used).
 #define REFIT_NO_THREAD_SAFETY_ANALYSIS REFIT_THREAD_ANNOTATION(no_thread_safety_analysis)

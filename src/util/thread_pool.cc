@@ -10,6 +10,7 @@
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 #include "util/thread_name.h"
 
 namespace refit::internal {
@@ -63,7 +64,7 @@ Status ThreadPool::Submit(Task task, TaskCompletion on_done, std::stop_token sto
 
 void ThreadPool::Stop() {
   REFIT_DCHECK(current_pool != this, "ThreadPool::Stop called from one of its own tasks");
-  std::lock_guard lock(stop_mutex_);
+  internal::MutexLock lock(stop_mutex_);
   if (stopped_) return;
   stopped_ = true;
   // Stop before closing: a worker woken by the close must not start another queued task.
@@ -101,7 +102,7 @@ void ThreadPool::Complete(Work& work, Status status) {
 TaskGroup::~TaskGroup() {
   bool idle = false;
   {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     idle = pending_ == 0;
   }
   if (!idle) {
@@ -112,7 +113,7 @@ TaskGroup::~TaskGroup() {
 
 void TaskGroup::Submit(Task task) {
   {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     ++pending_;
   }
   if (stop_source_.stop_requested()) {
@@ -139,14 +140,14 @@ void TaskGroup::Submit(Task task) {
 }
 
 Status TaskGroup::Wait() {
-  std::unique_lock lock(mutex_);
+  internal::MutexLock lock(mutex_);
   all_done_.wait(lock, [this] { return pending_ == 0; });
   return first_error_;
 }
 
 void TaskGroup::RequestStop() {
   {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (first_error_.ok()) first_error_ = Cancelled("task group cancelled");
   }
   stop_source_.request_stop();
@@ -155,7 +156,7 @@ void TaskGroup::RequestStop() {
 void TaskGroup::Finish(Status status) {
   bool first_error = false;
   if (!status.ok()) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (first_error_.ok()) {
       first_error_ = std::move(status);
       first_error = true;
@@ -165,7 +166,7 @@ void TaskGroup::Finish(Status status) {
   // destroyed by a returning Wait(); and outside mutex_, because request_stop() runs the
   // tasks' stop callbacks synchronously and one of them may call back into the group.
   if (first_error) stop_source_.request_stop();
-  std::lock_guard lock(mutex_);
+  internal::MutexLock lock(mutex_);
   // Notify under the lock: once pending_ reaches 0 a waiter may return and destroy the group.
   if (--pending_ == 0) all_done_.notify_all();
 }

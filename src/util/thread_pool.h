@@ -13,6 +13,7 @@
 
 #include "refit/status.h"
 #include "util/bounded_queue.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 
@@ -92,7 +93,7 @@ class ThreadPool {
   const std::string name_;
   BoundedQueue<Work> queue_;
   // Serialises Stop() so concurrent callers do not join the same thread twice.
-  std::mutex stop_mutex_;
+  internal::Mutex stop_mutex_;
   bool stopped_ = false;
   std::vector<std::jthread> workers_;
 };
@@ -136,8 +137,8 @@ class TaskGroup {
 
   ThreadPool* const pool_;
   std::stop_source stop_source_;
-  std::mutex mutex_;
-  std::condition_variable all_done_;
+  internal::Mutex mutex_;
+  internal::CondVar all_done_;
   uint64_t pending_ = 0;
   Status first_error_;
 };

@@ -21,7 +21,6 @@
 #include <fmt/format.h>
 
 #include "codec/tracker.h"
-#include "node/session_sink.h"
 #include "receiver/receiver_session.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -78,11 +77,10 @@ struct Step {
   std::vector<OwnedTensor> model;
 };
 
-/// A receiver: store, session, sink, and a listener into the sink (destroyed first).
+/// A receiver: store, session, and a listener into the session (destroyed first).
 struct Receiver {
   std::unique_ptr<WeightStore> store;
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
 };
 
@@ -132,9 +130,8 @@ class FileTransportTest : public ::testing::Test {
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
-    receiver.sink = std::make_unique<SessionSink>(*receiver.session);
     auto listener = (transport ? transport : transport_.get())
-                        ->MakeListener(ListenerContext{inbox, {}}, *receiver.sink);
+                        ->MakeListener(ListenerContext{inbox, {}}, *receiver.session);
     EXPECT_TRUE(listener.ok()) << listener.status().ToString();
     if (!listener.ok()) return receiver;
     receiver.listener = std::move(listener).ValueOrDie();

@@ -45,9 +45,12 @@ class LeaseReceiverSessionTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<ReceiverSession> MakeSession(std::chrono::milliseconds lease) {
+  std::unique_ptr<ReceiverSession> MakeSession(
+      std::chrono::milliseconds lease,
+      std::chrono::milliseconds preempt_after = ReceiverSessionOptions{}.preempt_after) {
     ReceiverSessionOptions options;
     options.transfer_lease = lease;
+    options.preempt_after = preempt_after;
     auto session = ReceiverSession::Make(options, *store_);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     return session.ok() ? std::move(session).ValueOrDie() : nullptr;
@@ -274,6 +277,44 @@ TEST_F(LeaseReceiverSessionTest, AReceivingTransferRefusesAnotherNamingWhenItsLe
   EXPECT_EQ(session->GetStatus().state, ReceiverState::kReceiving);
   ASSERT_OK(session->Abort(step.id));
   ExpectStoreHolds(original_);
+}
+
+// Issue 45: a coordinator that died between its prepare and its first payload blocked the next
+// one for the whole lease (300 s by default). A receiving transfer that has been quiet for
+// preempt_after is rolled back by a prepare from its base, with the payloads it applied.
+TEST_F(LeaseReceiverSessionTest, AQuietReceivingTransferIsPreemptedByTheNextCoordinator) {
+  auto session = MakeSession(std::chrono::minutes(5), /*preempt_after=*/kShortLease);
+  Step abandoned = EncodeStep(21, /*spans=*/2);
+  ASSERT_OK(session->Prepare(Request(abandoned)));
+  ASSERT_OK(session->Stage(abandoned.payloads.front()));  // Its coordinator dies mid-stream.
+  WaitForApplied(*session, 1);
+  // Live (progress within preempt_after): refused.
+  EXPECT_STATUS_MSG(
+      FailedPrecondition, "once it has been quiet for",
+      session->Prepare(PrepareRequest{TransferId::Random(), abandoned.base_version, {}}));
+  std::this_thread::sleep_for(kShortLease + std::chrono::milliseconds(50));
+  // A restarted coordinator starts again from the same base.
+  ASSERT_OK(tracker_->Abort(abandoned.id));
+  Step next = EncodeStep(22);
+  ASSERT_EQ(next.base_version, abandoned.base_version);
+  ASSERT_OK_AND_ASSIGN(const PrepareResult prepared, session->Prepare(Request(next)));
+  ASSERT_TRUE(prepared.implied_abort.has_value());
+  EXPECT_EQ(*prepared.implied_abort, abandoned.id);
+  // The abandoned transfer's payload was rolled back: the next one applies on the base.
+  EXPECT_STATUS(FailedPrecondition, session->Stage(abandoned.payloads.back()));
+  for (const auto& payload : next.payloads) ASSERT_OK(session->Stage(payload));
+  ASSERT_OK(session->Flush(next.id, Generous()));
+  ASSERT_OK(session->Commit(next.id));
+  ExpectStoreHolds(next.next);
+}
+
+TEST_F(LeaseReceiverSessionTest, TheDefaultPreemptionLetsTheNextCoordinatorInWithinSeconds) {
+  EXPECT_GT(ReceiverSessionOptions{}.preempt_after.count(), 0);
+  EXPECT_LE(ReceiverSessionOptions{}.preempt_after, std::chrono::seconds(30));
+  ReceiverSessionOptions options;
+  options.preempt_after = std::chrono::milliseconds(-1);
+  EXPECT_STATUS_MSG(InvalidArgument, "preempt_after -1 ms is negative",
+                    ReceiverSession::Make(options, *store_));
 }
 
 }  // namespace

@@ -362,6 +362,56 @@ TEST_F(ReceiverSessionTest, PrepareOnTheTargetOfAPreparedTransferImpliesItsCommi
   ExpectStoreHolds(current_);
 }
 
+// Regression: the status reported the committed version while after_commit was still copying
+// it into the engine's memory (a torch mirror), so wait_for_version could return before the
+// module held the version.
+TEST_F(ReceiverSessionTest, TheVersionIsVisibleOnlyOnceAfterCommitReturned) {
+  ReceiverSessionOptions options;
+  std::atomic<bool> hook_running{false};
+  std::atomic<bool> hook_done{false};
+  std::atomic<uint64_t> seen_during_hook{UINT64_MAX};
+  ReceiverSession* observed = nullptr;
+  options.after_commit = [&](const TransferId&, uint64_t) {
+    hook_running = true;
+    // Another thread reads the status while the hook still moves bytes.
+    std::thread reader([&] { seen_during_hook = observed->GetStatus().version; });
+    reader.join();
+    std::this_thread::sleep_for(kSettleTime);
+    hook_done = true;
+  };
+  auto session = MakeSession(options);
+  ASSERT_NE(session, nullptr);
+  observed = session.get();
+
+  // Explicit commit.
+  const Step first = EncodeStep(1);
+  ASSERT_OK(session->Prepare(Request(first)));
+  for (const auto& payload : first.payloads) ASSERT_OK(session->Stage(payload));
+  ASSERT_OK(session->Flush(first.id, Generous()));
+  ASSERT_OK(session->Commit(first.id));
+  EXPECT_TRUE(hook_done);
+  EXPECT_EQ(seen_during_hook, first.base_version);
+  EXPECT_EQ(session->GetStatus().version, first.target_version);
+  CommitTrainer(first);
+
+  // Implied commit (the Commit was lost): the same, and a late Commit returns only once the
+  // version is visible.
+  hook_done = false;
+  seen_during_hook = UINT64_MAX;
+  const Step second = EncodeStep(2);
+  ASSERT_OK(session->Prepare(Request(second)));
+  for (const auto& payload : second.payloads) ASSERT_OK(session->Stage(payload));
+  ASSERT_OK(session->Flush(second.id, Generous()));
+  CommitTrainer(second);
+  const Step third = EncodeStep(3);
+  ASSERT_OK_AND_ASSIGN(PrepareResult prepared, session->Prepare(Request(third)));
+  ASSERT_TRUE(prepared.implied_commit.has_value());
+  EXPECT_TRUE(hook_done);
+  EXPECT_EQ(seen_during_hook, second.base_version);
+  EXPECT_EQ(session->GetStatus().version, second.target_version);
+  ASSERT_OK(session->Commit(second.id));
+}
+
 TEST_F(ReceiverSessionTest, AbortMidTransferRestoresTheBaseBitExactly) {
   auto session = MakeSession();
   ASSERT_NE(session, nullptr);

@@ -1,5 +1,4 @@
 #include "refit/transport.h"
-#include "node/session_sink.h"
 
 #include <gtest/gtest.h>
 
@@ -425,10 +424,10 @@ TEST(InprocTransportTest, StopCancelsADeliveryBlockedInTheSink) {
   EXPECT_EQ(listener->stats().last_error.code(), StatusCode::kCancelled);
 }
 
-TEST(SessionSinkTest, StreamEndsHoldTheOpenTransfersPayloadCounts) {
+TEST(SessionAsSinkTest, StreamEndsHoldTheOpenTransfersPayloadCounts) {
   auto store = WeightStore::Make();
   ASSERT_OK_AND_ASSIGN(auto session, ReceiverSession::Make({}, *store));
-  SessionSink sink(*session);
+  PayloadSink& sink = *session;  // What a listener delivers into.
   const TransferId id = TransferId::Random();
   // Before Prepare nothing is open: refused, nothing recorded.
   EXPECT_STATUS_MSG(FailedPrecondition, "not the open transfer", sink.EndOfStream({id, 0, 5}));
@@ -533,12 +532,11 @@ void ExpectStoreHolds(const WeightStore& store, const std::vector<OwnedTensor>& 
   EXPECT_EQ(store.Digests(), store.RecomputeDigests());
 }
 
-/// One receiver: a store, its session, the sink over the session, and a listener into it
-/// (declared last: destroyed first, before the sink it calls).
+/// One receiver: a store, its session, and a listener into the session (declared last: destroyed
+/// first, before the session it calls).
 struct Receiver {
   std::unique_ptr<WeightStore> store;
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
 };
 
@@ -550,8 +548,7 @@ Receiver MakeReceiver(Transport& transport, const std::string& endpoint,
   EXPECT_TRUE(session.ok()) << session.status().ToString();
   if (!session.ok()) return receiver;
   receiver.session = std::move(session).ValueOrDie();
-  receiver.sink = std::make_unique<SessionSink>(*receiver.session);
-  receiver.listener = StartListener(transport, endpoint, *receiver.sink);
+  receiver.listener = StartListener(transport, endpoint, *receiver.session);
   return receiver;
 }
 

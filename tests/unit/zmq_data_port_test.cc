@@ -28,7 +28,6 @@
 
 #include "codec/tracker.h"
 #include "loopback.h"
-#include "node/session_sink.h"
 #include "receiver/receiver_session.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
@@ -117,7 +116,6 @@ class AllocationWatch {
 struct Receiver {
   std::unique_ptr<WeightStore> store;
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
 };
 
@@ -139,8 +137,7 @@ class ZmqDataPortTest : public ::testing::Test {
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
-    receiver.sink = std::make_unique<SessionSink>(*receiver.session);
-    auto listener = transport.MakeListener(ListenerContext{endpoint, peers, ""}, *receiver.sink);
+    auto listener = transport.MakeListener(ListenerContext{endpoint, peers, ""}, *receiver.session);
     EXPECT_TRUE(listener.ok()) << listener.status().ToString();
     if (!listener.ok()) return receiver;
     receiver.listener = std::move(listener).ValueOrDie();

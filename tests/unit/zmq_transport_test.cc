@@ -33,7 +33,6 @@
 
 #include "codec/tracker.h"
 #include "loopback.h"
-#include "node/session_sink.h"
 #include "receiver/receiver_session.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -91,7 +90,6 @@ struct Step {
 struct Receiver {
   std::unique_ptr<WeightStore> store;
   std::unique_ptr<ReceiverSession> session;
-  std::unique_ptr<SessionSink> sink;
   std::unique_ptr<Listener> listener;
 };
 
@@ -170,7 +168,6 @@ class ZmqTransportTest : public ::testing::Test {
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
-    receiver.sink = std::make_unique<SessionSink>(*receiver.session);
     return receiver;
   }
 
@@ -201,10 +198,10 @@ class ZmqTransportTest : public ::testing::Test {
   Receiver MakeReceiver(const std::string& endpoint, const std::vector<std::string>& peers,
                         Transport* transport = nullptr, const std::string& bind_address = "") {
     Receiver receiver = MakeSession();
-    if (receiver.sink == nullptr) return receiver;
+    if (receiver.session == nullptr) return receiver;
     auto listener =
         (transport ? transport : transport_.get())
-            ->MakeListener(ListenerContext{endpoint, peers, bind_address}, *receiver.sink);
+            ->MakeListener(ListenerContext{endpoint, peers, bind_address}, *receiver.session);
     EXPECT_TRUE(listener.ok()) << listener.status().ToString();
     if (!listener.ok()) return receiver;
     receiver.listener = std::move(listener).ValueOrDie();
@@ -635,13 +632,13 @@ TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
   EXPECT_STATUS(FailedPrecondition, receiver.listener->Start());
   EXPECT_STATUS(
       InvalidArgument,
-      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:2"}}, *receiver.sink).status());
+      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:2"}}, *receiver.session).status());
   EXPECT_STATUS(
       InvalidArgument,
-      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:1", "127.0.0.1:1"}}, *receiver.sink)
+      transport_->MakeListener({"127.0.0.1:1", {"127.0.0.1:1", "127.0.0.1:1"}}, *receiver.session)
           .status());
   // The same endpoint cannot be bound twice.
-  auto second = transport_->MakeListener({receiver.listener->endpoint(), {}}, *receiver.sink);
+  auto second = transport_->MakeListener({receiver.listener->endpoint(), {}}, *receiver.session);
   ASSERT_OK(second.status());
   EXPECT_STATUS(AlreadyExists, (*second)->Start());
 }
@@ -1128,8 +1125,8 @@ TEST_F(ZmqTransportTest, ADuplicateOfAPayloadBeingForwardedWaitsForTheSubtree) {
   // The child relay stages behind a gate. (Declared in this order so that its listener stops
   // before the gate and the session go.)
   Receiver child = MakeSession();
-  ASSERT_NE(child.sink, nullptr);
-  GatedSink gate(*child.sink);
+  ASSERT_NE(child.session, nullptr);
+  GatedSink gate(*child.session);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Listener> child_listener,
                        transport_->MakeListener(ListenerContext{endpoints[1], endpoints}, gate));
   ASSERT_OK(child_listener->Start());
@@ -1299,7 +1296,7 @@ TEST_F(ZmqTransportTest, PortZeroBindsAPortTheKernelChoosesAndTheEndpointNamesIt
   Receiver unused = MakeSession();
   EXPECT_STATUS_MSG(
       InvalidArgument, "port 0",
-      transport_->MakeListener({"127.0.0.1:0", {"127.0.0.1:0", endpoints[0]}}, *unused.sink)
+      transport_->MakeListener({"127.0.0.1:0", {"127.0.0.1:0", endpoints[0]}}, *unused.session)
           .status());
 }
 

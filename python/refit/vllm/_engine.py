@@ -123,6 +123,7 @@ class RefitEngineLogic:
             dp_rank=dp_rank,
             replica=replica,
             dp_size=data_parallel_size(vllm_config),
+            vllm_config=vllm_config,
         )
         runtime.start()
         self._refit = runtime

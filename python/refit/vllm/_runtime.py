@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -22,6 +23,7 @@ import refit
 from refit._ports import free_port
 from refit.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument
 
+from ._reload import RELOAD_MODES, checkpoint_copies, reload_into, transformed_layers
 from .loaders import loader_rules
 
 _LOG = logging.getLogger("refit.vllm")
@@ -110,6 +112,12 @@ class RefitOptions:
     memory: str = "auto"
     #: The older spelling of memory="mirror".
     mirror: bool = False
+    #: Which layers take the reload path (refit's checkpoint-format copy, handed to vLLM's
+    #: ``reload_weights`` after each commit that changed it) instead of in-place writes:
+    #: "auto" (default) — the layers whose engine does not read their weights as loaded (vLLM's
+    #: CPU backend repacks every linear layer; quantized layers); "never"; "always" (every layer
+    #: with a weight). See :mod:`refit.vllm._reload`.
+    reload: str = "auto"
     #: "gate" (default) or "none"; see :data:`PAUSE_MODES`.
     pause: str = "gate"
     #: Seconds the gate waits for forward passes in flight to finish before a transfer applies.
@@ -145,6 +153,8 @@ class RefitOptions:
         """Check the fields that can be checked without a model. Raises InvalidArgument."""
         if self.pause not in PAUSE_MODES:
             raise InvalidArgument(f"refit.vllm options: pause={self.pause!r}, expected one of {PAUSE_MODES}")
+        if self.reload not in RELOAD_MODES:
+            raise InvalidArgument(f"refit.vllm options: reload={self.reload!r}, expected one of {RELOAD_MODES}")
         if self.loader_rules is not None and self.canonical_shapes is not None:
             raise InvalidArgument("refit.vllm options: give loader_rules or canonical_shapes, not both")
         managed = sorted(set(self.receiver_kwargs) & _MANAGED_RECEIVER_KWARGS)
@@ -319,14 +329,18 @@ def model_tensors(model: Any) -> List[Tuple[str, Any]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
-def check_addressable(model: Any) -> None:
+def check_addressable(model: Any, skip: Any = frozenset()) -> None:
     """Raise InvalidArgument naming the first tensor of ``model`` that has no memory (meta).
+
+    ``skip``: tensor names on the reload path, which refit does not write.
 
     Host tensors are written in place, zero-copy; device tensors in place through refit's device
     boundary (refit.torch.TorchTensorMemory, O(changes) per transfer); a meta tensor has nothing
     to write (see docs/vllm.md, "Device memory").
     """
     for name, tensor in model_tensors(model):
+        if name in skip:
+            continue
         device = getattr(tensor, "device", None)
         if device is not None and getattr(device, "type", "cpu") == "meta":
             raise InvalidArgument(
@@ -383,12 +397,15 @@ class WorkerRuntime:
         data_endpoint: Optional[str] = None,
         on_pause: Optional[Callable[[], None]] = None,
         on_resume: Optional[Callable[[], None]] = None,
+        vllm_config: Any = None,
     ) -> None:
         """Describe the receiver to run; :meth:`start` starts it.
 
         ``data_endpoint``: the zmq endpoint to listen on (one :func:`reserve_data_endpoint`
         chose); default: from the options. ``on_pause`` / ``on_resume``: extra callables run by
-        the hooks (after the gate closed / after it opened), on refit's threads.
+        the hooks (after the gate closed / after it opened), on refit's threads. ``vllm_config``:
+        the engine's configuration, which the reload path needs (its checkpoint and
+        ``reload_weights``); without it a model with transformed layers is refused.
         """
         self._model = model
         self._options = options
@@ -408,8 +425,11 @@ class WorkerRuntime:
         self._commits = 0
         self._aborts = 0
         self._applying = False
+        self._vllm_config = vllm_config
         self._receiver: Any = None
         self._info: Dict[str, Any] = {}
+        # module name -> why, for the layers on the reload path (filled by start).
+        self._reload_layers: Dict[str, str] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -422,8 +442,9 @@ class WorkerRuntime:
         import refit.torch as refit_torch  # noqa: PLC0415 — needs torch, present in any worker
 
         options = self._options
-        check_addressable(self._model)
-        loader = self._make_loader(refit_torch)
+        reload = self._make_reload_path(refit_torch)
+        check_addressable(self._model, skip=reload.skip if reload is not None else frozenset())
+        loader = self._make_loader(refit_torch, reload.skip if reload is not None else frozenset())
         kwargs: Dict[str, Any] = dict(options.receiver_kwargs)
         if options.version is not None:
             kwargs["version"] = int(options.version)
@@ -454,7 +475,9 @@ class WorkerRuntime:
         receiver = refit_torch.Receiver(
             replica=self.replica, pause=self._hook_pause, resume=self._hook_resume, **kwargs
         )
-        receiver.attach(self._model, loader=loader, memory="mirror" if options.mirror else options.memory)
+        receiver.attach(
+            self._model, loader=loader, memory="mirror" if options.mirror else options.memory, reload=reload
+        )
         if self._gate is not None:
             self._gate.install(self._model)
         try:
@@ -475,6 +498,7 @@ class WorkerRuntime:
             "replica": self.replica,
             "peers": list(kwargs.get("peers") or []),
             "pid": os.getpid(),
+            "paths": self._path_summary(receiver),
         }
         if options.endpoints_dir:
             self._write_endpoints_file(options.endpoints_dir)
@@ -547,8 +571,9 @@ class WorkerRuntime:
         Keys: the fields of :class:`refit.ReceiverStatus` (when running), plus ``running``,
         ``applying`` (between a transfer's first apply and its end), ``gate_closed``,
         ``forwards_in_flight``, ``pauses`` (transfers that began applying), ``commits`` and
-        ``aborts`` (how those ended), ``last_event`` (a dict, or None), ``tp_rank``,
-        ``tp_size``, ``dp_rank``, ``replica``.
+        ``aborts`` (how those ended), ``last_event`` (a dict, or None), ``reloads`` and
+        ``last_reload`` (the reload path's commits; see :class:`refit.torch.ReloadPath`),
+        ``tp_rank``, ``tp_size``, ``dp_rank``, ``replica``.
         """
         receiver = self._receiver
         status = dataclasses.asdict(receiver.status()) if receiver is not None else {}
@@ -561,6 +586,10 @@ class WorkerRuntime:
                 last_event=dataclasses.asdict(self._events[-1]) if self._events else None,
             )
         status.update(
+            # The reload path (docs/vllm.md): commits that handed tensors to the engine's
+            # reload_weights, and the last one's changed / loaded names and seconds.
+            reloads=int(getattr(receiver, "reloads", 0) or 0),
+            last_reload=getattr(receiver, "last_reload", None),
             running=receiver is not None,
             gate_closed=self._gate.closed if self._gate is not None else False,
             forwards_in_flight=self._gate.in_flight if self._gate is not None else 0,
@@ -623,7 +652,51 @@ class WorkerRuntime:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _make_loader(self, refit_torch: Any) -> Any:
+    def _make_reload_path(self, refit_torch: Any) -> Any:
+        """The reload path of the layers the engine transformed after loading, or None."""
+        layers = transformed_layers(self._model, self._options.reload)
+        self._reload_layers = layers
+        if not layers:
+            return None
+        if self._vllm_config is None:
+            raise FailedPrecondition(
+                f"refit.vllm: layers {sorted(layers)[:3]} need the reload path "
+                f"({next(iter(layers.values()))}), which needs the engine's vllm_config"
+            )
+        copies = checkpoint_copies(self._vllm_config, self._model, layers)
+        module_of = {name: module for name, _, module in copies}
+        skip = [
+            f"{prefix}.{pname}"
+            for prefix in layers
+            for pname, _ in self._model.get_submodule(prefix).named_parameters(recurse=False)
+        ]
+        vllm_config, model = self._vllm_config, self._model
+        return refit_torch.ReloadPath(
+            skip,
+            [(name, tensor) for name, tensor, _ in copies],
+            load=lambda weights: reload_into(vllm_config, model, weights),
+            group_of=module_of.__getitem__,
+        )
+
+    def _path_summary(self, receiver: Any) -> Dict[str, Any]:
+        paths = receiver.paths
+        return {
+            "in_place": sorted(name for name, path in paths.items() if path != "reload"),
+            "reload": sorted(name for name, path in paths.items() if path == "reload"),
+            "reload_layers": dict(self._reload_layers),
+        }
+
+    def _make_loader(self, refit_torch: Any, skip: Any = frozenset()) -> Any:
+        loader = self._make_rules_loader(refit_torch)
+        if loader is None or not skip:
+            return loader
+        # Rules that write a tensor on the reload path would write memory the engine no longer
+        # reads: the reload path's canonical copies take those tensors (identity, by name).
+        patterns = set(skip) | {re.escape(name) for name in skip}
+        rules = [rule for rule in loader.rules if rule.get("to", rule.get("match")) not in patterns]
+        return refit.Loader(tp_rank=loader.tp_rank, tp_size=loader.tp_size, rules=rules)
+
+    def _make_rules_loader(self, refit_torch: Any) -> Any:
         options = self._options
         if options.loader_rules is not None:
             return refit.Loader(tp_rank=self.tp_rank, tp_size=self.tp_size, rules=options.loader_rules)

@@ -110,6 +110,7 @@ class RefitWorkerExtension:
             replica=replica,
             dp_size=data_parallel_size(vllm_config),
             data_endpoint=getattr(self, "_refit_reserved", None),
+            vllm_config=vllm_config,
         )
         info = runtime.start()
         self._refit_runtime = runtime

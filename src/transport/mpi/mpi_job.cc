@@ -9,6 +9,7 @@
 
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -59,9 +60,9 @@ std::string MpiErrorText(int code) {
 }
 
 void KeepForever(std::shared_ptr<void> buffers) {
-  static std::mutex mutex;
+  static internal::Mutex mutex;
   static std::vector<std::shared_ptr<void>> kept;
-  std::lock_guard lock(mutex);
+  internal::MutexLock lock(mutex);
   kept.push_back(std::move(buffers));
 }
 

@@ -129,7 +129,7 @@ class MpiJob {
 
   /// Held by whoever broadcasts on this producer's data communicator (the sender of a transfer,
   /// CloseMpiJob): its messages must not interleave.
-  std::mutex& data_mutex() { return data_mutex_; }
+  internal::Mutex& data_mutex() { return data_mutex_; }
 
   /// FailedPrecondition once a collective timed out.
   Status CheckUsable() const;
@@ -166,7 +166,7 @@ class MpiJob {
   MPI_Comm control_ = MPI_COMM_NULL;
   MPI_Comm producer_comm_ = MPI_COMM_NULL;
   std::vector<MPI_Comm> data_;
-  std::mutex data_mutex_;
+  internal::Mutex data_mutex_;
   Mutex data_plane_mutex_;
   std::unique_ptr<DataCollective> data_plane_ REFIT_GUARDED_BY(data_plane_mutex_);
   std::string data_plane_claimed_ REFIT_GUARDED_BY(data_plane_mutex_);

@@ -94,49 +94,42 @@ Status BroadcastHeader(MpiJob& job, uint32_t producer, const Header& header,
 class MpiSender final : public TransportSender {
  public:
   MpiSender(MpiJob& job, SenderContext context, PayloadLimits limits)
-      : job_(job), context_(std::move(context)), limits_(limits) {}
+      : TransportSender(std::move(context), limits), job_(job) {}
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
     REFIT_RETURN_NOT_OK(job_.CheckUsable());
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
     // The bytes are borrowed for this call only, but a broadcast that times out cannot be
     // cancelled and MPI may read them later: it reads a copy that is kept alive as long as MPI
     // may need it.
     auto owned = std::make_shared<std::vector<std::byte>>(payload.begin(), payload.end());
-    const Header header = {context_.anchor ? kFull : kDelta, kRefitPayloadV1,
+    const Header header = {context().anchor ? kFull : kDelta, kRefitPayloadV1,
                            static_cast<int64_t>(payload.size()), 0};
     const std::string what =
-        fmt::format("mpi: producer {} payload {} of transfer {}", context_.producer_id, payload_id,
-                    context_.transfer_id.ToHex());
-    std::lock_guard lock(job_.data_mutex());
-    REFIT_RETURN_NOT_OK(BroadcastHeader(job_, context_.producer_id, header, what));
-    REFIT_RETURN_NOT_OK(job_.data_plane().Broadcast(context_.producer_id, owned->data(),
+        fmt::format("mpi: producer {} payload {} of transfer {}", context().producer_id, payload_id,
+                    context().transfer_id.ToHex());
+    internal::MutexLock lock(job_.data_mutex());
+    REFIT_RETURN_NOT_OK(BroadcastHeader(job_, context().producer_id, header, what));
+    REFIT_RETURN_NOT_OK(job_.data_plane().Broadcast(context().producer_id, owned->data(),
                                                     owned->size(), Deadline(), {}, owned, what));
     job_.CountSent(owned->size());
-    progress_.RecordSent(payload_id);
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
+  Status EndStream(uint64_t payloads) override {
     REFIT_RETURN_NOT_OK(job_.CheckUsable());
-    std::lock_guard lock(job_.data_mutex());
+    internal::MutexLock lock(job_.data_mutex());
     REFIT_RETURN_NOT_OK(BroadcastHeader(
-        job_, context_.producer_id, {kDone, kNoPayload, static_cast<int64_t>(payloads), 0},
-        fmt::format("mpi: producer {} done of transfer {}", context_.producer_id,
-                    context_.transfer_id.ToHex())));
-    progress_.MarkFinished();
+        job_, context().producer_id, {kDone, kNoPayload, static_cast<int64_t>(payloads), 0},
+        fmt::format("mpi: producer {} done of transfer {}", context().producer_id,
+                    context().transfer_id.ToHex())));
     return Status::OK();
   }
 
- private:
   Clock::time_point Deadline() const { return Clock::now() + job_.options().timeout; }
 
   MpiJob& job_;
-  const SenderContext context_;
-  const PayloadLimits limits_;
-  SenderProgress progress_;
 };
 
 // ---- Receiver side ------------------------------------------------------------------------------
@@ -596,7 +589,7 @@ Status CloseMpiJob() {
   const auto deadline = std::chrono::steady_clock::now() + job->options().timeout;
   const std::string what = fmt::format("mpi: producer {} closing the job", info.index);
   {
-    std::lock_guard lock(job->data_mutex());
+    internal::MutexLock lock(job->data_mutex());
     REFIT_RETURN_NOT_OK(internal::BroadcastHeader(
         *job, info.index, {internal::kClose, internal::kNoPayload, 0, 0}, what));
   }

@@ -26,6 +26,7 @@
 #include "transport/transport_internal.h"
 #include "util/environment.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 #include "util/thread_pool.h"
 
 namespace refit {
@@ -122,7 +123,7 @@ class CurlHandlePool {
  public:
   Result<CurlEasy> Acquire() {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (!idle_.empty()) {
         CurlEasy handle = std::move(idle_.back());
         idle_.pop_back();
@@ -135,12 +136,12 @@ class CurlHandlePool {
   }
 
   void Release(CurlEasy handle) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (idle_.size() < kMaxIdleHandles) idle_.push_back(std::move(handle));
   }
 
  private:
-  std::mutex mutex_;
+  internal::Mutex mutex_;
   std::vector<CurlEasy> idle_;
 };
 

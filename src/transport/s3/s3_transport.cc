@@ -35,6 +35,7 @@
 #include "transport/s3/s3_layout.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -46,7 +47,7 @@ namespace {
 // failed (retried when the transfer ends), and objects that could not be deleted even then
 // (retried whenever a later transfer ends, e.g. once a store that vanished is back).
 struct UploadLog {
-  std::mutex mutex;
+  internal::Mutex mutex;
   std::map<std::string, std::vector<ChainPayload>> uploads;
   std::map<std::string, std::vector<std::string>> undeleted;
   std::vector<std::string> orphans;
@@ -54,12 +55,12 @@ struct UploadLog {
   std::vector<std::string> unswept;
 
   void Record(const TransferId& id, ChainPayload payload) {
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     uploads[id.ToHex()].push_back(std::move(payload));
   }
   void RecordUndeleted(const TransferId& id, std::vector<std::string> keys) {
     if (keys.empty()) return;
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     std::vector<std::string>& list = undeleted[id.ToHex()];
     list.insert(list.end(), keys.begin(), keys.end());
   }
@@ -69,7 +70,7 @@ struct UploadLog {
   std::vector<ChainPayload> TakeUploads(const TransferId& id) {
     std::vector<ChainPayload> list;
     {
-      std::lock_guard lock(mutex);
+      internal::MutexLock lock(mutex);
       auto node = uploads.extract(id.ToHex());
       if (!node.empty()) list = std::move(node.mapped());
     }
@@ -84,7 +85,7 @@ struct UploadLog {
   }
   // The undeleted objects of `id` and every orphan.
   std::vector<std::string> TakeUndeleted(const TransferId& id) {
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     auto node = undeleted.extract(id.ToHex());
     std::vector<std::string> keys = std::move(orphans);
     orphans.clear();
@@ -92,15 +93,15 @@ struct UploadLog {
     return keys;
   }
   void AddOrphans(const std::vector<std::string>& keys) {
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     orphans.insert(orphans.end(), keys.begin(), keys.end());
   }
   std::vector<std::string> TakeUnswept() {
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     return std::exchange(unswept, {});
   }
   void AddUnswept(const std::vector<std::string>& prefixes) {
-    std::lock_guard lock(mutex);
+    internal::MutexLock lock(mutex);
     unswept.insert(unswept.end(), prefixes.begin(), prefixes.end());
   }
 };
@@ -151,52 +152,50 @@ class S3Sender final : public TransportSender {
   S3Sender(SenderContext context, std::shared_ptr<const S3TransportConfig> config,
            std::shared_ptr<S3Client> client, std::shared_ptr<UploadLog> log, PayloadLimits limits,
            std::vector<std::shared_ptr<ManifestAnnouncer>> announcers)
-      : context_(std::move(context)),
+      : TransportSender(std::move(context), limits),
         config_(std::move(config)),
         client_(std::move(client)),
         log_(std::move(log)),
-        limits_(limits),
         announcers_(std::move(announcers)) {}
 
   // A stream that failed is not finished: delete what it stored, so an aborted transfer leaves
   // nothing behind even without a coordinator to tell the transport.
   ~S3Sender() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (finished_) return;
     std::vector<std::string> keys = std::move(kept_);
     keys.insert(keys.end(), undeleted_.begin(), undeleted_.end());
     DeleteObjects(*client_, keys);
   }
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(context_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(context_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
     PayloadManifest manifest;
-    manifest.transfer_id = context_.transfer_id;
-    manifest.producer_id = context_.producer_id;
+    manifest.transfer_id = context().transfer_id;
+    manifest.producer_id = context().producer_id;
     manifest.payload_id = payload_id;
-    manifest.key = PayloadObjectKey(*config_, config_->chain, context_.transfer_id,
-                                    context_.producer_id, payload_id);
+    manifest.key = PayloadObjectKey(*config_, config_->chain, context().transfer_id,
+                                    context().producer_id, payload_id);
     manifest.size = payload.size();
     manifest.checksum = ObjectChecksum(payload);
     if (!config_->mac_key.empty()) manifest.mac = MacHex(config_->mac_key, payload);
 
     REFIT_RETURN_NOT_OK(client_->Upload(manifest.key, payload, config_->transfer));
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       kept_.push_back(manifest.key);
     }
-    log_->Record(context_.transfer_id, ChainPayload{.key = manifest.key,
-                                                    .producer_id = manifest.producer_id,
-                                                    .payload_id = manifest.payload_id,
-                                                    .size = manifest.size,
-                                                    .checksum = manifest.checksum,
-                                                    .mac = manifest.mac});
+    log_->Record(context().transfer_id, ChainPayload{.key = manifest.key,
+                                                     .producer_id = manifest.producer_id,
+                                                     .payload_id = manifest.payload_id,
+                                                     .size = manifest.size,
+                                                     .checksum = manifest.checksum,
+                                                     .mac = manifest.mac});
     REFIT_RETURN_NOT_OK(Announce(manifest));
     if (!config_->chain) {
       Status deleted = client_->DeleteObject(manifest.key);
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       std::erase(kept_, manifest.key);
       if (!deleted.ok()) {
         REFIT_LOG_WARN(
@@ -209,19 +208,16 @@ class S3Sender final : public TransportSender {
     return Status::OK();
   }
 
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(context_, payloads));
-    std::lock_guard lock(mutex_);
+  Status EndStream(uint64_t /*payloads*/) override {
+    internal::MutexLock lock(mutex_);
     undeleted_ = DeleteObjects(*client_, undeleted_);
     // Still failing: the transport retries once the transfer is decided.
-    log_->RecordUndeleted(context_.transfer_id, std::move(undeleted_));
+    log_->RecordUndeleted(context().transfer_id, std::move(undeleted_));
     undeleted_.clear();
     finished_ = true;
-    progress_.MarkFinished();
     return Status::OK();
   }
 
- private:
   // Announce the manifest to every receiver concurrently; the first failure is Send's error.
   Status Announce(const PayloadManifest& manifest) {
     const std::string text = ManifestToJson(manifest);
@@ -244,15 +240,13 @@ class S3Sender final : public TransportSender {
     return Status::OK();
   }
 
-  const SenderContext context_;
   const std::shared_ptr<const S3TransportConfig> config_;
   const std::shared_ptr<S3Client> client_;
   const std::shared_ptr<UploadLog> log_;
-  const PayloadLimits limits_;
-  // One per endpoint, in the order of context_.endpoints.
+  // One per endpoint, in the order of context().endpoints.
   const std::vector<std::shared_ptr<ManifestAnnouncer>> announcers_;
-  SenderProgress progress_;
-  std::mutex mutex_;
+
+  internal::Mutex mutex_;
   // Objects stored and not deleted (chain objects, or live ones awaiting their ACKs).
   std::vector<std::string> kept_;
   // Live objects whose DELETE failed.
@@ -273,7 +267,7 @@ class S3Listener final : public Listener {
         limits_(limits) {}
 
   Status Start() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (started_ || stopped_) {
       return FailedPrecondition("s3 listener '{}' was started before", Printable(endpoint_));
     }
@@ -282,19 +276,19 @@ class S3Listener final : public Listener {
   }
 
   void Stop() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     stopped_ = true;
   }
 
   Result<ManifestDelivery> AcceptManifest(std::string_view text, std::stop_token stop) override {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (!started_ || stopped_) {
         return Unavailable("s3 listener '{}' is not running", Printable(endpoint_));
       }
     }
     Result<ManifestDelivery> delivered = Deliver(text, std::move(stop));
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (delivered.ok()) {
       ++(delivered->result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
     } else {
@@ -305,7 +299,7 @@ class S3Listener final : public Listener {
   }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return stats_;
   }
   const std::string& endpoint() const override { return endpoint_; }
@@ -340,7 +334,7 @@ class S3Listener final : public Listener {
   const std::shared_ptr<S3Client> client_;
   PayloadSink& sink_;
   const PayloadLimits limits_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   bool started_ = false;
   bool stopped_ = false;
   ListenerStats stats_;
@@ -407,7 +401,7 @@ class S3Transport final : public Transport {
 
   bool NeedsAnchor(uint64_t base_version) override {
     if (!config_->chain) return false;
-    std::lock_guard lock(chain_mutex_);
+    internal::MutexLock lock(chain_mutex_);
     Status loaded = LoadChainIndex();
     if (!loaded.ok()) {
       REFIT_LOG_WARN("s3 chain: cannot read its index ({}); the next transfer is an anchor",
@@ -430,7 +424,7 @@ class S3Transport final : public Transport {
                          .transfer_id = plan.transfer_id,
                          .state_fingerprint = StateFingerprint(digests),
                          .payloads = std::move(uploads)};
-    std::lock_guard lock(chain_mutex_);
+    internal::MutexLock lock(chain_mutex_);
     return PublishChainVersion(std::move(version));
   }
 
@@ -513,7 +507,7 @@ class S3Transport final : public Transport {
   const std::shared_ptr<S3Client> client_;
   const TransportOptions options_;
   const std::shared_ptr<UploadLog> log_;
-  std::mutex chain_mutex_;
+  internal::Mutex chain_mutex_;
   // The chain's index as last read or written; empty until needed, or after a failed write.
   std::optional<ChainIndex> chain_;
 };

@@ -76,25 +76,28 @@ class ZmqSender final : public TransportSender {
  public:
   ZmqSender(ZmqContext context, ZmqConfig config, std::optional<CurveClientKeys> curve,
             SenderContext sender, PayloadLimits limits)
-      : context_(std::move(context)),
+      : TransportSender(std::move(sender), limits),
+        zmq_context_(std::move(context)),
         config_(std::move(config)),
         curve_(std::move(curve)),
-        sender_(std::move(sender)),
-        limits_(limits),
-        root_index_(sender_.producer_id % sender_.endpoints.size()),
-        root_(sender_.endpoints[root_index_]) {}
+        root_index_(this->context().producer_id % this->context().endpoints.size()),
+        root_(this->context().endpoints[root_index_]) {}
 
   ~ZmqSender() override {
     // Sockets close before the context terminates (zmq_ctx_term waits for them).
     connections_.clear();
   }
 
-  Status Send(uint32_t payload_id, std::span<const std::byte> payload) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckOpen(sender_));
-    REFIT_RETURN_NOT_OK(CheckOutgoingPayload(sender_, payload_id, payload, limits_).status());
-    progress_.RecordSent(payload_id);
+  void CleanupThread() override {
+    std::lock_guard lock(mutex_);
+    connections_.erase(std::this_thread::get_id());
+  }
+
+ private:
+  Status Deliver(uint32_t payload_id, std::span<const std::byte> payload,
+                 const PayloadHeader& /*header*/) override {
     const std::string root = U32Bytes(root_index_);
-    const ReplyKey key{sender_.transfer_id.ToHex(), U32Bytes(sender_.producer_id),
+    const ReplyKey key{context().transfer_id.ToHex(), U32Bytes(context().producer_id),
                        U32Bytes(payload_id)};
     // Parts of at most kMaxFrameBytes, which is all a relay reads in one frame (zmq_frames.h).
     std::vector<std::string_view> frames{kProtocol, kKindData, config_.api_key, root};
@@ -105,53 +108,42 @@ class ZmqSender final : public TransportSender {
     }
     if (bytes.empty()) frames.push_back(bytes);
     return ThreadConnection()
-        .Request(frames, key, {}, sender_.deadline)
+        .Request(frames, key, {}, context().deadline)
         .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
-                                 sender_.producer_id, root_));
+                                 context().producer_id, root_));
   }
 
-  void CleanupThread() override {
-    std::lock_guard lock(mutex_);
-    connections_.erase(std::this_thread::get_id());
-  }
-
-  Status Finish(uint64_t payloads) override {
-    REFIT_RETURN_NOT_OK(progress_.CheckFinish(sender_, payloads));
+  Status EndStream(uint64_t payloads) override {
     const std::string root = U32Bytes(root_index_);
-    const auto& id = sender_.transfer_id.bytes;
+    const auto& id = context().transfer_id.bytes;
     const std::string transfer(reinterpret_cast<const char*>(id.data()), id.size());
-    const std::string producer = U32Bytes(sender_.producer_id);
+    const std::string producer = U32Bytes(context().producer_id);
     const std::string count = U32Bytes(static_cast<uint32_t>(payloads));
-    const ReplyKey key{sender_.transfer_id.ToHex(), producer, ""};
+    const ReplyKey key{context().transfer_id.ToHex(), producer, ""};
     REFIT_RETURN_NOT_OK(
         ThreadConnection()
             .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key,
-                     {}, sender_.deadline)
+                     {}, context().deadline)
             .WithContext(fmt::format("finishing producer {} ({} payloads) at root relay {}",
-                                     sender_.producer_id, payloads, root_)));
-    progress_.MarkFinished();
+                                     context().producer_id, payloads, root_)));
     return Status::OK();
   }
 
- private:
   // The calling thread's connection to the root; only this thread uses it until CleanupThread.
   Connection& ThreadConnection() {
     std::lock_guard lock(mutex_);
     std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
     if (connection == nullptr) {
-      connection = std::make_unique<Connection>(context_.get(), root_, config_, curve_);
+      connection = std::make_unique<Connection>(zmq_context_.get(), root_, config_, curve_);
     }
     return *connection;
   }
 
-  const ZmqContext context_;
+  const ZmqContext zmq_context_;
   const ZmqConfig config_;
   const std::optional<CurveClientKeys> curve_;
-  const SenderContext sender_;
-  const PayloadLimits limits_;
   const uint32_t root_index_;
   const std::string root_;
-  SenderProgress progress_;
   std::mutex mutex_;
   std::map<std::thread::id, std::unique_ptr<Connection>> connections_;
 };

@@ -1,0 +1,406 @@
+// The receiver's transfer bookkeeping on sequences of events alone: no store, no threads, a clock
+// the test moves. Each test is a protocol rule (docs/protocol.md, "The receiver's state
+// machine"); the sequences the fault soak and the chaos tests found are named where they are.
+#include "receiver/transfer_ledger.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "refit/status_format.h"
+#include "test_util.h"
+
+namespace refit::internal {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr milliseconds kLease = seconds(60);
+constexpr milliseconds kPreemptAfter = seconds(5);
+
+std::array<uint8_t, 16> Checksum(uint8_t tag) {
+  std::array<uint8_t, 16> checksum{};
+  checksum.fill(tag);
+  return checksum;
+}
+
+class TransferLedgerTest : public ::testing::Test {
+ protected:
+  TransferLedgerTest()
+      : ledger_(/*version=*/7, LedgerOptions{.remembered_transfers = 4,
+                                             .transfer_lease = kLease,
+                                             .preempt_after = kPreemptAfter}) {}
+
+  /// A request based on `base` expecting `per_producer` payloads from each of producers 0, 1.
+  static PrepareRequest Request(uint64_t base, uint32_t per_producer = 2, bool anchor = false) {
+    PrepareRequest request;
+    request.transfer_id = TransferId::Random();
+    request.base_version = base;
+    request.anchor = anchor;
+    request.expected.payloads_per_producer = {{0, per_producer}, {1, per_producer}};
+    return request;
+  }
+
+  static PayloadIds Ids(const PrepareRequest& request, uint32_t producer, uint32_t payload) {
+    return PayloadIds{request.transfer_id, producer, payload, request.base_version,
+                      request.base_version + 1};
+  }
+
+  /// Open `request` (it must classify as kOpen).
+  void Open(const PrepareRequest& request) {
+    ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(request, now_));
+    ASSERT_EQ(step, PrepareStep::kOpen);
+    ledger_.Open(request, now_);
+  }
+
+  /// Stage and apply every payload `request` expects, then flush it to prepared.
+  void StageApplyAndFlush(const PrepareRequest& request) {
+    for (const auto& [producer, count] : request.expected.payloads_per_producer) {
+      for (uint32_t payload = 0; payload < count; ++payload) {
+        const PayloadIds ids = Ids(request, producer, payload);
+        ASSERT_OK(ledger_.CheckStageable(ids));
+        ASSERT_OK_AND_ASSIGN(bool duplicate, ledger_.CheckDuplicate(ids, Checksum(1)));
+        ASSERT_FALSE(duplicate);
+        ledger_.RecordStaged(ids, Checksum(1), 100, now_);
+        ASSERT_TRUE(ledger_.ShouldApply(request.transfer_id));
+        ledger_.StartApply();
+        ledger_.RecordApplied(1, 10, now_);
+      }
+    }
+    ASSERT_OK(ledger_.MergeExpectation({}));
+    ASSERT_TRUE(ledger_.AllStaged());
+    ASSERT_OK(ledger_.Seal());
+    FlushReport report;
+    report.transfer_id = request.transfer_id;
+    report.target_version = request.base_version + 1;
+    ledger_.Prepared(report, now_);
+    ASSERT_EQ(ledger_.state(), ReceiverState::kPrepared);
+  }
+
+  TransferLedger ledger_;
+  LedgerClock::time_point now_ = LedgerClock::now();
+};
+
+TEST_F(TransferLedgerTest, ADeltaOpensOnlyFromTheReceiversVersion) {
+  EXPECT_STATUS_MSG(FailedPrecondition, "based on version 6 but the receiver is at version 7",
+                    ledger_.ClassifyPrepare(Request(6), now_));
+  EXPECT_STATUS(FailedPrecondition, ledger_.ClassifyPrepare(Request(8), now_));
+  // An anchor opens from any base.
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(3, 2, true), now_));
+  EXPECT_EQ(step, PrepareStep::kOpen);
+  Open(Request(7));
+  EXPECT_EQ(ledger_.state(), ReceiverState::kReceiving);
+}
+
+TEST_F(TransferLedgerTest, ARepeatedPrepareIsARepeatAndAChangedOneIsRefused) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(request, now_));
+  EXPECT_EQ(step, PrepareStep::kRepeat);
+  PrepareRequest changed = request;
+  changed.expected.payloads_per_producer[1] = 9;
+  EXPECT_STATUS_MSG(FailedPrecondition, "already open", ledger_.ClassifyPrepare(changed, now_));
+}
+
+TEST_F(TransferLedgerTest, CommitMovesTheVersionAndFinishedIdsAreRefused) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  StageApplyAndFlush(request);
+  ledger_.Commit();
+  EXPECT_EQ(ledger_.version(), 8u);
+  EXPECT_EQ(ledger_.state(), ReceiverState::kIdle);
+  EXPECT_EQ(ledger_.Finished(request.transfer_id), Outcome::kCommitted);
+  // A replayed Prepare or a late payload of the committed transfer: an XOR replayed reverts.
+  EXPECT_STATUS_MSG(FailedPrecondition, "already committed",
+                    ledger_.ClassifyPrepare(request, now_));
+  EXPECT_STATUS_MSG(FailedPrecondition, "already committed",
+                    ledger_.CheckStageable(Ids(request, 0, 0)));
+}
+
+TEST_F(TransferLedgerTest, APrepareFromTheTargetOfAPreparedTransferCommitsItFirst) {
+  const PrepareRequest first = Request(7);
+  Open(first);
+  StageApplyAndFlush(first);
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(8), now_));
+  EXPECT_EQ(step, PrepareStep::kCommitOpenFirst);
+}
+
+TEST_F(TransferLedgerTest, APrepareFromTheBaseOfAPreparedTransferAbortsItFirst) {
+  const PrepareRequest first = Request(7);
+  Open(first);
+  StageApplyAndFlush(first);
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(7), now_));
+  EXPECT_EQ(step, PrepareStep::kAbortOpenFirst);
+  // From neither its base nor its target: refused, naming both.
+  EXPECT_STATUS_MSG(FailedPrecondition, "based on version 8 commits it",
+                    ledger_.ClassifyPrepare(Request(9), now_));
+}
+
+// The chaos test's "kill -9 after prepare": the next coordinator's prepare was refused for the
+// whole lease (300 s by default).
+TEST_F(TransferLedgerTest, AQuietReceivingTransferIsPreemptedByAPrepareFromItsBase) {
+  const PrepareRequest abandoned = Request(7);
+  Open(abandoned);
+  // While it is live (progress within preempt_after) the new one is refused, naming the rule.
+  now_ += kPreemptAfter - milliseconds(1);
+  EXPECT_STATUS_MSG(FailedPrecondition, "once it has been quiet for 5000 ms",
+                    ledger_.ClassifyPrepare(Request(7), now_));
+  // A payload keeps it live.
+  ledger_.RecordStaged(Ids(abandoned, 0, 0), Checksum(1), 100, now_);
+  now_ += kPreemptAfter - milliseconds(1);
+  EXPECT_STATUS(FailedPrecondition, ledger_.ClassifyPrepare(Request(7), now_));
+  now_ += milliseconds(1);
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(7), now_));
+  EXPECT_EQ(step, PrepareStep::kAbortOpenFirst);
+  // Only from its base: a prepare from anywhere else says nothing about it.
+  EXPECT_STATUS(FailedPrecondition, ledger_.ClassifyPrepare(Request(8), now_));
+}
+
+TEST_F(TransferLedgerTest, PreemptionCanBeTurnedOff) {
+  TransferLedger ledger(7, LedgerOptions{.transfer_lease = kLease, .preempt_after = {}});
+  const PrepareRequest abandoned = Request(7);
+  ledger.Open(abandoned, now_);
+  EXPECT_STATUS(FailedPrecondition, ledger.ClassifyPrepare(Request(7), now_ + seconds(3600)));
+}
+
+TEST_F(TransferLedgerTest, DuplicatesAreCountedAndConflictsRefused) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  const PayloadIds ids = Ids(request, 1, 0);
+  ASSERT_OK_AND_ASSIGN(bool duplicate, ledger_.CheckDuplicate(ids, Checksum(1)));
+  ASSERT_FALSE(duplicate);
+  ledger_.RecordStaged(ids, Checksum(1), 100, now_);
+  ASSERT_OK_AND_ASSIGN(duplicate, ledger_.CheckDuplicate(ids, Checksum(1)));
+  EXPECT_TRUE(duplicate);
+  EXPECT_EQ(ledger_.open()->duplicates, 1u);
+  EXPECT_STATUS_MSG(AlreadyExists, "another checksum", ledger_.CheckDuplicate(ids, Checksum(2)));
+  EXPECT_EQ(ledger_.received_payloads(), 1u);
+  EXPECT_EQ(ledger_.received_bytes(), 100u);
+}
+
+TEST_F(TransferLedgerTest, PayloadsOutsideTheCountsOrVersionsAreRefused) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  EXPECT_STATUS_MSG(InvalidArgument, "producer 0 sends 2 payloads",
+                    ledger_.CheckStageable(Ids(request, 0, 2)));
+  EXPECT_STATUS_MSG(InvalidArgument, "producer 5 sends 0 payloads",
+                    ledger_.CheckStageable(Ids(request, 5, 0)));
+  PayloadIds moved = Ids(request, 0, 0);
+  moved.target_version = 9;
+  EXPECT_STATUS_MSG(FailedPrecondition, "moves version 7 -> 9", ledger_.CheckStageable(moved));
+  PayloadIds other = Ids(request, 0, 0);
+  other.transfer_id = TransferId::Random();
+  EXPECT_STATUS_MSG(FailedPrecondition, "not the open transfer", ledger_.CheckStageable(other));
+}
+
+// A stream end, the payloads staged and the expected counts are three accounts of one stream:
+// one that contradicts another is refused at once, instead of a flush waiting for payloads the
+// producer says it never sent.
+TEST_F(TransferLedgerTest, StreamEndsAreHeldToEveryOtherAccountOfTheStream) {
+  const PrepareRequest request = Request(7, 3);
+  Open(request);
+  ledger_.RecordStaged(Ids(request, 0, 2), Checksum(1), 100, now_);
+  EXPECT_STATUS_MSG(InvalidArgument, "its payload 2 was staged",
+                    ledger_.EndStream(StreamEnd{request.transfer_id, 0, 2}, now_));
+  EXPECT_STATUS_MSG(InvalidArgument, "the transfer's payload count expects 3",
+                    ledger_.EndStream(StreamEnd{request.transfer_id, 1, 2}, now_));
+  ASSERT_OK(ledger_.EndStream(StreamEnd{request.transfer_id, 1, 3}, now_));
+  ASSERT_OK(ledger_.EndStream(StreamEnd{request.transfer_id, 1, 3}, now_));  // Repeated.
+  EXPECT_STATUS_MSG(InvalidArgument, "and earlier with 3",
+                    ledger_.EndStream(StreamEnd{request.transfer_id, 1, 4}, now_));
+  // A stream end of a transfer never seen is refused; of a finished one, ignored.
+  EXPECT_STATUS(FailedPrecondition, ledger_.EndStream(StreamEnd{TransferId::Random(), 0, 1}, now_));
+}
+
+TEST_F(TransferLedgerTest, TheFirstApplyErrorFailsTheTransferAndStopsTheRest) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  ledger_.RecordStaged(Ids(request, 0, 0), Checksum(1), 100, now_);
+  EXPECT_TRUE(ledger_.StartApply());
+  EXPECT_FALSE(ledger_.StartApply());  // Only the first one pauses the engine.
+  ledger_.RecordApplyFailed(DataLoss("checksum"), now_);
+  EXPECT_FALSE(ledger_.ShouldApply(request.transfer_id));
+  EXPECT_STATUS_MSG(DataLoss, "the transfer failed earlier",
+                    ledger_.CheckStageable(Ids(request, 0, 1)));
+  EXPECT_STATUS(DataLoss, ledger_.last_error());
+}
+
+TEST_F(TransferLedgerTest, AnAbortThatLeavesFullSpansNeedsAnAnchorUntilOneCommits) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  ledger_.BeginAbort();
+  EXPECT_STATUS_MSG(FailedPrecondition, "being aborted",
+                    ledger_.CheckStageable(Ids(request, 0, 0)));
+  ledger_.FinishAbort(/*exact=*/false);
+  EXPECT_EQ(ledger_.Finished(request.transfer_id), Outcome::kAborted);
+  ASSERT_TRUE(ledger_.needs_anchor().has_value());
+  EXPECT_STATUS_MSG(FailedPrecondition, "needs an anchor",
+                    ledger_.ClassifyPrepare(Request(7), now_));
+  const PrepareRequest anchor = Request(7, 1, /*anchor=*/true);
+  Open(anchor);
+  StageApplyAndFlush(anchor);
+  ledger_.Commit();
+  EXPECT_FALSE(ledger_.needs_anchor().has_value());
+  EXPECT_EQ(ledger_.version(), 8u);
+}
+
+TEST_F(TransferLedgerTest, AFailedRollbackKeepsTheTransferOpen) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  ledger_.BeginAbort();
+  ledger_.AbortFailed(NotFound("tensor vanished"));
+  ASSERT_TRUE(ledger_.IsOpen(request.transfer_id));
+  EXPECT_FALSE(ledger_.open()->aborting);
+  EXPECT_STATUS(NotFound, ledger_.last_error());
+}
+
+TEST_F(TransferLedgerTest, TheLeaseRunsOnlyWhileReceivingAndRestartsWithProgress) {
+  const PrepareRequest request = Request(7);
+  Open(request);
+  ASSERT_EQ(ledger_.LeaseDeadline(), now_ + kLease);
+  now_ += seconds(10);
+  ledger_.RecordStaged(Ids(request, 0, 0), Checksum(1), 100, now_);
+  EXPECT_EQ(ledger_.LeaseDeadline(), now_ + kLease);
+  EXPECT_NE(
+      std::string(ledger_.LeaseExpiredError(now_ + kLease).message()).find("lease of 60000 ms"),
+      std::string::npos);
+  // Prepared: no lease, one warning after a lease's wait.
+  const PrepareRequest prepared = Request(7);
+  TransferLedger ledger(7, LedgerOptions{.transfer_lease = kLease});
+  ledger.Open(prepared, now_);
+  FlushReport report;
+  ledger.Prepared(report, now_);
+  EXPECT_FALSE(ledger.LeaseDeadline().has_value());
+  EXPECT_EQ(ledger.NextLeaseEvent(), now_ + kLease);
+  EXPECT_FALSE(ledger.TakeDecisionWaitWarning(now_ + kLease - milliseconds(1)));
+  EXPECT_TRUE(ledger.TakeDecisionWaitWarning(now_ + kLease));
+  EXPECT_FALSE(ledger.TakeDecisionWaitWarning(now_ + kLease * 2));
+  EXPECT_FALSE(ledger.NextLeaseEvent().has_value());
+}
+
+TEST_F(TransferLedgerTest, OnlyTheNewestFinishedIdsAreRemembered) {
+  const TransferId lost = TransferId::Random();
+  ledger_.RecordAbortOfUnprepared(lost);
+  EXPECT_EQ(ledger_.Finished(lost), Outcome::kAborted);
+  for (int i = 0; i < 4; ++i) ledger_.RecordAbortOfUnprepared(TransferId::Random());
+  EXPECT_FALSE(ledger_.Finished(lost).has_value());
+}
+
+TEST_F(TransferLedgerTest, ExpectationsMayComeAtFlushButMustAgree) {
+  PrepareRequest request = Request(7);
+  request.expected = {};
+  Open(request);
+  ledger_.RecordStaged(Ids(request, 3, 0), Checksum(1), 100, now_);
+  TransferExpectation counts;
+  counts.payloads_per_producer = {{0, 1}};
+  EXPECT_STATUS_MSG(InvalidArgument, "payload 0 of producer 3 was staged but is not expected",
+                    ledger_.MergeExpectation(counts));
+  EXPECT_STATUS_MSG(FailedPrecondition, "no expected payload count", ledger_.MergeExpectation({}));
+  counts.payloads_per_producer = {{3, 1}};
+  ASSERT_OK(ledger_.MergeExpectation(counts));
+  EXPECT_TRUE(ledger_.AllStaged());
+  counts.payloads_per_producer = {{3, 2}};
+  EXPECT_STATUS_MSG(InvalidArgument, "payload count differs", ledger_.MergeExpectation(counts));
+}
+
+// Random sequences of events against a model of the rules: whatever happens, at most one
+// transfer is open, the version moves only by a commit of a transfer based on it (or an anchor),
+// a committed id never opens again, and the ledger's answers match the model's.
+TEST_F(TransferLedgerTest, RandomSequencesKeepTheInvariants) {
+  std::mt19937_64 random(20261205);
+  for (int trial = 0; trial < 200; ++trial) {
+    TransferLedger ledger(0, LedgerOptions{.remembered_transfers = 64,
+                                           .transfer_lease = kLease,
+                                           .preempt_after = kPreemptAfter});
+    LedgerClock::time_point now = LedgerClock::now();
+    std::vector<PrepareRequest> seen;
+    std::vector<TransferId> committed;
+    uint64_t model_version = 0;
+    for (int event = 0; event < 60; ++event) {
+      now += milliseconds(random() % 3000);
+      const OpenTransfer* open = ledger.open();
+      switch (random() % 6) {
+        case 0: {  // A prepare from a nearby version, or a replay of an old one.
+          PrepareRequest request = !seen.empty() && random() % 4 == 0
+                                       ? seen[random() % seen.size()]
+                                       : Request(model_version + (random() % 3) - 1, 1);
+          if (request.base_version == UINT64_MAX) break;
+          Result<PrepareStep> step = ledger.ClassifyPrepare(request, now);
+          for (const TransferId& id : committed) {
+            if (id == request.transfer_id) {
+              ASSERT_FALSE(step.ok() && *step == PrepareStep::kOpen) << "a committed id reopened";
+            }
+          }
+          if (!step.ok()) break;
+          if (*step == PrepareStep::kOpen) {
+            ASSERT_EQ(open, nullptr);
+            ASSERT_TRUE(request.anchor || request.base_version == model_version);
+            ledger.Open(request, now);
+            seen.push_back(request);
+          } else if (*step == PrepareStep::kCommitOpenFirst) {
+            ASSERT_NE(open, nullptr);
+            ASSERT_TRUE(open->report.has_value());
+            committed.push_back(open->id);
+            ledger.Commit();
+            model_version = ledger.version();
+          } else if (*step == PrepareStep::kAbortOpenFirst) {
+            ASSERT_NE(open, nullptr);
+            ASSERT_TRUE(open->report.has_value() || now - open->last_progress >= kPreemptAfter);
+            ledger.BeginAbort();
+            ledger.FinishAbort(true);
+          }
+          break;
+        }
+        case 1:
+        case 2: {  // A payload of the open transfer.
+          if (open == nullptr) break;
+          const PayloadIds ids{open->id, static_cast<uint32_t>(random() % 2), 0, open->base_version,
+                               open->target_version};
+          if (!ledger.CheckStageable(ids).ok()) break;
+          Result<bool> duplicate = ledger.CheckDuplicate(ids, Checksum(1));
+          ASSERT_OK(duplicate.status());
+          if (!*duplicate) ledger.RecordStaged(ids, Checksum(1), 10, now);
+          break;
+        }
+        case 3: {  // A flush once everything is staged.
+          if (open == nullptr || open->report || !ledger.MergeExpectation({}).ok()) break;
+          if (!ledger.AllStaged()) break;
+          ASSERT_OK(ledger.Seal());
+          FlushReport report;
+          report.transfer_id = open->id;
+          ledger.Prepared(report, now);
+          break;
+        }
+        case 4: {  // A commit of a prepared transfer.
+          if (open == nullptr || !open->report) break;
+          committed.push_back(open->id);
+          ledger.Commit();
+          model_version = ledger.version();
+          break;
+        }
+        case 5: {  // An abort, or the lease.
+          if (open == nullptr) break;
+          const std::optional<LedgerClock::time_point> deadline = ledger.LeaseDeadline();
+          if (random() % 2 == 0 || (deadline && now >= *deadline)) {
+            ledger.BeginAbort();
+            ledger.FinishAbort(true);
+          }
+          break;
+        }
+      }
+      ASSERT_EQ(ledger.version(), model_version);
+      if (ledger.open() != nullptr) {
+        ASSERT_TRUE(ledger.open()->anchor || ledger.open()->base_version == model_version);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace refit::internal
