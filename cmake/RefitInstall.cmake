@@ -87,6 +87,7 @@ if(REFIT_WITH_MPI)
     string(APPEND REFIT_PC_LIBS " ${lib}")
   endforeach()
 endif()
-string(APPEND REFIT_PC_LIBS " -pthread")
+# htscodecs (context-coded deltas, refit_codec) has no .pc file of its own.
+string(APPEND REFIT_PC_LIBS " -lhtscodecs -pthread")
 configure_file(${PROJECT_SOURCE_DIR}/cmake/refit.pc.in ${PROJECT_BINARY_DIR}/refit.pc @ONLY)
 install(FILES ${PROJECT_BINARY_DIR}/refit.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -8,7 +8,8 @@
 # developer commands (simulate, diff, encode, estimate, apply, and the demo's in-process fleet of
 # trackers under one coordinator) work on the library's internals (the simulator, the compare,
 # the tracker, the stream, the coordinator, the location codec, half floats, the applier), and
-# the CLI is built with the library, never against an installed copy.
+# the CLI is built with the library, never against an installed copy. That is decided: these
+# commands keep their named internal includes, and no public "tools" API is made for them.
 # Fails, listing file:line, on anything else. Runs in scripts/lint.sh.
 #
 # Usage: scripts/check_includes.sh

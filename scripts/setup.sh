@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Installs what refit builds and tests with. Idempotent and quick when nothing changed:
+# Installs what refit builds and tests with. Idempotent and quick when nothing changed. Usage:
+#   scripts/setup.sh          everything below (scripts/test.sh runs this)
+#   scripts/setup.sh --cpp    only the packages of the C++ build (cpp_packages), no venv: what
+#                             scripts/demo.sh needs to build and run the `refit` binary
 # 1. Debian 12 packages (the C++ build; the system Python's modules for the integration tests'
 #    independent peers). Packages already present are skipped; apt is consulted only when
 #    something is missing.
@@ -13,20 +16,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Build + test dependencies (Debian 12 packages; nothing is downloaded at run time).
-packages=(
+cpp_only=0
+case "${1:-}" in
+  "") ;;
+  --cpp) cpp_only=1 ;;
+  *) echo "setup: unknown argument '$1' (expected nothing, or --cpp for the C++ build only)" >&2
+     exit 2 ;;
+esac
+
+# What every CMake preset needs to configure and build (Debian 12 packages): the libraries, and
+# GoogleTest and Google Benchmark, since the presets build the tests and benchmarks too.
+cpp_packages=(
   build-essential cmake ninja-build pkg-config git
   libzstd-dev libxxhash-dev libhwy-dev
+  libhtscodecs-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libpugixml-dev
   libzmq3-dev cppzmq-dev libsodium-dev libcpp-httplib-dev libssl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  # S3 transport: libcurl for the client.
+  libcurl4-openssl-dev
+)
+# Build + test dependencies (Debian 12 packages; nothing is downloaded at run time).
+packages=(
+  "${cpp_packages[@]}"
   clang-14 libclang-rt-14-dev clang-format clang-tidy-14
   # The system Python's modules for the integration tests' peers (tests/integration/*.py run on
   # /usr/bin/python3, not the venv): numpy, pyzmq for hostile data-plane clients, the Prometheus
   # parser for /metrics.
   python3-numpy python3-zmq python3-prometheus-client
-  # S3 transport: libcurl for the client; boto3 and xxhash for the independent S3 test peer.
-  libcurl4-openssl-dev python3-boto3 python3-xxhash
+  # S3 transport: boto3 and xxhash for the independent S3 test peer (libcurl: cpp_packages).
+  python3-boto3 python3-xxhash
   # MPI producer group (optional in CMake): Open MPI's headers and libraries, and mpirun for its test.
   libopenmpi-dev openmpi-bin
   # The Python package: pybind11's CMake package and Python's headers for its core, and venv +
@@ -34,6 +53,7 @@ packages=(
   pybind11-dev python3-dev python3-venv python3-pip
 )
 
+if [ "$cpp_only" = 1 ]; then packages=("${cpp_packages[@]}"); fi
 missing=()
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -49,6 +69,7 @@ if [ ${#missing[@]} -ne 0 ]; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+if [ "$cpp_only" = 1 ]; then exit 0; fi
 
 # The project venv. Made from /usr/bin/python3 without the system's site-packages (Debian's numpy
 # or an old torch must not shadow the pins); a venv made otherwise (the README's former

@@ -41,8 +41,8 @@ constexpr uint64_t kMinSectionChunkBytes = 1 * kMiB;
 constexpr uint64_t kMaxSectionChunkBytes = 64 * kMiB;
 
 // The names --sections takes.
-constexpr std::array<std::string_view, 5> kSectionNames = {"end-to-end", "fan-out", "producers",
-                                                           "tp", "embedded"};
+constexpr std::array<std::string_view, 6> kSectionNames = {"end-to-end", "fan-out",  "producers",
+                                                           "tp",         "embedded", "elastic"};
 
 // `text` as a comma-separated list of positive 32-bit counts. Errors: InvalidArgument naming
 // `flag`.
@@ -112,7 +112,7 @@ uint16_t NudgeOneUlp(uint16_t bits, bool up) {
 // are checked once every flag is read.
 struct GivenFlags {
   std::optional<uint64_t> model_mib, fanout_model_mib, chunk_mib, producers_model_mib, tp_model_mib,
-      embedded_model_mib, steps;
+      embedded_model_mib, elastic_model_mib, steps;
   std::optional<std::vector<size_t>> fanout;
   std::optional<std::vector<std::string_view>> sections;
 };
@@ -205,6 +205,7 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
   flags.Switch("--skip-producers", "skip the producers section", &args.skip_producers);
   flags.Switch("--skip-tp", "skip the tp section", &args.skip_tp);
   flags.Switch("--skip-embedded", "skip the embedded section", &args.skip_embedded);
+  flags.Switch("--skip-elastic", "skip the elastic section", &args.skip_elastic);
   flags.Value(
       "--sections", "S,S,...", "run only these sections",
       [&](std::string_view, std::string_view text) -> Status {
@@ -227,6 +228,8 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
   flags.Unsigned("--tp-model-mib", "N", "the tp section's model", &given.tp_model_mib);
   flags.Unsigned("--embedded-model-mib", "N", "the embedded section's model",
                  &given.embedded_model_mib);
+  flags.Unsigned("--elastic-model-mib", "N", "the elastic section's model",
+                 &given.elastic_model_mib);
   flags.Unsigned("--steps", "N", "delta steps of the producers and tp sections", &given.steps);
   flags.Value("--step-density", "D", "their density", density(&args.step_density));
   flags.Text("--work-dir", "DIR", "where models, logs and ready files go", &args.work_dir);
@@ -256,6 +259,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
     args.producers_model_bytes = 32 * kMiB;
     args.tp_model_bytes = 64 * kMiB;
     args.embedded_model_bytes = 64 * kMiB;
+    args.elastic_model_bytes = 8 * kMiB;
     args.steps = 3;
   }
   if (given.model_mib) args.model_bytes = *given.model_mib * kMiB;
@@ -265,6 +269,7 @@ Result<Args> ParseArgs(int argc, char** argv) {
   if (given.producers_model_mib) args.producers_model_bytes = *given.producers_model_mib * kMiB;
   if (given.tp_model_mib) args.tp_model_bytes = *given.tp_model_mib * kMiB;
   if (given.embedded_model_mib) args.embedded_model_bytes = *given.embedded_model_mib * kMiB;
+  if (given.elastic_model_mib) args.elastic_model_bytes = *given.elastic_model_mib * kMiB;
   if (given.steps) args.steps = *given.steps;
   if (given.sections) {
     const auto listed = [&](std::string_view name) {
@@ -276,9 +281,10 @@ Result<Args> ParseArgs(int argc, char** argv) {
     args.skip_producers = args.skip_producers || !listed("producers");
     args.skip_tp = args.skip_tp || !listed("tp");
     args.skip_embedded = args.skip_embedded || !listed("embedded");
+    args.skip_elastic = args.skip_elastic || !listed("elastic");
   }
   if (args.model_bytes == 0 || args.fanout_model_bytes == 0 || args.producers_model_bytes == 0 ||
-      args.tp_model_bytes == 0 || args.embedded_model_bytes == 0) {
+      args.tp_model_bytes == 0 || args.embedded_model_bytes == 0 || args.elastic_model_bytes == 0) {
     return InvalidArgument("model sizes must be at least 1 MiB");
   }
   if (args.steps == 0) return InvalidArgument("--steps must be at least 1");

@@ -89,6 +89,9 @@ struct Args {
   // The embedded receiver.
   uint64_t embedded_model_bytes = 1024 * kMiB;
   bool skip_embedded = false;
+  // The elastic fleet (a newcomer and a laggard join).
+  uint64_t elastic_model_bytes = 64 * kMiB;
+  bool skip_elastic = false;
   // The delta steps of the producers and tp sections: the median refit time over them is what
   // each configuration reports.
   uint64_t steps = 5;
@@ -104,7 +107,7 @@ struct Args {
 
 // The sections, for the usage text.
 constexpr std::string_view kSectionsHelp =
-    "sections: end-to-end, fan-out, producers, tp, embedded (default: all)\n";
+    "sections: end-to-end, fan-out, producers, tp, embedded, elastic (default: all)\n";
 
 // The usage text: every flag with its value and help.
 std::string Usage();

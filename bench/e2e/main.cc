@@ -142,6 +142,12 @@ Status Run(const Args& args) {
     report["embedded"] = *embedded;
     if (!args.json) PrintEmbedded(*embedded);
   }
+  if (!args.skip_elastic) {
+    Result<nlohmann::json> elastic = RunElastic(args, work_dir);
+    if (!elastic.ok()) return elastic.status().WithContext("elastic (work dir " + work_dir + ")");
+    report["elastic"] = *elastic;
+    if (!args.json) PrintElastic(*elastic);
+  }
   report["machine"]["load_average_end"] = LoadAverage();
   if (args.json) std::cout << report.dump(2) << "\n";
   if (!args.json_out.empty()) {

@@ -66,6 +66,17 @@ Status RunProducerRank(const ChildFlags& flags);
 Result<nlohmann::json> RunTensorParallel(const Args& args, const std::string& work_dir);
 void PrintTensorParallel(const nlohmann::json& section);
 
+// --- elastic (elastic.cc) ---------------------------------------------------------------------
+
+// A fleet of 8 embedded receivers (this process, loopback sockets) and 2 publisher ranks
+// (threads): a laggard 3 versions behind and a newcomer with the step-0 weights join between
+// syncs. The join sync twice from one seed — today's whole-fleet anchor, then per-receiver plans
+// — with its time, the producers' egress and each receiver's bytes; the newcomer's catch-up (the
+// join sync) against the raw copy of the model to one receiver (target <= 1.3x); the laggard's
+// fold at the producers against the deltas it missed. Ratios in one run, NOT MET where not met.
+Result<nlohmann::json> RunElastic(const Args& args, const std::string& work_dir);
+void PrintElastic(const nlohmann::json& section);
+
 // --- embedded (embedded.cc) --------------------------------------------------------------------
 
 // A ReceiverNode embedded in a process of its own (this executable, re-executed) over buffers

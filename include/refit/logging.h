@@ -1,8 +1,10 @@
 // Verbosity of the library's diagnostic log.
 //
 // The library logs to stderr through one named logger ("refit"). Its level starts from the
-// environment variable REFIT_LOG_LEVEL (read once, at the first log call) and defaults to "info";
-// applications such as the `refit` CLI override it with SetLogLevel (`--log-level`).
+// environment variable REFIT_LOG_LEVEL (read once, at the first log call) and defaults to "warn"
+// — the same for the `refit` CLI, a C++ program and the Python package, so that a receiver or a
+// trainer is as quiet in a training job as on the command line. SetLogLevel changes it (the
+// CLI's `--log-level`, Python's refit.set_log_level).
 #pragma once
 
 #include <string_view>

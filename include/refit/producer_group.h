@@ -94,10 +94,14 @@ struct TcpGroupOptions {
   /// its own oversized message and tells the waiting side, so both fail at once; a receiver with
   /// a smaller limit refuses the frame by its header and drops the link.
   uint64_t max_message_bytes = uint64_t{256} << 20;
-  /// How long Make waits: rank 0 for its port to bind (retrying while it is in use), the others
-  /// for their first connection to rank 0 (retrying while rank 0 is not up yet). Later
+  /// How long Make waits: the ranks ≥ 1 for their first connection to rank 0 (retrying while
+  /// rank 0 is not up yet), and rank 0 for its port (at most bind_timeout of it). Later
   /// reconnections happen inside the collectives, within their deadlines.
   std::chrono::milliseconds connect_timeout{std::chrono::seconds(60)};
+  /// How long rank 0 retries a port that is in use (a restarted rank 0 whose predecessor is still
+  /// exiting), within connect_timeout. A port that another process keeps is reported then, naming
+  /// it, rather than after the whole connect_timeout: a wrong or taken --group port fails fast.
+  std::chrono::milliseconds bind_timeout{std::chrono::seconds(3)};
 };
 
 /// Make this rank's endpoint of a TCP group. Rank 0 binds and accepts the others in the
@@ -114,10 +118,13 @@ struct TcpGroupOptions {
 /// collective on.
 ///
 /// Thread-safety: as ProducerGroup; the accept thread is internal.
+/// While a collective on rank 0 waits for ranks that are not connected, it logs which ones, at
+/// info after a few seconds and then periodically, at warn once the wait is long.
+///
 /// Errors: InvalidArgument (a malformed address, rank ≥ world_size, port 0 on a rank ≥ 1, a rank
-/// or world size rank 0 does not accept), Unavailable (rank 0 cannot bind; a rank cannot reach
-/// rank 0 within connect_timeout), PermissionDenied ("rank 0 at HOST:PORT refused this rank's api
-/// key").
+/// or world size rank 0 does not accept), Unavailable (rank 0 cannot bind: "port 7001 is in use",
+/// within bind_timeout; a rank cannot reach rank 0 within connect_timeout), PermissionDenied
+/// ("rank 0 at HOST:PORT refused this rank's api key").
 Result<std::unique_ptr<ProducerGroup>> MakeTcpGroup(const TcpGroupOptions& options);
 
 /// The port a TCP group's rank 0 listens on (the ephemeral one when the address gave port 0), or

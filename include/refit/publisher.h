@@ -78,6 +78,15 @@ struct PublisherOptions {
   /// chunk is read while the one before it is compared. A chunk larger than the budget fails the
   /// Sync, naming it and the budget it needs.
   uint64_t staging_bytes = 0;
+  /// Retained history for folded deltas (docs/protocol.md "Per-receiver plans"): this rank keeps
+  /// the XOR deltas of the chunks (boxes) it sends for its last `history_versions` commits, at
+  /// most `history_bytes` of them (locations and values before compression; oldest dropped
+  /// first), so that a receiver up to that many versions behind is caught up by one folded
+  /// payload per chunk rather than an anchor. Defaults: 8 versions, 256 MiB per rank (8 deltas
+  /// of an 8 GiB share at ~2 % of bf16 elements changing per step). history_bytes 0 keeps
+  /// nothing. Only an XOR tracker (TrackerOptions::op) keeps history.
+  uint32_t history_versions = 8;
+  uint64_t history_bytes = uint64_t{256} << 20;
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and
@@ -138,6 +147,19 @@ class Publisher {
   Status AdoptBaseline(std::span<const ExportTensor> model,
                        std::optional<uint64_t> version = std::nullopt);
 
+  /// Adopt this rank's pieces of a sharded model (FSDP2/DTensor shards, Megatron slices) as what
+  /// the receivers hold now — a trainer rank restarted from the checkpoint they loaded — so that
+  /// the next Sync(const ShardedModel&) is a delta for every receiver holding that version
+  /// (docs/protocol.md "Trainer restarts"). Every piece this rank holds is adopted; at the next
+  /// Sync, the boxes rank 0's plan gives another rank (data-parallel copies) are dropped. Every
+  /// rank of W may adopt, or one rank that restarted alone; the receivers' state digests check
+  /// the adopted baseline at the next flush (a wrong checkpoint fails that Sync, rolled back).
+  /// `version`: as above. Local, not collective.
+  /// Errors: InvalidArgument for a layout CheckLayout refuses or a local tensor missing or of
+  /// another shape, naming the piece; those of DeltaTracker::AdoptBaseline. Nothing is adopted
+  /// on error (the previous baseline stays).
+  Status AdoptBaseline(const ShardedModel& model, std::optional<uint64_t> version = std::nullopt);
+
   /// Collective: refit the fleet with the model as `source` yields it (every chunk in canonical
   /// order; ranks that own a chunk read its bytes, the others may yield views they never touch).
   /// `force_anchor` on rank 0 makes the transfer FULL.
@@ -171,10 +193,13 @@ class Publisher {
   /// calls it on Ctrl-C. Thread-safe: the one call that may overlap a Sync.
   void Cancel();
 
-  /// Rank 0: replace the fleet from the next Sync on (a receiver dropped or added; each Sync
-  /// asks every receiver where it sits and what it holds, so a receiver that restarted from an
-  /// older checkpoint is refit by an anchor). Errors: FailedPrecondition on other ranks;
-  /// InvalidArgument for an empty list.
+  /// Rank 0: replace the fleet from the next Sync on (a receiver dropped or added). Each Sync
+  /// asks every receiver where it sits, what it holds and which version: over a transport with
+  /// relay trees (zmq://) a receiver at the base gets the delta, and one that is new, behind
+  /// (restarted from an older checkpoint) or needs an anchor is caught up in the same Sync by
+  /// folded deltas or an anchor of its own (RefitReport's ReceiverOutcome::caught_up_by); the
+  /// others' payloads do not change. Over other transports such a receiver makes the Sync an
+  /// anchor. Errors: FailedPrecondition on other ranks; InvalidArgument for an empty list.
   Status SetReceivers(std::vector<PublisherReceiver> receivers);
 
   uint32_t rank() const;

@@ -78,6 +78,11 @@ struct ReceiverStatus {
   /// from it. Both 0 for a store in host memory.
   uint64_t device_to_bytes = 0;
   uint64_t device_from_bytes = 0;
+  /// The session prepares a transfer to the target its PrepareRequest names
+  /// (PrepareRequest::target_version), so folded deltas can catch it up from a version behind
+  /// the fleet's base; false: only to base_version + 1, and a coordinator sends it an anchor of
+  /// its own instead (docs/protocol.md "Per-receiver plans").
+  bool accepts_target_version = false;
 };
 
 /// Options of ReceiverSession::Make.

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "refit/status.h"
@@ -19,6 +20,28 @@ namespace refit {
 
 /// The cut of items one class of receivers holds (src/codec/routing.h): opaque to users.
 class ItemRoute;
+
+/// How a receiver was brought to a transfer's target (docs/protocol.md "Per-receiver plans").
+/// Receivers at the transfer's base get the delta; one behind it, new, or needing an anchor is
+/// caught up in the same transfer by the cheapest source the coordinator can prove correct,
+/// without changing what the others receive.
+enum class CatchUp : uint8_t {
+  /// The fleet's delta: the receiver held the base version.
+  kDelta,
+  /// One folded XOR payload per chunk from the version it held (the producers' retained deltas
+  /// and this transfer's, composed exactly).
+  kFolded,
+  /// A peer replica that holds the target streamed its state.
+  kPeer,
+  /// Replayed the object store's chain before the transfer (s3://).
+  kChain,
+  /// An anchor (every element FULL) for this receiver alone, or for everyone when the transfer
+  /// is an anchor.
+  kAnchor,
+};
+
+/// Return "delta", "folded", "peer", "chain" or "anchor".
+std::string_view CatchUpName(CatchUp how);
 
 /// One class of the receivers of a transfer: the receivers that hold the same elements (every
 /// TP rank-k shard of every replica; every unsharded receiver), which get the same payloads
@@ -32,6 +55,12 @@ struct TransferRoute {
   std::vector<std::string> endpoints;
   /// What they hold; null: everything.
   std::shared_ptr<const ItemRoute> items;
+  /// What the route carries: the transfer's own items (kDelta; FULL ones in an anchor), FULL
+  /// items of every owned element for receivers caught up by an anchor of their own (kAnchor),
+  /// or the fold of the retained deltas from `from_version` (kFolded).
+  CatchUp content = CatchUp::kDelta;
+  /// The version its receivers hold: the transfer's base, except for kFolded.
+  uint64_t from_version = 0;
 };
 
 /// What one receiver reported.
@@ -49,6 +78,14 @@ struct ReceiverOutcome {
   /// The route (class of receivers holding the same elements) it was sent, an index into
   /// RefitReport::routes.
   size_t route = 0;
+  /// The version it held before the transfer (as its status said; the base when not asked),
+  /// how many versions that was behind the base, and how it was caught up.
+  uint64_t held_version = 0;
+  uint64_t lag = 0;
+  CatchUp caught_up_by = CatchUp::kDelta;
+  /// The bytes the producers sent into its route (each payload reaches each receiver of the
+  /// route once): what this receiver received in the transfer.
+  uint64_t wire_bytes = 0;
 };
 
 /// What one successful Refit did.

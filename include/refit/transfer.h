@@ -85,6 +85,11 @@ struct PrepareRequest {
   /// The relay tree this transfer's payloads take through this receiver (transports with
   /// fan_out_tree), named by the coordinator; nullopt: the receiver's static peers list, if any.
   std::optional<RelayTree> relay_tree = std::nullopt;
+  /// The version the transfer takes this receiver to; 0: base_version + 1. A receiver caught up
+  /// by folded deltas (docs/protocol.md "Per-receiver plans") is prepared with its own version
+  /// as the base and the fleet's target, several versions on. Only a receiver whose status says
+  /// accepts_target_version is sent one; the coordinator checks the target its flush reports.
+  uint64_t target_version = 0;
 };
 
 /// What Prepare did.

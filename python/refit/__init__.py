@@ -84,7 +84,8 @@ __all__ = [
 ] + [name for name in errors.__all__ if name[0].isupper()]
 
 #: Set refit's log level ("trace", "debug", "info", "warn", "error", "critical", "off"). The log
-#: goes to stderr; its level starts from the environment variable REFIT_LOG_LEVEL, else "info".
+#: goes to stderr; its level starts from the environment variable REFIT_LOG_LEVEL, else "warn"
+#: (as the ``refit`` CLI's).
 set_log_level = _core.set_log_level
 #: refit's current log level.
 log_level = _core.log_level

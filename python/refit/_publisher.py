@@ -42,6 +42,12 @@ class SyncReport:
     #: The staging pool's budget, and the most host memory it held (0 when nothing was staged).
     staging_budget_bytes: int = 0
     staging_peak_bytes: int = 0
+    #: Rank 0: how each receiver reached ``version``, one dict per receiver in ``receivers``
+    #: order: ``name``, ``held_version`` (before the sync), ``lag`` (versions behind
+    #: ``base_version``), ``caught_up_by`` (``"delta"``, ``"folded"``, ``"anchor"``, …) and
+    #: ``wire_bytes`` (what it was sent). A newcomer or a receiver behind is caught up on its own
+    #: while the others get the delta (docs/protocol.md "Per-receiver plans").
+    catch_ups: Tuple[dict, ...] = ()
 
     @property
     def density(self) -> float:
@@ -150,13 +156,28 @@ class Publisher:
             staging_bytes=staging_bytes,
         )
 
-    def adopt_baseline(self, tensors: TensorsLike, version: Optional[int] = None) -> None:
+    def adopt_baseline(
+        self,
+        tensors: TensorsLike,
+        version: Optional[int] = None,
+        *,
+        layout: Optional[Sequence[Mapping[str, Any]]] = None,
+    ) -> None:
         """Take ``tensors`` (the whole model, in canonical order) as what the receivers hold.
 
         The receivers loaded that checkpoint, so the first sync is a delta. ``version``: the
         version they hold, if known. Copies this rank's share of the model once (the baseline).
+
+        With ``layout`` (as :meth:`sync` takes it), ``tensors`` are this rank's local tensors of a
+        sharded model: a trainer rank restarted from the checkpoint the fleet holds adopts its own
+        pieces, and the next sharded sync is a delta. Every rank may adopt, or one rank that
+        restarted alone. Local, not collective.
         """
-        self._core.adopt_baseline(buffer_tensors(tensors), version)
+        if layout is not None:
+            pieces = [dict(piece) for piece in layout]
+            self._core.adopt_baseline_sharded(pieces, buffer_tensors(tensors), version)
+        else:
+            self._core.adopt_baseline(buffer_tensors(tensors), version)
 
     def sync(
         self,
@@ -189,6 +210,7 @@ class Publisher:
         else:
             report = self._core.sync(buffer_tensors(tensors), force_anchor)
         report["receivers"] = tuple(report["receivers"])
+        report["catch_ups"] = tuple(report["catch_ups"])
         return SyncReport(**report)
 
     def set_receivers(self, receivers: Iterable[ReceiverLike]) -> None:

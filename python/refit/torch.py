@@ -243,7 +243,16 @@ class Publisher:
     def adopt_baseline(self, model: ModuleOrState, version: Optional[int] = None) -> None:
         """Take ``model`` as what the receivers hold now (they loaded it), so the next sync is a delta.
 
+        A model with DTensor parameters (FSDP2, DTensor tensor parallelism) adopts this rank's own
+        shards, found from the placements as :meth:`sync` finds them: a sharded trainer restarted
+        from the checkpoint the fleet holds (every rank, or one rank of W) resumes with a delta.
         Tensors in device memory are read one at a time into this rank's baseline."""
+        if _holds_dtensors(model):
+            from refit.layout import layout_of, local_tensors  # noqa: PLC0415
+
+            locals_ = list(local_tensors(model).items())
+            self._inner.adopt_baseline(self._exported(locals_), version, layout=layout_of(model))
+            return
         self._inner.adopt_baseline(self._exported(state_tensors(model)), version)
 
     def set_receivers(self, receivers: Iterable[Any]) -> None:

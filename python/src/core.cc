@@ -459,6 +459,18 @@ py::dict SyncReportToDict(const SyncReport& sync) {
   py::list receivers;
   for (const ReceiverOutcome& receiver : report.receivers) receivers.append(receiver.name);
   out["receivers"] = receivers;
+  // How each receiver reached the version (docs/protocol.md "Per-receiver plans").
+  py::list catch_ups;
+  for (const ReceiverOutcome& receiver : report.receivers) {
+    py::dict one;
+    one["name"] = receiver.name;
+    one["held_version"] = receiver.held_version;
+    one["lag"] = receiver.lag;
+    one["caught_up_by"] = std::string(CatchUpName(receiver.caught_up_by));
+    one["wire_bytes"] = receiver.wire_bytes;
+    catch_ups.append(std::move(one));
+  }
+  out["catch_ups"] = catch_ups;
   out["staged_bytes"] = sync.staging.staged_bytes;
   out["staging_budget_bytes"] = sync.staging.budget_bytes;
   out["staging_peak_bytes"] = sync.staging.peak_held_bytes;
@@ -831,6 +843,20 @@ class PyPublisher {
     Check(publisher_->AdoptBaseline(std::span<const ExportTensor>(exported.tensors), version));
   }
 
+  // A sharded rank's adoption: its pieces and local tensors, as SyncSharded takes them.
+  void AdoptBaselineSharded(const py::list& pieces, const py::list& locals,
+                            std::optional<uint64_t> version) {
+    ShardedModel model;
+    for (const py::handle& piece : pieces) {
+      model.layout.pieces.push_back(LayoutPieceFromDict(piece.cast<py::dict>(), publisher_->rank(),
+                                                        model.layout.pieces.size()));
+    }
+    ExportTensors exported = ToExportTensors(locals);
+    model.locals = exported.tensors;
+    py::gil_scoped_release release;
+    Check(publisher_->AdoptBaseline(model, version));
+  }
+
   py::dict Sync(const py::list& tensors, bool force_anchor) {
     ExportTensors exported = ToExportTensors(tensors);
     Publisher* publisher = publisher_.get();
@@ -1158,6 +1184,8 @@ PYBIND11_MODULE(_core, m) {
           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
+      .def("adopt_baseline_sharded", &PyPublisher::AdoptBaselineSharded, py::arg("pieces"),
+           py::arg("locals"), py::arg("version") = py::none())
       .def("sync", &PyPublisher::Sync, py::arg("tensors"), py::arg("force_anchor") = false)
       .def("sync_sharded", &PyPublisher::SyncSharded, py::arg("pieces"), py::arg("locals"),
            py::arg("force_anchor") = false)

@@ -22,7 +22,8 @@ if [ "$in_venv" = 1 ]; then
 else
   "$python" -m venv --system-site-packages "$work/venv"
 fi
-REFIT_CMAKE_BUILD_DIR=$build "$work/venv/bin/python" -m pip install --quiet --no-build-isolation \
+# REFIT_BUILD_PROGRESS=0: setup.py's progress lines would land on the terminal running ctest.
+REFIT_BUILD_PROGRESS=0 REFIT_CMAKE_BUILD_DIR=$build "$work/venv/bin/python" -m pip install --quiet --no-build-isolation \
   --no-deps --no-index "$checkout/python"
 
 cd "$work"

@@ -32,7 +32,9 @@ Status RunAbort(const AbortArgs& args) {
     id = *given;
   } else {
     Result<ControlStatus> status = client->GetStatus();
-    if (!status.ok()) return status.status().WithContext(fmt::format("abort: {}", args.url));
+    if (!status.ok()) {
+      return ExplainReceiverError(status.status(), "abort", args.url, args.api_key_env);
+    }
     if (!status->receiver.transfer_id.has_value()) {
       std::cout << fmt::format("{} is idle at version {}: nothing to abort\n", args.url,
                                status->receiver.version);
@@ -40,7 +42,9 @@ Status RunAbort(const AbortArgs& args) {
     }
     id = *status->receiver.transfer_id;
   }
-  REFIT_RETURN_NOT_OK(client->Abort(id).WithContext(fmt::format("abort: {}", args.url)));
+  if (const Status aborted = client->Abort(id); !aborted.ok()) {
+    return ExplainReceiverError(aborted, "abort", args.url, args.api_key_env);
+  }
   REFIT_ASSIGN_OR_RETURN(const ControlStatus after, client->GetStatus());
   std::cout << fmt::format("aborted transfer {} on {}: {} at version {}\n", id.ToHex(), args.url,
                            ReceiverStateName(after.receiver.state), after.receiver.version);

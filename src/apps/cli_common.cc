@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <chrono>
 
+#include "refit/status_format.h"
 #include "util/environment.h"
 
 namespace refit::cli {
@@ -83,6 +84,20 @@ Result<ControlClientOptions> ControlClientOptionsFor(const std::string& url,
     REFIT_ASSIGN_OR_RETURN(options.api_key, SecretFromEnvironment(api_key_env, "--api-key-env"));
   }
   return options;
+}
+
+Status ExplainReceiverError(const Status& error, std::string_view command, const std::string& url,
+                            const std::string& api_key_env) {
+  if (error.code() == StatusCode::kPermissionDenied) {
+    return PermissionDenied("{}: unauthorized by {}: {}; {}", command, url, error.message(),
+                            api_key_env.empty()
+                                ? std::string("give the key with --api-key-env NAME")
+                                : "check the key in " + api_key_env);
+  }
+  if (error.code() == StatusCode::kUnavailable) {
+    return error.WithContext(fmt::format("{}: receiver {} is unreachable", command, url));
+  }
+  return error.WithContext(fmt::format("{}: {}", command, url));
 }
 
 Result<std::vector<std::span<const std::byte>>> SplitPayloadFile(std::span<const std::byte> file,

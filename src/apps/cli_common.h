@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "refit/control_client.h"
@@ -49,6 +50,13 @@ double NowSeconds();
 /// empty.
 Result<ControlClientOptions> ControlClientOptionsFor(const std::string& url,
                                                      const std::string& api_key_env);
+
+/// Return `error`, which a call to the receiver at `url` returned, with what the user can do
+/// about it, prefixed by `command` ("status", "push"): a refused key names the receiver and the
+/// environment variable the key came from (`api_key_env`; when empty, how to give one), an
+/// unreachable receiver is named as such. Other errors get the command and the URL as context.
+Status ExplainReceiverError(const Status& error, std::string_view command, const std::string& url,
+                            const std::string& api_key_env);
 
 /// Split a `.rfp` file — one or more payloads back to back — into payloads, checking each header.
 /// Errors: as ValidatePayloadHeader, naming the byte offset of the bad payload.

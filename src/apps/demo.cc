@@ -239,7 +239,8 @@ Status RunDemo(const DemoArgs& args) {
     table.AddRow(
         {std::to_string(row.step), row.anchor ? "FULL" : "delta",
          std::to_string(r.plan.target_version),
-         fmt::format("{:.3f}%", 100 * j["density"].get<double>()),
+         // A FULL transfer sends every element, whatever changed.
+         row.anchor ? std::string("all") : fmt::format("{:.3f}%", 100 * j["density"].get<double>()),
          std::to_string(r.changed_elements), std::to_string(r.payloads), FormatBytes(r.wire_bytes),
          fmt::format("{:.1f}%", 100 * j["bytes_saved"].get<double>()), FormatDuration(r.total_s),
          FormatDuration(r.stream_s), FormatDuration(r.flush_s), FormatDuration(r.commit_s),
@@ -249,11 +250,16 @@ Status RunDemo(const DemoArgs& args) {
   }
   table.Print(std::cout);
   std::cout << fmt::format(
-      "\nspeedup = FULL time / step time; vs raw = step time / raw-copy time, where the raw copy "
-      "sent the model's {} uncompressed to {} receiving process(es) over ZeroMQ on loopback "
-      "({} messages of at most {} from {} thread(s) each, no codec, digest or apply) in {}\n",
+      "\nspeedup = FULL time / step time (higher is better); vs raw = step time / raw-copy time "
+      "(lower is better, below 1 beats a plain copy), where the raw copy sent the model's {} "
+      "uncompressed to {} receiving process(es) over ZeroMQ on loopback ({} messages of at most "
+      "{} from {} thread(s) each, no codec, digest or apply) in {}\n",
       FormatBytes(raw.bytes), raw.receivers, raw.messages, FormatBytes(raw.message_bytes),
       raw.threads, FormatDuration(raw.seconds));
+  std::cout << "on loopback the link is almost free and the codec shares this machine's CPU with "
+               "the daemons, so a delta can take longer than the raw copy here; over a real "
+               "network the wire bytes decide: `refit estimate --link-gbps N` predicts a delta, "
+               "a FULL and a raw copy for your link\n";
   std::cout << fmt::format(
       "every step committed on all {} daemons with state digests equal to the producers'; "
       "every tensor downloaded from every daemon equals the trainer's bytes\n",

@@ -13,10 +13,13 @@ int main(int argc, char** argv) {
       "weights that changed"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "refit " + std::string(refit::VersionString()));
-  std::string log_level = "warn";
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error, critical or off")
-      ->capture_default_str();
+  // Without the flag the level is the library's: REFIT_LOG_LEVEL, else "warn" (as in Python).
+  std::string log_level;
+  CLI::Option* log_level_flag = app.add_option(
+      "--log-level", log_level,
+      "trace, debug, info, warn, error, critical or off (default: $REFIT_LOG_LEVEL, else warn)");
   app.parse_complete_callback([&] {
+    if (log_level_flag->count() == 0) return;
     refit::Status st = refit::SetLogLevel(log_level);
     if (!st.ok()) throw CLI::ValidationError("--log-level", st.message());
   });

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -85,7 +86,8 @@ Result<config::RefitConfig> ResolveConfig(const PushArgs& args) {
 // the decision) is resolved by this push's prepare (implied commit or abort, docs/protocol.md);
 // one still receiving is another push's: this push's prepare rolls it back once it has been
 // quiet for the receiver's preempt_after (its push died), and is refused naming it otherwise.
-Result<uint64_t> FleetVersion(const PublisherOptions& options,
+// Errors name the receiver, and for a refused key the variable it came from (`api_key_env`).
+Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string& api_key_env,
                               std::chrono::steady_clock::time_point deadline) {
   std::optional<uint64_t> version;
   for (const PublisherReceiver& receiver : options.receivers) {
@@ -95,7 +97,10 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options,
                            ControlClient::Make(client_options));
     // The push's one deadline bounds the question to every receiver together.
     client->SetCallDeadline(deadline);
-    REFIT_ASSIGN_OR_RETURN(ControlStatus status, client->GetStatus());
+    const std::string& url = receiver.control_url;
+    Result<ControlStatus> asked = client->GetStatus();
+    if (!asked.ok()) return ExplainReceiverError(asked.status(), "push", url, api_key_env);
+    const ControlStatus& status = *asked;
     version = std::max(version.value_or(0), status.receiver.version);
   }
   return *version;
@@ -203,7 +208,18 @@ Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(
   return groups;
 }
 
-void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_bytes) {
+// What the ranks that sent nothing hold of the model, for the lines below: with the whole model
+// on every rank, export chunk k (of about chunk_bytes, canonical order) is rank k % W's, so a
+// model of fewer chunks than ranks leaves the last ranks nothing to send.
+std::string IdleRanksNote(const StreamReport& stream, uint32_t world_size, uint64_t chunk_bytes) {
+  return fmt::format(
+      "the model is {} export chunk(s) of about {} (--chunk-bytes) and chunk k is sent by rank "
+      "k % {}; a smaller --chunk-bytes on every rank spreads it over more ranks",
+      stream.chunks, FormatBytes(chunk_bytes), world_size);
+}
+
+void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_bytes,
+                 uint64_t chunk_bytes) {
   const RefitReport& report = sync.transfer;
   if (args.json) {
     nlohmann::json line = {{"transfer_id", report.plan.transfer_id.ToHex()},
@@ -222,6 +238,10 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
     nlohmann::json commits = nlohmann::json::array();
     for (const ReceiverOutcome& receiver : report.receivers) {
       commits.push_back({{"receiver", receiver.name},
+                         {"held_version", receiver.held_version},
+                         {"lag", receiver.lag},
+                         {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
+                         {"wire_bytes", receiver.wire_bytes},
                          {"committed", receiver.commit_status.ok()},
                          {"error", receiver.commit_status.ok()
                                        ? nlohmann::json(nullptr)
@@ -236,6 +256,12 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
         sync.rank, sync.world_size, report.plan.anchor ? "a FULL anchor" : "a delta",
         report.plan.base_version, report.plan.target_version, report.changed_elements,
         report.total_elements, report.payloads, FormatBytes(report.wire_bytes));
+    const bool sharded = !args.layout.empty();
+    if (!sharded && report.producers.size() == 1 && report.producers[0].owned_chunks == 0) {
+      std::cout << fmt::format("rank {} of {} owns no export chunk, so it sent nothing: {}\n",
+                               sync.rank, sync.world_size,
+                               IdleRanksNote(report.producers[0], sync.world_size, chunk_bytes));
+    }
   } else {
     std::cout << fmt::format(
         "pushed {} as {} v{} -> v{} to {} receiver(s) from {} rank(s): {} changed of {} "
@@ -246,6 +272,15 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
         FormatBytes(report.wire_bytes), FormatBytes(model_bytes), FormatDuration(report.total_s),
         FormatDuration(report.stream_s), FormatDuration(report.flush_s),
         FormatDuration(report.commit_s));
+    std::vector<size_t> idle;
+    for (size_t p = 0; p < report.producers.size(); ++p) {
+      if (report.producers[p].owned_chunks == 0) idle.push_back(p);
+    }
+    if (args.layout.empty() && !idle.empty()) {
+      std::cout << fmt::format("rank(s) {} of {} owned no export chunk and sent nothing: {}\n",
+                               fmt::join(idle, ", "), report.producers.size(),
+                               IdleRanksNote(report.producers[0], sync.world_size, chunk_bytes));
+    }
   }
   for (const ReceiverOutcome& receiver : report.receivers) {
     if (!receiver.commit_status.ok()) {
@@ -354,7 +389,8 @@ Status RunPush(const PushArgs& args) {
   } else if (!mpi.active) {
     // Under mpi:// the receivers are the job's ranks, asked at Sync; the first Sync takes their
     // version.
-    REFIT_ASSIGN_OR_RETURN(fleet_version, FleetVersion(options, deadline));
+    REFIT_ASSIGN_OR_RETURN(fleet_version,
+                           FleetVersion(options, config.http_refit_api_key_env_var, deadline));
   }
   std::vector<std::unique_ptr<ProducerGroup>> groups;
   if (mpi.active) {
@@ -409,7 +445,7 @@ Status RunPush(const PushArgs& args) {
   REFIT_RETURN_NOT_OK(results[0].status());
   uint64_t model_bytes = 0;
   for (const TensorView& tensor : model) model_bytes += tensor.bytes.size();
-  PrintReport(args, *results[0], model_bytes);
+  PrintReport(args, *results[0], model_bytes, options.stream.chunk_bytes);
   return Status::OK();
 }
 
@@ -461,13 +497,20 @@ void RegisterPush(CLI::App& app, Status* result) {
               "zmq://");
   config_flag("--api-key-env", {"http_refit_api_key_env_var"},
               "Environment variable holding the control plane's api key", "");
+  config_flag("--chunk-bytes", {"delta_compression.export_chunk_bytes"},
+              "The export chunk: the model is cut, in canonical order, into chunks of about this "
+              "size, and rank k of W sends chunks k, k + W, ...; a model smaller than one chunk "
+              "is sent by rank 0 alone. Every rank must give the same value",
+              "256MiB");
   cmd->add_option("--producers", args->producers,
                   "Producer ranks W as threads of this process (chunk k goes to k % W)")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
   cmd->add_option("--group", args->group,
                   "Run as one rank of a multi-process producer group: tcp://HOST:PORT, where rank "
-                  "0 listens and the other ranks connect (authenticated by the api key)");
+                  "0 listens and the other ranks connect (authenticated by the api key). Each "
+                  "rank sends the export chunks it owns (chunk k: rank k % W; see --chunk-bytes); "
+                  "rank 0 also coordinates the receivers");
   cmd->add_option("--rank", args->rank, "This process's rank in --group (0 coordinates)")
       ->capture_default_str();
   cmd->add_option("--world-size", args->world_size, "The number of ranks W in --group")

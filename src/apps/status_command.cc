@@ -69,16 +69,7 @@ Status RunStatus(const StatusArgs& args) {
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(*options));
   Result<ControlStatus> status = client->GetStatus();
   if (!status.ok()) {
-    const Status& error = status.status();
-    if (error.code() == StatusCode::kPermissionDenied) {
-      return PermissionDenied("status: unauthorized by {}: {}; {}", args.url, error.message(),
-                              args.api_key_env.empty() ? "give the key with --api-key-env NAME"
-                                                       : "check the key in " + args.api_key_env);
-    }
-    if (error.code() == StatusCode::kUnavailable) {
-      return error.WithContext(fmt::format("status: receiver {} is unreachable", args.url));
-    }
-    return error.WithContext(fmt::format("status: {}", args.url));
+    return ExplainReceiverError(status.status(), "status", args.url, args.api_key_env);
   }
   if (args.json) {
     std::cout << ControlStatusToJson(*status) << std::endl;

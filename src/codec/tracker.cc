@@ -20,6 +20,7 @@
 #include "refit/status_format.h"
 #include "util/check.h"
 #include "util/thread_pool.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -104,7 +105,7 @@ struct BaselineEntry {
   std::unique_ptr<BaselineBuffer> buffer;
   uint64_t digest = 0;
   /// Guards `pending` against concurrent Encode calls on disjoint spans of this tensor.
-  std::mutex pending_mutex;
+  internal::Mutex pending_mutex;
   PendingChanges pending;
 };
 
@@ -559,7 +560,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeAnchor(const TensorView& current
   const uint64_t span_digest = box ? box->Digest(current.bytes, width, begin, end)
                                    : DigestRange(current.bytes, width, begin, end);
 
-  std::lock_guard lock(entry->pending_mutex);
+  internal::MutexLock lock(entry->pending_mutex);
   PendingChanges& pending = entry->pending;
   pending.encoded += end - begin;
   const bool same_layout =
@@ -643,7 +644,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   const uint64_t digest_total = gathered.digest_delta;
   result.changed_elements = changed.size();
   if (changed.empty()) {
-    std::lock_guard lock(entry.pending_mutex);
+    internal::MutexLock lock(entry.pending_mutex);
     entry.pending.encoded += end - begin;
     return result;
   }
@@ -684,7 +685,7 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
   if (!run.has_value() && !changed.empty()) {
     REFIT_ASSIGN_OR_RETURN(run, MakePendingRun(changed, begin, end));
   }
-  std::lock_guard lock(entry.pending_mutex);
+  internal::MutexLock lock(entry.pending_mutex);
   PendingChanges& pending = entry.pending;
   pending.encoded += end - begin;
   if (run.has_value()) pending.runs.push_back(*std::move(run));
@@ -717,6 +718,35 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
                                                      s.options.force_location_encoding));
   }
   return result;
+}
+
+Result<std::vector<Item>> DeltaTracker::EncodeFull(const TransferId& id, const TensorView& current,
+                                                   uint64_t span_begin, uint64_t span_end) const {
+  const State& s = *state_;
+  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "encode full"));
+  REFIT_RETURN_NOT_OK(CheckTensorSize(current));
+  const uint64_t numel = current.numel();
+  if (span_end == UINT64_MAX) span_end = numel;
+  if (span_begin > span_end || span_end > numel) {
+    return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
+                           span_begin, span_end, numel);
+  }
+  const BoxIndexMap* box = s.BoxOf(current.name);
+  if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, current));
+  const uint32_t width = DTypeSize(current.dtype);
+  const auto span_bytes =
+      current.bytes.subspan(span_begin * width, (span_end - span_begin) * width);
+  const uint64_t digest = box ? box->Digest(current.bytes, width, span_begin, span_end)
+                              : DigestRange(current.bytes, width, span_begin, span_end);
+  std::vector<Item> items;
+  REFIT_ASSIGN_OR_RETURN(
+      Item item, s.MakeItem(current, Op::kFull, current.dtype, span_begin, span_end, {},
+                            std::vector<std::byte>(span_bytes.begin(), span_bytes.end()), digest));
+  items.push_back(std::move(item));
+  if (box != nullptr) {
+    return ToCanonical(std::move(items), *box, s.options.force_location_encoding);
+  }
+  return items;
 }
 
 Result<EncodeResult> DeltaTracker::State::EncodeSpan(const TensorView& current, uint64_t span_begin,
@@ -775,6 +805,17 @@ Status DeltaTracker::Place(const std::string& name, const CanonicalBox& box, con
   // serve the new box: drop it, and make the next transfer an anchor that rebuilds it.
   if (s.entries.erase(name) > 0) s.committed_transfers = 0;
   s.boxes.insert_or_assign(name, *std::move(map));
+  return Status::OK();
+}
+
+Status DeltaTracker::Forget(const std::string& name) {
+  State& s = *state_;
+  if (s.open) {
+    return FailedPrecondition("cannot forget tensor '{}' while transfer {} is open", name,
+                              s.open->transfer_id.ToHex());
+  }
+  s.entries.erase(name);
+  s.boxes.erase(name);
   return Status::OK();
 }
 

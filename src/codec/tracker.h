@@ -63,6 +63,16 @@ class DeltaTracker {
   Result<EncodeResult> Encode(const TransferId& id, const TensorView& current,
                               uint64_t span_begin = 0, uint64_t span_end = UINT64_MAX);
 
+  /// Encode elements [span_begin, span_end) of `current` as FULL items of its bits now, for a
+  /// receiver that gets an anchor of its own inside a delta transfer (docs/protocol.md
+  /// "Per-receiver plans"). Reads only `current` and records nothing: the transfer's pending
+  /// state comes from Encode. Items are in canonical coordinates for a placed box (as an
+  /// anchor's). Errors: FailedPrecondition (wrong transfer id), InvalidArgument (bad span, size
+  /// mismatch, a box of another extent).
+  Result<std::vector<Item>> EncodeFull(const TransferId& id, const TensorView& current,
+                                       uint64_t span_begin = 0,
+                                       uint64_t span_end = UINT64_MAX) const;
+
   /// Check that the open delta transfer encoded every element of every baseline tensor: a sync
   /// that leaves a tensor out would commit with that tensor silently stale. OK for an anchor
   /// (whose Commit drops the baseline of every tensor it did not send).
@@ -88,6 +98,10 @@ class DeltaTracker {
   /// drops the tensor's baseline and makes the next transfer an anchor.
   /// Errors: FailedPrecondition while a transfer is open; InvalidArgument (BoxIndexMap::Make).
   Status Place(const std::string& name, const CanonicalBox& box, const Shape& extent);
+  /// Stop tracking `name` (its baseline and placement), without a transfer: a box this producer
+  /// adopted but another producer sends (a data-parallel copy, DeltaTracker::Place). No-op for a
+  /// name not tracked. Errors: FailedPrecondition while a transfer is open.
+  Status Forget(const std::string& name);
   /// The box `name` was placed at, if any.
   std::optional<CanonicalBox> PlacementOf(const std::string& name) const;
   /// Open the transfer a coordinator planned for every producer (as Begin, with the plan's

@@ -1,7 +1,12 @@
 #include "refit/control_client.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
@@ -27,6 +32,7 @@
 #include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/tcp_socket.h"
 
 namespace refit {
 namespace {
@@ -56,6 +62,8 @@ struct ParsedUrl {
   std::string origin;
   // "" or "/prefix" without a trailing '/'.
   std::string prefix;
+  // The host (IPv6 without brackets) and port, for the probe that explains a failed connect.
+  internal::Endpoint endpoint;
 };
 
 Result<ParsedUrl> ParseBaseUrl(std::string_view url) {
@@ -108,8 +116,54 @@ Result<ParsedUrl> ParseBaseUrl(std::string_view url) {
                              port_text);
     }
   }
+  std::string_view bare_host = host;
+  if (bare_host.starts_with('[')) bare_host = bare_host.substr(1, bare_host.size() - 2);
   return ParsedUrl{fmt::format("{}://{}:{}", https ? "https" : "http", host, port),
-                   std::string(prefix)};
+                   std::string(prefix), internal::Endpoint{std::string(bare_host), port}};
+}
+
+// The longest a failed connect's probe may take: a refused connect answers at once; this bounds
+// a host that drops packets, whose request already waited for its own connect timeout.
+constexpr std::chrono::milliseconds kConnectProbeLimit{1000};
+
+// Say why a connect to `endpoint` fails, as the user needs it: httplib reports only "Connection"
+// (its errno is gone by then), so one more connect asks the kernel. A refused connect means that
+// nothing listens there, the usual case of a receiver that is not running (yet).
+std::string DescribeConnectFailure(const internal::Endpoint& endpoint,
+                                   std::chrono::steady_clock::time_point deadline) {
+  const std::string where = internal::EndpointText(endpoint.host, endpoint.port);
+  Result<internal::AddrInfoList> addresses = internal::Resolve(endpoint, /*passive=*/false);
+  if (!addresses.ok())
+    return fmt::format("cannot connect to {}: {}", where, addresses.status().message());
+  int error = 0;
+  for (const addrinfo* address = addresses->get(); address != nullptr && error != ECONNREFUSED;
+       address = address->ai_next) {
+    internal::UniqueFd fd(::socket(address->ai_family,
+                                   address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
+                                   address->ai_protocol));
+    if (!fd.valid()) continue;
+    if (::connect(fd.get(), address->ai_addr, address->ai_addrlen) == 0) {
+      return fmt::format("the connection to {} failed (a new one now succeeds)", where);
+    }
+    error = errno;
+    if (error != EINPROGRESS) continue;
+    if (!internal::AwaitReady(fd.get(), POLLOUT, deadline).ok()) {
+      error = ETIMEDOUT;
+      continue;
+    }
+    socklen_t error_bytes = sizeof(error);
+    if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_bytes) != 0) error = errno;
+    if (error == 0) {
+      return fmt::format("the connection to {} failed (a new one now succeeds)", where);
+    }
+  }
+  if (error == ECONNREFUSED) {
+    return fmt::format("connection refused: nothing listens on {} (is the receiver running?)",
+                       where);
+  }
+  std::string text = internal::ErrnoText(error);
+  if (!text.empty()) text[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(text[0])));
+  return fmt::format("cannot connect to {}: {}", where, text);
 }
 
 bool IsRetryableHttpStatus(int status) {
@@ -398,9 +452,17 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
       if (!result) {
         // The connection is in an unknown state: drop it rather than return it to the pool.
         if (deadline.has_value() && Clock::now() >= *deadline) return past_deadline(attempt);
-        last_error =
-            Unavailable("{}: {} (attempt {} of {})", description,
-                        httplib::to_string(result.error()), attempt + 1, options.max_retries + 1);
+        std::string why = httplib::to_string(result.error());
+        if (result.error() == httplib::Error::Connection) {
+          Clock::time_point probe_deadline = Clock::now() + kConnectProbeLimit;
+          if (deadline.has_value()) probe_deadline = std::min(probe_deadline, *deadline);
+          why = DescribeConnectFailure(url.endpoint, probe_deadline);
+        } else if (result.error() == httplib::Error::ConnectionTimeout) {
+          why = fmt::format("connect to {} timed out (a host that is down, or a firewall)",
+                            internal::EndpointText(url.endpoint.host, url.endpoint.port));
+        }
+        last_error = Unavailable("{}: {} (attempt {} of {})", description, why, attempt + 1,
+                                 options.max_retries + 1);
         continue;
       }
       Reply reply{result->status, std::move(result->body), std::move(result->headers)};
@@ -502,6 +564,7 @@ Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   Json body = TransferBody(request.transfer_id);
   body["base_version"] = request.base_version;
   if (request.anchor) body["anchor"] = true;
+  if (request.target_version != 0) body["target_version"] = request.target_version;
   internal::PutExpectation(request.expected, body);
   if (request.relay_tree.has_value()) internal::PutRelayTree(*request.relay_tree, body);
   REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));

@@ -439,6 +439,9 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
   if (body.Has("anchor")) {
     REFIT_ASSIGN_OR_RETURN(request.anchor, body.Bool("anchor"));
   }
+  if (body.Has("target_version")) {
+    REFIT_ASSIGN_OR_RETURN(request.target_version, body.Uint("target_version"));
+  }
   REFIT_ASSIGN_OR_RETURN(request.expected, internal::GetExpectation(body));
   REFIT_ASSIGN_OR_RETURN(request.relay_tree, internal::GetRelayTree(body));
   if (request.relay_tree.has_value()) {

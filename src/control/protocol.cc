@@ -501,6 +501,7 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"received_bytes", receiver.received_bytes},
             {"device_to_bytes", receiver.device_to_bytes},
             {"device_from_bytes", receiver.device_from_bytes},
+            {"accepts_target_version", receiver.accepts_target_version},
             {"last_error", nullptr},
             {"tensors", status.tensors},
             {"state_fingerprint", nullptr},
@@ -556,6 +557,10 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   if (fields.Has("device_to_bytes")) {
     REFIT_ASSIGN_OR_RETURN(receiver.device_to_bytes, fields.Uint("device_to_bytes"));
     REFIT_ASSIGN_OR_RETURN(receiver.device_from_bytes, fields.Uint("device_from_bytes"));
+  }
+  // Absent from receivers older than per-receiver plans, which prepare to base + 1 only.
+  if (fields.Has("accepts_target_version")) {
+    REFIT_ASSIGN_OR_RETURN(receiver.accepts_target_version, fields.Bool("accepts_target_version"));
   }
   // Absent from receivers older than the anchor_undo policy, which always undo an anchor.
   if (fields.Has("needs_anchor")) {

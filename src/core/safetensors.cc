@@ -107,14 +107,15 @@ std::optional<uint64_t> NonNegativeInteger(const Json& value, uint64_t max) {
 // nesting beyond the schema's depth would only cost memory before failing.
 Status PrescanHeader(std::string_view header, const std::string& origin) {
   if (header.empty()) {
-    return InvalidArgument("{}: header length is 0", origin);
+    return InvalidArgument("{}: not a safetensors file: header length is 0", origin);
   }
   // The header must be a JSON object, and the upstream reader requires it to start at the first
   // byte, without whitespace; checking that here also settles the type of the parsed value.
   if (header.front() != '{') {
     return InvalidArgument(
-        "{}: header is not a JSON object: it starts with byte 0x{:02x}, expected '{{'", origin,
-        static_cast<uint8_t>(header.front()));
+        "{}: not a safetensors file: header is not a JSON object: it starts with byte 0x{:02x}, "
+        "expected '{{'",
+        origin, static_cast<uint8_t>(header.front()));
   }
   bool in_string = false;
   bool escaped = false;
@@ -504,19 +505,26 @@ Result<TensorView> SafetensorsFile::Find(std::string_view name) const {
 Result<std::vector<TensorView>> ParseSafetensors(std::span<const std::byte> file_bytes,
                                                  const std::string& origin,
                                                  std::map<std::string, std::string>* metadata) {
+  // The first checks are the ones any other kind of file fails (random bytes, a PyTorch .bin, a
+  // text file): they say so first, then what exactly did not fit.
   if (file_bytes.size() < kLengthFieldBytes) {
-    return InvalidArgument("{}: file of {} bytes is shorter than the {}-byte header length", origin,
-                           file_bytes.size(), kLengthFieldBytes);
+    return InvalidArgument(
+        "{}: not a safetensors file: file of {} bytes is shorter than the {}-byte header length",
+        origin, file_bytes.size(), kLengthFieldBytes);
   }
   const uint64_t header_size = internal::LoadLittleEndian<uint64_t>(file_bytes.data());
   if (header_size > kMaxHeaderBytes) {
-    return InvalidArgument("{}: header length {} exceeds the limit of {} bytes", origin,
-                           header_size, kMaxHeaderBytes);
+    return InvalidArgument(
+        "{}: not a safetensors file: header length {} exceeds the limit of {} bytes (a "
+        "safetensors file starts with the length of its JSON header, 8 bytes little-endian)",
+        origin, header_size, kMaxHeaderBytes);
   }
   const uint64_t after_length = file_bytes.size() - kLengthFieldBytes;
   if (header_size > after_length) {
-    return InvalidArgument("{}: header length {} exceeds the {} bytes after the length field",
-                           origin, header_size, after_length);
+    return InvalidArgument(
+        "{}: not a safetensors file, or a truncated one: header length {} exceeds the {} bytes "
+        "after the length field",
+        origin, header_size, after_length);
   }
   const std::span<const std::byte> header_bytes =
       file_bytes.subspan(kLengthFieldBytes, static_cast<size_t>(header_size));

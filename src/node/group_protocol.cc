@@ -231,10 +231,16 @@ StreamReport StreamReportFromJson(const Json& body) {
 Json RoutesToJson(std::span<const TransferRoute> routes) {
   Json out = Json::array();
   for (const TransferRoute& route : routes) {
-    out.push_back(Json{
+    Json one{
         {"endpoints", route.endpoints},
         {"regions", route.items == nullptr ? Json(nullptr)
-                                           : RegionsToJson(route.items->regions())["regions"]}});
+                                           : RegionsToJson(route.items->regions())["regions"]}};
+    // Absent for the fleet's delta, so a rank of an older build reads the routes it knows.
+    if (route.content != CatchUp::kDelta) {
+      one["content"] = std::string(CatchUpName(route.content));
+      one["from_version"] = route.from_version;
+    }
+    out.push_back(std::move(one));
   }
   return out;
 }
@@ -261,6 +267,23 @@ Result<std::vector<TransferRoute>> RoutesFromJson(const Json& body, std::string_
       Result<ItemRoute> items = ItemRoute::Make(*held);
       if (!items.ok()) return items.status().WithContext(route_where);
       parsed.items = std::make_shared<const ItemRoute>(*std::move(items));
+    }
+    if (const auto content = route.find("content"); content != route.end()) {
+      const std::string name = content->is_string() ? content->get<std::string>() : "";
+      if (name == CatchUpName(CatchUp::kAnchor)) {
+        parsed.content = CatchUp::kAnchor;
+      } else if (name == CatchUpName(CatchUp::kFolded)) {
+        parsed.content = CatchUp::kFolded;
+      } else {
+        return InvalidArgument("{}: content '{}' is neither 'anchor' nor 'folded'", route_where,
+                               content->dump());
+      }
+      const auto from = route.find("from_version");
+      if (from == route.end() || !from->is_number_unsigned()) {
+        return InvalidArgument("{}: content '{}' without an unsigned from_version", route_where,
+                               name);
+      }
+      parsed.from_version = from->get<uint64_t>();
     }
     routes.push_back(std::move(parsed));
   }

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "codec/delta_history.h"
 #include "codec/tracker.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
@@ -74,6 +75,9 @@ struct PublisherRank {
   PublisherOptions options;
   std::unique_ptr<ProducerGroup> group;
   std::unique_ptr<DeltaTracker> tracker;
+  // The deltas this rank committed, for folding (null: it keeps none); opened, committed and
+  // aborted with the tracker, cleared when the tracker is rebuilt.
+  std::unique_ptr<DeltaHistory> history;
   std::unique_ptr<ProducerStream> stream;
   // The stream of a sharded Sync: the source yields only this rank's boxes, all of them its own.
   std::unique_ptr<ProducerStream> piece_stream;
@@ -114,6 +118,9 @@ struct PublisherRank {
   LayoutPlan layout_plan;
   uint64_t open_plan_digest = 0;
   uint64_t committed_plan_digest = 0;
+  // Rank 0 adopted a sharded baseline (it restarted): the next plan is taken as the one the
+  // adopted checkpoint was sent under, rather than a new plan that needs an anchor.
+  bool adopted_plan = false;
 
   StagingReport Staging(uint64_t staged_bytes) const {
     StagingReport report;
@@ -149,6 +156,7 @@ struct PublisherRank {
           rank(), sharded ? "sharded" : "whole-model",
           *committed_sharded ? "sharded" : "whole-model");
       REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      if (history != nullptr) history->Clear();
       committed_sharded.reset();
       committed_world = 0;
       version_unknown = true;
@@ -160,6 +168,7 @@ struct PublisherRank {
           "rebuilding the baseline with an anchor",
           rank(), world(), committed_world);
       REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      if (history != nullptr) history->Clear();
       committed_world = 0;
       version_unknown = true;
     }
@@ -213,10 +222,14 @@ struct PublisherRank {
       }
       REFIT_ASSIGN_OR_RETURN(roles, internal::RolesFromString(
                                         all_roles[rank()], sharded->layout.pieces.size(), where));
-      // The tracker keeps each box this rank sends in the box's own numbering.
+      // The tracker keeps each box this rank sends in the box's own numbering; a box it adopted
+      // but another rank sends (AdoptBaseline of a sharded model) is dropped.
       for (size_t i = 0; i < roles.size(); ++i) {
-        if (roles[i] != PieceRole::kSend) continue;
         const LayoutPiece& piece = sharded->layout.pieces[i];
+        if (roles[i] != PieceRole::kSend) {
+          REFIT_RETURN_NOT_OK(tracker->Forget(PieceKey(piece)));
+          continue;
+        }
         REFIT_RETURN_NOT_OK(tracker->Place(PieceKey(piece), PieceBox(piece), piece.extent));
       }
     }
@@ -227,10 +240,19 @@ struct PublisherRank {
     TransferPlan own = plan;
     own.anchor = plan.anchor || full_self;
     REFIT_RETURN_NOT_OK(tracker->BeginPlanned(own).status());
+    if (history != nullptr) history->Begin(own.base_version, own.anchor);
     open = plan;
     endpoints = std::move(fleet);
     streamed.reset();
     return Status::OK();
+  }
+
+  // What this rank's Begin reply adds: the oldest version it can fold from (absent: none).
+  void PutFoldable(Json& reply) const {
+    if (history == nullptr) return;
+    if (const std::optional<uint64_t> oldest = history->oldest_version()) {
+      reply["fold_from"] = *oldest;
+    }
   }
 
   // Stream this rank's share through one sender per route (routing by holdings; one route of
@@ -245,7 +267,8 @@ struct PublisherRank {
       SenderContext context;
       context.transfer_id = open->transfer_id;
       context.producer_id = rank();
-      context.base_version = open->base_version;
+      context.base_version =
+          route.content == CatchUp::kFolded ? route.from_version : open->base_version;
       context.target_version = open->target_version;
       context.endpoints = route.endpoints.empty() ? endpoints : route.endpoints;
       context.anchor = open->anchor;
@@ -263,7 +286,7 @@ struct PublisherRank {
             }
             return channel->Send(payload_id, payload);
           },
-          channel->AsSenderCleanup()});
+          channel->AsSenderCleanup(), route.content, route.from_version});
     }
     const auto finish = [&](const StreamReport& report) -> Status {
       for (size_t k = 0; k < senders.size(); ++k) {
@@ -272,7 +295,8 @@ struct PublisherRank {
       return Status::OK();
     };
     if (sharded == nullptr) {
-      REFIT_ASSIGN_OR_RETURN(StreamReport report, stream->Run(*tracker, source, stream_routes));
+      REFIT_ASSIGN_OR_RETURN(StreamReport report,
+                             stream->Run(*tracker, source, stream_routes, history.get()));
       REFIT_RETURN_NOT_OK(finish(report));
       streamed = report;
       return ProducerStreamed{std::move(report), tracker->PendingDigests()};
@@ -281,7 +305,8 @@ struct PublisherRank {
         SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes,
                          StagingFor(StagingBytesNeeded(sharded->layout, roles, sharded_locals,
                                                        options.stream.chunk_bytes)));
-    REFIT_ASSIGN_OR_RETURN(StreamReport report, piece_stream->Run(*tracker, pieces, stream_routes));
+    REFIT_ASSIGN_OR_RETURN(StreamReport report,
+                           piece_stream->Run(*tracker, pieces, stream_routes, history.get()));
     REFIT_RETURN_NOT_OK(finish(report));
     streamed = report;
     REFIT_ASSIGN_OR_RETURN(streamed_boxes, BoxDigests());
@@ -312,7 +337,11 @@ struct PublisherRank {
   }
 
   Status Commit(const TransferId& id) {
-    REFIT_RETURN_NOT_OK(tracker->Commit(id));
+    if (Status committed = tracker->Commit(id); !committed.ok()) {
+      if (history != nullptr) history->Abort();
+      return committed;
+    }
+    if (history != nullptr) history->Commit();
     committed_sharded = sharded != nullptr;
     committed_world = world();
     version_unknown = false;
@@ -322,6 +351,7 @@ struct PublisherRank {
 
   void Abort(const TransferId& id) {
     if (tracker->open_transfer().has_value()) tracker->Abort(id).IgnoreError();
+    if (history != nullptr) history->Abort();
     open.reset();
   }
 
@@ -361,12 +391,15 @@ namespace {
 // Rank 0's view of the W ranks as one ProducerSet: every op is a broadcast, every answer a gather.
 class GroupProducers final : public ProducerSet {
  public:
+  // `per_receiver`: the coordinator plans each receiver (per-receiver plans), so a receiver
+  // behind the base no longer makes the transfer an anchor.
   GroupProducers(PublisherRank& self, const ChunkSource& source, std::vector<std::string> endpoints,
-                 std::vector<uint64_t> receiver_versions)
+                 std::vector<uint64_t> receiver_versions, bool per_receiver)
       : self_(self),
         source_(source),
         endpoints_(std::move(endpoints)),
-        receiver_versions_(std::move(receiver_versions)) {}
+        receiver_versions_(std::move(receiver_versions)),
+        per_receiver_(per_receiver) {}
 
   uint32_t size() const override { return self_.world(); }
   uint64_t version() const override { return self_.tracker->version(); }
@@ -445,7 +478,7 @@ class GroupProducers final : public ProducerSet {
       }
     }
     for (uint64_t held : receiver_versions_) {
-      if (held != base && !anchor) {
+      if (held != base && !anchor && !per_receiver_) {
         REFIT_LOG_INFO("transfer {}: a receiver holds version {}, the producers {}: an anchor",
                        id.ToHex(), held, base);
         anchor = true;
@@ -455,6 +488,12 @@ class GroupProducers final : public ProducerSet {
     if (Status planned = PlanPieces(proposals, roles); !planned.ok()) {
       Abort(id);
       return planned;
+    }
+    if (self_.sharded != nullptr && self_.adopted_plan) {
+      // Rank 0 restarted and adopted the checkpoint the fleet holds: the plan it was sent under
+      // is this one (the flush's digests check that).
+      self_.committed_plan_digest = self_.open_plan_digest;
+      self_.adopted_plan = false;
     }
     if (self_.sharded != nullptr && self_.open_plan_digest != self_.committed_plan_digest &&
         !anchor) {
@@ -479,14 +518,28 @@ class GroupProducers final : public ProducerSet {
     if (!full_ranks.empty()) begin["full_ranks"] = full_ranks;
     const bool full_self = std::find(full_ranks.begin(), full_ranks.end(), 0u) != full_ranks.end();
     const Status opened = self_.Begin(plan_, endpoints_, roles, full_self);
-    Result<std::vector<Json>> replies = Collect(begin, StatusToJson(opened));
+    Json own_reply = StatusToJson(opened);
+    if (opened.ok()) self_.PutFoldable(own_reply);
+    Result<std::vector<Json>> replies = Collect(begin, own_reply);
     Status failed = replies.ok() ? FirstFailure(*replies) : replies.status();
     if (!failed.ok()) {
       Abort(id);
       return failed;
     }
+    // Every rank folds from its own oldest retained version: the fleet from the newest of them.
+    fold_from_.reset();
+    for (const Json& reply : *replies) {
+      const auto oldest = reply.find("fold_from");
+      if (oldest == reply.end() || !oldest->is_number_unsigned()) {
+        fold_from_.reset();
+        break;
+      }
+      fold_from_ = std::max(fold_from_.value_or(0), oldest->get<uint64_t>());
+    }
     return plan_;
   }
+
+  std::optional<uint64_t> FoldableFrom() const override { return fold_from_; }
 
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
                                                std::span<const TransferRoute> routes,
@@ -671,7 +724,9 @@ class GroupProducers final : public ProducerSet {
   const ChunkSource& source_;
   std::vector<std::string> endpoints_;
   std::vector<uint64_t> receiver_versions_;
+  const bool per_receiver_;
   TransferPlan plan_;
+  std::optional<uint64_t> fold_from_;
 };
 
 // Borrow a ProducerSet for one Coordinator (which owns what it is given).
@@ -689,6 +744,7 @@ class BorrowedProducers final : public ProducerSet {
     return inner_.Stream(plan, routes, deadline);
   }
   std::vector<std::string> TensorNames() const override { return inner_.TensorNames(); }
+  std::optional<uint64_t> FoldableFrom() const override { return inner_.FoldableFrom(); }
   Status Commit(const TransferId& id) override { return inner_.Commit(id); }
   void Abort(const TransferId& id) override { inner_.Abort(id); }
 
@@ -719,6 +775,8 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   std::vector<uint64_t> versions;
   std::vector<std::string> fleet;
   const TransportCapabilities caps = transport->capabilities();
+  // Catch-up receivers get routes of their own, which only relay trees give them.
+  const bool per_receiver = caps.fan_out_tree;
   // Each receiver's control plane: its HTTP server, or the transport's own control channel
   // (mpi://), through the same client and the same JSON.
   std::vector<ControlClientOptions> links;
@@ -745,15 +803,17 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     Result<ControlStatus> status = client->GetStatus();
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
     versions.push_back(status->receiver.version);
-    if (status->receiver.needs_anchor && !force_anchor) {
+    if (status->receiver.needs_anchor && !force_anchor && !per_receiver) {
       REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
                      status->receiver.needs_anchor_reason);
       force_anchor = true;
     }
-    receivers.push_back({link.base_url, client.get(), status->place, fleet[r]});
+    receivers.push_back({link.base_url, client.get(), status->place, fleet[r],
+                         ReceiverStanding{status->receiver.version, status->receiver.needs_anchor,
+                                          status->receiver.accepts_target_version}});
     clients.push_back(std::move(client));
   }
-  GroupProducers producers(*this, source, std::move(fleet), std::move(versions));
+  GroupProducers producers(*this, source, std::move(fleet), std::move(versions), per_receiver);
   CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
   coordinator_options.observer = transport.get();
@@ -764,6 +824,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.relay_trees = caps.fan_out_tree;
   coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
   coordinator_options.tensor_names = routed_tensors;
+  coordinator_options.per_receiver_plans = per_receiver;
   REFIT_ASSIGN_OR_RETURN(
       std::unique_ptr<Coordinator> coordinator,
       Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
@@ -807,6 +868,7 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
           std::find(full_ranks.begin(), full_ranks.end(), rank()) != full_ranks.end();
       reply = StatusToJson(plan.ok() ? Begin(*plan, std::move(fleet), all_roles, full_self)
                                      : plan.status());
+      if (plan.ok() && open.has_value()) PutFoldable(reply);
     } else if (op == kOpStream) {
       Status cancelled = CheckCancelled("before the stream");
       Result<std::vector<TransferRoute>> routes =
@@ -876,6 +938,10 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   stream.owns_every_chunk = true;
   REFIT_ASSIGN_OR_RETURN(impl->piece_stream, ProducerStream::Make(stream));
   REFIT_ASSIGN_OR_RETURN(impl->tracker, DeltaTracker::Make(options.tracker));
+  if (options.tracker.op == Op::kXor && options.history_bytes > 0) {
+    REFIT_ASSIGN_OR_RETURN(impl->history, DeltaHistory::Make(DeltaHistoryOptions{
+                                              options.history_versions, options.history_bytes}));
+  }
   // An object store's payloads are announced on the receivers' control planes, through the
   // same client settings (key, TLS, timeouts) as the coordinator's own calls.
   TransportOptions transport_options;
@@ -917,8 +983,60 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
                                          rank(), world_size(),
                                          impl_->StagingFor(largest_device).get()));
   if (version.has_value()) REFIT_RETURN_NOT_OK(impl_->tracker->Rebase(*version));
+  // The deltas retained before no longer chain to the adopted state.
+  if (impl_->history != nullptr) impl_->history->Clear();
   impl_->version_unknown = !version.has_value();
   impl_->committed_world = world_size();
+  return Status::OK();
+}
+
+Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_t> version) {
+  PublisherRank& self = *impl_;
+  self.SetSharded(&model);
+  Status adopted = self.sharded_status;
+  // Built aside and swapped in at the end: nothing changes on error.
+  std::unique_ptr<DeltaTracker> tracker;
+  if (adopted.ok()) {
+    Result<std::unique_ptr<DeltaTracker>> made = DeltaTracker::Make(self.options.tracker);
+    adopted = made.status();
+    if (made.ok()) tracker = std::move(made).ValueOrDie();
+  }
+  if (adopted.ok()) {
+    // Every piece this rank holds: which rank sends a replicated box is rank 0's to plan, at
+    // the next Sync, which drops the boxes this rank does not send.
+    const std::vector<PieceRole> all(model.layout.pieces.size(), PieceRole::kSend);
+    for (const LayoutPiece& piece : model.layout.pieces) {
+      adopted = tracker->Place(PieceKey(piece), PieceBox(piece), piece.extent);
+      if (!adopted.ok()) break;
+    }
+    const uint64_t chunk_bytes = self.options.stream.chunk_bytes;
+    const ChunkSource pieces = SentPiecesSource(
+        model.layout, all, self.sharded_locals, chunk_bytes,
+        self.StagingFor(StagingBytesNeeded(model.layout, all, self.sharded_locals, chunk_bytes)));
+    std::stop_source never;
+    for (uint64_t chunk = 0; adopted.ok(); ++chunk) {
+      Result<std::optional<ExportChunk>> next = pieces(ChunkPull{chunk, true, never.get_token()});
+      if (!next.ok()) {
+        adopted = next.status();
+        break;
+      }
+      if (!next->has_value()) break;
+      for (const TensorView& box : (*next)->tensors) {
+        adopted = tracker->AdoptBaseline(box);
+        if (!adopted.ok()) break;
+      }
+    }
+    if (adopted.ok()) adopted = tracker->MarkBaselineAdopted();
+    if (adopted.ok() && version.has_value()) adopted = tracker->Rebase(*version);
+  }
+  self.SetSharded(nullptr);
+  if (!adopted.ok()) return adopted.WithContext(fmt::format("publisher rank {}: adopt", rank()));
+  self.tracker = std::move(tracker);
+  if (self.history != nullptr) self.history->Clear();
+  self.version_unknown = !version.has_value();
+  self.committed_world = world_size();
+  self.committed_sharded = true;
+  self.adopted_plan = rank() == 0;
   return Status::OK();
 }
 

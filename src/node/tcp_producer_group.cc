@@ -126,8 +126,20 @@ constexpr milliseconds kMaxRetryPause{200};
 /// After a failed accept() (out of descriptors) the listener stays readable; pause instead of
 /// spinning until a descriptor frees up.
 constexpr milliseconds kAcceptErrorPause{50};
+/// While a collective waits for ranks that are not connected, rank 0 says which, first after
+/// kFirstWaitNotice (a rank starting a moment later needs no line), then every kWaitNoticeEvery;
+/// at info, and at warn once the wait passed kLongWait (a launch that went wrong, which a user at
+/// the default log level must see).
+constexpr milliseconds kFirstWaitNotice{2'000};
+constexpr milliseconds kWaitNoticeEvery{10'000};
+constexpr milliseconds kLongWait{30'000};
 /// Linux limits thread names to 15 bytes plus the NUL.
 constexpr char kAcceptThreadName[] = "refit-group";
+
+/// A wait's length in the progress lines.
+int64_t WholeSeconds(GroupClock::duration wait) {
+  return std::chrono::duration_cast<std::chrono::seconds>(wait).count();
+}
 
 // The frame's integer fields (see the wire at the top of this file).
 void StoreLe32(uint32_t value, char* out) { internal::StoreLittleEndian(out, value); }
@@ -335,6 +347,8 @@ struct JoinedLink {
 Result<JoinedLink> ConnectToRoot(const TcpGroupOptions& options, const Endpoint& endpoint,
                                  std::string_view root, GroupClock::time_point deadline) {
   milliseconds pause = kFirstRetryPause;
+  const auto start = GroupClock::now();
+  GroupClock::time_point next_notice = start + kFirstWaitNotice;
   for (;;) {
     Status attempt;
     Result<UniqueFd> fd = ConnectOnce(endpoint, deadline);
@@ -351,6 +365,19 @@ Result<JoinedLink> ConnectToRoot(const TcpGroupOptions& options, const Endpoint&
     }
     const auto now = GroupClock::now();
     if (now >= deadline) return Unavailable("{}", attempt.message());
+    if (now >= next_notice) {
+      // As rank 0 does for the ranks it waits for (kFirstWaitNotice).
+      const std::string text = fmt::format(
+          "tcp group rank {} of {}: waiting for rank 0 at {} ({}; waited {} s, {} s left)",
+          options.rank, options.world_size, root, attempt.message(), WholeSeconds(now - start),
+          WholeSeconds(deadline - now));
+      if (now - start >= kLongWait) {
+        REFIT_LOG_WARN("{}", text);
+      } else {
+        REFIT_LOG_INFO("{}", text);
+      }
+      next_notice = now + kWaitNoticeEvery;
+    }
     std::this_thread::sleep_for(std::min<GroupClock::duration>(pause, deadline - now));
     pause = std::min(2 * pause, kMaxRetryPause);
   }
@@ -480,6 +507,10 @@ class TcpRootGroup final : public ProducerGroup {
   /// or failed (dropping the links of failed ones).
   std::vector<PeerExchange> Exchange(Direction direction, FrameKind kind, uint64_t round,
                                      std::string_view body, GroupClock::time_point deadline);
+  /// Log which ranks this collective still waits for to connect, `waited` into the wait with
+  /// `left` before the deadline: at info, at warn once the wait is long (kLongWait).
+  void NoteMissingRanks(const std::vector<PeerExchange>& peers, GroupClock::duration waited,
+                        GroupClock::duration left) const;
   /// Advance one rank's transfer after poll() reported `revents` on its link.
   void Progress(Direction direction, FrameKind kind, uint64_t round, std::string_view body,
                 uint32_t rank, PeerExchange& peer, short revents);
@@ -527,7 +558,8 @@ Result<std::unique_ptr<TcpRootGroup>> TcpRootGroup::Make(const TcpGroupOptions& 
                                                          const Endpoint& endpoint) {
   REFIT_ASSIGN_OR_RETURN(AddrInfoList addresses, Resolve(endpoint, /*passive=*/true));
   const std::string requested = EndpointText(endpoint.host, endpoint.port);
-  const auto deadline = GroupClock::now() + options.connect_timeout;
+  const auto start = GroupClock::now();
+  const auto deadline = start + std::min(options.connect_timeout, options.bind_timeout);
   UniqueFd listener;
   milliseconds pause = kFirstRetryPause;
   for (;;) {
@@ -559,8 +591,15 @@ Result<std::unique_ptr<TcpRootGroup>> TcpRootGroup::Make(const TcpGroupOptions& 
     if (listener.valid()) break;
     // Only a port still held by someone else can free up; any other failure is final.
     const auto now = GroupClock::now();
-    if (!in_use || now >= deadline) {
+    if (!in_use) {
       return Unavailable("tcp group rank 0: cannot listen on {}: {}", requested, last.message());
+    }
+    if (now >= deadline) {
+      return Unavailable(
+          "tcp group rank 0: cannot listen on {}: port {} is in use by another process ({}; "
+          "retried for {} ms): is another rank 0 running, or is --group's port taken?",
+          requested, endpoint.port, last.message(),
+          std::chrono::duration_cast<milliseconds>(now - start).count());
     }
     std::this_thread::sleep_for(std::min<GroupClock::duration>(pause, deadline - now));
     pause = std::min(2 * pause, kMaxRetryPause);
@@ -766,6 +805,8 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
   peers[0].phase = Phase::kDone;
   std::vector<pollfd> entries;
   std::vector<uint32_t> entry_ranks;
+  const auto start = GroupClock::now();
+  GroupClock::time_point next_notice = start + kFirstWaitNotice;
   for (;;) {
     bool awaiting = false;
     bool active = false;
@@ -787,7 +828,8 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
       }
     }
     if (!awaiting && !active) break;
-    if (GroupClock::now() >= deadline) {
+    const auto now = GroupClock::now();
+    if (now >= deadline) {
       for (uint32_t rank = 1; rank < options_.world_size; ++rank) {
         PeerExchange& peer = peers[rank];
         if (peer.phase == Phase::kAwaitingLink) {
@@ -806,6 +848,10 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
       }
       break;
     }
+    if (awaiting && now >= next_notice) {
+      NoteMissingRanks(peers, now - start, deadline - now);
+      next_notice = now + kWaitNoticeEvery;
+    }
     entries.clear();
     entry_ranks.clear();
     if (awaiting) {
@@ -819,7 +865,10 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
       entries.push_back({peers[rank].link->fd.get(), events, 0});
       entry_ranks.push_back(rank);
     }
-    if (::poll(entries.data(), entries.size(), PollTimeout(deadline)) < 0 && errno != EINTR) {
+    // Waiting for ranks to connect, wake up for the next notice too.
+    const int timeout = awaiting ? std::min(PollTimeout(deadline), PollTimeout(next_notice))
+                                 : PollTimeout(deadline);
+    if (::poll(entries.data(), entries.size(), timeout) < 0 && errno != EINTR) {
       const std::string error = ErrnoText(errno);
       for (uint32_t rank = 1; rank < options_.world_size; ++rank) {
         PeerExchange& peer = peers[rank];
@@ -843,6 +892,25 @@ std::vector<TcpRootGroup::PeerExchange> TcpRootGroup::Exchange(Direction directi
     }
   }
   return peers;
+}
+
+void TcpRootGroup::NoteMissingRanks(const std::vector<PeerExchange>& peers,
+                                    GroupClock::duration waited, GroupClock::duration left) const {
+  std::vector<uint32_t> missing;
+  for (uint32_t rank = 1; rank < options_.world_size; ++rank) {
+    if (peers[rank].phase == PeerExchange::Phase::kAwaitingLink) missing.push_back(rank);
+  }
+  const std::string text = fmt::format(
+      "tcp group rank 0 at {}: waiting for rank(s) {} of {} to connect ({} of {} connected; "
+      "waited {} s, {} s left): start them with --group tcp://{} and the same api key",
+      root_, fmt::join(missing, ", "), options_.world_size,
+      options_.world_size - static_cast<uint32_t>(missing.size()), options_.world_size,
+      WholeSeconds(waited), WholeSeconds(left), root_);
+  if (waited >= kLongWait) {
+    REFIT_LOG_WARN("{}", text);
+  } else {
+    REFIT_LOG_INFO("{}", text);
+  }
 }
 
 void TcpRootGroup::Progress(Direction direction, FrameKind kind, uint64_t round,

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -14,6 +15,7 @@
 
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -40,20 +42,20 @@ struct Failure {
 class Failures {
  public:
   void Add(std::string where, Status status) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     list_.push_back({std::move(where), std::move(status)});
   }
   bool empty() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return list_.empty();
   }
   std::vector<Failure> Take() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return std::move(list_);
   }
 
  private:
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   std::vector<Failure> list_;
 };
 
@@ -124,7 +126,22 @@ class LocalProducers final : public ProducerSet {
       }
       if (!agreed.has_value()) agreed = *plan;
     }
+    for (CoordinatedProducer& producer : producers_) {
+      if (producer.history != nullptr)
+        producer.history->Begin(agreed->base_version, agreed->anchor);
+    }
     return *agreed;
+  }
+
+  std::optional<uint64_t> FoldableFrom() const override {
+    std::optional<uint64_t> oldest;
+    for (const CoordinatedProducer& producer : producers_) {
+      if (producer.history == nullptr) return std::nullopt;
+      const std::optional<uint64_t> own = producer.history->oldest_version();
+      if (!own.has_value()) return std::nullopt;
+      oldest = std::max(oldest.value_or(0), *own);
+    }
+    return oldest;
   }
 
   Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
@@ -140,25 +157,26 @@ class LocalProducers final : public ProducerSet {
       std::vector<std::unique_ptr<PayloadChannel>> channels;
       std::vector<StreamRoute> stream_routes;
       for (size_t k = 0; k < routes.size(); ++k) {
-        Result<std::unique_ptr<PayloadChannel>> channel =
-            channels_(ChannelRequest{.transfer_id = plan.transfer_id,
-                                     .producer_id = static_cast<uint32_t>(p),
-                                     .base_version = plan.base_version,
-                                     .target_version = plan.target_version,
-                                     .endpoints = routes[k].endpoints,
-                                     .deadline = deadline});
+        const bool folded = routes[k].content == CatchUp::kFolded;
+        Result<std::unique_ptr<PayloadChannel>> channel = channels_(
+            ChannelRequest{.transfer_id = plan.transfer_id,
+                           .producer_id = static_cast<uint32_t>(p),
+                           .base_version = folded ? routes[k].from_version : plan.base_version,
+                           .target_version = plan.target_version,
+                           .endpoints = routes[k].endpoints,
+                           .deadline = deadline});
         if (!channel.ok()) {
           return failures.Add(
               where, routes.size() == 1 ? channel.status()
                                         : channel.status().WithContext(fmt::format("route {}", k)));
         }
         channels.push_back(std::move(channel).ValueOrDie());
-        stream_routes.push_back(StreamRoute{routes[k].items.get(),
-                                            DeadlineSender(*channels.back(), deadline),
-                                            channels.back()->AsSenderCleanup()});
+        stream_routes.push_back(StreamRoute{
+            routes[k].items.get(), DeadlineSender(*channels.back(), deadline),
+            channels.back()->AsSenderCleanup(), routes[k].content, routes[k].from_version});
       }
       Result<StreamReport> report =
-          streams_[p]->Run(*producers_[p].tracker, *source, stream_routes);
+          streams_[p]->Run(*producers_[p].tracker, *source, stream_routes, producers_[p].history);
       if (!report.ok()) return failures.Add(where, report.status());
       if (Clock::now() > deadline) {
         return failures.Add(where, DeadlineExceeded("the transfer passed its deadline"));
@@ -184,6 +202,14 @@ class LocalProducers final : public ProducerSet {
     ForEachConcurrently(producers_.size(), [&](size_t p) {
       Status committed = producers_[p].tracker->Commit(id);
       if (!committed.ok()) failures.Add(fmt::format("producer {}", p), committed);
+      if (producers_[p].history != nullptr) {
+        // A tracker that could not commit leaves the chain broken: the next Begin clears.
+        if (committed.ok()) {
+          producers_[p].history->Commit();
+        } else {
+          producers_[p].history->Abort();
+        }
+      }
     });
     if (!failures.empty()) return CombineFailures(failures.Take());
     return Status::OK();
@@ -193,6 +219,7 @@ class LocalProducers final : public ProducerSet {
     for (CoordinatedProducer& producer : producers_) {
       // Only fails for another open transfer id, which Begin has ruled out.
       producer.tracker->Abort(id).IgnoreError();
+      if (producer.history != nullptr) producer.history->Abort();
     }
   }
 
@@ -347,7 +374,10 @@ struct Coordinator::Impl {
   // The routes of the next transfer and each receiver's route: one route of every receiver,
   // unless routing by holdings finds more than one class. Errors: a receiver that cannot say
   // what it holds, or says something malformed, named.
-  Result<std::vector<TransferRoute>> PlanRoutes(std::vector<size_t>& route_of);
+  // Receivers with another catch-up than the delta (`catch_ups`, PlanCatchUps) get routes of
+  // their own, one per (holdings, catch-up, held version).
+  Result<std::vector<TransferRoute>> PlanRoutes(std::vector<size_t>& route_of,
+                                                const std::vector<PlannedCatchUp>& catch_ups);
 
   // Abort on every receiver and producer; return the receivers whose abort failed.
   std::vector<Failure> AbortEverywhere(const TransferId& id);
@@ -355,7 +385,8 @@ struct Coordinator::Impl {
   Status FailTransfer(const TransferId& id, std::string_view phase, std::vector<Failure> failures);
 };
 
-Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(std::vector<size_t>& route_of) {
+Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(
+    std::vector<size_t>& route_of, const std::vector<PlannedCatchUp>& catch_ups) {
   route_of.assign(receivers.size(), 0);
   std::vector<TransferRoute> routes;
   const auto unrouted = [&] {
@@ -368,21 +399,29 @@ Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(std::vector<siz
     }
     return std::vector<TransferRoute>{std::move(all)};
   };
+  const bool catching_up = std::any_of(catch_ups.begin(), catch_ups.end(),
+                                       [](const auto& c) { return c.how != CatchUp::kDelta; });
   std::vector<std::string> names = producers->TensorNames();
   if (names.empty()) names = tensor_names;
-  if (!options.route_by_holdings || names.empty() || receivers.size() < 2) return unrouted();
+  const bool by_holdings = options.route_by_holdings && !names.empty() && receivers.size() >= 2;
+  if (!by_holdings && !catching_up) return unrouted();
   std::vector<HeldRegions> held(receivers.size());
   Failures failures;
-  ForEachConcurrently(receivers.size(), [&](size_t r) {
-    Result<HeldRegions> regions = receivers[r].control->Regions(names);
-    if (!regions.ok()) return failures.Add(receivers[r].name, regions.status());
-    held[r] = *std::move(regions);
-  });
+  if (by_holdings) {
+    ForEachConcurrently(receivers.size(), [&](size_t r) {
+      Result<HeldRegions> regions = receivers[r].control->Regions(names);
+      if (!regions.ok()) return failures.Add(receivers[r].name, regions.status());
+      held[r] = *std::move(regions);
+    });
+  }
   if (!failures.empty()) return CombineFailures(failures.Take());
-  // Receivers holding the same elements form one class, in the order their first member comes.
-  std::map<HeldRegions, size_t> class_of;
+  // Receivers holding the same elements and caught up the same way form one class, in the
+  // order their first member comes.
+  std::map<std::tuple<HeldRegions, CatchUp, uint64_t>, size_t> class_of;
   for (size_t r = 0; r < receivers.size(); ++r) {
-    const auto [it, inserted] = class_of.emplace(held[r], routes.size());
+    const CatchUp how = catch_ups[r].how;
+    const uint64_t from = how == CatchUp::kFolded ? catch_ups[r].from_version : 0;
+    const auto [it, inserted] = class_of.emplace(std::tuple(held[r], how, from), routes.size());
     if (inserted) {
       TransferRoute route;
       if (!held[r].empty()) {
@@ -390,13 +429,17 @@ Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(std::vector<siz
         if (!items.ok()) return items.status().WithContext(receivers[r].name);
         route.items = std::make_shared<const ItemRoute>(*std::move(items));
       }
+      route.content = how;
+      route.from_version = from;
       routes.push_back(std::move(route));
     }
     route_of[r] = it->second;
     routes[it->second].receivers.push_back(r);
     routes[it->second].endpoints.push_back(receivers[r].data_endpoint);
   }
-  if (routes.size() == 1 && routes[0].items == nullptr) return unrouted();
+  if (routes.size() == 1 && routes[0].items == nullptr && routes[0].content == CatchUp::kDelta) {
+    return unrouted();
+  }
   return routes;
 }
 
@@ -425,7 +468,9 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
       message += fmt::format("; abort failed at {}: {}", f.where, f.status.ToString());
     }
   }
-  REFIT_LOG_WARN("{}", message);
+  // The caller gets this message as the returned error and reports it; a warning too would show
+  // a user the same text twice.
+  REFIT_LOG_INFO("{}", message);
   if (options.observer != nullptr) options.observer->TransferAborted(id);
   return Status(combined.code(), std::move(message));
 }
@@ -454,10 +499,32 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   const TransferPlan& plan = report.plan;
 
-  // 2. Route: which receivers get which cut of the items, through which relay tree.
+  // 2. Plan each receiver (per-receiver plans), then route: which receivers get which cut of
+  // which items, through which relay tree.
+  std::vector<std::optional<ReceiverStanding>> standings;
+  for (const CoordinatedReceiver& receiver : receivers) standings.push_back(receiver.standing);
+  std::vector<PlannedCatchUp> catch_ups = PlanCatchUps(
+      plan, standings, options.per_receiver_plans ? producers->FoldableFrom() : std::nullopt);
+  if (!options.per_receiver_plans) {
+    // Every receiver gets the transfer's own items, as it is prepared for them.
+    for (PlannedCatchUp& catch_up : catch_ups) {
+      catch_up.how = plan.anchor ? CatchUp::kAnchor : CatchUp::kDelta;
+    }
+  }
+  for (size_t r = 0; r < receivers.size(); ++r) {
+    if (catch_ups[r].how != CatchUp::kDelta && !plan.anchor) {
+      REFIT_LOG_INFO("transfer {}: {} is caught up by {} ({})", id.ToHex(), receivers[r].name,
+                     CatchUpName(catch_ups[r].how), catch_ups[r].why);
+    }
+  }
   std::vector<size_t> route_of;
   {
-    Result<std::vector<TransferRoute>> routes = PlanRoutes(route_of);
+    // In an anchor every route carries the same FULL items: no class of its own for that.
+    std::vector<PlannedCatchUp> routed = catch_ups;
+    if (plan.anchor) {
+      for (PlannedCatchUp& catch_up : routed) catch_up.how = CatchUp::kDelta;
+    }
+    Result<std::vector<TransferRoute>> routes = PlanRoutes(route_of, routed);
     if (!routes.ok()) return FailTransfer(id, "route", {{"", routes.status()}});
     report.routes = *std::move(routes);
   }
@@ -480,7 +547,17 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     ForEachConcurrently(receivers.size(), [&](size_t r) {
       report.receivers[r].name = receivers[r].name;
       report.receivers[r].route = route_of[r];
+      report.receivers[r].held_version =
+          receivers[r].standing.has_value() ? catch_ups[r].from_version : plan.base_version;
+      report.receivers[r].lag = catch_ups[r].lag;
+      report.receivers[r].caught_up_by = catch_ups[r].how;
       PrepareRequest mine = prepare;
+      if (catch_ups[r].how == CatchUp::kAnchor) mine.anchor = true;
+      if (catch_ups[r].how == CatchUp::kFolded) {
+        // Its own base, the fleet's target.
+        mine.base_version = catch_ups[r].from_version;
+        mine.target_version = plan.target_version;
+      }
       if (options.relay_trees) {
         mine.relay_tree = RelayTree{report.routes[route_of[r]].endpoints, position[r]};
       }
@@ -554,6 +631,13 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       mine.expected.payloads_per_producer = route_expected[route_of[r]].payloads_per_producer;
       Result<FlushReport> flushed = receivers[r].control->Flush(id, mine);
       if (!flushed.ok()) return failures.Add(receivers[r].name, flushed.status());
+      if (catch_ups[r].how == CatchUp::kFolded && flushed->target_version != plan.target_version) {
+        return failures.Add(
+            receivers[r].name,
+            FailedPrecondition("folded from version {}, it reports target version {}, not {}",
+                               catch_ups[r].from_version, flushed->target_version,
+                               plan.target_version));
+      }
       report.receivers[r].flush = *std::move(flushed);
     });
     if (!failures.empty()) return FailTransfer(id, "flush", failures.Take());
@@ -607,6 +691,13 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   report.commit_s = SecondsSince(commit_start);
   report.total_s = SecondsSince(start);
+  for (ReceiverOutcome& outcome : report.receivers) {
+    for (const StreamReport& producer : report.producers) {
+      if (outcome.route < producer.routes.size()) {
+        outcome.wire_bytes += producer.routes[outcome.route].wire_bytes;
+      }
+    }
+  }
   report.digests = std::move(flush.expected.digests);
   return report;
 }
@@ -664,6 +755,11 @@ Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions&
   }
   auto impl = std::make_unique<Impl>();
   REFIT_ASSIGN_OR_RETURN(impl->replicas, GroupReplicas(receivers));
+  if (options.per_receiver_plans && !options.relay_trees) {
+    return InvalidArgument(
+        "coordinator: per-receiver plans send catch-up receivers routes of their own, which "
+        "needs relay_trees");
+  }
   if (options.relay_trees || options.route_by_holdings) {
     for (const CoordinatedReceiver& receiver : receivers) {
       if (receiver.data_endpoint.empty()) {

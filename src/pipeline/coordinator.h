@@ -37,9 +37,11 @@
 #include <string>
 #include <vector>
 
+#include "codec/delta_history.h"
 #include "codec/routing.h"
 #include "codec/tracker.h"
 #include "pipeline/producer_stream.h"
+#include "pipeline/receiver_plan.h"
 #include "refit/payload.h"
 #include "refit/refit_report.h"
 #include "refit/status.h"
@@ -55,6 +57,10 @@ struct CoordinatedProducer {
   /// Make the chunk source of one transfer: every export chunk of the model in canonical order
   /// (ProducerStream pulls them all and encodes the owned ones).
   std::function<Result<ChunkSource>(const TransferPlan& plan)> source;
+  /// Its retained deltas, for receivers caught up by folded deltas (docs/protocol.md
+  /// "Per-receiver plans"); borrowed, driven with the tracker. Null: it folds nothing, and a
+  /// receiver behind the base gets an anchor of its own. (Last, with an initializer.)
+  DeltaHistory* history = nullptr;
 };
 
 /// One receiver of the fleet.
@@ -71,6 +77,10 @@ struct CoordinatedReceiver {
   /// Where its data plane listens (the transport's syntax), for the relay trees the coordinator
   /// names (CoordinatorOptions::relay_trees) and for routing by holdings; empty: unknown.
   std::string data_endpoint = {};
+  /// Where it stands (its version, whether it needs an anchor), as its status said before the
+  /// transfer; with CoordinatorOptions::per_receiver_plans, what its plan is made from. nullopt:
+  /// taken to be at the base.
+  std::optional<ReceiverStanding> standing = std::nullopt;
 };
 
 /// What a producer's channel is opened for.
@@ -130,6 +140,10 @@ class ProducerSet {
   /// empty: unknown, and routing by holdings uses the previous transfer's. The default: unknown.
   virtual std::vector<std::string> TensorNames() const { return {}; }
   /// Commit transfer `id` on every producer: every receiver is prepared, the transfer is decided.
+  /// The oldest version from which every producer can fold its retained deltas to the open
+  /// transfer's target (DeltaHistory::oldest_version), once Begin opened it; nullopt: some
+  /// producer keeps no history. The default: none.
+  virtual std::optional<uint64_t> FoldableFrom() const { return std::nullopt; }
   /// Errors: a producer that could not commit (the fleet then needs an anchor).
   virtual Status Commit(const TransferId& id) = 0;
   /// Abort transfer `id` on every producer, best effort.
@@ -170,6 +184,12 @@ struct CoordinatorOptions {
   /// The canonical tensor names to route by before any transfer told them (e.g. kept from an
   /// earlier Coordinator's RefitReport::digests).
   std::vector<std::string> tensor_names = {};
+  /// Plan each receiver on its own (docs/protocol.md "Per-receiver plans", PlanCatchUps): in a
+  /// delta transfer, receivers at the base get the delta, and one behind it (or new, or needing
+  /// an anchor, by CoordinatedReceiver::standing) folded deltas or an anchor of its own, through
+  /// routes of their own, in the same transfer. Needs relay_trees (every receiver's
+  /// data_endpoint). false: every receiver gets the transfer's own items.
+  bool per_receiver_plans = false;
 };
 
 /// Drives transfers across W producers and N receivers.

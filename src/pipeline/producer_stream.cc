@@ -42,6 +42,7 @@
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -82,7 +83,7 @@ class InFlightLimit {
   // Block until fewer than `limit` units are taken, then take one. Return false, taking nothing,
   // once `stop` is requested.
   bool Acquire(const std::stop_token& stop) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     released_.wait(lock, stop, [this] { return in_use_ < limit_; });
     if (stop.stop_requested()) return false;
     ++in_use_;
@@ -91,28 +92,33 @@ class InFlightLimit {
   }
 
   void Release() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     --in_use_;
     released_.notify_one();
   }
 
   size_t peak() const {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     return peak_;
   }
 
  private:
   const size_t limit_;
-  mutable std::mutex mutex_;
+  mutable internal::Mutex mutex_;
   // condition_variable_any: only it can wait on a stop_token.
-  std::condition_variable_any released_;
+  internal::CondVar released_;
   size_t in_use_ = 0;
   size_t peak_ = 0;
 };
 
 // The items of one encoded owned chunk.
 struct EncodedChunk {
+  uint64_t chunk_index = 0;
+  // ChunkSignature of its tensors, when a history records them.
+  uint64_t signature = 0;
   std::vector<Item> items;
+  // FULL items of its bits, when a route carries an anchor inside a delta transfer.
+  std::vector<Item> full_items;
   uint64_t changed_elements = 0;
   uint64_t total_elements = 0;
 };
@@ -124,14 +130,14 @@ struct EncodedChunk {
 class EncodedChunkSlot {
  public:
   void Fulfil(Result<EncodedChunk> result) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     result_.emplace(std::move(result));
     ready_.notify_all();
   }
 
   // Wait for the result; nullopt once `stop` is requested first.
   std::optional<Result<EncodedChunk>> Take(const std::stop_token& stop) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     ready_.wait(lock, stop, [this] { return result_.has_value(); });
     if (!result_) return std::nullopt;
     std::optional<Result<EncodedChunk>> result = std::move(result_);
@@ -140,8 +146,8 @@ class EncodedChunkSlot {
   }
 
  private:
-  std::mutex mutex_;
-  std::condition_variable_any ready_;
+  internal::Mutex mutex_;
+  internal::CondVar ready_;
   std::optional<Result<EncodedChunk>> result_;
 };
 
@@ -190,10 +196,11 @@ struct RouteState {
 class StreamRun {
  public:
   StreamRun(const ProducerStreamOptions& options, DeltaTracker& tracker,
-            std::span<const StreamRoute> routes)
+            std::span<const StreamRoute> routes, DeltaHistory* history)
       : options_(options),
         tracker_(tracker),
         routes_(routes),
+        history_(history),
         context_(fmt::format("producer {}", options.producer_id)),
         chunker_(options.chunk_bytes),
         chunk_credits_(options.max_chunks_in_flight),
@@ -204,6 +211,7 @@ class StreamRun {
         send_queue_(options.max_payloads_in_flight, "send queue") {
     for (size_t r = 0; r < routes.size(); ++r) {
       route_states_.push_back(std::make_unique<RouteState>(options.bucket_bytes));
+      if (routes[r].content == CatchUp::kAnchor) full_routes_ = true;
     }
   }
 
@@ -225,8 +233,10 @@ class StreamRun {
   Result<EncodedChunk> EncodeChunk(const EncodeJob& job);
   void BucketLoop();
   void BucketChunks();
-  // Place one encoded item: whole on the only route that holds everything, else cut per route.
-  bool Route(Item item);
+  // Place one encoded chunk's items on every route: what the route carries (the chunk's items,
+  // its FULL items, or their fold with the history), whole or cut to what the route holds.
+  bool RouteChunk(EncodedChunk& chunk);
+  bool AddToRoute(size_t route, std::vector<Item>& items);
   bool AddToBucket(size_t route, Item item);
   bool EmitBucket(size_t route);
   void SerializeLoop();
@@ -235,6 +245,10 @@ class StreamRun {
   const ProducerStreamOptions& options_;
   DeltaTracker& tracker_;
   const std::span<const StreamRoute> routes_;
+  // Borrowed; null: nothing is recorded or folded.
+  DeltaHistory* const history_;
+  // Some route carries FULL items inside a delta transfer.
+  bool full_routes_ = false;
   TransferPlan plan_;
   // Set once the plan is known, before the threads start.
   std::optional<internal::AnchorCompressionChooser> compression_;
@@ -243,7 +257,7 @@ class StreamRun {
 
   std::stop_source stop_source_;
   const std::stop_token stop_ = stop_source_.get_token();
-  std::mutex error_mutex_;
+  internal::Mutex error_mutex_;
   Status first_error_;
 
   // Caller thread only: the chunking rule replayed over the source's chunks, and the chunk of
@@ -282,7 +296,7 @@ class StreamRun {
 
 void StreamRun::Fail(const Status& status) {
   {
-    std::lock_guard lock(error_mutex_);
+    internal::MutexLock lock(error_mutex_);
     if (first_error_.ok()) first_error_ = status;
   }
   stop_source_.request_stop();
@@ -487,6 +501,8 @@ void StreamRun::EncodeLoop() {
 
 Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
   EncodedChunk out;
+  out.chunk_index = job.chunk_index;
+  if (history_ != nullptr) out.signature = ChunkSignature(job.chunk.tensors);
   for (const TensorView& tensor : job.chunk.tensors) {
     if (stopped()) {
       return Cancelled("{}, chunk {}: the stream stopped before tensor '{}'", context_,
@@ -501,6 +517,13 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
     out.changed_elements += encoded->changed_elements;
     out.total_elements += encoded->total_elements;
     for (Item& item : encoded->items) out.items.push_back(std::move(item));
+    if (full_routes_ && !plan_.anchor) {
+      Result<std::vector<Item>> full = tracker_.EncodeFull(plan_.transfer_id, tensor);
+      if (!full.ok()) {
+        return full.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
+      }
+      for (Item& item : *full) out.full_items.push_back(std::move(item));
+    }
   }
   return out;
 }
@@ -522,29 +545,58 @@ void StreamRun::BucketChunks() {
     chunk_credits_.Release();
     changed_elements_ += chunk.changed_elements;
     total_elements_ += chunk.total_elements;
-    for (Item& item : chunk.items) {
-      if (!Route(std::move(item))) return;
+    if (history_ != nullptr && !plan_.anchor) {
+      history_->Record(chunk.chunk_index, chunk.signature, chunk.items);
     }
+    if (!RouteChunk(chunk)) return;
   }
   for (size_t r = 0; r < route_states_.size() && !stopped(); ++r) {
     if (!route_states_[r]->bucket.empty() && !EmitBucket(r)) return;
   }
 }
 
-bool StreamRun::Route(Item item) {
-  if (routes_.size() == 1 && routes_[0].items == nullptr) return AddToBucket(0, std::move(item));
+bool StreamRun::RouteChunk(EncodedChunk& chunk) {
+  if (routes_.size() == 1 && routes_[0].content == CatchUp::kDelta) {
+    return AddToRoute(0, chunk.items);
+  }
   for (size_t r = 0; r < routes_.size(); ++r) {
-    if (routes_[r].items == nullptr) {
-      if (!AddToBucket(r, item)) return false;
+    std::vector<Item> items;
+    switch (routes_[r].content) {
+      case CatchUp::kAnchor:
+        items = plan_.anchor ? chunk.items : chunk.full_items;
+        break;
+      case CatchUp::kFolded: {
+        Result<std::vector<Item>> folded = history_->FoldChunk(
+            routes_[r].from_version, chunk.chunk_index, chunk.signature, chunk.items);
+        if (!folded.ok()) {
+          Fail(folded.status().WithContext(fmt::format("{}, route {}", context_, r)));
+          return false;
+        }
+        items = *std::move(folded);
+        break;
+      }
+      default:
+        items = chunk.items;
+        break;
+    }
+    if (!AddToRoute(r, items)) return false;
+  }
+  return true;
+}
+
+bool StreamRun::AddToRoute(size_t route, std::vector<Item>& items) {
+  for (Item& item : items) {
+    if (routes_[route].items == nullptr) {
+      if (!AddToBucket(route, std::move(item))) return false;
       continue;
     }
     cut_.clear();
-    if (Status cut = routes_[r].items->Cut(item.view(), &cut_); !cut.ok()) {
-      Fail(cut.WithContext(fmt::format("{}, route {}", context_, r)));
+    if (Status cut = routes_[route].items->Cut(item.view(), &cut_); !cut.ok()) {
+      Fail(cut.WithContext(fmt::format("{}, route {}", context_, route)));
       return false;
     }
     for (Item& part : cut_) {
-      if (!AddToBucket(r, std::move(part))) return false;
+      if (!AddToBucket(route, std::move(part))) return false;
     }
   }
   return true;
@@ -585,8 +637,12 @@ void StreamRun::SerializeLoop() {
     std::vector<ItemView> views;
     views.reserve(job->items.size());
     for (const Item& item : job->items) views.push_back(item.view());
-    const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id,
-                         plan_.base_version, plan_.target_version};
+    // A folded route's payloads move its receivers from the version they hold.
+    const StreamRoute& route_of_job = routes_[job->route];
+    const uint64_t base =
+        route_of_job.content == CatchUp::kFolded ? route_of_job.from_version : plan_.base_version;
+    const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id, base,
+                         plan_.target_version};
     const PayloadEncodeOptions encode = compression_->Next();
     const Clock::time_point start = Clock::now();
     Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, encode);
@@ -671,15 +727,30 @@ Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSourc
 
 Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
                                          std::span<const StreamRoute> routes) const {
+  return Run(tracker, source, routes, nullptr);
+}
+
+Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+                                         std::span<const StreamRoute> routes,
+                                         DeltaHistory* history) const {
   if (routes.empty())
     return InvalidArgument("producer {}: no routes to send to", options_.producer_id);
   for (size_t r = 0; r < routes.size(); ++r) {
     if (!routes[r].send) {
       return InvalidArgument("producer {}: route {} has no sender", options_.producer_id, r);
     }
+    if (routes[r].content == CatchUp::kFolded) {
+      const std::optional<TransferPlan> open = tracker.open_transfer();
+      if (history == nullptr || (open.has_value() && open->anchor)) {
+        return InvalidArgument(
+            "producer {}: route {} carries folded deltas from version {}, but the stream has {}",
+            options_.producer_id, r, routes[r].from_version,
+            history == nullptr ? "no delta history" : "an anchor to send");
+      }
+    }
   }
   // The run's queues and counters live on the heap: they are large and shared with its threads.
-  auto run = std::make_unique<StreamRun>(options_, tracker, routes);
+  auto run = std::make_unique<StreamRun>(options_, tracker, routes, history);
   return run->Run(source);
 }
 

@@ -19,11 +19,13 @@
 #include <string_view>
 #include <vector>
 
+#include "codec/delta_history.h"
 #include "codec/routing.h"
 #include "codec/tracker.h"
 #include "pipeline/bucketing.h"
 #include "refit/chunk_source.h"
 #include "refit/payload.h"
+#include "refit/refit_report.h"
 #include "refit/status.h"
 #include "refit/stream_options.h"
 #include "refit/transfer.h"
@@ -38,6 +40,13 @@ struct StreamRoute {
   PayloadSender send;
   /// Optional: run once on each sender thread at its end.
   SenderCleanup cleanup;
+  /// What the route carries (docs/protocol.md "Per-receiver plans"): the transfer's items
+  /// (kDelta), FULL items of every owned element (kAnchor: receivers caught up by an anchor of
+  /// their own inside a delta transfer), or the fold of the retained deltas from `from_version`
+  /// with this transfer's (kFolded, one item per tensor of each chunk; needs a history). Its
+  /// payloads' headers move from_version → target for kFolded, base → target otherwise.
+  CatchUp content = CatchUp::kDelta;
+  uint64_t from_version = 0;
 };
 
 /// Runs transfers for one producer: pulls every export chunk, encodes the owned ones with a
@@ -81,6 +90,13 @@ class ProducerStream {
   /// ItemRoute::Cut returns (naming the route).
   Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
                            std::span<const StreamRoute> routes) const;
+  /// As above, recording what each owned chunk's items are into `history` (opened by the caller
+  /// with DeltaHistory::Begin for this transfer; committed or aborted with the tracker), and
+  /// folding from it for kFolded routes. `history` may be null when no route is kFolded.
+  /// Errors: as above; InvalidArgument for a kFolded route without a history or in an anchor;
+  /// what DeltaHistory::FoldChunk returns, naming the chunk.
+  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
+                           std::span<const StreamRoute> routes, DeltaHistory* history) const;
 
   const ProducerStreamOptions& options() const { return options_; }
 

@@ -240,7 +240,9 @@ Status CheckDeltaDigest(const PayloadHeader& header, size_t index, const ItemVie
   if (digest_delta == item.digest) return Status::OK();
   return DataLoss(
       "payload {} of producer {}, item {} '{}': digest change after apply {:#018x} != "
-      "producer's {:#018x}: the receiver's tensor is not at base version {}",
+      "producer's {:#018x}: the tensor this receiver holds at version {} differs from the "
+      "producer's base (the trainer's baseline, e.g. `refit push --base FILE` or "
+      "Publisher.adopt_baseline, is not what the receiver holds)",
       header.ids.payload_id, header.ids.producer_id, index, item.name, digest_delta, item.digest,
       header.ids.base_version);
 }

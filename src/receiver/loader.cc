@@ -820,11 +820,12 @@ Status ReadRule(const YamlReader& reader, const YAML::Node& node, const YamlWher
                         fmt::format("expected a mapping with a kind, got {}", YamlNodeKind(node)));
   }
   const YAML::Node kind_node = node["kind"];
-  const YamlWhere kind_where{rule_where.path + ".kind", kind_node.Mark()};
+  // An absent key is a node that throws when asked for its position: ask only a defined one.
   if (!kind_node.IsDefined() || kind_node.IsNull()) {
-    return reader.Error(YamlWhere{kind_where.path, rule_where.mark},
+    return reader.Error(YamlWhere{rule_where.path + ".kind", rule_where.mark},
                         fmt::format("missing; a rule needs one of {}", KindNames()));
   }
+  const YamlWhere kind_where{rule_where.path + ".kind", kind_node.Mark()};
   REFIT_ASSIGN_OR_RETURN(const std::string kind_text, reader.Scalar(kind_node, kind_where));
   Result<LoaderKind> kind = ParseLoaderKind(kind_text);
   if (!kind.ok()) return reader.Error(kind_where, kind.status().message());
@@ -899,7 +900,9 @@ Status ReadRule(const YamlReader& reader, const YAML::Node& node, const YamlWher
 
 }  // namespace
 
-Result<LoaderSpec> LoaderSpecFromYaml(std::string_view yaml_text, std::string_view source_name) {
+namespace {
+
+Result<LoaderSpec> ReadLoaderSpec(std::string_view yaml_text, std::string_view source_name) {
   const YamlReader reader{std::string(source_name)};
   LoaderSpec spec;
   // One document only: YAML::LoadAll of yaml-cpp 0.7 can hang on malformed input.
@@ -963,6 +966,18 @@ Result<LoaderSpec> LoaderSpecFromYaml(std::string_view yaml_text, std::string_vi
     }
   }
   return spec;
+}
+
+}  // namespace
+
+Result<LoaderSpec> LoaderSpecFromYaml(std::string_view yaml_text, std::string_view source_name) {
+  // The reader asks yaml-cpp only what does not throw on a loaded document; an exception that
+  // still comes stops here, as the project uses none.
+  try {
+    return ReadLoaderSpec(yaml_text, source_name);
+  } catch (const YAML::Exception& e) {
+    return InvalidArgument("{}: YAML error: {}", source_name, e.msg);
+  }
 }
 
 Result<LoaderSpec> LoaderSpecFromYamlFile(const std::string& path) {

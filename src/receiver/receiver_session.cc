@@ -204,6 +204,11 @@ struct ReceiverSession::Impl {
       return InvalidArgument("prepare of transfer {}: base version {} has no successor", id,
                              request.base_version);
     }
+    if (request.target_version != 0 && request.target_version <= request.base_version) {
+      return InvalidArgument(
+          "prepare of transfer {}: target version {} is not above its base version {}", id,
+          request.target_version, request.base_version);
+    }
     REFIT_RETURN_NOT_OK(
         CheckDigestNamesKnown(store, request.expected).WithContext("prepare of transfer " + id));
     MutexLock lock(mutex());
@@ -248,7 +253,7 @@ struct ReceiverSession::Impl {
     ++lease_generation;
     work.notify_one();
     REFIT_LOG_DEBUG("receiver: prepared transfer {} (version {} -> {})", id, request.base_version,
-                    request.base_version + 1);
+                    internal::TargetOf(request));
     return result;
   }
 
@@ -547,6 +552,8 @@ struct ReceiverSession::Impl {
     ReceiverStatus status;
     status.state = ledger.state();
     status.version = visible_version;
+    // The ledger opens a transfer to the target its prepare names (folded catch-ups).
+    status.accepts_target_version = true;
     status.last_error = ledger.last_error();
     status.undo_bytes = queue.undo_bytes();
     status.undo_file_bytes = queue.undo_file_bytes();

@@ -31,6 +31,10 @@ uint64_t MillisecondsBetween(LedgerClock::time_point from, LedgerClock::time_poi
 
 }  // namespace
 
+uint64_t TargetOf(const PrepareRequest& request) {
+  return request.target_version != 0 ? request.target_version : request.base_version + 1;
+}
+
 std::string_view OutcomeName(Outcome outcome) {
   return outcome == Outcome::kCommitted ? "committed" : "aborted";
 }
@@ -86,7 +90,7 @@ Result<PrepareStep> TransferLedger::ClassifyPrepare(const PrepareRequest& reques
   const std::string id = request.transfer_id.ToHex();
   if (open_ && open_->id == request.transfer_id) {
     if (request.base_version != open_->base_version || request.anchor != open_->anchor ||
-        request.expected != open_->declared) {
+        TargetOf(request) != open_->target_version || request.expected != open_->declared) {
       return FailedPrecondition(
           "prepare of transfer {}: already open with base version {} and a different request", id,
           open_->base_version);
@@ -143,7 +147,7 @@ void TransferLedger::Open(const PrepareRequest& request, LedgerClock::time_point
   OpenTransfer& transfer = open_.emplace();
   transfer.id = request.transfer_id;
   transfer.base_version = request.base_version;
-  transfer.target_version = request.base_version + 1;
+  transfer.target_version = TargetOf(request);
   transfer.anchor = request.anchor;
   transfer.declared = request.expected;
   transfer.expected = request.expected;

@@ -104,6 +104,11 @@ struct OpenTransfer {
 /// Check an expectation's own consistency (the per-producer counts add up to the total).
 Status CheckExpectation(const TransferExpectation& expected);
 
+/// The version `request` takes the receiver to: its named target, or base_version + 1. A receiver
+/// caught up by folded deltas is prepared from its own version to the fleet's target, several
+/// versions on (docs/protocol.md, "Per-receiver plans").
+uint64_t TargetOf(const PrepareRequest& request);
+
 class TransferLedger {
  public:
   TransferLedger(uint64_t version, const LedgerOptions& options);

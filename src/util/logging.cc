@@ -40,7 +40,9 @@ std::string_view LevelName(spdlog::level::level_enum level) {
   return kLevels[static_cast<size_t>(level)].first;
 }
 
-constexpr spdlog::level::level_enum kDefaultLevel = spdlog::level::info;
+// "warn": progress that needs a user's attention (a rank group waiting long, a receiver that
+// did not confirm a commit) is logged at warn; the per-transfer lines at info are for debugging.
+constexpr spdlog::level::level_enum kDefaultLevel = spdlog::level::warn;
 constexpr const char* kLevelEnvVar = "REFIT_LOG_LEVEL";
 // Wall time to the millisecond, level (coloured on a TTY), logger name, thread id, message.
 constexpr const char* kPattern = "[%Y-%m-%d %H:%M:%S.%e] [%^%l%$] [%n] [tid %t] %v";

@@ -14,7 +14,7 @@ namespace refit::internal {
 
 /// Return the library logger, creating it on first use: it writes to stderr (coloured only on a
 /// TTY) with time, level and thread id, at the level named by the environment variable
-/// REFIT_LOG_LEVEL (default "info"; an unknown name falls back to "info" with a warning). It is not
+/// REFIT_LOG_LEVEL (default "warn"; an unknown name falls back to "warn" with a warning). It is not
 /// registered in spdlog's global registry, so an application's own "refit" logger cannot clash with
 /// it.
 ///

@@ -4,4 +4,4 @@
 set(REFIT_FUZZ_TARGETS
     payload_decode_fuzz payload_roundtrip_fuzz locations_decode_fuzz safetensors_parse_fuzz
     control_request_fuzz control_response_fuzz manifest_json_fuzz chain_index_fuzz s3_xml_fuzz
-    config_yaml_fuzz loader_yaml_fuzz zmq_frames_fuzz)
+    config_yaml_fuzz loader_yaml_fuzz zmq_frames_fuzz context_decode_fuzz)

@@ -915,6 +915,76 @@ TEST(ShardedPublisherTest, ARestartedRankSendsItsBoxesFullWhileTheOthersSendDelt
             after.transfer.producers[2].total_elements);
 }
 
+TEST(ShardedPublisherTest, ARestartedRankThatAdoptsItsBoxesSendsADelta) {
+  std::vector<Canonical> model = MakeModel(53);
+  const std::string endpoint = testing::FreeLoopbackEndpoint();
+  std::unique_ptr<EmbeddedReceiver> receiver =
+      StartReceiver(Unsharded(model), std::nullopt, "", endpoint, {endpoint});
+  PublisherOptions options;
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.stream.chunk_bytes = 4096;
+  options.transfer_timeout = std::chrono::seconds(60);
+  options.receivers.push_back({receiver->node->control_url(), receiver->node->producer_endpoint()});
+  auto group_options = [](uint32_t rank, const std::string& address) {
+    TcpGroupOptions group;
+    group.address = address;
+    group.rank = rank;
+    group.world_size = 3;
+    group.connect_timeout = std::chrono::seconds(30);
+    return group;
+  };
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> root,
+                       MakeTcpGroup(group_options(0, "tcp://127.0.0.1:0")));
+  const std::string address = fmt::format("127.0.0.1:{}", TcpGroupPort(*root));
+  std::vector<std::unique_ptr<Publisher>> ranks;
+  ASSERT_OK_AND_ASSIGN(ranks.emplace_back(), Publisher::Make(options, std::move(root)));
+  for (uint32_t r = 1; r < 3; ++r) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> member,
+                         MakeTcpGroup(group_options(r, address)));
+    ASSERT_OK_AND_ASSIGN(ranks.emplace_back(), Publisher::Make(options, std::move(member)));
+  }
+  // Every rank adopts the checkpoint the receiver loaded: the first sync is already a delta.
+  for (uint32_t r = 0; r < 3; ++r) {
+    const ShardedRank held = ShardedRankOf(model, r, 3);
+    ASSERT_OK(ranks[r]->AdoptBaseline(held.model, 0));
+  }
+  std::mt19937_64 rng(54);
+  auto step = [&](int number) -> SyncReport {
+    Step(model, rng, 0.03);
+    std::vector<ShardedRank> held;
+    for (uint32_t r = 0; r < 3; ++r) held.push_back(ShardedRankOf(model, r, 3));
+    std::vector<Result<SyncReport>> results = SyncSharded(ranks, held);
+    for (uint32_t r = 0; r < 3; ++r) {
+      EXPECT_TRUE(results[r].ok())
+          << "step " << number << " rank " << r << ": " << results[r].status().ToString();
+    }
+    ExpectHolds(*receiver, Unsharded(model), "step " + std::to_string(number));
+    return results[0].ok() ? *results[0] : SyncReport{};
+  };
+  EXPECT_FALSE(step(1).transfer.plan.anchor) << "every rank adopted: a delta";
+  EXPECT_FALSE(step(2).transfer.plan.anchor);
+  // Rank 2's process restarts from the checkpoint of version 2 and adopts its boxes (those it
+  // sends and the replicated ones rank 0 sends, which it drops at the next sync).
+  ranks[2].reset();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ProducerGroup> again,
+                       MakeTcpGroup(group_options(2, address)));
+  ASSERT_OK_AND_ASSIGN(ranks[2], Publisher::Make(options, std::move(again)));
+  {
+    const ShardedRank held = ShardedRankOf(model, 2, 3);
+    ASSERT_OK(ranks[2]->AdoptBaseline(held.model, 2));
+  }
+  const SyncReport resumed = step(3);
+  EXPECT_FALSE(resumed.transfer.plan.anchor);
+  ASSERT_EQ(resumed.transfer.producers.size(), 3u);
+  for (uint32_t r = 0; r < 3; ++r) {
+    const StreamReport& delta = resumed.transfer.producers[r];
+    EXPECT_LT(delta.changed_elements * 10, delta.total_elements) << "rank " << r << " sent FULL";
+  }
+  // From then on too (the adopted baseline was committed).
+  const SyncReport after = step(4);
+  EXPECT_FALSE(after.transfer.plan.anchor);
+}
+
 // A Megatron-style rank of TP 2 × PP 2 × DP 2 (rank = dp·4 + pp·2 + tp), with plain local
 // tensors in Megatron's own layout: a fused linear_qkv interleaved per query group (q heads of
 // the group, then its k head, then its v head), a fused linear_fc1 (gate rows, then up rows),

@@ -404,6 +404,22 @@ def json_line(stdout):
     return json.loads(lines[-1]) if lines else None
 
 
+def check_caught_up(results, label, anchors, receivers):
+    """Rank 0's report: `anchors` receivers caught up by an anchor of their own, the others by
+    the delta, and each anchor's bytes larger than every delta receiver's."""
+    line = json_line(results[0][1]) or {}
+    commits = line.get("commits", [])
+    how = [c.get("caught_up_by") for c in commits]
+    check(len(commits) == receivers and how.count("anchor") == anchors
+          and how.count("delta") == receivers - anchors,
+          f"{label}: {anchors} receiver(s) caught up by an anchor alone, the others by the delta",
+          str(commits))
+    anchor_bytes = [c["wire_bytes"] for c in commits if c.get("caught_up_by") == "anchor"]
+    delta_bytes = [c["wire_bytes"] for c in commits if c.get("caught_up_by") == "delta"]
+    check(not anchor_bytes or not delta_bytes or min(anchor_bytes) > max(delta_bytes),
+          f"{label}: the members' payloads stay delta-sized", str(commits))
+
+
 def check_committed(results, label, kind, version, receivers, world, shares=None):
     """Every rank exited 0; rank 0 reports the commit; with `shares` (changed_per_rank), each
     rank ≥ 1 reports exactly the changed and total elements of the chunks it owns, and rank 0
@@ -873,15 +889,16 @@ def test_kill_shard(ctx, tp, steps, paths, step):
     kill_shard(ctx, tp, label, paths[step + 1], paths[step], step, steps[step])
 
     # (a) The killed shard comes back from its original shard file: version 0, behind the
-    # others. Each Sync asks every receiver where it stands, so the transfer must become an
-    # anchor, which a receiver takes at any version.
+    # others. Each Sync asks every receiver where it stands: the others get the delta and it an
+    # anchor of its own, which a receiver takes at any version (per-receiver plans).
     victim.wait_ready(victim.start())
     tp.check_holds(steps[0], 0, f"{victim.name} restarted from its shard file", [victim])
     push = Push(ctx, f"tp{step + 1}-rejoined", paths[step + 1], paths[step], 1,
                 tp.fleet.receiver_args())
     results = push.wait()
     label = f"step {step + 1} with {victim.name} back at version 0"
-    check_committed(results, label, "full", step + 1, 7, 1)
+    check_committed(results, label, "delta", step + 1, 7, 1)
+    check_caught_up(results, label, anchors=1, receivers=7)
     step += 1
     tp.check_holds(steps[step], step, label)
     # (b) The fleet changes between pushes: the unsharded daemon, the first of every tree so far,
@@ -894,11 +911,13 @@ def test_kill_shard(ctx, tp, steps, paths, step):
     check_committed(push.wait(), label, "delta", step + 1, len(others), 1)
     tp.check_holds(steps[step + 1], step + 1, label, others)
     tp.check_holds(steps[step], step, f"{label}: {tp.full.name} left as it was", [tp.full])
-    # (c) It joins again, one version behind the others: the next push is an anchor.
+    # (c) It joins again, one version behind the others: it alone gets an anchor.
     push = Push(ctx, f"tp{step + 2}-full-rejoins", paths[step + 2], paths[step + 1], 1,
                 tp.fleet.receiver_args())
     label = f"step {step + 2} with {tp.full.name} back"
-    check_committed(push.wait(), label, "full", step + 2, 7, 1)
+    results = push.wait()
+    check_committed(results, label, "delta", step + 2, 7, 1)
+    check_caught_up(results, label, anchors=1, receivers=7)
     tp.check_holds(steps[step + 2], step + 2, label)
 
 

@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -209,8 +210,13 @@ def main():
 
         result = run(push + [steps[3], "--base", steps[1]], env=env)
         check(result.returncode != 0 and "DataLoss" in result.stderr
-              and "not at base version" in result.stderr,
-              f"a push against the wrong base is DataLoss: {result.stderr[:300]}")
+              and "differs from the producer's base" in result.stderr
+              and "refit push --base FILE" in result.stderr,
+              f"a push against the wrong base is DataLoss saying the base differs: "
+              f"{result.stderr[:600]}")
+        check(not [l for l in result.stderr.splitlines() if "[warning]" in l and "failed at" in l],
+              f"and the failure is printed once, as the error, not also as a warning: "
+              f"{result.stderr[:600]}")
         for d, b in zip(daemons, before):
             status = d.status()
             check(status["version"] == 2 and status["state"] == "idle",
@@ -222,6 +228,22 @@ def main():
         result = run([args.refit, "push", steps[3], "--base", steps[2]] + receivers, env=no_key)
         check(result.returncode != 0 and "PermissionDenied" in result.stderr,
               f"a push without the key is refused: {result.stderr[:200]}")
+        wrong_key = dict(env, **{KEY_ENV: "not-" + API_KEY})
+        result = run(push + [steps[3], "--base", steps[2]], env=wrong_key)
+        check(result.returncode != 0 and "PermissionDenied" in result.stderr
+              and f"push: unauthorized by {daemons[0].url}" in result.stderr
+              and f"check the key in {KEY_ENV}" in result.stderr,
+              f"a push with the wrong key names the receiver and the key's variable: "
+              f"{result.stderr[:300]}")
+
+        # A file of another kind given as the model: said so, before anything is sent.
+        noise = os.path.join(args.workdir, "noise.safetensors")
+        with open(noise, "wb") as f:
+            f.write((16024638156421364339).to_bytes(8, "little") + secrets.token_bytes(4096))
+        result = run(push + [noise], env=env)
+        check(result.returncode != 0 and
+              f"{noise}: not a safetensors file: header length 16024638156421364339" in result.stderr,
+              f"random bytes are not a safetensors file: {result.stderr[:300]}")
 
         # A coordinator killed mid-transfer leaves the receivers receiving (no lease ends it yet):
         # `refit abort` rolls each back, and the next push goes through.
@@ -310,12 +332,68 @@ def main():
         result = run([args.refit, "push", steps[1], "--base", steps[0], "--api-key-env", KEY_ENV,
                       "--receiver", f"{odd[0].url}={odd[0].data}",
                       "--receiver", f"http://127.0.0.1:{free_port()}={peers[1]}"], env=env)
-        check(result.returncode != 0 and "Unavailable" in result.stderr,
-              f"a push to a receiver that is down fails before anything starts: "
-              f"{result.stderr[:200]}")
+        check(result.returncode != 0 and "Unavailable" in result.stderr
+              and "is unreachable" in result.stderr and "connection refused" in result.stderr,
+              f"a push to a receiver that is down fails before anything starts, saying "
+              f"\"connection refused\": {result.stderr[:300]}")
         check(odd[0].status()["version"] == 0, "the live daemon is untouched")
     finally:
         for d in odd:
+            d.stop()
+
+    # A producer group of two rank processes: with the whole 4 MiB model in one 256 MiB export
+    # chunk, rank 1 sends nothing and both ranks say why; --chunk-bytes spreads it. A --group port
+    # that is taken fails rank 0 within seconds, naming the port.
+    ports = [free_port(), free_port()]
+    peers = [f"127.0.0.1:{p}" for p in ports]
+    pair = [Daemon(args.refit, args.workdir, 30 + i, steps[0], ports[i], peers, env)
+            for i in range(2)]
+    try:
+        receivers = []
+        for d in pair:
+            receivers += ["--receiver", f"{d.url}={d.data}"]
+
+        def push_group(checkpoint, base, extra):
+            group = f"tcp://127.0.0.1:{free_port()}"
+            ranks = [subprocess.Popen(
+                [args.refit, "push", checkpoint, "--base", base, "--group", group, "--rank", str(r),
+                 "--world-size", "2", "--api-key-env", KEY_ENV] + extra +
+                (receivers if r == 0 else []),
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in range(2)]
+            return [(rank.wait(timeout=TIMEOUT_S), *rank.communicate()) for rank in ranks]
+
+        results = push_group(steps[1], steps[0], [])
+        check(all(code == 0 for code, _, _ in results),
+              f"a group of 2 ranks pushed step 1: {[r[1] + r[2] for r in results]}")
+        check("rank 1 of 2 owns no export chunk, so it sent nothing: the model is 1 export "
+              "chunk(s) of about 256 MiB (--chunk-bytes)" in results[1][1],
+              f"rank 1 says why it sent nothing: {results[1][1]}")
+        check("rank(s) 1 of 2 owned no export chunk and sent nothing" in results[0][1],
+              f"and rank 0 says so too: {results[0][1]}")
+        results = push_group(steps[2], steps[1], ["--chunk-bytes", "1MiB"])
+        check(all(code == 0 for code, _, _ in results) and
+              "owns no export chunk" not in results[1][1] and
+              "owned no export chunk" not in results[0][1],
+              f"with --chunk-bytes 1MiB both ranks send a share: {[r[1] + r[2] for r in results]}")
+        for d in pair:
+            check(d.status()["version"] == 2 and d.tensors(names) == files[2],
+                  "both daemons hold step 2's bytes")
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            start = time.time()
+            result = run([args.refit, "push", steps[3], "--base", steps[2], "--api-key-env", KEY_ENV,
+                          "--group", f"tcp://127.0.0.1:{port}", "--rank", "0", "--world-size", "2"]
+                         + receivers, env=env)
+            took = time.time() - start
+        check(result.returncode != 0 and f"port {port} is in use" in result.stderr,
+              f"a taken --group port fails rank 0 naming the port: {result.stderr[:300]}")
+        check(took < 15, f"within seconds, not the 600 s --timeout ({took:.1f} s)")
+    finally:
+        for d in pair:
             d.stop()
 
     result = run([args.refit, "demo", "--model-bytes", "4MiB", "--steps", "3", "--receivers", "3",

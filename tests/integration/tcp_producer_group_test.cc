@@ -24,6 +24,7 @@
 
 #include "group_rounds.h"
 #include "loopback.h"
+#include "refit/logging.h"
 #include "refit/producer_group.h"
 #include "test_util.h"
 
@@ -138,6 +139,45 @@ TEST(TcpGroupTest, RankZeroNeverStartingIsUnavailableAfterTheConnectTimeout) {
   options.connect_timeout = kShort;
   EXPECT_STATUS_MSG(Unavailable, fmt::format("cannot reach rank 0 at {} within 500 ms", address),
                     MakeTcpGroup(options));
+}
+
+// A port that another process keeps (here another rank 0) fails rank 0 within bind_timeout
+// (3 s), not after the 60 s connect timeout, and the error names the port.
+TEST(TcpGroupTest, TakenPortFailsRankZeroWithinSecondsNamingThePort) {
+  ASSERT_OK_AND_ASSIGN(auto holder, MakeTcpGroup(Options(0, 2, "tcp://127.0.0.1:0")));
+  const uint16_t port = TcpGroupPort(*holder);
+  TcpGroupOptions options = Options(0, 2, fmt::format("tcp://127.0.0.1:{}", port));
+  options.connect_timeout = seconds(60);
+  const auto start = GroupClock::now();
+  const Result<std::unique_ptr<ProducerGroup>> second = MakeTcpGroup(options);
+  const auto took = GroupClock::now() - start;
+  EXPECT_STATUS_MSG(Unavailable,
+                    fmt::format("cannot listen on 127.0.0.1:{}: port {} is in use", port, port),
+                    second);
+  EXPECT_STATUS_MSG(Unavailable, "Address already in use", second);
+  // bind_timeout plus a loaded machine's slack; the connect timeout would be 60 s.
+  EXPECT_LT(took, seconds(10));
+  EXPECT_GE(took, options.bind_timeout);
+}
+
+// While a collective waits for a rank that never connects, rank 0 says which one, and how many
+// are there (at info, within a few seconds).
+TEST(TcpGroupTest, RankZeroLogsWhichRanksItIsWaitingFor) {
+  ASSERT_OK_AND_ASSIGN(auto root, MakeTcpGroup(Options(0, 3, "tcp://127.0.0.1:0")));
+  const std::string address = fmt::format("127.0.0.1:{}", TcpGroupPort(*root));
+  ASSERT_OK_AND_ASSIGN(auto rank1, MakeTcpGroup(Options(1, 3, address)));
+  const std::string level(CurrentLogLevel());
+  ASSERT_OK(SetLogLevel("info"));
+  ::testing::internal::CaptureStderr();
+  const Result<std::string> sent = root->Broadcast("plan", Soon(milliseconds(2600)));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_OK(SetLogLevel(level));
+  EXPECT_STATUS_MSG(Unavailable, "rank 2 of 3 is not connected", sent);
+  EXPECT_NE(log.find(fmt::format("tcp group rank 0 at {}: waiting for rank(s) 2 of 3 to connect "
+                                 "(2 of 3 connected",
+                                 address)),
+            std::string::npos)
+      << log;
 }
 
 TEST(TcpGroupTest, WrongApiKeyIsRefusedAndRankZeroKeepsWorking) {

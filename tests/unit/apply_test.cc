@@ -394,7 +394,8 @@ TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
   ASSERT_OK(store_->SetDigest("w", store_->RecomputeDigests().at("w")));
   const StoreSnapshot diverged = TakeSnapshot(*store_);
   UndoLog undo;
-  EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(decoded, *store_, &undo));
+  EXPECT_STATUS_MSG(DataLoss, "holds at version 1 differs from the producer's base",
+                    ApplyPayload(decoded, *store_, &undo));
   EXPECT_EQ(TakeSnapshot(*store_), diverged);
   EXPECT_EQ(undo.records(), 0u);
 }
@@ -414,7 +415,8 @@ TEST_F(ApplyRejectionTest, AFailedApplyWithKeptBytesUndoesItsXorItemsAndKeepsNot
   // The same payload again: the receiver is no longer at its base, so its digest check fails
   // after the XOR was applied, and that payload is undone.
   ValidatedPayload again = Validated(payload);
-  EXPECT_STATUS_MSG(DataLoss, "not at base version 1", ApplyPayload(good, *store_, &undo, &again));
+  EXPECT_STATUS_MSG(DataLoss, "holds at version 1 differs from the producer's base",
+                    ApplyPayload(good, *store_, &undo, &again));
   EXPECT_TRUE(std::ranges::equal(again.bytes(), payload));
   EXPECT_EQ(TakeSnapshot(*store_), after_first);
   EXPECT_EQ(undo.payload_bytes(), payload.size());

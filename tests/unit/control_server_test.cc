@@ -856,6 +856,32 @@ TEST(ControlClientTest, RegionsOfAReceiverWithoutTheRouteAreEmpty) {
                     regions_from(200, R"({"ok": true, "regions": 7})"));
 }
 
+// A receiver that is not running: the error says "connection refused" and where, not httplib's
+// bare "Connection".
+TEST(ControlClientTest, ReceiverNotRunningIsConnectionRefusedNamingTheAddress) {
+  // A port that was just free: bound, read back, closed.
+  const int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(probe, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(probe, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t address_bytes = sizeof(address);
+  ASSERT_EQ(::getsockname(probe, reinterpret_cast<sockaddr*>(&address), &address_bytes), 0);
+  const int port = ntohs(address.sin_port);
+  ::close(probe);
+
+  ControlClientOptions options;
+  options.base_url = fmt::format("http://127.0.0.1:{}", port);
+  options.max_retries = 1;
+  options.retry_backoff = std::chrono::milliseconds(1);
+  ASSERT_OK_AND_ASSIGN(auto client, ControlClient::Make(options));
+  const Result<ControlStatus> status = client->GetStatus();
+  EXPECT_STATUS_MSG(Unavailable, "GET /v1/status: connection refused", status);
+  EXPECT_STATUS_MSG(Unavailable, fmt::format("nothing listens on 127.0.0.1:{}", port), status);
+  EXPECT_STATUS_MSG(Unavailable, "(attempt 2 of 2)", status);
+}
+
 TEST(ControlClientTest, RetriesOnlyGatewayErrorsAndQuotesForeignBodies) {
   constexpr int kRetries = 2;
   auto run = [&](int status, const std::string& body, const std::string& content_type) {

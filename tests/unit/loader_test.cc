@@ -797,7 +797,7 @@ TEST_F(LoaderRefusalTest, AWholeTensorNotAtBaseIsDetectedAndThePayloadUndone) {
   for (const int threads : {1, 3}) {
     SCOPED_TRACE(fmt::format("{} apply threads", threads));
     UndoLog undo;
-    EXPECT_STATUS_MSG(DataLoss, "not at base version",
+    EXPECT_STATUS_MSG(DataLoss, "differs from the producer's base",
                       ApplyPayload(payload, rank0(), &undo, nullptr, threads));
     EXPECT_EQ(TakeSnapshot(rank0()), diverged);
     ASSERT_OK_AND_ASSIGN(auto holdings_after, rank0().Holdings(names));

@@ -340,9 +340,32 @@ TEST_F(SafetensorsTest, OpenMissingFileIsIoErrorInBothModes) {
 TEST_F(SafetensorsTest, OpenReportsMalformedFilesWithTheirPath) {
   const std::string empty = WriteFile("empty.safetensors", {});
   for (LoadMode mode : {LoadMode::kMmap, LoadMode::kRead}) {
-    EXPECT_STATUS_MSG(InvalidArgument, empty + ": file of 0 bytes",
+    EXPECT_STATUS_MSG(InvalidArgument, empty + ": not a safetensors file: file of 0 bytes",
                       SafetensorsFile::Open(empty, mode));
   }
+}
+
+// A user handing refit a file of another kind (here random bytes whose first 8 give the header
+// length a new user once saw) is told so first, with the value that did not fit after it.
+TEST_F(SafetensorsTest, RandomBytesAreNotASafetensorsFile) {
+  constexpr uint64_t kNoiseLength = 16024638156421364339u;
+  std::vector<std::byte> noise(4096);
+  for (size_t i = 0; i < noise.size(); ++i) {
+    noise[i] = static_cast<std::byte>(i < 8 ? kNoiseLength >> (8 * i) : (i * 2654435761u) >> 13);
+  }
+  const std::string path = WriteFile("noise.safetensors", noise);
+  for (LoadMode mode : {LoadMode::kMmap, LoadMode::kRead}) {
+    EXPECT_STATUS_MSG(InvalidArgument,
+                      path + ": not a safetensors file: header length 16024638156421364339",
+                      SafetensorsFile::Open(path, mode));
+  }
+  // Text (a config file given by mistake): its first 8 bytes make a huge length too.
+  const std::string_view text = "model:\n  layers: 32\n  hidden: 4096\n";
+  std::vector<std::byte> text_bytes(text.size());
+  std::memcpy(text_bytes.data(), text.data(), text.size());
+  const std::string yaml = WriteFile("config.safetensors", text_bytes);
+  EXPECT_STATUS_MSG(InvalidArgument, yaml + ": not a safetensors file",
+                    SafetensorsFile::Open(yaml, LoadMode::kRead));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -361,7 +384,8 @@ std::string Entry(std::string_view name, std::string_view fields) {
 }
 
 TEST(SafetensorsMalformedTest, ShorterThanLengthField) {
-  EXPECT_STATUS_MSG(InvalidArgument, "bad.safetensors: file of 5 bytes is shorter",
+  EXPECT_STATUS_MSG(InvalidArgument,
+                    "bad.safetensors: not a safetensors file: file of 5 bytes is shorter",
                     ParseImage(ToBytes("12345")));
 }
 

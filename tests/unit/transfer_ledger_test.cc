@@ -49,7 +49,7 @@ class TransferLedgerTest : public ::testing::Test {
 
   static PayloadIds Ids(const PrepareRequest& request, uint32_t producer, uint32_t payload) {
     return PayloadIds{request.transfer_id, producer, payload, request.base_version,
-                      request.base_version + 1};
+                      TargetOf(request)};
   }
 
   /// Open `request` (it must classify as kOpen).
@@ -78,7 +78,7 @@ class TransferLedgerTest : public ::testing::Test {
     ASSERT_OK(ledger_.Seal());
     FlushReport report;
     report.transfer_id = request.transfer_id;
-    report.target_version = request.base_version + 1;
+    report.target_version = TargetOf(request);
     ledger_.Prepared(report, now_);
     ASSERT_EQ(ledger_.state(), ReceiverState::kPrepared);
   }
@@ -167,6 +167,33 @@ TEST_F(TransferLedgerTest, PreemptionCanBeTurnedOff) {
   const PrepareRequest abandoned = Request(7);
   ledger.Open(abandoned, now_);
   EXPECT_STATUS(FailedPrecondition, ledger.ClassifyPrepare(Request(7), now_ + seconds(3600)));
+}
+
+// A receiver caught up by folded deltas is prepared from its own version to the fleet's target,
+// several versions on; its payloads carry that step, and a later transfer from that target
+// commits it implicitly as any other.
+TEST_F(TransferLedgerTest, APrepareMayNameATargetSeveralVersionsOn) {
+  PrepareRequest folded = Request(7);
+  folded.target_version = 10;
+  Open(folded);
+  EXPECT_EQ(ledger_.open()->target_version, 10u);
+  PayloadIds ids = Ids(folded, 0, 0);
+  EXPECT_STATUS_MSG(FailedPrecondition, "moves version 7 -> 8 but the transfer moves 7 -> 10",
+                    ledger_.CheckStageable(ids));
+  ids.target_version = 10;
+  ASSERT_OK(ledger_.CheckStageable(ids));
+  // The same id with another target is another request.
+  PrepareRequest other_target = folded;
+  other_target.target_version = 9;
+  EXPECT_STATUS_MSG(FailedPrecondition, "already open",
+                    ledger_.ClassifyPrepare(other_target, now_));
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(folded, now_));
+  EXPECT_EQ(step, PrepareStep::kRepeat);
+  StageApplyAndFlush(folded);
+  ASSERT_OK_AND_ASSIGN(step, ledger_.ClassifyPrepare(Request(10), now_));
+  EXPECT_EQ(step, PrepareStep::kCommitOpenFirst);
+  ledger_.Commit();
+  EXPECT_EQ(ledger_.version(), 10u);
 }
 
 TEST_F(TransferLedgerTest, DuplicatesAreCountedAndConflictsRefused) {
