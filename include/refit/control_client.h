@@ -105,6 +105,10 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
   Status Abort(const TransferId& id) override;
   /// POST /v1/regions. Errors: as ReceiverSession::Regions.
   Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override;
+  /// Bound every later call, each connect, read, write, retry and backoff of it, by `deadline`
+  /// as well as by options.timeout (DeadlineExceeded past it); nullopt lifts the bound.
+  /// Thread-safe; calls in flight keep the bound they started with.
+  void SetCallDeadline(std::optional<std::chrono::steady_clock::time_point> deadline) override;
   /// POST /v1/payload with the payload's bytes (not copied). Errors: as ReceiverSession::Stage,
   /// ResourceExhausted beyond the server's body limit, Unavailable while it stops.
   Result<StageResult> SendPayload(std::span<const std::byte> payload);

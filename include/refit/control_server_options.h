@@ -83,10 +83,15 @@ struct ControlServerOptions {
   /// Limit of each read of a request body and each write of a reply (and, with TLS, of each
   /// read of a head).
   std::chrono::milliseconds io_timeout = std::chrono::seconds(30);
-  /// Open connections one peer address may hold (plain HTTP); more are answered 503 and closed
-  /// at accept, so one host cannot take the connections every other client needs.
+  /// Connections one peer address may hold open that have not completed a request head yet
+  /// (plain HTTP): past it a new one replaces the peer's oldest such connection, or is answered
+  /// 503 when none is left to replace, so one host's slow or silent connections cannot take
+  /// the room every other client needs. Connections that sent a request do not count: a client
+  /// at full speed is never refused for its own load.
   size_t max_connections_per_peer = 64;
-  /// Open connections in all (plain HTTP); more are answered 503 and closed at accept.
+  /// Open connections in all (plain HTTP): past it a new one replaces the oldest connection
+  /// that has not completed a request head, else the oldest idle keep-alive one, else it is
+  /// answered 503.
   size_t max_connections = 1024;
   /// Called by POST /v1/prepare, before the session opens the transfer, with the relay tree the
   /// prepare names (PrepareRequest::relay_tree): the data plane's Listener::RouteTransfer. An

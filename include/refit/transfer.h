@@ -233,6 +233,12 @@ class ReceiverControl {
   /// older than routing by holdings is answered for as holding everything whole (it is sent
   /// every item, which is always correct: a loader keeps its part).
   virtual Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) = 0;
+  /// Make every call that starts after this one end by `deadline` at the latest, retries
+  /// included (DeadlineExceeded past it), whatever the implementation's own timeouts; nullopt
+  /// lifts the limit. A coordinator sets its transfer's deadline here, so that no call of the
+  /// transfer outlives it (its aborts by a small margin). The default ignores it: a receiver in
+  /// the same process answers at once.
+  virtual void SetCallDeadline(std::optional<std::chrono::steady_clock::time_point> /*deadline*/) {}
 };
 
 /// The most canonical tensor names one ReceiverControl::Regions call may ask about.

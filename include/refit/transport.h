@@ -32,12 +32,14 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -156,8 +158,12 @@ struct SenderContext {
   /// to one root and lets the relays forward. At least one.
   std::vector<std::string> endpoints;
   /// The transfer is an anchor (FULL): mpi:// labels its messages `full` instead of `delta`.
-  /// (Last, with an initializer.)
+  /// (With an initializer.)
   bool anchor = false;
+  /// The transfer's deadline: no Send or Finish, retries included, runs past it (DeadlineExceeded
+  /// then), where the transport can bound its waits (zmq://); nullopt: each attempt is limited
+  /// by the transport's own timeout only. (Last, with an initializer.)
+  std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt;
 };
 
 /// Sends the payloads of one producer's share of one transfer.

@@ -103,6 +103,7 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     context.base_version = request.base_version;
     context.target_version = request.target_version;
     context.endpoints = request.endpoints.empty() ? self->endpoints_ : request.endpoints;
+    context.deadline = request.deadline;
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender,
                            self->transport_->MakeSender(context));
     return std::unique_ptr<PayloadChannel>(std::move(sender));

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -86,13 +87,16 @@ Result<config::RefitConfig> ResolveConfig(const PushArgs& args) {
 // one still receiving is another push's: this push's prepare rolls it back once it has been
 // quiet for the receiver's preempt_after (its push died), and is refused naming it otherwise.
 // Errors name the receiver, and for a refused key the variable it came from (`api_key_env`).
-Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string& api_key_env) {
+Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string& api_key_env,
+                              std::chrono::steady_clock::time_point deadline) {
   std::optional<uint64_t> version;
   for (const PublisherReceiver& receiver : options.receivers) {
     ControlClientOptions client_options = options.control;
     client_options.base_url = receiver.control_url;
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
                            ControlClient::Make(client_options));
+    // The push's one deadline bounds the question to every receiver together.
+    client->SetCallDeadline(deadline);
     const std::string& url = receiver.control_url;
     Result<ControlStatus> asked = client->GetStatus();
     if (!asked.ok()) return ExplainReceiverError(asked.status(), "push", url, api_key_env);
@@ -177,8 +181,8 @@ Result<ProducerLayout> ReadLayoutFile(const std::string& path) {
 
 // This process's producer group: one rank (the default), W threads of this process
 // (--producers W), or one rank of W processes (--rank/--world-size/--group tcp://HOST:PORT).
-Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(const PushArgs& args,
-                                                               const std::string& api_key) {
+Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(
+    const PushArgs& args, const std::string& api_key, std::chrono::milliseconds connect_timeout) {
   std::vector<std::unique_ptr<ProducerGroup>> groups;
   if (args.group.empty()) {
     if (args.world_size != 1 || args.rank != 0) {
@@ -198,7 +202,7 @@ Result<std::vector<std::unique_ptr<ProducerGroup>>> MakeGroups(const PushArgs& a
   options.rank = args.rank;
   options.world_size = args.world_size;
   options.api_key = api_key;
-  options.connect_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
+  options.connect_timeout = connect_timeout;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerGroup> group, MakeTcpGroup(options));
   groups.push_back(std::move(group));
   return groups;
@@ -319,6 +323,20 @@ Result<MpiRank> JoinMpiIfAsked(const std::string& transport_uri) {
 }
 
 Status RunPush(const PushArgs& args) {
+  // --timeout is one deadline for the whole push: the fleet's version, the group, every phase of
+  // the transfer and its aborts (which the coordinator allows a margin of a second past it).
+  const std::chrono::steady_clock::time_point deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
+  const auto time_left = [&]() -> Result<std::chrono::milliseconds> {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      return DeadlineExceeded("push: --timeout {} s passed before the transfer began",
+                              args.timeout_s);
+    }
+    return left;
+  };
   REFIT_ASSIGN_OR_RETURN(const config::RefitConfig config, ResolveConfig(args));
   REFIT_ASSIGN_OR_RETURN(const std::string transport_uri, config::ToTransportUri(config));
   REFIT_ASSIGN_OR_RETURN(const MpiRank mpi, JoinMpiIfAsked(transport_uri));
@@ -361,7 +379,7 @@ Status RunPush(const PushArgs& args) {
   REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.transport_uri = transport_uri;
   options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
-  // A control call never outlives the transfer's own budget, whatever a receiver does.
+  // A control call never outlives the push's budget, whatever a receiver does.
   options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
   // Every rank holds the key: the group's ranks authenticate with it too.
   const std::string api_key = options.control.api_key;
@@ -371,7 +389,8 @@ Status RunPush(const PushArgs& args) {
   } else if (!mpi.active) {
     // Under mpi:// the receivers are the job's ranks, asked at Sync; the first Sync takes their
     // version.
-    REFIT_ASSIGN_OR_RETURN(fleet_version, FleetVersion(options, config.http_refit_api_key_env_var));
+    REFIT_ASSIGN_OR_RETURN(fleet_version,
+                           FleetVersion(options, config.http_refit_api_key_env_var, deadline));
   }
   std::vector<std::unique_ptr<ProducerGroup>> groups;
   if (mpi.active) {
@@ -383,8 +402,12 @@ Status RunPush(const PushArgs& args) {
     groups.push_back(std::move(group));
 #endif
   } else {
-    REFIT_ASSIGN_OR_RETURN(groups, MakeGroups(args, api_key));
+    REFIT_ASSIGN_OR_RETURN(const std::chrono::milliseconds left, time_left());
+    REFIT_ASSIGN_OR_RETURN(groups, MakeGroups(args, api_key, left));
   }
+  // The transfer gets what is left of the push's deadline.
+  REFIT_ASSIGN_OR_RETURN(options.transfer_timeout, time_left());
+  options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);
   std::vector<std::unique_ptr<Publisher>> publishers;
   for (std::unique_ptr<ProducerGroup>& group : groups) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Publisher> publisher,
@@ -497,7 +520,9 @@ void RegisterPush(CLI::App& app, Status* result) {
               "Threads of the encode and the send stage (tuning.encode_workers and "
               "tuning.transfer_workers; default: the file's, else 8 and 4)",
               "");
-  cmd->add_option("--timeout", args->timeout_s, "Seconds the whole transfer may take")
+  cmd->add_option("--timeout", args->timeout_s,
+                  "Seconds the whole push may take, every phase and retry included (aborting a "
+                  "failed transfer may take one more)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--json", args->json, "Print the result as one JSON line");

@@ -8,13 +8,16 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <stop_token>
 #include <string>
 #include <system_error>
@@ -307,6 +310,16 @@ struct ControlClient::Impl {
   std::string base_url;
   // Set once Regions found a receiver that predates POST /v1/regions, so that it warns once.
   std::atomic<bool> warned_no_regions{false};
+  // SetCallDeadline's bound as steady_clock ticks since its epoch; kNoCallDeadline: none.
+  static constexpr Clock::rep kNoCallDeadline = std::numeric_limits<Clock::rep>::max();
+  std::atomic<Clock::rep> call_deadline{kNoCallDeadline};
+
+  // The bound SetCallDeadline set, if any.
+  std::optional<Clock::time_point> CallDeadline() const {
+    const Clock::rep ticks = call_deadline.load();
+    if (ticks == kNoCallDeadline) return std::nullopt;
+    return Clock::time_point(Clock::duration(ticks));
+  }
 
   std::mutex idle_mutex;
   std::vector<std::unique_ptr<httplib::Client>> idle;
@@ -403,13 +416,21 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
   httplib::Headers headers;
   if (!options.api_key.empty()) headers.emplace("Authorization", "Bearer " + options.api_key);
   const std::string description = fmt::format("{} {}", base_url, what);
-  const std::chrono::milliseconds budget = options.timeout + server_time.value_or(options.timeout);
-  const std::optional<Clock::time_point> deadline =
-      server_time.has_value() ? std::optional(Clock::now() + budget) : std::nullopt;
+  std::chrono::milliseconds budget = options.timeout + server_time.value_or(options.timeout);
+  const Clock::time_point start = Clock::now();
+  std::optional<Clock::time_point> deadline =
+      server_time.has_value() ? std::optional(start + budget) : std::nullopt;
+  // The caller's bound (SetCallDeadline) cuts the call's own budget short, bulk calls included.
+  if (const std::optional<Clock::time_point> bound = CallDeadline();
+      bound.has_value() && (!deadline.has_value() || *bound < *deadline)) {
+    deadline = std::max(*bound, start);
+    budget = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - start);
+  }
   auto past_deadline = [&](int attempt) {
     return DeadlineExceeded("{}: no complete answer within {} ms (attempt {} of {})", description,
                             budget.count(), attempt + 1, options.max_retries + 1);
   };
+  if (deadline.has_value() && *deadline <= start) return past_deadline(0);
   Status last_error;
   std::chrono::milliseconds backoff = options.retry_backoff;
   for (int attempt = 0; attempt <= options.max_retries; ++attempt) {
@@ -463,9 +484,16 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
 Result<Json> ControlClient::Impl::Carry(std::string_view method, std::string_view path,
                                         std::string body, std::chrono::milliseconds server_time) {
   const std::string what = fmt::format("{} {} {}", base_url, method, path);
-  Result<ControlReply> reply =
-      options.carrier(ControlRequest{std::string(method), std::string(path), std::move(body)},
-                      options.timeout + server_time);
+  std::chrono::milliseconds timeout = options.timeout + server_time;
+  if (const std::optional<Clock::time_point> bound = CallDeadline(); bound.has_value()) {
+    timeout = std::min(
+        timeout,
+        std::max(std::chrono::duration_cast<std::chrono::milliseconds>(*bound - Clock::now()),
+                 std::chrono::milliseconds(0)));
+    if (timeout.count() == 0) return DeadlineExceeded("{}: the caller's deadline passed", what);
+  }
+  Result<ControlReply> reply = options.carrier(
+      ControlRequest{std::string(method), std::string(path), std::move(body)}, timeout);
   if (!reply.ok()) return reply.status().WithContext(what);
   if (reply->status != kHttpOk) return ErrorFromResponse(reply->status, reply->body, what);
   return ParseSuccessBody(reply->body, fmt::format("{} {}", method, path));
@@ -576,6 +604,11 @@ Status ControlClient::Commit(const TransferId& id) {
 
 Status ControlClient::Abort(const TransferId& id) {
   return impl_->PostJson(internal::kAbortPath, TransferBody(id)).status();
+}
+
+void ControlClient::SetCallDeadline(std::optional<std::chrono::steady_clock::time_point> deadline) {
+  impl_->call_deadline.store(deadline.has_value() ? deadline->time_since_epoch().count()
+                                                  : Impl::kNoCallDeadline);
 }
 
 Result<HeldRegions> ControlClient::Regions(const std::vector<std::string>& canonical_names) {

@@ -56,16 +56,24 @@ constexpr size_t kMaxLingeringPerPeer = 8;
 constexpr size_t kLingerBytesPerRound = size_t{1} << 20;
 
 // Canned replies the server writes itself, before any handler runs.
-constexpr std::string_view kBusyBody =
-    "{\"ok\":false,\"code\":\"Unavailable\",\"message\":\"too many connections from this peer\"}\n";
+constexpr std::string_view kPeerBusyMessage =
+    "too many connections from this peer that have not sent a request";
+constexpr std::string_view kServerBusyMessage = "too many connections to this server";
 // The 503 with its Content-Length counted from the body (a hand-counted length once made every
 // client wait for three bytes that never came, and report a read error instead of the 503).
-const std::string& BusyReply() {
-  static const std::string reply = fmt::format(
+std::string MakeBusyReply(std::string_view message) {
+  const std::string body =
+      fmt::format("{{\"ok\":false,\"code\":\"Unavailable\",\"message\":\"{}\"}}\n", message);
+  return fmt::format(
       "HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: "
       "application/json\r\nContent-Length: {}\r\n\r\n{}",
-      kBusyBody.size(), kBusyBody);
-  return reply;
+      body.size(), body);
+}
+// The 503 of a connection over its peer's cap (`per_peer`) or over the total.
+const std::string& BusyReply(bool per_peer) {
+  static const std::string peer_reply = MakeBusyReply(kPeerBusyMessage);
+  static const std::string server_reply = MakeBusyReply(kServerBusyMessage);
+  return per_peer ? peer_reply : server_reply;
 }
 constexpr std::string_view kHeadTimeoutReply =
     "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n";
@@ -242,13 +250,13 @@ class GuardedHttpServer::Connections {
         ::close(fd);
         return;
       }
-      size_t& from_peer = per_peer_[peer];
-      if (from_peer >= limits_.max_connections_per_peer) {
+      size_t& unproven = unproven_per_peer_[peer];
+      if (unproven >= limits_.max_connections_per_peer) {
         waiting.evict = Eviction::kSamePeer;
       } else if (open_ >= limits_.max_connections) {
         waiting.evict = Eviction::kAnyPeer;
       }
-      ++from_peer;
+      ++unproven;
       ++open_;
     }
     Wait(std::move(waiting));
@@ -270,9 +278,9 @@ class GuardedHttpServer::Connections {
     }
     workers_.clear();
     std::lock_guard lock(mutex_);
-    for (Waiting& waiting : incoming_) CloseLocked(waiting.fd, waiting.peer);
+    for (Waiting& waiting : incoming_) CloseLocked(waiting);
     incoming_.clear();
-    for (Waiting& ready : ready_) CloseLocked(ready.fd, ready.peer);
+    for (Waiting& ready : ready_) CloseLocked(ready);
     ready_.clear();
     if (wake_fd_ >= 0) {
       ::close(wake_fd_);
@@ -294,8 +302,8 @@ class GuardedHttpServer::Connections {
     Clock::time_point deadline;
     // When the connection was accepted: the oldest head-waiter is evicted first.
     Clock::time_point accepted{};
-    // Whether a complete request head ever arrived on it (a served keep-alive connection is
-    // not evicted for a new one).
+    // Whether a complete request head ever arrived on it. Until then the connection is
+    // unproven: it counts against its peer's cap and may be replaced by a new one (Admit).
     bool served = false;
     Eviction evict = Eviction::kNone;
     // Lingering: the reply is out, the write side shut; the collector drops what the client
@@ -324,28 +332,38 @@ class GuardedHttpServer::Connections {
     const bool complete =
         !waiting.lingering && waiting.evict == Eviction::kNone && HeadComplete(waiting);
     std::lock_guard lock(mutex_);
-    if (stopping_) return CloseLocked(waiting.fd, waiting.peer);
-    if (complete) {
-      waiting.served = true;
-      ready_.push_back(std::move(waiting));
-      ready_changed_.notify_one();
-      return;
-    }
+    if (stopping_) return CloseLocked(waiting);
+    if (complete) return ReadyLocked(std::move(waiting));
     incoming_.push_back(std::move(waiting));
     Wake();
   }
 
-  void CloseLocked(int fd, const std::string& peer) {
-    ::shutdown(fd, SHUT_RDWR);
-    ::close(fd);
-    --open_;
-    if (auto it = per_peer_.find(peer); it != per_peer_.end() && --it->second == 0) {
-      per_peer_.erase(it);
+  // `w` completed a request head: it stops counting against its peer's cap of unproven
+  // connections (once), and waits for a worker.
+  void ReadyLocked(Waiting w) {
+    if (!w.served) {
+      w.served = true;
+      ForgetUnprovenLocked(w.peer);
+    }
+    ready_.push_back(std::move(w));
+    ready_changed_.notify_one();
+  }
+  void ForgetUnprovenLocked(const std::string& peer) {
+    if (auto it = unproven_per_peer_.find(peer);
+        it != unproven_per_peer_.end() && --it->second == 0) {
+      unproven_per_peer_.erase(it);
     }
   }
-  void Close(int fd, const std::string& peer) {
+
+  void CloseLocked(const Waiting& w) {
+    ::shutdown(w.fd, SHUT_RDWR);
+    ::close(w.fd);
+    --open_;
+    if (!w.served) ForgetUnprovenLocked(w.peer);
+  }
+  void Close(const Waiting& w) {
     std::lock_guard lock(mutex_);
-    CloseLocked(fd, peer);
+    CloseLocked(w);
   }
 
   // The collector thread: poll every connection that waits for its head, and every lingering
@@ -363,7 +381,7 @@ class GuardedHttpServer::Connections {
           lingering_per_peer.erase(it);
         }
       }
-      Close(w.fd, w.peer);
+      Close(w);
     };
     // Start lingering on `w` (its reply sent, its write side shut) if the bounds allow.
     const auto linger_or_close = [&](Waiting w) {
@@ -371,7 +389,7 @@ class GuardedHttpServer::Connections {
       if (lingering >= kMaxLingering || from_peer >= kMaxLingeringPerPeer) {
         if (from_peer == 0) lingering_per_peer.erase(w.peer);
         w.lingering = false;
-        return Close(w.fd, w.peer);
+        return Close(w);
       }
       ++from_peer;
       ++lingering;
@@ -391,7 +409,7 @@ class GuardedHttpServer::Connections {
         if (w.lingering) {
           linger_or_close(std::move(w));
         } else if (w.evict != Eviction::kNone) {
-          MakeRoomFor(std::move(w), waiting, close_one, linger_or_close);
+          MakeRoomFor(std::move(w), waiting, linger_or_close);
         } else {
           waiting.push_back(std::move(w));
         }
@@ -422,19 +440,17 @@ class GuardedHttpServer::Connections {
             still.push_back(std::move(w));
           }
         } else if (events != 0 && !ReadHead(w)) {
-          Close(w.fd, w.peer);
+          Close(w);
         } else if (events != 0 && HeadComplete(w)) {
           std::lock_guard lock(mutex_);
-          w.served = true;
-          ready_.push_back(std::move(w));
-          ready_changed_.notify_one();
+          ReadyLocked(std::move(w));
         } else if (w.head.size() >= kMaxRequestHeadBytes) {
           SendBestEffort(w.fd, kHeadTooLargeReply);
-          Close(w.fd, w.peer);
+          Close(w);
         } else if (after >= w.deadline) {
           // An idle keep-alive connection just ends; a request cut short is told why.
           if (!w.head.empty()) SendBestEffort(w.fd, kHeadTimeoutReply);
-          Close(w.fd, w.peer);
+          Close(w);
         } else {
           still.push_back(std::move(w));
         }
@@ -444,12 +460,48 @@ class GuardedHttpServer::Connections {
     for (Waiting& w : waiting) close_one(w);
   }
 
-  // Make room for `w`, admitted over a limit: close the oldest connection in `waiting` that has
-  // not completed a request head yet — of w's peer, or of any peer when w is over the total — and
-  // keep w; with none to close, answer w 503 and linger on it.
-  template <typename CloseOne, typename LingerOrClose>
-  static void MakeRoomFor(Waiting w, std::vector<Waiting>& waiting, const CloseOne& close_one,
-                          const LingerOrClose& linger_or_close) {
+  // Make room for `w`, admitted over a limit (see Admit). What has already arrived on the
+  // connections involved is read first (without blocking): one whose complete head is there is
+  // proven, and one its peer closed is gone, so neither is replaced. Over its peer's cap, `w`
+  // then replaces the oldest unproven connection of its peer, unless it is proven itself. Over
+  // the total, it replaces the oldest unproven connection of any peer, else the oldest idle
+  // keep-alive one (a client reconnects for its next request). With nothing to replace, `w` is
+  // answered 503 and lingered on.
+  template <typename LingerOrClose>
+  void MakeRoomFor(Waiting w, std::vector<Waiting>& waiting, const LingerOrClose& linger_or_close) {
+    std::vector<Waiting> still;
+    still.reserve(waiting.size());
+    for (Waiting& candidate : waiting) {
+      if (candidate.lingering || candidate.served) {
+        still.push_back(std::move(candidate));
+      } else if (!ReadHead(candidate)) {
+        Close(candidate);
+      } else if (HeadComplete(candidate)) {
+        std::lock_guard lock(mutex_);
+        ReadyLocked(std::move(candidate));
+      } else {
+        still.push_back(std::move(candidate));
+      }
+    }
+    waiting = std::move(still);
+    if (!ReadHead(w)) return Close(w);
+    // Read here, a complete head raises no poll event later: it goes to a worker from here.
+    const bool proven = HeadComplete(w);
+    {
+      std::lock_guard lock(mutex_);
+      const auto unproven = unproven_per_peer_.find(w.peer);
+      const bool over_peer = !proven && unproven != unproven_per_peer_.end() &&
+                             unproven->second > limits_.max_connections_per_peer;
+      const bool over_total = open_ > limits_.max_connections;
+      w.evict = over_peer ? Eviction::kSamePeer : Eviction::kAnyPeer;
+      if (!over_peer && !over_total) {
+        // Proven, or room was made by connections read or closed above.
+        w.evict = Eviction::kNone;
+        if (proven) return ReadyLocked(std::move(w));
+        waiting.push_back(std::move(w));
+        return;
+      }
+    }
     std::optional<size_t> victim;
     for (size_t i = 0; i < waiting.size(); ++i) {
       const Waiting& candidate = waiting[i];
@@ -457,17 +509,28 @@ class GuardedHttpServer::Connections {
       if (w.evict == Eviction::kSamePeer && candidate.peer != w.peer) continue;
       if (!victim || candidate.accepted < waiting[*victim].accepted) victim = i;
     }
+    if (!victim && w.evict == Eviction::kAnyPeer) {
+      for (size_t i = 0; i < waiting.size(); ++i) {
+        const Waiting& candidate = waiting[i];
+        if (candidate.lingering || !candidate.head.empty()) continue;
+        if (!victim || candidate.accepted < waiting[*victim].accepted) victim = i;
+      }
+    }
+    const bool per_peer = w.evict == Eviction::kSamePeer;
     if (!victim) {
-      SendBestEffort(w.fd, BusyReply());
+      SendBestEffort(w.fd, BusyReply(per_peer));
       ::shutdown(w.fd, SHUT_WR);
       w.evict = Eviction::kNone;
       return linger_or_close(std::move(w));
     }
-    SendBestEffort(waiting[*victim].fd, BusyReply());
-    close_one(waiting[*victim]);
+    if (!waiting[*victim].served) SendBestEffort(waiting[*victim].fd, BusyReply(per_peer));
+    Close(waiting[*victim]);
     waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(*victim));
     w.evict = Eviction::kNone;
-    // Its head may already be complete (it came with the connection): the next poll sees it.
+    if (proven) {
+      std::lock_guard lock(mutex_);
+      return ReadyLocked(std::move(w));
+    }
     waiting.push_back(std::move(w));
   }
 
@@ -543,7 +606,7 @@ class GuardedHttpServer::Connections {
       connection.head.clear();
       return Wait(std::move(connection));
     }
-    if (!served || connection_closed) return Close(connection.fd, connection.peer);
+    if (!served || connection_closed) return Close(connection);
     Waiting next{connection.fd, std::move(connection.peer), stream.TakeUnread(), 0,
                  Clock::now() + limits_.head_timeout};
     next.accepted = connection.accepted;
@@ -558,7 +621,8 @@ class GuardedHttpServer::Connections {
   std::mutex mutex_;
   bool stopping_ = false;
   size_t open_ = 0;
-  std::map<std::string, size_t> per_peer_;
+  // Per peer address, its open connections that have not completed a request head yet.
+  std::map<std::string, size_t> unproven_per_peer_;
   // Handed to the collector (by Admit and by workers), taken by it at its next round.
   std::vector<Waiting> incoming_;
   // Complete heads waiting for a worker.

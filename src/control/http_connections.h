@@ -14,12 +14,17 @@
 //
 // Waiting costs a socket and its buffered head (at most kMaxRequestHeadBytes), never a thread.
 //
-// Over a per-peer or total limit, a new connection takes the place of the oldest connection that
-// has not yet completed a request head (of the same peer, or of any peer over the total): a
-// flood of head drippers cannot lock out a client whose head comes with its connection, even
-// from the same address. A refused request body (a 401 or 413 before the body was read) is
-// drained by the collector for a moment after the reply, not by a worker, within bounds per peer
-// and in total, so that a body drip costs no worker either.
+// The per-peer limit counts only a peer's unproven connections: those that have not completed a
+// request head yet. A connection that sent one is being served, or was and may send the next, so
+// a client's own full-speed load never counts against it (issue 45: 64 `Connection: close`
+// clients at one address got 503s when every connection counted). Over the per-peer limit a new
+// connection takes the place of the peer's oldest unproven connection; over the total, of the
+// oldest unproven one of any peer, else of the oldest idle keep-alive connection. Before
+// choosing, what has arrived on the connections involved is read, so one whose head is complete
+// is served rather than replaced: a flood of head drippers cannot lock out a client whose head
+// comes with its connection, even from the same address. A refused request body (a 401 or 413
+// before the body was read) is drained by the collector for a moment after the reply, not by a
+// worker, within bounds per peer and in total, so that a body drip costs no worker either.
 
 #pragma once
 
@@ -44,11 +49,11 @@ struct HttpConnectionLimits {
   std::chrono::milliseconds head_timeout{std::chrono::seconds(10)};
   /// Limit of each read of a request body and each write of a reply, on a worker.
   std::chrono::milliseconds io_timeout{std::chrono::seconds(30)};
-  /// Open connections one peer address may have; past it a new connection replaces the peer's
-  /// oldest one still waiting for its first request head, or is answered 503.
+  /// Open connections one peer address may have that have not completed a request head yet;
+  /// past it a new connection replaces the peer's oldest such one, or is answered 503.
   size_t max_connections_per_peer = 64;
   /// Open connections in all; past it a new connection replaces the oldest one still waiting for
-  /// its first request head, or is answered 503.
+  /// its first request head, else the oldest idle keep-alive one, or is answered 503.
   size_t max_connections = 1024;
 };
 

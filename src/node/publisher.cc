@@ -272,6 +272,7 @@ struct PublisherRank {
       context.target_version = open->target_version;
       context.endpoints = route.endpoints.empty() ? endpoints : route.endpoints;
       context.anchor = open->anchor;
+      context.deadline = deadline;
       REFIT_ASSIGN_OR_RETURN(std::unique_ptr<TransportSender> sender,
                              transport->MakeSender(context));
       TransportSender* channel = sender.get();

@@ -22,6 +22,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long past a transfer's deadline the coordinator still waits for the calls that end it
+// (aborts, or commits once decided): a receiver that is up answers one in milliseconds, and one
+// that does not answer within a second is as good as down (it rolls back at its lease, or commits
+// implicitly at the next transfer). Bounds how far `refit push --timeout` can overshoot.
+constexpr std::chrono::seconds kDecisionMargin{1};
+
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -157,7 +163,8 @@ class LocalProducers final : public ProducerSet {
                            .producer_id = static_cast<uint32_t>(p),
                            .base_version = folded ? routes[k].from_version : plan.base_version,
                            .target_version = plan.target_version,
-                           .endpoints = routes[k].endpoints});
+                           .endpoints = routes[k].endpoints,
+                           .deadline = deadline});
         if (!channel.ok()) {
           return failures.Add(
               where, routes.size() == 1 ? channel.status()
@@ -350,6 +357,18 @@ struct Coordinator::Impl {
   std::vector<Replica> replicas;
   // The canonical tensors of the last transfer: what routing asks the receivers about.
   std::vector<std::string> tensor_names;
+  // The deadline of the transfer Refit runs.
+  Clock::time_point transfer_deadline{};
+
+  // Bound every receiver's later calls by `deadline` (ReceiverControl::SetCallDeadline).
+  void SetCallDeadlines(std::optional<Clock::time_point> deadline) {
+    for (CoordinatedReceiver& receiver : receivers) receiver.control->SetCallDeadline(deadline);
+  }
+  // The bound of the calls that end a transfer (aborts, commits): the transfer's deadline, or
+  // now once it passed, plus kDecisionMargin.
+  Clock::time_point DecisionDeadline() const {
+    return std::max(Clock::now(), transfer_deadline) + kDecisionMargin;
+  }
 
   Result<RefitReport> Refit(const TransferId& id, bool force_anchor);
   // The routes of the next transfer and each receiver's route: one route of every receiver,
@@ -425,6 +444,7 @@ Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(
 }
 
 std::vector<Failure> Coordinator::Impl::AbortEverywhere(const TransferId& id) {
+  SetCallDeadlines(DecisionDeadline());
   Failures failed_aborts;
   ForEachConcurrently(receivers.size(), [&](size_t r) {
     Status st = receivers[r].control->Abort(id);
@@ -458,6 +478,14 @@ Status Coordinator::Impl::FailTransfer(const TransferId& id, std::string_view ph
 Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_anchor) {
   const Clock::time_point start = Clock::now();
   const Clock::time_point deadline = start + options.transfer_timeout;
+  // Every control call of the transfer, retries included, ends by its deadline (aborts and
+  // commits by DecisionDeadline); the bound is lifted when Refit returns.
+  transfer_deadline = deadline;
+  SetCallDeadlines(deadline);
+  struct LiftCallDeadlines {
+    Impl* impl;
+    ~LiftCallDeadlines() { impl->SetCallDeadlines(std::nullopt); }
+  } const lift{this};
   RefitReport report;
   if (options.observer != nullptr && !force_anchor &&
       options.observer->NeedsAnchor(producers->version())) {
@@ -630,6 +658,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   // the receivers answered. Aborting now could split the fleet: a receiver that committed
   // cannot roll back.
   const Clock::time_point commit_start = Clock::now();
+  SetCallDeadlines(DecisionDeadline());
   // The trackers commit (scatter their changes into their baselines) while the receivers do:
   // neither depends on the other's answer.
   Status producers_committed;

@@ -92,6 +92,8 @@ struct ChannelRequest {
   /// The data endpoints this channel must reach, in relay-tree order: one route's receivers
   /// (TransferRoute::endpoints). Empty: the whole fleet, as the factory knows it.
   std::vector<std::string> endpoints = {};
+  /// The transfer's deadline, for the sender to bound its sends by (SenderContext::deadline).
+  std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt;
 };
 
 /// Open the channel through which producer `request.producer_id` sends its payloads of one

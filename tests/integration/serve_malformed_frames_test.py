@@ -72,12 +72,12 @@ EXIT_TIMEOUT_S = 20
 DISCONNECT_WATCH_S = 2
 # --max-payload-bytes of the daemon under test: small, so that an oversized frame is cheap.
 MAX_PAYLOAD_BYTES = 1 << 20
-# ZeroMQ's per-frame limit is the payload limit plus this slack for the other frames
-# (kFrameSlackBytes in src/transport/zmq/zmq_frames.h).
-FRAME_SLACK_BYTES = 4096
+# docs/protocol.md: every frame of a request is at most 128 KiB (ZeroMQ's per-frame limit on the
+# relay, kMaxFrameBytes in src/transport/zmq/zmq_frames.h); a payload travels in parts of it.
+MAX_FRAME_BYTES = 128 << 10
 MODEL_VERSION = 7
 
-PROTOCOL = b"refit-zmq/1"
+PROTOCOL = b"refit-zmq/2"
 # include/refit/status.h StatusCode values, as NACKs carry them.
 OK, INVALID_ARGUMENT, DATA_LOSS, FAILED_PRECONDITION = 0, 1, 2, 3
 RESOURCE_EXHAUSTED, PERMISSION_DENIED, ALREADY_EXISTS = 6, 8, 10
@@ -292,7 +292,8 @@ class DataPlane:
 
 
 def data_request(payload, key=API_KEY.encode(), root=0):
-    return [PROTOCOL, b"DATA", key, struct.pack("<I", root), payload]
+    parts = [payload[i:i + MAX_FRAME_BYTES] for i in range(0, len(payload), MAX_FRAME_BYTES)]
+    return [PROTOCOL, b"DATA", key, struct.pack("<I", root)] + (parts or [b""])
 
 
 def flush_request(transfer_id, producer_id, count, key=API_KEY.encode(), root=0):
@@ -534,19 +535,22 @@ def test_malformed_frames(receiver):
                       "kind 'DATA' with 2 frames")
     receiver.expect_nack("4 frames", [PROTOCOL, b"DATA", key, root], INVALID_ARGUMENT,
                       "kind 'DATA' with 4 frames")
-    receiver.expect_nack("6 frames", data_request(good()) + [b"extra"], INVALID_ARGUMENT,
-                      "kind 'DATA' with 6 frames")
+    # A DATA request's frames after the root index are the payload's parts: one part too many is
+    # bytes after the payload.
+    receiver.expect_nack("a DATA part after the payload", data_request(good()) + [b"extra"],
+                      DATA_LOSS, "trailing bytes", NO_KEY)
     receiver.expect_nack("FLUSH of 6 frames", flush_request(bytes(16), 0, 1)[:6], INVALID_ARGUMENT,
                       "kind 'FLUSH' with 6 frames")
-    receiver.expect_nack("DATA of 7 frames", [PROTOCOL, b"DATA"] + [b"x"] * 5, INVALID_ARGUMENT,
-                      "kind 'DATA' with 7 frames")
-    # More frames than the longest request (FLUSH, 7): drained and dropped.
-    receiver.expect_dropped("8 frames", data_request(good()) + [b"x"] * 3)
-    receiver.expect_dropped("9 frames", data_request(good()) + [b"x"] * 4)
+    receiver.expect_nack("FLUSH of 8 frames", flush_request(bytes(16), 0, 1) + [b"x"],
+                      INVALID_ARGUMENT, "kind 'FLUSH' with 8 frames")
+    # More frames than the longest request (a DATA of the largest payload, 4 + 8 parts, and one
+    # part of slack): drained and dropped.
+    parts = MAX_PAYLOAD_BYTES // MAX_FRAME_BYTES
+    receiver.expect_dropped(f"{6 + parts} frames", data_request(good()) + [b"x"] * (parts + 1))
     receiver.expect_dropped("20 frames", [PROTOCOL] + [b"y"] * 19)
 
     # Protocol and kind.
-    receiver.expect_dropped("wrong protocol", [b"refit-zmq/2", b"DATA", key, root, good()])
+    receiver.expect_dropped("the previous protocol", [b"refit-zmq/1", b"DATA", key, root, good()])
     receiver.expect_dropped("empty protocol", [b"", b"DATA", key, root, good()])
     receiver.expect_nack("unknown kind", [PROTOCOL, b"PING", key, root, good()], INVALID_ARGUMENT,
                       "kind 'PING'")
@@ -622,8 +626,9 @@ def test_malformed_frames(receiver):
     receiver.expect_nack("more items than the body can hold",
                       data_request(forge_payload(tid, item_count=2, body_bytes=MIN_ITEM_BYTES,
                                                  **version)), DATA_LOSS, "")
-    # Just over --max-payload-bytes but within ZeroMQ's frame slack: the header check refuses it.
-    over = MAX_PAYLOAD_BYTES + FRAME_SLACK_BYTES // 2 - HEADER_BYTES
+    # Just over --max-payload-bytes, in parts each within ZeroMQ's frame limit: refused by the
+    # relay before it joins them.
+    over = MAX_PAYLOAD_BYTES + 2048 - HEADER_BYTES
     receiver.expect_nack("payload over --max-payload-bytes",
                       data_request(forge_payload(tid, body_length=over, **version)),
                       RESOURCE_EXHAUSTED, "")

@@ -12,9 +12,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -240,12 +242,13 @@ TEST_F(ControlSlowClientsTest, HeadDrippersAtTheCoordinatorsAddressCannotLockItO
 }
 
 // Issue 26: "the client reports the server's 503 as such". Connections that completed their
-// heads are being served and are never replaced, so a peer whose cap they fill is answered 503;
-// the coordinator's client must say so (Unavailable with the server's reason), not report a read
+// heads are being served and are never replaced, so a server whose total they fill answers 503
+// (a peer's cap counts only its connections that have not sent a request: issue 45); the
+// coordinator's client must say so (Unavailable with the server's reason), not report a read
 // error.
-TEST_F(ControlSlowClientsTest, AClientOverItsPeersCapReportsTheServers503) {
+TEST_F(ControlSlowClientsTest, AClientOverTheServersCapReportsTheServers503) {
   ControlServerOptions options;
-  options.max_connections_per_peer = 2;
+  options.max_connections = 2;
   ASSERT_NO_FATAL_FAILURE(StartServer(options));
   // Two authenticated requests whose heads are complete and whose bodies never come: each holds
   // its connection (and a worker) until the body read times out.
@@ -265,8 +268,109 @@ TEST_F(ControlSlowClientsTest, AClientOverItsPeersCapReportsTheServers503) {
                        CoordinatorClient(std::chrono::seconds(3)));
   const Status refused = client->GetStatus().status();
   EXPECT_EQ(refused.code(), StatusCode::kUnavailable) << refused.ToString();
-  EXPECT_NE(refused.message().find("too many connections from this peer"), std::string::npos)
+  EXPECT_NE(refused.message().find("too many connections to this server"), std::string::npos)
       << refused.ToString();
+}
+
+// One `Connection: close` request on a fresh connection from `source`: the reply's status code,
+// or 0 when the exchange failed.
+int OneShotRequest(uint16_t port, const char* source, std::string_view request) {
+  const int fd = Connect(port, source);
+  if (fd < 0) return 0;
+  int status = 0;
+  if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
+      static_cast<ssize_t>(request.size())) {
+    std::string reply;
+    char buffer[4096];
+    while (reply.size() < sizeof "HTTP/1.1 200") {
+      pollfd entry{fd, POLLIN, 0};
+      if (::poll(&entry, 1, 5000) <= 0) break;
+      const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+      if (n <= 0) break;
+      reply.append(buffer, static_cast<size_t>(n));
+    }
+    if (reply.starts_with("HTTP/1.1 ") && reply.size() >= 12)
+      status = std::stoi(reply.substr(9, 3));
+  }
+  ::close(fd);
+  return status;
+}
+
+// Issue 45, item 3: 64 clients at one address, each sending `Connection: close` requests as fast
+// as it can, are as many as the per-address cap, and are legitimate load: each has at most one
+// connection that has not sent its request yet. Counting the connections that were being served
+// or closed against the cap answered some of them 503 (59 in the issue's run).
+TEST_F(ControlSlowClientsTest, AsManyFullSpeedClientsAsTheCapAtOneAddressGetNo503) {
+  ControlServerOptions options;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  ASSERT_EQ(options.max_connections_per_peer, 64u);
+  const uint16_t port = server_->port();
+  constexpr std::string_view kRequest =
+      "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  constexpr auto kLoad = std::chrono::seconds(2);
+  std::atomic<uint64_t> ok{0};
+  std::atomic<uint64_t> busy{0};
+  std::atomic<uint64_t> failed{0};
+  {
+    std::vector<std::jthread> clients;
+    const Clock::time_point end = Clock::now() + kLoad;
+    for (size_t c = 0; c < options.max_connections_per_peer; ++c) {
+      clients.emplace_back([&] {
+        while (Clock::now() < end) {
+          const int status = OneShotRequest(port, "127.0.0.1", kRequest);
+          ++(status == 200 ? ok : status == 503 ? busy : failed);
+        }
+      });
+    }
+  }
+  EXPECT_GT(ok.load(), 1000u) << "the clients did not run at full speed";
+  EXPECT_EQ(busy.load(), 0u) << "of " << ok.load() + busy.load() + failed.load() << " requests";
+  EXPECT_EQ(failed.load(), 0u);
+}
+
+// Issue 45, item 3: /healthz beside 200 head drippers at its own address, which re-connect as
+// fast as they are replaced: the health check's head comes with its connection, so it is served
+// rather than replaced. (Its connection can still be replaced when 64 newer connections of its
+// address arrive before its head does: on this 2-core machine about 1 in 200 times, where
+// counting every connection against the cap refused 13 in 200; docs/security.md.)
+TEST_F(ControlSlowClientsTest, HealthzBesideChurningDrippersAtItsAddressIsServed) {
+  ControlServerOptions options;
+  ASSERT_NO_FATAL_FAILURE(StartServer(options));
+  const uint16_t port = server_->port();
+  constexpr size_t kDrippers = 200;
+  std::jthread churn([&](std::stop_token stop) {
+    const std::string start = "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Drip: ";
+    std::vector<int> open;
+    while (!stop.stop_requested()) {
+      while (open.size() < kDrippers) {
+        const int fd = Connect(port, "127.0.0.1");
+        if (fd < 0) break;
+        ::send(fd, start.data(), start.size(), MSG_NOSIGNAL);
+        open.push_back(fd);
+      }
+      std::erase_if(open, [](int fd) {
+        pollfd entry{fd, POLLIN, 0};
+        if (::poll(&entry, 1, 0) > 0) {
+          ::close(fd);
+          return true;
+        }
+        ::send(fd, "a", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        return false;
+      });
+    }
+    for (int fd : open) ::close(fd);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  constexpr std::string_view kHealthz =
+      "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  std::map<int, int> statuses;
+  for (int i = 0; i < 200; ++i) ++statuses[OneShotRequest(port, "127.0.0.1", kHealthz)];
+  churn.request_stop();
+  churn.join();
+  constexpr int kMostReplaced = 2;
+  EXPECT_GE(statuses[200], 200 - kMostReplaced)
+      << "503: " << statuses[503] << ", failed: " << statuses[0];
+  EXPECT_EQ(statuses[0], 0);
 }
 
 TEST_F(ControlSlowClientsTest, HeadThatNeverEndsIsClosedAtTheHeadTimeout) {

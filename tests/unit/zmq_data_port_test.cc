@@ -33,6 +33,7 @@
 #include "refit/weight_store.h"
 #include "test_data.h"
 #include "test_util.h"
+#include "transport/zmq/zmq_frames.h"
 #include "transport/zmq/zmq_zap.h"
 #include "zmq_raw_client.h"
 
@@ -79,6 +80,16 @@ constexpr size_t kLargeFrameBytes = size_t{8} << 20;
 constexpr size_t kSmallAllocationBytes = size_t{64} << 10;
 // A copy of a payload is an allocation of its size, plus what a std::string adds (the NUL).
 constexpr size_t kCopySlackBytes = 64;
+
+// A DATA request of `payload` (refit-zmq/2): its head frames, then its parts of at most
+// kMaxFrameBytes.
+std::vector<std::string> DataRequest(const std::string& key, const std::string& payload) {
+  std::vector<std::string> request{"refit-zmq/2", "DATA", key, std::string(4, '\0')};
+  for (size_t offset = 0; offset < payload.size(); offset += internal::zmq::kMaxFrameBytes) {
+    request.push_back(payload.substr(offset, internal::zmq::kMaxFrameBytes));
+  }
+  return request;
+}
 
 std::string U32(uint32_t value) {
   std::string out(4, '\0');
@@ -170,7 +181,7 @@ TEST_F(ZmqDataPortTest, AClientWithoutTheKeyGetsNoMessageIntoAKeyedRelay) {
   for (const std::string& password : {internal::zmq::PlainPassword("open sesamE"), std::string()}) {
     SCOPED_TRACE(password.empty() ? "no key" : "a wrong key");
     testing::RawZmqClient client(endpoint, password);
-    const std::vector<std::string> request{"refit-zmq/1", "DATA", "open sesame", U32(0), large};
+    const std::vector<std::string> request = DataRequest("open sesame", large);
     AllocationWatch watch;
     // Taken into a pending connection, or not at all once the refused one is gone.
     (void)client.TrySend(request, kSilenceWaitMs);
@@ -191,7 +202,7 @@ TEST_F(ZmqDataPortTest, ARequestWithAWrongKeyIsRefusedWithoutCopyingItsPayload) 
   // Past the handshake with the key; the key in each request is checked as well.
   testing::RawZmqClient client(endpoint, internal::zmq::PlainPassword("open sesame"));
   // Connected and answered once, so the watch below sees only the large request.
-  client.Send({"refit-zmq/1", "DATA", "open sesamE", U32(0), "x"});
+  client.Send({"refit-zmq/2", "DATA", "open sesamE", U32(0), "x"});
   ASSERT_EQ(client.Receive(kReplyWaitMs).size(), 7u);
 
   const std::string large(kLargeFrameBytes, 'x');
@@ -199,7 +210,7 @@ TEST_F(ZmqDataPortTest, ARequestWithAWrongKeyIsRefusedWithoutCopyingItsPayload) 
   for (const std::string& key : {std::string("open sesamE"), std::string()}) {
     SCOPED_TRACE(key.empty() ? "no key" : "a wrong key");
     // Built before the watch: the test's own copy of the frame is not the relay's.
-    const std::vector<std::string> request{"refit-zmq/1", "DATA", key, U32(0), large};
+    const std::vector<std::string> request = DataRequest(key, large);
     AllocationWatch watch;
     client.Send(request);
     const std::vector<std::string> reply = client.Receive(kReplyWaitMs);
@@ -208,7 +219,7 @@ TEST_F(ZmqDataPortTest, ARequestWithAWrongKeyIsRefusedWithoutCopyingItsPayload) 
     EXPECT_EQ(reply[1], "NACK");
     EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kPermissionDenied)));
   }
-  // The relay looked at the key and the root frames only: the 8 MiB frame was never copied.
+  // The relay looked at the key and the root frames only: the 8 MiB payload was never copied.
   EXPECT_LT(largest, kSmallAllocationBytes);
   EXPECT_EQ(receiver.listener->stats().delivered, 0u);
 }
@@ -220,7 +231,7 @@ TEST_F(ZmqDataPortTest, AFrameOverThePayloadLimitIsDroppedWithoutTheRelayAllocat
   const std::string endpoint = testing::FreeLoopbackEndpoint();
   Receiver receiver = MakeReceiver(*limited, endpoint, {});
   ASSERT_NE(receiver.listener, nullptr);
-  const std::vector<std::string> request{"refit-zmq/1", "DATA", "", U32(0),
+  const std::vector<std::string> request{"refit-zmq/2", "DATA", "", U32(0),
                                          std::string(kLargeFrameBytes, 'x')};
   size_t largest = 0;
   {

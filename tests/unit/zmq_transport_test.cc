@@ -513,25 +513,25 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
 
   testing::RawZmqClient client(endpoint);
   // Speaks the protocol, wrong frame count: NACK.
-  client.Send({"refit-zmq/1", "DATA"});
+  client.Send({"refit-zmq/2", "DATA"});
   std::vector<std::string> reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
-  EXPECT_EQ(reply[0], "refit-zmq/1");
+  EXPECT_EQ(reply[0], "refit-zmq/2");
   EXPECT_EQ(reply[1], "NACK");
   EXPECT_EQ(reply[5], U32(static_cast<uint32_t>(StatusCode::kInvalidArgument)));
   // Unknown kind: NACK.
-  client.Send({"refit-zmq/1", "DELETE", "", U32(0), payload0});
+  client.Send({"refit-zmq/2", "DELETE", "", U32(0), payload0});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
   // Garbage payload: NACK from the header check.
-  client.Send({"refit-zmq/1", "DATA", "", U32(0), "not a payload at all"});
+  client.Send({"refit-zmq/2", "DATA", "", U32(0), "not a payload at all"});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
   // A root index outside the transfer's relay tree: NACK. The tree depends on the transfer, so
   // the index is checked once the header named it; the refusal names the payload's ids.
-  client.Send({"refit-zmq/1", "DATA", "", U32(7), payload0});
+  client.Send({"refit-zmq/2", "DATA", "", U32(7), payload0});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
@@ -541,7 +541,7 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   EXPECT_EQ(reply[3], U32(0));
   EXPECT_EQ(reply[4], U32(0));
   // A short root index frame in a FLUSH: NACK.
-  client.Send({"refit-zmq/1", "FLUSH", "", "x", std::string(16, '\0'), U32(0), U32(1)});
+  client.Send({"refit-zmq/2", "FLUSH", "", "x", std::string(16, '\0'), U32(0), U32(1)});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);
   EXPECT_EQ(reply[1], "NACK");
@@ -549,14 +549,14 @@ TEST_F(ZmqTransportTest, MalformedRequestsAreRefusedOrDroppedAndServingGoesOn) {
   client.Send({"http/1.1", "DATA", "", U32(0), payload0});
   EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
   // Too many frames: dropped.
-  client.Send(std::vector<std::string>(20, "refit-zmq/1"));
+  client.Send(std::vector<std::string>(20, "refit-zmq/2"));
   EXPECT_TRUE(client.Receive(kSilenceWaitMs).empty());
   EXPECT_EQ(receiver.listener->stats().delivered, 0u);
 
   // A frame beyond the size limit: ZeroMQ drops it and the connection.
   {
     testing::RawZmqClient huge(endpoint);
-    huge.Send({"refit-zmq/1", "DATA", "", U32(0), std::string(4 * kTestMaxPayloadBytes, 'x')});
+    huge.Send({"refit-zmq/2", "DATA", "", U32(0), std::string(4 * kTestMaxPayloadBytes, 'x')});
     EXPECT_TRUE(huge.Receive(kSilenceWaitMs).empty());
   }
   EXPECT_GE(receiver.listener->stats().failures, 5u);
@@ -580,6 +580,28 @@ TEST_F(ZmqTransportTest, ASenderToADeadEndpointFailsAfterItsRetries) {
   EXPECT_STATUS(DeadlineExceeded, status);
   EXPECT_NE(status.message().find("3 attempts"), std::string::npos) << status.ToString();
   EXPECT_STATUS(DeadlineExceeded, sender->Finish(step.payloads.size()));
+}
+
+// Issue 45, item 4: a sender given the transfer's deadline (SenderContext::deadline) stops at it,
+// however long its attempts and retries would take: a push's --timeout bounds its sends.
+TEST_F(ZmqTransportTest, ASenderStopsAtTheTransfersDeadlineWhateverItsRetries) {
+  ASSERT_OK_AND_ASSIGN(auto patient, MakeTransport("zmq://?timeout_ms=10000&retries=3"));
+  const Step step = EncodeStep(1, 0);
+  constexpr auto kBudget = std::chrono::milliseconds(300);
+  // Scheduling slack on a loaded 2-core machine; the attempts alone would take 40 s.
+  constexpr auto kSlack = std::chrono::milliseconds(1500);
+  const auto start = std::chrono::steady_clock::now();
+  SenderContext context{step.plan.transfer_id,
+                        step.producer,
+                        step.plan.base_version,
+                        step.plan.target_version,
+                        {testing::FreeLoopbackEndpoint()}};
+  context.deadline = start + kBudget;
+  ASSERT_OK_AND_ASSIGN(auto sender, patient->MakeSender(context));
+  const Status status = sender->Send(0, step.payloads[0]);
+  EXPECT_STATUS(DeadlineExceeded, status);
+  EXPECT_NE(status.message().find("deadline passed"), std::string::npos) << status.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, kBudget + kSlack);
 }
 
 TEST_F(ZmqTransportTest, UrisEndpointsAndPeersAreChecked) {
@@ -641,7 +663,7 @@ TEST_F(ZmqTransportTest, ARelaySealsAProducersStreamAtItsFlush) {
   ASSERT_NE(late, nullptr);
   EXPECT_STATUS_MSG(FailedPrecondition, "sealed", late->Send(2, step.payloads[2]));
   testing::RawZmqClient child(endpoints[2]);
-  child.Send({"refit-zmq/1", "DATA", "", U32(0),
+  child.Send({"refit-zmq/2", "DATA", "", U32(0),
               std::string(reinterpret_cast<const char*>(step.payloads[2].data()),
                           step.payloads[2].size())});
   const std::vector<std::string> reply = child.Receive(kReplyWaitMs);
@@ -919,14 +941,14 @@ TEST_F(ZmqTransportTest, AnUnauthenticatedRequestIsRefusedBeforeItsPayloadIsRead
   };
   // Without the key (or with a wrong one) the answer is PermissionDenied, whatever the payload
   // or FLUSH holds: no header or frame diagnostics for an unauthenticated client.
-  expect_nack({"refit-zmq/1", "DATA", "", U32(0), "not a payload at all"},
+  expect_nack({"refit-zmq/2", "DATA", "", U32(0), "not a payload at all"},
               StatusCode::kPermissionDenied, "garbage without the key");
-  expect_nack({"refit-zmq/1", "DATA", "open sesamE", U32(0), payload0},
+  expect_nack({"refit-zmq/2", "DATA", "open sesamE", U32(0), payload0},
               StatusCode::kPermissionDenied, "a payload with a wrong key");
-  expect_nack({"refit-zmq/1", "FLUSH", "", U32(0), "short", U32(0), U32(1)},
+  expect_nack({"refit-zmq/2", "FLUSH", "", U32(0), "short", U32(0), U32(1)},
               StatusCode::kPermissionDenied, "a malformed FLUSH without the key");
   // With the key, the payload header comes next (its transfer's tree bounds the root index).
-  expect_nack({"refit-zmq/1", "DATA", "open sesame", U32(0), "not a payload at all"},
+  expect_nack({"refit-zmq/2", "DATA", "open sesame", U32(0), "not a payload at all"},
               StatusCode::kDataLoss, "garbage with the key");
   EXPECT_EQ(receiver.listener->stats().delivered, 0u);
   EXPECT_EQ(receiver.session->GetStatus().staged_payloads, 0u);
@@ -947,7 +969,7 @@ TEST_F(ZmqTransportTest, AKeyedRelayRefusesClientsWithoutTheKeyInTheHandshake) {
   ASSERT_NE(keyed.receiver.listener, nullptr);
   Receiver& receiver = keyed.receiver;
   const std::string& payload0 = keyed.payload0;
-  const std::vector<std::string> request{"refit-zmq/1", "DATA", "open sesame", U32(0), payload0};
+  const std::vector<std::string> request{"refit-zmq/2", "DATA", "open sesame", U32(0), payload0};
   uint64_t refusals = 0;
   for (const std::string& password :
        {internal::zmq::PlainPassword("open sesamE"), std::string("open sesame"), std::string()}) {
@@ -1188,7 +1210,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
   const auto& id = step.plan.transfer_id.bytes;
   const std::string transfer(reinterpret_cast<const char*>(id.data()), id.size());
   const auto flush = [&](uint32_t producer) {
-    return std::vector<std::string>{"refit-zmq/1", "FLUSH",       "",    U32(0),
+    return std::vector<std::string>{"refit-zmq/2", "FLUSH",       "",    U32(0),
                                     transfer,      U32(producer), U32(0)};
   };
   testing::RawZmqClient client(endpoint);
@@ -1215,7 +1237,7 @@ TEST_F(ZmqTransportTest, ARelayTakesStreamsOfAtMost65536ProducersPerTransfer) {
                        EncodePayload(PayloadIds{step.plan.transfer_id, kMaxProducers + 1, 0,
                                                 step.plan.base_version, step.plan.target_version},
                                      {}));
-  client.Send({"refit-zmq/1", "DATA", "", U32(0),
+  client.Send({"refit-zmq/2", "DATA", "", U32(0),
                std::string(reinterpret_cast<const char*>(newcomer.data()), newcomer.size())});
   reply = client.Receive(kReplyWaitMs);
   ASSERT_EQ(reply.size(), 7u);

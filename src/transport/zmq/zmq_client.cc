@@ -99,8 +99,16 @@ class ZmqSender final : public TransportSender {
     const std::string root = U32Bytes(root_index_);
     const ReplyKey key{context().transfer_id.ToHex(), U32Bytes(context().producer_id),
                        U32Bytes(payload_id)};
+    // Parts of at most kMaxFrameBytes, which is all a relay reads in one frame (zmq_frames.h).
+    std::vector<std::string_view> frames{kProtocol, kKindData, config_.api_key, root};
+    frames.reserve(kDataHeadFrames + PayloadParts(payload.size()));
+    const std::string_view bytes = AsText(payload);
+    for (size_t offset = 0; offset < bytes.size(); offset += kMaxFrameBytes) {
+      frames.push_back(bytes.substr(offset, kMaxFrameBytes));
+    }
+    if (bytes.empty()) frames.push_back(bytes);
     return ThreadConnection()
-        .Request({kProtocol, kKindData, config_.api_key, root, AsText(payload)}, key)
+        .Request(frames, key, {}, context().deadline)
         .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
                                  context().producer_id, root_));
   }
@@ -114,7 +122,8 @@ class ZmqSender final : public TransportSender {
     const ReplyKey key{context().transfer_id.ToHex(), producer, ""};
     REFIT_RETURN_NOT_OK(
         ThreadConnection()
-            .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key)
+            .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key,
+                     {}, context().deadline)
             .WithContext(fmt::format("finishing producer {} ({} payloads) at root relay {}",
                                      context().producer_id, payloads, root_)));
     return Status::OK();
@@ -142,28 +151,44 @@ class ZmqSender final : public TransportSender {
 }  // namespace
 
 Status Connection::Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
-                           const std::stop_token& stop) {
-  return RequestWith([&](void* socket) { return SendFrames(socket, frames, endpoint_); }, key,
-                     stop);
+                           const std::stop_token& stop, Deadline deadline) {
+  return RequestWith([&](void* socket) { return SendFrames(socket, frames, endpoint_); }, key, stop,
+                     deadline);
 }
 
 Status Connection::Request(const std::vector<Frame>& frames, const ReplyKey& key,
-                           const std::stop_token& stop) {
+                           const std::stop_token& stop, Deadline deadline) {
   return RequestWith([&](void* socket) { return SendSharedFrames(socket, frames, endpoint_); }, key,
-                     stop);
+                     stop, deadline);
 }
 
 Status Connection::RequestWith(const SendRequest& send, const ReplyKey& key,
-                               const std::stop_token& stop) {
+                               const std::stop_token& stop, Deadline deadline) {
+  // The time left before `deadline`, in whole milliseconds (the configured timeout without one).
+  const auto left_ms = [&]() -> int64_t {
+    if (!deadline.has_value()) return config_.timeout_ms;
+    return std::chrono::duration_cast<std::chrono::milliseconds>(*deadline -
+                                                                 std::chrono::steady_clock::now())
+        .count();
+  };
   Status last;
+  const auto past_deadline = [&](int attempts) {
+    return DeadlineExceeded("zmq endpoint {}: the transfer's deadline passed after {} attempt(s){}",
+                            endpoint_, attempts,
+                            last.ok() ? std::string() : "; the last: " + last.ToString());
+  };
   int backoff_ms = kFirstBackoffMs;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
+      if (deadline.has_value() && left_ms() <= backoff_ms) return past_deadline(attempt);
       std::this_thread::sleep_for(std::chrono::milliseconds(backoff_ms));
       backoff_ms = std::min(2 * backoff_ms, kMaxBackoffMs);
     }
     if (stop.stop_requested()) return Cancelled("request to zmq endpoint {}", endpoint_);
-    Result<std::optional<Status>> reply = Attempt(send, key, stop);
+    const int64_t left = left_ms();
+    if (left <= 0) return past_deadline(attempt);
+    const int timeout_ms = static_cast<int>(std::min<int64_t>(config_.timeout_ms, left));
+    Result<std::optional<Status>> reply = Attempt(send, key, stop, timeout_ms);
     if (!reply.ok()) {
       last = reply.status();
       // A fresh socket drops what the old one queued and any reply still on its way.
@@ -171,8 +196,7 @@ Status Connection::RequestWith(const SendRequest& send, const ReplyKey& key,
       continue;
     }
     if (reply->has_value()) return **reply;
-    last = DeadlineExceeded("no reply from zmq endpoint {} within {} ms", endpoint_,
-                            config_.timeout_ms);
+    last = DeadlineExceeded("no reply from zmq endpoint {} within {} ms", endpoint_, timeout_ms);
     Disconnect();
   }
   return last.WithContext(
@@ -244,8 +268,10 @@ Status Connection::ReadHandshakeFailure() {
 }
 
 Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const ReplyKey& key,
-                                                  const std::stop_token& stop) {
+                                                  const std::stop_token& stop, int timeout_ms) {
   REFIT_RETURN_NOT_OK(Connect());
+  // A send blocks while the DEALER has no connection to queue on: bound it like the reply.
+  zmq_setsockopt(socket_.get(), ZMQ_SNDTIMEO, &timeout_ms, sizeof(timeout_ms));
   if (Status sent = send(socket_.get()); !sent.ok()) {
     // Not taken within the timeout: most likely the handshake failed, which the monitor says.
     zmq_pollitem_t item{monitor_.get(), 0, ZMQ_POLLIN, 0};
@@ -257,8 +283,7 @@ Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const
     }
     return sent;
   }
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(config_.timeout_ms);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());

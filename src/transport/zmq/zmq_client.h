@@ -9,6 +9,7 @@
 // Unavailable after the retries, instead of a silent timeout.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -37,30 +38,35 @@ class Connection {
              const std::optional<CurveClientKeys>& curve)
       : context_(context), endpoint_(std::move(endpoint)), config_(config), curve_(curve) {}
 
-  /// Send `frames` and wait for the reply that matches `key`, retrying with backoff.
+  using Deadline = std::optional<std::chrono::steady_clock::time_point>;
+
+  /// Send `frames` and wait for the reply that matches `key`, retrying with backoff; every
+  /// attempt, wait and backoff ends by `deadline` when one is given.
   /// Errors: the receiver's NACK; PermissionDenied when the relay refuses this client's api key
-  /// or CURVE key in the handshake; DeadlineExceeded when no attempt got a reply; Unavailable (a
-  /// failed handshake among them); Cancelled soon after `stop` is requested.
+  /// or CURVE key in the handshake; DeadlineExceeded when no attempt got a reply, or at
+  /// `deadline`; Unavailable (a failed handshake among them); Cancelled soon after `stop` is
+  /// requested.
   Status Request(const std::vector<std::string_view>& frames, const ReplyKey& key,
-                 const std::stop_token& stop = {});
+                 const std::stop_token& stop = {}, Deadline deadline = std::nullopt);
 
   /// As above, for frames a relay received: each attempt sends a Share() of them, so the
   /// payload is not copied, however many children and attempts it takes.
   Status Request(const std::vector<Frame>& frames, const ReplyKey& key,
-                 const std::stop_token& stop = {});
+                 const std::stop_token& stop = {}, Deadline deadline = std::nullopt);
 
  private:
   // Sends one request on the DEALER it is given.
   using SendRequest = std::function<Status(void* socket)>;
 
-  Status RequestWith(const SendRequest& send, const ReplyKey& key, const std::stop_token& stop);
+  Status RequestWith(const SendRequest& send, const ReplyKey& key, const std::stop_token& stop,
+                     Deadline deadline);
   Status Connect();
   void Disconnect();
   // The failure a monitor event reports (the monitor is readable).
   Status ReadHandshakeFailure();
-  // One attempt: the reply's verdict, or nullopt on timeout.
+  // One attempt of at most `timeout_ms`: the reply's verdict, or nullopt on timeout.
   Result<std::optional<Status>> Attempt(const SendRequest& send, const ReplyKey& key,
-                                        const std::stop_token& stop);
+                                        const std::stop_token& stop, int timeout_ms);
 
   void* const context_;
   const std::string endpoint_;

@@ -1,4 +1,4 @@
-// The frames of refit-zmq/1 and the socket plumbing (zmq_frames.h).
+// The frames of refit-zmq/2 and the socket plumbing (zmq_frames.h).
 #include "transport/zmq/zmq_frames.h"
 
 #include <zmq.h>

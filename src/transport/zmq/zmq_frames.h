@@ -1,14 +1,22 @@
-// The frames of the zmq:// data plane (protocol `refit-zmq/1`, docs/protocol.md "ZeroMQ wire
+// The frames of the zmq:// data plane (protocol `refit-zmq/2`, docs/protocol.md "ZeroMQ wire
 // frames"), and the socket plumbing every zmq:// file shares: owning handles, sending and
 // receiving one multipart message, u32 fields, replies.
 //
 // Frames (integers are u32 little-endian):
-//   DATA  request  [ "refit-zmq/1", "DATA",  api key (may be empty), root index, payload ]
-//   FLUSH request  [ "refit-zmq/1", "FLUSH", api key, root index, transfer id (16 raw bytes),
+//   DATA  request  [ "refit-zmq/2", "DATA",  api key (may be empty), root index,
+//                    payload part 1, …, payload part n ]   (n >= 1, each <= kMaxFrameBytes)
+//   FLUSH request  [ "refit-zmq/2", "FLUSH", api key, root index, transfer id (16 raw bytes),
 //                    producer id, payload count ]
-//   reply          [ "refit-zmq/1", "ACK"|"NACK", transfer id hex, producer id,
+//   reply          [ "refit-zmq/2", "ACK"|"NACK", transfer id hex, producer id,
 //                    payload id (empty for FLUSH), status code (0 for ACK), message ]
 // (A ROUTER sees the DEALER's identity frame before these.)
+//
+// Why a payload travels in parts: libzmq applies one size limit (ZMQ_MAXMSGSIZE) to every frame
+// it reads, the commands of the handshake included, and reads a command whole before the security
+// mechanism sees it. A payload in one frame needs that limit as large as the largest payload, and
+// so lets any peer that reaches the port, with no key, make the relay buffer that much per
+// connection during the handshake. With every frame at most kMaxFrameBytes, the limit is small,
+// and so is what an unauthenticated peer can make a relay hold (docs/security.md).
 //
 // A NACK names no ids (all three frames empty) when the relay refused the request before it
 // read them: a wrong api key or root index, a malformed request or FLUSH, or a payload whose
@@ -33,23 +41,41 @@
 
 namespace refit::internal::zmq {
 
-inline constexpr std::string_view kProtocol = "refit-zmq/1";
+inline constexpr std::string_view kProtocol = "refit-zmq/2";
 inline constexpr std::string_view kKindData = "DATA";
 inline constexpr std::string_view kKindFlush = "FLUSH";
 inline constexpr std::string_view kKindAck = "ACK";
 inline constexpr std::string_view kKindNack = "NACK";
 
-// Frame counts of each message, without the ROUTER's identity frame.
-inline constexpr size_t kDataFrames = 5;
+// Frame counts of each message, without the ROUTER's identity frame: a DATA request has its
+// head frames and then at least one payload part.
+inline constexpr size_t kDataHeadFrames = 4;
 inline constexpr size_t kFlushFrames = 7;
 inline constexpr size_t kReplyFrames = 7;
-// A ROUTER reads the identity frame plus the longest request; anything longer is malformed.
-inline constexpr size_t kMaxRequestFrames = 1 + kFlushFrames;
 inline constexpr size_t kU32Bytes = 4;
 inline constexpr size_t kTransferIdBytes = 16;
-// Non-payload frames (protocol, kind, key, root) fit well inside this; it is added to the payload
-// limit for ZMQ_MAXMSGSIZE, which ZeroMQ applies per frame.
-inline constexpr int64_t kFrameSlackBytes = 4096;
+// The largest frame of a request, and so of a payload part; a relay sets it as ZMQ_MAXMSGSIZE,
+// which libzmq applies to every frame and handshake command as it arrives. 128 KiB: each frame
+// costs libzmq one allocation and the relay one zmq_msg_t, which is noise against 128 KiB of
+// bytes, and 256 peers holding one such command each during the handshake come to 32 MiB. The
+// other frames are far smaller (an api key is at most 1024 bytes).
+inline constexpr size_t kMaxFrameBytes = size_t{128} << 10;
+
+/// The payload parts of a payload of `payload_bytes` (at least one, an empty payload included).
+inline constexpr size_t PayloadParts(uint64_t payload_bytes) {
+  // Divided first, so that no limit near 2^64 overflows.
+  const uint64_t parts =
+      payload_bytes / kMaxFrameBytes + (payload_bytes % kMaxFrameBytes != 0 ? 1 : 0);
+  return parts == 0 ? 1 : static_cast<size_t>(parts);
+}
+
+/// The most frames a relay takes in one request (its identity frame included) when payloads are
+/// at most `max_payload_bytes`: a DATA request of the largest payload and one part more (so that
+/// a payload just over the limit is refused with the reason, not dropped), or a FLUSH.
+inline constexpr size_t MaxRequestFrames(uint64_t max_payload_bytes) {
+  const size_t data = kDataHeadFrames + PayloadParts(max_payload_bytes) + 1;
+  return 1 + (data > kFlushFrames ? data : kFlushFrames);
+}
 
 // How often a thread that polls zmq sockets checks for a stop request.
 inline constexpr int kStopCheckMs = 50;

@@ -1,4 +1,4 @@
-// Reading the messages of refit-zmq/1 (zmq_messages.h).
+// Reading the messages of refit-zmq/2 (zmq_messages.h).
 #include "transport/zmq/zmq_messages.h"
 
 #include <cstring>
@@ -15,8 +15,10 @@ Result<std::optional<RequestHead>> ReadRequestHead(std::span<const std::string_v
   // frames[0] is the identity the ROUTER added.
   if (frames.size() < 3 || frames[1] != kProtocol) return std::optional<RequestHead>();
   const std::string_view kind = frames[2];
-  const size_t expected_frames = kind == kKindData ? kDataFrames : kFlushFrames;
-  if ((kind != kKindData && kind != kKindFlush) || frames.size() != 1 + expected_frames) {
+  // A DATA request has one payload part at least; a FLUSH exactly its frames.
+  const bool counted =
+      kind == kKindData ? frames.size() > 1 + kDataHeadFrames : frames.size() == 1 + kFlushFrames;
+  if ((kind != kKindData && kind != kKindFlush) || !counted) {
     return InvalidArgument("zmq listener {}: malformed request: kind '{}' with {} frames", endpoint,
                            Printable(kind), frames.size() - 1);
   }

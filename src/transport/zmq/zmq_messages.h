@@ -1,4 +1,4 @@
-// Reading the messages of refit-zmq/1 (zmq_frames.h has their layout): pure functions over the
+// Reading the messages of refit-zmq/2 (zmq_frames.h has their layout): pure functions over the
 // frames' bytes, so that the relay, the client and the fuzz target (tests/fuzz/zmq_frames_fuzz.cc)
 // read untrusted frames the same way, with no socket involved.
 #pragma once

@@ -1,10 +1,12 @@
 // The relay listener of zmq:// (zmq_relay.h).
 #include "transport/zmq/zmq_relay.h"
 
+#include <malloc.h>
 #include <zmq.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -59,6 +61,24 @@ constexpr size_t kJobIdBytes = sizeof(uint64_t);
 // Connections the forwarding thread keeps open: a relay has two children per tree (one tree per
 // root), and a few trees in turn while the fleet changes.
 constexpr size_t kMaxIdleConnections = 16;
+// How long a connection may take from its accept to a completed handshake (ZMQ_HANDSHAKE_IVL;
+// libzmq's default is 30 s). A handshake is a few round trips and one ZAP reply: 5 s is ample
+// across data centres, and bounds how long a peer that never finishes one holds its connection.
+constexpr int kHandshakeTimeoutMs = 5'000;
+// The listen backlog (ZMQ_BACKLOG; libzmq's default is 100, which a connect flood overflows);
+// the kernel caps it at net.core.somaxconn.
+constexpr int kListenBacklog = 4096;
+// Returning memory after a flood of connections: once at least kTrimAfterClosedConnections
+// connections closed since the last trim and none closed or opened for kTrimQuietMs, the I/O
+// thread hands the allocator's free memory back to the system (malloc_trim). libzmq frees what a
+// connection held, but the allocator keeps freed blocks for reuse, which after thousands of
+// refused handshakes kept tens of MB resident for good.
+constexpr uint64_t kTrimAfterClosedConnections = 64;
+constexpr int64_t kTrimQuietMs = 1'000;
+const char* const kConnectionMonitor = "inproc://refit-zmq-relay-connections";
+// A socket monitor event (libzmq 4.x): a u16 event id and a u32 value, then the endpoint.
+constexpr size_t kMonitorEventFrames = 2;
+constexpr size_t kMonitorEventBytes = 6;
 
 // A request that must reach the children before its upstream reply.
 struct ForwardJob {
@@ -142,24 +162,32 @@ class ZmqListener final : public Listener {
       return Unavailable("zmq sockets for {}: {}", endpoint_, ZmqError());
     }
     const int linger = 0;
-    const int64_t max_frame = static_cast<int64_t>(
-        std::min<uint64_t>(limits_.max_payload_bytes, INT64_MAX - kFrameSlackBytes) +
-        kFrameSlackBytes);
     for (void* socket : {router_.get(), replies_in_.get(), replies_out_.get()}) {
       zmq_setsockopt(socket, ZMQ_LINGER, &linger, sizeof(linger));
     }
     // A keyed or CURVE-listed relay refuses unauthenticated peers in the handshake
-    // (SetUpSecurity), before they can send a message. ZeroMQ reads whole messages before the
-    // relay sees their first frame, so these two bound what an admitted peer, or any peer of an
-    // open relay, can make it hold: no frame beyond the payload limit (a handshake command
-    // included), and per connection kMaxQueuedRequests complete requests, after which ZeroMQ
-    // stops reading that connection until the relay has taken one.
+    // (SetUpSecurity), before they can send a message. What a peer can make the relay hold
+    // before that is what libzmq reads of its handshake: commands are frames, read whole, so
+    // ZMQ_MAXMSGSIZE (every frame at most kMaxFrameBytes: payloads travel in parts) bounds each
+    // one, and ZMQ_HANDSHAKE_IVL how long a connection may stay unauthenticated. ZeroMQ reads
+    // whole messages before the relay sees their first frame, so the frame limit and
+    // kMaxQueuedRequests complete requests per connection (ZMQ_RCVHWM, after which ZeroMQ stops
+    // reading that connection until the relay has taken one) bound what an admitted peer, or any
+    // peer of an open relay, can make it hold. The backlog lets a burst of connects queue in the
+    // kernel instead of being dropped (a dropped SYN costs a client a second).
+    const int64_t max_frame = static_cast<int64_t>(kMaxFrameBytes);
     const int queued = kMaxQueuedRequests;
+    const int handshake_ms = kHandshakeTimeoutMs;
+    const int backlog = kListenBacklog;
     if (zmq_setsockopt(router_.get(), ZMQ_MAXMSGSIZE, &max_frame, sizeof(max_frame)) != 0 ||
-        zmq_setsockopt(router_.get(), ZMQ_RCVHWM, &queued, sizeof(queued)) != 0) {
+        zmq_setsockopt(router_.get(), ZMQ_RCVHWM, &queued, sizeof(queued)) != 0 ||
+        zmq_setsockopt(router_.get(), ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof(handshake_ms)) !=
+            0 ||
+        zmq_setsockopt(router_.get(), ZMQ_BACKLOG, &backlog, sizeof(backlog)) != 0) {
       return Unavailable("zmq listener {}: receive limits: {}", endpoint_, ZmqError());
     }
     REFIT_RETURN_NOT_OK(SetUpSecurity());
+    REFIT_RETURN_NOT_OK(WatchConnections());
     if (zmq_bind(router_.get(), TcpAddress(bind_).c_str()) != 0) {
       const bool taken = zmq_errno() == EADDRINUSE;
       const std::string error = ZmqError();
@@ -215,6 +243,8 @@ class ZmqListener final : public Listener {
     for (std::jthread* thread : {&io_thread_, &forward_thread_, &zap_thread_}) {
       if (thread->joinable()) thread->join();
     }
+    if (router_ != nullptr) zmq_socket_monitor(router_.get(), nullptr, 0);
+    monitor_.reset();
     router_.reset();
     replies_in_.reset();
     replies_out_.reset();
@@ -313,6 +343,47 @@ class ZmqListener final : public Listener {
     return Status::OK();
   }
 
+  // Watch the ROUTER's connections come and go (a socket monitor, read by the I/O thread), so
+  // that memory is returned after a flood of them (TrimAfterFlood).
+  Status WatchConnections() {
+    monitor_.reset(zmq_socket(context_.get(), ZMQ_PAIR));
+    const int linger = 0;
+    if (monitor_ == nullptr ||
+        zmq_setsockopt(monitor_.get(), ZMQ_LINGER, &linger, sizeof(linger)) != 0 ||
+        zmq_socket_monitor(router_.get(), kConnectionMonitor,
+                           ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0 ||
+        zmq_connect(monitor_.get(), kConnectionMonitor) != 0) {
+      return Unavailable("zmq listener {}: connection monitor: {}", endpoint_, ZmqError());
+    }
+    return Status::OK();
+  }
+
+  // Read the monitor's pending events (the I/O thread's).
+  void CountConnectionEvents() {
+    while (true) {
+      zmq_pollitem_t item{monitor_.get(), 0, ZMQ_POLLIN, 0};
+      if (zmq_poll(&item, 1, 0) <= 0) return;
+      Result<std::vector<std::string>> event = ReceiveFrames(monitor_.get(), kMonitorEventFrames);
+      if (!event.ok() || event->empty() || (*event)[0].size() != kMonitorEventBytes) return;
+      uint16_t id = 0;
+      std::memcpy(&id, (*event)[0].data(), sizeof(id));
+      if (id == ZMQ_EVENT_DISCONNECTED) ++closed_since_trim_;
+      last_connection_event_ = std::chrono::steady_clock::now();
+    }
+  }
+
+  // Return the allocator's free memory to the system once a burst of connections is over (see
+  // kTrimAfterClosedConnections).
+  void TrimAfterFlood() {
+    if (closed_since_trim_ < kTrimAfterClosedConnections ||
+        std::chrono::steady_clock::now() - last_connection_event_ <
+            std::chrono::milliseconds(kTrimQuietMs)) {
+      return;
+    }
+    closed_since_trim_ = 0;
+    malloc_trim(0);
+  }
+
   // The record of (transfer, producer), or null when this relay staged nothing of it and saw
   // no stream end.
   StreamRecord* FindStream(const TransferId& transfer, uint32_t producer) {
@@ -339,8 +410,9 @@ class ZmqListener final : public Listener {
 
   void ServeLoop(std::stop_token stop) {
     while (!stop.stop_requested()) {
-      std::array<zmq_pollitem_t, 2> items{
-          {{router_.get(), 0, ZMQ_POLLIN, 0}, {replies_in_.get(), 0, ZMQ_POLLIN, 0}}};
+      std::array<zmq_pollitem_t, 3> items{{{router_.get(), 0, ZMQ_POLLIN, 0},
+                                           {replies_in_.get(), 0, ZMQ_POLLIN, 0},
+                                           {monitor_.get(), 0, ZMQ_POLLIN, 0}}};
       if (zmq_poll(items.data(), items.size(), kStopCheckMs) < 0) {
         if (zmq_errno() != EINTR) RecordFailure(Unavailable("zmq poll: {}", ZmqError()));
         continue;
@@ -350,8 +422,11 @@ class ZmqListener final : public Listener {
             ReceiveFrames(replies_in_.get(), 2 + kReplyFrames);
         if (outcome.ok()) FinishForward(std::move(outcome).ValueOrDie());
       }
+      if ((items[2].revents & ZMQ_POLLIN) != 0) CountConnectionEvents();
+      TrimAfterFlood();
       if ((items[0].revents & ZMQ_POLLIN) != 0) {
-        Result<std::vector<Frame>> request = ReceiveMessage(router_.get(), kMaxRequestFrames);
+        Result<std::vector<Frame>> request =
+            ReceiveMessage(router_.get(), MaxRequestFrames(limits_.max_payload_bytes));
         if (!request.ok()) {
           RecordFailure(request.status().WithContext(endpoint_));
           continue;
@@ -460,13 +535,35 @@ class ZmqListener final : public Listener {
     ++(result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
   }
 
+  // The payload of a DATA request (its parts, frames 5 … on): the one copy the sink keeps. A
+  // payload in one part is copied only once its header passed; one in several is joined first.
+  // Errors: ResourceExhausted when the parts add up to more than the payload limit; those of
+  // ValidatePayload.
+  Result<ValidatedPayload> JoinPayload(const std::vector<Frame>& frames) const {
+    constexpr size_t kFirstPart = 1 + kDataHeadFrames;
+    if (frames.size() == kFirstPart + 1)
+      return ValidatePayload(frames[kFirstPart].bytes(), limits_);
+    uint64_t total = 0;
+    for (size_t i = kFirstPart; i < frames.size(); ++i) total += frames[i].size();
+    if (total > limits_.max_payload_bytes) {
+      return ResourceExhausted("payload of {} bytes in {} parts exceeds the limit of {} bytes",
+                               total, frames.size() - kFirstPart, limits_.max_payload_bytes);
+    }
+    std::vector<std::byte> joined;
+    joined.reserve(total);
+    for (size_t i = kFirstPart; i < frames.size(); ++i) {
+      const std::span<const std::byte> part = frames[i].bytes();
+      joined.insert(joined.end(), part.begin(), part.end());
+    }
+    return ValidatePayload(std::move(joined), limits_);
+  }
+
   void HandleData(const std::string& identity, std::vector<Frame> frames, uint32_t root,
                   const std::stop_token& stop) {
-    // The children get the frame ZeroMQ received the payload in (Connection::Request shares
-    // it); the sink gets the one copy it keeps, made once the header is validated and handed on
-    // typed. (A retried copy of a staged payload is copied and dropped: rare, and one memcpy.)
-    const std::span<const std::byte> bytes = frames[5].bytes();
-    Result<ValidatedPayload> payload = ValidatePayload(bytes, limits_);
+    // The children get the frames ZeroMQ received the payload in (Connection::Request shares
+    // them); the sink gets the one copy it keeps, handed on typed once the header is validated.
+    // (A retried copy of a staged payload is copied and dropped: rare, and one memcpy.)
+    Result<ValidatedPayload> payload = JoinPayload(frames);
     if (!payload.ok()) {
       Reply(identity, {}, payload.status().WithContext(fmt::format("zmq listener {}", endpoint_)));
       return;
@@ -705,6 +802,10 @@ class ZmqListener final : public Listener {
   ZmqSocket router_;
   ZmqSocket replies_in_;
   ZmqSocket replies_out_;
+  // Receives the ROUTER's connection events; the I/O thread's, with the two counters below.
+  ZmqSocket monitor_;
+  uint64_t closed_since_trim_ = 0;
+  std::chrono::steady_clock::time_point last_connection_event_{};
   // The ZAP handler's socket and whom it admits (PLAIN with an api key, or CURVE with
   // curve_authorized_keys; none otherwise), owned by the ZAP thread.
   ZmqSocket zap_;

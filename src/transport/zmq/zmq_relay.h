@@ -35,11 +35,13 @@
 // key (in constant time) and the root index, so an unauthenticated client's payload is never
 // parsed; then the FLUSH frames or the payload header; only then is anything delivered. A
 // request that does not speak the protocol is dropped (counted as a failure); one that does but
-// is malformed or refused is NACKed with the reason. Requests beyond the payload size limit are
-// dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer; at most
-// kMaxQueuedRequests complete requests wait per connection (ZMQ_RCVHWM). The relay reads the
-// frames where ZeroMQ received them: nothing of a refused request is copied, an accepted payload
-// is copied once (for the sink), and children are sent the received frame itself.
+// is malformed or refused is NACKed with the reason. A frame (or handshake command) over
+// kMaxFrameBytes is dropped by ZeroMQ itself (ZMQ_MAXMSGSIZE), which disconnects the peer, so a
+// peer without a key can make the relay hold little more than one such frame per connection,
+// for at most the handshake timeout; at most kMaxQueuedRequests complete requests wait per
+// connection (ZMQ_RCVHWM). The relay reads the frames where ZeroMQ received them: nothing of a
+// refused request is copied, an accepted payload's parts are joined once (the sink's copy), and
+// children are sent the received frames themselves.
 #pragma once
 
 #include <cstddef>

@@ -2,7 +2,7 @@
 // tree (the URI reference in docs/transports.md; the wire in docs/protocol.md).
 //
 // This file is the factory: it parses the URI and makes senders and relays. The concepts live
-// beside it: the frames of refit-zmq/1 and the socket plumbing (zmq_frames.h), what a URI
+// beside it: the frames of refit-zmq/2 and the socket plumbing (zmq_frames.h), what a URI
 // configures and the endpoint checks (zmq_config.h), CURVE keys and the ZAP handler
 // (zmq_curve.h), the DEALER and a producer's sender (zmq_client.h), and the relay listener
 // (zmq_relay.h).
