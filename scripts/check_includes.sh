@@ -22,6 +22,9 @@ cli_layers="$config_layer $(cd src/testing && ls *.h | tr "\n" " ") $(cd src/app
 # The CLI's internal includes, each named with the one file allowed it.
 cli_internal_allowed="
 src/apps/cli_common.cc util/environment.h
+src/apps/progress.h util/mutex.h
+src/apps/progress.cc util/mutex.h
+src/apps/raw_copy.cc util/mutex.h
 src/apps/simulate.cc workload/simulator.h
 src/apps/simulate.cc codec/compare.h
 src/apps/demo.cc workload/simulator.h

@@ -338,21 +338,22 @@ def test_plan_layouts_assigns_each_box_once_and_names_a_gap():
 
 def test_max_payload_bytes_bounds_what_a_receiver_accepts():
     """Receiver(max_payload_bytes=) is the file's server.max_payload_bytes (and `refit serve
-    --max-payload-bytes`): a payload above it never reaches the receiver (ZeroMQ drops the frame,
-    docs/protocol.md), so the sync fails and changes nothing; a size string works too."""
+    --max-payload-bytes`): a payload above it never reaches the receiver (the relay refuses it by
+    its declared parts, docs/protocol.md), so the sync fails and changes nothing; a size string
+    works too."""
     base = np.random.default_rng(5).standard_normal(64_000).astype(np.float32)  # 256 KB, incompressible
     for limit, fits in ((64 * 1024, False), ("4MiB", True)):
         held = {"w": np.zeros_like(base)}
         with refit.Receiver(max_payload_bytes=limit) as receiver:
             receiver.register("w", held["w"])
             receiver.start()
-            # One attempt, 1 s: the dropped frame is never answered.
+            # One attempt, 1 s.
             publisher = refit.Publisher(receivers=[receiver], transport="zmq://?timeout_ms=1000&retries=0")
             if fits:
                 assert publisher.sync({"w": base}).version == 1
                 assert held["w"].tobytes() == base.tobytes()
             else:
-                with pytest.raises(refit.DeadlineExceeded, match="payload 0 .* no reply"):
+                with pytest.raises(refit.ResourceExhausted, match="payload of .* exceeds the limit of 65536 bytes"):
                     publisher.sync({"w": base})
                 assert receiver.version == 0 and not held["w"].any()
     with pytest.raises(refit.InvalidArgument, match=r"Receiver\(max_payload_bytes=\) \(server\.max_payload_bytes\)"):

@@ -33,6 +33,7 @@
 #include "refit/status_format.h"
 #include "util/logging.h"
 #include "util/tcp_socket.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -244,7 +245,7 @@ class RequestWatchdog {
   // the returned token is disarmed first. Errors: ResourceExhausted when the OS refuses the
   // watchdog's thread.
   Result<uint64_t> Arm(Clock::time_point deadline, httplib::Client* client) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (!thread_.joinable()) {
       // std::thread reports an OS refusal only by throwing; no exception may leave the library.
       try {
@@ -263,7 +264,7 @@ class RequestWatchdog {
   }
 
   void Disarm(uint64_t token) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     armed_.erase(token);
   }
 
@@ -274,7 +275,7 @@ class RequestWatchdog {
   };
 
   void Run(std::stop_token stop) {
-    std::unique_lock lock(mutex_);
+    internal::MutexLock lock(mutex_);
     while (!stop.stop_requested()) {
       Clock::time_point next = Clock::time_point::max();
       const Clock::time_point now = Clock::now();
@@ -293,8 +294,8 @@ class RequestWatchdog {
     }
   }
 
-  std::mutex mutex_;
-  std::condition_variable_any changed_;
+  internal::Mutex mutex_;
+  internal::CondVar changed_;
   std::map<uint64_t, Armed> armed_;
   uint64_t next_token_ = 0;
   // Counts Arm calls, so the thread notices a deadline earlier than the one it waits for.
@@ -321,7 +322,7 @@ struct ControlClient::Impl {
     return Clock::time_point(Clock::duration(ticks));
   }
 
-  std::mutex idle_mutex;
+  internal::Mutex idle_mutex;
   std::vector<std::unique_ptr<httplib::Client>> idle;
   // Declared after `idle`: destroyed first, so it never stops a client that is gone.
   RequestWatchdog watchdog;
@@ -372,7 +373,7 @@ std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
     std::optional<Clock::time_point> deadline) {
   std::unique_ptr<httplib::Client> client;
   {
-    std::lock_guard lock(idle_mutex);
+    internal::MutexLock lock(idle_mutex);
     if (!idle.empty()) {
       client = std::move(idle.back());
       idle.pop_back();
@@ -406,7 +407,7 @@ std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
 }
 
 void ControlClient::Impl::Return(std::unique_ptr<httplib::Client> client) {
-  std::lock_guard lock(idle_mutex);
+  internal::MutexLock lock(idle_mutex);
   if (idle.size() < kMaxIdleConnections) idle.push_back(std::move(client));
 }
 
@@ -778,13 +779,13 @@ ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOption
   // One client per receiver, kept for the factory's life: its idle connections are reused from
   // one transfer's senders to the next.
   struct Clients {
-    std::mutex mutex;
+    internal::Mutex mutex;
     std::map<std::string, std::shared_ptr<ControlClient>> by_url;
   };
   auto clients = std::make_shared<Clients>();
   return [options,
           clients](const std::string& endpoint) -> Result<std::shared_ptr<ManifestAnnouncer>> {
-    std::lock_guard lock(clients->mutex);
+    internal::MutexLock lock(clients->mutex);
     std::shared_ptr<ControlClient>& client = clients->by_url[endpoint];
     if (client == nullptr) {
       ControlClientOptions receiver = options;

@@ -33,6 +33,7 @@
 #include "util/bounded_queue.h"
 #include "util/logging.h"
 #include "util/thread_name.h"
+#include "util/mutex.h"
 
 namespace refit {
 namespace {
@@ -261,7 +262,7 @@ struct ControlServer::Impl {
 
   // The JSON body limit of the transfer routes for the store's tensors (JsonLimit), cached for
   // the store size it was computed at.
-  std::mutex json_limit_mutex;
+  internal::Mutex json_limit_mutex;
   size_t json_limit_tensors = 0;
   uint64_t json_limit_bytes = 0;
   size_t json_limit_longest_name = 0;
@@ -272,7 +273,7 @@ struct ControlServer::Impl {
   // Cancels payload uploads blocked on a full apply queue when the server stops.
   std::stop_source stopping;
 
-  std::mutex lifecycle_mutex;
+  internal::Mutex lifecycle_mutex;
   Lifecycle lifecycle = Lifecycle::kCreated;
   std::atomic<uint16_t> port{0};
   // The worker queue built by Start(), handed to httplib when it starts listening.
@@ -413,7 +414,7 @@ ControlReply ControlServer::Impl::Serve(const ControlRequest& request) {
 }
 
 uint64_t ControlServer::Impl::JsonLimit(std::string& reason) {
-  std::lock_guard lock(json_limit_mutex);
+  internal::MutexLock lock(json_limit_mutex);
   const size_t tensors = store.size();
   if (tensors != json_limit_tensors || json_limit_bytes == 0) {
     size_t longest = 0;
@@ -866,7 +867,7 @@ Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOp
 
 Status ControlServer::Start() {
   Impl& impl = *impl_;
-  std::lock_guard lock(impl.lifecycle_mutex);
+  internal::MutexLock lock(impl.lifecycle_mutex);
   if (impl.lifecycle != Impl::Lifecycle::kCreated) {
     return FailedPrecondition("control server already {}",
                               impl.lifecycle == Impl::Lifecycle::kRunning ? "started" : "stopped");
@@ -932,7 +933,7 @@ Status ControlServer::Start() {
 
 void ControlServer::Stop() {
   Impl& impl = *impl_;
-  std::lock_guard lock(impl.lifecycle_mutex);
+  internal::MutexLock lock(impl.lifecycle_mutex);
   if (impl.lifecycle != Impl::Lifecycle::kRunning) {
     impl.lifecycle = Impl::Lifecycle::kStopped;
     return;

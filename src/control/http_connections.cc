@@ -26,6 +26,7 @@
 
 #include "refit/status_format.h"
 #include "util/thread_name.h"
+#include "util/mutex.h"
 
 namespace refit::internal {
 namespace {
@@ -245,7 +246,7 @@ class GuardedHttpServer::Connections {
     Waiting waiting{fd, peer, {}, 0, Clock::now() + limits_.head_timeout};
     waiting.accepted = Clock::now();
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (stopping_) {
         ::close(fd);
         return;
@@ -266,7 +267,7 @@ class GuardedHttpServer::Connections {
   // first call does anything.
   void Shutdown() {
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       if (stopping_) return;
       stopping_ = true;
     }
@@ -277,7 +278,7 @@ class GuardedHttpServer::Connections {
       if (worker.joinable()) worker.join();
     }
     workers_.clear();
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     for (Waiting& waiting : incoming_) CloseLocked(waiting);
     incoming_.clear();
     for (Waiting& ready : ready_) CloseLocked(ready);
@@ -331,7 +332,7 @@ class GuardedHttpServer::Connections {
   void Wait(Waiting waiting) {
     const bool complete =
         !waiting.lingering && waiting.evict == Eviction::kNone && HeadComplete(waiting);
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     if (stopping_) return CloseLocked(waiting);
     if (complete) return ReadyLocked(std::move(waiting));
     incoming_.push_back(std::move(waiting));
@@ -362,7 +363,7 @@ class GuardedHttpServer::Connections {
     if (!w.served) ForgetUnprovenLocked(w.peer);
   }
   void Close(const Waiting& w) {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     CloseLocked(w);
   }
 
@@ -401,7 +402,7 @@ class GuardedHttpServer::Connections {
     while (true) {
       std::vector<Waiting> added;
       {
-        std::lock_guard lock(mutex_);
+        internal::MutexLock lock(mutex_);
         if (stopping_) break;
         added.swap(incoming_);
       }
@@ -442,7 +443,7 @@ class GuardedHttpServer::Connections {
         } else if (events != 0 && !ReadHead(w)) {
           Close(w);
         } else if (events != 0 && HeadComplete(w)) {
-          std::lock_guard lock(mutex_);
+          internal::MutexLock lock(mutex_);
           ReadyLocked(std::move(w));
         } else if (w.head.size() >= kMaxRequestHeadBytes) {
           SendBestEffort(w.fd, kHeadTooLargeReply);
@@ -477,7 +478,7 @@ class GuardedHttpServer::Connections {
       } else if (!ReadHead(candidate)) {
         Close(candidate);
       } else if (HeadComplete(candidate)) {
-        std::lock_guard lock(mutex_);
+        internal::MutexLock lock(mutex_);
         ReadyLocked(std::move(candidate));
       } else {
         still.push_back(std::move(candidate));
@@ -488,7 +489,7 @@ class GuardedHttpServer::Connections {
     // Read here, a complete head raises no poll event later: it goes to a worker from here.
     const bool proven = HeadComplete(w);
     {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       const auto unproven = unproven_per_peer_.find(w.peer);
       const bool over_peer = !proven && unproven != unproven_per_peer_.end() &&
                              unproven->second > limits_.max_connections_per_peer;
@@ -528,7 +529,7 @@ class GuardedHttpServer::Connections {
     waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(*victim));
     w.evict = Eviction::kNone;
     if (proven) {
-      std::lock_guard lock(mutex_);
+      internal::MutexLock lock(mutex_);
       return ReadyLocked(std::move(w));
     }
     waiting.push_back(std::move(w));
@@ -570,7 +571,7 @@ class GuardedHttpServer::Connections {
     while (true) {
       Waiting next;
       {
-        std::unique_lock lock(mutex_);
+        internal::MutexLock lock(mutex_);
         ready_changed_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
         if (stopping_) return;
         next = std::move(ready_.front());
@@ -590,7 +591,7 @@ class GuardedHttpServer::Connections {
     try {
       bool stopping = false;
       {
-        std::lock_guard lock(mutex_);
+        internal::MutexLock lock(mutex_);
         stopping = stopping_;
       }
       served = serve_(stream, stopping, connection_closed);
@@ -618,7 +619,7 @@ class GuardedHttpServer::Connections {
   ServeRequest serve_;
   int wake_fd_ = -1;
 
-  std::mutex mutex_;
+  internal::Mutex mutex_;
   bool stopping_ = false;
   size_t open_ = 0;
   // Per peer address, its open connections that have not completed a request head yet.
@@ -627,7 +628,7 @@ class GuardedHttpServer::Connections {
   std::vector<Waiting> incoming_;
   // Complete heads waiting for a worker.
   std::deque<Waiting> ready_;
-  std::condition_variable ready_changed_;
+  internal::CondVar ready_changed_;
 
   std::jthread collector_;
   std::vector<std::jthread> workers_;

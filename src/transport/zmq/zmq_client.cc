@@ -26,6 +26,7 @@
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_messages.h"
 #include "transport/zmq/zmq_zap.h"
+#include "util/mutex.h"
 
 namespace refit::internal::zmq {
 namespace {
@@ -89,7 +90,7 @@ class ZmqSender final : public TransportSender {
   }
 
   void CleanupThread() override {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     connections_.erase(std::this_thread::get_id());
   }
 
@@ -131,7 +132,7 @@ class ZmqSender final : public TransportSender {
 
   // The calling thread's connection to the root; only this thread uses it until CleanupThread.
   Connection& ThreadConnection() {
-    std::lock_guard lock(mutex_);
+    internal::MutexLock lock(mutex_);
     std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
     if (connection == nullptr) {
       connection = std::make_unique<Connection>(zmq_context_.get(), root_, config_, curve_);
@@ -144,7 +145,7 @@ class ZmqSender final : public TransportSender {
   const std::optional<CurveClientKeys> curve_;
   const uint32_t root_index_;
   const std::string root_;
-  std::mutex mutex_;
+  internal::Mutex mutex_;
   std::map<std::thread::id, std::unique_ptr<Connection>> connections_;
 };
 

@@ -34,6 +34,7 @@
 #include "transport/zmq/zmq_frames.h"
 #include "transport/zmq/zmq_messages.h"
 #include "transport/zmq/zmq_zap.h"
+#include "util/mutex.h"
 
 namespace refit::internal::zmq {
 namespace {
@@ -148,7 +149,7 @@ class ZmqListener final : public Listener {
   ~ZmqListener() override { Stop(); }
 
   Status Start() override {
-    std::lock_guard lock(lifecycle_mutex_);
+    internal::MutexLock lock(lifecycle_mutex_);
     if (started_ || stopped_) {
       return FailedPrecondition("zmq listener at {} was started or stopped before", endpoint_);
     }
@@ -232,7 +233,7 @@ class ZmqListener final : public Listener {
   }
 
   void Stop() override {
-    std::lock_guard lock(lifecycle_mutex_);
+    internal::MutexLock lock(lifecycle_mutex_);
     if (stopped_) return;
     stopped_ = true;
     // Request every stop before joining any: the I/O thread's sink call, the forwarder's queue
@@ -253,7 +254,7 @@ class ZmqListener final : public Listener {
   }
 
   ListenerStats stats() const override {
-    std::lock_guard lock(stats_mutex_);
+    internal::MutexLock lock(stats_mutex_);
     return stats_;
   }
 
@@ -275,7 +276,7 @@ class ZmqListener final : public Listener {
       }
     }
     TreeView view{std::make_shared<const std::vector<std::string>>(tree.endpoints), tree.position};
-    std::lock_guard lock(trees_mutex_);
+    internal::MutexLock lock(trees_mutex_);
     const auto it = std::find_if(trees_.begin(), trees_.end(),
                                  [&](const auto& entry) { return entry.first == transfer_id; });
     if (it != trees_.end()) {
@@ -291,7 +292,7 @@ class ZmqListener final : public Listener {
  private:
   // The tree `transfer`'s payloads take: the one its prepare named, else the static peers list.
   TreeView TreeOf(const TransferId& transfer) const {
-    std::lock_guard lock(trees_mutex_);
+    internal::MutexLock lock(trees_mutex_);
     for (const auto& [id, view] : trees_) {
       if (id == transfer) return view;
     }
@@ -308,7 +309,7 @@ class ZmqListener final : public Listener {
   }
 
   void RecordFailure(const Status& status) {
-    std::lock_guard lock(stats_mutex_);
+    internal::MutexLock lock(stats_mutex_);
     ++stats_.failures;
     stats_.last_error = status;
   }
@@ -531,7 +532,7 @@ class ZmqListener final : public Listener {
   }
 
   void CountStaged(StageResult result) {
-    std::lock_guard lock(stats_mutex_);
+    internal::MutexLock lock(stats_mutex_);
     ++(result == StageResult::kDuplicate ? stats_.duplicates : stats_.delivered);
   }
 
@@ -678,7 +679,7 @@ class ZmqListener final : public Listener {
     }
     Stream(end.transfer_id, end.producer_id).sealed = true;
     {
-      std::lock_guard lock(stats_mutex_);
+      internal::MutexLock lock(stats_mutex_);
       ++stats_.streams_ended;
     }
     std::vector<std::string> children = Children(tree, root);
@@ -695,7 +696,7 @@ class ZmqListener final : public Listener {
                const ReplyKey& key, std::vector<std::string> children) {
     frames.erase(frames.begin());
     {
-      std::lock_guard lock(jobs_mutex_);
+      internal::MutexLock lock(jobs_mutex_);
       jobs_.push_back(ForwardJob{job, identity, std::move(frames), key, std::move(children)});
     }
     jobs_changed_.notify_one();
@@ -748,7 +749,7 @@ class ZmqListener final : public Listener {
     while (true) {
       ForwardJob job;
       {
-        std::unique_lock lock(jobs_mutex_);
+        internal::MutexLock lock(jobs_mutex_);
         if (!jobs_changed_.wait(lock, stop, [&] { return !jobs_.empty(); })) break;
         job = std::move(jobs_.front());
         jobs_.pop_front();
@@ -793,7 +794,7 @@ class ZmqListener final : public Listener {
   PayloadSink& sink_;
   const PayloadLimits limits_;
 
-  std::mutex lifecycle_mutex_;
+  internal::Mutex lifecycle_mutex_;
   bool started_ = false;
   bool stopped_ = false;
   // Declared before the sockets: they close first. The router and replies_in_ belong to the
@@ -821,17 +822,17 @@ class ZmqListener final : public Listener {
   std::map<uint64_t, PendingForward> pending_;
   uint64_t next_job_ = 0;
 
-  std::mutex jobs_mutex_;
+  internal::Mutex jobs_mutex_;
   // Waits with the forwarding thread's stop token, so Stop needs no notification.
-  std::condition_variable_any jobs_changed_;
+  internal::CondVar jobs_changed_;
   std::deque<ForwardJob> jobs_;
 
-  mutable std::mutex stats_mutex_;
+  mutable internal::Mutex stats_mutex_;
   ListenerStats stats_;
 
   // The trees prepares named (RouteTransfer, on a control-plane thread), most recent last; at
   // most kSealedTransfers.
-  mutable std::mutex trees_mutex_;
+  mutable internal::Mutex trees_mutex_;
   std::vector<std::pair<TransferId, TreeView>> trees_;
 };
 }  // namespace
