@@ -25,11 +25,11 @@
 #include "process.h"
 #include "progress.h"
 #include "raw_copy.h"
-#include "step_json.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "role_options.h"
+#include "step_json.h"
 #include "table.h"
 #include "workload/simulator.h"
 

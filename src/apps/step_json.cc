@@ -13,10 +13,9 @@ constexpr double kMinSeconds = 1e-9;
 
 nlohmann::json StepJson(int step, const RefitReport& report, const RefitReport& full,
                         double raw_copy_s) {
-  const double density = report.total_elements > 0
-                             ? static_cast<double>(report.changed_elements) /
-                                   static_cast<double>(report.total_elements)
-                             : 0.0;
+  const double density = report.total_elements > 0 ? static_cast<double>(report.changed_elements) /
+                                                         static_cast<double>(report.total_elements)
+                                                   : 0.0;
   return {{"step", step},
           {"kind", report.plan.anchor ? "full" : "delta"},
           {"version", report.plan.target_version},

@@ -19,8 +19,8 @@
 #include "core/mapped_file.h"
 #include "refit/status_format.h"
 #include "util/check.h"
-#include "util/thread_pool.h"
 #include "util/mutex.h"
+#include "util/thread_pool.h"
 
 namespace refit {
 namespace {

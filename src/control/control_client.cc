@@ -32,8 +32,8 @@
 #include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
-#include "util/tcp_socket.h"
 #include "util/mutex.h"
+#include "util/tcp_socket.h"
 
 namespace refit {
 namespace {

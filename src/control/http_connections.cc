@@ -25,8 +25,8 @@
 #include <fmt/format.h>
 
 #include "refit/status_format.h"
-#include "util/thread_name.h"
 #include "util/mutex.h"
+#include "util/thread_name.h"
 
 namespace refit::internal {
 namespace {

@@ -41,8 +41,8 @@
 #include "refit/status_format.h"
 #include "util/bounded_queue.h"
 #include "util/logging.h"
-#include "util/thread_name.h"
 #include "util/mutex.h"
+#include "util/thread_name.h"
 
 namespace refit {
 namespace {

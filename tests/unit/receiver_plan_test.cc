@@ -25,7 +25,9 @@
 namespace refit {
 namespace {
 
-TransferPlan Delta(uint64_t base) { return TransferPlan{TransferId::Random(), false, base, base + 1}; }
+TransferPlan Delta(uint64_t base) {
+  return TransferPlan{TransferId::Random(), false, base, base + 1};
+}
 
 TEST(PlanCatchUpsTest, EachReceiverIsCaughtUpByTheCheapestSourceThatIsCorrect) {
   const std::vector<std::optional<ReceiverStanding>> standings = {
@@ -59,7 +61,8 @@ TEST(PlanCatchUpsTest, EachReceiverIsCaughtUpByTheCheapestSourceThatIsCorrect) {
   }
 }
 
-// ---- The producer side: one stream, three routes. ------------------------------------------------
+// ---- The producer side: one stream, three routes.
+// ------------------------------------------------
 
 constexpr uint64_t kElements = 3000;
 constexpr int kTensors = 4;
@@ -70,7 +73,8 @@ using Model = std::vector<std::vector<uint16_t>>;
 std::vector<TensorView> Views(const Model& model) {
   std::vector<TensorView> views;
   for (size_t t = 0; t < model.size(); ++t) {
-    views.push_back(TensorView{"t" + std::to_string(t), DType::kBFloat16,
+    views.push_back(TensorView{"t" + std::to_string(t),
+                               DType::kBFloat16,
                                {static_cast<int64_t>(kElements)},
                                std::as_bytes(std::span<const uint16_t>(model[t]))});
   }
@@ -169,9 +173,9 @@ TEST(PerReceiverStreamTest, DeltaAnchorAndFoldedRoutesEachReachTheTargetInOneTra
       StreamRoute{nullptr, anchor.Sender(), nullptr, CatchUp::kAnchor, 5},
       StreamRoute{nullptr, folded.Sender(), nullptr, CatchUp::kFolded, 2},
   };
-  ASSERT_OK_AND_ASSIGN(StreamReport report,
-                       stream->Run(*tracker, TensorListSource(Views(model), kChunkBytes), routes,
-                                   history.get()));
+  ASSERT_OK_AND_ASSIGN(
+      StreamReport report,
+      stream->Run(*tracker, TensorListSource(Views(model), kChunkBytes), routes, history.get()));
   ASSERT_EQ(report.routes.size(), 3u);
   // One folded item per tensor (each changed in every step), whatever the k deltas behind it.
   EXPECT_EQ(report.routes[2].items, static_cast<uint64_t>(kTensors));
@@ -206,11 +210,10 @@ TEST(PerReceiverStreamTest, AFoldedRouteWithoutHistoryIsRefusedBeforeAnythingIsS
   ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(TransferId::Random()));
   RouteSink folded;
   const StreamRoute route{nullptr, folded.Sender(), nullptr, CatchUp::kFolded, 0};
-  EXPECT_STATUS(InvalidArgument,
-                stream
-                    ->Run(*tracker, TensorListSource(Views(model), kChunkBytes),
-                          std::span<const StreamRoute>(&route, 1), nullptr)
-                    .status());
+  EXPECT_STATUS(InvalidArgument, stream
+                                     ->Run(*tracker, TensorListSource(Views(model), kChunkBytes),
+                                           std::span<const StreamRoute>(&route, 1), nullptr)
+                                     .status());
   EXPECT_TRUE(folded.payloads.empty());
   ASSERT_OK(tracker->Abort(plan.transfer_id));
 }
