@@ -44,9 +44,12 @@ RESIDUAL_RSS_BYTES = 64 << 20
 HANDSHAKE_TIMEOUT_S = 5
 HANDSHAKE_SLACK_S = 5
 # What the daemon's RSS may stay above its level before the floods once a flood is over and the
-# relay returned what it could (kTrimQuietMs after the last connection closed): allocator noise.
-RETURNED_RSS_BYTES = 8 << 20
-RETURN_WAIT_S = 10
+# relay returned what it could (kTrimQuietMs after the last connection closed): allocator noise,
+# which grows when ctest runs other tests beside this one (13 MiB was seen once under `ctest -j2`
+# on 2 cores; +0.3 MiB on a quiet machine). Still far below what 1,000 stalled handshakes held
+# before the relay bounded them.
+RETURNED_RSS_BYTES = 24 << 20
+RETURN_WAIT_S = 20
 # Stalled handshakes in the flood whose memory must be returned (the probe: 3,000).
 STALLED_PEERS = 1000
 # A connect that waited for a retransmitted SYN takes at least a second.
