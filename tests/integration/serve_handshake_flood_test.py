@@ -46,8 +46,7 @@ HANDSHAKE_SLACK_S = 5
 # What the daemon's RSS may stay above its level before the floods once a flood is over and the
 # relay returned what it could (kTrimQuietMs after the last connection closed): allocator noise,
 # which grows when ctest runs other tests beside this one (13 MiB was seen once under `ctest -j2`
-# on 2 cores; +0.3 MiB on a quiet machine). Still far below what 1,000 stalled handshakes held
-# before the relay bounded them.
+# on 2 cores; +0.3 MiB on a quiet machine).
 RETURNED_RSS_BYTES = 24 << 20
 RETURN_WAIT_S = 20
 # Stalled handshakes in the flood whose memory must be returned (the probe: 3,000).
