@@ -437,6 +437,25 @@ struct DeltaTracker::State {
     return Status::OK();
   }
 
+  /// Check what Encode and EncodeFull both take: `id` is the open transfer, `current` a tensor
+  /// of a valid size, [span_begin, span_end) within it (span_end UINT64_MAX: its end, resolved
+  /// in place), and a placed box's shape its extent. Returns the tensor's box, or null.
+  Result<const BoxIndexMap*> CheckEncodeSpan(const TransferId& id, std::string_view action,
+                                             const TensorView& current, uint64_t& span_begin,
+                                             uint64_t& span_end) const {
+    REFIT_RETURN_NOT_OK(CheckOpen(id, action));
+    REFIT_RETURN_NOT_OK(CheckTensorSize(current));
+    const uint64_t numel = current.numel();
+    if (span_end == UINT64_MAX) span_end = numel;
+    if (span_begin > span_end || span_end > numel) {
+      return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
+                             span_begin, span_end, numel);
+    }
+    const BoxIndexMap* box = BoxOf(current.name);
+    if (box != nullptr) REFIT_RETURN_NOT_OK(CheckBoxExtent(*box, current));
+    return box;
+  }
+
   /// Encode in the tensor's own numbering (canonical digests for a box).
   Result<EncodeResult> EncodeSpan(const TensorView& current, uint64_t span_begin,
                                   uint64_t span_end);
@@ -702,16 +721,8 @@ Result<EncodeResult> DeltaTracker::State::EncodeDelta(BaselineEntry& entry,
 Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView& current,
                                           uint64_t span_begin, uint64_t span_end) {
   State& s = *state_;
-  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "encode"));
-  REFIT_RETURN_NOT_OK(CheckTensorSize(current));
-  const uint64_t numel = current.numel();
-  if (span_end == UINT64_MAX) span_end = numel;
-  if (span_begin > span_end || span_end > numel) {
-    return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
-                           span_begin, span_end, numel);
-  }
-  const BoxIndexMap* box = s.BoxOf(current.name);
-  if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, current));
+  REFIT_ASSIGN_OR_RETURN(const BoxIndexMap* box,
+                         s.CheckEncodeSpan(id, "encode", current, span_begin, span_end));
   REFIT_ASSIGN_OR_RETURN(EncodeResult result, s.EncodeSpan(current, span_begin, span_end));
   if (box != nullptr) {
     REFIT_ASSIGN_OR_RETURN(result.items, ToCanonical(std::move(result.items), *box,
@@ -723,16 +734,8 @@ Result<EncodeResult> DeltaTracker::Encode(const TransferId& id, const TensorView
 Result<std::vector<Item>> DeltaTracker::EncodeFull(const TransferId& id, const TensorView& current,
                                                    uint64_t span_begin, uint64_t span_end) const {
   const State& s = *state_;
-  REFIT_RETURN_NOT_OK(s.CheckOpen(id, "encode full"));
-  REFIT_RETURN_NOT_OK(CheckTensorSize(current));
-  const uint64_t numel = current.numel();
-  if (span_end == UINT64_MAX) span_end = numel;
-  if (span_begin > span_end || span_end > numel) {
-    return InvalidArgument("tensor '{}': span [{}, {}) is outside its {} elements", current.name,
-                           span_begin, span_end, numel);
-  }
-  const BoxIndexMap* box = s.BoxOf(current.name);
-  if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, current));
+  REFIT_ASSIGN_OR_RETURN(const BoxIndexMap* box,
+                         s.CheckEncodeSpan(id, "encode full", current, span_begin, span_end));
   const uint32_t width = DTypeSize(current.dtype);
   const auto span_bytes =
       current.bytes.subspan(span_begin * width, (span_end - span_begin) * width);
