@@ -34,7 +34,7 @@ Status AttachProducers(BenchFleet& fleet, const BenchProducers& producers,
                          SecretFromEnvironment(api_key_env, "the bench fleet's key"));
   TrackerOptions tracker_options;
   tracker_options.compare.threads = 1;
-  CoordinatorOptions options;
+  internal::CoordinatorOptions options;
   options.stream = producers.stream;
   REFIT_ASSIGN_OR_RETURN(fleet.coordinator,
                          cli::FleetCoordinator::Make(address, &model, producers.producers,

@@ -231,7 +231,7 @@ nlohmann::json BenchEncodeApply(const Args& args) {
   TrainingSimulator& sim = *simulator;
   std::cout << "== encode / apply: simulated bf16 model " << FormatBytes(sim.exported_bytes())
             << " (" << sim.Exported().size() << " tensors), Adam + RNE export, 1 thread\n";
-  auto tracker = std::move(DeltaTracker::Make({})).ValueOrDie();
+  auto tracker = std::move(internal::DeltaTracker::Make({})).ValueOrDie();
   auto store = WeightStore::Make();
   {
     const TransferId id = TransferId::Random();
@@ -283,10 +283,11 @@ nlohmann::json BenchEncodeApply(const Args& args) {
       }
     });
 
-    UndoLog undo;
+    internal::UndoLog undo;
     const double t1 = Now();
     auto decoded = DecodePayload(payload);
-    Status applied = decoded.ok() ? ApplyPayload(*decoded, *store, &undo) : decoded.status();
+    Status applied =
+        decoded.ok() ? internal::ApplyPayload(*decoded, *store, &undo) : decoded.status();
     const double apply_s = Now() - t1;
     if (!applied.ok()) std::cerr << "apply failed: " << applied.ToString() << "\n";
     (void)tracker->Commit(id);
@@ -386,7 +387,7 @@ nlohmann::json BenchTrackerRss(const Args& args, BaselineStorage storage) {
     }
     TrackerOptions options;
     options.baseline_storage = storage;
-    auto tracker = std::move(DeltaTracker::Make(options)).ValueOrDie();
+    auto tracker = std::move(internal::DeltaTracker::Make(options)).ValueOrDie();
     const uint64_t after_model = PeakRssBytes();
     TransferId id = TransferId::Random();
     (void)tracker->Begin(id);
@@ -474,7 +475,7 @@ nlohmann::json BenchReceiver(const Args& args) {
   for (const TensorView& t : sim.Exported()) {
     base.push_back(OwnedTensor{t.name, t.dtype, t.shape, {t.bytes.begin(), t.bytes.end()}});
   }
-  auto tracker = std::move(DeltaTracker::Make({})).ValueOrDie();
+  auto tracker = std::move(internal::DeltaTracker::Make({})).ValueOrDie();
   {
     const TransferId id = TransferId::Random();
     (void)tracker->Begin(id);
@@ -525,7 +526,7 @@ nlohmann::json BenchReceiver(const Args& args) {
         ReceiverSessionOptions options;
         options.apply_threads = config.apply_threads;
         options.decode_threads = config.decode_threads;
-        auto session = std::move(ReceiverSession::Make(options, *store)).ValueOrDie();
+        auto session = std::move(internal::ReceiverSession::Make(options, *store)).ValueOrDie();
         if (Status prepared =
                 session->Prepare(PrepareRequest{id, plan.base_version, expected}).status();
             !prepared.ok()) {
@@ -590,11 +591,11 @@ nlohmann::json BenchReceiver(const Args& args) {
       for (const OwnedTensor& t : base) (void)store->AddCopy(t.view());
       std::vector<ValidatedPayload> kept;
       for (const auto& payload : payloads) kept.push_back(ValidatePayload(payload).ValueOrDie());
-      UndoLog undo;
+      internal::UndoLog undo;
       const double t0 = Now();
       for (size_t k = 0; k < decoded.size(); ++k) {
-        applied_all =
-            ApplyPayload(decoded[k], *store, &undo, &kept[k], threads).ok() && applied_all;
+        applied_all = internal::ApplyPayload(decoded[k], *store, &undo, &kept[k], threads).ok() &&
+                      applied_all;
       }
       times.push_back(Now() - t0);
     }

@@ -81,7 +81,7 @@ struct FleetOptions {
 struct FleetReceiver {
   std::string endpoint;
   std::unique_ptr<WeightStore> store;
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
   std::unique_ptr<ControlServer> server;
   std::unique_ptr<ControlClient> client;
@@ -116,7 +116,8 @@ class Fleet {
     std::vector<TensorView> views;
     for (const OwnedTensor& t : model_) views.push_back(t.view());
     for (uint32_t p = 0; p < options_.producers; ++p) {
-      ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+      ASSERT_OK_AND_ASSIGN(std::unique_ptr<internal::DeltaTracker> tracker,
+                           internal::DeltaTracker::Make({}));
       ASSERT_OK(AdoptOwnedBaseline(*tracker, views, options_.chunk_bytes, p, options_.producers));
       trackers_.push_back(std::move(tracker));
     }
@@ -139,7 +140,8 @@ class Fleet {
     session_options.before_apply = [&node](const PayloadIds& ids) {
       if (node.before_apply) node.before_apply(ids);
     };
-    ASSERT_OK_AND_ASSIGN(node.session, ReceiverSession::Make(session_options, *node.store));
+    ASSERT_OK_AND_ASSIGN(node.session,
+                         internal::ReceiverSession::Make(session_options, *node.store));
     ListenerContext context;
     context.endpoint = node.endpoint;
     if (transport_->capabilities().fan_out_tree) context.peers = endpoints_;
@@ -253,14 +255,14 @@ class Fleet {
   }
 
   std::deque<FleetReceiver>& receivers() { return receivers_; }
-  std::vector<std::unique_ptr<DeltaTracker>>& trackers() { return trackers_; }
+  std::vector<std::unique_ptr<internal::DeltaTracker>>& trackers() { return trackers_; }
   const std::vector<OwnedTensor>& model() const { return model_; }
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   FleetOptions& options() { return options_; }
-  Coordinator& coordinator() { return *coordinator_; }
+  internal::Coordinator& coordinator() { return *coordinator_; }
 
   /// Called when a producer opens its channel: every receiver is prepared, nothing is sent yet.
-  std::function<void(const ChannelRequest&)> on_channel_open;
+  std::function<void(const internal::ChannelRequest&)> on_channel_open;
 
  private:
   void MakeCoordinator() {
@@ -272,19 +274,19 @@ class Fleet {
     transport_options.manifest_announcers = MakeControlManifestAnnouncers(announcer_options);
     ASSERT_OK_AND_ASSIGN(sender_transport_,
                          MakeTransport(sender_transport_uri_, transport_options));
-    std::vector<CoordinatedProducer> producers;
-    for (const std::unique_ptr<DeltaTracker>& tracker : trackers_) {
+    std::vector<internal::CoordinatedProducer> producers;
+    for (const std::unique_ptr<internal::DeltaTracker>& tracker : trackers_) {
       producers.push_back({tracker.get(), [this](const TransferPlan&) -> Result<ChunkSource> {
                              std::vector<TensorView> views;
                              for (const OwnedTensor& t : model_) views.push_back(t.view());
                              return TensorListSource(std::move(views), options_.chunk_bytes);
                            }});
     }
-    std::vector<CoordinatedReceiver> receivers;
+    std::vector<internal::CoordinatedReceiver> receivers;
     for (size_t r = 0; r < receivers_.size(); ++r) {
       receivers.push_back({fmt::format("receiver {}", r), receivers_[r].control()});
     }
-    CoordinatorOptions options;
+    internal::CoordinatorOptions options;
     options.observer = options_.observer != nullptr ? options_.observer : sender_transport_.get();
     options.stream.chunk_bytes = options_.chunk_bytes;
     options.stream.bucket_bytes = options_.bucket_bytes;
@@ -292,8 +294,8 @@ class Fleet {
     options.stream.serialize_threads = 1;
     options.stream.send_threads = 2;
     options.transfer_timeout = options_.transfer_timeout;
-    ChannelFactory channels =
-        [this](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+    internal::ChannelFactory channels =
+        [this](const internal::ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
       if (on_channel_open) on_channel_open(request);
       REFIT_ASSIGN_OR_RETURN(
           std::unique_ptr<TransportSender> sender,
@@ -304,8 +306,8 @@ class Fleet {
                                                       .endpoints = endpoints_}));
       return std::unique_ptr<PayloadChannel>(std::move(sender));
     };
-    ASSERT_OK_AND_ASSIGN(coordinator_, Coordinator::Make(options, std::move(producers),
-                                                         std::move(receivers), channels));
+    ASSERT_OK_AND_ASSIGN(coordinator_, internal::Coordinator::Make(options, std::move(producers),
+                                                                   std::move(receivers), channels));
   }
 
   FleetOptions options_;
@@ -316,8 +318,8 @@ class Fleet {
   std::vector<std::string> endpoints_;
   // A deque: AddReceiver must not move the nodes the handlers and hooks capture.
   std::deque<FleetReceiver> receivers_;
-  std::vector<std::unique_ptr<DeltaTracker>> trackers_;
-  std::unique_ptr<Coordinator> coordinator_;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers_;
+  std::unique_ptr<internal::Coordinator> coordinator_;
 };
 
 }  // namespace refit::testing

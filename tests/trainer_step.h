@@ -37,9 +37,10 @@ struct TrainerStep {
 /// into `spans` element ranges, one payload per range, range k of all tensors going to producer
 /// k % producers (the upstream `chunk % W` ownership); `anchor`: a FULL transfer. The caller
 /// commits or aborts the tracker.
-inline TrainerStep EncodeTrainerStep(DeltaTracker& tracker, const std::vector<OwnedTensor>& current,
-                                     uint64_t seed, double density, uint32_t producers = 2,
-                                     uint64_t spans = 1, bool anchor = false) {
+inline TrainerStep EncodeTrainerStep(internal::DeltaTracker& tracker,
+                                     const std::vector<OwnedTensor>& current, uint64_t seed,
+                                     double density, uint32_t producers = 2, uint64_t spans = 1,
+                                     bool anchor = false) {
   TrainerStep step;
   step.id = TransferId::Random();
   auto plan = tracker.Begin(step.id, anchor);

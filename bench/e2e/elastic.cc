@@ -171,7 +171,8 @@ Result<JoinRun> RunJoin(const Args& args, uint64_t model_bytes, bool whole_ancho
 Result<nlohmann::json> MeasureFold(const Args& args, uint64_t model_bytes) {
   REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
                          SyntheticModel::Make(model_bytes, args.seed, args.threads, nullptr));
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::DeltaTracker> tracker,
+                         internal::DeltaTracker::Make({}));
   for (const TensorView& tensor : model.views())
     REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(tensor));
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaHistory> history, DeltaHistory::Make({}));

@@ -74,7 +74,7 @@ Result<double> MeasureCompareOnly(const BenchFleet& fleet, const std::vector<Ten
                                   int threads) {
   const auto& trackers = fleet.coordinator->trackers();
   if (trackers.size() != 1) return 0.0;
-  const DeltaTracker& tracker = *trackers.front();
+  const internal::DeltaTracker& tracker = *trackers.front();
   std::vector<TensorView> baselines;
   for (const TensorView& tensor : model) {
     REFIT_ASSIGN_OR_RETURN(TensorView baseline, tracker.Baseline(tensor.name));

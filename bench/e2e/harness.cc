@@ -433,7 +433,7 @@ Status CloseRssWindow(const testkit::LocalFleet& daemons, RssWindow* window) {
 
 Status VerifyFleet(const cli::FleetCoordinator& fleet, const std::vector<TensorView>& model) {
   std::map<std::string, uint64_t> producer_digests;
-  for (const std::unique_ptr<DeltaTracker>& tracker : fleet.trackers()) {
+  for (const std::unique_ptr<internal::DeltaTracker>& tracker : fleet.trackers()) {
     producer_digests.merge(tracker->Digests());
   }
   const uint64_t fingerprint = StateFingerprint(producer_digests);
@@ -479,7 +479,7 @@ Result<RefitRow> MeasureRefit(BenchFleet& fleet, bool full) {
   REFIT_ASSIGN_OR_RETURN(row.rss, OpenRssWindow(*fleet.daemons));
   REFIT_ASSIGN_OR_RETURN(row.report, RefitOfKind(fleet, full));
   REFIT_RETURN_NOT_OK(CloseRssWindow(*fleet.daemons, &row.rss));
-  for (const std::unique_ptr<DeltaTracker>& tracker : fleet.coordinator->trackers()) {
+  for (const std::unique_ptr<internal::DeltaTracker>& tracker : fleet.coordinator->trackers()) {
     row.baseline_bytes += tracker->baseline_bytes();
   }
   return row;

@@ -160,8 +160,13 @@ class DecodedPayload {
   std::span<const LocationMark> location_marks(size_t index) const { return marks_[index]; }
 
  private:
-  friend Result<DecodedPayload> DecodeBody(const PayloadHeader&, std::span<const std::byte>,
-                                           const PayloadLimits&);
+  friend Result<DecodedPayload> DecodePayload(std::span<const std::byte>, const PayloadLimits&);
+  friend Result<DecodedPayload> DecodePayload(const ValidatedPayload&, const PayloadLimits&);
+  // The body that follows `header` (validated, and within `limits`), decoded and checked.
+  static Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
+                                           std::span<const std::byte> compressed,
+                                           const PayloadLimits& limits);
+
   PayloadHeader header_;
   // unique_ptr keeps item views valid when the DecodedPayload moves.
   std::unique_ptr<std::vector<std::byte>> body_;

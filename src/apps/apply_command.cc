@@ -30,7 +30,7 @@ Status RunApply(const ApplyArgs& args) {
   REFIT_ASSIGN_OR_RETURN(auto payloads, SplitPayloadFile(file, PayloadLimits{}));
   if (payloads.empty()) return InvalidArgument("'{}' holds no payload", args.payload_path);
 
-  UndoLog undo;
+  internal::UndoLog undo;
   uint64_t target_version = 0;
   size_t items = 0;
   for (size_t i = 0; i < payloads.size(); ++i) {
@@ -46,7 +46,7 @@ Status RunApply(const ApplyArgs& args) {
                                  ids.payload_id, ids.target_version, target_version);
       } else {
         target_version = ids.target_version;
-        status = ApplyPayload(*decoded, *store, &undo);
+        status = internal::ApplyPayload(*decoded, *store, &undo);
         items += decoded->items().size();
       }
     }

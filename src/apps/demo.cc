@@ -144,7 +144,7 @@ Status RunDemo(const DemoArgs& args) {
   }
   address.api_key = ::getenv(kDemoApiKeyEnv);
   TrackerOptions tracker_options;
-  CoordinatorOptions options;
+  internal::CoordinatorOptions options;
   if (args.config.empty()) {
     REFIT_ASSIGN_OR_RETURN(address.transport_uri,
                            WithDemoApiKey(args.transport.empty() ? "zmq://" : args.transport));

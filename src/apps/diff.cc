@@ -32,7 +32,7 @@ Status RunDiff(const DiffArgs& args) {
   REFIT_ASSIGN_OR_RETURN(auto new_file, SafetensorsFile::Open(args.new_path));
   TrackerOptions options;
   options.compare.threads = args.threads;
-  REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
+  REFIT_ASSIGN_OR_RETURN(auto tracker, internal::DeltaTracker::Make(options));
   for (const TensorView& tensor : old_file->tensors()) {
     REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(tensor));
   }
@@ -49,7 +49,7 @@ Status RunDiff(const DiffArgs& args) {
   Table table(
       {"tensor", "dtype", "elements", "changed", "density", "encoding", "locations", "values"});
   for (const TensorView& tensor : new_file->tensors()) {
-    REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker->Encode(id, tensor));
+    REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r, tracker->Encode(id, tensor));
     changed += r.changed_elements;
     total += r.total_elements;
     nlohmann::json row = {{"name", tensor.name},

@@ -41,7 +41,7 @@ Status RunEncode(const EncodeArgs& args) {
   options.compare.threads = args.threads;
   options.initial_version = WeightVersionOf(*old_file);
   REFIT_ASSIGN_OR_RETURN(uint64_t bucket_bytes, config::ParseByteSize(args.bucket));
-  REFIT_ASSIGN_OR_RETURN(auto tracker, DeltaTracker::Make(options));
+  REFIT_ASSIGN_OR_RETURN(auto tracker, internal::DeltaTracker::Make(options));
 
   for (const TensorView& tensor : old_file->tensors()) {
     if (!new_file->Find(tensor.name).ok()) {
@@ -61,7 +61,7 @@ Status RunEncode(const EncodeArgs& args) {
   std::vector<Item> items;
   uint64_t changed = 0, total = 0;
   for (const TensorView& tensor : new_file->tensors()) {
-    REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker->Encode(id, tensor));
+    REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r, tracker->Encode(id, tensor));
     changed += r.changed_elements;
     total += r.total_elements;
     for (Item& item : r.items) items.push_back(std::move(item));

@@ -151,7 +151,7 @@ struct ApplySeconds {
 /// payload's bytes handed to the undo log, anchors not kept). Takes a copy, made before the clock
 /// starts, because the log keeps the bytes.
 Result<ApplySeconds> ApplyAll(std::vector<std::vector<std::byte>> payloads, WeightStore& store) {
-  UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kNone});
+  internal::UndoLog undo(internal::UndoLogOptions{.anchor_undo = AnchorUndo::kNone});
   ApplySeconds seconds;
   const auto start = std::chrono::steady_clock::now();
   for (std::vector<std::byte>& bytes : payloads) {
@@ -160,7 +160,7 @@ Result<ApplySeconds> ApplyAll(std::vector<std::vector<std::byte>> payloads, Weig
     REFIT_ASSIGN_OR_RETURN(ValidatedPayload payload, ValidatePayload(std::move(bytes)));
     REFIT_ASSIGN_OR_RETURN(DecodedPayload decoded, DecodePayload(payload));
     seconds.decode += SecondsSince(decode_start);
-    REFIT_RETURN_NOT_OK(ApplyPayload(decoded, store, &undo, &payload));
+    REFIT_RETURN_NOT_OK(internal::ApplyPayload(decoded, store, &undo, &payload));
   }
   seconds.total = SecondsSince(start);
   return seconds;
@@ -178,8 +178,8 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   c.bytes = base.bytes.size();
   TrackerOptions tracker_options;
   tracker_options.compare.threads = 1;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker,
-                         DeltaTracker::Make(tracker_options));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::DeltaTracker> tracker,
+                         internal::DeltaTracker::Make(tracker_options));
   REFIT_RETURN_NOT_OK(tracker->AdoptBaseline(base.view()));
   auto store = WeightStore::Make();
   REFIT_RETURN_NOT_OK(store->AddCopy(base.view()));
@@ -188,7 +188,7 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   const TransferId delta_id = TransferId::Random();
   REFIT_ASSIGN_OR_RETURN(const TransferPlan delta_plan, tracker->Begin(delta_id));
   auto start = std::chrono::steady_clock::now();
-  REFIT_ASSIGN_OR_RETURN(EncodeResult delta, tracker->Encode(delta_id, step.view()));
+  REFIT_ASSIGN_OR_RETURN(internal::EncodeResult delta, tracker->Encode(delta_id, step.view()));
   c.delta_encode_s_per_byte = SecondsSince(start) / c.bytes;
   c.changed = delta.changed_elements;
   c.density = static_cast<double>(c.changed) / (c.bytes / 2.0);
@@ -209,7 +209,7 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   const TransferId full_id = TransferId::Random();
   REFIT_ASSIGN_OR_RETURN(const TransferPlan full_plan, tracker->Begin(full_id, true));
   start = std::chrono::steady_clock::now();
-  REFIT_ASSIGN_OR_RETURN(EncodeResult full, tracker->Encode(full_id, step.view()));
+  REFIT_ASSIGN_OR_RETURN(internal::EncodeResult full, tracker->Encode(full_id, step.view()));
   c.full_encode_s_per_byte = SecondsSince(start) / c.bytes;
   start = std::chrono::steady_clock::now();
   REFIT_ASSIGN_OR_RETURN(auto zstd_payloads,

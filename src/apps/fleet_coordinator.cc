@@ -14,7 +14,7 @@ namespace refit::cli {
 
 Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     const FleetAddress& address, const std::vector<TensorView>* model, uint32_t producers,
-    const TrackerOptions& tracker_options, const CoordinatorOptions& options,
+    const TrackerOptions& tracker_options, const internal::CoordinatorOptions& options,
     const std::vector<TensorView>* baseline) {
   if (address.control_urls.empty()) return InvalidArgument("no receivers to refit");
   std::unique_ptr<FleetCoordinator> fleet(new FleetCoordinator());
@@ -69,8 +69,8 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     }
   }
   for (uint32_t p = 0; p < producers; ++p) {
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker,
-                           DeltaTracker::Make(tracker_options));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::DeltaTracker> tracker,
+                           internal::DeltaTracker::Make(tracker_options));
     if (baseline != nullptr) {
       REFIT_RETURN_NOT_OK(
           AdoptOwnedBaseline(*tracker, *baseline, options.stream.chunk_bytes, p, producers));
@@ -78,15 +78,15 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     fleet->trackers_.push_back(std::move(tracker));
   }
 
-  std::vector<CoordinatedProducer> coordinated;
+  std::vector<internal::CoordinatedProducer> coordinated;
   const uint64_t chunk_bytes = options.stream.chunk_bytes;
-  for (const std::unique_ptr<DeltaTracker>& tracker : fleet->trackers_) {
+  for (const std::unique_ptr<internal::DeltaTracker>& tracker : fleet->trackers_) {
     coordinated.push_back(
         {tracker.get(), [model, chunk_bytes](const TransferPlan&) -> Result<ChunkSource> {
            return TensorListSource(*model, chunk_bytes);
          }});
   }
-  std::vector<CoordinatedReceiver> receivers;
+  std::vector<internal::CoordinatedReceiver> receivers;
   const bool relays = fleet->transport_->capabilities().fan_out_tree;
   for (size_t r = 0; r < fleet->clients_.size(); ++r) {
     receivers.push_back({fleet->clients_[r]->base_url(),
@@ -95,8 +95,8 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
                          relays ? fleet->endpoints_[r] : std::string()});
   }
   FleetCoordinator* self = fleet.get();
-  ChannelFactory channels =
-      [self](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+  internal::ChannelFactory channels =
+      [self](const internal::ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
     SenderContext context;
     context.transfer_id = request.transfer_id;
     context.producer_id = request.producer_id;
@@ -109,15 +109,15 @@ Result<std::unique_ptr<FleetCoordinator>> FleetCoordinator::Make(
     return std::unique_ptr<PayloadChannel>(std::move(sender));
   };
   // The transport learns each transfer's outcome (an s3:// chain records committed versions).
-  CoordinatorOptions observed = options;
+  internal::CoordinatorOptions observed = options;
   observed.observer = fleet->transport_.get();
   // Every transfer names its relay trees: the receivers in the order given, as the senders pick
   // their roots (receivers need no peers list); payloads are routed by what each one holds.
   observed.relay_trees = relays;
   observed.route_by_holdings = relays;
   REFIT_ASSIGN_OR_RETURN(fleet->coordinator_,
-                         Coordinator::Make(observed, std::move(coordinated), std::move(receivers),
-                                           std::move(channels)));
+                         internal::Coordinator::Make(observed, std::move(coordinated),
+                                                     std::move(receivers), std::move(channels)));
   return fleet;
 }
 

@@ -50,7 +50,7 @@ class FleetCoordinator {
                                                         const std::vector<TensorView>* model,
                                                         uint32_t producers,
                                                         const TrackerOptions& tracker_options,
-                                                        const CoordinatorOptions& options,
+                                                        const internal::CoordinatorOptions& options,
                                                         const std::vector<TensorView>* baseline);
 
   /// One transfer of the model's current bytes to every receiver.
@@ -62,15 +62,15 @@ class FleetCoordinator {
   Status CheckReceiversHold(const std::vector<TensorView>& model) const;
 
   const std::vector<std::unique_ptr<ControlClient>>& clients() const { return clients_; }
-  const std::vector<std::unique_ptr<DeltaTracker>>& trackers() const { return trackers_; }
+  const std::vector<std::unique_ptr<internal::DeltaTracker>>& trackers() const { return trackers_; }
 
  private:
   FleetCoordinator() = default;
   std::unique_ptr<Transport> transport_;
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<ControlClient>> clients_;
-  std::vector<std::unique_ptr<DeltaTracker>> trackers_;
-  std::unique_ptr<Coordinator> coordinator_;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers_;
+  std::unique_ptr<internal::Coordinator> coordinator_;
 };
 
 }  // namespace refit::cli

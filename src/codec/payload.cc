@@ -886,26 +886,21 @@ Result<ValidatedPayload> ValidatePayload(std::span<const std::byte> payload,
 
 // ---- DecodePayload. ----------------------------------------------------------------------------
 
-// The body of a payload whose header is `header` (validated, and within `limits`): `compressed`
-// follows the header. A friend of DecodedPayload; ADL finds it through PayloadHeader.
-Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
-                                  std::span<const std::byte> compressed,
-                                  const PayloadLimits& limits);
-
 Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
                                      const PayloadLimits& limits) {
   REFIT_ASSIGN_OR_RETURN(const PayloadHeader header, ValidatePayloadHeader(payload, limits));
-  return DecodeBody(header, payload.subspan(kPayloadHeaderSize), limits);
+  return DecodedPayload::DecodeBody(header, payload.subspan(kPayloadHeaderSize), limits);
 }
 
 Result<DecodedPayload> DecodePayload(const ValidatedPayload& payload, const PayloadLimits& limits) {
   REFIT_RETURN_NOT_OK(CheckPayloadLimits(payload.header(), limits));
-  return DecodeBody(payload.header(), payload.bytes().subspan(kPayloadHeaderSize), limits);
+  return DecodedPayload::DecodeBody(payload.header(), payload.bytes().subspan(kPayloadHeaderSize),
+                                    limits);
 }
 
-Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
-                                  std::span<const std::byte> compressed,
-                                  const PayloadLimits& limits) {
+Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
+                                                  std::span<const std::byte> compressed,
+                                                  const PayloadLimits& limits) {
   DecodedPayload decoded;
   decoded.header_ = header;
   const PayloadIds& ids = header.ids;

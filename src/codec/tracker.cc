@@ -22,7 +22,7 @@
 #include "util/mutex.h"
 #include "util/thread_pool.h"
 
-namespace refit {
+namespace refit::internal {
 namespace {
 
 /// The bytes of one tensor's baseline: anonymous memory or an unlinked mmapped temp file.
@@ -983,4 +983,4 @@ Result<TensorView> DeltaTracker::Baseline(const std::string& name) const {
   return TensorView{name, entry->dtype, entry->shape, entry->buffer->bytes()};
 }
 
-}  // namespace refit
+}  // namespace refit::internal

@@ -25,7 +25,7 @@
 #include "refit/tracker_options.h"
 #include "refit/transfer.h"
 
-namespace refit {
+namespace refit::internal {
 
 /// The result of encoding one tensor (or span).
 struct EncodeResult {
@@ -154,4 +154,4 @@ class DeltaTracker {
   std::unique_ptr<State> state_;
 };
 
-}  // namespace refit
+}  // namespace refit::internal

@@ -244,11 +244,12 @@ Json VersionBody(uint64_t version) { return Json{{"ok", true}, {"version", versi
 struct ControlServer::Impl {
   enum class Lifecycle : uint8_t { kCreated, kRunning, kStopped };
 
-  Impl(const ControlServerOptions& options_in, ReceiverSession& session_in, WeightStore& store_in)
+  Impl(const ControlServerOptions& options_in, internal::ReceiverSession& session_in,
+       WeightStore& store_in)
       : options(options_in), session(session_in), store(store_in), verifier(options.api_key) {}
 
   const ControlServerOptions options;
-  ReceiverSession& session;
+  internal::ReceiverSession& session;
   WeightStore& store;
   const internal::ApiKeyVerifier verifier;
   std::unique_ptr<internal::ControlMetrics> metrics;
@@ -792,7 +793,7 @@ ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 ControlServer::~ControlServer() { Stop(); }
 
 Result<std::unique_ptr<ControlServer>> ControlServer::Make(const ControlServerOptions& options,
-                                                           ReceiverSession& session,
+                                                           internal::ReceiverSession& session,
                                                            WeightStore& store) {
   if (options.tls_cert_path.empty() != options.tls_key_path.empty()) {
     return InvalidArgument(

@@ -75,7 +75,8 @@ class ControlServer {
   /// limit or max_flush_timeout out of range; a certificate or key that does not load or match);
   /// NotFound (a TLS path that does not exist).
   static Result<std::unique_ptr<ControlServer>> Make(const ControlServerOptions& options,
-                                                     ReceiverSession& session, WeightStore& store);
+                                                     internal::ReceiverSession& session,
+                                                     WeightStore& store);
 
   /// Stop().
   ~ControlServer();

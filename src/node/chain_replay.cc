@@ -42,7 +42,7 @@ Result<std::map<uint32_t, uint32_t>> PayloadCounts(const ChainVersion& version) 
 
 // Replay one version into `session`; on any failure the version is aborted (rolled back).
 Status ReplayVersion(const ChainVersion& version, const internal::S3TransportConfig& config,
-                     S3Client& client, ReceiverSession& session,
+                     S3Client& client, internal::ReceiverSession& session,
                      const ChainBootstrapOptions& options, ChainBootstrapReport& report) {
   const std::string where = fmt::format("chain version {}", version.version);
   PrepareRequest prepare;
@@ -134,8 +134,8 @@ Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightS
                  index.versions.size() - first,
                  first < index.versions.size() ? index.versions[first].version : store.version());
   if (first < index.versions.size()) {
-    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ReceiverSession> session,
-                           ReceiverSession::Make(options.session, store));
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::ReceiverSession> session,
+                           internal::ReceiverSession::Make(options.session, store));
     for (size_t i = first; i < index.versions.size(); ++i) {
       Status replayed = ReplayVersion(index.versions[i], config, client, *session, options, report);
       if (!replayed.ok()) {
@@ -155,7 +155,8 @@ Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightS
   return report;
 }
 
-Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverSession& session,
+Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri,
+                                              internal::ReceiverSession& session,
                                               const WeightStore& store, uint64_t target_version,
                                               const ChainBootstrapOptions& options) {
   const auto start = std::chrono::steady_clock::now();

@@ -53,7 +53,8 @@ Result<ChainBootstrapReport> BootstrapFromChain(std::string_view s3_uri, WeightS
 /// Errors: FailedPrecondition (a transfer is open; the receiver's state is not a version of the
 /// active chain: restart it with --bootstrap); NotFound (the chain does not reach
 /// target_version yet); those of BootstrapFromChain.
-Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri, ReceiverSession& session,
+Result<ChainBootstrapReport> CatchUpFromChain(std::string_view s3_uri,
+                                              internal::ReceiverSession& session,
                                               const WeightStore& store, uint64_t target_version,
                                               const ChainBootstrapOptions& options = {});
 

@@ -74,7 +74,7 @@ uint64_t DeviceReadBytes(std::span<const ExportTensor> tensors) {
 struct PublisherRank {
   PublisherOptions options;
   std::unique_ptr<ProducerGroup> group;
-  std::unique_ptr<DeltaTracker> tracker;
+  std::unique_ptr<internal::DeltaTracker> tracker;
   // The deltas this rank committed, for folding (null: it keeps none); opened, committed and
   // aborted with the tracker, cleared when the tracker is rebuilt.
   std::unique_ptr<DeltaHistory> history;
@@ -155,7 +155,7 @@ struct PublisherRank {
           "publisher rank {}: a {} sync after a {} one: rebuilding the baseline with an anchor",
           rank(), sharded ? "sharded" : "whole-model",
           *committed_sharded ? "sharded" : "whole-model");
-      REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      REFIT_ASSIGN_OR_RETURN(tracker, internal::DeltaTracker::Make(options.tracker));
       if (history != nullptr) history->Clear();
       committed_sharded.reset();
       committed_world = 0;
@@ -167,7 +167,7 @@ struct PublisherRank {
           "publisher rank {}: the group has {} ranks, {} at the last commit: "
           "rebuilding the baseline with an anchor",
           rank(), world(), committed_world);
-      REFIT_ASSIGN_OR_RETURN(tracker, DeltaTracker::Make(options.tracker));
+      REFIT_ASSIGN_OR_RETURN(tracker, internal::DeltaTracker::Make(options.tracker));
       if (history != nullptr) history->Clear();
       committed_world = 0;
       version_unknown = true;
@@ -257,8 +257,8 @@ struct PublisherRank {
 
   // Stream this rank's share through one sender per route (routing by holdings; one route of
   // the whole fleet otherwise), each finished with its route's payload count.
-  Result<ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline,
-                                  std::span<const TransferRoute> routes) {
+  Result<internal::ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline,
+                                            std::span<const TransferRoute> routes) {
     if (!open.has_value()) return FailedPrecondition("publisher rank {}: no open transfer", rank());
     if (routes.empty()) return InvalidArgument("publisher rank {}: no routes", rank());
     std::vector<std::unique_ptr<TransportSender>> senders;
@@ -299,7 +299,7 @@ struct PublisherRank {
                              stream->Run(*tracker, source, stream_routes, history.get()));
       REFIT_RETURN_NOT_OK(finish(report));
       streamed = report;
-      return ProducerStreamed{std::move(report), tracker->PendingDigests()};
+      return internal::ProducerStreamed{std::move(report), tracker->PendingDigests()};
     }
     const ChunkSource pieces =
         SentPiecesSource(sharded->layout, roles, sharded_locals, options.stream.chunk_bytes,
@@ -310,7 +310,7 @@ struct PublisherRank {
     REFIT_RETURN_NOT_OK(finish(report));
     streamed = report;
     REFIT_ASSIGN_OR_RETURN(streamed_boxes, BoxDigests());
-    return ProducerStreamed{std::move(report), {}};
+    return internal::ProducerStreamed{std::move(report), {}};
   }
 
   // The canonical digest of every box this rank holds: what its tracker will commit for the boxes
@@ -389,7 +389,7 @@ struct PublisherRank {
 namespace {
 
 // Rank 0's view of the W ranks as one ProducerSet: every op is a broadcast, every answer a gather.
-class GroupProducers final : public ProducerSet {
+class GroupProducers final : public internal::ProducerSet {
  public:
   // `per_receiver`: the coordinator plans each receiver (per-receiver plans), so a receiver
   // behind the base no longer makes the transfer an anchor.
@@ -541,20 +541,20 @@ class GroupProducers final : public ProducerSet {
 
   std::optional<uint64_t> FoldableFrom() const override { return fold_from_; }
 
-  Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
-                                               std::span<const TransferRoute> routes,
-                                               Clock::time_point deadline) override {
+  Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
+                                                         std::span<const TransferRoute> routes,
+                                                         Clock::time_point deadline) override {
     REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
     Json stream = GroupMessage(kOpStream);
     stream["routes"] = RoutesToJson(routes);
     REFIT_RETURN_NOT_OK(
         self_.group->Broadcast(stream.dump(), deadline).status().WithContext("rank 0: stream"));
-    Result<ProducerStreamed> own = self_.Stream(source_, deadline, routes);
+    Result<internal::ProducerStreamed> own = self_.Stream(source_, deadline, routes);
     // Rank 0's own results stay as they are; only the other ranks' travel as JSON (rank 0's
     // part of the gather is never read).
     REFIT_ASSIGN_OR_RETURN(std::vector<std::string> gathered,
                            self_.group->Gather(std::string(), deadline));
-    std::vector<ProducerStreamed> results(gathered.size());
+    std::vector<internal::ProducerStreamed> results(gathered.size());
     std::vector<Status> failures;
     std::vector<BoxDigest> boxes;
     if (own.ok()) {
@@ -598,7 +598,7 @@ class GroupProducers final : public ProducerSet {
       Result<std::vector<std::pair<std::string, uint64_t>>> totals =
           CheckCopies(self_.layout_plan, boxes);
       if (!totals.ok()) return totals.status();
-      for (ProducerStreamed& result : results) result.digests.clear();
+      for (internal::ProducerStreamed& result : results) result.digests.clear();
       results[0].digests = std::map<std::string, uint64_t>(totals->begin(), totals->end());
     }
     if (!failures.empty()) {
@@ -730,17 +730,17 @@ class GroupProducers final : public ProducerSet {
 };
 
 // Borrow a ProducerSet for one Coordinator (which owns what it is given).
-class BorrowedProducers final : public ProducerSet {
+class BorrowedProducers final : public internal::ProducerSet {
  public:
-  explicit BorrowedProducers(ProducerSet& inner) : inner_(inner) {}
+  explicit BorrowedProducers(internal::ProducerSet& inner) : inner_(inner) {}
   uint32_t size() const override { return inner_.size(); }
   uint64_t version() const override { return inner_.version(); }
   Result<TransferPlan> Begin(const TransferId& id, bool force_anchor) override {
     return inner_.Begin(id, force_anchor);
   }
-  Result<std::vector<ProducerStreamed>> Stream(const TransferPlan& plan,
-                                               std::span<const TransferRoute> routes,
-                                               Clock::time_point deadline) override {
+  Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
+                                                         std::span<const TransferRoute> routes,
+                                                         Clock::time_point deadline) override {
     return inner_.Stream(plan, routes, deadline);
   }
   std::vector<std::string> TensorNames() const override { return inner_.TensorNames(); }
@@ -749,7 +749,7 @@ class BorrowedProducers final : public ProducerSet {
   void Abort(const TransferId& id) override { inner_.Abort(id); }
 
  private:
-  ProducerSet& inner_;
+  internal::ProducerSet& inner_;
 };
 
 }  // namespace
@@ -771,7 +771,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   // The fleet as it is now: where each receiver sits (replica, shard) and what it holds. Asked
   // at every Sync, so a receiver that restarted or a group that changed is seen at once.
   std::vector<std::unique_ptr<ControlClient>> clients;
-  std::vector<CoordinatedReceiver> receivers;
+  std::vector<internal::CoordinatedReceiver> receivers;
   std::vector<uint64_t> versions;
   std::vector<std::string> fleet;
   const TransportCapabilities caps = transport->capabilities();
@@ -814,7 +814,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     clients.push_back(std::move(client));
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions), per_receiver);
-  CoordinatorOptions coordinator_options;
+  internal::CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
   coordinator_options.observer = transport.get();
   // Every transfer names its relay trees in each receiver's prepare (the fleet as this publisher
@@ -825,10 +825,10 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
   coordinator_options.tensor_names = routed_tensors;
   coordinator_options.per_receiver_plans = per_receiver;
-  REFIT_ASSIGN_OR_RETURN(
-      std::unique_ptr<Coordinator> coordinator,
-      Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
-                        std::move(receivers)));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::Coordinator> coordinator,
+                         internal::Coordinator::Make(coordinator_options,
+                                                     std::make_unique<BorrowedProducers>(producers),
+                                                     std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
@@ -837,7 +837,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
 
 Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
   const std::string leader = "rank 0";
-  std::optional<ProducerStreamed> sent;
+  std::optional<internal::ProducerStreamed> sent;
   while (true) {
     Result<std::string> text = group->Broadcast({}, Deadline());
     if (!text.ok()) {
@@ -874,8 +874,9 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       Result<std::vector<TransferRoute>> routes =
           RoutesFromJson(message->value("routes", Json::array()), leader);
       if (cancelled.ok() && !routes.ok()) cancelled = routes.status();
-      Result<ProducerStreamed> own = cancelled.ok() ? Stream(source, Deadline(), *routes)
-                                                    : Result<ProducerStreamed>(cancelled);
+      Result<internal::ProducerStreamed> own = cancelled.ok()
+                                                   ? Stream(source, Deadline(), *routes)
+                                                   : Result<internal::ProducerStreamed>(cancelled);
       reply = StatusToJson(own.status());
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);
@@ -937,7 +938,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   REFIT_ASSIGN_OR_RETURN(impl->stream, ProducerStream::Make(stream));
   stream.owns_every_chunk = true;
   REFIT_ASSIGN_OR_RETURN(impl->piece_stream, ProducerStream::Make(stream));
-  REFIT_ASSIGN_OR_RETURN(impl->tracker, DeltaTracker::Make(options.tracker));
+  REFIT_ASSIGN_OR_RETURN(impl->tracker, internal::DeltaTracker::Make(options.tracker));
   if (options.tracker.op == Op::kXor && options.history_bytes > 0) {
     REFIT_ASSIGN_OR_RETURN(impl->history, DeltaHistory::Make(DeltaHistoryOptions{
                                               options.history_versions, options.history_bytes}));
@@ -995,9 +996,10 @@ Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_
   self.SetSharded(&model);
   Status adopted = self.sharded_status;
   // Built aside and swapped in at the end: nothing changes on error.
-  std::unique_ptr<DeltaTracker> tracker;
+  std::unique_ptr<internal::DeltaTracker> tracker;
   if (adopted.ok()) {
-    Result<std::unique_ptr<DeltaTracker>> made = DeltaTracker::Make(self.options.tracker);
+    Result<std::unique_ptr<internal::DeltaTracker>> made =
+        internal::DeltaTracker::Make(self.options.tracker);
     adopted = made.status();
     if (made.ok()) tracker = std::move(made).ValueOrDie();
   }

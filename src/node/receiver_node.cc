@@ -48,7 +48,7 @@ struct ReceiverNode::Impl {
   std::unique_ptr<WeightStore> store;
   std::optional<ChainBootstrapReport> bootstrap_report;
   // Declared in the order they are built; Stop tears them down in reverse.
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
   std::unique_ptr<ControlServer> server;
   std::string producer_endpoint;
@@ -182,7 +182,8 @@ Status ReceiverNode::Impl::Start() {
     if (!caught_up.ok()) return caught_up.status().WithContext("receiver node: bootstrap");
     bootstrap_report = *caught_up;
   }
-  Result<std::unique_ptr<ReceiverSession>> made = ReceiverSession::Make(options.session, *store);
+  Result<std::unique_ptr<internal::ReceiverSession>> made =
+      internal::ReceiverSession::Make(options.session, *store);
   if (!made.ok()) return made.status().WithContext("receiver node: session");
   session = std::move(made).ValueOrDie();
 

@@ -47,7 +47,7 @@ ChunkSource TensorListSource(std::vector<TensorView> tensors, uint64_t chunk_byt
   return StagedTensorSource(std::move(host), chunk_bytes, nullptr);
 }
 
-Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
+Status AdoptOwnedBaseline(internal::DeltaTracker& tracker, std::span<const TensorView> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers) {
   std::vector<ExportTensor> host;
   host.reserve(model.size());
@@ -55,7 +55,7 @@ Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> mod
   return AdoptOwnedBaseline(tracker, host, chunk_bytes, producer_id, num_producers, nullptr);
 }
 
-Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const ExportTensor> model,
+Status AdoptOwnedBaseline(internal::DeltaTracker& tracker, std::span<const ExportTensor> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers,
                           StagingPool* pool) {
   std::vector<uint64_t> sizes;

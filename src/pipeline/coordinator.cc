@@ -17,7 +17,7 @@
 #include "util/logging.h"
 #include "util/mutex.h"
 
-namespace refit {
+namespace refit::internal {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -788,4 +788,4 @@ Result<RefitReport> Coordinator::Refit(const TransferId& id, bool force_anchor) 
   return impl_->Refit(id, force_anchor);
 }
 
-}  // namespace refit
+}  // namespace refit::internal

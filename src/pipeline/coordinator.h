@@ -47,7 +47,7 @@
 #include "refit/status.h"
 #include "refit/transfer.h"
 
-namespace refit {
+namespace refit::internal {
 
 /// One producer (trainer rank) of the fleet.
 struct CoordinatedProducer {
@@ -228,4 +228,4 @@ class Coordinator {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace refit
+}  // namespace refit::internal

@@ -195,7 +195,7 @@ struct RouteState {
 // starts. Shared counters are atomics; the first error is guarded by a mutex.
 class StreamRun {
  public:
-  StreamRun(const ProducerStreamOptions& options, DeltaTracker& tracker,
+  StreamRun(const ProducerStreamOptions& options, internal::DeltaTracker& tracker,
             std::span<const StreamRoute> routes, DeltaHistory* history)
       : options_(options),
         tracker_(tracker),
@@ -243,7 +243,7 @@ class StreamRun {
   void SendLoop();
 
   const ProducerStreamOptions& options_;
-  DeltaTracker& tracker_;
+  internal::DeltaTracker& tracker_;
   const std::span<const StreamRoute> routes_;
   // Borrowed; null: nothing is recorded or folded.
   DeltaHistory* const history_;
@@ -509,7 +509,7 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
                        job.chunk_index, tensor.name);
     }
     const Clock::time_point start = Clock::now();
-    Result<EncodeResult> encoded = tracker_.Encode(plan_.transfer_id, tensor);
+    Result<internal::EncodeResult> encoded = tracker_.Encode(plan_.transfer_id, tensor);
     encode_time_.Add(start);
     if (!encoded.ok()) {
       return encoded.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
@@ -718,19 +718,19 @@ Result<std::unique_ptr<ProducerStream>> ProducerStream::Make(const ProducerStrea
   return std::unique_ptr<ProducerStream>(new ProducerStream(resolved));
 }
 
-Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+Result<StreamReport> ProducerStream::Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                                          const PayloadSender& send,
                                          const SenderCleanup& cleanup) const {
   const StreamRoute route{nullptr, send, cleanup};
   return Run(tracker, source, std::span<const StreamRoute>(&route, 1));
 }
 
-Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+Result<StreamReport> ProducerStream::Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                                          std::span<const StreamRoute> routes) const {
   return Run(tracker, source, routes, nullptr);
 }
 
-Result<StreamReport> ProducerStream::Run(DeltaTracker& tracker, const ChunkSource& source,
+Result<StreamReport> ProducerStream::Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                                          std::span<const StreamRoute> routes,
                                          DeltaHistory* history) const {
   if (routes.empty())

@@ -81,21 +81,21 @@ class ProducerStream {
   /// as a tensor without baseline in a delta), InvalidArgument (a chunk that breaks the chunking
   /// rule, is empty, or repeats a tensor name; a bad tensor), ResourceExhausted (a thread could
   /// not start; more than 2^32 payloads), and whatever the source or sender return.
-  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
+  Result<StreamReport> Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                            const PayloadSender& send, const SenderCleanup& cleanup = nullptr) const;
   /// As above, sending each route what its receivers hold: every encoded item is cut for each
   /// route (ItemRoute::Cut) and bucketed into that route's own payloads, numbered from 0 per
   /// route and handed to that route's sender. Items are encoded once whatever the routes.
   /// Errors: as above; InvalidArgument for no routes or a route without a sender, and what
   /// ItemRoute::Cut returns (naming the route).
-  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
+  Result<StreamReport> Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                            std::span<const StreamRoute> routes) const;
   /// As above, recording what each owned chunk's items are into `history` (opened by the caller
   /// with DeltaHistory::Begin for this transfer; committed or aborted with the tracker), and
   /// folding from it for kFolded routes. `history` may be null when no route is kFolded.
   /// Errors: as above; InvalidArgument for a kFolded route without a history or in an anchor;
   /// what DeltaHistory::FoldChunk returns, naming the chunk.
-  Result<StreamReport> Run(DeltaTracker& tracker, const ChunkSource& source,
+  Result<StreamReport> Run(internal::DeltaTracker& tracker, const ChunkSource& source,
                            std::span<const StreamRoute> routes, DeltaHistory* history) const;
 
   const ProducerStreamOptions& options() const { return options_; }

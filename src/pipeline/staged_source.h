@@ -41,14 +41,14 @@ ChunkSource StagedTensorSource(std::vector<ExportTensor> tensors, uint64_t chunk
 /// `producer_id` of `num_producers` owns under PlanChunks(…, chunk_bytes): what a producer does
 /// when its receivers already hold `model` (they loaded that checkpoint), so that its first
 /// transfer is a delta. Errors: as DeltaTracker::AdoptBaseline.
-Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const TensorView> model,
+Status AdoptOwnedBaseline(internal::DeltaTracker& tracker, std::span<const TensorView> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers);
 
 /// As above with tensors in host or device memory: a device tensor is read into a buffer of
 /// `pool`, one tensor at a time, and copied into the baseline from there. Errors: as above;
 /// InvalidArgument for a device tensor larger than the pool's budget (or no pool); the backend's
 /// error of a read, naming the tensor.
-Status AdoptOwnedBaseline(DeltaTracker& tracker, std::span<const ExportTensor> model,
+Status AdoptOwnedBaseline(internal::DeltaTracker& tracker, std::span<const ExportTensor> model,
                           uint64_t chunk_bytes, uint32_t producer_id, uint32_t num_producers,
                           StagingPool* pool);
 

@@ -21,14 +21,7 @@
 #include "util/check.h"
 #include "util/thread_pool.h"
 
-namespace refit {
-
-using internal::DeviceDeltaBatch;
-using internal::kCurrentPayload;
-using internal::kDeviceBatch;
-using internal::kDeviceFullBlockBytes;
-using internal::kFullApplyBlockBytes;
-using internal::kLocationBatch;
+namespace refit::internal {
 
 namespace {
 
@@ -534,4 +527,4 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
   return ApplyInOrder(payload, store, *undo, received);
 }
 
-}  // namespace refit
+}  // namespace refit::internal

@@ -14,7 +14,7 @@
 #include "refit/status.h"
 #include "refit/weight_store.h"
 
-namespace refit {
+namespace refit::internal {
 
 /// Options of an UndoLog.
 struct UndoLogOptions {
@@ -156,4 +156,4 @@ class UndoLog {
 Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
                     ValidatedPayload* received = nullptr, int threads = 1);
 
-}  // namespace refit
+}  // namespace refit::internal

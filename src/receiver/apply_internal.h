@@ -20,7 +20,7 @@
 
 namespace refit {
 
-struct UndoLog::Record {
+struct internal::UndoLog::Record {
   /// The (local) tensor written.
   std::string tensor{};
   uint32_t width = 0;
@@ -100,7 +100,7 @@ class DeviceDeltaBatch {
   /// Apply the queued elements of `item` to `memory` and clear. Adds the digest changes in local
   /// and canonical coordinates to `local_delta` and `canonical_delta`. Whatever the device may
   /// have been given is in `record` when this returns, after an error too.
-  Status Flush(TensorMemory& memory, const ItemView& item, UndoLog::Record& record,
+  Status Flush(TensorMemory& memory, const ItemView& item, internal::UndoLog::Record& record,
                uint64_t* local_delta, uint64_t* canonical_delta) {
     const size_t n = local_.size();
     if (n == 0) return Status::OK();
@@ -151,8 +151,8 @@ Status WriteDevice(TensorMemory& memory, uint64_t offset, std::span<const std::b
 /// ApplyPayload through the store's loader (apply_loader.cc), recording into `undo`. `threads` > 1:
 /// a payload (deltas, FULL items or both) whose items write more than one group of local tensors
 /// applies the groups in parallel, with the same all-or-nothing result.
-Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store, UndoLog& undo,
-                          int threads);
+Status ApplyThroughLoader(const DecodedPayload& payload, WeightStore& store,
+                          internal::UndoLog& undo, int threads);
 
 }  // namespace internal
 }  // namespace refit

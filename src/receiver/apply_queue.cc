@@ -89,8 +89,8 @@ ApplyOutcome ApplyQueue::Apply(QueuedPayload& payload) {
   }
   // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
   // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
-  outcome.status =
-      ApplyPayload(decoded_payload, store_, &undo_, &staged.payload, options_.apply_threads);
+  outcome.status = internal::ApplyPayload(decoded_payload, store_, &undo_, &staged.payload,
+                                          options_.apply_threads);
   return outcome;
 }
 

@@ -59,7 +59,7 @@ struct ApplyQueueOptions {
   /// The limits a payload's decode is held to.
   PayloadLimits limits{};
   /// The undo log's policy for FULL spans.
-  UndoLogOptions undo{};
+  internal::UndoLogOptions undo{};
   /// Called before each payload is applied, without the lock (tracing, tests).
   std::function<void(const PayloadIds&)> before_apply;
 };
@@ -135,7 +135,7 @@ class ApplyQueue {
   std::deque<QueuedPayload> queue_ REFIT_GUARDED_BY(mutex_);
   bool applying_ REFIT_GUARDED_BY(mutex_) = false;
   /// Written by Apply without the lock while `applying_`; otherwise under the lock.
-  UndoLog undo_;
+  internal::UndoLog undo_;
   uint64_t undo_bytes_ REFIT_GUARDED_BY(mutex_) = 0;
   uint64_t undo_file_bytes_ REFIT_GUARDED_BY(mutex_) = 0;
   std::vector<std::jthread> decode_threads_;

@@ -34,17 +34,9 @@ std::string_view ReceiverStateName(ReceiverState state) {
   return "unknown";
 }
 
+namespace internal {
 namespace {
 
-using internal::ApplyOutcome;
-using internal::ApplyQueue;
-using internal::LedgerClock;
-using internal::MutexLock;
-using internal::OpenTransfer;
-using internal::Outcome;
-using internal::PrepareStep;
-using internal::QueuedPayload;
-using internal::TransferLedger;
 using Clock = LedgerClock;
 
 /// The OS name of the apply thread (Linux keeps at most 15 bytes).
@@ -758,4 +750,5 @@ Result<HeldRegions> ReceiverSession::Regions(const std::vector<std::string>& can
 
 ReceiverStatus ReceiverSession::GetStatus() const { return impl_->GetStatus(); }
 
+}  // namespace internal
 }  // namespace refit

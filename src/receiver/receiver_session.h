@@ -38,7 +38,7 @@
 #include "refit/transfer.h"
 #include "refit/weight_store.h"
 
-namespace refit {
+namespace refit::internal {
 
 /// The receiver's transactional transfer state over one WeightStore.
 ///
@@ -206,4 +206,4 @@ class ReceiverSession final : public ReceiverControl, public PayloadSink {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace refit
+}  // namespace refit::internal

@@ -21,21 +21,9 @@
 #include "util/check.h"
 
 namespace refit {
-
-using internal::kCurrentPayload;
-using internal::kDeviceFullBlockBytes;
-using internal::kLocationBatch;
-using internal::WriteDevice;
-
 namespace {
 constexpr std::pair<AnchorUndo, std::string_view> kAnchorUndoNames[] = {
     {AnchorUndo::kMemory, "memory"}, {AnchorUndo::kFile, "file"}, {AnchorUndo::kNone, "none"}};
-
-std::string SpillDirectory(const UndoLogOptions& options) {
-  if (!options.spill_directory.empty()) return options.spill_directory;
-  const char* tmpdir = std::getenv("TMPDIR");
-  return tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
-}
 }  // namespace
 
 std::string_view AnchorUndoName(AnchorUndo policy) {
@@ -51,6 +39,15 @@ Result<AnchorUndo> ParseAnchorUndo(std::string_view name) {
   }
   return InvalidArgument("anchor_undo '{}' is not one of memory, file, none", name);
 }
+
+namespace internal {
+namespace {
+std::string SpillDirectory(const UndoLogOptions& options) {
+  if (!options.spill_directory.empty()) return options.spill_directory;
+  const char* tmpdir = std::getenv("TMPDIR");
+  return tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+}
+}  // namespace
 
 UndoLog::UndoLog() = default;
 UndoLog::UndoLog(UndoLogOptions options) : options_(std::move(options)) {}
@@ -369,4 +366,5 @@ Status UndoLog::RollbackTo(WeightStore& store, size_t savepoint, const DecodedPa
   return Status::OK();
 }
 
+}  // namespace internal
 }  // namespace refit

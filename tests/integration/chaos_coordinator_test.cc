@@ -142,29 +142,30 @@ class ChaosCoordinatorTest : public ::testing::TestWithParam<DieAt> {
   }
 
   // A coordinator incarnation over the fleet's trackers and receivers, living `life`.
-  std::unique_ptr<Coordinator> MakeCoordinator(Life& life) {
+  std::unique_ptr<internal::Coordinator> MakeCoordinator(Life& life) {
     life.receivers = fleet_->receivers().size();
     controls_.clear();
-    std::vector<CoordinatedReceiver> receivers;
+    std::vector<internal::CoordinatedReceiver> receivers;
     for (size_t r = 0; r < fleet_->receivers().size(); ++r) {
       controls_.push_back(
           std::make_unique<VanishingControl>(r, *fleet_->receivers()[r].session, life));
       receivers.push_back({fmt::format("receiver {}", r), controls_.back().get()});
     }
-    std::vector<CoordinatedProducer> producers;
-    for (const std::unique_ptr<DeltaTracker>& tracker : fleet_->trackers()) {
+    std::vector<internal::CoordinatedProducer> producers;
+    for (const std::unique_ptr<internal::DeltaTracker>& tracker : fleet_->trackers()) {
       producers.push_back({tracker.get(), [this](const TransferPlan&) -> Result<ChunkSource> {
                              std::vector<TensorView> views;
                              for (const OwnedTensor& t : fleet_->model()) views.push_back(t.view());
                              return TensorListSource(std::move(views), testing::kFleetChunkBytes);
                            }});
     }
-    CoordinatorOptions options;
+    internal::CoordinatorOptions options;
     options.stream.chunk_bytes = testing::kFleetChunkBytes;
     options.stream.bucket_bytes = 4 << 10;
     options.transfer_timeout = std::chrono::seconds(30);
-    ChannelFactory channels =
-        [this, &life](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+    internal::ChannelFactory channels =
+        [this, &life](
+            const internal::ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
       REFIT_ASSIGN_OR_RETURN(
           std::unique_ptr<TransportSender> sender,
           sender_->MakeSender(SenderContext{.transfer_id = request.transfer_id,
@@ -175,7 +176,8 @@ class ChaosCoordinatorTest : public ::testing::TestWithParam<DieAt> {
       return std::unique_ptr<PayloadChannel>(
           std::make_unique<VanishingChannel>(std::move(sender), life));
     };
-    auto made = Coordinator::Make(options, std::move(producers), std::move(receivers), channels);
+    auto made =
+        internal::Coordinator::Make(options, std::move(producers), std::move(receivers), channels);
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     return made.ok() ? std::move(made).ValueOrDie() : nullptr;
   }
@@ -206,7 +208,7 @@ TEST_P(ChaosCoordinatorTest, TheNextRefitRepairsWhateverTheDeadCoordinatorLeft) 
   {
     Life life;
     life.die_at = die_at;
-    std::unique_ptr<Coordinator> doomed = MakeCoordinator(life);
+    std::unique_ptr<internal::Coordinator> doomed = MakeCoordinator(life);
     ASSERT_NE(doomed, nullptr);
     const Result<RefitReport> outcome = doomed->Refit();
     ASSERT_TRUE(life.dead) << "the coordinator never reached the phase it should die in";
@@ -253,7 +255,7 @@ TEST_P(ChaosCoordinatorTest, TheNextRefitRepairsWhateverTheDeadCoordinatorLeft) 
   // the next step commits everywhere.
   fleet_->TrainStep(0.05, 2);
   Life alive;
-  std::unique_ptr<Coordinator> next = MakeCoordinator(alive);
+  std::unique_ptr<internal::Coordinator> next = MakeCoordinator(alive);
   ASSERT_NE(next, nullptr);
   ASSERT_OK_AND_ASSIGN(const RefitReport report, next->Refit());
   EXPECT_EQ(report.plan.base_version, decided);

@@ -46,7 +46,7 @@ refit::Status Run(const std::string& api_key) {
                                        std::byte{0x3f}, std::byte{0x80}, std::byte{0x3f},
                                        std::byte{0x80}, std::byte{0x3f}};
   REFIT_RETURN_NOT_OK(store->AddCopy({"model.norm.weight", refit::DType::kBFloat16, {4}, norm}));
-  REFIT_ASSIGN_OR_RETURN(auto session, refit::ReceiverSession::Make({}, *store));
+  REFIT_ASSIGN_OR_RETURN(auto session, refit::internal::ReceiverSession::Make({}, *store));
   refit::ControlServerOptions options;
   options.api_key = api_key;
   REFIT_ASSIGN_OR_RETURN(auto server, refit::ControlServer::Make(options, *session, *store));

@@ -128,7 +128,7 @@ TEST_F(FleetTest, AReceiverKilledMidTransferLeavesTheSurvivorsAtTheBase) {
   // transfer and before the producer's payloads reach it: its ports close, and relay 0 cannot
   // forward to it.
   constexpr size_t kVictim = 2;
-  fleet_->on_channel_open = [&](const ChannelRequest&) { fleet_->KillReceiver(kVictim); };
+  fleet_->on_channel_open = [&](const internal::ChannelRequest&) { fleet_->KillReceiver(kVictim); };
   Result<RefitReport> failed = fleet_->Refit();
   fleet_->on_channel_open = nullptr;
   EXPECT_FALSE(failed.ok());

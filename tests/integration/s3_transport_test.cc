@@ -296,10 +296,12 @@ class ManifestTest : public S3TransportTest {
     transfer_ = TransferId::Random();
     ASSERT_OK(fleet_->receivers()[0].session->Prepare({transfer_, 0, {}}).status());
     // A FULL item of the first tensor, as a producer's anchor would encode it.
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<internal::DeltaTracker> tracker,
+                         internal::DeltaTracker::Make({}));
     ASSERT_OK(tracker->Begin(transfer_, /*force_anchor=*/true).status());
     const OwnedTensor changed = testing::Perturb(fleet_->model()[0], 0.5, 3);
-    ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(transfer_, changed.view()));
+    ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded,
+                         tracker->Encode(transfer_, changed.view()));
     std::vector<ItemView> views;
     for (const Item& item : encoded.items) views.push_back(item.view());
     ASSERT_OK_AND_ASSIGN(payload_, EncodePayload(PayloadIds{transfer_, 0, 0, 0, 1}, views));

@@ -47,7 +47,7 @@ TEST(AnchorUndoNameTest, ParsesItsOwnNamesAndNamesABadOne) {
 class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
  protected:
   void SetUp() override {
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     store_ = WeightStore::Make();
     current_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, 1),
                 RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, 3),
@@ -60,7 +60,7 @@ class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
     options.anchor_undo = GetParam();
     options.after_abort = [this](const TransferId&, uint64_t) { ++after_abort_calls_; };
     options.after_commit = [this](const TransferId&, uint64_t) { ++after_commit_calls_; };
-    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make(options, *store_));
+    ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make(options, *store_));
   }
 
   uint64_t ModelBytes() const {
@@ -99,10 +99,10 @@ class AnchorUndoTest : public ::testing::TestWithParam<AnchorUndo> {
     return true;
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> current_;
-  std::unique_ptr<ReceiverSession> session_;
+  std::unique_ptr<internal::ReceiverSession> session_;
   std::atomic<int> after_abort_calls_{0};
   std::atomic<int> after_commit_calls_{0};
 };
@@ -224,7 +224,8 @@ TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExa
                                          RandomTensor("d.bias", DType::kBFloat16, {3}, 24)};
   std::vector<OwnedTensor> next;
   for (const OwnedTensor& t : base) next.push_back(Perturb(t, 0.5, 99));
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<internal::DeltaTracker> tracker,
+                       internal::DeltaTracker::Make({}));
   const TransferId id = TransferId::Random();
   ASSERT_OK_AND_ASSIGN(const TransferPlan plan, tracker->Begin(id, /*force_anchor=*/true));
   std::vector<Item> items;
@@ -234,7 +235,7 @@ TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExa
     const std::vector<uint64_t> cuts = t.name == "c.weight" ? std::vector<uint64_t>{0, 1234, numel}
                                                             : std::vector<uint64_t>{0, numel};
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-      ASSERT_OK_AND_ASSIGN(EncodeResult encoded,
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded,
                            tracker->Encode(id, t.view(), cuts[k], cuts[k + 1]));
       for (Item& item : encoded.items) items.push_back(std::move(item));
     }
@@ -264,15 +265,16 @@ TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExa
     return true;
   };
   auto serial = make_store();
-  UndoLog serial_undo;
-  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  internal::UndoLog serial_undo;
+  ASSERT_OK(internal::ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
   ASSERT_TRUE(holds(*serial, next));
   const std::string directory = std::filesystem::temp_directory_path().string();
   for (AnchorUndo policy : {AnchorUndo::kMemory, AnchorUndo::kFile, AnchorUndo::kNone}) {
     SCOPED_TRACE(AnchorUndoName(policy));
     auto store = make_store();
-    UndoLog undo(UndoLogOptions{.anchor_undo = policy, .spill_directory = directory});
-    ASSERT_OK(ApplyPayload(decoded, *store, &undo, nullptr, /*threads=*/4));
+    internal::UndoLog undo(
+        internal::UndoLogOptions{.anchor_undo = policy, .spill_directory = directory});
+    ASSERT_OK(internal::ApplyPayload(decoded, *store, &undo, nullptr, /*threads=*/4));
     EXPECT_TRUE(holds(*store, next));
     EXPECT_EQ(store->Digests(), serial->Digests());
     EXPECT_EQ(store->Digests(), store->RecomputeDigests());
@@ -284,7 +286,7 @@ TEST(AnchorUndoParallelTest, AParallelFullApplyEqualsASerialOneAndRollsBackAsExa
     if (policy == AnchorUndo::kNone) continue;
     // The forged payload: refused, nothing of it left.
     EXPECT_STATUS_MSG(DataLoss, "span digest after apply",
-                      ApplyPayload(forged, *store, &undo, nullptr, /*threads=*/4));
+                      internal::ApplyPayload(forged, *store, &undo, nullptr, /*threads=*/4));
     EXPECT_TRUE(holds(*store, base));
     EXPECT_EQ(store->Digests(), store->RecomputeDigests());
     EXPECT_EQ(undo.records(), 0u);
@@ -298,16 +300,17 @@ TEST(AnchorUndoOptionsTest, ASpillDirectoryThatCannotHoldTheFileIsRefusedAtMakeN
   options.anchor_undo = AnchorUndo::kFile;
   options.anchor_undo_directory = "/nonexistent/refit-spill";
   EXPECT_STATUS_MSG(InvalidArgument, "'/nonexistent/refit-spill' is not a directory",
-                    ReceiverSession::Make(options, *store));
+                    internal::ReceiverSession::Make(options, *store));
   // Only kFile uses the directory.
   options.anchor_undo = AnchorUndo::kNone;
-  EXPECT_OK(ReceiverSession::Make(options, *store));
+  EXPECT_OK(internal::ReceiverSession::Make(options, *store));
 }
 
 // A spill file that cannot be written (here: past RLIMIT_FSIZE, as on a full disk) fails the
 // payload with an IoError that names the file, and leaves the store as it was.
 TEST(AnchorUndoSpillTest, AFailedSpillWriteFailsThePayloadAndAppliesNothing) {
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<internal::DeltaTracker> tracker,
+                       internal::DeltaTracker::Make({}));
   auto store = WeightStore::Make();
   const OwnedTensor base = RandomTensor("big.weight", DType::kFloat32, {64, 64}, 11);
   ASSERT_OK(testing::AddTestTensor(*store, base.view()));
@@ -319,14 +322,15 @@ TEST(AnchorUndoSpillTest, AFailedSpillWriteFailsThePayloadAndAppliesNothing) {
   const std::string directory =
       (std::filesystem::temp_directory_path() / fmt::format("refit-spill-{}", ::getpid())).string();
   std::filesystem::create_directories(directory);
-  UndoLog undo(UndoLogOptions{.anchor_undo = AnchorUndo::kFile, .spill_directory = directory});
+  internal::UndoLog undo(
+      internal::UndoLogOptions{.anchor_undo = AnchorUndo::kFile, .spill_directory = directory});
   rlimit saved{};
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
   const auto previous_handler = std::signal(SIGXFSZ, SIG_IGN);
   rlimit small = saved;
   small.rlim_cur = 4096;  // The tensor's old bits are 16 KiB.
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
-  const Status applied = ApplyPayload(decoded, *store, &undo);
+  const Status applied = internal::ApplyPayload(decoded, *store, &undo);
   ::setrlimit(RLIMIT_FSIZE, &saved);
   std::signal(SIGXFSZ, previous_handler);
   std::filesystem::remove_all(directory);

@@ -53,10 +53,10 @@ void ExpectAForgedDigestUndoesThePayload(std::vector<Item> items, size_t forged,
   items[forged].digest ^= 1;
   const std::vector<std::byte> bytes = EncodeItems(id, plan, items);
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
-  UndoLog undo;
+  internal::UndoLog undo;
   ValidatedPayload kept = Validated(bytes);
   EXPECT_STATUS_MSG(DataLoss, "digest change after apply",
-                    ApplyPayload(decoded, store, &undo, &kept, threads));
+                    internal::ApplyPayload(decoded, store, &undo, &kept, threads));
   EXPECT_EQ(TakeSnapshot(store), before);
   EXPECT_EQ(store.Digests(), digests_before);
   EXPECT_EQ(undo.records(), 0u);
@@ -71,7 +71,7 @@ class ApplyTest : public ::testing::TestWithParam<std::tuple<DType, Op>> {
     TrackerOptions options;
     options.op = op;
     options.add_delta_dtype = DType::kFloat32;
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make(options));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make(options));
     store_ = WeightStore::Make();
     v0_ = {RandomTensor("model.embed.weight", dtype, {300, 17}, 1),
            RandomTensor("model.norm.weight", dtype, {17}, 2)};
@@ -105,7 +105,7 @@ class ApplyTest : public ::testing::TestWithParam<std::tuple<DType, Op>> {
     return payloads;
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> v0_;
 };
@@ -115,10 +115,10 @@ TEST_P(ApplyTest, StepsReproduceTheTrainerBitExactlyAndDigestsMatch) {
   for (int step = 0; step < 3; ++step) {
     for (OwnedTensor& t : current) t = Perturb(t, 0.05, 10 * step + t.bytes.size());
     const TransferId id = TransferId::Random();
-    UndoLog undo;
+    internal::UndoLog undo;
     for (const auto& payload : EncodeStep(current, id)) {
       ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-      ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+      ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo));
     }
     // The receiver's incrementally kept digests equal a from-scratch digest and the producer's.
     EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
@@ -136,10 +136,10 @@ TEST_P(ApplyTest, RollbackRestoresTheBaseBitExactly) {
   std::vector<OwnedTensor> next;
   for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.3, 99));
   const TransferId id = TransferId::Random();
-  UndoLog undo;
+  internal::UndoLog undo;
   for (const auto& payload : EncodeStep(next, id)) {
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-    ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+    ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo));
   }
   EXPECT_NE(TakeSnapshot(*store_), before);
   EXPECT_GT(undo.bytes(), 0u);
@@ -161,13 +161,13 @@ TEST_P(ApplyTest, RollbackThroughKeptPayloadsRestoresTheBaseBitExactly) {
   std::vector<OwnedTensor> next;
   for (const OwnedTensor& t : v0_) next.push_back(Perturb(t, 0.3, 77));
   const TransferId id = TransferId::Random();
-  UndoLog undo;
+  internal::UndoLog undo;
   uint64_t wire = 0;
   for (auto& payload : EncodeStep(next, id)) {
     wire += payload.size();
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
     ValidatedPayload received = Validated(payload);
-    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, &received));
+    ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo, &received));
     // The log took the bytes exactly when it undoes by re-applying (XOR items).
     EXPECT_EQ(received.size() == 0, reapplies);
   }
@@ -206,7 +206,7 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
                                            ? std::vector<uint64_t>{0, 1111, numel}
                                            : std::vector<uint64_t>{0, numel};
     for (size_t k = 0; k + 1 < cuts.size(); ++k) {
-      ASSERT_OK_AND_ASSIGN(EncodeResult encoded,
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded,
                            tracker_->Encode(id, t.view(), cuts[k], cuts[k + 1]));
       for (Item& item : encoded.items) items.push_back(std::move(item));
     }
@@ -218,14 +218,14 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
   auto serial = WeightStore::Make();
   for (const OwnedTensor& t : v0_) ASSERT_OK(AddTestTensor(*serial, t.view()));
   serial->set_version(store_->version());
-  UndoLog serial_undo;
-  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  internal::UndoLog serial_undo;
+  ASSERT_OK(internal::ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
   for (const bool keep_payload : {false, true}) {
     SCOPED_TRACE(keep_payload ? "payload kept" : "old bits kept");
-    UndoLog undo;
+    internal::UndoLog undo;
     ValidatedPayload kept = Validated(bytes);
-    ASSERT_OK(ApplyPayload(decoded, *store_, &undo, keep_payload ? &kept : nullptr,
-                           /*threads=*/4));
+    ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo, keep_payload ? &kept : nullptr,
+                                     /*threads=*/4));
     EXPECT_EQ(TakeSnapshot(*store_), TakeSnapshot(*serial));
     EXPECT_EQ(store_->Digests(), serial->Digests());
     EXPECT_EQ(store_->Digests(), tracker_->PendingDigests());
@@ -245,7 +245,7 @@ TEST_P(ApplyTest, AParallelDeltaApplyEqualsASerialOneAndRollsBackAsExactly) {
 // large item in slices at its location marks on several threads: the bytes and digests of one
 // thread, an exact rollback (the item re-applied whole), and a forged digest undoes it all.
 TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   const std::vector<OwnedTensor> v0 = {RandomTensor("big", DType::kBFloat16, {1000, 700}, 1),
                                        RandomTensor("small", DType::kBFloat16, {64}, 2)};
   const auto make_store = [&] {
@@ -264,7 +264,7 @@ TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
   for (const OwnedTensor& t : v0) next.push_back(Perturb(t, 0.3, 9));
   std::vector<Item> items;
   for (const OwnedTensor& t : next) {
-    ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(id, t.view()));
+    ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded, tracker->Encode(id, t.view()));
     for (Item& item : encoded.items) items.push_back(std::move(item));
   }
   const std::vector<std::byte> bytes = EncodeItems(id, plan, items);
@@ -275,8 +275,8 @@ TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
 
   auto serial = make_store();
   serial->set_version(plan.base_version);
-  UndoLog serial_undo;
-  ASSERT_OK(ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
+  internal::UndoLog serial_undo;
+  ASSERT_OK(internal::ApplyPayload(decoded, *serial, &serial_undo, nullptr, /*threads=*/1));
   EXPECT_EQ(serial->Digests(), tracker->PendingDigests());
   for (const int threads : {2, 4, 7}) {
     SCOPED_TRACE(fmt::format("{} threads", threads));
@@ -284,9 +284,9 @@ TEST(ApplySlicesTest, ALargeXorItemAppliesInSlicesOnSeveralThreads) {
     store->set_version(plan.base_version);
     const StoreSnapshot before = TakeSnapshot(*store);
     const std::map<std::string, uint64_t> digests_before = store->Digests();
-    UndoLog undo;
+    internal::UndoLog undo;
     ValidatedPayload kept = Validated(bytes);
-    ASSERT_OK(ApplyPayload(decoded, *store, &undo, &kept, threads));
+    ASSERT_OK(internal::ApplyPayload(decoded, *store, &undo, &kept, threads));
     // Kept to undo the XOR items, which then split; a device tensor keeps old bits instead.
     EXPECT_EQ(kept.size() == 0, !testing::DeviceMemoryForced());
     EXPECT_EQ(TakeSnapshot(*store), TakeSnapshot(*serial));
@@ -323,7 +323,7 @@ class ApplyRejectionTest : public ::testing::Test {
 
   /// One payload holding an XOR delta of `w` (base → perturbed) plus `extra` items.
   std::vector<std::byte> MakePayload(std::vector<Item> extra = {}) {
-    auto tracker = DeltaTracker::Make({});
+    auto tracker = internal::DeltaTracker::Make({});
     EXPECT_TRUE(tracker.ok());
     const TransferId anchor = TransferId::Random();
     EXPECT_TRUE((*tracker)->Begin(anchor).ok());
@@ -366,20 +366,20 @@ TEST_F(ApplyRejectionTest, UnknownTensorAppliesNothing) {
   // The valid item for 'w' comes first: it must not be applied either.
   auto payload = MakePayload({OverwriteItem("model.missing", DType::kBFloat16, {4})});
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-  UndoLog undo;
-  EXPECT_STATUS_MSG(NotFound, "model.missing", ApplyPayload(decoded, *store_, &undo));
+  internal::UndoLog undo;
+  EXPECT_STATUS_MSG(NotFound, "model.missing", internal::ApplyPayload(decoded, *store_, &undo));
   EXPECT_EQ(TakeSnapshot(*store_), before);
   EXPECT_EQ(undo.records(), 0u);
 }
 
 TEST_F(ApplyRejectionTest, DtypeOrShapeMismatchAppliesNothing) {
   const StoreSnapshot before = TakeSnapshot(*store_);
-  UndoLog undo;
+  internal::UndoLog undo;
   for (Item bad : {OverwriteItem("other", DType::kBFloat16, {10}),
                    OverwriteItem("other", DType::kFloat32, {2, 5})}) {
     auto payload = MakePayload({bad});
     ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-    EXPECT_STATUS_MSG(InvalidArgument, "'other'", ApplyPayload(decoded, *store_, &undo));
+    EXPECT_STATUS_MSG(InvalidArgument, "'other'", internal::ApplyPayload(decoded, *store_, &undo));
     EXPECT_EQ(TakeSnapshot(*store_), before);
   }
 }
@@ -393,9 +393,9 @@ TEST_F(ApplyRejectionTest, ReceiverNotAtBaseIsDetectedAndUndone) {
   ASSERT_OK(testing::FlipByte(*store_, "w", changed_byte));
   ASSERT_OK(store_->SetDigest("w", store_->RecomputeDigests().at("w")));
   const StoreSnapshot diverged = TakeSnapshot(*store_);
-  UndoLog undo;
+  internal::UndoLog undo;
   EXPECT_STATUS_MSG(DataLoss, "holds at version 1 differs from the producer's base",
-                    ApplyPayload(decoded, *store_, &undo));
+                    internal::ApplyPayload(decoded, *store_, &undo));
   EXPECT_EQ(TakeSnapshot(*store_), diverged);
   EXPECT_EQ(undo.records(), 0u);
 }
@@ -407,16 +407,16 @@ TEST_F(ApplyRejectionTest, AFailedApplyWithKeptBytesUndoesItsXorItemsAndKeepsNot
   // not take the bytes.
   auto payload = MakePayload();
   ASSERT_OK_AND_ASSIGN(DecodedPayload good, DecodePayload(payload));
-  UndoLog undo;
+  internal::UndoLog undo;
   ValidatedPayload kept = Validated(payload);
-  ASSERT_OK(ApplyPayload(good, *store_, &undo, &kept));
+  ASSERT_OK(internal::ApplyPayload(good, *store_, &undo, &kept));
   EXPECT_EQ(kept.size(), 0u);
   const StoreSnapshot after_first = TakeSnapshot(*store_);
   // The same payload again: the receiver is no longer at its base, so its digest check fails
   // after the XOR was applied, and that payload is undone.
   ValidatedPayload again = Validated(payload);
   EXPECT_STATUS_MSG(DataLoss, "holds at version 1 differs from the producer's base",
-                    ApplyPayload(good, *store_, &undo, &again));
+                    internal::ApplyPayload(good, *store_, &undo, &again));
   EXPECT_TRUE(std::ranges::equal(again.bytes(), payload));
   EXPECT_EQ(TakeSnapshot(*store_), after_first);
   EXPECT_EQ(undo.payload_bytes(), payload.size());
@@ -434,19 +434,19 @@ TEST_F(ApplyRejectionTest, DivergenceOutsideTheChangesShowsInTheTensorDigest) {
   ASSERT_OK(store_->SetDigest("w", store_->RecomputeDigests().at("w")));
   // The payload only touches changed elements, so it applies; the divergence is caught where
   // the coordinator compares whole-tensor digests with the producer's.
-  UndoLog undo;
-  ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
+  internal::UndoLog undo;
+  ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo));
   EXPECT_NE(*store_->Digest("w"), TensorDigest(next_.view()));
   EXPECT_EQ(*store_->Digest("w"), store_->RecomputeDigests().at("w"));
 }
 
 TEST_F(ApplyRejectionTest, UndoLogSpansPayloadsAndRollsBackAll) {
   const StoreSnapshot before = TakeSnapshot(*store_);
-  UndoLog undo;
+  internal::UndoLog undo;
   auto payload = MakePayload();
   ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(payload));
-  ASSERT_OK(ApplyPayload(decoded, *store_, &undo));
-  EXPECT_STATUS(InvalidArgument, ApplyPayload(decoded, *store_, nullptr));
+  ASSERT_OK(internal::ApplyPayload(decoded, *store_, &undo));
+  EXPECT_STATUS(InvalidArgument, internal::ApplyPayload(decoded, *store_, nullptr));
   ASSERT_OK(undo.Rollback(*store_));
   EXPECT_EQ(TakeSnapshot(*store_), before);
 }

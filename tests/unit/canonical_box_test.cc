@@ -194,7 +194,7 @@ class ShardedProducers {
     size_t ranks = 0;
     for (const auto& [tensor, boxes] : tilings_) ranks = std::max(ranks, boxes.size());
     for (size_t r = 0; r < ranks; ++r) {
-      auto tracker = DeltaTracker::Make(options);
+      auto tracker = internal::DeltaTracker::Make(options);
       EXPECT_TRUE(tracker.ok());
       trackers_.push_back(std::move(tracker).ValueOrDie());
       for (const auto& [tensor, boxes] : tilings_) {
@@ -217,7 +217,7 @@ class ShardedProducers {
     std::map<std::string, uint64_t> expected;
     const TransferId id = TransferId::Random();
     for (size_t r = 0; r < trackers_.size(); ++r) {
-      DeltaTracker& tracker = *trackers_[r];
+      internal::DeltaTracker& tracker = *trackers_[r];
       const TransferPlan plan{id, anchor, step, step + 1};
       EXPECT_OK(tracker.BeginPlanned(plan).status());
       std::vector<Item> items;
@@ -239,8 +239,8 @@ class ShardedProducers {
       for (const auto& bytes : *payloads) {
         auto decoded = DecodePayload(bytes);
         EXPECT_TRUE(decoded.ok()) << decoded.status().ToString();
-        UndoLog undo;
-        EXPECT_OK(ApplyPayload(*decoded, store, &undo));
+        internal::UndoLog undo;
+        EXPECT_OK(internal::ApplyPayload(*decoded, store, &undo));
       }
       for (const auto& [local, digest] : tracker.PendingDigests()) {
         expected[tracker.PlacementOf(local)->tensor] += digest;
@@ -250,12 +250,12 @@ class ShardedProducers {
     return expected;
   }
 
-  DeltaTracker& tracker(size_t r) { return *trackers_[r]; }
+  internal::DeltaTracker& tracker(size_t r) { return *trackers_[r]; }
   size_t ranks() const { return trackers_.size(); }
 
  private:
   std::vector<std::pair<OwnedTensor, std::vector<Box>>> tilings_;
-  std::vector<std::unique_ptr<DeltaTracker>> trackers_;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers_;
 };
 
 class TrackerBoxTest : public ::testing::TestWithParam<Op> {};
@@ -318,11 +318,11 @@ INSTANTIATE_TEST_SUITE_P(EveryDeltaOp, TrackerBoxTest,
 
 TEST(TrackerBoxTest, AColumnShardAnchorsAsOneFullItemPerRowAndDeltasAsOneItem) {
   const OwnedTensor tensor = RandomTensor("w", DType::kBFloat16, {5, 8}, 11);
-  auto tracker = DeltaTracker::Make({}).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make({}).ValueOrDie();
   const Box box{{0, 2}, {5, 3}};
   ASSERT_OK(tracker->Place("local", {"w", tensor.shape, box.offset}, box.extent));
   ASSERT_OK_AND_ASSIGN(TransferPlan anchor, tracker->Begin(TransferId::Random()));
-  ASSERT_OK_AND_ASSIGN(EncodeResult full,
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult full,
                        tracker->Encode(anchor.transfer_id, Cut(tensor, box, "local").view()));
   ASSERT_EQ(full.items.size(), 5u);
   for (size_t row = 0; row < 5; ++row) {
@@ -333,7 +333,7 @@ TEST(TrackerBoxTest, AColumnShardAnchorsAsOneFullItemPerRowAndDeltasAsOneItem) {
   ASSERT_OK(tracker->Commit(anchor.transfer_id));
   ASSERT_OK_AND_ASSIGN(TransferPlan delta, tracker->Begin(TransferId::Random()));
   const OwnedTensor next = Perturb(tensor, 0.5, 12);
-  ASSERT_OK_AND_ASSIGN(EncodeResult changes,
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult changes,
                        tracker->Encode(delta.transfer_id, Cut(next, box, "local").view()));
   ASSERT_EQ(changes.items.size(), 1u);
   EXPECT_EQ(changes.items[0].name, "w");
@@ -342,7 +342,7 @@ TEST(TrackerBoxTest, AColumnShardAnchorsAsOneFullItemPerRowAndDeltasAsOneItem) {
 }
 
 TEST(TrackerBoxTest, ALocalTensorOfAnotherShapeThanItsBoxIsRefused) {
-  auto tracker = DeltaTracker::Make({}).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make({}).ValueOrDie();
   ASSERT_OK(tracker->Place("local", {"w", {6, 4}, {3, 0}}, {3, 4}));
   const OwnedTensor wrong = RandomTensor("local", DType::kFloat32, {4, 4}, 1);
   EXPECT_STATUS_MSG(InvalidArgument, "extent [3, 4] of canonical tensor 'w'",
@@ -358,7 +358,7 @@ TEST(TrackerBoxTest, ALocalTensorOfAnotherShapeThanItsBoxIsRefused) {
 }
 
 TEST(TrackerBoxTest, MovingATensorToAnotherBoxDropsItsBaselineAndAnchors) {
-  auto tracker = DeltaTracker::Make({}).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make({}).ValueOrDie();
   ASSERT_OK(tracker->Place("local", {"w", {6, 4}, {0, 0}}, {3, 4}));
   const OwnedTensor local = RandomTensor("local", DType::kFloat32, {3, 4}, 1);
   ASSERT_OK(tracker->AdoptBaseline(local.view()));

@@ -48,7 +48,7 @@ class ControlManifestTest : public ::testing::Test {
  protected:
   void SetUp() override {
     store_ = WeightStore::Make();
-    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make({}, *store_));
+    ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make({}, *store_));
   }
 
   void TearDown() override {
@@ -127,7 +127,7 @@ class ControlManifestTest : public ::testing::Test {
   }
 
   std::unique_ptr<WeightStore> store_;
-  std::unique_ptr<ReceiverSession> session_;
+  std::unique_ptr<internal::ReceiverSession> session_;
   std::unique_ptr<ControlServer> server_;
 
   std::mutex mutex_;

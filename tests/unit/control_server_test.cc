@@ -69,7 +69,7 @@ json ParseBody(const httplib::Result& result) {
 class ControlServerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     store_ = WeightStore::Make();
     current_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, 1),
                 RandomTensor("model.layers.0.attn.qkv.weight", DType::kFloat16, {40, 40}, 2),
@@ -91,7 +91,7 @@ class ControlServerTest : public ::testing::Test {
   /// Start session, server and client. Call once per test (after changing options if needed).
   void StartServer(const ControlServerOptions& options = DefaultOptions(),
                    const ReceiverSessionOptions& session_options = {}) {
-    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make(session_options, *store_));
+    ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make(session_options, *store_));
     ASSERT_OK_AND_ASSIGN(server_, ControlServer::Make(options, *session_, *store_));
     ASSERT_OK(server_->Start());
     ASSERT_NE(server_->port(), 0);
@@ -183,10 +183,10 @@ class ControlServerTest : public ::testing::Test {
     return std::nullopt;
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> current_;
-  std::unique_ptr<ReceiverSession> session_;
+  std::unique_ptr<internal::ReceiverSession> session_;
   std::unique_ptr<ControlServer> server_;
   std::unique_ptr<ControlClient> client_;
 };
@@ -763,7 +763,7 @@ TEST_F(ControlServerTest, StopCancelsAnUploadBlockedOnAFullApplyQueue) {
 }
 
 TEST_F(ControlServerTest, MakeAndStartRejectBadSetups) {
-  ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make({}, *store_));
+  ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make({}, *store_));
   ControlServerOptions options = DefaultOptions();
   options.tls_cert_path = "/nonexistent/cert.pem";
   EXPECT_STATUS(InvalidArgument, ControlServer::Make(options, *session_, *store_));
@@ -988,7 +988,7 @@ TEST_F(ControlServerTest, ServesHttpsWithATrustedCertificate) {
   ControlServerOptions options = DefaultOptions();
   options.tls_cert_path = certificate.cert_path();
   options.tls_key_path = certificate.key_path();
-  ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make({}, *store_));
+  ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make({}, *store_));
   ASSERT_OK_AND_ASSIGN(server_, ControlServer::Make(options, *session_, *store_));
   ASSERT_OK(server_->Start());
   EXPECT_TRUE(server_->base_url().starts_with("https://127.0.0.1:"));

@@ -72,7 +72,7 @@ class ControlSlowClientsTest : public ::testing::Test {
                                                 DType::kFloat32, {64}, static_cast<uint64_t>(t))
                               .view()));
     }
-    ASSERT_OK_AND_ASSIGN(session_, ReceiverSession::Make({}, *store_));
+    ASSERT_OK_AND_ASSIGN(session_, internal::ReceiverSession::Make({}, *store_));
     options.api_key = kApiKey;
     ASSERT_OK_AND_ASSIGN(server_, ControlServer::Make(options, *session_, *store_));
     ASSERT_OK(server_->Start());
@@ -125,7 +125,7 @@ class ControlSlowClientsTest : public ::testing::Test {
   }
 
   std::unique_ptr<WeightStore> store_;
-  std::unique_ptr<ReceiverSession> session_;
+  std::unique_ptr<internal::ReceiverSession> session_;
   std::unique_ptr<ControlServer> server_;
   std::vector<int> drippers_;
   std::jthread drip_;

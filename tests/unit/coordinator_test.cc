@@ -99,7 +99,7 @@ TEST(CoordinatorTest, ProducersAtDifferentVersionsAreRefusedBeforeAnythingOpens)
   Fleet fleet(InprocOptions("versions"));
   ASSERT_NO_FATAL_FAILURE(fleet.Start());
   // Producer 1 alone commits an (empty) transfer: it is now one version ahead.
-  DeltaTracker& ahead = *fleet.trackers()[1];
+  internal::DeltaTracker& ahead = *fleet.trackers()[1];
   const TransferId solo = TransferId::Random();
   ASSERT_OK(ahead.Begin(solo).status());
   ASSERT_OK(ahead.Commit(solo));
@@ -215,24 +215,25 @@ TEST(CoordinatorTest, AFailingSourceAbortsAndNamesTheProducer) {
   ASSERT_NO_FATAL_FAILURE(fleet.Start());
   const StoreSnapshot at_zero = fleet.ModelSnapshot(0);
   fleet.TrainStep(0.05, 1);
-  std::vector<CoordinatedProducer> producers;
+  std::vector<internal::CoordinatedProducer> producers;
   for (auto& tracker : fleet.trackers()) {
     producers.push_back({tracker.get(), [](const TransferPlan&) -> Result<ChunkSource> {
                            return IoError("export of rank failed");
                          }});
   }
-  std::vector<CoordinatedReceiver> receivers;
+  std::vector<internal::CoordinatedReceiver> receivers;
   for (testing::FleetReceiver& receiver : fleet.receivers()) {
     receivers.push_back({receiver.endpoint, receiver.control()});
   }
   std::atomic<int> channels_opened{0};
   ASSERT_OK_AND_ASSIGN(
       auto coordinator,
-      Coordinator::Make({}, producers, receivers,
-                        [&](const ChannelRequest&) -> Result<std::unique_ptr<PayloadChannel>> {
-                          ++channels_opened;
-                          return Internal("unreachable");
-                        }));
+      internal::Coordinator::Make(
+          {}, producers, receivers,
+          [&](const internal::ChannelRequest&) -> Result<std::unique_ptr<PayloadChannel>> {
+            ++channels_opened;
+            return Internal("unreachable");
+          }));
   // Every producer's source fails; which one the error names first depends on thread timing,
   // so check that it names a producer and the source's error.
   const Status failed = coordinator->Refit().status();
@@ -247,26 +248,29 @@ TEST(CoordinatorTest, AFailingSourceAbortsAndNamesTheProducer) {
 }
 
 TEST(CoordinatorTest, MakeRefusesIncompleteFleets) {
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   auto source = [](const TransferPlan&) -> Result<ChunkSource> { return ChunkSource{}; };
-  auto channels = [](const ChannelRequest&) -> Result<std::unique_ptr<PayloadChannel>> {
+  auto channels = [](const internal::ChannelRequest&) -> Result<std::unique_ptr<PayloadChannel>> {
     return Internal("unused");
   };
-  EXPECT_STATUS_MSG(InvalidArgument, "no producers", Coordinator::Make({}, {}, {}, channels));
+  EXPECT_STATUS_MSG(InvalidArgument, "no producers",
+                    internal::Coordinator::Make({}, {}, {}, channels));
   EXPECT_STATUS_MSG(InvalidArgument, "producer 0 has no tracker",
-                    Coordinator::Make({}, {{nullptr, source}}, {}, channels));
-  EXPECT_STATUS_MSG(InvalidArgument, "receiver 'r' has no control",
-                    Coordinator::Make({}, {{tracker.get(), source}}, {{"r", nullptr}}, channels));
+                    internal::Coordinator::Make({}, {{nullptr, source}}, {}, channels));
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "receiver 'r' has no control",
+      internal::Coordinator::Make({}, {{tracker.get(), source}}, {{"r", nullptr}}, channels));
   EXPECT_STATUS_MSG(InvalidArgument, "no channel factory",
-                    Coordinator::Make({}, {{tracker.get(), source}}, {}, nullptr));
-  CoordinatorOptions zero_timeout;
+                    internal::Coordinator::Make({}, {{tracker.get(), source}}, {}, nullptr));
+  internal::CoordinatorOptions zero_timeout;
   zero_timeout.transfer_timeout = std::chrono::milliseconds(0);
-  EXPECT_STATUS_MSG(InvalidArgument, "transfer_timeout",
-                    Coordinator::Make(zero_timeout, {{tracker.get(), source}}, {}, channels));
-  CoordinatorOptions bad_stream;
+  EXPECT_STATUS_MSG(
+      InvalidArgument, "transfer_timeout",
+      internal::Coordinator::Make(zero_timeout, {{tracker.get(), source}}, {}, channels));
+  internal::CoordinatorOptions bad_stream;
   bad_stream.stream.bucket_bytes = 0;
   EXPECT_STATUS(InvalidArgument,
-                Coordinator::Make(bad_stream, {{tracker.get(), source}}, {}, channels));
+                internal::Coordinator::Make(bad_stream, {{tracker.get(), source}}, {}, channels));
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ class Producer {
  public:
   explicit Producer(DeltaHistoryOptions options) : rng_(42) {
     history_ = DeltaHistory::Make(options).ValueOrDie();
-    tracker_ = DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
+    tracker_ = internal::DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
     for (int c = 0; c < kChunks; ++c) {
       state_[c].resize(kElements);
       for (uint16_t& b : state_[c]) b = static_cast<uint16_t>(0x3c80 + rng_() % 0x100);
@@ -101,7 +101,7 @@ class Producer {
  private:
   std::mt19937_64 rng_;
   std::unique_ptr<DeltaHistory> history_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   TransferId id_;
   std::array<std::vector<uint16_t>, kChunks> state_;
   std::vector<std::array<std::vector<uint16_t>, kChunks>> versions_;

@@ -80,7 +80,7 @@ struct Step {
 /// A receiver: store, session, and a listener into the session (destroyed first).
 struct Receiver {
   std::unique_ptr<WeightStore> store;
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
 };
 
@@ -105,7 +105,7 @@ class FileTransportTest : public ::testing::Test {
     dir_ = pattern;
     transport_ = MakeTransportOrNull(fmt::format("file://{}?poll_ms=0", dir_.string()));
     ASSERT_NE(transport_, nullptr);
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     model_ = MakeModel(1);
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
   }
@@ -126,7 +126,7 @@ class FileTransportTest : public ::testing::Test {
     Receiver receiver;
     receiver.store = WeightStore::Make();
     for (const OwnedTensor& t : model_) EXPECT_OK(receiver.store->AddCopy(t.view()));
-    auto session = ReceiverSession::Make({}, *receiver.store);
+    auto session = internal::ReceiverSession::Make({}, *receiver.store);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
@@ -218,7 +218,7 @@ class FileTransportTest : public ::testing::Test {
 
   fs::path dir_;
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::vector<OwnedTensor> model_;
 };
 
@@ -595,7 +595,7 @@ TEST_F(FileTransportTest, ConcurrentProducersMeetThePollingThread) {
       next.push_back(Perturb(model_[p], kDensity, round * 100 + p));
       const uint64_t numel = next.back().view().numel();
       for (uint64_t span = 0; span < kSpans; ++span) {
-        ASSERT_OK_AND_ASSIGN(EncodeResult encoded,
+        ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded,
                              tracker_->Encode(id, next.back().view(), numel * span / kSpans,
                                               numel * (span + 1) / kSpans));
         std::vector<ItemView> views;

@@ -172,10 +172,10 @@ TEST(FoldedCatchUpTest, ALaggardIsFoldedAndOneBeyondTheHistoryAnchoredWhileMembe
     }
   };
   // Two producers, each keeping 4 deltas of the chunks it owns.
-  std::vector<std::unique_ptr<DeltaTracker>> trackers;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers;
   std::vector<std::unique_ptr<DeltaHistory>> histories;
   for (int p = 0; p < 2; ++p) {
-    trackers.push_back(DeltaTracker::Make(TrackerOptions{}).ValueOrDie());
+    trackers.push_back(internal::DeltaTracker::Make(TrackerOptions{}).ValueOrDie());
     for (const TensorView& view : Views(model)) {
       // Producer p owns the tensors of chunks k % 2 == p.
       if (std::stoul(view.name.substr(1)) % 2 == static_cast<uint64_t>(p)) {
@@ -190,32 +190,33 @@ TEST(FoldedCatchUpTest, ALaggardIsFoldedAndOneBeyondTheHistoryAnchoredWhileMembe
   }
   // One transfer to the receivers named, each standing where it says it does.
   const auto refit = [&](const std::vector<std::string>& names) -> Result<RefitReport> {
-    std::vector<CoordinatedProducer> producers;
+    std::vector<internal::CoordinatedProducer> producers;
     for (int p = 0; p < 2; ++p) {
-      producers.push_back(CoordinatedProducer{trackers[p].get(),
-                                              [&](const TransferPlan&) -> Result<ChunkSource> {
-                                                return TensorListSource(Views(model), kChunkBytes);
-                                              },
-                                              histories[p].get()});
+      producers.push_back(
+          internal::CoordinatedProducer{trackers[p].get(),
+                                        [&](const TransferPlan&) -> Result<ChunkSource> {
+                                          return TensorListSource(Views(model), kChunkBytes);
+                                        },
+                                        histories[p].get()});
     }
-    std::vector<CoordinatedReceiver> receivers;
+    std::vector<internal::CoordinatedReceiver> receivers;
     for (const std::string& name : names) {
       TargetReceiver* receiver = fleet.at(name).get();
       receivers.push_back({name, receiver, {}, name, receiver->standing()});
     }
-    CoordinatorOptions options;
+    internal::CoordinatorOptions options;
     options.stream.chunk_bytes = kChunkBytes;
     options.relay_trees = true;
     options.per_receiver_plans = true;
-    const ChannelFactory channels =
-        [&](const ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
+    const internal::ChannelFactory channels =
+        [&](const internal::ChannelRequest& request) -> Result<std::unique_ptr<PayloadChannel>> {
       std::vector<TargetReceiver*> to;
       for (const std::string& endpoint : request.endpoints) to.push_back(fleet.at(endpoint).get());
       return std::unique_ptr<PayloadChannel>(new RouteChannel(std::move(to)));
     };
     REFIT_ASSIGN_OR_RETURN(
-        std::unique_ptr<Coordinator> coordinator,
-        Coordinator::Make(options, std::move(producers), std::move(receivers), channels));
+        std::unique_ptr<internal::Coordinator> coordinator,
+        internal::Coordinator::Make(options, std::move(producers), std::move(receivers), channels));
     return coordinator->Refit();
   };
 

@@ -34,7 +34,7 @@ constexpr double kDensity = 0.05;
 class LeaseReceiverSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     store_ = WeightStore::Make();
     original_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, 1),
                  RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {31, 29}, 2),
@@ -45,13 +45,13 @@ class LeaseReceiverSessionTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<ReceiverSession> MakeSession(
+  std::unique_ptr<internal::ReceiverSession> MakeSession(
       std::chrono::milliseconds lease,
       std::chrono::milliseconds preempt_after = ReceiverSessionOptions{}.preempt_after) {
     ReceiverSessionOptions options;
     options.transfer_lease = lease;
     options.preempt_after = preempt_after;
-    auto session = ReceiverSession::Make(options, *store_);
+    auto session = internal::ReceiverSession::Make(options, *store_);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     return session.ok() ? std::move(session).ValueOrDie() : nullptr;
   }
@@ -80,7 +80,7 @@ class LeaseReceiverSessionTest : public ::testing::Test {
     EXPECT_EQ(store_->Digests(), store_->RecomputeDigests());
   }
 
-  static bool WaitForState(const ReceiverSession& session, ReceiverState state) {
+  static bool WaitForState(const internal::ReceiverSession& session, ReceiverState state) {
     const auto deadline = std::chrono::steady_clock::now() + kGenerousWait;
     while (session.GetStatus().state != state) {
       if (std::chrono::steady_clock::now() > deadline) return false;
@@ -89,7 +89,7 @@ class LeaseReceiverSessionTest : public ::testing::Test {
     return true;
   }
 
-  static void WaitForApplied(const ReceiverSession& session, uint64_t count) {
+  static void WaitForApplied(const internal::ReceiverSession& session, uint64_t count) {
     const auto deadline = std::chrono::steady_clock::now() + kGenerousWait;
     while (session.GetStatus().applied_payloads < count &&
            std::chrono::steady_clock::now() < deadline) {
@@ -98,7 +98,7 @@ class LeaseReceiverSessionTest : public ::testing::Test {
     ASSERT_EQ(session.GetStatus().applied_payloads, count);
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> original_;
 };
@@ -201,7 +201,7 @@ TEST_F(LeaseReceiverSessionTest, ZeroMeansNoLease) {
 TEST_F(LeaseReceiverSessionTest, ANegativeLeaseIsRefused) {
   ReceiverSessionOptions options;
   options.transfer_lease = std::chrono::milliseconds(-1);
-  EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
+  EXPECT_STATUS(InvalidArgument, internal::ReceiverSession::Make(options, *store_));
 }
 
 TEST_F(LeaseReceiverSessionTest, APrepareFromTheBaseOfAPreparedTransferAbortsItImplicitly) {
@@ -314,7 +314,7 @@ TEST_F(LeaseReceiverSessionTest, TheDefaultPreemptionLetsTheNextCoordinatorInWit
   ReceiverSessionOptions options;
   options.preempt_after = std::chrono::milliseconds(-1);
   EXPECT_STATUS_MSG(InvalidArgument, "preempt_after -1 ms is negative",
-                    ReceiverSession::Make(options, *store_));
+                    internal::ReceiverSession::Make(options, *store_));
 }
 
 }  // namespace

@@ -186,7 +186,7 @@ std::map<std::string, OwnedTensor> SliceShard(const std::vector<OwnedTensor>& mo
 }
 
 /// Open transfer `id` on `tracker` for `next` and return its one payload, decoded.
-std::vector<DecodedPayload> EncodeStep(DeltaTracker& tracker, const TransferId& id,
+std::vector<DecodedPayload> EncodeStep(internal::DeltaTracker& tracker, const TransferId& id,
                                        const std::vector<OwnedTensor>& next, bool anchor) {
   auto plan = tracker.Begin(id, anchor);
   EXPECT_TRUE(plan.ok()) << plan.status().ToString();
@@ -219,7 +219,7 @@ class ExpertLoaderTest : public ::testing::TestWithParam<Placement> {
     for (const OwnedTensor& t : model_) names_.push_back(t.name);
     TrackerOptions options;
     options.op = Op::kXor;
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make(options));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make(options));
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     for (const Shard& shard : GetParam().shards) {
       auto store = WeightStore::Make();
@@ -236,7 +236,7 @@ class ExpertLoaderTest : public ::testing::TestWithParam<Placement> {
   void Apply(const std::vector<DecodedPayload>& payloads) {
     for (size_t s = 0; s < stores_.size(); ++s) {
       for (const DecodedPayload& payload : payloads) {
-        ASSERT_OK(ApplyPayload(payload, *stores_[s], &undo_[s]));
+        ASSERT_OK(internal::ApplyPayload(payload, *stores_[s], &undo_[s]));
       }
     }
   }
@@ -271,9 +271,9 @@ class ExpertLoaderTest : public ::testing::TestWithParam<Placement> {
 
   std::vector<OwnedTensor> model_;
   std::vector<std::string> names_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::vector<std::unique_ptr<WeightStore>> stores_;
-  std::vector<UndoLog> undo_;
+  std::vector<internal::UndoLog> undo_;
 };
 
 TEST_P(ExpertLoaderTest, DeltasAnchorsAndRollbacksReachEveryStackExactly) {

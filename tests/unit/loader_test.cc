@@ -249,7 +249,7 @@ struct Step {
 
 /// Open a transfer on `tracker` for `next`, every tensor cut into `spans` element ranges (not
 /// aligned to rows) spread over `payload_count` payloads, and decode them as a receiver would.
-Step EncodeStep(DeltaTracker& tracker, const std::vector<OwnedTensor>& next, bool anchor,
+Step EncodeStep(internal::DeltaTracker& tracker, const std::vector<OwnedTensor>& next, bool anchor,
                 uint64_t spans = 3, size_t payload_count = 4) {
   Step step;
   step.id = TransferId::Random();
@@ -305,7 +305,7 @@ class ShardGroup {
     TrackerOptions options;
     options.op = op;
     options.add_delta_dtype = DType::kFloat32;
-    auto tracker = DeltaTracker::Make(options);
+    auto tracker = internal::DeltaTracker::Make(options);
     ASSERT_OK(tracker);
     tracker_ = std::move(tracker).ValueOrDie();
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
@@ -326,7 +326,8 @@ class ShardGroup {
   void Apply(const Step& step) {
     for (uint32_t rank = 0; rank < tp_; ++rank) {
       for (const DecodedPayload& payload : step.payloads) {
-        ASSERT_OK(ApplyPayload(payload, *shards_[rank], &undo_[rank], nullptr, apply_threads_));
+        ASSERT_OK(
+            internal::ApplyPayload(payload, *shards_[rank], &undo_[rank], nullptr, apply_threads_));
       }
     }
   }
@@ -405,9 +406,9 @@ class ShardGroup {
   int apply_threads_ = 1;
   std::vector<OwnedTensor> model_;
   std::vector<std::string> names_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::vector<std::unique_ptr<WeightStore>> shards_;
-  std::vector<UndoLog> undo_;
+  std::vector<internal::UndoLog> undo_;
 };
 
 std::vector<OwnedTensor> PerturbModel(const std::vector<OwnedTensor>& model, double density,
@@ -442,7 +443,7 @@ TEST_P(LoaderGroupTest, DeltasAndAnchorsReachEveryShardExactly) {
     group_.ExpectShardsHold(current);
     group_.ExpectGroupDigests(group_.tracker_->PendingDigests());
     ASSERT_OK(group_.tracker_->Commit(step.id));
-    for (UndoLog& undo : group_.undo_) undo.Clear();
+    for (internal::UndoLog& undo : group_.undo_) undo.Clear();
   }
 }
 
@@ -493,12 +494,13 @@ TEST_P(LoaderGroupTest, AnAnchorIsUndoneFromItsSpillFileOrLeftSelfConsistentWhen
   const ShardGroup::GroupSnapshot before = group_.Snapshot();
   for (AnchorUndo policy : {AnchorUndo::kFile, AnchorUndo::kNone}) {
     SCOPED_TRACE(AnchorUndoName(policy));
-    for (UndoLog& undo : group_.undo_) undo = UndoLog(UndoLogOptions{.anchor_undo = policy});
+    for (internal::UndoLog& undo : group_.undo_)
+      undo = internal::UndoLog(internal::UndoLogOptions{.anchor_undo = policy});
     const std::vector<OwnedTensor> next = PerturbModel(group_.model_, 0.3, 91);
     const Step step = EncodeStep(*group_.tracker_, next, /*anchor=*/true);
     ASSERT_NO_FATAL_FAILURE(group_.Apply(step));
     for (uint32_t rank = 0; rank < group_.tp_; ++rank) {
-      UndoLog& undo = group_.undo_[rank];
+      internal::UndoLog& undo = group_.undo_[rank];
       EXPECT_EQ(undo.exact(), policy == AnchorUndo::kFile);
       EXPECT_EQ(undo.spilled_bytes() > 0, policy == AnchorUndo::kFile);
       EXPECT_EQ(undo.bytes(), 0u) << "an anchor's old bits stay out of memory";
@@ -517,11 +519,11 @@ TEST_P(LoaderGroupTest, AnAnchorIsUndoneFromItsSpillFileOrLeftSelfConsistentWhen
     ASSERT_OK(group_.tracker_->Abort(step.id));
     if (policy == AnchorUndo::kNone) {
       // Put the base back, as the next anchor would, for the loop's next policy.
-      for (UndoLog& undo : group_.undo_) undo = UndoLog();
+      for (internal::UndoLog& undo : group_.undo_) undo = internal::UndoLog();
       const Step heal = EncodeStep(*group_.tracker_, group_.model_, /*anchor=*/true);
       ASSERT_NO_FATAL_FAILURE(group_.Apply(heal));
       ASSERT_OK(group_.tracker_->Abort(heal.id));
-      for (UndoLog& undo : group_.undo_) undo.Clear();
+      for (internal::UndoLog& undo : group_.undo_) undo.Clear();
       EXPECT_EQ(group_.Snapshot(), before);
     }
   }
@@ -730,21 +732,21 @@ class LoaderRefusalTest : public ::testing::Test {
 TEST_F(LoaderRefusalTest, UnknownTensorIsNotFoundAndNothingIsApplied) {
   const StoreSnapshot before = TakeSnapshot(rank0());
   const DecodedPayload payload = MakePayload({OverwriteItem("model.missing", {4})});
-  UndoLog undo;
+  internal::UndoLog undo;
   EXPECT_STATUS_MSG(NotFound,
                     "tensor 'model.missing' is neither in the receiver's store nor mapped",
-                    ApplyPayload(payload, rank0(), &undo));
+                    internal::ApplyPayload(payload, rank0(), &undo));
   EXPECT_EQ(TakeSnapshot(rank0()), before);
   EXPECT_EQ(undo.records(), 0u);
 }
 
 TEST_F(LoaderRefusalTest, WrongCanonicalShapeOrDtypeNamesBoth) {
   const StoreSnapshot before = TakeSnapshot(rank0());
-  UndoLog undo;
+  internal::UndoLog undo;
   {
     const DecodedPayload payload =
         MakePayload({OverwriteItem(Layer(1, "self_attn.k_proj.weight"), {9, 16})});
-    const Status status = ApplyPayload(payload, rank0(), &undo);
+    const Status status = internal::ApplyPayload(payload, rank0(), &undo);
     EXPECT_STATUS_MSG(InvalidArgument, "[9, 16]", status);
     EXPECT_STATUS_MSG(InvalidArgument, "[8, 16]", status);
     EXPECT_STATUS_MSG(InvalidArgument, "self_attn.k_proj.weight", status);
@@ -752,7 +754,7 @@ TEST_F(LoaderRefusalTest, WrongCanonicalShapeOrDtypeNamesBoth) {
   {
     const DecodedPayload payload =
         MakePayload({OverwriteItem(Layer(1, "mlp.up_proj.weight"), {24, 16}, DType::kFloat16)});
-    const Status status = ApplyPayload(payload, rank0(), &undo);
+    const Status status = internal::ApplyPayload(payload, rank0(), &undo);
     EXPECT_STATUS_MSG(InvalidArgument, "is float16 [24, 16] in the payload", status);
     EXPECT_STATUS_MSG(InvalidArgument, "bfloat16 [24, 16] in the receiver's loader", status);
   }
@@ -764,8 +766,8 @@ TEST_F(LoaderRefusalTest, SkippedTensorsAreIgnored) {
   const StoreSnapshot before = TakeSnapshot(rank0());
   // Wrong shape too: a receiver that does not hold a tensor has no opinion about it.
   const DecodedPayload payload = MakePayload({OverwriteItem("model.rotary_emb.inv_freq", {5})});
-  UndoLog undo;
-  ASSERT_OK(ApplyPayload(payload, rank0(), &undo));
+  internal::UndoLog undo;
+  ASSERT_OK(internal::ApplyPayload(payload, rank0(), &undo));
   EXPECT_NE(TakeSnapshot(rank0()), before);
   ASSERT_OK(undo.Rollback(rank0()));
   EXPECT_EQ(TakeSnapshot(rank0()), before);
@@ -796,9 +798,9 @@ TEST_F(LoaderRefusalTest, AWholeTensorNotAtBaseIsDetectedAndThePayloadUndone) {
   // failed check still undoes both.
   for (const int threads : {1, 3}) {
     SCOPED_TRACE(fmt::format("{} apply threads", threads));
-    UndoLog undo;
+    internal::UndoLog undo;
     EXPECT_STATUS_MSG(DataLoss, "differs from the producer's base",
-                      ApplyPayload(payload, rank0(), &undo, nullptr, threads));
+                      internal::ApplyPayload(payload, rank0(), &undo, nullptr, threads));
     EXPECT_EQ(TakeSnapshot(rank0()), diverged);
     ASSERT_OK_AND_ASSIGN(auto holdings_after, rank0().Holdings(names));
     EXPECT_EQ(holdings_after, holdings_before);
@@ -819,13 +821,13 @@ TEST_F(LoaderRefusalTest, AnAnchorWithACorruptSpanIsUndoneWhateverTheThreads) {
   for (const AnchorUndo policy : {AnchorUndo::kMemory, AnchorUndo::kFile}) {
     for (const int threads : {1, 3}) {
       SCOPED_TRACE(fmt::format("{}, {} apply threads", AnchorUndoName(policy), threads));
-      UndoLog undo(UndoLogOptions{.anchor_undo = policy});
+      internal::UndoLog undo(internal::UndoLogOptions{.anchor_undo = policy});
       EXPECT_STATUS_MSG(DataLoss, "'model.norm.weight': span digest after apply",
-                        ApplyPayload(corrupt, rank0(), &undo, nullptr, threads));
+                        internal::ApplyPayload(corrupt, rank0(), &undo, nullptr, threads));
       EXPECT_EQ(TakeSnapshot(rank0()), before);
       EXPECT_EQ(undo.records(), 0u);
       // The intact anchor applies, and is undone exactly.
-      ASSERT_OK(ApplyPayload(good, rank0(), &undo, nullptr, threads));
+      ASSERT_OK(internal::ApplyPayload(good, rank0(), &undo, nullptr, threads));
       EXPECT_NE(TakeSnapshot(rank0()), before);
       ASSERT_OK(undo.Rollback(rank0()));
       EXPECT_EQ(TakeSnapshot(rank0()), before);

@@ -276,7 +276,7 @@ class CleanupRecorder {
 /// Decode and apply one producer's payloads; check that their ids are 0..n-1 and that each
 /// header names the transfer, the producer and the version step.
 void ApplyPayloads(const PayloadMap& payloads, const TransferPlan& plan, uint32_t producer_id,
-                   WeightStore& store, UndoLog& undo) {
+                   WeightStore& store, internal::UndoLog& undo) {
   uint32_t expected_id = 0;
   for (const auto& [payload_id, bytes] : payloads) {
     EXPECT_EQ(payload_id, expected_id++);
@@ -287,7 +287,7 @@ void ApplyPayloads(const PayloadMap& payloads, const TransferPlan& plan, uint32_
     EXPECT_EQ(ids.transfer_id, plan.transfer_id);
     EXPECT_EQ(ids.base_version, plan.base_version);
     EXPECT_EQ(ids.target_version, plan.target_version);
-    ASSERT_OK(ApplyPayload(decoded, store, &undo));
+    ASSERT_OK(internal::ApplyPayload(decoded, store, &undo));
   }
 }
 
@@ -320,8 +320,8 @@ std::unique_ptr<WeightStore> StoreOf(const std::vector<OwnedTensor>& model) {
 }
 
 /// A tracker whose baseline is `model` (as after an anchor), at version 0.
-std::unique_ptr<DeltaTracker> TrackerAt(const std::vector<OwnedTensor>& model) {
-  auto tracker = DeltaTracker::Make({});
+std::unique_ptr<internal::DeltaTracker> TrackerAt(const std::vector<OwnedTensor>& model) {
+  auto tracker = internal::DeltaTracker::Make({});
   EXPECT_TRUE(tracker.ok()) << tracker.status().ToString();
   for (const OwnedTensor& t : model) EXPECT_OK((*tracker)->AdoptBaseline(t.view()));
   return std::move(tracker).ValueOrDie();
@@ -339,9 +339,9 @@ TEST_P(StreamFleetTest, AnchorThenDeltaReproduceTheTrainerBitExactly) {
   const std::vector<ChunkRange> plan = PlanChunks(Sizes(v0), kChunkBytes);
   ASSERT_GT(plan.size(), producers);
 
-  std::vector<std::unique_ptr<DeltaTracker>> trackers;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers;
   for (uint32_t p = 0; p < producers; ++p) {
-    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
     trackers.push_back(std::move(tracker));
   }
   std::unique_ptr<WeightStore> store = ZeroStore(v0);
@@ -350,7 +350,7 @@ TEST_P(StreamFleetTest, AnchorThenDeltaReproduceTheTrainerBitExactly) {
     const bool anchor = model == &v0;
     SCOPED_TRACE(anchor ? "anchor" : "delta");
     const TransferId id = TransferId::Random();
-    UndoLog undo;
+    internal::UndoLog undo;
     uint64_t changed = 0;
     uint64_t total = 0;
     std::multiset<std::string> sent_tensors;
@@ -441,7 +441,7 @@ TEST(ProducerStreamTest, UnchangedChunksSendNothingButCountInTheTotals) {
   EXPECT_EQ(report.total_elements, TotalElements(v0));
   EXPECT_EQ(report.changed_elements, ChangedElements(v0, v1));
   auto store = StoreOf(v0);
-  UndoLog undo;
+  internal::UndoLog undo;
   ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
   ExpectStoreHolds(*store, v1);
   ASSERT_OK(tracker->Commit(id));
@@ -478,7 +478,7 @@ TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
     ProducerStreamOptions options = SmallOptions();
     options.anchor_compression = mode;
     ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
-    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
     std::unique_ptr<WeightStore> store = ZeroStore(v0);
     for (const auto* model : {&v0, &v1}) {
       const bool anchor = model == &v0;
@@ -498,7 +498,7 @@ TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
       for (const auto& [payload_id, bytes] : collector.payloads()) {
         EXPECT_EQ(IsRawFrame(bytes), raw) << "payload " << payload_id;
       }
-      UndoLog undo;
+      internal::UndoLog undo;
       ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
       ExpectStoreHolds(*store, *model);
       ASSERT_OK(tracker->Commit(id));
@@ -534,7 +534,7 @@ TEST(ProducerStreamTest, AutoAnchorCompressionFollowsTheMeasuredRates) {
     ProducerStreamOptions options = SmallOptions();
     options.anchor_compression = AnchorCompression::kAuto;
     ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
-    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
     const TransferId id = TransferId::Random();
     ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
     PayloadCollector collector;
@@ -565,7 +565,7 @@ TEST(ProducerStreamTest, AutoAnchorCompressionFollowsTheMeasuredRates) {
     }
 
     std::unique_ptr<WeightStore> store = ZeroStore(model);
-    UndoLog undo;
+    internal::UndoLog undo;
     ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
     ExpectStoreHolds(*store, model);
     ASSERT_OK(tracker->Commit(id));
@@ -614,7 +614,7 @@ void ExpectBucketRule(const PayloadMap& payloads, uint64_t bucket_bytes,
 TEST(ProducerStreamTest, PayloadsFollowTheBucketRuleInCanonicalOrder) {
   const std::vector<OwnedTensor> v0 = MakeModel(3);
   const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.08, 200);
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(SmallOptions()));
   for (const auto* model : {&v0, &v1}) {
     SCOPED_TRACE(model == &v0 ? "anchor: FULL items, several larger than a bucket" : "delta");
@@ -688,7 +688,8 @@ TEST(PackPayloadsTest, EncodeWritesThePayloadsPushSends) {
       ASSERT_OK_AND_ASSIGN(const TransferPlan plan, encode_tracker->Begin(id, anchor));
       std::vector<Item> items;
       for (const OwnedTensor& tensor : v1) {
-        ASSERT_OK_AND_ASSIGN(EncodeResult encoded, encode_tracker->Encode(id, tensor.view()));
+        ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded,
+                             encode_tracker->Encode(id, tensor.view()));
         for (Item& item : encoded.items) items.push_back(std::move(item));
       }
       const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
@@ -875,7 +876,7 @@ TEST_P(StreamFailureTest, FirstErrorIsReturnedAfterDrainingAndCleanupThenARetryS
   PayloadCollector collector;
   ASSERT_OK(stream->Run(*tracker, TensorListSource(Views(v1), kChunkBytes), collector.Sender()));
   auto store = StoreOf(v0);
-  UndoLog undo;
+  internal::UndoLog undo;
   ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
   ExpectStoreHolds(*store, v1);
   ASSERT_OK(tracker->Commit(retry));

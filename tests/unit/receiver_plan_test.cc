@@ -127,7 +127,7 @@ TEST(PerReceiverStreamTest, DeltaAnchorAndFoldedRoutesEachReachTheTargetInOneTra
     for (uint16_t& b : tensor) b = static_cast<uint16_t>(0x3c80 + rng() % 0x100);
   }
   std::vector<Model> versions = {model};
-  auto tracker = DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
   for (const TensorView& view : Views(model)) ASSERT_OK(tracker->AdoptBaseline(view));
   auto history = DeltaHistory::Make(DeltaHistoryOptions{}).ValueOrDie();
   ProducerStreamOptions options;
@@ -202,7 +202,7 @@ TEST(PerReceiverStreamTest, DeltaAnchorAndFoldedRoutesEachReachTheTargetInOneTra
 
 TEST(PerReceiverStreamTest, AFoldedRouteWithoutHistoryIsRefusedBeforeAnythingIsSent) {
   Model model(kTensors, std::vector<uint16_t>(kElements, 0x3c80));
-  auto tracker = DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make(TrackerOptions{}).ValueOrDie();
   for (const TensorView& view : Views(model)) ASSERT_OK(tracker->AdoptBaseline(view));
   ProducerStreamOptions options;
   options.chunk_bytes = kChunkBytes;

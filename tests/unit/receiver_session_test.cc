@@ -47,7 +47,7 @@ constexpr double kDensity = 0.05;
 class ReceiverSessionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     store_ = WeightStore::Make();
     current_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {64, 33}, 1),
                 RandomTensor("model.layers.0.attn.qkv.weight", DType::kFloat16, {40, 40}, 2),
@@ -61,8 +61,9 @@ class ReceiverSessionTest : public ::testing::Test {
     }
   }
 
-  std::unique_ptr<ReceiverSession> MakeSession(const ReceiverSessionOptions& options = {}) {
-    auto session = ReceiverSession::Make(options, *store_);
+  std::unique_ptr<internal::ReceiverSession> MakeSession(
+      const ReceiverSessionOptions& options = {}) {
+    auto session = internal::ReceiverSession::Make(options, *store_);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     return session.ok() ? std::move(session).ValueOrDie() : nullptr;
   }
@@ -98,7 +99,7 @@ class ReceiverSessionTest : public ::testing::Test {
   }
 
   /// Wait (up to the generous timeout) until `count` payloads of the open transfer are applied.
-  static void WaitForApplied(const ReceiverSession& session, uint64_t count) {
+  static void WaitForApplied(const internal::ReceiverSession& session, uint64_t count) {
     const auto deadline = std::chrono::steady_clock::now() + kGenerousTimeout;
     while (session.GetStatus().applied_payloads < count &&
            std::chrono::steady_clock::now() < deadline) {
@@ -107,7 +108,7 @@ class ReceiverSessionTest : public ::testing::Test {
     ASSERT_EQ(session.GetStatus().applied_payloads, count);
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::unique_ptr<WeightStore> store_;
   std::vector<OwnedTensor> current_;
 };
@@ -134,12 +135,12 @@ TEST_F(ReceiverSessionTest, APrepareNamingTensorsTheStoreDoesNotHoldIsRefusedAnd
 TEST_F(ReceiverSessionTest, MakeRejectsBadOptions) {
   ReceiverSessionOptions options;
   options.apply_queue_depth = 0;
-  EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
+  EXPECT_STATUS(InvalidArgument, internal::ReceiverSession::Make(options, *store_));
   options.apply_queue_depth = ReceiverSessionOptions::kMaxApplyQueueDepth + 1;
-  EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
+  EXPECT_STATUS(InvalidArgument, internal::ReceiverSession::Make(options, *store_));
   options = {};
   options.remembered_transfers = 0;
-  EXPECT_STATUS(InvalidArgument, ReceiverSession::Make(options, *store_));
+  EXPECT_STATUS(InvalidArgument, internal::ReceiverSession::Make(options, *store_));
 }
 
 TEST_F(ReceiverSessionTest, SeveralTransfersReproduceTheTrainerBitExactly) {
@@ -370,7 +371,7 @@ TEST_F(ReceiverSessionTest, TheVersionIsVisibleOnlyOnceAfterCommitReturned) {
   std::atomic<bool> hook_running{false};
   std::atomic<bool> hook_done{false};
   std::atomic<uint64_t> seen_during_hook{UINT64_MAX};
-  ReceiverSession* observed = nullptr;
+  internal::ReceiverSession* observed = nullptr;
   options.after_commit = [&](const TransferId&, uint64_t) {
     hook_running = true;
     // Another thread reads the status while the hook still moves bytes.

@@ -172,7 +172,8 @@ const TransferId& TestTransfer() {
 /// Run one delta transfer over a tracker at `v0` with `source` and collect its payloads.
 Result<PayloadMap> RunDelta(const std::vector<OwnedTensor>& v0, const ChunkSource& source,
                             uint32_t producer_id, uint32_t producers) {
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<DeltaTracker> tracker, DeltaTracker::Make({}));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::DeltaTracker> tracker,
+                         internal::DeltaTracker::Make({}));
   REFIT_RETURN_NOT_OK(AdoptOwnedBaseline(*tracker, Views(v0), kChunkBytes, producer_id, producers));
   REFIT_RETURN_NOT_OK(tracker->Rebase(3));
   REFIT_ASSIGN_OR_RETURN(auto stream, ProducerStream::Make(Options(producer_id, producers)));
@@ -296,7 +297,7 @@ TEST(StagedSourceTest, AStreamThatStopsWhileTheSourceWaitsForTheBudgetEnds) {
   const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.5, 500);
   DeviceModel device(v1);
   auto pool = std::make_shared<StagingPool>(LargestStagedChunkBytes(device.tensors, kChunkBytes));
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   ASSERT_OK(AdoptOwnedBaseline(*tracker, Views(v0), kChunkBytes, 0, 1));
   ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(Options(0, 1)));
   const TransferId id = TransferId::Random();
@@ -328,8 +329,8 @@ TEST(StagedSourceTest, AnUnreadChunkTheStreamReadsIsRefused) {
 TEST(StagedSourceTest, AdoptsADeviceBaselineOneTensorAtATime) {
   const std::vector<OwnedTensor> v0 = MakeModel(7);
   DeviceModel device(v0);
-  ASSERT_OK_AND_ASSIGN(auto from_device, DeltaTracker::Make({}));
-  ASSERT_OK_AND_ASSIGN(auto from_host, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto from_device, internal::DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto from_host, internal::DeltaTracker::Make({}));
   StagingPool pool(4096);
   ASSERT_OK(AdoptOwnedBaseline(*from_device, std::span<const ExportTensor>(device.tensors),
                                kChunkBytes, 1, 2, &pool));
@@ -339,7 +340,7 @@ TEST(StagedSourceTest, AdoptsADeviceBaselineOneTensorAtATime) {
   EXPECT_EQ(device.read_bytes(), from_host->baseline_bytes());
   EXPECT_LE(pool.stats().peak_held_bytes, pool.budget_bytes());
   // A tensor larger than the budget is refused by name.
-  ASSERT_OK_AND_ASSIGN(auto small, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto small, internal::DeltaTracker::Make({}));
   StagingPool tiny(16);
   EXPECT_STATUS_MSG(InvalidArgument, "tensor 'embed'",
                     AdoptOwnedBaseline(*small, std::span<const ExportTensor>(device.tensors),

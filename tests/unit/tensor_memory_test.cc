@@ -80,7 +80,7 @@ class DeviceApplyTest : public ::testing::Test {
   void SetUp() override {
     TrackerOptions options;
     options.op = Op::kOverwrite;
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make(options));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make(options));
     model_ = {RandomTensor("model.embed.weight", DType::kBFloat16, {512, 64}, 1),
               RandomTensor("model.layers.0.mlp.weight", DType::kBFloat16, {256, 128}, 2),
               RandomTensor("model.norm.weight", DType::kFloat32, {64}, 3)};
@@ -103,7 +103,7 @@ class DeviceApplyTest : public ::testing::Test {
     return total;
   }
 
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::vector<OwnedTensor> model_;
   std::vector<std::shared_ptr<OpaqueTensorMemory>> memories_;
   std::unique_ptr<WeightStore> device_;
@@ -120,12 +120,12 @@ TEST_F(DeviceApplyTest, ADeltaCrossesTheBoundaryInOChangesAndMatchesTheHostStore
   for (int step = 0; step < 3; ++step) {
     const TrainerStep encoded = EncodeTrainerStep(*tracker_, current, 40 + step, 0.03, 2, 3);
     const BoundaryTraffic before = device_->device_traffic();
-    UndoLog device_undo;
-    UndoLog host_undo;
+    internal::UndoLog device_undo;
+    internal::UndoLog host_undo;
     for (const auto& bytes : encoded.payloads) {
       ASSERT_OK_AND_ASSIGN(DecodedPayload payload, DecodePayload(bytes));
-      ASSERT_OK(ApplyPayload(payload, *device_, &device_undo, nullptr, /*threads=*/2));
-      ASSERT_OK(ApplyPayload(payload, *host_, &host_undo));
+      ASSERT_OK(internal::ApplyPayload(payload, *device_, &device_undo, nullptr, /*threads=*/2));
+      ASSERT_OK(internal::ApplyPayload(payload, *host_, &host_undo));
     }
     BoundaryTraffic used = device_->device_traffic();
     used.to_device_bytes -= before.to_device_bytes;
@@ -161,11 +161,11 @@ TEST_F(DeviceApplyTest, ABackendFailingAtAnyCallLeavesTheBaseBitIdentical) {
                        << (anchor ? "anchor" : "delta") << ", " << AnchorUndoName(policy)
                        << ", tensor " << m << " fails at call " << k);
           memories_[m]->FailAfter(k, 1);
-          UndoLog undo(UndoLogOptions{.anchor_undo = policy});
+          internal::UndoLog undo(internal::UndoLogOptions{.anchor_undo = policy});
           Status applied = Status::OK();
           for (const auto& bytes : encoded.payloads) {
             ASSERT_OK_AND_ASSIGN(DecodedPayload payload, DecodePayload(bytes));
-            applied = ApplyPayload(payload, *device_, &undo, nullptr, /*threads=*/1);
+            applied = internal::ApplyPayload(payload, *device_, &undo, nullptr, /*threads=*/1);
             if (!applied.ok()) break;
           }
           memories_[m]->FailAfter(0, 0);

@@ -36,20 +36,20 @@ OwnedTensor ApplyItems(const OwnedTensor& base, const std::vector<Item>& items) 
 
 class TrackerTest : public ::testing::TestWithParam<BaselineStorage> {
  protected:
-  std::unique_ptr<DeltaTracker> MakeTracker(TrackerOptions options = {}) {
+  std::unique_ptr<internal::DeltaTracker> MakeTracker(TrackerOptions options = {}) {
     options.baseline_storage = GetParam();
-    auto tracker = DeltaTracker::Make(options);
+    auto tracker = internal::DeltaTracker::Make(options);
     EXPECT_TRUE(tracker.ok()) << tracker.status().ToString();
     return std::move(tracker).ValueOrDie();
   }
 
   /// Run an anchor transfer of `tensors` and commit it.
-  void Anchor(DeltaTracker& tracker, const std::vector<OwnedTensor>& tensors) {
+  void Anchor(internal::DeltaTracker& tracker, const std::vector<OwnedTensor>& tensors) {
     const TransferId id = TransferId::Random();
     ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker.Begin(id));
     ASSERT_TRUE(plan.anchor);
     for (const OwnedTensor& t : tensors) {
-      ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker.Encode(id, t.view()));
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker.Encode(id, t.view()));
       ASSERT_EQ(r.items.size(), 1u);
       EXPECT_EQ(r.items[0].op, Op::kFull);
       EXPECT_EQ(r.items[0].digest, TensorDigest(t.view()));
@@ -74,7 +74,7 @@ TEST_P(TrackerTest, FirstTransferIsAnchorThenDeltasReproduceNewBits) {
     EXPECT_FALSE(plan.anchor);
     EXPECT_EQ(plan.base_version, 1u);
     EXPECT_EQ(plan.target_version, 2u);
-    ASSERT_OK_AND_ASSIGN(EncodeResult r, fresh->Encode(id, v1.view()));
+    ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, fresh->Encode(id, v1.view()));
     ASSERT_EQ(r.items.size(), 1u);
     EXPECT_EQ(r.items[0].op, Op::kXor);
     EXPECT_GT(r.changed_elements, 0u);
@@ -95,7 +95,7 @@ TEST_P(TrackerTest, UnchangedTensorEmitsNoItem) {
   Anchor(*tracker, {v0});
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, v0.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(id, v0.view()));
   EXPECT_TRUE(r.items.empty());
   EXPECT_EQ(r.changed_elements, 0u);
   EXPECT_EQ(r.total_elements, 1000u);
@@ -109,7 +109,7 @@ TEST_P(TrackerTest, AbortReemitsTheSameDelta) {
 
   const TransferId first = TransferId::Random();
   ASSERT_OK(tracker->Begin(first));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r1, tracker->Encode(first, v1.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r1, tracker->Encode(first, v1.view()));
   EXPECT_GT(tracker->pending_bytes(), 0u);
   ASSERT_OK(tracker->Abort(first));
   EXPECT_EQ(tracker->pending_bytes(), 0u);
@@ -120,7 +120,7 @@ TEST_P(TrackerTest, AbortReemitsTheSameDelta) {
   const TransferId second = TransferId::Random();
   ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(second));
   EXPECT_EQ(plan.base_version, 1u);
-  ASSERT_OK_AND_ASSIGN(EncodeResult r2, tracker->Encode(second, v1.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r2, tracker->Encode(second, v1.view()));
   ASSERT_EQ(r1.items.size(), r2.items.size());
   for (size_t i = 0; i < r1.items.size(); ++i) {
     EXPECT_EQ(r1.items[i].locations, r2.items[i].locations);
@@ -263,7 +263,7 @@ TEST_P(TrackerTest, AddDemotesInexactElementsToOverwrite) {
   OwnedTensor v1 = Perturb(v0, 0.2, 14);
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, v1.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(id, v1.view()));
   // Random bits include NaN/Inf and wide exponent gaps, so some elements must be demoted.
   ASSERT_EQ(r.items.size(), 2u);
   EXPECT_EQ(r.items[0].op, Op::kAdd);
@@ -283,7 +283,7 @@ TEST_P(TrackerTest, AddFallsBackToOverwriteForIntegers) {
   OwnedTensor v1 = Perturb(v0, 0.3, 16);
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, v1.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(id, v1.view()));
   ASSERT_EQ(r.items.size(), 1u);
   EXPECT_EQ(r.items[0].op, Op::kOverwrite);
   EXPECT_EQ(ApplyItems(v0, r.items).bytes, v1.bytes);
@@ -298,8 +298,8 @@ TEST_P(TrackerTest, OverwriteNamesOverrideTheOp) {
   Anchor(*tracker, {a0, b0});
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult ra, tracker->Encode(id, Perturb(a0, 0.5, 19).view()));
-  ASSERT_OK_AND_ASSIGN(EncodeResult rb, tracker->Encode(id, Perturb(b0, 0.5, 20).view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult ra, tracker->Encode(id, Perturb(a0, 0.5, 19).view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult rb, tracker->Encode(id, Perturb(b0, 0.5, 20).view()));
   EXPECT_EQ(ra.items.at(0).op, Op::kXor);
   EXPECT_EQ(rb.items.at(0).op, Op::kOverwrite);
 }
@@ -318,8 +318,8 @@ TEST_P(TrackerTest, SpansEncodeDisjointRangesOfOneTensor) {
   OwnedTensor v1 = Perturb(v0, 0.1, 22);
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult lo, tracker->Encode(id, v1.view(), 0, 500));
-  ASSERT_OK_AND_ASSIGN(EncodeResult hi, tracker->Encode(id, v1.view(), 500, 1000));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult lo, tracker->Encode(id, v1.view(), 0, 500));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult hi, tracker->Encode(id, v1.view(), 500, 1000));
   ASSERT_EQ(lo.items.size(), 1u);
   EXPECT_EQ(lo.items[0].span_end, 500u);
   EXPECT_EQ(hi.items[0].span_begin, 500u);
@@ -346,7 +346,7 @@ TEST_P(TrackerTest, ConcurrentEncodesOnDisjointTensorsMatchSerial) {
   const TransferId id = TransferId::Random();
   ASSERT_OK(serial->Begin(id));
   ASSERT_OK(parallel->Begin(id));
-  std::vector<EncodeResult> expected(kTensors), actual(kTensors);
+  std::vector<internal::EncodeResult> expected(kTensors), actual(kTensors);
   for (int i = 0; i < kTensors; ++i) {
     ASSERT_OK_AND_ASSIGN(expected[i], serial->Encode(id, v1[i].view()));
   }
@@ -386,7 +386,7 @@ TEST_P(TrackerTest, PendingMemoryIsProportionalToChanges) {
   OwnedTensor v1 = Perturb(v0, 0.01, 41);
   const TransferId id = TransferId::Random();
   ASSERT_OK(tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, v1.view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(id, v1.view()));
   // The new bits (2 bytes per change) and the locations in their smallest encoding (at 1 %
   // density, gaps of about 100: 2 bytes each as gap16 or range), not 8-byte indices; no second
   // copy of the tensor.
@@ -403,18 +403,18 @@ TEST_P(TrackerTest, PendingMemoryIsProportionalToChanges) {
 TEST(TrackerOptionsTest, RejectsBadOptions) {
   TrackerOptions options;
   options.op = Op::kFull;
-  EXPECT_STATUS(InvalidArgument, DeltaTracker::Make(options));
+  EXPECT_STATUS(InvalidArgument, internal::DeltaTracker::Make(options));
   options = {};
   options.op = Op::kAdd;
   options.add_delta_dtype = DType::kInt8;
-  EXPECT_STATUS_MSG(InvalidArgument, "int8", DeltaTracker::Make(options));
+  EXPECT_STATUS_MSG(InvalidArgument, "int8", internal::DeltaTracker::Make(options));
   options = {};
   options.max_drift_fraction = 2.0;
-  EXPECT_STATUS(InvalidArgument, DeltaTracker::Make(options));
+  EXPECT_STATUS(InvalidArgument, internal::DeltaTracker::Make(options));
   options = {};
   options.commit_threads = 0;
   EXPECT_STATUS_MSG(InvalidArgument, "commit_threads 0 is outside [1, 256]",
-                    DeltaTracker::Make(options));
+                    internal::DeltaTracker::Make(options));
 }
 
 // The compare runs block by block with each block's changes gathered right after it, on one
@@ -445,8 +445,8 @@ TEST_P(TrackerTest, SplitCompareAndParallelCommitMatchTheOneThreadResult) {
     ASSERT_OK(serial->Begin(id));
     ASSERT_OK(parallel->Begin(id));
     for (const OwnedTensor& t : v1) {
-      ASSERT_OK_AND_ASSIGN(EncodeResult a, serial->Encode(id, t.view()));
-      ASSERT_OK_AND_ASSIGN(EncodeResult b, parallel->Encode(id, t.view()));
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult a, serial->Encode(id, t.view()));
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult b, parallel->Encode(id, t.view()));
       EXPECT_EQ(a.changed_elements, b.changed_elements);
       ASSERT_EQ(a.items.size(), b.items.size());
       for (size_t k = 0; k < a.items.size(); ++k) {
@@ -488,7 +488,7 @@ namespace refit {
 namespace {
 
 TEST(TrackerAdoptTest, AdoptedBaselineMakesTheNextTransferADelta) {
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   OwnedTensor v0 = testing::RandomTensor("w", DType::kBFloat16, {512}, 70);
   ASSERT_OK(tracker->AdoptBaseline(v0.view()));
   EXPECT_EQ(tracker->version(), 0u);
@@ -498,7 +498,8 @@ TEST(TrackerAdoptTest, AdoptedBaselineMakesTheNextTransferADelta) {
   EXPECT_FALSE(plan.anchor);
   EXPECT_EQ(plan.base_version, 0u);
   EXPECT_STATUS(FailedPrecondition, tracker->AdoptBaseline(v0.view()));
-  ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, testing::Perturb(v0, 0.1, 71).view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult r,
+                       tracker->Encode(id, testing::Perturb(v0, 0.1, 71).view()));
   EXPECT_EQ(r.items.at(0).op, Op::kXor);
 }
 

@@ -426,7 +426,7 @@ TEST(InprocTransportTest, StopCancelsADeliveryBlockedInTheSink) {
 
 TEST(SessionAsSinkTest, StreamEndsHoldTheOpenTransfersPayloadCounts) {
   auto store = WeightStore::Make();
-  ASSERT_OK_AND_ASSIGN(auto session, ReceiverSession::Make({}, *store));
+  ASSERT_OK_AND_ASSIGN(auto session, internal::ReceiverSession::Make({}, *store));
   PayloadSink& sink = *session;  // What a listener delivers into.
   const TransferId id = TransferId::Random();
   // Before Prepare nothing is open: refused, nothing recorded.
@@ -536,7 +536,7 @@ void ExpectStoreHolds(const WeightStore& store, const std::vector<OwnedTensor>& 
 /// first, before the session it calls).
 struct Receiver {
   std::unique_ptr<WeightStore> store;
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
 };
 
@@ -544,7 +544,7 @@ Receiver MakeReceiver(Transport& transport, const std::string& endpoint,
                       const std::vector<OwnedTensor>& model) {
   Receiver receiver;
   receiver.store = ZeroStore(model);
-  auto session = ReceiverSession::Make({}, *receiver.store);
+  auto session = internal::ReceiverSession::Make({}, *receiver.store);
   EXPECT_TRUE(session.ok()) << session.status().ToString();
   if (!session.ok()) return receiver;
   receiver.session = std::move(session).ValueOrDie();
@@ -571,7 +571,7 @@ TEST(InprocTransportTest, PayloadsReachASessionAndEndBitExact) {
   ASSERT_NE(transport, nullptr);
   Receiver receiver = MakeReceiver(*transport, "r0", v0);
   ASSERT_NE(receiver.listener, nullptr);
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
 
   std::vector<OwnedTensor> model = v0;
   for (uint64_t round = 0; round < 3; ++round) {
@@ -586,7 +586,7 @@ TEST(InprocTransportTest, PayloadsReachASessionAndEndBitExact) {
     // Before Prepare the receiver refuses, and the transport says so (staged ACK).
     std::vector<std::vector<std::byte>> payloads;
     for (const OwnedTensor& t : model) {
-      ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(id, t.view()));
+      ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded, tracker->Encode(id, t.view()));
       if (encoded.items.empty()) continue;
       std::vector<ItemView> views;
       for (const Item& item : encoded.items) views.push_back(item.view());
@@ -629,10 +629,10 @@ TEST(InprocTransportTest, ProducerStreamsReachTwoReceiversBitIdentically) {
     receivers.push_back(MakeReceiver(*transport, endpoint, v0));
     ASSERT_NE(receivers.back().listener, nullptr);
   }
-  std::vector<std::unique_ptr<DeltaTracker>> trackers;
+  std::vector<std::unique_ptr<internal::DeltaTracker>> trackers;
   std::vector<std::unique_ptr<ProducerStream>> streams;
   for (uint32_t p = 0; p < kProducers; ++p) {
-    ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
     trackers.push_back(std::move(tracker));
     ProducerStreamOptions options;
     options.producer_id = p;
@@ -859,10 +859,10 @@ TEST_F(FaultTransportTest, CorruptPayloadFailsTheReceiversFlush) {
   Receiver receiver = MakeReceiver(*transport, "r0", model);
   ASSERT_NE(receiver.listener, nullptr);
   const auto before = receiver.store->Digests();
-  ASSERT_OK_AND_ASSIGN(auto tracker, DeltaTracker::Make({}));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
   const TransferId id = TransferId::Random();
   ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
-  ASSERT_OK_AND_ASSIGN(EncodeResult encoded, tracker->Encode(id, model[0].view()));
+  ASSERT_OK_AND_ASSIGN(internal::EncodeResult encoded, tracker->Encode(id, model[0].view()));
   std::vector<ItemView> views;
   for (const Item& item : encoded.items) views.push_back(item.view());
   ASSERT_OK_AND_ASSIGN(auto payload,

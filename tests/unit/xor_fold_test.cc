@@ -52,7 +52,7 @@ Steps MakeSteps(uint64_t seed, int steps, double fraction) {
   for (uint16_t& b : state) b = static_cast<uint16_t>(0x3c80 + rng() % 0x100);
   out.states.push_back(state);
   TrackerOptions options;
-  auto tracker = DeltaTracker::Make(options).ValueOrDie();
+  auto tracker = internal::DeltaTracker::Make(options).ValueOrDie();
   EXPECT_OK(tracker->AdoptBaseline(View(state)));
   std::bernoulli_distribution changes(fraction);
   for (int s = 0; s < steps; ++s) {
@@ -63,7 +63,7 @@ Steps MakeSteps(uint64_t seed, int steps, double fraction) {
     }
     const TransferId id = TransferId::Random();
     EXPECT_OK(tracker->Begin(id).status());
-    Result<EncodeResult> encoded = tracker->Encode(id, View(state));
+    Result<internal::EncodeResult> encoded = tracker->Encode(id, View(state));
     EXPECT_OK(encoded.status());
     EXPECT_EQ(encoded->items.size(), 1u);
     out.deltas.push_back(encoded->items.front());

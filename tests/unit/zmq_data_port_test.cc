@@ -115,7 +115,7 @@ class AllocationWatch {
 
 struct Receiver {
   std::unique_ptr<WeightStore> store;
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
 };
 
@@ -124,7 +124,7 @@ class ZmqDataPortTest : public ::testing::Test {
   void SetUp() override {
     // 2 MiB of float32: payloads large enough that a copy of one stands out.
     model_ = testing::RandomTensor("model.layers.0.mlp.up.weight", DType::kFloat32, {512, 1024}, 7);
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     ASSERT_OK(tracker_->AdoptBaseline(model_.view()));
   }
 
@@ -133,7 +133,7 @@ class ZmqDataPortTest : public ::testing::Test {
     Receiver receiver;
     receiver.store = WeightStore::Make();
     EXPECT_OK(receiver.store->AddCopy(model_.view()));
-    auto session = ReceiverSession::Make({}, *receiver.store);
+    auto session = internal::ReceiverSession::Make({}, *receiver.store);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
@@ -169,7 +169,7 @@ class ZmqDataPortTest : public ::testing::Test {
   }
 
   OwnedTensor model_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
 };
 
 TEST_F(ZmqDataPortTest, AClientWithoutTheKeyGetsNoMessageIntoAKeyedRelay) {

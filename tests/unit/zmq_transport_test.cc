@@ -89,7 +89,7 @@ struct Step {
 
 struct Receiver {
   std::unique_ptr<WeightStore> store;
-  std::unique_ptr<ReceiverSession> session;
+  std::unique_ptr<internal::ReceiverSession> session;
   std::unique_ptr<Listener> listener;
 };
 
@@ -154,7 +154,7 @@ class ZmqTransportTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_OK_AND_ASSIGN(transport_, MakeTransport("zmq://"));
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     model_ = MakeModel(1);
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
   }
@@ -164,7 +164,7 @@ class ZmqTransportTest : public ::testing::Test {
     Receiver receiver;
     receiver.store = WeightStore::Make();
     for (const OwnedTensor& t : model_) EXPECT_OK(receiver.store->AddCopy(t.view()));
-    auto session = ReceiverSession::Make({}, *receiver.store);
+    auto session = internal::ReceiverSession::Make({}, *receiver.store);
     EXPECT_TRUE(session.ok()) << session.status().ToString();
     if (!session.ok()) return receiver;
     receiver.session = std::move(session).ValueOrDie();
@@ -317,7 +317,7 @@ class ZmqTransportTest : public ::testing::Test {
   }
 
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<DeltaTracker> tracker_;
+  std::unique_ptr<internal::DeltaTracker> tracker_;
   std::vector<OwnedTensor> model_;
 };
 
@@ -328,7 +328,7 @@ TEST_F(ZmqTransportTest, EveryRelayOfEveryTreeSizeReceivesBitExactlyFromEveryRoo
   uint64_t seed = 1;
   for (size_t n = 1; n <= kMaxTreeRelays; ++n) {
     // Fresh relays start at version 0: restart the producer there, from the current model.
-    ASSERT_OK_AND_ASSIGN(tracker_, DeltaTracker::Make({}));
+    ASSERT_OK_AND_ASSIGN(tracker_, internal::DeltaTracker::Make({}));
     for (const OwnedTensor& t : model_) ASSERT_OK(tracker_->AdoptBaseline(t.view()));
     std::vector<std::string> endpoints;
     std::vector<Receiver> relays = MakeRelays(n, endpoints);
