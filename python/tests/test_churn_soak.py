@@ -9,7 +9,9 @@ checkpoint; nothing about it is known in advance: rank 0 is told the fleet befor
 - an embedded receiver leaves;
 - a daemon and an embedded receiver join, both loaded from the step-0 checkpoint (versions
   behind: each is caught up on its own, folded or by an anchor for it alone);
-- a daemon is killed with SIGKILL and restarted from an older checkpoint (two versions behind);
+- a daemon is killed with SIGKILL and restarted from an older checkpoint (five versions behind);
+- an embedded receiver joins from the step-0 checkpoint beyond the retained history (an anchor
+  for it alone);
 - both trainer ranks are killed and restarted from the checkpoint of the last committed step:
   they adopt their baseline, and the next sync is a delta for every member.
 
@@ -94,17 +96,25 @@ def rank_tensors(rank, step):
 
 def rank_main(rank, first_step, group, workdir):
     workdir = pathlib.Path(workdir)
-    publisher = refit.Publisher(group=refit.tcp_group(group, rank, WORLD, connect_timeout=60),
-                                api_key=os.environ[KEY_ENV], transfer_timeout=TIMEOUT_S)
-    if first_step > 1:  # restarted from the checkpoint of step first_step - 1
-        local, layout = rank_tensors(rank, first_step - 1)
-        publisher.adopt_baseline(local, version=first_step - 1, layout=layout)
-    for step in range(first_step, SYNCS + 1):
+
+    def fleet_of(step):
         command = workdir / f"sync.{step}.json"
         while not command.exists():
             time.sleep(0.01)
+        return [tuple(r) for r in json.loads(command.read_text())]
+
+    publisher = refit.Publisher(receivers=fleet_of(first_step) if rank == 0 else None,
+                                group=refit.tcp_group(group, rank, WORLD, connect_timeout=60),
+                                api_key=os.environ[KEY_ENV], transfer_timeout=TIMEOUT_S)
+    # The fleet was loaded from the checkpoint of step first_step - 1 (step 0 at the start; the
+    # last committed step after a restart): this rank adopts its own rows of it, and the first
+    # sync is a delta.
+    local, layout = rank_tensors(rank, first_step - 1)
+    publisher.adopt_baseline(local, version=first_step - 1, layout=layout)
+    for step in range(first_step, SYNCS + 1):
+        fleet = fleet_of(step)  # every rank waits for the test to release the step
         if rank == 0:
-            publisher.set_receivers([tuple(r) for r in json.loads(command.read_text())])
+            publisher.set_receivers(fleet)
         local, layout = rank_tensors(rank, step)
         report = publisher.sync(local, layout=layout)
         out = {"version": report.version, "anchor": report.anchor, "catch_ups": list(report.catch_ups)}
@@ -221,10 +231,10 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
     for i in range(3):
         members[f"d{i}"] = Daemon(tmp_path, f"d{i}", step0).start()
         members[f"e{i}"] = Embedded(f"e{i}", 0)
-    group = f"127.0.0.1:{refit.free_ports(1)[0]}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def spawn_ranks(first_step):
+        group = f"127.0.0.1:{refit.free_ports(1)[0]}"  # a fresh port: the killed rank 0's may linger
         return [subprocess.Popen([sys.executable, __file__, str(r), str(first_step), group, str(tmp_path)],
                                  stdout=open(tmp_path / f"rank{r}.from{first_step}.log", "w"),
                                  stderr=subprocess.STDOUT, env=env) for r in range(WORLD)]
@@ -258,6 +268,10 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 held_version["d1"], counted["d1"] = 7, members["d1"].status()["received_bytes"]
                 assert members["d1"].status()["version"] == 7
                 events.append((step, "d1 killed, restarted at version 7"))
+            if step == 18:  # a newcomer beyond the retained history (8 versions): an anchor, alone
+                members["e4"] = Embedded("e4", 0)
+                held_version["e4"], counted["e4"] = 0, members["e4"].status()["received_bytes"]
+                events.append((step, "e4 joined at version 0"))
             if step == 22:  # both trainer ranks restart from the checkpoint of step 21
                 for rank in ranks:
                     rank.send_signal(signal.SIGKILL)
@@ -316,8 +330,8 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
         for member in members.values():
             member.stop()
     print("\n".join(f"sync {s}: {what}" for s, what in events))
-    caught = [what for _, what in events if "caught up" in what]
-    assert len(caught) == 3, events  # d3, e3 at sync 9; d1 at sync 13
+    caught = [(s, what.split()[0], what.split()[4].rstrip(":")) for s, what in events if "caught up" in what]
+    assert caught == [(9, "d3", "folded"), (9, "e3", "folded"), (13, "d1", "folded"), (18, "e4", "anchor")], events
 
 
 if __name__ == "__main__":
