@@ -81,6 +81,11 @@ struct ReceiverNodeOptions {
   std::string bootstrap_uri;
   /// Told of each version replayed by the bootstrap.
   std::function<void(const ChainVersion&)> on_bootstrap_version;
+  /// The control URL of a peer replica (a receiver of the fleet with the same tensors) to copy
+  /// the fleet's version from before serving, instead of being sent an anchor by the trainer
+  /// (docs/protocol.md "A peer replica"); the control plane's api_key authenticates it. Empty:
+  /// none. Not with bootstrap_uri.
+  std::string bootstrap_peer;
 };
 
 /// The smallest default payload limit: room for any bucket of the default size with its names.

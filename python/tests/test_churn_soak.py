@@ -12,6 +12,9 @@ checkpoint; nothing about it is known in advance: rank 0 is told the fleet befor
 - a daemon is killed with SIGKILL and restarted from an older checkpoint (five versions behind);
 - an embedded receiver joins from the step-0 checkpoint beyond the retained history (an anchor
   for it alone);
+- a daemon joins from the step-0 checkpoint copying the fleet's version from a peer replica
+  (`refit serve --bootstrap-peer`): at its first sync it is current, and the trainer's links carry
+  only the fleet's delta (every member is sent the same bytes);
 - both trainer ranks are killed and restarted from the checkpoint of the last committed step:
   they adopt their baseline, and the next sync is a delta for every member.
 
@@ -146,8 +149,8 @@ def write_safetensors(path, tensors, version):
 class Daemon:
     """A `refit serve` process holding a safetensors checkpoint."""
 
-    def __init__(self, workdir, name, checkpoint):
-        self.workdir, self.name, self.checkpoint = workdir, name, checkpoint
+    def __init__(self, workdir, name, checkpoint, *extra):
+        self.workdir, self.name, self.checkpoint, self.extra = workdir, name, checkpoint, list(extra)
         self.data_port, self.proc, self.starts = refit.free_ports(1)[0], None, 0
 
     def start(self):
@@ -159,7 +162,7 @@ class Daemon:
         model.write_bytes(pathlib.Path(self.checkpoint).read_bytes())
         self.proc = subprocess.Popen(
             [os.environ.get("REFIT_CLI", "refit"), "serve", "--model", str(model), "--data-port",
-             str(self.data_port), "--control-port", "0", "--api-key-env", KEY_ENV, "--ready-file", str(ready)],
+             str(self.data_port), "--control-port", "0", "--api-key-env", KEY_ENV, "--ready-file", str(ready), *self.extra],
             stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + TIMEOUT_S
@@ -272,6 +275,11 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 members["e4"] = Embedded("e4", 0)
                 held_version["e4"], counted["e4"] = 0, members["e4"].status()["received_bytes"]
                 events.append((step, "e4 joined at version 0"))
+            if step == 26:  # a newcomer copies the fleet's version from a peer replica
+                members["d5"] = Daemon(tmp_path, "d5", step0, "--bootstrap-peer", members["d0"].url).start()
+                held_version["d5"], counted["d5"] = step - 1, members["d5"].status()["received_bytes"]
+                assert members["d5"].status()["version"] == step - 1, members["d5"].status()
+                events.append((step, f"d5 joined from step 0, copied version {step - 1} from peer d0"))
             if step == 22:  # both trainer ranks restart from the checkpoint of step 21
                 for rank in ranks:
                     rank.send_signal(signal.SIGKILL)
@@ -336,3 +344,44 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
 
 if __name__ == "__main__":
     rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
+
+# ---- A peer copy that cannot be verified is refused, and nothing is written. -------------------
+
+
+def serve_expecting_failure(tmp_path, name, checkpoint, *extra, env=None):
+    model = tmp_path / f"{name}.safetensors"
+    model.write_bytes(pathlib.Path(checkpoint).read_bytes())
+    before = model.read_bytes()
+    done = subprocess.run([os.environ.get("REFIT_CLI", "refit"), "serve", "--model", str(model),
+                           "--data-port", str(refit.free_ports(1)[0]), "--control-port", "0",
+                           "--api-key-env", KEY_ENV, *extra],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert done.returncode != 0, done.stdout
+    assert model.read_bytes() == before, "a refused peer copy wrote the model"
+    return done.stderr
+
+
+def test_a_peer_copy_is_refused_by_name_when_it_cannot_be_verified(tmp_path, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, "churn-" + secrets.token_hex(12))
+    step0 = tmp_path / "step0.safetensors"
+    write_safetensors(step0, model_at(0), 0)
+    peer = Daemon(tmp_path, "peer", step0).start()
+    try:
+        # A receiver with another layout: one tensor of another shape.
+        other = dict(model_at(0))
+        other["lm_head.weight"] = np.zeros((4, 64), np.float16)
+        write_safetensors(tmp_path / "other.safetensors", other, 0)
+        error = serve_expecting_failure(tmp_path, "other", tmp_path / "other.safetensors",
+                                        "--bootstrap-peer", peer.url)
+        assert "lm_head.weight" in error and "[4, 64]" in error and "[3, 64]" in error, error
+        # The wrong key: refused by the peer.
+        error = serve_expecting_failure(tmp_path, "wrong_key", step0, "--bootstrap-peer", peer.url,
+                                        env=dict(os.environ, **{KEY_ENV: "not-the-fleet-key"}))
+        assert "wrong API key" in error, error
+        # A peer that is not there.
+        error = serve_expecting_failure(tmp_path, "nobody", step0, "--bootstrap-peer",
+                                        f"http://127.0.0.1:{refit.free_ports(1)[0]}")
+        assert "bootstrap" in error, error
+    finally:
+        peer.stop()

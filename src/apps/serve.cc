@@ -241,6 +241,12 @@ Status RunServe(const ServeSettings& settings) {
         static_cast<double>(caught_up->bytes) / (1 << 20), caught_up->seconds);
     std::fflush(stdout);
   }
+  if (!options.bootstrap_peer.empty()) {
+    std::printf("refit serve: bootstrap: version %llu, copied from peer %s\n",
+                static_cast<unsigned long long>(node->status().version),
+                options.bootstrap_peer.c_str());
+    std::fflush(stdout);
+  }
   // Said once at start: a producer whose payload is over it is refused (ResourceExhausted).
   const std::string limit_source =
       server.max_payload_bytes.has_value()
@@ -465,6 +471,11 @@ void RegisterServe(CLI::App& app, Status* result) {
                 "verifying each version's state fingerprint; later, when a transfer is "
                 "prepared from a newer version than this receiver holds, replay the deltas "
                 "it missed first");
+  config_option("--bootstrap-peer", "server.bootstrap_peer",
+                "Before serving, copy the fleet's version from this peer (the control URL of a "
+                "receiver with the same tensors), verified by its state fingerprint, instead of "
+                "being sent an anchor by the trainer; the --api-key authenticates it",
+                "URL");
   config_option("--loader", "server.loader",
                 "A loader spec (YAML: tp_rank, tp_size, rules) mapping canonical tensors onto "
                 "this receiver's tensors: rename, skip, row/column shards, fused qkv and "

@@ -684,6 +684,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
       StringKey("loader", &server.loader),
       StringKey("replica", &server.replica),
       StringKey("bootstrap", &server.bootstrap),
+      StringKey("bootstrap_peer", &server.bootstrap_peer),
   };
   std::vector<YAML::Mark> receiver_marks;
   const KeySpec top_keys[] = {

@@ -136,6 +136,9 @@ struct ServerConfig {
   std::string replica;
   /// `bootstrap`: an s3:// chain to catch up from before serving; empty: none.
   std::string bootstrap;
+  /// `bootstrap_peer`: the control URL of a receiver of the fleet with the same tensors to copy
+  /// the fleet's version from before serving; empty: none.
+  std::string bootstrap_peer;
 };
 
 /// Every setting of a configuration file. A plain value type.

@@ -9,6 +9,7 @@
 
 #include "control/control_server.h"
 #include "node/chain_replay.h"
+#include "node/peer_bootstrap.h"
 #include "receiver/receiver_session.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
@@ -181,6 +182,21 @@ Status ReceiverNode::Impl::Start() {
         BootstrapFromChain(options.bootstrap_uri, *store, bootstrap);
     if (!caught_up.ok()) return caught_up.status().WithContext("receiver node: bootstrap");
     bootstrap_report = *caught_up;
+  }
+  if (!options.bootstrap_peer.empty()) {
+    if (!options.bootstrap_uri.empty()) {
+      return InvalidArgument("receiver node: bootstrap from peer {} and from chain {}: choose one",
+                             options.bootstrap_peer, options.bootstrap_uri);
+    }
+    internal::PeerBootstrapOptions peer;
+    peer.api_key = options.control.api_key;
+    Result<internal::PeerBootstrapReport> copied =
+        internal::BootstrapFromPeer(options.bootstrap_peer, *store, peer);
+    if (!copied.ok()) return copied.status().WithContext("receiver node");
+    REFIT_LOG_INFO("receiver node: copied version {} ({} tensors, {} bytes) from peer {} in {:.2f} s "
+                   "({} attempt(s)); held version {} before",
+                   copied->final_version, copied->tensors, copied->bytes, copied->peer,
+                   copied->seconds, copied->attempts, copied->start_version);
   }
   Result<std::unique_ptr<internal::ReceiverSession>> made =
       internal::ReceiverSession::Make(options.session, *store);

@@ -1,0 +1,55 @@
+// A receiver that joins the fleet copies the state of a peer that holds the fleet's version
+// instead of asking the trainer for an anchor (docs/protocol.md "Per-receiver plans": a peer
+// replica). The trainer's links then carry only the fleet's delta; the newcomer is current, or a
+// version behind and folded in at the next sync.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "refit/status.h"
+#include "refit/weight_store.h"
+
+namespace refit::internal {
+
+/// Options of BootstrapFromPeer.
+struct PeerBootstrapOptions {
+  /// The peer's control-plane key (the fleet's).
+  std::string api_key;
+  /// Limit of each control call (status, one tensor's download per connect/read/write).
+  std::chrono::milliseconds call_timeout{std::chrono::seconds(60)};
+  /// Copies to try before giving up when the peer commits a new version (or reads mid-transfer)
+  /// while it is being copied.
+  int attempts = 3;
+};
+
+/// What BootstrapFromPeer did.
+struct PeerBootstrapReport {
+  std::string peer;
+  uint64_t start_version = 0;
+  uint64_t final_version = 0;
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  int attempts = 0;
+  double seconds = 0;
+};
+
+/// Bring `store` to the version the receiver at `peer_url` (its control URL) holds, by copying
+/// every tensor from it (GET /v1/tensors/{name}, each checked against the digest the peer sent).
+/// The peer must hold the same tensors (names, dtypes, shapes: the same replica layout). The copy
+/// is verified as a whole before anything is written: the state fingerprint of what was
+/// downloaded must equal the one the peer reports, idle, at that version after the download —
+/// so a copy that straddled one of the peer's transfers is refused and tried again. The store is
+/// written only when that holds (it needs the model's size in memory meanwhile) and then set to
+/// the peer's version; otherwise it is left untouched. A store that already holds the peer's
+/// state is not written. Device tensors are not supported (FailedPrecondition naming one).
+/// Errors: InvalidArgument (peer_url); FailedPrecondition (the tensor sets differ, naming the
+/// tensor and both descriptions; a device tensor); Unavailable (the peer could not be reached, or
+/// its state kept moving, for every attempt); NotFound (a tensor the peer lacks); those of the
+/// control calls (PermissionDenied, DataLoss).
+Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightStore& store,
+                                              const PeerBootstrapOptions& options = {});
+
+}  // namespace refit::internal
