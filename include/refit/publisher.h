@@ -88,8 +88,9 @@ struct PublisherOptions {
   uint32_t history_versions = 8;
   uint64_t history_bytes = uint64_t{256} << 20;
   /// Rank 0: the training run this trainer publishes (docs/protocol.md "Lineage and fencing"),
-  /// at most 256 bytes. Empty: with `resume`, the run the fleet holds; without, a new random
-  /// one. Every Prepare states it, with the epoch, and receivers refuse another run's deltas,
+  /// at most 256 bytes. Empty: with `resume`, the run the fleet holds (a new random one if no
+  /// receiver holds any; InvalidArgument at the first Sync if they hold several); without, a
+  /// new random one. Every Prepare states it, with the epoch, and receivers refuse another run's deltas,
   /// and any transfer that would reuse a version number they hold under other contents. Other
   /// ranks' values are ignored: rank 0 alone talks to the receivers.
   std::string run_id = {};

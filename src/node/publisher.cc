@@ -140,8 +140,8 @@ struct PublisherRank {
 
   // Decide the run and epoch from what the receivers hold (`held`, one per receiver, named by
   // `names`), at the first Sync. Errors: InvalidArgument for a resume with no run id whose
-  // receivers hold none or several runs; FailedPrecondition for a run id the fleet holds given
-  // without resume.
+  // receivers hold several runs; FailedPrecondition for a run id the fleet holds given without
+  // resume.
   Status DecideLineage(const std::vector<std::string>& names,
                        const std::vector<HeldLineage>& held);
 
@@ -1000,9 +1000,9 @@ Status PublisherRank::DecideLineage(const std::vector<std::string>& names,
       run_id = held[r].run_id;
     }
     if (run_id.empty()) {
-      return InvalidArgument(
-          "publisher: resume without a run id, and no receiver holds a lineage to resume; name "
-          "the run (PublisherOptions::run_id) or start a new one (resume false)");
+      // Nothing to resume (every receiver loaded a checkpoint without lineage): a run of its own.
+      run_id = TransferId::Random().ToHex();
+      REFIT_LOG_INFO("publisher: resume: no receiver holds a lineage; starting run '{}'", run_id);
     }
   }
   uint64_t seen = 0;
