@@ -90,9 +90,9 @@ struct PublisherOptions {
   /// Rank 0: the training run this trainer publishes (docs/protocol.md "Lineage and fencing"),
   /// at most 256 bytes. Empty: with `resume`, the run the fleet holds (a new random one if no
   /// receiver holds any; InvalidArgument at the first Sync if they hold several); without, a
-  /// new random one. Every Prepare states it, with the epoch, and receivers refuse another run's deltas,
-  /// and any transfer that would reuse a version number they hold under other contents. Other
-  /// ranks' values are ignored: rank 0 alone talks to the receivers.
+  /// new random one. Every Prepare states it, with the epoch, and receivers refuse another run's
+  /// deltas, and any transfer that would reuse a version number they hold under other contents.
+  /// Other ranks' values are ignored: rank 0 alone talks to the receivers.
   std::string run_id = {};
   /// Rank 0: continue the run (`run_id`, or the fleet's) as its next epoch — the highest epoch of
   /// the run any receiver has seen, + 1 — which fences every trainer of an older epoch (a

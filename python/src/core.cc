@@ -436,9 +436,10 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   out["run_id"] = status.lineage.run_id.empty() ? py::object(py::none())
                                                 : py::object(py::str(status.lineage.run_id));
   out["epoch"] = status.lineage.epoch;
-  out["fingerprint"] = status.lineage.fingerprint == 0
-                           ? py::object(py::none())
-                           : py::object(py::str(fmt::format("{:016x}", status.lineage.fingerprint)));
+  out["fingerprint"] =
+      status.lineage.fingerprint == 0
+          ? py::object(py::none())
+          : py::object(py::str(fmt::format("{:016x}", status.lineage.fingerprint)));
   out["last_error"] = status.last_error.ok() ? py::object(py::none())
                                              : py::object(py::str(status.last_error.ToString()));
   return out;
@@ -1178,22 +1179,21 @@ PYBIND11_MODULE(_core, m) {
       .def("traffic", [](const TensorMemory& memory) { return TrafficToDict(memory.traffic()); });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
-      .def(
-          py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
-                      const py::list& overrides, const std::optional<std::string>& api_key,
-                      double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
-                      const std::optional<std::string>& run_id, bool resume) {
-            return std::make_unique<PyPublisher>(
-                PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes,
-                                     run_id, resume),
-                group);
-          }),
-          py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
-          py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
-          py::arg("staging_bytes") = py::none(), py::arg("run_id") = py::none(),
-          py::arg("resume") = false,
-          "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
-          "(key path, value, origin) from the keywords that name configuration keys.")
+      .def(py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
+                       const py::list& overrides, const std::optional<std::string>& api_key,
+                       double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
+                       const std::optional<std::string>& run_id, bool resume) {
+             return std::make_unique<PyPublisher>(
+                 PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes,
+                                      run_id, resume),
+                 group);
+           }),
+           py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
+           py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
+           py::arg("staging_bytes") = py::none(), py::arg("run_id") = py::none(),
+           py::arg("resume") = false,
+           "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
+           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("adopt_baseline_sharded", &PyPublisher::AdoptBaselineSharded, py::arg("pieces"),

@@ -139,8 +139,8 @@ inline constexpr size_t kMaxRelayTreeEndpoints = size_t{1} << 16;
 
 /// The request fields of each route (what CheckObject accepts).
 inline constexpr std::array<std::string_view, 8> kPrepareFields = {
-    "transfer_id", "base_version",   "anchor", "expected", "expected_digests",
-    "relay_tree",  "target_version", "lineage"};
+    "transfer_id",      "base_version", "anchor",         "expected",
+    "expected_digests", "relay_tree",   "target_version", "lineage"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};

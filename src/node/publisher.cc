@@ -13,9 +13,9 @@
 #include <fmt/format.h>
 
 #include "codec/delta_history.h"
+#include "codec/tracker.h"
 #include "control/protocol.h"
 #include "core/digest.h"
-#include "codec/tracker.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
@@ -142,8 +142,7 @@ struct PublisherRank {
   // `names`), at the first Sync. Errors: InvalidArgument for a resume with no run id whose
   // receivers hold several runs; FailedPrecondition for a run id the fleet holds given without
   // resume.
-  Status DecideLineage(const std::vector<std::string>& names,
-                       const std::vector<HeldLineage>& held);
+  Status DecideLineage(const std::vector<std::string>& names, const std::vector<HeldLineage>& held);
 
   StagingReport Staging(uint64_t staged_bytes) const {
     StagingReport report;
@@ -1103,9 +1102,8 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
   // One rank holds the whole model: its digests are the fleet's at that version, so the first
   // delta states what it builds on. W ranks know only their own tensors: not stated (the flush's
   // digest check still verifies the adopted baseline).
-  impl_->base_fingerprint = world_size() == 1 && version.has_value()
-                                ? StateFingerprint(impl_->tracker->Digests())
-                                : 0;
+  impl_->base_fingerprint =
+      world_size() == 1 && version.has_value() ? StateFingerprint(impl_->tracker->Digests()) : 0;
   impl_->fingerprint_version = version.value_or(0);
   impl_->committed_world = world_size();
   return Status::OK();

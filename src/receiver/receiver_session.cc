@@ -102,8 +102,7 @@ struct ReceiverSession::Impl {
       : options(session_options),
         store(session_store),
         queue(ApplyQueueOptionsOf(session_options), session_store),
-        ledger(session_store.version(), LedgerOptionsOf(session_options),
-               session_store.lineage()),
+        ledger(session_store.version(), LedgerOptionsOf(session_options), session_store.lineage()),
         visible_version(session_store.version()) {}
 
   internal::Mutex& mutex() REFIT_RETURN_CAPABILITY(queue.mutex()) { return queue.mutex(); }

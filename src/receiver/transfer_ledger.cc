@@ -170,9 +170,9 @@ Status TransferLedger::CheckLineage(const PrepareRequest& request) const {
   const TransferLineage& from = request.lineage;
   const uint64_t target = TargetOf(request);
   const std::string id = request.transfer_id.ToHex();
-  const std::string held = fmt::format("the receiver holds version {} of {} (fingerprint {})",
-                                       version_, DescribeLineage(lineage_),
-                                       FingerprintHex(lineage_.fingerprint));
+  const std::string held =
+      fmt::format("the receiver holds version {} of {} (fingerprint {})", version_,
+                  DescribeLineage(lineage_), FingerprintHex(lineage_.fingerprint));
   if (from.run_id.empty()) {
     return FailedPrecondition(
         "prepare of transfer {} (version {} -> {}): it states no lineage (a coordinator older "

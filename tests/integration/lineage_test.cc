@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "local_fleet.h"
-#include "process.h"
 #include "loopback.h"
+#include "process.h"
 #include "refit/control_client.h"
 #include "refit/lineage.h"
 #include "refit/producer_group.h"
@@ -256,7 +256,8 @@ TEST_F(LineageTest, OnlyTheFleetsLineageContinuesItAndANewRunAnchorsAboveIt) {
   ASSERT_OK(daemon_->Stop());
   daemon_.reset();
   {
-    ASSERT_OK_AND_ASSIGN(std::unique_ptr<SafetensorsFile> saved, SafetensorsFile::Open(saved_path_));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<SafetensorsFile> saved,
+                         SafetensorsFile::Open(saved_path_));
     EXPECT_EQ(WeightVersionOf(*saved), 3u);
     EXPECT_EQ(saved->metadata().at(kLineageRunMetadataKey), "run-a");
     EXPECT_EQ(saved->metadata().at(kLineageEpochMetadataKey), "1");

@@ -490,8 +490,7 @@ TEST_F(ControlServerTest, ThePreparesLineageIsHeldAndReportedAndAnotherRunIsRefu
   const Step next = EncodeStep(2);
   PrepareRequest other = Request(next);
   other.lineage = TransferLineage{"run-b", 0, 0};
-  EXPECT_STATUS_MSG(FailedPrecondition, "a delta of run 'run-b' epoch 0",
-                    client_->Prepare(other));
+  EXPECT_STATUS_MSG(FailedPrecondition, "a delta of run 'run-b' epoch 0", client_->Prepare(other));
   EXPECT_STATUS_MSG(FailedPrecondition, "states no lineage", client_->Prepare(Request(next)));
   other.lineage = TransferLineage{"run-a", 3, StateFingerprint(step.expected.digests)};
   ASSERT_OK(client_->Prepare(other));
@@ -684,8 +683,8 @@ TEST_F(ControlServerTest, MalformedRequestsAre400NamingTheField) {
   expect_400(prepare_with_lineage(
                  {{"run_id", std::string(300, 'r')}, {"epoch", 0}, {"base_fingerprint", "0"}}),
              "lineage.run_id is 300 bytes long, more than 256");
-  expect_400(prepare_with_lineage({{"run_id", "a"}, {"epoch", 0}, {"base_fingerprint", "0"},
-                                   {"generation", 2}}),
+  expect_400(prepare_with_lineage(
+                 {{"run_id", "a"}, {"epoch", 0}, {"base_fingerprint", "0"}, {"generation", 2}}),
              "unknown field 'generation'");
   const auto prepare_with_tree = [&](const json& tree) {
     return post(internal::kPreparePath,

@@ -541,8 +541,8 @@ TEST_F(LedgerLineageTest, ADeltaFromAnotherStateUnderTheSameVersionIsRefused) {
   EXPECT_STATUS_MSG(FailedPrecondition, fmt::format("fingerprint {:016x}", other), refused);
   EXPECT_STATUS_MSG(FailedPrecondition, fmt::format("fingerprint {:016x}", held), refused);
   // The same base state, or one not stated, opens.
-  ASSERT_OK_AND_ASSIGN(PrepareStep same,
-                       ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 1, false, 1, held), now_));
+  ASSERT_OK_AND_ASSIGN(PrepareStep same, ledger_.ClassifyPrepare(
+                                             LineageRequest(8, "run-a", 1, false, 1, held), now_));
   EXPECT_EQ(same, PrepareStep::kOpen);
   ASSERT_OK_AND_ASSIGN(PrepareStep unstated,
                        ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 1), now_));
@@ -578,8 +578,8 @@ TEST_F(LedgerLineageTest, ALineageLoadedWithTheStoreIsEnforcedFromTheStart) {
                     restarted.ClassifyPrepare(LineageRequest(12, "run-a", 3), now_));
   EXPECT_STATUS_MSG(FailedPrecondition, "would reuse version 13 with other contents",
                     restarted.ClassifyPrepare(LineageRequest(12, "run-a", 4, false, 1, 98), now_));
-  ASSERT_OK_AND_ASSIGN(PrepareStep step,
-                       restarted.ClassifyPrepare(LineageRequest(12, "run-a", 4, false, 1, 99), now_));
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, restarted.ClassifyPrepare(
+                                             LineageRequest(12, "run-a", 4, false, 1, 99), now_));
   EXPECT_EQ(step, PrepareStep::kOpen);
 }
 
