@@ -68,6 +68,17 @@ def test_runs_epochs_and_fingerprints_fence_the_versions_a_receiver_holds():
         # The trainer it replaced is a zombie of epoch 0.
         with pytest.raises(refit.FailedPrecondition, match="epoch 0 .* is fenced"):
             first.sync(trainer)
+        # A restart that adopts another checkpoint under the version held: its delta would make
+        # version 3 with other contents; refused naming both fingerprints.
+        other_checkpoint = copy(trainer)
+        other_checkpoint["embed.weight"][0, 0] += 5
+        wrong = refit.Publisher(receivers=[receiver], resume=True)
+        wrong.adopt_baseline(other_checkpoint, version=2)
+        with pytest.raises(refit.FailedPrecondition,
+                           match=f"fingerprint [0-9a-f]{{16}} refused: .*fingerprint {status.fingerprint}.*"
+                                 "would reuse version 3 with other contents"):
+            wrong.sync(trainer)
+        assert receiver.status().version == 2
 
         # A new run anchors above the version held.
         fresh = make_model(np.random.default_rng(42))
