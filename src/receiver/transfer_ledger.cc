@@ -209,7 +209,8 @@ Status TransferLedger::CheckLineage(const PrepareRequest& request) const {
       return FailedPrecondition(
           "prepare of transfer {}: a delta of {} based on version {} with fingerprint {} "
           "refused: {}, so it would reuse version {} with other contents (the trainer adopted "
-          "another checkpoint under that version number)",
+          "another checkpoint under that version number: `refit push --base FILE`, "
+          "Publisher::AdoptBaseline)",
           id, stated, request.base_version, FingerprintHex(from.base_fingerprint), held, target);
     }
   } else if (target <= version_ && from.epoch > lineage_.epoch) {
