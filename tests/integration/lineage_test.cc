@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "local_fleet.h"
@@ -306,6 +307,71 @@ TEST_F(LineageTest, OnlyTheFleetsLineageContinuesItAndANewRunAnchorsAboveIt) {
   EXPECT_STATUS_MSG(FailedPrecondition, "run 'run-a' epoch 1 was superseded",
                     resumed->Sync(Views(model_resumed)));
   ASSERT_NO_FATAL_FAILURE(ExpectFleetHolds(model_c, 6, "run-c", 0));
+}
+
+// W = 2 ranks: rank 0 decides the lineage for both. Restarted ranks that resume continue with
+// deltas (the first one's base fingerprint is not stated: each rank knows only its own
+// tensors' digests, and the flush's digest check verifies the adopted baseline), and the old
+// pair of ranks is fenced.
+TEST_F(LineageTest, TwoRanksResumeTheirRunAndTheOldPairIsFenced) {
+  std::mt19937_64 rng(43);
+  const std::vector<Tensor> step0 = MakeModel(43);
+  for (int r = 0; r < 2; ++r) embedded_.push_back(StartEmbedded(step0));
+  const auto make_ranks = [&](bool resume) {
+    PublisherOptions options;
+    options.transport_uri = "zmq://?timeout_ms=10000";
+    options.stream.chunk_bytes = 16 << 10;
+    options.stream.bucket_bytes = 8 << 10;
+    options.transfer_timeout = std::chrono::seconds(60);
+    for (const auto& receiver : embedded_) {
+      options.receivers.push_back(
+          {receiver->node->control_url(), receiver->node->producer_endpoint()});
+    }
+    options.run_id = "run-w2";
+    options.resume = resume;
+    std::vector<std::unique_ptr<Publisher>> ranks;
+    std::vector<std::unique_ptr<ProducerGroup>> groups = MakeInProcessGroup(2).ValueOrDie();
+    for (std::unique_ptr<ProducerGroup>& group : groups) {
+      ranks.push_back(Publisher::Make(options, std::move(group)).ValueOrDie());
+    }
+    return ranks;
+  };
+  const auto sync = [](std::vector<std::unique_ptr<Publisher>>& ranks,
+                       const std::vector<Tensor>& model) {
+    Result<SyncReport> other = Status(StatusCode::kInternal, "unset");
+    Result<SyncReport> leader = Status(StatusCode::kInternal, "unset");
+    {
+      std::jthread rank1([&] { other = ranks[1]->Sync(Views(model)); });
+      leader = ranks[0]->Sync(Views(model));
+    }
+    return leader;
+  };
+  std::vector<Tensor> model = step0;
+  std::vector<std::unique_ptr<Publisher>> first = make_ranks(false);
+  for (auto& rank : first) ASSERT_OK(rank->AdoptBaseline(Views(step0), 0));
+  Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(SyncReport report, sync(first, model));
+  EXPECT_FALSE(report.transfer.plan.anchor);
+
+  std::vector<std::unique_ptr<Publisher>> resumed = make_ranks(true);
+  for (auto& rank : resumed) ASSERT_OK(rank->AdoptBaseline(Views(model), 1));
+  Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(report, sync(resumed, model));
+  EXPECT_FALSE(report.transfer.plan.anchor);
+  EXPECT_EQ(resumed[0]->epoch(), 1u);
+  for (const auto& receiver : embedded_) {
+    const ReceiverStatus status = StatusOf(receiver->node->control_url());
+    EXPECT_EQ(status.version, 2u);
+    EXPECT_EQ(status.lineage.run_id, "run-w2");
+    EXPECT_EQ(status.lineage.epoch, 1u);
+    for (size_t t = 0; t < model.size(); ++t)
+      EXPECT_TRUE(receiver->buffers[t].bits == model[t].bits);
+  }
+  EXPECT_STATUS_MSG(FailedPrecondition, "is fenced", sync(first, model));
+  Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(report, sync(resumed, model));
+  EXPECT_FALSE(report.transfer.plan.anchor);
+  EXPECT_EQ(report.transfer.plan.target_version, 3u);
 }
 
 }  // namespace
