@@ -519,6 +519,10 @@ Result<PublisherOptions> PublisherOptionsFromConfig(const std::string& config_pa
                          config::LoadConfigFile(config_path, {&fleet_override, 1}));
   REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.transfer_timeout = kPushTimeout;
+  // Every publisher the bench makes is a trainer (re)started within the bench's one run: it
+  // resumes the run the fleet holds, so it continues with deltas (docs/protocol.md "Lineage and
+  // fencing").
+  options.resume = true;
   return options;
 }
 

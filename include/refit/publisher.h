@@ -87,6 +87,21 @@ struct PublisherOptions {
   /// nothing. Only an XOR tracker (TrackerOptions::op) keeps history.
   uint32_t history_versions = 8;
   uint64_t history_bytes = uint64_t{256} << 20;
+  /// Rank 0: the training run this trainer publishes (docs/protocol.md "Lineage and fencing"),
+  /// at most 256 bytes. Empty: with `resume`, the run the fleet holds (a new random one if no
+  /// receiver holds any; InvalidArgument at the first Sync if they hold several); without, a
+  /// new random one. Every Prepare states it, with the epoch, and receivers refuse another run's
+  /// deltas, and any transfer that would reuse a version number they hold under other contents.
+  /// Other ranks' values are ignored: rank 0 alone talks to the receivers.
+  std::string run_id = {};
+  /// Rank 0: continue the run (`run_id`, or the fleet's) as its next epoch — the highest epoch of
+  /// the run any receiver has seen, + 1 — which fences every trainer of an older epoch (a
+  /// zombie). false: a new lineage; its first Sync anchors the fleet above every version it
+  /// holds (a trainer that did not adopt a version), or, given a version the fleet holds (an
+  /// adopted checkpoint), is refused by the receivers, naming both runs. A run id the fleet
+  /// already holds, given without resume, fails the first Sync (it would be the same lineage
+  /// twice). Decided at the first Sync and kept.
+  bool resume = false;
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and
@@ -206,6 +221,10 @@ class Publisher {
   uint32_t world_size() const;
   /// The version this rank's tracker has committed.
   uint64_t version() const;
+  /// Rank 0: the run and epoch its transfers state; the epoch of a resumed run is known once the
+  /// first Sync asked the fleet (0 before). Other ranks: what their options say.
+  const std::string& run_id() const;
+  uint64_t epoch() const;
   /// The bytes of baseline this rank's tracker keeps: the boxes (chunks) it sends, O(shard).
   uint64_t baseline_bytes() const;
 

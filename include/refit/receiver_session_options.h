@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "refit/anchor_undo.h"
+#include "refit/lineage.h"
 #include "refit/payload.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
@@ -83,6 +84,10 @@ struct ReceiverStatus {
   /// the fleet's base; false: only to base_version + 1, and a coordinator sends it an anchor of
   /// its own instead (docs/protocol.md "Per-receiver plans").
   bool accepts_target_version = false;
+  /// The lineage of the committed version: its run, the highest epoch of that run seen (the
+  /// fence), and its state fingerprint (docs/protocol.md "Lineage and fencing"). (Last, with an
+  /// initializer.)
+  HeldLineage lineage = {};
 };
 
 /// Options of ReceiverSession::Make.

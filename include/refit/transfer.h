@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "refit/lineage.h"
 #include "refit/payload.h"
 #include "refit/status.h"
 
@@ -90,6 +91,10 @@ struct PrepareRequest {
   /// as the base and the fleet's target, several versions on. Only a receiver whose status says
   /// accepts_target_version is sent one; the coordinator checks the target its flush reports.
   uint64_t target_version = 0;
+  /// The trainer run, epoch and base fingerprint the transfer comes from (docs/protocol.md
+  /// "Lineage and fencing"); a receiver refuses another lineage's delta, a zombie epoch, and a
+  /// version number it holds under other contents. Default: none stated.
+  TransferLineage lineage = {};
 };
 
 /// What Prepare did.

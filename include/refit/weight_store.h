@@ -8,8 +8,10 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "refit/lineage.h"
 #include "refit/safetensors.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
@@ -138,6 +140,10 @@ class WeightStore {
   /// The weight version the store holds (0 until set).
   uint64_t version() const { return version_; }
   void set_version(uint64_t version) { version_ = version; }
+  /// The lineage of the version held (docs/protocol.md "Lineage and fencing"): none until set,
+  /// from the model file's metadata or by a committed transfer.
+  const HeldLineage& lineage() const { return lineage_; }
+  void set_lineage(HeldLineage lineage) { lineage_ = std::move(lineage); }
 
   /// Write all tensors to a safetensors file (device tensors read through their boundary, one at
   /// a time). Errors: as WriteSafetensors; a backend's read error.
@@ -166,6 +172,7 @@ class WeightStore {
   /// The copy-on-write mapping behind StoreMode::kMmap tensors (type-erased: internal).
   std::shared_ptr<void> mapping_;
   uint64_t version_ = 0;
+  HeldLineage lineage_;
   size_t device_tensors_ = 0;
   std::unique_ptr<Loader> loader_;
   mutable std::mutex pieces_mutex_;

@@ -118,7 +118,12 @@ class Publisher:
     - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
     - ``transfer_timeout``: seconds one sync may take, on every rank;
     - ``staging_bytes``: host memory that tensors in device memory (:class:`DeviceTensor`) are
-      staged through, in reusable buffers (default: twice the largest chunk this rank stages).
+      staged through, in reusable buffers (default: twice the largest chunk this rank stages);
+    - ``run_id``: rank 0: the training run these syncs belong to (default: a new random one,
+      or with ``resume`` the fleet's). Receivers refuse another run's deltas and any transfer
+      that would reuse a version number they hold under other contents, naming both runs;
+    - ``resume``: rank 0: continue the run as its next epoch (the fleet's highest + 1), which
+      fences the trainer it replaces; without it a run id the fleet holds fails the first sync.
     """
 
     #: The keywords that set a key of the configuration file, and the key each sets.
@@ -143,6 +148,8 @@ class Publisher:
         full_sync_interval: Optional[int] = None,
         transfer_timeout: float = 600.0,
         staging_bytes: Optional[int] = None,
+        run_id: Optional[str] = None,
+        resume: bool = False,
     ):
         if group is None:
             group = in_process_group(1)[0]
@@ -154,6 +161,8 @@ class Publisher:
             api_key=api_key,
             transfer_timeout_s=float(transfer_timeout),
             staging_bytes=staging_bytes,
+            run_id=run_id,
+            resume=bool(resume),
         )
 
     def adopt_baseline(
@@ -235,6 +244,18 @@ class Publisher:
     def version(self) -> int:
         """The version this rank last committed."""
         return self._core.version
+
+    @property
+    def run_id(self) -> str:
+        """Rank 0: the training run this publisher's transfers belong to (given, resumed from the
+        fleet at the first sync, or random); empty before a ``resume`` learnt the fleet's."""
+        return self._core.run_id
+
+    @property
+    def epoch(self) -> int:
+        """Rank 0: this trainer's epoch of its run: 0 for a new run, the fleet's highest + 1 for a
+        resumed one (known after the first sync)."""
+        return self._core.epoch
 
     @property
     def baseline_bytes(self) -> int:

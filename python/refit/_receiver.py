@@ -42,6 +42,13 @@ class ReceiverStatus:
     needs_anchor: bool
     #: Why the open (or last) transfer failed, or None.
     last_error: Optional[str]
+    #: The lineage of the version held (docs/protocol.md "Lineage and fencing"): the trainer run
+    #: it belongs to (None: none, a checkpoint loaded without one), the highest epoch of that run
+    #: seen (trainers of older epochs are refused), and the state fingerprint of the version (16
+    #: hex digits; None: unknown).
+    run_id: Optional[str] = None
+    epoch: int = 0
+    fingerprint: Optional[str] = None
 
 
 Hook = Optional[Callable[..., None]]

@@ -279,6 +279,16 @@ class Publisher:
         return self._inner.version
 
     @property
+    def run_id(self) -> str:
+        """Rank 0: the training run its syncs belong to (``run_id``/``resume`` keywords)."""
+        return self._inner.run_id
+
+    @property
+    def epoch(self) -> int:
+        """Rank 0: this trainer's epoch of its run (known after the first sync of a resume)."""
+        return self._inner.epoch
+
+    @property
     def baseline_bytes(self) -> int:
         """Bytes this rank keeps to diff against: its share of the model (its own boxes, when sharded)."""
         return self._inner.baseline_bytes

@@ -433,6 +433,13 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   out["device_to_bytes"] = status.device_to_bytes;
   out["device_from_bytes"] = status.device_from_bytes;
   out["needs_anchor"] = status.needs_anchor;
+  out["run_id"] = status.lineage.run_id.empty() ? py::object(py::none())
+                                                : py::object(py::str(status.lineage.run_id));
+  out["epoch"] = status.lineage.epoch;
+  out["fingerprint"] =
+      status.lineage.fingerprint == 0
+          ? py::object(py::none())
+          : py::object(py::str(fmt::format("{:016x}", status.lineage.fingerprint)));
   out["last_error"] = status.last_error.ok() ? py::object(py::none())
                                              : py::object(py::str(status.last_error.ToString()));
   return out;
@@ -902,7 +909,8 @@ PublisherOptions PublisherOptionsFrom(const std::optional<LoadedConfig>& file,
                                       const py::list& overrides,
                                       const std::optional<std::string>& api_key,
                                       double transfer_timeout_s,
-                                      std::optional<uint64_t> staging_bytes) {
+                                      std::optional<uint64_t> staging_bytes,
+                                      const std::optional<std::string>& run_id, bool resume) {
   PublisherOptions options = Unwrap(config::ToPublisherOptions(ResolveConfig(file, overrides)));
   if (api_key.has_value()) options.control.api_key = *api_key;
   if (!(transfer_timeout_s > 0)) {
@@ -911,6 +919,8 @@ PublisherOptions PublisherOptionsFrom(const std::optional<LoadedConfig>& file,
   options.transfer_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(transfer_timeout_s * 1000.0 + 0.5));
   if (staging_bytes.has_value()) options.staging_bytes = *staging_bytes;
+  if (run_id.has_value()) options.run_id = *run_id;
+  options.resume = resume;
   return options;
 }
 
@@ -1169,19 +1179,21 @@ PYBIND11_MODULE(_core, m) {
       .def("traffic", [](const TensorMemory& memory) { return TrafficToDict(memory.traffic()); });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
-      .def(
-          py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
-                      const py::list& overrides, const std::optional<std::string>& api_key,
-                      double transfer_timeout_s, std::optional<uint64_t> staging_bytes) {
-            return std::make_unique<PyPublisher>(
-                PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes),
-                group);
-          }),
-          py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
-          py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
-          py::arg("staging_bytes") = py::none(),
-          "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
-          "(key path, value, origin) from the keywords that name configuration keys.")
+      .def(py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
+                       const py::list& overrides, const std::optional<std::string>& api_key,
+                       double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
+                       const std::optional<std::string>& run_id, bool resume) {
+             return std::make_unique<PyPublisher>(
+                 PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes,
+                                      run_id, resume),
+                 group);
+           }),
+           py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
+           py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
+           py::arg("staging_bytes") = py::none(), py::arg("run_id") = py::none(),
+           py::arg("resume") = false,
+           "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
+           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("adopt_baseline_sharded", &PyPublisher::AdoptBaselineSharded, py::arg("pieces"),
@@ -1197,6 +1209,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", [](PyPublisher& p) { return p.get().rank(); })
       .def_property_readonly("world_size", [](PyPublisher& p) { return p.get().world_size(); })
       .def_property_readonly("version", [](PyPublisher& p) { return p.get().version(); })
+      .def_property_readonly("run_id", [](PyPublisher& p) { return p.get().run_id(); })
+      .def_property_readonly("epoch", [](PyPublisher& p) { return p.get().epoch(); })
       .def_property_readonly("baseline_bytes",
                              [](PyPublisher& p) { return p.get().baseline_bytes(); });
 }

@@ -72,10 +72,12 @@ def rank_main(rank, world, init, out):
 
     group = rt.TorchGroup(timeout=120)
 
-    def new_publisher():
+    def new_publisher(resume=False):
         # A restarted process makes a new publisher; here it reuses the gloo group (making one
-        # is collective, and a rank that restarts alone cannot ask the others to join in).
-        return rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120, group=group)
+        # is collective, and a rank that restarts alone cannot ask the others to join in). A
+        # restarted trainer resumes its run (docs/protocol.md "Lineage and fencing").
+        return rt.Publisher(receivers=receivers if rank == 0 else None, transfer_timeout=120, group=group,
+                            run_id="fsdp2-adopt", resume=resume)
 
     reports = []
     publisher = new_publisher()
@@ -89,7 +91,7 @@ def rank_main(rank, world, init, out):
 
     # Every rank restarts from the checkpoint of version 2 (its model as it is now).
     del publisher
-    publisher = new_publisher()
+    publisher = new_publisher(resume=True)
     publisher.adopt_baseline(model, version=2)
     train_step()
     report = publisher.sync(model)
@@ -100,7 +102,7 @@ def rank_main(rank, world, init, out):
     # Rank 1 alone restarts (its publisher is new; rank 0 keeps its own).
     if rank == 1:
         del publisher
-        publisher = new_publisher()
+        publisher = new_publisher(resume=True)
         publisher.adopt_baseline(model, version=3)
     train_step()
     report = publisher.sync(model)

@@ -212,7 +212,8 @@ def test_the_device_path_on_a_cuda_device_applies_and_rolls_back_in_place():
             for name, expected in bits(trainer).items():
                 assert torch.equal(bits(worker)[name].cpu(), expected), name
             assert {n: t.data_ptr() for n, t in worker.state_dict().items()} == pointers
-        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=256)
+        # A second trainer of the run (a restart, with a lossy link) resumes it.
+        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=256, resume=True)
         faulty.adopt_baseline(trainer, version=receiver.version)
         held = {name: t.cpu() for name, t in bits(worker).items()}
         step(trainer, 9, fraction=0.5)
@@ -432,7 +433,8 @@ def test_the_reload_path_hands_only_changed_tensors_to_the_engine_and_rolls_back
         # An aborted sync: nothing is handed over; the copies and the norm are rolled back.
         before = {name: tensor.clone() for name, tensor in copies}
         packed = engine.fused.packed.clone()
-        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=64)
+        # The trainer restarts (resuming its run) over a lossy link; the one before is fenced.
+        faulty = rt.Publisher([receiver], transport="fault+zmq://?disconnect_after=1", bucket_bytes=64, resume=True)
         faulty.adopt_baseline(trainer, version=1)
         changed = {name: tensor + 0.5 for name, tensor in trainer.items()}
         with pytest.raises(refit.Unavailable):
@@ -441,7 +443,10 @@ def test_the_reload_path_hands_only_changed_tensors_to_the_engine_and_rolls_back
         for name, tensor in copies:
             assert torch.equal(tensor.view(torch.int32), before[name].view(torch.int32)), name
         assert torch.equal(engine.fused.packed, packed) and torch.equal(engine.norm, trainer["norm"])
-        # Step 2: only `other` changed since the last commit: it alone is loaded.
+        # Step 2, from the trainer restarted again (the lossy one's epoch fenced the first):
+        # only `other` changed since the last commit: it alone is loaded.
+        publisher = rt.Publisher([receiver], resume=True)
+        publisher.adopt_baseline(trainer, version=1)
         trainer["other"][0, 0] -= 1.0
         publisher.sync(trainer)
         assert loads[-1] == ["other"] and torch.equal(other.packed, trainer["other"].t())

@@ -378,6 +378,10 @@ Status RunPush(const PushArgs& args) {
 
   REFIT_ASSIGN_OR_RETURN(PublisherOptions options, config::ToPublisherOptions(config));
   options.transport_uri = transport_uri;
+  // Each push is a trainer restarted from --base (or anchoring): it continues the run the fleet
+  // holds as its next epoch (docs/protocol.md "Lineage and fencing"), so pushes follow one
+  // another with deltas, and a push a newer one superseded is refused.
+  options.resume = true;
   options.transfer_timeout = std::chrono::milliseconds(static_cast<int64_t>(args.timeout_s * 1e3));
   // A control call never outlives the push's budget, whatever a receiver does.
   options.control.timeout = std::min(options.control.timeout, options.transfer_timeout);

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +34,7 @@
 #include "cli_common.h"
 #include "config_file.h"
 #include "progress.h"
+#include "refit/lineage.h"
 #include "refit/loader.h"
 #include "refit/logging.h"
 #include "refit/receiver_node.h"
@@ -327,8 +329,11 @@ Status RunServe(const ServeSettings& settings) {
   if (!server.ready_file.empty()) std::remove(server.ready_file.c_str());
   if (!settings.save_on_exit.empty()) {
     const uint64_t held = node->store().version();
-    REFIT_RETURN_NOT_OK(WriteSafetensors(settings.save_on_exit, node->store().tensors(),
-                                         {{kWeightVersionMetadataKey, std::to_string(held)}})
+    // The lineage is saved with the version, so that a receiver restarted from this file keeps
+    // refusing what it refused before (docs/protocol.md "Lineage and fencing").
+    std::map<std::string, std::string> metadata = LineageMetadata(node->store().lineage());
+    metadata[kWeightVersionMetadataKey] = std::to_string(held);
+    REFIT_RETURN_NOT_OK(WriteSafetensors(settings.save_on_exit, node->store().tensors(), metadata)
                             .WithContext("serve: --save-on-exit"));
     std::printf("refit serve: wrote version %llu to %s\n", static_cast<unsigned long long>(held),
                 settings.save_on_exit.c_str());

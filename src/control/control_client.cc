@@ -568,6 +568,7 @@ Result<PrepareResult> ControlClient::Prepare(const PrepareRequest& request) {
   if (request.target_version != 0) body["target_version"] = request.target_version;
   internal::PutExpectation(request.expected, body);
   if (request.relay_tree.has_value()) internal::PutRelayTree(*request.relay_tree, body);
+  internal::PutLineage(request.lineage, body);
   REFIT_ASSIGN_OR_RETURN(const Json reply, impl_->PostJson(internal::kPreparePath, body));
   const JsonFields fields(reply, "prepare reply");
   PrepareResult result;

@@ -446,6 +446,7 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
   }
   REFIT_ASSIGN_OR_RETURN(request.expected, internal::GetExpectation(body));
   REFIT_ASSIGN_OR_RETURN(request.relay_tree, internal::GetRelayTree(body));
+  REFIT_ASSIGN_OR_RETURN(request.lineage, internal::GetLineage(body));
   if (request.relay_tree.has_value()) {
     if (!options.route_transfer) {
       return InvalidArgument(

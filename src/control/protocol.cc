@@ -296,6 +296,33 @@ void PutRelayTree(const RelayTree& tree, Json& body) {
   body["relay_tree"] = Json{{"endpoints", tree.endpoints}, {"position", tree.position}};
 }
 
+void PutLineage(const TransferLineage& lineage, Json& body) {
+  if (lineage.run_id.empty() && lineage.base_fingerprint == 0) return;
+  body["lineage"] = Json{{"run_id", lineage.run_id},
+                         {"epoch", lineage.epoch},
+                         {"base_fingerprint", DigestToHex(lineage.base_fingerprint)}};
+}
+
+Result<TransferLineage> GetLineage(const JsonFields& body) {
+  TransferLineage lineage;
+  const Json* value = body.Find("lineage");
+  if (value == nullptr) return lineage;
+  const JsonFields fields(*value, body.Name("lineage"));
+  constexpr std::array<std::string_view, 3> kLineageFields = {"run_id", "epoch",
+                                                              "base_fingerprint"};
+  REFIT_RETURN_NOT_OK(fields.CheckObject(kLineageFields));
+  REFIT_ASSIGN_OR_RETURN(lineage.run_id, fields.String("run_id"));
+  if (lineage.run_id.size() > kMaxRunIdBytes) {
+    return InvalidArgument("{} is {} bytes long, more than {}", fields.Name("run_id"),
+                           lineage.run_id.size(), kMaxRunIdBytes);
+  }
+  REFIT_ASSIGN_OR_RETURN(lineage.epoch, fields.Uint("epoch"));
+  REFIT_ASSIGN_OR_RETURN(const std::string hex, fields.String("base_fingerprint"));
+  REFIT_ASSIGN_OR_RETURN(lineage.base_fingerprint,
+                         DigestFromHex(hex, fields.Name("base_fingerprint")));
+  return lineage;
+}
+
 Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body) {
   const Json* value = body.Find("relay_tree");
   if (value == nullptr) return std::optional<RelayTree>();
@@ -502,6 +529,7 @@ Json StatusToJson(const ControlStatusFields& status) {
             {"device_to_bytes", receiver.device_to_bytes},
             {"device_from_bytes", receiver.device_from_bytes},
             {"accepts_target_version", receiver.accepts_target_version},
+            {"lineage", nullptr},
             {"last_error", nullptr},
             {"tensors", status.tensors},
             {"state_fingerprint", nullptr},
@@ -519,6 +547,11 @@ Json StatusToJson(const ControlStatusFields& status) {
   }
   if (status.state_fingerprint.has_value()) {
     body["state_fingerprint"] = DigestToHex(*status.state_fingerprint);
+  }
+  if (!receiver.lineage.run_id.empty() || receiver.lineage.fingerprint != 0) {
+    body["lineage"] = Json{{"run_id", receiver.lineage.run_id},
+                           {"epoch", receiver.lineage.epoch},
+                           {"fingerprint", DigestToHex(receiver.lineage.fingerprint)}};
   }
   if (status.relay.has_value()) {
     body["relay_index"] = status.relay->index;
@@ -569,6 +602,15 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
     if (receiver.needs_anchor) {
       REFIT_ASSIGN_OR_RETURN(receiver.needs_anchor_reason, fields.String("needs_anchor_reason"));
     }
+  }
+  // Absent from receivers older than lineages, and null from one that holds none.
+  if (const Json* lineage = fields.Find("lineage"); lineage != nullptr) {
+    const JsonFields lineage_fields(*lineage, fields.Name("lineage"));
+    REFIT_ASSIGN_OR_RETURN(receiver.lineage.run_id, lineage_fields.String("run_id"));
+    REFIT_ASSIGN_OR_RETURN(receiver.lineage.epoch, lineage_fields.Uint("epoch"));
+    REFIT_ASSIGN_OR_RETURN(const std::string hex, lineage_fields.String("fingerprint"));
+    REFIT_ASSIGN_OR_RETURN(receiver.lineage.fingerprint,
+                           DigestFromHex(hex, lineage_fields.Name("fingerprint")));
   }
   if (const Json* error = fields.Find("last_error"); error != nullptr) {
     const JsonFields error_fields(*error, fields.Name("last_error"));

@@ -123,14 +123,24 @@ void PutRelayTree(const RelayTree& tree, Json& body);
 /// non-empty string, none twice, and a position among them. Errors: InvalidArgument naming the
 /// field.
 Result<std::optional<RelayTree>> GetRelayTree(const JsonFields& body);
+/// Write `lineage` as "lineage": {"run_id": s, "epoch": n, "base_fingerprint": "<hex>"} into
+/// `body` (docs/protocol.md "Lineage and fencing"); nothing when it states none (no run id and no
+/// fingerprint), which is also what a coordinator older than lineages sends.
+void PutLineage(const TransferLineage& lineage, Json& body);
+/// Read what PutLineage wrote; absent: none stated. Errors: InvalidArgument naming the field (a
+/// run id over kMaxRunIdBytes bytes, an epoch or fingerprint of the wrong type).
+Result<TransferLineage> GetLineage(const JsonFields& body);
+/// The longest run id a lineage may carry: room for any UUID or job name, bounded so that a
+/// prepare cannot make a receiver keep (and save) an arbitrarily long string.
+inline constexpr size_t kMaxRunIdBytes = 256;
 /// The most receivers one relay tree names: far more than a fleet has, few enough that a prepare
 /// cannot make a relay hold an unbounded list.
 inline constexpr size_t kMaxRelayTreeEndpoints = size_t{1} << 16;
 
 /// The request fields of each route (what CheckObject accepts).
-inline constexpr std::array<std::string_view, 7> kPrepareFields = {
-    "transfer_id",      "base_version", "anchor",        "expected",
-    "expected_digests", "relay_tree",   "target_version"};
+inline constexpr std::array<std::string_view, 8> kPrepareFields = {
+    "transfer_id",      "base_version", "anchor",         "expected",
+    "expected_digests", "relay_tree",   "target_version", "lineage"};
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};

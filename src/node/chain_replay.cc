@@ -48,6 +48,11 @@ Status ReplayVersion(const ChainVersion& version, const internal::S3TransportCon
   PrepareRequest prepare;
   prepare.transfer_id = version.transfer_id;
   prepare.base_version = version.base_version;
+  // A chain records no lineage, only each version's state fingerprint, which the replay checks:
+  // the replay states the lineage the store holds, so the receiver keeps its run and epoch, and
+  // its fingerprint becomes unknown (docs/protocol.md "Lineage and fencing").
+  prepare.lineage.run_id = session.GetStatus().lineage.run_id;
+  prepare.lineage.epoch = session.GetStatus().lineage.epoch;
   REFIT_ASSIGN_OR_RETURN(prepare.expected.payloads_per_producer, PayloadCounts(version));
   REFIT_RETURN_NOT_OK(session.Prepare(prepare).status().WithContext(where));
   auto replay = [&]() -> Status {

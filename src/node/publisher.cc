@@ -14,6 +14,8 @@
 
 #include "codec/delta_history.h"
 #include "codec/tracker.h"
+#include "control/protocol.h"
+#include "core/digest.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
@@ -121,6 +123,26 @@ struct PublisherRank {
   // Rank 0 adopted a sharded baseline (it restarted): the next plan is taken as the one the
   // adopted checkpoint was sent under, rather than a new plan that needs an anchor.
   bool adopted_plan = false;
+
+  // ---- Lineage (docs/protocol.md "Lineage and fencing"); rank 0 decides, the others ignore it.
+  // The run and epoch every Prepare states: the run fixed at Make (empty while a resume takes
+  // the fleet's), the epoch of a resumed run once the first Sync asked the fleet.
+  std::string run_id;
+  uint64_t epoch = 0;
+  bool lineage_decided = false;
+  // Whether a transfer of this lineage committed: the fleet was this trainer's since.
+  bool committed_in_run = false;
+  // The StateFingerprint of the producers' state at fingerprint_version, which a delta from that
+  // version states as its base fingerprint; 0: not known (W > 1 ranks that adopted a
+  // checkpoint know only their own tensors' digests).
+  uint64_t base_fingerprint = 0;
+  uint64_t fingerprint_version = 0;
+
+  // Decide the run and epoch from what the receivers hold (`held`, one per receiver, named by
+  // `names`), at the first Sync. Errors: InvalidArgument for a resume with no run id whose
+  // receivers hold several runs; FailedPrecondition for a run id the fleet holds given without
+  // resume.
+  Status DecideLineage(const std::vector<std::string>& names, const std::vector<HeldLineage>& held);
 
   StagingReport Staging(uint64_t staged_bytes) const {
     StagingReport report;
@@ -258,7 +280,7 @@ struct PublisherRank {
   // Stream this rank's share through one sender per route (routing by holdings; one route of
   // the whole fleet otherwise), each finished with its route's payload count.
   Result<internal::ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline,
-                                            std::span<const TransferRoute> routes) {
+                                  std::span<const TransferRoute> routes) {
     if (!open.has_value()) return FailedPrecondition("publisher rank {}: no open transfer", rank());
     if (routes.empty()) return InvalidArgument("publisher rank {}: no routes", rank());
     std::vector<std::unique_ptr<TransportSender>> senders;
@@ -393,12 +415,16 @@ class GroupProducers final : public internal::ProducerSet {
  public:
   // `per_receiver`: the coordinator plans each receiver (per-receiver plans), so a receiver
   // behind the base no longer makes the transfer an anchor.
+  // `lineage_versions`: those of `receiver_versions` held by receivers of rank 0's lineage (or
+  // of none), the only ones a transfer is rebased on.
   GroupProducers(PublisherRank& self, const ChunkSource& source, std::vector<std::string> endpoints,
-                 std::vector<uint64_t> receiver_versions, bool per_receiver)
+                 std::vector<uint64_t> receiver_versions, std::vector<uint64_t> lineage_versions,
+                 bool per_receiver)
       : self_(self),
         source_(source),
         endpoints_(std::move(endpoints)),
         receiver_versions_(std::move(receiver_versions)),
+        lineage_versions_(std::move(lineage_versions)),
         per_receiver_(per_receiver) {}
 
   uint32_t size() const override { return self_.world(); }
@@ -453,7 +479,13 @@ class GroupProducers final : public internal::ProducerSet {
     // No rank knows its version (all adopted a checkpoint): the receivers' is the base.
     uint64_t base = known.value_or(0);
     uint64_t newest_held = 0;
-    for (uint64_t held : receiver_versions_) newest_held = std::max(newest_held, held);
+    // A trainer that knows no version starts above every version held, of any lineage: a new
+    // lineage anchors there. A known version is rebased only on this lineage's receivers:
+    // another run's versions are not this trainer's to continue, and a transfer to one of them
+    // is refused by its receivers (docs/protocol.md "Lineage and fencing").
+    for (uint64_t held : known.has_value() ? lineage_versions_ : receiver_versions_) {
+      newest_held = std::max(newest_held, held);
+    }
     if (!known.has_value()) {
       base = std::max(base, newest_held);
     } else if (newest_held > base) {
@@ -542,8 +574,8 @@ class GroupProducers final : public internal::ProducerSet {
   std::optional<uint64_t> FoldableFrom() const override { return fold_from_; }
 
   Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
-                                                         std::span<const TransferRoute> routes,
-                                                         Clock::time_point deadline) override {
+                                               std::span<const TransferRoute> routes,
+                                               Clock::time_point deadline) override {
     REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
     Json stream = GroupMessage(kOpStream);
     stream["routes"] = RoutesToJson(routes);
@@ -724,6 +756,7 @@ class GroupProducers final : public internal::ProducerSet {
   const ChunkSource& source_;
   std::vector<std::string> endpoints_;
   std::vector<uint64_t> receiver_versions_;
+  std::vector<uint64_t> lineage_versions_;
   const bool per_receiver_;
   TransferPlan plan_;
   std::optional<uint64_t> fold_from_;
@@ -739,8 +772,8 @@ class BorrowedProducers final : public internal::ProducerSet {
     return inner_.Begin(id, force_anchor);
   }
   Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
-                                                         std::span<const TransferRoute> routes,
-                                                         Clock::time_point deadline) override {
+                                               std::span<const TransferRoute> routes,
+                                               Clock::time_point deadline) override {
     return inner_.Stream(plan, routes, deadline);
   }
   std::vector<std::string> TensorNames() const override { return inner_.TensorNames(); }
@@ -797,23 +830,49 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
     }
   }
-  for (size_t r = 0; r < links.size(); ++r) {
-    const ControlClientOptions& link = links[r];
+  std::vector<ControlStatus> statuses;
+  std::vector<std::string> names;
+  std::vector<HeldLineage> held;
+  for (const ControlClientOptions& link : links) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
     Result<ControlStatus> status = client->GetStatus();
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
-    versions.push_back(status->receiver.version);
-    if (status->receiver.needs_anchor && !force_anchor && !per_receiver) {
-      REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
-                     status->receiver.needs_anchor_reason);
-      force_anchor = true;
-    }
-    receivers.push_back({link.base_url, client.get(), status->place, fleet[r],
-                         ReceiverStanding{status->receiver.version, status->receiver.needs_anchor,
-                                          status->receiver.accepts_target_version}});
+    statuses.push_back(*std::move(status));
+    names.push_back(link.base_url);
+    held.push_back(statuses.back().receiver.lineage);
     clients.push_back(std::move(client));
   }
-  GroupProducers producers(*this, source, std::move(fleet), std::move(versions), per_receiver);
+  REFIT_RETURN_NOT_OK(DecideLineage(names, held));
+  // The versions of receivers of this lineage (or of none): only they can hold a version this
+  // trainer committed and no rank knows, which the next transfer is then based on.
+  std::vector<uint64_t> lineage_versions;
+  for (size_t r = 0; r < statuses.size(); ++r) {
+    const ReceiverStatus& receiver = statuses[r].receiver;
+    versions.push_back(receiver.version);
+    const bool other_run = !receiver.lineage.run_id.empty() && receiver.lineage.run_id != run_id;
+    if (!other_run) lineage_versions.push_back(receiver.version);
+    if (other_run && committed_in_run && receiver.version >= tracker->version()) {
+      return FailedPrecondition(
+          "publisher: run '{}' epoch {} was superseded: receiver {} holds version {} of {}, at "
+          "or above this trainer's version {}; a newer run took the fleet",
+          run_id, epoch, names[r], receiver.version, DescribeLineage(receiver.lineage),
+          tracker->version());
+    }
+    // A receiver of another run is caught up by an anchor of this one; whether it may take it
+    // (only above the version it holds) is its decision, refused by name.
+    const bool needs_anchor = receiver.needs_anchor || other_run;
+    if (needs_anchor && !force_anchor && !per_receiver) {
+      REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", names[r],
+                     other_run ? "it holds " + DescribeLineage(receiver.lineage)
+                               : receiver.needs_anchor_reason);
+      force_anchor = true;
+    }
+    receivers.push_back(
+        {names[r], clients[r].get(), statuses[r].place, fleet[r],
+         ReceiverStanding{receiver.version, needs_anchor, receiver.accepts_target_version}});
+  }
+  GroupProducers producers(*this, source, std::move(fleet), std::move(versions),
+                           std::move(lineage_versions), per_receiver);
   internal::CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
   coordinator_options.observer = transport.get();
@@ -825,11 +884,16 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
   coordinator_options.tensor_names = routed_tensors;
   coordinator_options.per_receiver_plans = per_receiver;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::Coordinator> coordinator,
-                         internal::Coordinator::Make(coordinator_options,
-                                                     std::make_unique<BorrowedProducers>(producers),
-                                                     std::move(receivers)));
+  coordinator_options.lineage = TransferLineage{run_id, epoch, base_fingerprint};
+  coordinator_options.fingerprint_version = fingerprint_version;
+  REFIT_ASSIGN_OR_RETURN(
+      std::unique_ptr<internal::Coordinator> coordinator,
+      internal::Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
+                        std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
+  committed_in_run = true;
+  base_fingerprint = report.digests.empty() ? 0 : StateFingerprint(report.digests);
+  fingerprint_version = report.plan.target_version;
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
   return SyncReport{std::move(report), rank(), world()};
@@ -874,9 +938,8 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       Result<std::vector<TransferRoute>> routes =
           RoutesFromJson(message->value("routes", Json::array()), leader);
       if (cancelled.ok() && !routes.ok()) cancelled = routes.status();
-      Result<internal::ProducerStreamed> own = cancelled.ok()
-                                                   ? Stream(source, Deadline(), *routes)
-                                                   : Result<internal::ProducerStreamed>(cancelled);
+      Result<internal::ProducerStreamed> own = cancelled.ok() ? Stream(source, Deadline(), *routes)
+                                                    : Result<internal::ProducerStreamed>(cancelled);
       reply = StatusToJson(own.status());
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);
@@ -920,6 +983,48 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
   }
 }
 
+Status PublisherRank::DecideLineage(const std::vector<std::string>& names,
+                                    const std::vector<HeldLineage>& held) {
+  if (lineage_decided) return Status::OK();
+  if (options.resume && run_id.empty()) {
+    // Continue the run the fleet holds: every receiver that holds one must hold the same.
+    for (size_t r = 0; r < held.size(); ++r) {
+      if (held[r].run_id.empty()) continue;
+      if (!run_id.empty() && held[r].run_id != run_id) {
+        return InvalidArgument(
+            "publisher: resume without a run id: the receivers hold two runs ('{}' and '{}' at "
+            "{}); name the run to resume (PublisherOptions::run_id)",
+            run_id, held[r].run_id, names[r]);
+      }
+      run_id = held[r].run_id;
+    }
+    if (run_id.empty()) {
+      // Nothing to resume (every receiver loaded a checkpoint without lineage): a run of its own.
+      run_id = TransferId::Random().ToHex();
+      REFIT_LOG_INFO("publisher: resume: no receiver holds a lineage; starting run '{}'", run_id);
+    }
+  }
+  uint64_t seen = 0;
+  std::optional<size_t> holder;
+  for (size_t r = 0; r < held.size(); ++r) {
+    if (held[r].run_id != run_id) continue;
+    if (!holder.has_value() || held[r].epoch > seen) holder = r;
+    seen = std::max(seen, held[r].epoch);
+  }
+  if (!options.resume && holder.has_value()) {
+    return FailedPrecondition(
+        "publisher: run '{}' is held by the fleet already ({} holds it at epoch {}): a trainer "
+        "that continues it resumes it (resume, as epoch {}), one that does not takes another "
+        "run id",
+        run_id, names[*holder], seen, seen + 1);
+  }
+  epoch = options.resume ? seen + 1 : 0;
+  lineage_decided = true;
+  REFIT_LOG_INFO("publisher: {} run '{}' as epoch {}", options.resume ? "resuming" : "starting",
+                 run_id, epoch);
+  return Status::OK();
+}
+
 struct Publisher::Impl : PublisherRank {};
 
 Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& options,
@@ -930,8 +1035,15 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
     return InvalidArgument("publisher: transfer_timeout must be positive, got {} ms",
                            options.transfer_timeout.count());
   }
+  if (options.run_id.size() > internal::kMaxRunIdBytes) {
+    return InvalidArgument("publisher: run_id is {} bytes long, more than {}",
+                           options.run_id.size(), internal::kMaxRunIdBytes);
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->run_id = options.run_id;
+  // A trainer that neither names its run nor resumes one starts a lineage of its own.
+  if (impl->run_id.empty() && !options.resume) impl->run_id = TransferId::Random().ToHex();
   ProducerStreamOptions stream = options.stream;
   stream.producer_id = group->rank();
   stream.num_producers = group->world_size();
@@ -987,6 +1099,12 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
   // The deltas retained before no longer chain to the adopted state.
   if (impl_->history != nullptr) impl_->history->Clear();
   impl_->version_unknown = !version.has_value();
+  // One rank holds the whole model: its digests are the fleet's at that version, so the first
+  // delta states what it builds on. W ranks know only their own tensors: not stated (the flush's
+  // digest check still verifies the adopted baseline).
+  impl_->base_fingerprint =
+      world_size() == 1 && version.has_value() ? StateFingerprint(impl_->tracker->Digests()) : 0;
+  impl_->fingerprint_version = version.value_or(0);
   impl_->committed_world = world_size();
   return Status::OK();
 }
@@ -998,8 +1116,7 @@ Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_
   // Built aside and swapped in at the end: nothing changes on error.
   std::unique_ptr<internal::DeltaTracker> tracker;
   if (adopted.ok()) {
-    Result<std::unique_ptr<internal::DeltaTracker>> made =
-        internal::DeltaTracker::Make(self.options.tracker);
+    Result<std::unique_ptr<internal::DeltaTracker>> made = internal::DeltaTracker::Make(self.options.tracker);
     adopted = made.status();
     if (made.ok()) tracker = std::move(made).ValueOrDie();
   }
@@ -1036,6 +1153,7 @@ Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_
   self.tracker = std::move(tracker);
   if (self.history != nullptr) self.history->Clear();
   self.version_unknown = !version.has_value();
+  self.base_fingerprint = 0;  // A rank's pieces are not the whole state.
   self.committed_world = world_size();
   self.committed_sharded = true;
   self.adopted_plan = rank() == 0;
@@ -1112,6 +1230,10 @@ Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {
 uint32_t Publisher::rank() const { return impl_->rank(); }
 uint32_t Publisher::world_size() const { return impl_->world(); }
 uint64_t Publisher::version() const { return impl_->tracker->version(); }
+
+const std::string& Publisher::run_id() const { return impl_->run_id; }
+
+uint64_t Publisher::epoch() const { return impl_->epoch; }
 uint64_t Publisher::baseline_bytes() const { return impl_->tracker->baseline_bytes(); }
 
 }  // namespace refit

@@ -11,6 +11,7 @@
 #include "node/chain_replay.h"
 #include "node/peer_bootstrap.h"
 #include "receiver/receiver_session.h"
+#include "refit/lineage.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -106,16 +107,26 @@ Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptio
   }
   if (!options.model_path.empty()) {
     uint64_t version = options.version.value_or(0);
+    // The lineage travels with the version it was recorded with (docs/protocol.md "Lineage and
+    // fencing"): a version given on the command line overrides both.
+    HeldLineage lineage;
     if (!options.version.has_value()) {
       Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(options.model_path);
       if (!file.ok()) return file.status().WithContext("receiver node: model");
       version = WeightVersionOf(**file);
+      Result<HeldLineage> recorded = LineageFromMetadata((*file)->metadata());
+      if (!recorded.ok()) {
+        return recorded.status().WithContext(
+            fmt::format("receiver node: model '{}'", options.model_path));
+      }
+      lineage = *std::move(recorded);
     }
     Result<std::unique_ptr<WeightStore>> opened =
         WeightStore::Open(options.model_path, options.store_mode);
     if (!opened.ok()) return opened.status().WithContext("receiver node: model");
     impl->store = std::move(opened).ValueOrDie();
     impl->store->set_version(version);
+    impl->store->set_lineage(std::move(lineage));
   } else {
     impl->store = WeightStore::Make();
     impl->store->set_version(options.version.value_or(0));

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
 #include "util/mutex.h"
@@ -542,6 +543,8 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   prepare.transfer_id = id;
   prepare.base_version = plan.base_version;
   prepare.anchor = plan.anchor;
+  prepare.lineage = options.lineage;
+  if (plan.base_version != options.fingerprint_version) prepare.lineage.base_fingerprint = 0;
   {
     Failures failures;
     ForEachConcurrently(receivers.size(), [&](size_t r) {
@@ -553,6 +556,9 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       report.receivers[r].caught_up_by = catch_ups[r].how;
       PrepareRequest mine = prepare;
       if (catch_ups[r].how == CatchUp::kAnchor) mine.anchor = true;
+      // The base fingerprint names what a delta from the fleet's base builds on; an anchor builds
+      // on nothing, and a folded catch-up on a version whose fingerprint is not kept here.
+      if (mine.anchor || catch_ups[r].how != CatchUp::kDelta) mine.lineage.base_fingerprint = 0;
       if (catch_ups[r].how == CatchUp::kFolded) {
         // Its own base, the fleet's target.
         mine.base_version = catch_ups[r].from_version;
@@ -699,6 +705,8 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     }
   }
   report.digests = std::move(flush.expected.digests);
+  options.lineage.base_fingerprint = report.digests.empty() ? 0 : StateFingerprint(report.digests);
+  options.fingerprint_version = plan.target_version;
   return report;
 }
 

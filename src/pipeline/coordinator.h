@@ -190,6 +190,14 @@ struct CoordinatorOptions {
   /// routes of their own, in the same transfer. Needs relay_trees (every receiver's
   /// data_endpoint). false: every receiver gets the transfer's own items.
   bool per_receiver_plans = false;
+  /// The lineage every Prepare states (docs/protocol.md "Lineage and fencing"): the trainer's
+  /// run id and epoch, and `lineage.base_fingerprint`, the StateFingerprint of the producers'
+  /// state at version `fingerprint_version`, which a delta from that version states (other
+  /// transfers state 0: not known). Each transfer that commits moves both to its target (the
+  /// fingerprint of the digests it declared). Default: no lineage stated. (Last, with
+  /// initializers.)
+  TransferLineage lineage = {};
+  uint64_t fingerprint_version = 0;
 };
 
 /// Drives transfers across W producers and N receivers.

@@ -94,7 +94,7 @@ struct ReceiverSession::Impl {
       : options(session_options),
         store(session_store),
         queue(ApplyQueueOptionsOf(session_options), session_store),
-        ledger(session_store.version(), LedgerOptionsOf(session_options)),
+        ledger(session_store.version(), LedgerOptionsOf(session_options), session_store.lineage()),
         visible_version(session_store.version()) {}
 
   internal::Mutex& mutex() REFIT_RETURN_CAPABILITY(queue.mutex()) { return queue.mutex(); }
@@ -117,6 +117,7 @@ struct ReceiverSession::Impl {
     const bool healed = open.anchor && ledger.needs_anchor().has_value();
     ledger.Commit();
     store.set_version(ledger.version());
+    store.set_lineage(ledger.lineage());
     queue.ClearUndo();
     if (healed) {
       REFIT_LOG_INFO("receiver: anchor {} committed: the store no longer needs an anchor",
@@ -237,6 +238,9 @@ struct ReceiverSession::Impl {
       WaitForAbortLocked(lock);
     }
     ledger.Open(request, Clock::now());
+    // A raised epoch fence is kept with the version, so it survives a restart (the store's
+    // lineage is what a receiver node saves).
+    store.set_lineage(ledger.lineage());
     if (request.anchor && request.base_version != ledger.version()) {
       REFIT_LOG_INFO("receiver: transfer {} is an anchor from version {}; this receiver holds {}",
                      id, request.base_version, ledger.version());
@@ -546,6 +550,7 @@ struct ReceiverSession::Impl {
     status.version = visible_version;
     // The ledger opens a transfer to the target its prepare names (folded catch-ups).
     status.accepts_target_version = true;
+    status.lineage = ledger.lineage();
     status.last_error = ledger.last_error();
     status.undo_bytes = queue.undo_bytes();
     status.undo_file_bytes = queue.undo_file_bytes();

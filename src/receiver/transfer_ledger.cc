@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/check.h"
 
@@ -29,6 +30,14 @@ uint64_t MillisecondsBetween(LedgerClock::time_point from, LedgerClock::time_poi
       std::chrono::duration_cast<std::chrono::milliseconds>(to - from).count());
 }
 
+// A transfer's lineage for errors: "run 'r' epoch e", or that it states none.
+std::string DescribeStated(const TransferLineage& lineage) {
+  if (lineage.run_id.empty()) return "no lineage";
+  return fmt::format("run '{}' epoch {}", lineage.run_id, lineage.epoch);
+}
+
+std::string FingerprintHex(uint64_t fingerprint) { return fmt::format("{:016x}", fingerprint); }
+
 }  // namespace
 
 uint64_t TargetOf(const PrepareRequest& request) {
@@ -52,8 +61,8 @@ Status CheckExpectation(const TransferExpectation& expected) {
   return Status::OK();
 }
 
-TransferLedger::TransferLedger(uint64_t version, const LedgerOptions& options)
-    : options_(options), version_(version) {}
+TransferLedger::TransferLedger(uint64_t version, const LedgerOptions& options, HeldLineage lineage)
+    : options_(options), version_(version), lineage_(std::move(lineage)) {}
 
 ReceiverState TransferLedger::state() const {
   if (!open_) return ReceiverState::kIdle;
@@ -90,7 +99,8 @@ Result<PrepareStep> TransferLedger::ClassifyPrepare(const PrepareRequest& reques
   const std::string id = request.transfer_id.ToHex();
   if (open_ && open_->id == request.transfer_id) {
     if (request.base_version != open_->base_version || request.anchor != open_->anchor ||
-        TargetOf(request) != open_->target_version || request.expected != open_->declared) {
+        TargetOf(request) != open_->target_version || request.expected != open_->declared ||
+        request.lineage != open_->lineage) {
       return FailedPrecondition(
           "prepare of transfer {}: already open with base version {} and a different request", id,
           open_->base_version);
@@ -105,11 +115,18 @@ Result<PrepareStep> TransferLedger::ClassifyPrepare(const PrepareRequest& reques
   if (open_ && open_->report) {
     // The coordinator only starts a transfer from T's target once every receiver prepared T and
     // it decided to commit.
-    if (request.base_version == open_->target_version) return PrepareStep::kCommitOpenFirst;
+    if (request.base_version == open_->target_version) {
+      REFIT_RETURN_NOT_OK(CheckImpliedDecision(request, "commit"));
+      return PrepareStep::kCommitOpenFirst;
+    }
     // A new transfer from T's base under a new id: T's coordinator gave up on T (or died) and
     // never committed it anywhere, or the new coordinator would have seen a receiver at T's
     // target and based the transfer on it (docs/protocol.md, "implied abort").
-    if (request.base_version == open_->base_version) return PrepareStep::kAbortOpenFirst;
+    if (request.base_version == open_->base_version) {
+      REFIT_RETURN_NOT_OK(CheckImpliedDecision(request, "abort"));
+      REFIT_RETURN_NOT_OK(CheckLineage(request));
+      return PrepareStep::kAbortOpenFirst;
+    }
     return FailedPrecondition(
         "prepare of transfer {} (based on version {}): {}; a transfer based on version {} "
         "commits it, one based on version {} aborts it, version {} is neither",
@@ -120,6 +137,8 @@ Result<PrepareStep> TransferLedger::ClassifyPrepare(const PrepareRequest& reques
     const LedgerClock::duration quiet = now - open_->last_progress;
     if (!open_->aborting && request.base_version == open_->base_version &&
         options_.preempt_after.count() > 0 && quiet >= options_.preempt_after) {
+      REFIT_RETURN_NOT_OK(CheckImpliedDecision(request, "abort"));
+      REFIT_RETURN_NOT_OK(CheckLineage(request));
       return PrepareStep::kAbortOpenFirst;
     }
     return FailedPrecondition(
@@ -134,12 +153,89 @@ Result<PrepareStep> TransferLedger::ClassifyPrepare(const PrepareRequest& reques
         "needs_anchor",
         id, *needs_anchor_);
   }
+  REFIT_RETURN_NOT_OK(CheckLineage(request));
   if (request.base_version != version_ && !request.anchor) {
     return FailedPrecondition(
         "prepare of transfer {}: it is based on version {} but the receiver is at version {}", id,
         request.base_version, version_);
   }
   return PrepareStep::kOpen;
+}
+
+Status TransferLedger::CheckLineage(const PrepareRequest& request) const {
+  // A receiver that holds no lineage (a checkpoint loaded without one, and nothing committed
+  // since that stated one) accepts any: it has nothing to tell two trainers apart by, and the
+  // flush's digest check still verifies the state a delta reaches.
+  if (lineage_.run_id.empty()) return Status::OK();
+  const TransferLineage& from = request.lineage;
+  const uint64_t target = TargetOf(request);
+  const std::string id = request.transfer_id.ToHex();
+  const std::string held =
+      fmt::format("the receiver holds version {} of {} (fingerprint {})", version_,
+                  DescribeLineage(lineage_), FingerprintHex(lineage_.fingerprint));
+  if (from.run_id.empty()) {
+    return FailedPrecondition(
+        "prepare of transfer {} (version {} -> {}): it states no lineage (a coordinator older "
+        "than lineages, or one given no run id), but {}; give the trainer a run id "
+        "(PublisherOptions::run_id with resume, or a new one, which anchors above version {})",
+        id, request.base_version, target, held, version_);
+  }
+  const std::string stated = DescribeStated(from);
+  if (from.run_id != lineage_.run_id) {
+    if (!request.anchor) {
+      return FailedPrecondition(
+          "prepare of transfer {}: a delta of {} (version {} -> {}) refused: {}; another run "
+          "replaces a receiver's lineage only by an anchor to a version above {}",
+          id, stated, request.base_version, target, held, version_);
+    }
+    if (target <= version_) {
+      return FailedPrecondition(
+          "prepare of transfer {}: an anchor of {} to version {} would reuse version {} with "
+          "other contents: {}; a new lineage anchors at a version above {}",
+          id, stated, target, target, held, version_);
+    }
+    return Status::OK();
+  }
+  if (from.epoch < lineage_.epoch) {
+    return FailedPrecondition(
+        "prepare of transfer {}: {} (version {} -> {}) is fenced: {}, and epoch {} of that run "
+        "was seen, so a trainer of an older epoch (a zombie, superseded by one that resumed the "
+        "run) may not publish",
+        id, stated, request.base_version, target, held, lineage_.epoch);
+  }
+  if (!request.anchor) {
+    if (request.base_version == version_ && from.base_fingerprint != 0 &&
+        lineage_.fingerprint != 0 && from.base_fingerprint != lineage_.fingerprint) {
+      return FailedPrecondition(
+          "prepare of transfer {}: a delta of {} based on version {} with fingerprint {} "
+          "refused: {}, so it would reuse version {} with other contents (the trainer adopted "
+          "another checkpoint under that version number: `refit push --base FILE`, "
+          "Publisher::AdoptBaseline)",
+          id, stated, request.base_version, FingerprintHex(from.base_fingerprint), held, target);
+    }
+  } else if (target <= version_ && from.epoch > lineage_.epoch) {
+    // The same trainer (same epoch) may anchor its own versions again (a receiver that needs an
+    // anchor); a resumed one may not rewrite versions its predecessor published.
+    return FailedPrecondition(
+        "prepare of transfer {}: an anchor of {} to version {} would reuse version {} with "
+        "other contents: {}, published by epoch {}; a resumed trainer continues from the "
+        "version the fleet holds, or starts a new run",
+        id, stated, target, target, held, lineage_.epoch);
+  }
+  return Status::OK();
+}
+
+Status TransferLedger::CheckImpliedDecision(const PrepareRequest& request,
+                                            std::string_view decision) const {
+  const TransferLineage& open = open_->lineage;
+  const TransferLineage& from = request.lineage;
+  if (from.run_id == open.run_id && from.epoch >= open.epoch) return Status::OK();
+  return FailedPrecondition(
+      "prepare of transfer {} ({}, version {} -> {}) refused: transfer {} of {} (version {} -> "
+      "{}) is {} here, and only its own lineage may {} it implicitly",
+      request.transfer_id.ToHex(), DescribeStated(from), request.base_version, TargetOf(request),
+      open_->id.ToHex(), DescribeStated(open), open_->base_version, open_->target_version,
+      ReceiverStateName(state()), decision);
 }
 
 void TransferLedger::Open(const PrepareRequest& request, LedgerClock::time_point now) {
@@ -149,6 +245,12 @@ void TransferLedger::Open(const PrepareRequest& request, LedgerClock::time_point
   transfer.base_version = request.base_version;
   transfer.target_version = TargetOf(request);
   transfer.anchor = request.anchor;
+  transfer.lineage = request.lineage;
+  // The fence rises when the resumed trainer's first Prepare is accepted, not at its commit:
+  // from then on the zombie is refused even if this transfer aborts.
+  if (!request.lineage.run_id.empty() && request.lineage.run_id == lineage_.run_id) {
+    lineage_.epoch = std::max(lineage_.epoch, request.lineage.epoch);
+  }
   transfer.declared = request.expected;
   transfer.expected = request.expected;
   transfer.last_progress = now;
@@ -415,6 +517,17 @@ bool TransferLedger::ExpectationDiffers(const TransferExpectation& given) const 
 void TransferLedger::Commit() {
   REFIT_DCHECK(open_ && open_->report, "Commit needs a prepared transfer");
   version_ = open_->target_version;
+  const TransferLineage& committed = open_->lineage;
+  if (committed.run_id != lineage_.run_id) {
+    lineage_.run_id = committed.run_id;
+    lineage_.epoch = committed.epoch;
+  } else {
+    lineage_.epoch = std::max(lineage_.epoch, committed.epoch);
+  }
+  // The digests Flush declared are the producers' canonical state at the target, which this
+  // receiver verified (or its replica was verified as a whole) before the transfer was decided.
+  lineage_.fingerprint =
+      open_->expected.digests.empty() ? 0 : StateFingerprint(open_->expected.digests);
   if (needs_anchor_ && open_->anchor) needs_anchor_.reset();
   Remember(open_->id, Outcome::kCommitted);
   open_.reset();

@@ -89,6 +89,8 @@ struct OpenTransfer {
   std::optional<FlushReport> report;
   /// Whether the transfer is an anchor (accepted whatever version the receiver held).
   bool anchor = false;
+  /// The lineage its Prepare stated; committed with it.
+  TransferLineage lineage;
   /// Whether the first payload started to apply (before_first_apply was called).
   bool apply_started = false;
   /// The last Prepare, payload, apply, stream end or Flush: its lease runs from here.
@@ -111,12 +113,15 @@ uint64_t TargetOf(const PrepareRequest& request);
 
 class TransferLedger {
  public:
-  TransferLedger(uint64_t version, const LedgerOptions& options);
+  /// A ledger at committed `version`, holding `lineage` (what the store was loaded with).
+  TransferLedger(uint64_t version, const LedgerOptions& options, HeldLineage lineage = {});
 
   // ---- State. ----------------------------------------------------------------------------------
 
   /// The committed version (what fences the next transfer).
   uint64_t version() const { return version_; }
+  /// The lineage of the committed version, with the highest epoch of its run seen.
+  const HeldLineage& lineage() const { return lineage_; }
   ReceiverState state() const;
   /// The open transfer, or null.
   const OpenTransfer* open() const { return open_ ? &*open_ : nullptr; }
@@ -132,10 +137,16 @@ class TransferLedger {
   /// What `request` needs (see PrepareStep). Errors: FailedPrecondition naming the state — the id
   /// finished already, is open with another request, another transfer is receiving, the open
   /// prepared transfer is based on neither the request's base nor its target, the receiver needs
-  /// an anchor and this is a delta, or the delta's base is not the receiver's version.
+  /// an anchor and this is a delta, or the delta's base is not the receiver's version — or
+  /// naming both lineages (docs/protocol.md "Lineage and fencing"): a delta of another run, an
+  /// anchor of another run that would reuse a version number held, an epoch below the one seen
+  /// (a zombie trainer), a delta whose base fingerprint is not the one held at that version, a
+  /// request stating no lineage to a receiver that holds one, or an implied commit or abort of
+  /// the open transfer asked by another lineage.
   Result<PrepareStep> ClassifyPrepare(const PrepareRequest& request,
                                       LedgerClock::time_point now) const;
-  /// Open `request`'s transfer. Precondition: ClassifyPrepare said kOpen.
+  /// Open `request`'s transfer; a higher epoch of the run held raises the fence at once.
+  /// Precondition: ClassifyPrepare said kOpen.
   void Open(const PrepareRequest& request, LedgerClock::time_point now);
   /// Record progress of the open transfer: its lease starts again.
   void Touch(LedgerClock::time_point now);
@@ -183,7 +194,8 @@ class TransferLedger {
 
   // ---- Decide. ---------------------------------------------------------------------------------
 
-  /// Commit the open, prepared transfer: the version becomes its target, an anchor clears
+  /// Commit the open, prepared transfer: the version becomes its target, the lineage its
+  /// lineage with the fingerprint of the digests its Flush declared, an anchor clears
   /// needs_anchor, the id is remembered as committed. Precondition: prepared.
   void Commit();
   /// Mark the open transfer as being rolled back (its payloads are refused, waiters wake).
@@ -226,10 +238,16 @@ class TransferLedger {
   /// Check that the per-producer counts of `expectation` (declared by `by`) agree with every
   /// stream end recorded: a producer absent from them is expected to send nothing.
   Status CheckStreamEnds(const TransferExpectation& expectation, std::string_view by) const;
+  /// The lineage rules against the committed version and lineage (ClassifyPrepare).
+  Status CheckLineage(const PrepareRequest& request) const;
+  /// Whether `request` may commit or abort the open transfer implicitly: the same run, an epoch
+  /// not below the open transfer's.
+  Status CheckImpliedDecision(const PrepareRequest& request, std::string_view decision) const;
   void Remember(const TransferId& id, Outcome outcome);
 
   LedgerOptions options_;
   uint64_t version_;
+  HeldLineage lineage_;
   std::optional<OpenTransfer> open_;
   std::optional<std::string> needs_anchor_;
   Status last_error_;

@@ -5,7 +5,8 @@ Two `refit serve` daemons load the same checkpoint and form one relay tree. Then
   * `refit push NEW --base OLD` commits a delta on both; every tensor served over HTTP equals
     NEW's bytes (read with numpy from the file, independently of the C++ reader);
   * a second push (--json, through a --config file) moves both to the next version;
-  * a push against the wrong base is refused with DataLoss naming the tensor, and both daemons
+  * a push against the wrong base is refused at prepare, naming the fingerprint of the version
+    the daemons hold and the base's (docs/protocol.md "Lineage and fencing"), and both daemons
     stay at their version with unchanged bytes;
   * a push without the key is refused, and so is a push to a fleet with a receiver down;
   * an anchor push (no --base) sends every element;
@@ -209,10 +210,10 @@ def main():
               in result.stderr, f"serve names the flag over the file: {result.stderr[:300]}")
 
         result = run(push + [steps[3], "--base", steps[1]], env=env)
-        check(result.returncode != 0 and "DataLoss" in result.stderr
-              and "differs from the producer's base" in result.stderr
+        check(result.returncode != 0 and "FailedPrecondition" in result.stderr
+              and "would reuse version 3 with other contents" in result.stderr
               and "refit push --base FILE" in result.stderr,
-              f"a push against the wrong base is DataLoss saying the base differs: "
+              f"a push against the wrong base is refused saying the base differs: "
               f"{result.stderr[:600]}")
         check(not [l for l in result.stderr.splitlines() if "[warning]" in l and "failed at" in l],
               f"and the failure is printed once, as the error, not also as a warning: "

@@ -467,6 +467,36 @@ TEST_F(ControlServerTest, PrepareHandsItsRelayTreeToTheDataPlane) {
   ASSERT_OK(client_->Abort(step.id));
 }
 
+// A prepare's lineage crosses the control plane both ways: the receiver holds it once the
+// transfer commits and reports it in its status, and refuses a delta of another run over HTTP by
+// name (docs/protocol.md "Lineage and fencing").
+TEST_F(ControlServerTest, ThePreparesLineageIsHeldAndReportedAndAnotherRunIsRefused) {
+  StartServer();
+  ASSERT_OK_AND_ASSIGN(ControlStatus before, client_->GetStatus());
+  EXPECT_EQ(before.receiver.lineage, HeldLineage{});
+  const Step step = EncodeStep(1);
+  PrepareRequest request = Request(step);
+  request.lineage = TransferLineage{"run-a", 3, 0};
+  ASSERT_OK(client_->Prepare(request));
+  for (const auto& payload : step.payloads) ASSERT_OK(client_->SendPayload(payload));
+  ASSERT_OK(client_->Flush(step.id, Generous()));
+  ASSERT_OK(client_->Commit(step.id));
+  ASSERT_OK(tracker_->Commit(step.id));
+  current_ = step.next;
+  ASSERT_OK_AND_ASSIGN(ControlStatus after, client_->GetStatus());
+  EXPECT_EQ(after.receiver.lineage,
+            (HeldLineage{"run-a", 3, StateFingerprint(step.expected.digests)}));
+
+  const Step next = EncodeStep(2);
+  PrepareRequest other = Request(next);
+  other.lineage = TransferLineage{"run-b", 0, 0};
+  EXPECT_STATUS_MSG(FailedPrecondition, "a delta of run 'run-b' epoch 0", client_->Prepare(other));
+  EXPECT_STATUS_MSG(FailedPrecondition, "states no lineage", client_->Prepare(Request(next)));
+  other.lineage = TransferLineage{"run-a", 3, StateFingerprint(step.expected.digests)};
+  ASSERT_OK(client_->Prepare(other));
+  ASSERT_OK(client_->Abort(next.id));
+}
+
 // A receiver without a loader holds every tensor whole: its regions are empty, whatever is asked.
 TEST_F(ControlServerTest, RegionsOfAStoreWithoutALoaderAreEmpty) {
   StartServer();
@@ -642,6 +672,20 @@ TEST_F(ControlServerTest, MalformedRequestsAre400NamingTheField) {
            json{{"transfer_id", id}, {"base_version", 0}, {"expected_digests", {{"w", "123"}}}}
                .dump()),
       "expected_digests['w']");
+  const auto prepare_with_lineage = [&](const json& lineage) {
+    return post(internal::kPreparePath,
+                json{{"transfer_id", id}, {"base_version", 0}, {"lineage", lineage}}.dump());
+  };
+  expect_400(prepare_with_lineage({{"run_id", "a"}, {"epoch", -1}, {"base_fingerprint", "0"}}),
+             "lineage.epoch");
+  expect_400(prepare_with_lineage({{"run_id", "a"}, {"epoch", 0}, {"base_fingerprint", "xyz"}}),
+             "lineage.base_fingerprint");
+  expect_400(prepare_with_lineage(
+                 {{"run_id", std::string(300, 'r')}, {"epoch", 0}, {"base_fingerprint", "0"}}),
+             "lineage.run_id is 300 bytes long, more than 256");
+  expect_400(prepare_with_lineage(
+                 {{"run_id", "a"}, {"epoch", 0}, {"base_fingerprint", "0"}, {"generation", 2}}),
+             "unknown field 'generation'");
   const auto prepare_with_tree = [&](const json& tree) {
     return post(internal::kPreparePath,
                 json{{"transfer_id", id}, {"base_version", 0}, {"relay_tree", tree}}.dump());

@@ -12,6 +12,10 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "core/digest.h"
+#include "refit/lineage.h"
 #include "refit/status_format.h"
 #include "test_util.h"
 
@@ -428,6 +432,167 @@ TEST_F(TransferLedgerTest, RandomSequencesKeepTheInvariants) {
       }
     }
   }
+}
+
+// ---- Lineage and fencing (docs/protocol.md "Lineage and fencing"). -----------------------------
+
+/// A request of `run` at `epoch` with state `digests` at its target (they fix the fingerprint the
+/// receiver holds once it commits).
+PrepareRequest LineageRequest(uint64_t base, std::string run, uint64_t epoch, bool anchor = false,
+                              uint64_t state = 1, uint64_t base_fingerprint = 0) {
+  PrepareRequest request;
+  request.transfer_id = TransferId::Random();
+  request.base_version = base;
+  request.anchor = anchor;
+  request.expected.payloads_per_producer = {{0, 1}};
+  request.expected.digests = {{"w", state}};
+  request.lineage = TransferLineage{std::move(run), epoch, base_fingerprint};
+  return request;
+}
+
+class LedgerLineageTest : public TransferLedgerTest {
+ protected:
+  /// Open, stage, flush and commit `request`.
+  void Commit(const PrepareRequest& request) {
+    Open(request);
+    StageApplyAndFlush(request);
+    ledger_.Commit();
+  }
+};
+
+TEST_F(LedgerLineageTest, AReceiverWithoutLineageAdoptsTheRunOfItsFirstCommit) {
+  EXPECT_TRUE(ledger_.lineage().run_id.empty());
+  Commit(LineageRequest(7, "run-a", 0, false, /*state=*/11));
+  EXPECT_EQ(ledger_.version(), 8u);
+  EXPECT_EQ(ledger_.lineage().run_id, "run-a");
+  EXPECT_EQ(ledger_.lineage().epoch, 0u);
+  EXPECT_EQ(ledger_.lineage().fingerprint, StateFingerprint({{"w", 11}}));
+}
+
+TEST_F(LedgerLineageTest, ADeltaOfAnotherRunIsRefusedNamingBothRuns) {
+  Commit(LineageRequest(7, "run-a", 2));
+  const Result<PrepareStep> refused = ledger_.ClassifyPrepare(LineageRequest(8, "run-b", 0), now_);
+  EXPECT_STATUS_MSG(FailedPrecondition, "a delta of run 'run-b' epoch 0", refused);
+  EXPECT_STATUS_MSG(FailedPrecondition, "holds version 8 of run 'run-a' epoch 2", refused);
+  EXPECT_EQ(ledger_.state(), ReceiverState::kIdle);
+}
+
+TEST_F(LedgerLineageTest, AnotherRunAnchorsOnlyAboveTheVersionHeld) {
+  Commit(LineageRequest(7, "run-a", 0));  // At 8.
+  // To version 8 or below: it would reuse a version number this receiver holds.
+  EXPECT_STATUS_MSG(FailedPrecondition, "would reuse version 8 with other contents",
+                    ledger_.ClassifyPrepare(LineageRequest(7, "run-b", 0, true), now_));
+  EXPECT_STATUS_MSG(FailedPrecondition, "would reuse version 4",
+                    ledger_.ClassifyPrepare(LineageRequest(3, "run-b", 0, true), now_));
+  // Above it: a new lineage, which the receiver then holds.
+  Commit(LineageRequest(8, "run-b", 0, true, /*state=*/5));
+  EXPECT_EQ(ledger_.version(), 9u);
+  EXPECT_EQ(ledger_.lineage().run_id, "run-b");
+  EXPECT_EQ(ledger_.lineage().fingerprint, StateFingerprint({{"w", 5}}));
+  // And the old run's deltas are now another run's.
+  EXPECT_STATUS_MSG(FailedPrecondition, "a delta of run 'run-a'",
+                    ledger_.ClassifyPrepare(LineageRequest(9, "run-a", 0), now_));
+}
+
+TEST_F(LedgerLineageTest, AResumedEpochFencesTheZombieFromItsFirstPrepare) {
+  Commit(LineageRequest(7, "run-a", 0));  // At 8, epoch 0.
+  // The resumed trainer (epoch 1) prepares; its transfer aborts.
+  const PrepareRequest resumed = LineageRequest(8, "run-a", 1);
+  Open(resumed);
+  EXPECT_EQ(ledger_.lineage().epoch, 1u);
+  ledger_.BeginAbort();
+  ledger_.FinishAbort(/*exact=*/true);
+  // The zombie of epoch 0 is refused even so, and nothing opens.
+  const Result<PrepareStep> zombie = ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 0), now_);
+  EXPECT_STATUS_MSG(FailedPrecondition, "run 'run-a' epoch 0 (version 8 -> 9) is fenced", zombie);
+  EXPECT_STATUS_MSG(FailedPrecondition, "epoch 1 of that run was seen", zombie);
+  EXPECT_EQ(ledger_.state(), ReceiverState::kIdle);
+  // The resumed epoch continues with deltas.
+  Commit(LineageRequest(8, "run-a", 1));
+  EXPECT_EQ(ledger_.version(), 9u);
+  EXPECT_EQ(ledger_.lineage().epoch, 1u);
+}
+
+TEST_F(LedgerLineageTest, AZombieCannotAbortTheResumedTrainersOpenTransferImplicitly) {
+  Commit(LineageRequest(7, "run-a", 0));
+  const PrepareRequest resumed = LineageRequest(8, "run-a", 1);
+  Open(resumed);
+  StageApplyAndFlush(resumed);
+  // The zombie's delta from the same base would be an implied abort; it is refused instead.
+  EXPECT_STATUS_MSG(FailedPrecondition, "only its own lineage may abort it",
+                    ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 0), now_));
+  // Another run basing a transfer on the prepared target may not commit it either.
+  EXPECT_STATUS_MSG(FailedPrecondition, "only its own lineage may commit it",
+                    ledger_.ClassifyPrepare(LineageRequest(9, "run-b", 0, true), now_));
+  EXPECT_EQ(ledger_.state(), ReceiverState::kPrepared);
+  // Its own next transfer commits it implicitly.
+  ASSERT_OK_AND_ASSIGN(PrepareStep step,
+                       ledger_.ClassifyPrepare(LineageRequest(9, "run-a", 1), now_));
+  EXPECT_EQ(step, PrepareStep::kCommitOpenFirst);
+}
+
+TEST_F(LedgerLineageTest, ADeltaFromAnotherStateUnderTheSameVersionIsRefused) {
+  Commit(LineageRequest(7, "run-a", 0, false, /*state=*/21));  // At 8.
+  const uint64_t held = StateFingerprint({{"w", 21}});
+  const uint64_t other = StateFingerprint({{"w", 22}});
+  const Result<PrepareStep> refused =
+      ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 1, false, 1, other), now_);
+  EXPECT_STATUS_MSG(FailedPrecondition, "would reuse version 9 with other contents", refused);
+  EXPECT_STATUS_MSG(FailedPrecondition, fmt::format("fingerprint {:016x}", other), refused);
+  EXPECT_STATUS_MSG(FailedPrecondition, fmt::format("fingerprint {:016x}", held), refused);
+  // The same base state, or one not stated, opens.
+  ASSERT_OK_AND_ASSIGN(PrepareStep same, ledger_.ClassifyPrepare(
+                                             LineageRequest(8, "run-a", 1, false, 1, held), now_));
+  EXPECT_EQ(same, PrepareStep::kOpen);
+  ASSERT_OK_AND_ASSIGN(PrepareStep unstated,
+                       ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 1), now_));
+  EXPECT_EQ(unstated, PrepareStep::kOpen);
+}
+
+TEST_F(LedgerLineageTest, AResumedTrainerMayNotRewriteVersionsByAnAnchor) {
+  Commit(LineageRequest(7, "run-a", 0));  // At 8.
+  EXPECT_STATUS_MSG(FailedPrecondition, "published by epoch 0",
+                    ledger_.ClassifyPrepare(LineageRequest(5, "run-a", 1, true), now_));
+  // The trainer of the epoch that published them may anchor them again (a receiver that needs an
+  // anchor), and the resumed one may anchor above them.
+  ASSERT_OK_AND_ASSIGN(PrepareStep same,
+                       ledger_.ClassifyPrepare(LineageRequest(7, "run-a", 0, true), now_));
+  EXPECT_EQ(same, PrepareStep::kOpen);
+  ASSERT_OK_AND_ASSIGN(PrepareStep above,
+                       ledger_.ClassifyPrepare(LineageRequest(8, "run-a", 1, true), now_));
+  EXPECT_EQ(above, PrepareStep::kOpen);
+}
+
+TEST_F(LedgerLineageTest, ARequestWithoutLineageIsRefusedOnlyByAReceiverThatHoldsOne) {
+  // No lineage on either side: today's protocol.
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(7), now_));
+  EXPECT_EQ(step, PrepareStep::kOpen);
+  Commit(LineageRequest(7, "run-a", 3));
+  EXPECT_STATUS_MSG(FailedPrecondition, "states no lineage",
+                    ledger_.ClassifyPrepare(Request(8), now_));
+}
+
+TEST_F(LedgerLineageTest, ALineageLoadedWithTheStoreIsEnforcedFromTheStart) {
+  TransferLedger restarted(/*version=*/12, LedgerOptions{}, HeldLineage{"run-a", 4, 99});
+  EXPECT_STATUS_MSG(FailedPrecondition, "is fenced",
+                    restarted.ClassifyPrepare(LineageRequest(12, "run-a", 3), now_));
+  EXPECT_STATUS_MSG(FailedPrecondition, "would reuse version 13 with other contents",
+                    restarted.ClassifyPrepare(LineageRequest(12, "run-a", 4, false, 1, 98), now_));
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, restarted.ClassifyPrepare(
+                                             LineageRequest(12, "run-a", 4, false, 1, 99), now_));
+  EXPECT_EQ(step, PrepareStep::kOpen);
+}
+
+TEST(LineageMetadataTest, RoundTripsAndRefusesGarbageByName) {
+  const HeldLineage lineage{"run-a", 3, 0x0123456789abcdefULL};
+  ASSERT_OK_AND_ASSIGN(HeldLineage read, LineageFromMetadata(LineageMetadata(lineage)));
+  EXPECT_EQ(read, lineage);
+  ASSERT_OK_AND_ASSIGN(HeldLineage none, LineageFromMetadata({}));
+  EXPECT_EQ(none, HeldLineage{});
+  EXPECT_STATUS_MSG(InvalidArgument, "'refit.epoch': 'x3' is not an epoch",
+                    LineageFromMetadata({{"refit.run_id", "a"}, {"refit.epoch", "x3"}}));
+  EXPECT_STATUS_MSG(InvalidArgument, "'refit.fingerprint'",
+                    LineageFromMetadata({{"refit.fingerprint", "zz"}}));
 }
 
 }  // namespace

@@ -92,16 +92,27 @@ def main() -> None:
                 # A second publisher whose data plane fails after its eighth payload (each sent
                 # 20 ms apart, so the receiver has applied some): the transfer aborts and rolls
                 # back. Small buckets, so that the delta is many payloads.
+                # It is a restart of the trainer (it resumes the run, which fences the publisher
+                # before it: docs/protocol.md "Lineage and fencing"), so the trainer after it is
+                # another restart that adopts what the fleet holds then.
                 sender = refit.torch.Publisher(
-                    receivers=receivers, transport="fault+zmq://?disconnect_after=8&delay_ms=20", bucket_bytes=4096
+                    receivers=receivers, transport="fault+zmq://?disconnect_after=8&delay_ms=20", bucket_bytes=4096,
+                    resume=True,
                 )
                 sender.adopt_baseline(before, version=publisher.version)
+            held = publisher.version
             started = time.perf_counter()
             try:
                 report = sender.sync(after)
             except refit.Error as error:
+                if sender is not publisher:
+                    publisher = refit.torch.Publisher(receivers=receivers, resume=True)
+                    publisher.adopt_baseline(before, version=held)
                 answer({"error": f"{type(error).__name__}: {error}", "loss": float(loss)})
                 continue
+            if sender is not publisher:
+                publisher = refit.torch.Publisher(receivers=receivers, resume=True)
+                publisher.adopt_baseline(after, version=int(report.version))
             seconds = time.perf_counter() - started
             answer({
                 "version": int(report.version),

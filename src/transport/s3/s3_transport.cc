@@ -494,6 +494,19 @@ class S3Transport final : public Transport {
       return written.WithContext("writing the chain index");
     }
     chain_ = std::move(next);
+    if (!pruned.empty()) {
+      // Every receiver of the sync that committed holds the newest version, so none of them
+      // needs what goes; a receiver outside it (cut off, restarted) that holds a pruned version
+      // can no longer replay from it, and is caught up by an anchor instead (docs/protocol.md
+      // "Lineage and fencing", garbage collection). Say so, with the versions.
+      const auto [oldest, newest] = std::minmax_element(
+          pruned.begin(), pruned.end(),
+          [](const ChainVersion& a, const ChainVersion& b) { return a.version < b.version; });
+      REFIT_LOG_INFO(
+          "s3 chain {}: dropped {} version(s) ({} to {}); a receiver holding one of them and "
+          "not in the syncs catches up by an anchor, not by the chain",
+          ChainIndexKey(*config_), pruned.size(), oldest->version, newest->version);
+    }
     // Pruned objects go only after the index stops naming them.
     for (const ChainVersion& old : pruned) {
       std::vector<std::string> old_keys;
