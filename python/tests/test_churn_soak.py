@@ -108,7 +108,10 @@ def rank_main(rank, first_step, group, workdir):
 
     publisher = refit.Publisher(receivers=fleet_of(first_step) if rank == 0 else None,
                                 group=refit.tcp_group(group, rank, WORLD, connect_timeout=60),
-                                api_key=os.environ[KEY_ENV], transfer_timeout=TIMEOUT_S)
+                                api_key=os.environ[KEY_ENV], transfer_timeout=TIMEOUT_S,
+                                # Restarted: continue the fleet's run (its lineage), fencing the
+                                # ranks that were killed.
+                                resume=first_step > 1)
     # The fleet was loaded from the checkpoint of step first_step - 1 (step 0 at the start; the
     # last committed step after a restart): this rank adopts its own rows of it, and the first
     # sync is a delta.
