@@ -914,7 +914,7 @@ Status DeltaTracker::Commit(const TransferId& id) {
   }
   uint64_t changed = 0;
   // The tensors whose changes are scattered into their baselines: moved out of their pending
-  // state here and folded in the background (FoldBaselines), each baseline by one thread.
+  // state here and folded in the background (the job started below), each baseline by one thread.
   std::vector<FoldWork> folds;
   uint64_t fold_elements = 0;
   for (auto& [name, entry] : s.entries) {
