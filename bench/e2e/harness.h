@@ -212,6 +212,9 @@ struct RefitRow {
   RefitReport report;
   RssWindow rss;
   uint64_t baseline_bytes = 0;
+  // The trackers' background baseline fold after the refit returned (DeltaTracker::last_fold),
+  // the longest over producers: not in report.total_s, which is what the trainer waits for.
+  double baseline_fold_s = 0;
 };
 
 // One refit of `fleet`, a FULL when `full`, with the peak RSS of every process around it. Errors:

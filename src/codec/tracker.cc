@@ -18,6 +18,7 @@
 #include "core/digest.h"
 #include "core/mapped_file.h"
 #include "refit/status_format.h"
+#include "util/background_job.h"
 #include "util/check.h"
 #include "util/mutex.h"
 #include "util/thread_pool.h"
@@ -371,6 +372,16 @@ Status ScatterRuns(std::span<std::byte> baseline, uint32_t width, std::span<cons
   return Status::OK();
 }
 
+/// One tensor's share of a baseline fold: its committed changes, moved out of its pending state
+/// at Commit, and the bytes they are scattered into.
+struct FoldWork {
+  std::string name;
+  std::span<std::byte> baseline;
+  uint32_t width = 0;
+  std::vector<PendingRun> runs;
+  std::vector<std::byte> new_bits;
+};
+
 }  // namespace
 
 struct DeltaTracker::State {
@@ -386,6 +397,14 @@ struct DeltaTracker::State {
   /// The tensors that are boxes of canonical tensors (Place). Changed only while no transfer is
   /// open, so Encode reads it without a lock.
   std::unordered_map<std::string, BoxIndexMap> boxes;
+  /// The tensors the last fold scatters into (dropped if it fails), its changed elements, and the
+  /// tests' hook (SetFoldHookForTesting). Changed only by Commit and WaitBaseline, after a wait.
+  std::vector<std::string> folding;
+  uint64_t fold_elements = 0;
+  std::function<Status()> fold_hook;
+  /// The fold's worker. Declared last: destroyed first, it waits for a running fold before the
+  /// baselines that fold writes into go.
+  internal::BackgroundJob fold{"refit-fold"};
 
   const BoxIndexMap* BoxOf(const std::string& name) const {
     auto it = boxes.find(name);
@@ -468,7 +487,10 @@ struct DeltaTracker::State {
 };
 
 DeltaTracker::DeltaTracker(std::unique_ptr<State> state) : state_(std::move(state)) {}
-DeltaTracker::~DeltaTracker() = default;
+DeltaTracker::~DeltaTracker() {
+  // A fold's error has nobody left to tell: the baselines go with the tracker.
+  if (state_) state_->fold.Wait().IgnoreError();
+}
 
 Result<std::unique_ptr<DeltaTracker>> DeltaTracker::Make(const TrackerOptions& options) {
   if (options.op == Op::kFull) {
@@ -501,6 +523,8 @@ Result<TransferPlan> DeltaTracker::Begin(const TransferId& id, bool force_anchor
     return FailedPrecondition("cannot begin transfer {}: transfer {} is still open", id.ToHex(),
                               s.open->transfer_id.ToHex());
   }
+  // The transfer's compare reads the baseline: the last commit's fold must be in it.
+  REFIT_RETURN_NOT_OK(WaitBaseline().WithContext(fmt::format("begin transfer {}", id.ToHex())));
   s.open = TransferPlan{id, force_anchor || NextIsAnchor(), s.version, s.version + 1};
   return *s.open;
 }
@@ -511,6 +535,8 @@ Result<TransferPlan> DeltaTracker::BeginPlanned(const TransferPlan& plan) {
     return FailedPrecondition("cannot begin transfer {}: transfer {} is still open",
                               plan.transfer_id.ToHex(), s.open->transfer_id.ToHex());
   }
+  REFIT_RETURN_NOT_OK(
+      WaitBaseline().WithContext(fmt::format("begin transfer {}", plan.transfer_id.ToHex())));
   if (plan.target_version != plan.base_version + 1) {
     return InvalidArgument("transfer {}: target version {} is not base version {} + 1",
                            plan.transfer_id.ToHex(), plan.target_version, plan.base_version);
@@ -780,6 +806,8 @@ Status DeltaTracker::AdoptBaseline(const TensorView& tensor) {
   REFIT_RETURN_NOT_OK(CheckTensorSize(tensor));
   const BoxIndexMap* box = s.BoxOf(tensor.name);
   if (box != nullptr) REFIT_RETURN_NOT_OK(s.CheckBoxExtent(*box, tensor));
+  // The fold may be writing into the buffer this replaces.
+  REFIT_RETURN_NOT_OK(WaitBaseline());
   REFIT_ASSIGN_OR_RETURN(auto buffer, BaselineBuffer::Make(s.options, tensor.bytes.size()));
   if (!tensor.bytes.empty()) {
     std::memcpy(buffer->bytes().data(), tensor.bytes.data(), tensor.bytes.size());
@@ -802,6 +830,7 @@ Status DeltaTracker::Place(const std::string& name, const CanonicalBox& box, con
   }
   Result<BoxIndexMap> map = BoxIndexMap::Make(box, extent);
   if (!map.ok()) return map.status().WithContext(fmt::format("tensor '{}'", name));
+  REFIT_RETURN_NOT_OK(WaitBaseline());  // Placing may drop the baseline the fold writes into.
   const BoxIndexMap* placed = s.BoxOf(name);
   if (placed != nullptr && placed->box() == box && placed->extent() == extent) return Status::OK();
   // A baseline of other canonical elements (or of none: the tensor was tracked whole) cannot
@@ -817,6 +846,7 @@ Status DeltaTracker::Forget(const std::string& name) {
     return FailedPrecondition("cannot forget tensor '{}' while transfer {} is open", name,
                               s.open->transfer_id.ToHex());
   }
+  REFIT_RETURN_NOT_OK(WaitBaseline());  // The fold may be writing into this baseline.
   s.entries.erase(name);
   s.boxes.erase(name);
   return Status::OK();
@@ -844,6 +874,8 @@ Status DeltaTracker::MarkBaselineAdopted() {
     return FailedPrecondition("cannot adopt a baseline while transfer {} is open",
                               s.open->transfer_id.ToHex());
   }
+  // A failed fold drops its tensors and asks for an anchor: the adopted state must not hide it.
+  REFIT_RETURN_NOT_OK(WaitBaseline());
   // The adopted state plays the role of a committed anchor.
   s.committed_transfers = std::max<uint64_t>(s.committed_transfers, 1);
   s.changed_since_anchor = 0;
@@ -881,9 +913,10 @@ Status DeltaTracker::Commit(const TransferId& id) {
     }
   }
   uint64_t changed = 0;
-  // The tensors whose changes are scattered into their baselines: on commit_threads, one tensor
-  // per thread at a time (each touches only its own baseline).
-  std::vector<std::pair<const std::string*, BaselineEntry*>> scatters;
+  // The tensors whose changes are scattered into their baselines: moved out of their pending
+  // state here and folded in the background (the job started below), each baseline by one thread.
+  std::vector<FoldWork> folds;
+  uint64_t fold_elements = 0;
   for (auto& [name, entry] : s.entries) {
     PendingChanges& p = entry->pending;
     changed += p.changed;
@@ -896,32 +929,78 @@ Status DeltaTracker::Commit(const TransferId& id) {
       entry->numel = entry->buffer->bytes().size() / DTypeSize(entry->dtype);
       entry->digest = p.digest_delta;
     } else if (!p.runs.empty()) {
-      scatters.emplace_back(&name, entry.get());
+      // The digest is known now: Digests() need not wait for the bytes.
+      entry->digest += p.digest_delta;
+      fold_elements += p.changed;
+      folds.push_back(FoldWork{name, entry->buffer->bytes(), DTypeSize(entry->dtype),
+                               std::move(p.runs), std::move(p.new_bits)});
     }
   }
-  const Status scattered = internal::ParallelFor(
-      std::clamp<int>(static_cast<int>(scatters.size()), 1, s.options.commit_threads),
-      scatters.size(), [&](uint64_t begin, uint64_t end) -> Status {
-        for (uint64_t k = begin; k < end; ++k) {
-          BaselineEntry& entry = *scatters[k].second;
-          REFIT_RETURN_NOT_OK(
-              ScatterRuns(entry.buffer->bytes(), DTypeSize(entry.dtype), entry.pending.runs,
-                          entry.pending.new_bits)
-                  .WithContext(fmt::format("commit of tensor '{}'", *scatters[k].first)));
-        }
-        return Status::OK();
-      });
-  REFIT_RETURN_NOT_OK(scattered);
-  for (auto& [name, entry] : scatters) entry->digest += entry->pending.digest_delta;
   for (auto& [name, entry] : s.entries) entry->pending = PendingChanges{};
   // Entries without data (created by an anchor Encode that never received any, or not sent by
-  // an anchor) stay out of the baseline.
+  // an anchor) stay out of the baseline. None of them is folded (a fold needs a buffer).
   std::erase_if(s.entries, [](const auto& kv) { return !kv.second->buffer; });
   s.changed_since_anchor = s.open->anchor ? 0 : s.changed_since_anchor + changed;
   s.version = s.open->target_version;
   ++s.committed_transfers;
   s.open.reset();
+  s.folding.clear();
+  for (const FoldWork& work : folds) s.folding.push_back(work.name);
+  s.fold_elements = fold_elements;
+  if (folds.empty()) return Status::OK();
+  // Begin waited for the previous fold, so the job is idle: Start does not block.
+  s.fold.Start([folds = std::move(folds), threads = s.options.commit_threads,
+                hook = s.fold_hook]() mutable -> Status {
+    if (hook) REFIT_RETURN_NOT_OK(hook());
+    return internal::ParallelFor(
+        std::clamp<int>(static_cast<int>(folds.size()), 1, threads), folds.size(),
+        [&](uint64_t begin, uint64_t end) -> Status {
+          for (uint64_t k = begin; k < end; ++k) {
+            FoldWork& work = folds[k];
+            REFIT_RETURN_NOT_OK(ScatterRuns(work.baseline, work.width, work.runs, work.new_bits)
+                                    .WithContext(fmt::format("commit of tensor '{}'", work.name)));
+            // Free each tensor's changes as soon as they are in: the fold's memory falls as it
+            // goes.
+            work.runs = {};
+            work.new_bits = {};
+          }
+          return Status::OK();
+        });
+  });
   return Status::OK();
+}
+
+Status DeltaTracker::WaitBaseline() {
+  State& s = *state_;
+  Status folded = s.fold.Wait();
+  if (folded.ok()) {
+    s.folding.clear();
+    return Status::OK();
+  }
+  // Some of these baselines may hold part of the committed changes and part of the old bits: none
+  // of them can serve a compare. Drop them, and make the next transfer the anchor that rebuilds
+  // them (the receivers hold the committed version: only the tracker lost it).
+  const size_t dropped = s.folding.size();
+  for (const std::string& name : s.folding) s.entries.erase(name);
+  s.folding.clear();
+  s.committed_transfers = 0;
+  return folded.WithContext(fmt::format(
+      "the background fold of version {}'s changes into the baseline failed; its {} tensors were "
+      "dropped from the baseline and the next transfer is an anchor",
+      s.version, dropped));
+}
+
+BaselineFoldReport DeltaTracker::last_fold() const {
+  const State& s = *state_;
+  // A commit with nothing to scatter (a delta that changed nothing, an anchor of new tensors)
+  // started no fold: the job's seconds are an earlier fold's.
+  const bool folded = s.fold_elements > 0;
+  return BaselineFoldReport{s.fold_elements, folded ? s.fold.last_job_seconds() : 0.0,
+                            folded && !s.fold.idle(), s.fold.waited_seconds()};
+}
+
+void DeltaTracker::SetFoldHookForTesting(std::function<Status()> hook) {
+  state_->fold_hook = std::move(hook);
 }
 
 Status DeltaTracker::Abort(const TransferId& id) {
@@ -978,7 +1057,13 @@ uint64_t DeltaTracker::pending_bytes() const {
 }
 
 Result<TensorView> DeltaTracker::Baseline(const std::string& name) const {
-  const BaselineEntry* entry = state_->FindEntry(name);
+  const State& s = *state_;
+  if (Status folded = s.fold.WaitIdle();
+      !folded.ok() && std::ranges::find(s.folding, name) != s.folding.end()) {
+    return folded.WithContext(
+        fmt::format("baseline of tensor '{}': the background fold into it failed", name));
+  }
+  const BaselineEntry* entry = s.FindEntry(name);
   if (entry == nullptr || !entry->buffer) return NotFound("no baseline for tensor '{}'", name);
   return TensorView{name, entry->dtype, entry->shape, entry->buffer->bytes()};
 }

@@ -5,11 +5,19 @@
 //   Begin(id)                  decides anchor (FULL) or delta, fixes base/target versions
 //   Encode(id, tensor[, span]) compares against the baseline, returns items, and records the
 //                              *pending* new bits of changed elements only (O(changes))
-//   Commit(id)                 scatters pending bits into the baseline (O(changes))
+//   Commit(id)                 makes the pending bits the baseline: the version and digests at
+//                              once, the scatter of the changed elements (O(changes)) in the
+//                              background (the baseline fold), off the trainer's critical path
 //   Abort(id)                  drops pending bits: the next transfer re-emits the same changes
+//
+// Everything that reads or replaces a baseline's bytes (Begin, BeginPlanned, AdoptBaseline, Place,
+// Forget, MarkBaselineAdopted, Baseline, the destructor) first waits for a fold still running, so
+// no compare ever sees a half-folded baseline; with a training step between two syncs the fold has
+// long finished and nothing waits.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -36,11 +44,24 @@ struct EncodeResult {
   uint64_t total_elements = 0;
 };
 
+/// What the last Commit's background baseline fold did (DeltaTracker::last_fold).
+struct BaselineFoldReport {
+  /// Changed elements scattered into baselines, and the seconds that took on the fold's thread.
+  uint64_t elements = 0;
+  double seconds = 0;
+  /// Whether it is still running.
+  bool running = false;
+  /// Seconds callers blocked waiting for folds not yet finished, over the tracker's life: the part
+  /// of the folds that came back onto the caller's path.
+  double waited_seconds = 0;
+};
+
 /// The producer-side tracker (docs/architecture.md).
 ///
 /// Thread-safety: Encode may run concurrently from many threads on distinct tensors or disjoint
 /// spans of one tensor. Begin, Commit, Abort and the accessors must not run concurrently with
-/// Encode or with each other.
+/// Encode or with each other. The baseline fold Commit starts runs on a thread the tracker owns
+/// and touches nothing but the bytes of the baselines it scatters into (see the top of the file).
 class DeltaTracker {
  public:
   ~DeltaTracker();
@@ -128,9 +149,27 @@ class DeltaTracker {
   /// opens an anchor on all of them if any says yes, so that their plans agree.
   bool NextIsAnchor() const;
 
-  /// Make the pending bits of the open transfer the new baseline and advance the version.
+  /// Make the pending bits of the open transfer the new baseline and advance the version. The
+  /// version, the digests, and tensors an anchor introduced, reshaped or dropped change before it
+  /// returns; the changed elements of the other tensors are scattered into their baselines by a
+  /// background fold, which everything that reads a baseline waits for (WaitBaseline).
   /// Errors: FailedPrecondition (wrong id; a new tensor not fully covered — nothing changes).
   Status Commit(const TransferId& id);
+
+  /// Wait for the last Commit's baseline fold if it has not finished. Called by every entry point
+  /// that reads or replaces a baseline; public for a caller that wants the fold's time on its own
+  /// clock (a benchmark) or its result before a pause. Errors: DataLoss (or the fold's error) if
+  /// the fold failed — only a bug gets there: the tensors it folded are dropped from the baseline,
+  /// and the next transfer is an anchor (NextIsAnchor), which rebuilds them.
+  Status WaitBaseline();
+
+  /// The last baseline fold (zeros before the first).
+  BaselineFoldReport last_fold() const;
+
+  /// Tests only: run `hook` on the fold's thread before it scatters anything, e.g. to delay the
+  /// fold so that a test can race the next transfer against it; an error it returns fails the
+  /// fold as a scatter's error would.
+  void SetFoldHookForTesting(std::function<Status()> hook);
   /// Drop the pending bits of the open transfer. Errors: FailedPrecondition (wrong id).
   Status Abort(const TransferId& id);
 
@@ -145,7 +184,8 @@ class DeltaTracker {
   /// Bytes held by baselines, and by pending changes of the open transfer.
   uint64_t baseline_bytes() const;
   uint64_t pending_bytes() const;
-  /// Read-only view of a committed baseline tensor (for tests and tools).
+  /// Read-only view of a committed baseline tensor (for tests and tools); waits for a fold still
+  /// running. Errors: NotFound; the fold's error for a tensor a failed fold left half-folded.
   Result<TensorView> Baseline(const std::string& name) const;
 
  private:
