@@ -478,7 +478,7 @@ Result<RefitRow> MeasureRefit(BenchFleet& fleet, bool full) {
   row.full = full;
   REFIT_ASSIGN_OR_RETURN(row.rss, OpenRssWindow(*fleet.daemons));
   REFIT_ASSIGN_OR_RETURN(row.report, RefitOfKind(fleet, full));
-  for (const std::unique_ptr<DeltaTracker>& tracker : fleet.coordinator->trackers()) {
+  for (const std::unique_ptr<internal::DeltaTracker>& tracker : fleet.coordinator->trackers()) {
     // Inside the RSS window: the fold's memory (the changes it holds until folded) is the
     // producer's as much as the refit's. The wait is the benchmark's, not the trainer's.
     REFIT_RETURN_NOT_OK(tracker->WaitBaseline());

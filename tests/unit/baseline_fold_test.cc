@@ -71,17 +71,17 @@ OwnedTensor ApplyItems(const OwnedTensor& base, const std::vector<Item>& items) 
 
 class BaselineFoldTest : public ::testing::TestWithParam<BaselineStorage> {
  protected:
-  std::unique_ptr<DeltaTracker> MakeTracker() {
+  std::unique_ptr<internal::DeltaTracker> MakeTracker() {
     TrackerOptions options;
     options.baseline_storage = GetParam();
     options.commit_threads = 2;
-    auto tracker = DeltaTracker::Make(options);
+    auto tracker = internal::DeltaTracker::Make(options);
     EXPECT_TRUE(tracker.ok()) << tracker.status().ToString();
     return std::move(tracker).ValueOrDie();
   }
 
   /// One transfer of `tensors` (an anchor the first time), committed.
-  static void Sync(DeltaTracker& tracker, const std::vector<OwnedTensor>& tensors) {
+  static void Sync(internal::DeltaTracker& tracker, const std::vector<OwnedTensor>& tensors) {
     const TransferId id = TransferId::Random();
     ASSERT_OK(tracker.Begin(id));
     for (const OwnedTensor& t : tensors) ASSERT_OK(tracker.Encode(id, t.view()));
@@ -128,7 +128,7 @@ TEST_P(BaselineFoldTest, TheNextTransferWaitsForAHeldFoldAndItsDeltaIsBitExact) 
   EXPECT_EQ(plan.base_version, 2u);
   for (size_t k = 0; k < v2.size(); ++k) {
     SCOPED_TRACE(v2[k].name);
-    ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(id, v2[k].view()));
+    ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(id, v2[k].view()));
     EXPECT_EQ(r.changed_elements, Differences(v1[k], v2[k]));
     EXPECT_EQ(ApplyItems(v1[k], r.items).bytes, v2[k].bytes);
   }
@@ -233,7 +233,7 @@ TEST_P(BaselineFoldTest, AFailedFoldDropsItsTensorsAndTheNextTransferIsAnAnchor)
   ASSERT_OK_AND_ASSIGN(plan, tracker->Begin(delta));
   EXPECT_FALSE(plan.anchor);
   for (size_t k = 0; k < v2.size(); ++k) {
-    ASSERT_OK_AND_ASSIGN(EncodeResult r, tracker->Encode(delta, v2[k].view()));
+    ASSERT_OK_AND_ASSIGN(internal::EncodeResult r, tracker->Encode(delta, v2[k].view()));
     EXPECT_EQ(ApplyItems(v1[k], r.items).bytes, v2[k].bytes) << v2[k].name;
   }
 }
