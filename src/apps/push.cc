@@ -242,12 +242,15 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
                          {"lag", receiver.lag},
                          {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
                          {"wire_bytes", receiver.wire_bytes},
-                         {"committed", receiver.commit_status.ok()},
-                         {"error", receiver.commit_status.ok()
+                         {"committed", !receiver.fenced && receiver.commit_status.ok()},
+                         {"fenced", receiver.fenced},
+                         {"error", receiver.fenced ? nlohmann::json(receiver.fenced_because.ToString())
+                                   : receiver.commit_status.ok()
                                        ? nlohmann::json(nullptr)
                                        : nlohmann::json(receiver.commit_status.ToString())}});
     }
     line["commits"] = std::move(commits);
+    line["fenced"] = report.fenced;
     std::cout << line.dump() << std::endl;
   } else if (sync.rank != 0) {
     std::cout << fmt::format(
@@ -283,7 +286,13 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
     }
   }
   for (const ReceiverOutcome& receiver : report.receivers) {
-    if (!receiver.commit_status.ok()) {
+    if (receiver.fenced) {
+      std::cerr << fmt::format(
+          "warning: {} was fenced ({} of {} replica(s) flushed): {}; it stays at version {} and "
+          "is caught up by the next push\n",
+          receiver.name, report.flushed_replicas, report.replicas,
+          receiver.fenced_because.ToString(), receiver.held_version);
+    } else if (!receiver.commit_status.ok()) {
       std::cerr << fmt::format(
           "warning: {} did not confirm the commit ({}); it is prepared and commits at the next "
           "transfer\n",
@@ -502,6 +511,11 @@ void RegisterPush(CLI::App& app, Status* result) {
               "size, and rank k of W sends chunks k, k + W, ...; a model smaller than one chunk "
               "is sent by rank 0 alone. Every rank must give the same value",
               "256MiB");
+  config_flag("--commit-policy", {"commit_policy"},
+              "When the push commits although some receivers did not flush: all (one failure "
+              "aborts everywhere), or quorum:N | quorum:F | quorum:P% of the replicas, the others "
+              "fenced (rolled back, listed as fenced) and caught up by the next push",
+              "all");
   cmd->add_option("--producers", args->producers,
                   "Producer ranks W as threads of this process (chunk k goes to k % W)")
       ->capture_default_str()

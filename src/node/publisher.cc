@@ -268,7 +268,7 @@ struct PublisherRank {
       context.transfer_id = open->transfer_id;
       context.producer_id = rank();
       context.base_version =
-          route.content == CatchUp::kFolded ? route.from_version : open->base_version;
+          route.content != CatchUp::kDelta ? route.from_version : open->base_version;
       context.target_version = open->target_version;
       context.endpoints = route.endpoints.empty() ? endpoints : route.endpoints;
       context.anchor = open->anchor;
@@ -825,6 +825,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
   coordinator_options.tensor_names = routed_tensors;
   coordinator_options.per_receiver_plans = per_receiver;
+  coordinator_options.commit_policy = options.commit_policy;
   REFIT_ASSIGN_OR_RETURN(
       std::unique_ptr<Coordinator> coordinator,
       Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
@@ -957,6 +958,18 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   if (group->rank() == 0 && options.receivers.empty() &&
       !impl->transport->capabilities().carries_control) {
     return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+  }
+  if (Status policy = CheckCommitPolicy(options.commit_policy); !policy.ok()) {
+    return policy.WithContext("publisher: commit_policy");
+  }
+  if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum &&
+      !impl->transport->capabilities().fan_out_tree) {
+    // A fenced receiver must be caught up by a plan of its own at the next Sync, prepared from the
+    // version it holds: per-receiver plans, which need relay trees.
+    return InvalidArgument(
+        "publisher: commit_policy {} needs a transport with relay trees (zmq://), which catches a "
+        "fenced receiver up on its own; transport '{}' has none",
+        CommitPolicyName(options.commit_policy), options.transport_uri);
   }
   impl->group = std::move(group);
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
