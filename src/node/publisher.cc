@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
 #include "pipeline/producer_stream.h"
+#include "pipeline/quorum.h"
 #include "pipeline/staged_source.h"
 #include "pipeline/staging_pool.h"
 #include "refit/status_format.h"
@@ -797,10 +799,50 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
     }
   }
-  for (size_t r = 0; r < links.size(); ++r) {
-    const ControlClientOptions& link = links[r];
+  // Every receiver's status, asked concurrently: a receiver that does not answer costs one
+  // control timeout, not one per receiver.
+  std::vector<std::unique_ptr<ControlClient>> asked_clients;
+  for (const ControlClientOptions& link : links) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
-    Result<ControlStatus> status = client->GetStatus();
+    asked_clients.push_back(std::move(client));
+  }
+  std::vector<Result<ControlStatus>> statuses(links.size(), Status(StatusCode::kInternal, "unset"));
+  {
+    std::vector<std::jthread> askers;
+    for (size_t r = 0; r < links.size(); ++r) {
+      askers.emplace_back([&, r] { statuses[r] = asked_clients[r]->GetStatus(); });
+    }
+  }
+  // Under a quorum, a receiver that did not answer is left out of this transfer — fenced before
+  // it starts — as long as the quorum of the whole fleet's replicas answered
+  // (docs/protocol.md "Stragglers and quorum").
+  std::optional<QuorumFleet> quorum_fleet;
+  if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum) {
+    std::vector<std::string> names;
+    std::vector<std::optional<ReplicaPlace>> places;
+    std::vector<Status> errors;
+    for (size_t r = 0; r < links.size(); ++r) {
+      names.push_back(links[r].base_url);
+      places.push_back(statuses[r].ok() ? std::optional(statuses[r]->place) : std::nullopt);
+      errors.push_back(statuses[r].ok()
+                           ? Status::OK()
+                           : statuses[r].status().WithContext("receiver " + links[r].base_url));
+    }
+    REFIT_ASSIGN_OR_RETURN(quorum_fleet,
+                           LeaveOutUnanswered(options.commit_policy, names, places, errors));
+    for (size_t r = 0; r < links.size(); ++r) {
+      if (!quorum_fleet->included[r]) {
+        REFIT_LOG_WARN("receiver {} is left out of this sync and fenced (commit policy {}): {}",
+                       links[r].base_url, CommitPolicyName(options.commit_policy),
+                       quorum_fleet->left_out_because[r].ToString());
+      }
+    }
+  }
+  for (size_t r = 0; r < links.size(); ++r) {
+    if (quorum_fleet.has_value() && !quorum_fleet->included[r]) continue;
+    const ControlClientOptions& link = links[r];
+    std::unique_ptr<ControlClient> client = std::move(asked_clients[r]);
+    Result<ControlStatus>& status = statuses[r];
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
     versions.push_back(status->receiver.version);
     if (status->receiver.needs_anchor && !force_anchor && !per_receiver) {
@@ -812,6 +854,13 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
                          ReceiverStanding{status->receiver.version, status->receiver.needs_anchor,
                                           status->receiver.accepts_target_version}});
     clients.push_back(std::move(client));
+  }
+  if (quorum_fleet.has_value()) {
+    std::vector<std::string> included;
+    for (size_t r = 0; r < fleet.size(); ++r) {
+      if (quorum_fleet->included[r]) included.push_back(fleet[r]);
+    }
+    fleet = std::move(included);
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions), per_receiver);
   CoordinatorOptions coordinator_options;
@@ -825,12 +874,27 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.route_by_holdings = caps.fan_out_tree && options.route_by_holdings;
   coordinator_options.tensor_names = routed_tensors;
   coordinator_options.per_receiver_plans = per_receiver;
-  coordinator_options.commit_policy = options.commit_policy;
+  coordinator_options.commit_policy =
+      quorum_fleet.has_value() ? quorum_fleet->policy : options.commit_policy;
   REFIT_ASSIGN_OR_RETURN(
       std::unique_ptr<Coordinator> coordinator,
       Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
                         std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
+  if (quorum_fleet.has_value()) {
+    // The receivers left out before the transfer are fenced too: listed, at what they held.
+    for (size_t r = 0; r < links.size(); ++r) {
+      if (quorum_fleet->included[r]) continue;
+      ReceiverOutcome outcome;
+      outcome.name = links[r].base_url;
+      outcome.fenced = true;
+      outcome.fenced_because = quorum_fleet->left_out_because[r];
+      if (statuses[r].ok()) outcome.held_version = statuses[r]->receiver.version;
+      report.receivers.push_back(std::move(outcome));
+      report.fenced.push_back(links[r].base_url);
+    }
+    report.replicas = quorum_fleet->replicas;
+  }
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
   return SyncReport{std::move(report), rank(), world()};
