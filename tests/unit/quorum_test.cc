@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -141,6 +142,51 @@ TEST(QuorumTest, BadInputsAreNamed) {
                     DecideCommit(Quorum(1), kReplicas, {true, true, true}, kReceivers));
   EXPECT_STATUS_MSG(InvalidArgument, "names receiver 5 of 5",
                     DecideCommit(Quorum(1), kReplicas, {true, true, true, false}, 5));
+}
+
+// Before a transfer, under a quorum: receivers that did not answer their status are left out,
+// and so is every shard of a group that lacks one; the quorum stays counted over the whole fleet.
+TEST(QuorumTest, ReceiversThatDidNotAnswerAreLeftOutAndStillCounted) {
+  const std::vector<std::string> names = {"a", "b", "tp0", "tp1", "gone", "gone-tp1"};
+  const std::vector<std::optional<ReplicaPlace>> places = {
+      ReplicaPlace{},
+      ReplicaPlace{},
+      ReplicaPlace{"engine", 0, 2},
+      ReplicaPlace{"engine", 1, 2},
+      std::nullopt,
+      std::nullopt,
+  };
+  const std::vector<Status> errors = {Status::OK(), Status::OK(), Status::OK(), Status::OK(),
+                                      Unavailable("gone: connection refused"),
+                                      DeadlineExceeded("gone-tp1: no answer")};
+  // Both unanswered receivers count as replicas of their own: 2 + 1 + 2 = 5 replicas.
+  ASSERT_OK_AND_ASSIGN(QuorumFleet fleet,
+                       LeaveOutUnanswered(QuorumFraction(0.5), names, places, errors));
+  EXPECT_EQ(fleet.included, (std::vector<bool>{true, true, true, true, false, false}));
+  EXPECT_EQ(fleet.replicas, 5u);
+  EXPECT_EQ(fleet.policy, Quorum(3)) << "half of the whole fleet, not of those that answered";
+  EXPECT_STATUS_MSG(Unavailable, "connection refused", fleet.left_out_because[4]);
+
+  // A shard group whose second shard did not answer is left out whole, and that shard is not
+  // counted twice: a, b, engine (incomplete), gone = 4 replicas.
+  std::vector<std::optional<ReplicaPlace>> split = places;
+  split[3] = std::nullopt;
+  std::vector<Status> split_errors = errors;
+  split_errors[3] = Unavailable("tp1: connection refused");
+  split[5] = ReplicaPlace{};
+  split_errors[5] = Status::OK();
+  ASSERT_OK_AND_ASSIGN(fleet, LeaveOutUnanswered(Quorum(2), names, split, split_errors));
+  EXPECT_EQ(fleet.included, (std::vector<bool>{true, true, false, false, false, true}));
+  EXPECT_EQ(fleet.replicas, 5u) << "a, b, engine, gone, gone-tp1 (answered, unsharded)";
+  EXPECT_STATUS_MSG(Unavailable, "replica 'engine': 1 of its 2 shards did not answer",
+                    fleet.left_out_because[2]);
+
+  // Fewer answering replicas than the quorum: refused before anything opens, naming them.
+  EXPECT_STATUS_MSG(Unavailable, "3 of 5 replica(s) answered their status, commit policy quorum:5 "
+                                 "needs 5; did not answer: gone",
+                    LeaveOutUnanswered(Quorum(5), names, places, errors));
+  EXPECT_STATUS_MSG(InvalidArgument, "fewer than the quorum of 7",
+                    LeaveOutUnanswered(Quorum(7), names, places, errors));
 }
 
 }  // namespace
