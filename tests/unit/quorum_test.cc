@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "refit/commit_policy.h"
+#include "refit/status_format.h"
 #include "test_util.h"
 
 namespace refit {
