@@ -99,10 +99,22 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string
     client->SetCallDeadline(deadline);
     const std::string& url = receiver.control_url;
     Result<ControlStatus> asked = client->GetStatus();
+    if (!asked.ok() && options.commit_policy.kind == CommitPolicy::Kind::kQuorum &&
+        asked.status().code() != StatusCode::kUnauthenticated &&
+        asked.status().code() != StatusCode::kPermissionDenied) {
+      // Under a quorum a receiver that does not answer is left out of the push and fenced (the
+      // Publisher decides whether enough replicas answered); it does not set the version.
+      std::cerr << fmt::format(
+          "warning: {} did not answer its status ({}); under commit policy "
+          "{} it is left out of this push\n",
+          url, asked.status().ToString(), CommitPolicyName(options.commit_policy));
+      continue;
+    }
     if (!asked.ok()) return ExplainReceiverError(asked.status(), "push", url, api_key_env);
     const ControlStatus& status = *asked;
     version = std::max(version.value_or(0), status.receiver.version);
   }
+  if (!version.has_value()) return Unavailable("push: no receiver answered its status");
   return *version;
 }
 
@@ -237,17 +249,18 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
                            {"time_s", report.total_s}};
     nlohmann::json commits = nlohmann::json::array();
     for (const ReceiverOutcome& receiver : report.receivers) {
-      commits.push_back({{"receiver", receiver.name},
-                         {"held_version", receiver.held_version},
-                         {"lag", receiver.lag},
-                         {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
-                         {"wire_bytes", receiver.wire_bytes},
-                         {"committed", !receiver.fenced && receiver.commit_status.ok()},
-                         {"fenced", receiver.fenced},
-                         {"error", receiver.fenced ? nlohmann::json(receiver.fenced_because.ToString())
-                                   : receiver.commit_status.ok()
-                                       ? nlohmann::json(nullptr)
-                                       : nlohmann::json(receiver.commit_status.ToString())}});
+      commits.push_back(
+          {{"receiver", receiver.name},
+           {"held_version", receiver.held_version},
+           {"lag", receiver.lag},
+           {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
+           {"wire_bytes", receiver.wire_bytes},
+           {"committed", !receiver.fenced && receiver.commit_status.ok()},
+           {"fenced", receiver.fenced},
+           {"error", receiver.fenced ? nlohmann::json(receiver.fenced_because.ToString())
+                     : receiver.commit_status.ok()
+                         ? nlohmann::json(nullptr)
+                         : nlohmann::json(receiver.commit_status.ToString())}});
     }
     line["commits"] = std::move(commits);
     line["fenced"] = report.fenced;

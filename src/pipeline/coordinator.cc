@@ -649,10 +649,9 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       }
       if (catch_ups[r].prepared_base != plan.base_version &&
           flushed->target_version != plan.target_version) {
-        flush_status[r] =
-            FailedPrecondition("prepared from version {}, it reports target version {}, not {}",
-                               catch_ups[r].prepared_base, flushed->target_version,
-                               plan.target_version);
+        flush_status[r] = FailedPrecondition(
+            "prepared from version {}, it reports target version {}, not {}",
+            catch_ups[r].prepared_base, flushed->target_version, plan.target_version);
         return;
       }
       report.receivers[r].flush = *std::move(flushed);
@@ -687,8 +686,8 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       replica_flushed.push_back(failed.ok());
       replica_failure.push_back(std::move(failed));
     }
-    Result<CommitDecision> decided = DecideCommit(options.commit_policy, replica_receivers,
-                                                  replica_flushed, receivers.size());
+    Result<CommitDecision> decided =
+        DecideCommit(options.commit_policy, replica_receivers, replica_flushed, receivers.size());
     if (!decided.ok()) return FailTransfer(id, "flush", {{"commit policy", decided.status()}});
     report.replicas = decided->replicas;
     report.flushed_replicas = decided->flushed_replicas;
@@ -696,8 +695,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       const std::string phase =
           quorum ? fmt::format("flush ({} of {} replica(s) flushed; commit policy {} needs {})",
                                decided->flushed_replicas, decided->replicas,
-                               CommitPolicyName(options.commit_policy),
-                               decided->required_replicas)
+                               CommitPolicyName(options.commit_policy), decided->required_replicas)
                  : std::string("flush");
       return FailTransfer(id, phase, std::move(failures));
     }
@@ -840,8 +838,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions&
         "coordinator: per-receiver plans send catch-up receivers routes of their own, which "
         "needs relay_trees");
   }
-  if (Result<uint64_t> required =
-          RequiredReplicas(options.commit_policy, impl->replicas.size());
+  if (Result<uint64_t> required = RequiredReplicas(options.commit_policy, impl->replicas.size());
       !required.ok()) {
     return required.status().WithContext("coordinator");
   }

@@ -89,7 +89,8 @@ Result<QuorumFleet> LeaveOutUnanswered(const CommitPolicy& policy,
           replica, group.shards - group.answered.size(), group.shards);
     }
   }
-  fleet.replicas = complete + incomplete + (unanswered > missing_shards ? unanswered - missing_shards : 0);
+  fleet.replicas =
+      complete + incomplete + (unanswered > missing_shards ? unanswered - missing_shards : 0);
   REFIT_ASSIGN_OR_RETURN(const uint64_t required, RequiredReplicas(policy, fleet.replicas));
   if (complete < required) {
     std::string who;

@@ -160,7 +160,8 @@ class QuorumFleetTest : public ::testing::Test {
     // A receiver whose status does not answer within this is left out of the sync (fenced).
     options.control.timeout = std::chrono::seconds(2);
     for (Receiver* receiver : fleet) {
-      options.receivers.push_back({receiver->node->control_url(), receiver->node->producer_endpoint()});
+      options.receivers.push_back(
+          {receiver->node->control_url(), receiver->node->producer_endpoint()});
     }
     auto groups = MakeInProcessGroup(2).ValueOrDie();
     for (std::unique_ptr<ProducerGroup>& group : groups) {

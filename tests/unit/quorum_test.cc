@@ -122,8 +122,8 @@ TEST(QuorumTest, AQuorumFencesTheReplicasThatDidNotFlushWholeShardGroupsIncluded
 TEST(QuorumTest, AFailureOfEveryReplicaAbortsEverywhereWhateverThePolicy) {
   for (const CommitPolicy& policy : {Quorum(1), QuorumFraction(0.01), CommitPolicy{}}) {
     SCOPED_TRACE(CommitPolicyName(policy));
-    ASSERT_OK_AND_ASSIGN(CommitDecision decided, DecideCommit(policy, kReplicas,
-                                                              {false, false, false, false}, 6));
+    ASSERT_OK_AND_ASSIGN(CommitDecision decided,
+                         DecideCommit(policy, kReplicas, {false, false, false, false}, 6));
     EXPECT_FALSE(decided.commit);
     EXPECT_EQ(decided.flushed_replicas, 0u);
     EXPECT_EQ(decided.fenced, std::vector<bool>(kReceivers, false));
@@ -150,14 +150,13 @@ TEST(QuorumTest, BadInputsAreNamed) {
 TEST(QuorumTest, ReceiversThatDidNotAnswerAreLeftOutAndStillCounted) {
   const std::vector<std::string> names = {"a", "b", "tp0", "tp1", "gone", "gone-tp1"};
   const std::vector<std::optional<ReplicaPlace>> places = {
-      ReplicaPlace{},
-      ReplicaPlace{},
-      ReplicaPlace{"engine", 0, 2},
-      ReplicaPlace{"engine", 1, 2},
-      std::nullopt,
-      std::nullopt,
+      ReplicaPlace{}, ReplicaPlace{}, ReplicaPlace{"engine", 0, 2}, ReplicaPlace{"engine", 1, 2},
+      std::nullopt,   std::nullopt,
   };
-  const std::vector<Status> errors = {Status::OK(), Status::OK(), Status::OK(), Status::OK(),
+  const std::vector<Status> errors = {Status::OK(),
+                                      Status::OK(),
+                                      Status::OK(),
+                                      Status::OK(),
                                       Unavailable("gone: connection refused"),
                                       DeadlineExceeded("gone-tp1: no answer")};
   // Both unanswered receivers count as replicas of their own: 2 + 1 + 2 = 5 replicas.
@@ -183,8 +182,9 @@ TEST(QuorumTest, ReceiversThatDidNotAnswerAreLeftOutAndStillCounted) {
                     fleet.left_out_because[2]);
 
   // Fewer answering replicas than the quorum: refused before anything opens, naming them.
-  EXPECT_STATUS_MSG(Unavailable, "3 of 5 replica(s) answered their status, commit policy quorum:5 "
-                                 "needs 5; did not answer: gone",
+  EXPECT_STATUS_MSG(Unavailable,
+                    "3 of 5 replica(s) answered their status, commit policy quorum:5 "
+                    "needs 5; did not answer: gone",
                     LeaveOutUnanswered(Quorum(5), names, places, errors));
   EXPECT_STATUS_MSG(InvalidArgument, "fewer than the quorum of 7",
                     LeaveOutUnanswered(Quorum(7), names, places, errors));

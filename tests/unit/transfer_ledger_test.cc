@@ -206,8 +206,8 @@ TEST_F(TransferLedgerTest, APrepareMayNameATargetSeveralVersionsOn) {
 TEST_F(TransferLedgerTest, AFencedReceiverThatLostItsAbortRollsBackAtItsCatchUp) {
   for (const bool anchor : {false, true}) {
     SCOPED_TRACE(anchor ? "an anchor of its own" : "folded");
-    TransferLedger ledger(7, LedgerOptions{.transfer_lease = kLease,
-                                           .preempt_after = kPreemptAfter});
+    TransferLedger ledger(7,
+                          LedgerOptions{.transfer_lease = kLease, .preempt_after = kPreemptAfter});
     const PrepareRequest fenced = Request(7);
     ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger.ClassifyPrepare(fenced, now_));
     ASSERT_EQ(step, PrepareStep::kOpen);
