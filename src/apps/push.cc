@@ -99,8 +99,8 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string
     client->SetCallDeadline(deadline);
     const std::string& url = receiver.control_url;
     Result<ControlStatus> asked = client->GetStatus();
+    // A refused key is the push's mistake, not a straggler: it fails the push whatever the policy.
     if (!asked.ok() && options.commit_policy.kind == CommitPolicy::Kind::kQuorum &&
-        asked.status().code() != StatusCode::kUnauthenticated &&
         asked.status().code() != StatusCode::kPermissionDenied) {
       // Under a quorum a receiver that does not answer is left out of the push and fenced (the
       // Publisher decides whether enough replicas answered); it does not set the version.
