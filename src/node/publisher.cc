@@ -369,6 +369,10 @@ struct PublisherRank {
   // Rank 0: the canonical tensors of the last Sync, which the next one routes by when its
   // producers do not know theirs.
   std::vector<std::string> routed_tensors;
+  // Rank 0: receivers fenced under a quorum whose Abort did not get through, by control URL, and
+  // the transfer they were fenced from. The next Sync sends that Abort again before its prepare,
+  // so a fenced transfer still live there (its receiver resumed) cannot hold the prepare up.
+  std::map<std::string, TransferId> unresolved_fences;
   // The names of the tensor list this Sync was given (Sync(std::vector<TensorView>)); empty for
   // a chunk source.
   std::vector<std::string> listed_tensors;
@@ -850,6 +854,16 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
                      status->receiver.needs_anchor_reason);
       force_anchor = true;
     }
+    if (auto fence = unresolved_fences.find(link.base_url); fence != unresolved_fences.end()) {
+      // Decided "abort" for this receiver at the last Sync; an Abort is idempotent, and one of a
+      // transfer it never opened only records the id as finished.
+      if (Status aborted = client->Abort(fence->second); aborted.ok()) {
+        unresolved_fences.erase(fence);
+      } else {
+        REFIT_LOG_WARN("receiver {}: abort of transfer {} it was fenced from failed again: {}",
+                       link.base_url, fence->second.ToHex(), aborted.ToString());
+      }
+    }
     receivers.push_back({link.base_url, client.get(), status->place, fleet[r],
                          ReceiverStanding{status->receiver.version, status->receiver.needs_anchor,
                                           status->receiver.accepts_target_version}});
@@ -881,6 +895,11 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
                         std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
+  for (const ReceiverOutcome& outcome : report.receivers) {
+    if (outcome.fenced && !outcome.fence_abort_status.ok()) {
+      unresolved_fences[outcome.name] = report.plan.transfer_id;
+    }
+  }
   if (quorum_fleet.has_value()) {
     // The receivers left out before the transfer are fenced too: listed, at what they held.
     for (size_t r = 0; r < links.size(); ++r) {
