@@ -11,7 +11,8 @@
 //   receivers: Flush, verified per replica
 //   ── commit | abort ─▶                      DeltaTracker::Commit | Abort     receivers: Commit
 //
-// Any failure on any rank or receiver aborts the transfer everywhere: receivers roll back to the
+// Any failure on any rank or receiver aborts the transfer everywhere (unless a quorum commit policy
+// fences receivers that did not flush, PublisherOptions::commit_policy): receivers roll back to the
 // base version bit-exactly and every tracker drops its pending bits, so the next Sync starts from
 // the same state. A rank that vanishes makes rank 0's collective fail within the transfer timeout
 // (the group drops its link); a rank whose process restarted joins again and the next Sync is an
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "refit/chunk_source.h"
+#include "refit/commit_policy.h"
 #include "refit/control_client.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
@@ -102,6 +104,14 @@ struct PublisherOptions {
   /// already holds, given without resume, fails the first Sync (it would be the same lineage
   /// twice). Decided at the first Sync and kept.
   bool resume = false;
+  /// Rank 0: when a Sync commits although some receivers did not flush (refit/commit_policy.h;
+  /// docs/protocol.md "Stragglers and quorum"): `all` (the default: one receiver that fails or
+  /// misses the flush deadline aborts the Sync everywhere) or a quorum of replicas — the Sync
+  /// commits on the replicas that flushed and fences the others (rolled back to the version they
+  /// held, listed in RefitReport::fenced; each is caught up by a plan of its own at the next
+  /// Sync). A quorum needs a transport with relay trees (zmq://). Checked at Sync against the
+  /// fleet: a count above its replicas fails the Sync (InvalidArgument).
+  CommitPolicy commit_policy = {};
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and

@@ -86,6 +86,15 @@ struct ReceiverOutcome {
   /// The bytes the producers sent into its route (each payload reaches each receiver of the
   /// route once): what this receiver received in the transfer.
   uint64_t wire_bytes = 0;
+  /// Under a quorum commit policy (refit/commit_policy.h): the transfer committed elsewhere
+  /// while this receiver (its replica) did not flush, so it was fenced: aborted, rolled back to
+  /// held_version, and caught up at the next transfer by a plan of its own (docs/protocol.md
+  /// "Stragglers and quorum"). `fenced_because`: its flush's (or its replica's) failure;
+  /// `fence_abort_status`: OK, or why the Abort failed (the next transfer's prepare from the
+  /// version it holds then rolls it back; it never commits this transfer).
+  bool fenced = false;
+  Status fenced_because = {};
+  Status fence_abort_status = {};
 };
 
 /// What one successful Refit did.
@@ -98,6 +107,13 @@ struct RefitReport {
   /// The routes the transfer took (one unless routed by holdings), with what each producer sent
   /// along each in producers[p].routes.
   std::vector<TransferRoute> routes;
+  /// The receivers fenced under a quorum commit policy (ReceiverOutcome::fenced), by name: they
+  /// do not hold the target version.
+  std::vector<std::string> fenced;
+  /// The replicas of the fleet, and those that flushed and verified (all of them unless some
+  /// receivers were fenced).
+  uint64_t replicas = 0;
+  uint64_t flushed_replicas = 0;
   /// The state digest of every canonical tensor after the transfer, as the producers declared it.
   std::map<std::string, uint64_t> digests;
   /// Sums over producers.

@@ -48,6 +48,10 @@ class SyncReport:
     #: ``wire_bytes`` (what it was sent). A newcomer or a receiver behind is caught up on its own
     #: while the others get the delta (docs/protocol.md "Per-receiver plans").
     catch_ups: Tuple[dict, ...] = ()
+    #: Rank 0, under ``commit_policy="quorum:…"``: the receivers fenced in this sync (they did not
+    #: flush; rolled back to the version they held and caught up at the next sync). Each one's
+    #: ``catch_ups`` entry has ``fenced: True`` and ``fenced_because``.
+    fenced: Tuple[str, ...] = ()
 
     @property
     def density(self) -> float:
@@ -117,6 +121,10 @@ class Publisher:
     - ``chunk_bytes``, ``bucket_bytes``: export chunk and payload bucket targets;
     - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
     - ``transfer_timeout``: seconds one sync may take, on every rank;
+    - ``commit_policy``: ``"all"`` (default: one receiver that fails or misses the flush deadline
+      aborts the sync everywhere) or ``"quorum:N"`` / ``"quorum:0.5"`` / ``"quorum:75%"`` of the
+      replicas: the sync commits on those that flushed and fences the others (``SyncReport.fenced``),
+      which are caught up at the next sync (zmq:// only);
     - ``staging_bytes``: host memory that tensors in device memory (:class:`DeviceTensor`) are
       staged through, in reusable buffers (default: twice the largest chunk this rank stages);
     - ``run_id``: rank 0: the training run these syncs belong to (default: a new random one,
@@ -133,6 +141,7 @@ class Publisher:
         "chunk_bytes": "delta_compression.export_chunk_bytes",
         "bucket_bytes": "delta_compression.sparse_bucket_size_bytes",
         "full_sync_interval": "delta_compression.full_sync_interval",
+        "commit_policy": "commit_policy",
     }
 
     def __init__(
@@ -150,6 +159,7 @@ class Publisher:
         staging_bytes: Optional[int] = None,
         run_id: Optional[str] = None,
         resume: bool = False,
+        commit_policy: Optional[str] = None,
     ):
         if group is None:
             group = in_process_group(1)[0]
@@ -220,6 +230,7 @@ class Publisher:
             report = self._core.sync(buffer_tensors(tensors), force_anchor)
         report["receivers"] = tuple(report["receivers"])
         report["catch_ups"] = tuple(report["catch_ups"])
+        report["fenced"] = tuple(report["fenced"])
         return SyncReport(**report)
 
     def set_receivers(self, receivers: Iterable[ReceiverLike]) -> None:

@@ -475,9 +475,17 @@ py::dict SyncReportToDict(const SyncReport& sync) {
     one["lag"] = receiver.lag;
     one["caught_up_by"] = std::string(CatchUpName(receiver.caught_up_by));
     one["wire_bytes"] = receiver.wire_bytes;
+    // Fenced under a quorum commit policy: it did not commit, and why (docs/protocol.md
+    // "Stragglers and quorum").
+    one["fenced"] = receiver.fenced;
+    one["fenced_because"] =
+        receiver.fenced ? py::object(py::str(receiver.fenced_because.ToString())) : py::none();
     catch_ups.append(std::move(one));
   }
   out["catch_ups"] = catch_ups;
+  py::list fenced;
+  for (const std::string& name : report.fenced) fenced.append(name);
+  out["fenced"] = fenced;
   out["staged_bytes"] = sync.staging.staged_bytes;
   out["staging_budget_bytes"] = sync.staging.budget_bytes;
   out["staging_peak_bytes"] = sync.staging.peak_held_bytes;

@@ -184,3 +184,42 @@ def test_a_different_key_per_plane_is_an_explicit_choice(rng, monkeypatch):
         perturb(trainer["w"], rng)
         assert publisher.sync(trainer).version == 1
         assert held["w"].tobytes() == trainer["w"].tobytes()
+
+
+# ---- Stragglers and quorum ------------------------------------------------------------------------
+
+
+def test_a_quorum_fences_a_receiver_that_is_gone_and_commits_on_the_others(rng):
+    trainer = model(rng)
+    helds = [copy(trainer) for _ in range(3)]
+    receivers = [serve(held, version=0) for held in helds]
+    try:
+        publisher = refit.Publisher(receivers=receivers, transfer_timeout=30, commit_policy="quorum:2")
+        publisher.adopt_baseline(copy(trainer), version=0)
+        perturb(trainer["w"], rng)
+        report = publisher.sync(trainer)
+        assert report.version == 1 and report.fenced == ()
+        assert all(not entry["fenced"] for entry in report.catch_ups)
+        before = copy(helds[1])
+        gone = receivers[1].control_url
+        receivers[1].stop()
+        perturb(trainer["w"], rng)
+        report = publisher.sync(trainer)
+        # 2 of 3 replicas answered: the sync commits on them, the one that is gone is fenced.
+        assert report.version == 2
+        assert report.fenced == (gone,)
+        fenced = [entry for entry in report.catch_ups if entry["fenced"]]
+        assert [entry["name"] for entry in fenced] == [gone]
+        assert "status" in fenced[0]["fenced_because"]
+        assert_holds([helds[0], helds[2]], trainer)
+        assert all(helds[1][name].tobytes() == before[name].tobytes() for name in before)
+        assert publisher.version == 2
+    finally:
+        for receiver in receivers:
+            receiver.stop()
+
+
+def test_a_bad_commit_policy_is_refused_naming_the_keyword():
+    for bad in ("most", "quorum:0", "quorum:1.5"):
+        with pytest.raises(refit.InvalidArgument, match=r"Publisher\(commit_policy=\).*quorum"):
+            refit.Publisher(receivers=[("http://127.0.0.1:1", "127.0.0.1:2")], commit_policy=bad)

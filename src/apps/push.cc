@@ -99,10 +99,22 @@ Result<uint64_t> FleetVersion(const PublisherOptions& options, const std::string
     client->SetCallDeadline(deadline);
     const std::string& url = receiver.control_url;
     Result<ControlStatus> asked = client->GetStatus();
+    // A refused key is the push's mistake, not a straggler: it fails the push whatever the policy.
+    if (!asked.ok() && options.commit_policy.kind == CommitPolicy::Kind::kQuorum &&
+        asked.status().code() != StatusCode::kPermissionDenied) {
+      // Under a quorum a receiver that does not answer is left out of the push and fenced (the
+      // Publisher decides whether enough replicas answered); it does not set the version.
+      std::cerr << fmt::format(
+          "warning: {} did not answer its status ({}); under commit policy "
+          "{} it is left out of this push\n",
+          url, asked.status().ToString(), CommitPolicyName(options.commit_policy));
+      continue;
+    }
     if (!asked.ok()) return ExplainReceiverError(asked.status(), "push", url, api_key_env);
     const ControlStatus& status = *asked;
     version = std::max(version.value_or(0), status.receiver.version);
   }
+  if (!version.has_value()) return Unavailable("push: no receiver answered its status");
   return *version;
 }
 
@@ -237,17 +249,21 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
                            {"time_s", report.total_s}};
     nlohmann::json commits = nlohmann::json::array();
     for (const ReceiverOutcome& receiver : report.receivers) {
-      commits.push_back({{"receiver", receiver.name},
-                         {"held_version", receiver.held_version},
-                         {"lag", receiver.lag},
-                         {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
-                         {"wire_bytes", receiver.wire_bytes},
-                         {"committed", receiver.commit_status.ok()},
-                         {"error", receiver.commit_status.ok()
-                                       ? nlohmann::json(nullptr)
-                                       : nlohmann::json(receiver.commit_status.ToString())}});
+      commits.push_back(
+          {{"receiver", receiver.name},
+           {"held_version", receiver.held_version},
+           {"lag", receiver.lag},
+           {"caught_up_by", std::string(CatchUpName(receiver.caught_up_by))},
+           {"wire_bytes", receiver.wire_bytes},
+           {"committed", !receiver.fenced && receiver.commit_status.ok()},
+           {"fenced", receiver.fenced},
+           {"error", receiver.fenced ? nlohmann::json(receiver.fenced_because.ToString())
+                     : receiver.commit_status.ok()
+                         ? nlohmann::json(nullptr)
+                         : nlohmann::json(receiver.commit_status.ToString())}});
     }
     line["commits"] = std::move(commits);
+    line["fenced"] = report.fenced;
     std::cout << line.dump() << std::endl;
   } else if (sync.rank != 0) {
     std::cout << fmt::format(
@@ -283,7 +299,13 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
     }
   }
   for (const ReceiverOutcome& receiver : report.receivers) {
-    if (!receiver.commit_status.ok()) {
+    if (receiver.fenced) {
+      std::cerr << fmt::format(
+          "warning: {} was fenced ({} of {} replica(s) flushed): {}; it stays at version {} and "
+          "is caught up by the next push\n",
+          receiver.name, report.flushed_replicas, report.replicas,
+          receiver.fenced_because.ToString(), receiver.held_version);
+    } else if (!receiver.commit_status.ok()) {
       std::cerr << fmt::format(
           "warning: {} did not confirm the commit ({}); it is prepared and commits at the next "
           "transfer\n",
@@ -506,6 +528,11 @@ void RegisterPush(CLI::App& app, Status* result) {
               "size, and rank k of W sends chunks k, k + W, ...; a model smaller than one chunk "
               "is sent by rank 0 alone. Every rank must give the same value",
               "256MiB");
+  config_flag("--commit-policy", {"commit_policy"},
+              "When the push commits although some receivers did not flush: all (one failure "
+              "aborts everywhere), or quorum:N | quorum:F | quorum:P% of the replicas, the others "
+              "fenced (rolled back, listed as fenced) and caught up by the next push",
+              "all");
   cmd->add_option("--producers", args->producers,
                   "Producer ranks W as threads of this process (chunk k goes to k % W)")
       ->capture_default_str()

@@ -703,6 +703,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
       // 0: the kernel's choice, reported in the ready file (not for a static relay tree, whose
       // peers name their ports; `refit serve` checks that).
       IntegerKey("zmq_refit_server_port", 0, kMaxPort, &config.zmq_refit_server_port),
+      ParsedKey("commit_policy", ParseCommitPolicy, &config.commit_policy),
       MapKey("server", server_keys),
   };
   if (!root.IsNull() && !root.IsMap()) {

@@ -18,6 +18,7 @@
 #include <variant>
 #include <vector>
 
+#include "refit/commit_policy.h"
 #include "refit/control_client.h"
 #include "refit/control_server_options.h"
 #include "refit/dtype.h"
@@ -167,6 +168,9 @@ struct RefitConfig {
   /// as the listener binds (reported in the log and the ready file), which a static relay tree
   /// (a receivers list that `refit serve` takes as its peers) cannot name.
   uint16_t zmq_refit_server_port = kDefaultZmqPort;
+  /// `commit_policy`: all | quorum:N | quorum:F | quorum:P% — when a transfer commits although
+  /// some replicas did not flush (PublisherOptions::commit_policy, refit/commit_policy.h).
+  CommitPolicy commit_policy;
   ServerConfig server;
 };
 

@@ -130,6 +130,7 @@ Result<PublisherOptions> ToPublisherOptions(const RefitConfig& config) {
   options.tracker = ToTrackerOptions(config);
   options.stream = ToProducerStreamOptions(config);
   REFIT_ASSIGN_OR_RETURN(options.transport_uri, ToTransportUri(config));
+  options.commit_policy = config.commit_policy;
   for (const ReceiverConfig& receiver : config.receivers) {
     options.receivers.push_back({receiver.control, receiver.data});
   }

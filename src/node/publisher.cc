@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
 #include "pipeline/producer_stream.h"
+#include "pipeline/quorum.h"
 #include "pipeline/staged_source.h"
 #include "pipeline/staging_pool.h"
 #include "refit/status_format.h"
@@ -290,7 +292,7 @@ struct PublisherRank {
       context.transfer_id = open->transfer_id;
       context.producer_id = rank();
       context.base_version =
-          route.content == CatchUp::kFolded ? route.from_version : open->base_version;
+          route.content != CatchUp::kDelta ? route.from_version : open->base_version;
       context.target_version = open->target_version;
       context.endpoints = route.endpoints.empty() ? endpoints : route.endpoints;
       context.anchor = open->anchor;
@@ -389,6 +391,10 @@ struct PublisherRank {
   // Rank 0: the canonical tensors of the last Sync, which the next one routes by when its
   // producers do not know theirs.
   std::vector<std::string> routed_tensors;
+  // Rank 0: receivers fenced under a quorum whose Abort did not get through, by control URL, and
+  // the transfer they were fenced from. The next Sync sends that Abort again before its prepare,
+  // so a fenced transfer still live there (its receiver resumed) cannot hold the prepare up.
+  std::map<std::string, TransferId> unresolved_fences;
   // The names of the tensor list this Sync was given (Sync(std::vector<TensorView>)); empty for
   // a chunk source.
   std::vector<std::string> listed_tensors;
@@ -830,24 +836,79 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
     }
   }
-  std::vector<ControlStatus> statuses;
-  std::vector<std::string> names;
-  std::vector<HeldLineage> held;
+  // Every receiver's status, asked concurrently: a receiver that does not answer costs one
+  // control timeout, not one per receiver.
+  std::vector<std::unique_ptr<ControlClient>> asked_clients;
   for (const ControlClientOptions& link : links) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
-    Result<ControlStatus> status = client->GetStatus();
+    asked_clients.push_back(std::move(client));
+  }
+  std::vector<Result<ControlStatus>> statuses(links.size(), Status(StatusCode::kInternal, "unset"));
+  {
+    std::vector<std::jthread> askers;
+    for (size_t r = 0; r < links.size(); ++r) {
+      askers.emplace_back([&, r] { statuses[r] = asked_clients[r]->GetStatus(); });
+    }
+  }
+  // Under a quorum, a receiver that did not answer is left out of this transfer — fenced before
+  // it starts — as long as the quorum of the whole fleet's replicas answered
+  // (docs/protocol.md "Stragglers and quorum").
+  std::optional<QuorumFleet> quorum_fleet;
+  if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum) {
+    std::vector<std::string> names;
+    std::vector<std::optional<ReplicaPlace>> places;
+    std::vector<Status> errors;
+    for (size_t r = 0; r < links.size(); ++r) {
+      names.push_back(links[r].base_url);
+      places.push_back(statuses[r].ok() ? std::optional(statuses[r]->place) : std::nullopt);
+      errors.push_back(statuses[r].ok()
+                           ? Status::OK()
+                           : statuses[r].status().WithContext("receiver " + links[r].base_url));
+    }
+    REFIT_ASSIGN_OR_RETURN(quorum_fleet,
+                           LeaveOutUnanswered(options.commit_policy, names, places, errors));
+    for (size_t r = 0; r < links.size(); ++r) {
+      if (!quorum_fleet->included[r]) {
+        REFIT_LOG_WARN("receiver {} is left out of this sync and fenced (commit policy {}): {}",
+                       links[r].base_url, CommitPolicyName(options.commit_policy),
+                       quorum_fleet->left_out_because[r].ToString());
+      }
+    }
+  }
+  // The receivers this transfer includes (all of them, but under a quorum those that answered).
+  std::vector<ControlStatus> answered;
+  std::vector<std::string> names;
+  std::vector<HeldLineage> held;
+  std::vector<std::string> included_fleet;
+  for (size_t r = 0; r < links.size(); ++r) {
+    if (quorum_fleet.has_value() && !quorum_fleet->included[r]) continue;
+    const ControlClientOptions& link = links[r];
+    std::unique_ptr<ControlClient> client = std::move(asked_clients[r]);
+    Result<ControlStatus>& status = statuses[r];
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
-    statuses.push_back(*std::move(status));
+    if (auto fence = unresolved_fences.find(link.base_url); fence != unresolved_fences.end()) {
+      // Decided "abort" for this receiver at the last Sync; an Abort is idempotent, and one of a
+      // transfer it never opened only records the id as finished.
+      if (Status aborted = client->Abort(fence->second); aborted.ok()) {
+        unresolved_fences.erase(fence);
+      } else {
+        REFIT_LOG_WARN("receiver {}: abort of transfer {} it was fenced from failed again: {}",
+                       link.base_url, fence->second.ToHex(), aborted.ToString());
+      }
+    }
+    answered.push_back(*std::move(status));
     names.push_back(link.base_url);
-    held.push_back(statuses.back().receiver.lineage);
+    held.push_back(answered.back().receiver.lineage);
+    included_fleet.push_back(fleet[r]);
     clients.push_back(std::move(client));
   }
+  fleet = std::move(included_fleet);
   REFIT_RETURN_NOT_OK(DecideLineage(names, held));
   // The versions of receivers of this lineage (or of none): only they can hold a version this
   // trainer committed and no rank knows, which the next transfer is then based on.
   std::vector<uint64_t> lineage_versions;
-  for (size_t r = 0; r < statuses.size(); ++r) {
-    const ReceiverStatus& receiver = statuses[r].receiver;
+  for (size_t r = 0; r < answered.size(); ++r) {
+    const ReceiverStatus& receiver = answered[r].receiver;
     versions.push_back(receiver.version);
     const bool other_run = !receiver.lineage.run_id.empty() && receiver.lineage.run_id != run_id;
     if (!other_run) lineage_versions.push_back(receiver.version);
@@ -868,7 +929,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       force_anchor = true;
     }
     receivers.push_back(
-        {names[r], clients[r].get(), statuses[r].place, fleet[r],
+        {names[r], clients[r].get(), answered[r].place, fleet[r],
          ReceiverStanding{receiver.version, needs_anchor, receiver.accepts_target_version}});
   }
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions),
@@ -886,6 +947,8 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.per_receiver_plans = per_receiver;
   coordinator_options.lineage = TransferLineage{run_id, epoch, base_fingerprint};
   coordinator_options.fingerprint_version = fingerprint_version;
+  coordinator_options.commit_policy =
+      quorum_fleet.has_value() ? quorum_fleet->policy : options.commit_policy;
   REFIT_ASSIGN_OR_RETURN(
       std::unique_ptr<internal::Coordinator> coordinator,
       internal::Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
@@ -894,6 +957,25 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   committed_in_run = true;
   base_fingerprint = report.digests.empty() ? 0 : StateFingerprint(report.digests);
   fingerprint_version = report.plan.target_version;
+  for (const ReceiverOutcome& outcome : report.receivers) {
+    if (outcome.fenced && !outcome.fence_abort_status.ok()) {
+      unresolved_fences[outcome.name] = report.plan.transfer_id;
+    }
+  }
+  if (quorum_fleet.has_value()) {
+    // The receivers left out before the transfer are fenced too: listed, at what they held.
+    for (size_t r = 0; r < links.size(); ++r) {
+      if (quorum_fleet->included[r]) continue;
+      ReceiverOutcome outcome;
+      outcome.name = links[r].base_url;
+      outcome.fenced = true;
+      outcome.fenced_because = quorum_fleet->left_out_because[r];
+      if (statuses[r].ok()) outcome.held_version = statuses[r]->receiver.version;
+      report.receivers.push_back(std::move(outcome));
+      report.fenced.push_back(links[r].base_url);
+    }
+    report.replicas = quorum_fleet->replicas;
+  }
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
   return SyncReport{std::move(report), rank(), world()};
@@ -1070,6 +1152,18 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   if (group->rank() == 0 && options.receivers.empty() &&
       !impl->transport->capabilities().carries_control) {
     return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+  }
+  if (Status policy = CheckCommitPolicy(options.commit_policy); !policy.ok()) {
+    return policy.WithContext("publisher: commit_policy");
+  }
+  if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum &&
+      !impl->transport->capabilities().fan_out_tree) {
+    // A fenced receiver must be caught up by a plan of its own at the next Sync, prepared from the
+    // version it holds: per-receiver plans, which need relay trees.
+    return InvalidArgument(
+        "publisher: commit_policy {} needs a transport with relay trees (zmq://), which catches a "
+        "fenced receiver up on its own; transport '{}' has none",
+        CommitPolicyName(options.commit_policy), options.transport_uri);
   }
   impl->group = std::move(group);
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/digest.h"
+#include "pipeline/quorum.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
 #include "util/mutex.h"
@@ -158,11 +159,12 @@ class LocalProducers final : public ProducerSet {
       std::vector<std::unique_ptr<PayloadChannel>> channels;
       std::vector<StreamRoute> stream_routes;
       for (size_t k = 0; k < routes.size(); ++k) {
-        const bool folded = routes[k].content == CatchUp::kFolded;
+        // A catch-up route's receivers are prepared from the base it names (PlanCatchUps).
+        const bool own_base = routes[k].content != CatchUp::kDelta;
         Result<std::unique_ptr<PayloadChannel>> channel = channels_(
             ChannelRequest{.transfer_id = plan.transfer_id,
                            .producer_id = static_cast<uint32_t>(p),
-                           .base_version = folded ? routes[k].from_version : plan.base_version,
+                           .base_version = own_base ? routes[k].from_version : plan.base_version,
                            .target_version = plan.target_version,
                            .endpoints = routes[k].endpoints,
                            .deadline = deadline});
@@ -421,7 +423,8 @@ Result<std::vector<TransferRoute>> Coordinator::Impl::PlanRoutes(
   std::map<std::tuple<HeldRegions, CatchUp, uint64_t>, size_t> class_of;
   for (size_t r = 0; r < receivers.size(); ++r) {
     const CatchUp how = catch_ups[r].how;
-    const uint64_t from = how == CatchUp::kFolded ? catch_ups[r].from_version : 0;
+    // The base its receivers are prepared from, which its payloads' headers carry.
+    const uint64_t from = how == CatchUp::kDelta ? 0 : catch_ups[r].prepared_base;
     const auto [it, inserted] = class_of.emplace(std::tuple(held[r], how, from), routes.size());
     if (inserted) {
       TransferRoute route;
@@ -510,6 +513,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
     // Every receiver gets the transfer's own items, as it is prepared for them.
     for (PlannedCatchUp& catch_up : catch_ups) {
       catch_up.how = plan.anchor ? CatchUp::kAnchor : CatchUp::kDelta;
+      catch_up.prepared_base = plan.base_version;
     }
   }
   for (size_t r = 0; r < receivers.size(); ++r) {
@@ -520,10 +524,14 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   }
   std::vector<size_t> route_of;
   {
-    // In an anchor every route carries the same FULL items: no class of its own for that.
+    // In an anchor every route carries the same FULL items: no class of its own for that,
+    // except for receivers prepared from the version they hold (behind the base), whose payloads'
+    // headers name that version.
     std::vector<PlannedCatchUp> routed = catch_ups;
     if (plan.anchor) {
-      for (PlannedCatchUp& catch_up : routed) catch_up.how = CatchUp::kDelta;
+      for (PlannedCatchUp& catch_up : routed) {
+        if (catch_up.prepared_base == plan.base_version) catch_up.how = CatchUp::kDelta;
+      }
     }
     Result<std::vector<TransferRoute>> routes = PlanRoutes(route_of, routed);
     if (!routes.ok()) return FailTransfer(id, "route", {{"", routes.status()}});
@@ -559,9 +567,12 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       // The base fingerprint names what a delta from the fleet's base builds on; an anchor builds
       // on nothing, and a folded catch-up on a version whose fingerprint is not kept here.
       if (mine.anchor || catch_ups[r].how != CatchUp::kDelta) mine.lineage.base_fingerprint = 0;
-      if (catch_ups[r].how == CatchUp::kFolded) {
-        // Its own base, the fleet's target.
-        mine.base_version = catch_ups[r].from_version;
+      if (catch_ups[r].prepared_base != plan.base_version) {
+        // Behind the base (folded, or an anchor of its own): its own base, the fleet's target. A
+        // transfer it still has open from that base is rolled back (implied abort), never
+        // committed: it may be one this receiver was fenced from (docs/protocol.md "Stragglers
+        // and quorum").
+        mine.base_version = catch_ups[r].prepared_base;
         mine.target_version = plan.target_version;
       }
       if (options.relay_trees) {
@@ -631,30 +642,83 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   tensor_names.clear();
   for (const auto& [name, digest] : flush.expected.digests) tensor_names.push_back(name);
   {
-    Failures failures;
+    // Each receiver's flush (OK, or why it failed or missed the deadline), then each replica's
+    // verification; the commit policy decides from both.
+    std::vector<Status> flush_status(receivers.size());
     ForEachConcurrently(receivers.size(), [&](size_t r) {
       FlushOptions mine = flush;
       mine.expected.payloads_per_producer = route_expected[route_of[r]].payloads_per_producer;
       Result<FlushReport> flushed = receivers[r].control->Flush(id, mine);
-      if (!flushed.ok()) return failures.Add(receivers[r].name, flushed.status());
-      if (catch_ups[r].how == CatchUp::kFolded && flushed->target_version != plan.target_version) {
-        return failures.Add(
-            receivers[r].name,
-            FailedPrecondition("folded from version {}, it reports target version {}, not {}",
-                               catch_ups[r].from_version, flushed->target_version,
-                               plan.target_version));
+      if (!flushed.ok()) {
+        flush_status[r] = flushed.status();
+        return;
+      }
+      if (catch_ups[r].prepared_base != plan.base_version &&
+          flushed->target_version != plan.target_version) {
+        flush_status[r] = FailedPrecondition(
+            "prepared from version {}, it reports target version {}, not {}",
+            catch_ups[r].prepared_base, flushed->target_version, plan.target_version);
+        return;
       }
       report.receivers[r].flush = *std::move(flushed);
     });
-    if (!failures.empty()) return FailTransfer(id, "flush", failures.Take());
+    std::vector<Failure> failures;
+    for (size_t r = 0; r < receivers.size(); ++r) {
+      if (!flush_status[r].ok()) failures.push_back({receivers[r].name, flush_status[r]});
+    }
+    const bool quorum = options.commit_policy.kind == CommitPolicy::Kind::kQuorum;
+    // Under `all` any failed flush aborts before verifying anything, as it always did.
+    if (!quorum && !failures.empty()) return FailTransfer(id, "flush", std::move(failures));
     // A receiver checks whole-tensor digests itself; checking its report here as well means a
     // receiver that skipped the check (an older build, a bug) cannot commit a divergent state,
-    // and a shard group, whose shards cannot check alone, is verified as one replica.
+    // and a shard group, whose shards cannot check alone, is verified as one replica. Under a
+    // quorum a replica counts only when every shard flushed and the group verified.
+    std::vector<std::vector<size_t>> replica_receivers;
+    std::vector<bool> replica_flushed;
+    std::vector<Status> replica_failure;
     for (const Replica& replica : replicas) {
-      Status verified = VerifyReplica(replica, receivers, report.receivers, flush.expected.digests);
-      if (!verified.ok()) failures.Add(fmt::format("replica '{}'", replica.name), verified);
+      Status failed;
+      for (size_t r : replica.shards) {
+        if (!flush_status[r].ok()) {
+          failed = flush_status[r].WithContext(fmt::format("shard at {}", receivers[r].name));
+          break;
+        }
+      }
+      if (failed.ok()) {
+        failed = VerifyReplica(replica, receivers, report.receivers, flush.expected.digests);
+        if (!failed.ok()) failures.push_back({fmt::format("replica '{}'", replica.name), failed});
+      }
+      replica_receivers.push_back(replica.shards);
+      replica_flushed.push_back(failed.ok());
+      replica_failure.push_back(std::move(failed));
     }
-    if (!failures.empty()) return FailTransfer(id, "flush", failures.Take());
+    Result<CommitDecision> decided =
+        DecideCommit(options.commit_policy, replica_receivers, replica_flushed, receivers.size());
+    if (!decided.ok()) return FailTransfer(id, "flush", {{"commit policy", decided.status()}});
+    report.replicas = decided->replicas;
+    report.flushed_replicas = decided->flushed_replicas;
+    if (!decided->commit) {
+      const std::string phase =
+          quorum ? fmt::format("flush ({} of {} replica(s) flushed; commit policy {} needs {})",
+                               decided->flushed_replicas, decided->replicas,
+                               CommitPolicyName(options.commit_policy), decided->required_replicas)
+                 : std::string("flush");
+      return FailTransfer(id, phase, std::move(failures));
+    }
+    for (size_t k = 0; k < replicas.size(); ++k) {
+      if (replica_flushed[k]) continue;
+      for (size_t r : replicas[k].shards) {
+        report.receivers[r].fenced = true;
+        report.receivers[r].fenced_because = replica_failure[k];
+        report.fenced.push_back(receivers[r].name);
+        REFIT_LOG_WARN(
+            "transfer {}: {} is fenced (commit policy {}, {} of {} replica(s) flushed): {}; it is "
+            "rolled back to version {} and caught up at the next transfer",
+            id.ToHex(), receivers[r].name, CommitPolicyName(options.commit_policy),
+            decided->flushed_replicas, decided->replicas, replica_failure[k].ToString(),
+            catch_ups[r].from_version);
+      }
+    }
   }
   report.flush_s = SecondsSince(flush_start);
 
@@ -670,6 +734,20 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
   Status producers_committed;
   std::jthread producer_commit([&] { producers_committed = producers->Commit(id); });
   ForEachConcurrently(receivers.size(), [&](size_t r) {
+    if (report.receivers[r].fenced) {
+      // Decided per receiver: a fenced one is aborted (rolled back to what it held). Its abort
+      // may be lost; it then never commits this transfer anyway: the next transfer prepares it
+      // from the version it holds, which rolls this one back (implied abort, PlanCatchUps).
+      Status aborted = receivers[r].control->Abort(id);
+      if (!aborted.ok()) {
+        REFIT_LOG_WARN(
+            "transfer {}: abort of fenced {} failed ({}); the next transfer's prepare from the "
+            "version it holds rolls it back",
+            id.ToHex(), receivers[r].name, aborted.ToString());
+      }
+      report.receivers[r].fence_abort_status = std::move(aborted);
+      return;
+    }
     Status committed = receivers[r].control->Commit(id);
     if (!committed.ok()) {
       REFIT_LOG_WARN(
@@ -767,6 +845,17 @@ Result<std::unique_ptr<Coordinator>> Coordinator::Make(const CoordinatorOptions&
     return InvalidArgument(
         "coordinator: per-receiver plans send catch-up receivers routes of their own, which "
         "needs relay_trees");
+  }
+  if (Result<uint64_t> required = RequiredReplicas(options.commit_policy, impl->replicas.size());
+      !required.ok()) {
+    return required.status().WithContext("coordinator");
+  }
+  if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum && !options.per_receiver_plans) {
+    return InvalidArgument(
+        "coordinator: commit policy {} fences receivers that miss the flush, and only per-receiver "
+        "plans prepare a fenced receiver from the version it holds at the next transfer (a "
+        "transport with relay trees, zmq://)",
+        CommitPolicyName(options.commit_policy));
   }
   if (options.relay_trees || options.route_by_holdings) {
     for (const CoordinatedReceiver& receiver : receivers) {

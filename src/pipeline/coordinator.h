@@ -15,7 +15,9 @@
 //   5. Commit      every receiver commits (the decision point is the last successful Flush),
 //                  then every tracker commits its pending bits
 //
-// A failure or timeout in steps 1–4 aborts everywhere: receivers roll back to the base version
+// A failure or timeout in steps 1–4 aborts everywhere (under a quorum commit policy, a flush that
+// fails on some replicas commits on the others and fences those, docs/protocol.md "Stragglers and
+// quorum"): receivers roll back to the base version
 // bit-exactly, trackers drop their pending bits, and Refit returns the first error with every
 // failure listed by place. The next Refit (a new transfer id) starts from the same base, without
 // restarting anything. Once every receiver is prepared the transfer is decided: a receiver whose
@@ -42,6 +44,7 @@
 #include "codec/tracker.h"
 #include "pipeline/producer_stream.h"
 #include "pipeline/receiver_plan.h"
+#include "refit/commit_policy.h"
 #include "refit/payload.h"
 #include "refit/refit_report.h"
 #include "refit/status.h"
@@ -198,6 +201,12 @@ struct CoordinatorOptions {
   /// initializers.)
   TransferLineage lineage = {};
   uint64_t fingerprint_version = 0;
+  /// When the transfer commits although some receivers did not flush (refit/commit_policy.h):
+  /// `all` (any failure aborts everywhere) or a quorum of replicas, the others fenced (aborted,
+  /// reported in ReceiverOutcome::fenced, caught up at the next transfer by their own plans).
+  /// A quorum needs per_receiver_plans, which is what prepares a fenced receiver from the
+  /// version it holds (docs/protocol.md "Stragglers and quorum").
+  CommitPolicy commit_policy = {};
 };
 
 /// Drives transfers across W producers and N receivers.
@@ -207,7 +216,9 @@ struct CoordinatorOptions {
 class Coordinator {
  public:
   /// Errors: InvalidArgument (a null receiver control, a non-positive timeout, a replica whose
-  /// receivers do not form shards 0 … n − 1 exactly once, and those of MakeLocalProducers).
+  /// receivers do not form shards 0 … n − 1 exactly once, a commit policy out of range or asking
+  /// for more replicas than the fleet has, a quorum without per_receiver_plans, and those of
+  /// MakeLocalProducers).
   static Result<std::unique_ptr<Coordinator>> Make(const CoordinatorOptions& options,
                                                    std::vector<CoordinatedProducer> producers,
                                                    std::vector<CoordinatedReceiver> receivers,

@@ -637,10 +637,11 @@ void StreamRun::SerializeLoop() {
     std::vector<ItemView> views;
     views.reserve(job->items.size());
     for (const Item& item : job->items) views.push_back(item.view());
-    // A folded route's payloads move its receivers from the version they hold.
+    // A catch-up route's payloads move its receivers from the base they were prepared from
+    // (folded, or an anchor of their own from the version they hold).
     const StreamRoute& route_of_job = routes_[job->route];
     const uint64_t base =
-        route_of_job.content == CatchUp::kFolded ? route_of_job.from_version : plan_.base_version;
+        route_of_job.content != CatchUp::kDelta ? route_of_job.from_version : plan_.base_version;
     const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id, base,
                          plan_.target_version};
     const PayloadEncodeOptions encode = compression_->Next();

@@ -44,7 +44,9 @@ struct StreamRoute {
   /// (kDelta), FULL items of every owned element (kAnchor: receivers caught up by an anchor of
   /// their own inside a delta transfer), or the fold of the retained deltas from `from_version`
   /// with this transfer's (kFolded, one item per tensor of each chunk; needs a history). Its
-  /// payloads' headers move from_version → target for kFolded, base → target otherwise.
+  /// payloads' headers move from_version → target for kFolded and kAnchor (the base its
+  /// receivers were prepared from: the version they hold when behind, else the transfer's base),
+  /// base → target for kDelta.
   CatchUp content = CatchUp::kDelta;
   uint64_t from_version = 0;
 };

@@ -28,6 +28,7 @@ std::vector<PlannedCatchUp> PlanCatchUps(const TransferPlan& plan,
   for (size_t r = 0; r < standings.size(); ++r) {
     PlannedCatchUp& planned = plans[r];
     planned.from_version = base;
+    planned.prepared_base = base;
     if (!standings[r].has_value()) {
       planned.how = plan.anchor ? CatchUp::kAnchor : CatchUp::kDelta;
       planned.why = "standing not asked";
@@ -60,6 +61,12 @@ std::vector<PlannedCatchUp> PlanCatchUps(const TransferPlan& plan,
               ? fmt::format("{} version(s) behind, beyond the retained history", planned.lag)
               : fmt::format("{} version(s) behind; it does not prepare to a named target",
                             planned.lag);
+    }
+    // Behind the base: prepared from what it holds (folded, or an anchor of its own), so that a
+    // transfer it still has open from that version is rolled back, never implicitly committed.
+    if (standing.version < base && standing.accepts_target &&
+        (planned.how == CatchUp::kFolded || planned.how == CatchUp::kAnchor)) {
+      planned.prepared_base = standing.version;
     }
   }
   return plans;

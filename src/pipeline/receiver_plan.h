@@ -9,7 +9,14 @@
 //   at v < B, within the history, and    → one folded payload per chunk, v → B + 1, prepared
 //   it prepares to a named target           with its own base v and the common target
 //   needs an anchor, unknown version,    → an anchor for it alone (FULL items, prepared as an
-//   beyond the history, ahead of B          anchor from B, which a receiver at any version takes)
+//   beyond the history, ahead of B          anchor, which a receiver at any version takes: from
+//                                           the version it holds when behind B, else from B)
+//
+// A receiver behind B is always prepared from the version it holds, never from B: a transfer of
+// its own it still has open (prepared, or receiving and quiet) is then rolled back by the
+// receiver (implied abort), never committed by an implied commit. That is what keeps a receiver
+// fenced by a quorum (docs/protocol.md "Stragglers and quorum") from ever committing the transfer
+// it was fenced from, even when it never got its Abort.
 //
 // The plan never changes what a receiver at B receives: catch-up receivers get routes of their
 // own (their own relay trees), so one receiver behind never turns the fleet's delta into an
@@ -45,6 +52,10 @@ struct PlannedCatchUp {
   uint64_t from_version = 0;
   /// Versions behind the transfer's base (0 when at or ahead of it).
   uint64_t lag = 0;
+  /// The base its prepare names and its payloads' headers carry: from_version for kFolded and
+  /// for an anchor of its own when behind the base (and it prepares to a named target), else
+  /// the transfer's base.
+  uint64_t prepared_base = 0;
   /// Why, for the log: "at the base", "3 versions behind, folded", …
   std::string why;
 };

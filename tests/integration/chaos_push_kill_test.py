@@ -15,7 +15,9 @@ an exact phase without any hook in refit itself:
 After 1 and 2 every daemon must roll back by itself within its lease (no `refit abort`) and hold
 the base bytes. After 3 and 4 every prepared daemon must *stay* prepared past its lease (it may be
 committed elsewhere), and the next push — a fresh `refit push` process — must resolve it by the
-documented rule (implied abort from the base in 3, implied commit from the target in 4). After
+documented rule (implied abort from the base in 3; in 4 the next push is based on the committed
+version, and the prepared daemon, behind it, is prepared from the version it holds: implied abort
+and an anchor of its own, docs/protocol.md "Stragglers and quorum"). After
 every scenario the next push must succeed, and every daemon must then hold the same version and
 bit-exactly the bytes numpy says, downloaded tensor by tensor.
 
@@ -443,8 +445,9 @@ class Chaos:
         late.proxy.release()
         time.sleep(max(self.lease_s, 0) * 2)
         check(late.status()["state"] == "prepared", f"{what}: d2 still prepared past its lease")
-        # The push was decided (two daemons committed it): the next push, from the committed
-        # version, commits d2 implicitly.
+        # The push was decided (two daemons committed it): the next push is based on the committed
+        # version; d2, behind it, is prepared from the version it holds (implied abort) and caught
+        # up by an anchor of its own.
         committed_version = self.version + 1
         report = self.next_push_succeeds(what, base=step_path)
         check(report["base_version"] == committed_version,

@@ -65,6 +65,7 @@ std::filesystem::path SourceRoot() {
 
 // Expect every option a configuration maps to equal a default-constructed option struct.
 void ExpectLibraryDefaults(const RefitConfig& config) {
+  EXPECT_EQ(config.commit_policy, CommitPolicy{});
   const TrackerOptions tracker = ToTrackerOptions(config);
   const TrackerOptions tracker_default;
   EXPECT_EQ(tracker.baseline_storage, tracker_default.baseline_storage);
@@ -127,6 +128,23 @@ void ExpectLibraryDefaults(const RefitConfig& config) {
 }
 
 TEST(ConfigTest, DefaultsEqualLibraryDefaults) { ExpectLibraryDefaults(RefitConfig{}); }
+
+TEST(ConfigTest, CommitPolicyReachesThePublisherAndBadOnesAreNamed) {
+  ASSERT_OK_AND_ASSIGN(RefitConfig config, Parse("commit_policy: quorum:0.5\n"));
+  ASSERT_OK_AND_ASSIGN(PublisherOptions options, ToPublisherOptions(config));
+  EXPECT_EQ(options.commit_policy.kind, CommitPolicy::Kind::kQuorum);
+  EXPECT_EQ(options.commit_policy.fraction, 0.5);
+  ASSERT_OK_AND_ASSIGN(config, Parse("commit_policy: quorum:3\n"));
+  EXPECT_EQ(config.commit_policy.count, 3u);
+  for (const std::string_view bad : {"commit_policy: most\n", "commit_policy: quorum:0\n",
+                                     "commit_policy: quorum:1.5\n", "commit_policy: 'quorum:'\n"}) {
+    SCOPED_TRACE(bad);
+    const Status status = Parse(bad).status();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("commit_policy"), std::string_view::npos) << status.message();
+    EXPECT_NE(status.message().find("quorum"), std::string_view::npos) << status.message();
+  }
+}
 
 TEST(ConfigTest, EmptyFilesAndNullValuesGiveDefaults) {
   for (const std::string_view text :

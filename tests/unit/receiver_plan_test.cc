@@ -61,6 +61,36 @@ TEST(PlanCatchUpsTest, EachReceiverIsCaughtUpByTheCheapestSourceThatIsCorrect) {
   }
 }
 
+// Stragglers and quorum (docs/protocol.md): a receiver behind the base — one fenced at the last
+// transfer among them, which may still hold that transfer open if its Abort was lost — is
+// prepared from the version it holds, folded or by an anchor of its own, in a delta transfer or an
+// anchor: its open transfer is then rolled back (implied abort), never committed. Receivers at or
+// ahead of the base, and those that cannot prepare to a named target, are prepared from the base.
+TEST(PlanCatchUpsTest, AReceiverBehindIsPreparedFromTheVersionItHolds) {
+  const std::vector<std::optional<ReceiverStanding>> standings = {
+      ReceiverStanding{.version = 10, .accepts_target = true},  // At the base.
+      ReceiverStanding{.version = 9, .accepts_target = true},   // Fenced last time: folded.
+      ReceiverStanding{.version = 9, .accepts_target = true},   // Fenced, beyond the history.
+      ReceiverStanding{.version = 9, .accepts_target = false},  // An older build.
+      ReceiverStanding{.version = 12, .accepts_target = true},  // Ahead.
+      std::nullopt,                                             // Not asked.
+  };
+  std::vector<PlannedCatchUp> plans = PlanCatchUps(Delta(10), standings, 9);
+  EXPECT_EQ(plans[1].how, CatchUp::kFolded);
+  plans[2] = PlanCatchUps(Delta(10), standings, std::nullopt)[2];
+  EXPECT_EQ(plans[2].how, CatchUp::kAnchor);
+  const uint64_t want[] = {10, 9, 9, 10, 10, 10};
+  for (size_t r = 0; r < plans.size(); ++r) {
+    EXPECT_EQ(plans[r].prepared_base, want[r]) << "receiver " << r << ": " << plans[r].why;
+  }
+  TransferPlan anchor = Delta(10);
+  anchor.anchor = true;
+  plans = PlanCatchUps(anchor, standings, 9);
+  for (size_t r = 0; r < plans.size(); ++r) {
+    EXPECT_EQ(plans[r].prepared_base, want[r]) << "anchor, receiver " << r;
+  }
+}
+
 // ---- The producer side: one stream, three routes.
 // ------------------------------------------------
 

@@ -201,6 +201,81 @@ TEST_F(TransferLedgerTest, APrepareMayNameATargetSeveralVersionsOn) {
   EXPECT_EQ(ledger_.version(), 10u);
 }
 
+// Stragglers and quorum (docs/protocol.md): a receiver fenced from transfer T (7 → 8) while the
+// fleet committed it lost its Abort, so T is still open here — prepared (its flush finished after
+// the coordinator gave up on it) or receiving. The next transfer is based on 8, and the
+// coordinator prepares the fenced receiver from the version it holds, 7, to the target 9: folded,
+// or an anchor of its own. Either way T is rolled back first (implied abort), never committed,
+// and the receiver reports 7 until the catch-up commits 9.
+TEST_F(TransferLedgerTest, AFencedReceiverThatLostItsAbortRollsBackAtItsCatchUp) {
+  for (const bool anchor : {false, true}) {
+    SCOPED_TRACE(anchor ? "an anchor of its own" : "folded");
+    TransferLedger ledger(7,
+                          LedgerOptions{.transfer_lease = kLease, .preempt_after = kPreemptAfter});
+    const PrepareRequest fenced = Request(7);
+    ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger.ClassifyPrepare(fenced, now_));
+    ASSERT_EQ(step, PrepareStep::kOpen);
+    ledger.Open(fenced, now_);
+    for (const auto& [producer, count] : fenced.expected.payloads_per_producer) {
+      for (uint32_t payload = 0; payload < count; ++payload) {
+        const PayloadIds ids = Ids(fenced, producer, payload);
+        ASSERT_OK(ledger.CheckStageable(ids));
+        ledger.RecordStaged(ids, Checksum(1), 100, now_);
+        ledger.StartApply();
+        ledger.RecordApplied(1, 10, now_);
+      }
+    }
+    ASSERT_OK(ledger.MergeExpectation({}));
+    ASSERT_OK(ledger.Seal());
+    FlushReport report;
+    report.transfer_id = fenced.transfer_id;
+    report.target_version = 8;
+    ledger.Prepared(report, now_);
+    // It still reports the version it held: the status a coordinator plans from.
+    EXPECT_EQ(ledger.version(), 7u);
+
+    PrepareRequest catch_up = Request(7, 2, anchor);
+    catch_up.target_version = 9;
+    ASSERT_OK_AND_ASSIGN(step, ledger.ClassifyPrepare(catch_up, now_));
+    EXPECT_EQ(step, PrepareStep::kAbortOpenFirst) << "implied abort, never an implied commit";
+    ledger.BeginAbort();
+    ledger.FinishAbort(/*exact=*/true);
+    EXPECT_EQ(ledger.Finished(fenced.transfer_id), Outcome::kAborted);
+    EXPECT_EQ(ledger.version(), 7u);
+    // A late payload of T is refused; the catch-up then opens from 7 to 9.
+    EXPECT_STATUS_MSG(FailedPrecondition, "already aborted",
+                      ledger.CheckStageable(Ids(fenced, 0, 0)));
+    ASSERT_OK_AND_ASSIGN(step, ledger.ClassifyPrepare(catch_up, now_));
+    ASSERT_EQ(step, PrepareStep::kOpen);
+    ledger.Open(catch_up, now_);
+    EXPECT_EQ(ledger.open()->base_version, 7u);
+    EXPECT_EQ(ledger.open()->target_version, 9u);
+  }
+  // What prepares from the fleet's version would do instead — commit T unverified — is exactly
+  // what the coordinator avoids by preparing a receiver behind from the version it holds.
+  const PrepareRequest fenced = Request(7);
+  Open(fenced);
+  StageApplyAndFlush(fenced);
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(Request(8, 2, true), now_));
+  EXPECT_EQ(step, PrepareStep::kCommitOpenFirst);
+}
+
+// A fenced receiver whose Abort was lost while T was still receiving (stalled before its flush):
+// its catch-up's prepare from the version it holds preempts T once T has been quiet, and is
+// refused while T is live, naming T; a prepare from the fleet's version never touches T.
+TEST_F(TransferLedgerTest, AFencedReceiverStillReceivingIsPreemptedByItsCatchUp) {
+  const PrepareRequest fenced = Request(7);
+  Open(fenced);
+  PrepareRequest catch_up = Request(7);
+  catch_up.target_version = 9;
+  EXPECT_STATUS_MSG(FailedPrecondition, fenced.transfer_id.ToHex(),
+                    ledger_.ClassifyPrepare(catch_up, now_));
+  EXPECT_STATUS(FailedPrecondition, ledger_.ClassifyPrepare(Request(8, 2, true), now_ + kLease));
+  now_ += kPreemptAfter;
+  ASSERT_OK_AND_ASSIGN(PrepareStep step, ledger_.ClassifyPrepare(catch_up, now_));
+  EXPECT_EQ(step, PrepareStep::kAbortOpenFirst);
+}
+
 TEST_F(TransferLedgerTest, DuplicatesAreCountedAndConflictsRefused) {
   const PrepareRequest request = Request(7);
   Open(request);
