@@ -47,7 +47,7 @@ enum class LocationEncoding : uint8_t {
   kBitmask = 6,
   /// Payload format v2: an XOR item's locations *and* values coded given the old elements of its
   /// span (docs/format/context-coding.md); the item carries no values. Only a receiver holding
-  /// the old span can decode it (ExpandContextItems, codec/context_items.h), so no
+  /// the old span can decode it (ExpandContextItems, refit/payload.h), so no
   /// LocationDecoder reads it.
   kContext = 7,
 };

@@ -124,8 +124,8 @@ bool IsKnownEncoding(LocationEncoding encoding) {
 Status ContextIsNotAPlugIn(std::string_view what) {
   return InvalidArgument(
       "location encoding 'context' cannot be {}: it codes an XOR item's locations and values "
-      "given the old span (codec/context_items.h; producers choose it by "
-      "delta_compression.encoding)",
+      "given the old span (ExpandContextItems; producers choose it by "
+      "delta_compression.item_coding)",
       what);
 }
 

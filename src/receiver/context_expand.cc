@@ -55,7 +55,7 @@ Result<bool> ReadCanonicalSpan(const WeightStore& store, const ItemView& item,
     return FailedPrecondition(
         "tensor '{}' is context-coded, but this receiver holds {} piece(s) of it, not the whole "
         "tensor: a context-coded item decodes only against every old element of its span. Have "
-        "the producer send it plain (delta_compression.encoding = plain)",
+        "the producer send it plain (delta_compression.item_coding = plain)",
         item.name, layout->pieces.size());
   }
   const CanonicalPiece& piece = layout->pieces[0];
