@@ -64,6 +64,8 @@ ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
   options.payload.zstd_level = config.delta_compression.zstd_level;
   options.anchor_compression = config.delta_compression.anchor_compression;
   options.item_coding = config.delta_compression.item_coding;
+  // The link hint of item_coding's auto: the transport the payloads go through.
+  options.link_uri = config.transport;
   return options;
 }
 
