@@ -188,8 +188,7 @@ class DecodedPayload {
 /// DTypeSize(dtype) bytes): the receiver's current bits of that span, host or device. Returns
 /// false when the receiver does not hold the tensor at all (a loader's skip rule): the item is
 /// then left context-coded, for an applier that ignores it.
-using OldSpanReader =
-    std::function<Result<bool>(const ItemView& item, std::span<std::byte> out)>;
+using OldSpanReader = std::function<Result<bool>(const ItemView& item, std::span<std::byte> out)>;
 
 /// Return `payload` with every context-coded item decoded, against the old span `read_old` gives
 /// for it, into a plain XOR item of the same tensor, span, count and digest (locations in the

@@ -78,15 +78,16 @@ Status RunEncode(const EncodeArgs& args) {
   if (!plan.anchor) {
     // As push's stream does: each XOR item coded given OLD (the baseline) where it pays.
     REFIT_ASSIGN_OR_RETURN(
-        coding, internal::ChooseItemCoding(
-                    items, item_coding, args.link, encode_options,
-                    [&](const ItemView& item, std::span<const std::byte>* old_span) -> Result<bool> {
-                      REFIT_ASSIGN_OR_RETURN(TensorView old, tracker->Baseline(std::string(item.name)));
-                      const uint32_t width = DTypeSize(item.dtype);
-                      *old_span = old.bytes.subspan(item.span_begin * width,
-                                                    (item.span_end - item.span_begin) * width);
-                      return true;
-                    }));
+        coding,
+        internal::ChooseItemCoding(
+            items, item_coding, args.link, encode_options,
+            [&](const ItemView& item, std::span<const std::byte>* old_span) -> Result<bool> {
+              REFIT_ASSIGN_OR_RETURN(TensorView old, tracker->Baseline(std::string(item.name)));
+              const uint32_t width = DTypeSize(item.dtype);
+              *old_span = old.bytes.subspan(item.span_begin * width,
+                                            (item.span_end - item.span_begin) * width);
+              return true;
+            }));
   }
   const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
   REFIT_ASSIGN_OR_RETURN(auto payloads, PackPayloads(ids, items, bucket_bytes, encode_options));
@@ -103,13 +104,14 @@ Status RunEncode(const EncodeArgs& args) {
       total ? 100.0 * static_cast<double>(changed) / static_cast<double>(total) : 0.0, items.size(),
       payloads.size(), static_cast<unsigned long long>(wire));
   if (coding.candidates > 0) {
-    std::printf("  context coding (--item-coding %s, link %s): %llu of %llu items, %llu -> %llu "
-                "item bytes\n",
-                args.item_coding.c_str(), args.link.c_str(),
-                static_cast<unsigned long long>(coding.context_coded),
-                static_cast<unsigned long long>(coding.candidates),
-                static_cast<unsigned long long>(coding.plain_bytes),
-                static_cast<unsigned long long>(coding.sent_bytes));
+    std::printf(
+        "  context coding (--item-coding %s, link %s): %llu of %llu items, %llu -> %llu "
+        "item bytes\n",
+        args.item_coding.c_str(), args.link.c_str(),
+        static_cast<unsigned long long>(coding.context_coded),
+        static_cast<unsigned long long>(coding.candidates),
+        static_cast<unsigned long long>(coding.plain_bytes),
+        static_cast<unsigned long long>(coding.sent_bytes));
   }
   return Status::OK();
 }

@@ -520,9 +520,9 @@ Status RunEstimate(const EstimateArgs& args) {
     auto_choice = fmt::format("s3:// (billed bytes) {}, a link of this speed {}",
                               smaller ? "context" : "plain",
                               smaller && context.seconds < plain.seconds ? "context" : "plain");
-    out["item_coding_auto"] = {{"billed_link", smaller ? "context" : "plain"},
-                               {"unbilled_link",
-                                smaller && context.seconds < plain.seconds ? "context" : "plain"}};
+    out["item_coding_auto"] = {
+        {"billed_link", smaller ? "context" : "plain"},
+        {"unbilled_link", smaller && context.seconds < plain.seconds ? "context" : "plain"}};
   }
   for (const Prediction& p : predictions) {
     out["predictions"].push_back({{"kind", p.kind},

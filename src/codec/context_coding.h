@@ -15,7 +15,8 @@
 // 8-byte-lane kernel: no trainer exports float64 weights) nor integer dtypes (no exponent).
 //
 // The byte layout is that of payload format v2's `context` location encoding
-// (docs/format/context-coding.md); pipeline/context_items.h codes items into it, ExpandContextItems (refit/payload.h) back.
+// (docs/format/context-coding.md); pipeline/context_items.h codes items into it, ExpandContextItems
+// (refit/payload.h) back.
 #pragma once
 
 #include <cstddef>

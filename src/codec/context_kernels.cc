@@ -243,7 +243,9 @@ bool ContextChangedWords(const std::byte* old_elements, uint32_t width, uint64_t
                                                   offsets, changed);
 }
 
-std::string_view DispatchedContextTarget() { return HWY_DYNAMIC_DISPATCH(ContextKernelTargetName)(); }
+std::string_view DispatchedContextTarget() {
+  return HWY_DYNAMIC_DISPATCH(ContextKernelTargetName)();
+}
 
 }  // namespace refit::internal
 #endif  // HWY_ONCE

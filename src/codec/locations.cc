@@ -520,7 +520,9 @@ Result<LocationDecoder> LocationDecoder::Make(LocationEncoding encoding,
                                               std::span<const uint8_t> bytes, uint64_t count,
                                               uint64_t span_begin, uint64_t span_end) {
   if (encoding == LocationEncoding::kContext) {
-    return ContextIsNotAPlugIn("decoded without the old span");
+    // DataLoss as any code the decoder cannot read (the payload decoder never gets here).
+    return Status(StatusCode::kDataLoss,
+                  ContextIsNotAPlugIn("decoded without the old span").message());
   }
   if (!IsKnownEncoding(encoding)) {
     return DataLoss("unknown location encoding code {}", static_cast<int>(encoding));

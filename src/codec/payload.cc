@@ -227,9 +227,10 @@ Status CheckItemRules(const ItemView& item, uint64_t numel, const PayloadLimits&
   }
   if (item.location_encoding == LocationEncoding::kContext) {
     if (format_version < 2) {
-      return InvalidArgument("{}: location encoding context needs payload format version 2, the "
-                             "payload says {}",
-                             context(), format_version);
+      return InvalidArgument(
+          "{}: location encoding context needs payload format version 2, the "
+          "payload says {}",
+          context(), format_version);
     }
     if (item.op != Op::kXor) {
       return DataLoss("{}: location encoding context needs op xor, got {}", context(),
@@ -266,8 +267,8 @@ Status ValidateLocations(const ItemView& item, const PayloadIds& ids, size_t ind
   if (item.location_encoding == LocationEncoding::kContext) {
     // Only the preamble can be checked without the old span; the receiver decodes the rest
     // against it (ExpandContextItems) before anything is applied.
-    return internal::CheckContextCodedPreamble(item.dtype, item.span_end - item.span_begin, item.locations,
-                                     item.count)
+    return internal::CheckContextCodedPreamble(item.dtype, item.span_end - item.span_begin,
+                                               item.locations, item.count)
         .WithContext(ItemContext(ids, index, item.name));
   }
   auto decoder = LocationDecoder::Make(item.location_encoding, item.locations, item.count,
@@ -424,10 +425,10 @@ Status CheckEncoderItem(const ItemView& item, const PayloadIds& ids, size_t inde
   const uint32_t width = DTypeSize(item.value_dtype);
   const uint64_t values = WireValueCount(item);
   if (item.values.size() / width != values || item.values.size() % width != 0) {
-    return InvalidArgument("{}: {} value bytes for {} values of {} ({} bytes each; a "
-                           "context-coded item carries none)",
-                           context(), item.values.size(), values, DTypeName(item.value_dtype),
-                           width);
+    return InvalidArgument(
+        "{}: {} value bytes for {} values of {} ({} bytes each; a "
+        "context-coded item carries none)",
+        context(), item.values.size(), values, DTypeName(item.value_dtype), width);
   }
   Status locations = ValidateLocations(item, ids, index);
   if (!locations.ok()) return Status(StatusCode::kInvalidArgument, locations.message());
@@ -547,13 +548,14 @@ Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, si
     return InvalidArgument("{}: unknown op code {} (valid: 1..4)", context(), code(2));
   }
   item.op = static_cast<Op>(code(2));
-  const auto last_encoding = format_version >= 2 ? LocationEncoding::kContext
-                                                  : LocationEncoding::kBitmask;
+  const auto last_encoding =
+      format_version >= 2 ? LocationEncoding::kContext : LocationEncoding::kBitmask;
   if (code(3) < static_cast<uint8_t>(LocationEncoding::kAll) ||
       code(3) > static_cast<uint8_t>(last_encoding)) {
-    return InvalidArgument("{}: unknown location encoding code {} (valid in format version {}: "
-                           "1..{})",
-                           context(), code(3), format_version, static_cast<int>(last_encoding));
+    return InvalidArgument(
+        "{}: unknown location encoding code {} (valid in format version {}: "
+        "1..{})",
+        context(), code(3), format_version, static_cast<int>(last_encoding));
   }
   item.location_encoding = static_cast<LocationEncoding>(code(3));
   const uint8_t rank = code(4);
@@ -828,8 +830,9 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   header.format_version = LoadLittleEndian<uint16_t>(h + kOffsetFormatVersion);
   if (header.format_version < kPayloadFormatVersionV1 ||
       header.format_version > kPayloadFormatVersion) {
-    return InvalidArgument("payload format version {} is not supported (this decoder reads {} to {})",
-                           header.format_version, kPayloadFormatVersionV1, kPayloadFormatVersion);
+    return InvalidArgument(
+        "payload format version {} is not supported (this decoder reads {} to {})",
+        header.format_version, kPayloadFormatVersionV1, kPayloadFormatVersion);
   }
   const uint64_t stored_header_checksum = LoadLittleEndian<uint64_t>(h + kOffsetHeaderChecksum);
   const uint64_t header_checksum = XXH3_64bits(h, kOffsetHeaderChecksum);
@@ -1066,9 +1069,7 @@ Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
   return decoded;
 }
 
-bool DecodedPayload::has_context_items() const {
-  return PayloadFormatVersionFor(items_) >= 2;
-}
+bool DecodedPayload::has_context_items() const { return PayloadFormatVersionFor(items_) >= 2; }
 
 Result<DecodedPayload> ExpandContextItems(const DecodedPayload& payload,
                                           const OldSpanReader& read_old) {
@@ -1086,8 +1087,8 @@ Result<DecodedPayload> ExpandContextItems(const DecodedPayload& payload,
     return b >= old_begin && b <= old_end ? new_begin + (b - old_begin) : b;
   };
   for (ItemView& item : out.items_) {
-    item.name = std::string_view(reinterpret_cast<const char*>(moved(item.name.data())),
-                                 item.name.size());
+    item.name =
+        std::string_view(reinterpret_cast<const char*>(moved(item.name.data())), item.name.size());
     item.locations = std::span<const uint8_t>(moved(item.locations.data()), item.locations.size());
     item.values = std::span<const std::byte>(
         reinterpret_cast<const std::byte*>(moved(item.values.data())), item.values.size());

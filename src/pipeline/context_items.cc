@@ -12,9 +12,10 @@ namespace refit::internal {
 Result<Item> ContextCodeItem(const ItemView& plain, std::span<const std::byte> old_span,
                              const ContextCodingOptions& options) {
   if (plain.op != Op::kXor || plain.location_encoding == LocationEncoding::kContext) {
-    return InvalidArgument("tensor '{}': only a plain xor item can be context-coded, not op {} "
-                           "with location encoding {}",
-                           plain.name, OpName(plain.op), LocationEncodingName(plain.location_encoding));
+    return InvalidArgument(
+        "tensor '{}': only a plain xor item can be context-coded, not op {} "
+        "with location encoding {}",
+        plain.name, OpName(plain.op), LocationEncodingName(plain.location_encoding));
   }
   const uint32_t width = DTypeSize(plain.dtype);
   if (old_span.size() != (plain.span_end - plain.span_begin) * width) {
@@ -25,8 +26,8 @@ Result<Item> ContextCodeItem(const ItemView& plain, std::span<const std::byte> o
   REFIT_ASSIGN_OR_RETURN(std::vector<uint64_t> locations, DecodeAllLocations(plain));
   for (uint64_t& location : locations) location -= plain.span_begin;
   Item coded;
-  REFIT_ASSIGN_OR_RETURN(coded.locations, EncodeContextCoded(plain.dtype, old_span, locations,
-                                                             plain.values, options));
+  REFIT_ASSIGN_OR_RETURN(
+      coded.locations, EncodeContextCoded(plain.dtype, old_span, locations, plain.values, options));
   coded.name = std::string(plain.name);
   coded.dtype = plain.dtype;
   coded.shape = plain.shape;

@@ -47,8 +47,8 @@ struct ItemCodingReport {
 };
 
 /// Reads an item's old span into `out`; false: the producer does not hold it (stays plain).
-using BaselineSpanReader = std::function<Result<bool>(const ItemView& item,
-                                                      std::span<const std::byte>* old_span)>;
+using BaselineSpanReader =
+    std::function<Result<bool>(const ItemView& item, std::span<const std::byte>* old_span)>;
 
 /// Replace, in place, the XOR items of `items` that `coding` says to context-code: kPlain none;
 /// kContext every candidate; kAuto those ContextCodingPays chooses, with the link hint of

@@ -150,7 +150,8 @@ TEST_F(ContextItemsTest, AVersion1PayloadMayNotCarryAContextItem) {
   std::vector<std::byte> bytes = Encode(coded);
   auto* header = reinterpret_cast<uint8_t*>(bytes.data());
   internal::StoreLittleEndian(header + 4, uint16_t{1});
-  internal::StoreLittleEndian(header + kPayloadHeaderSize - 8, XXH3_64bits(header, kPayloadHeaderSize - 8));
+  internal::StoreLittleEndian(header + kPayloadHeaderSize - 8,
+                              XXH3_64bits(header, kPayloadHeaderSize - 8));
   EXPECT_STATUS_MSG(InvalidArgument, "unknown location encoding code 7", DecodePayload(bytes));
 }
 
@@ -183,8 +184,8 @@ TEST_F(ContextItemsTest, TheChoiceFollowsTheModeAndTheLink) {
   }
   {
     std::vector<Item> items{plain_};
-    ASSERT_OK_AND_ASSIGN(auto report, internal::ChooseItemCoding(items, ItemCoding::kAuto,
-                                                                 "zmq://", encode, reader));
+    ASSERT_OK_AND_ASSIGN(auto report, internal::ChooseItemCoding(items, ItemCoding::kAuto, "zmq://",
+                                                                 encode, reader));
     EXPECT_EQ(report.candidates, 0u);  // A fast link: not even measured.
     EXPECT_EQ(items[0].location_encoding, plain_.location_encoding);
   }
@@ -212,12 +213,12 @@ TEST_F(ContextItemsTest, TheChoiceFollowsTheModeAndTheLink) {
     std::vector<std::byte> noise(baseline_.size());
     std::mt19937_64 rng(3);
     for (std::byte& b : noise) b = static_cast<std::byte>(rng());
-    ASSERT_OK_AND_ASSIGN(auto report,
-                         internal::ChooseItemCoding(items, ItemCoding::kAuto, "s3://b/p", encode,
-                                                    [&](const ItemView&, std::span<const std::byte>* s) {
-                                                      *s = noise;
-                                                      return Result<bool>(true);
-                                                    }));
+    ASSERT_OK_AND_ASSIGN(auto report, internal::ChooseItemCoding(
+                                          items, ItemCoding::kAuto, "s3://b/p", encode,
+                                          [&](const ItemView&, std::span<const std::byte>* s) {
+                                            *s = noise;
+                                            return Result<bool>(true);
+                                          }));
     EXPECT_EQ(report.candidates, 1u);
     EXPECT_LE(report.sent_bytes, report.plain_bytes);
   }

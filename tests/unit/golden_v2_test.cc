@@ -98,8 +98,7 @@ Inputs MakeInputs() {
   return in;
 }
 
-const PayloadIds kIds = {
-    *TransferId::FromHex("00112233445566778899aabbccddeeff"), 2, 5, 100, 101};
+const PayloadIds kIds = {*TransferId::FromHex("00112233445566778899aabbccddeeff"), 2, 5, 100, 101};
 
 /// The plain XOR items of the step (the tracker's), and the payload: the bfloat16 and float16
 /// items context-coded against the old tensors, the float32 item plain (a v2 payload may mix).
@@ -118,7 +117,8 @@ Result<Built> Build(const Inputs& in) {
   if (plan.base_version != kIds.base_version) return Internal("unexpected base version");
   Built built;
   for (size_t k = 0; k < in.new_tensors.size(); ++k) {
-    REFIT_ASSIGN_OR_RETURN(EncodeResult r, tracker->Encode(kIds.transfer_id, in.new_tensors[k].view()));
+    REFIT_ASSIGN_OR_RETURN(EncodeResult r,
+                           tracker->Encode(kIds.transfer_id, in.new_tensors[k].view()));
     if (r.items.size() != 1) return Internal("expected one item per tensor");
     built.plain.push_back(r.items[0]);
     if (in.new_tensors[k].dtype == DType::kFloat32) {
@@ -157,8 +157,8 @@ TEST(GoldenV2Test, EncoderReproducesTheFile) {
     std::ofstream out(kV2File, std::ios::binary);
     out.write(reinterpret_cast<const char*>(built.payload.data()),
               static_cast<std::streamsize>(built.payload.size()));
-    FAIL() << "wrote " << kV2File << " (" << built.payload.size() << " bytes, xxh3 "
-           << std::hex << XXH3_64bits(built.payload.data(), built.payload.size())
+    FAIL() << "wrote " << kV2File << " (" << built.payload.size() << " bytes, xxh3 " << std::hex
+           << XXH3_64bits(built.payload.data(), built.payload.size())
            << "): record them in V2FileIsTheRecordedBytes";
   }
   const auto golden = ReadFile(kV2File);
@@ -182,17 +182,17 @@ TEST(GoldenV2Test, FileDecodesAgainstTheOldTensorsToTheStep) {
   EXPECT_EQ(decoded.items()[1].location_encoding, LocationEncoding::kContext);
   EXPECT_NE(decoded.items()[2].location_encoding, LocationEncoding::kContext);
   // Decoded against the old tensors, every item is the tracker's plain XOR item of the step.
-  ASSERT_OK_AND_ASSIGN(DecodedPayload expanded,
-                       ExpandContextItems(decoded, [&](const ItemView& item, std::span<std::byte> out) {
-                         for (const OwnedTensor& t : in.old_tensors) {
-                           if (t.name != item.name) continue;
-                           const uint32_t width = DTypeSize(t.dtype);
-                           std::memcpy(out.data(), t.bytes.data() + item.span_begin * width,
-                                       out.size());
-                           return Result<bool>(true);
-                         }
-                         return Result<bool>(NotFound("no tensor '{}'", item.name));
-                       }));
+  ASSERT_OK_AND_ASSIGN(
+      DecodedPayload expanded,
+      ExpandContextItems(decoded, [&](const ItemView& item, std::span<std::byte> out) {
+        for (const OwnedTensor& t : in.old_tensors) {
+          if (t.name != item.name) continue;
+          const uint32_t width = DTypeSize(t.dtype);
+          std::memcpy(out.data(), t.bytes.data() + item.span_begin * width, out.size());
+          return Result<bool>(true);
+        }
+        return Result<bool>(NotFound("no tensor '{}'", item.name));
+      }));
   for (size_t k = 0; k < 3; ++k) {
     const ItemView& got = expanded.items()[k];
     const Item& want = built.plain[k];
