@@ -8,6 +8,8 @@ bfloat16 and float16 (cast from the fp32 masters, as a trainer exports them for 
 
     OUT/old_bf16.bin OUT/new_bf16.bin OUT/old_fp16.bin OUT/new_fp16.bin
     OUT/index.txt   one line per tensor: "name numel element_offset"
+    OUT/old_bf16.safetensors OUT/new_bf16.safetensors   the same bf16 checkpoints, for
+                    `refit encode` / `refit push` as a user runs them
 
 Usage: adamw_step_pair.py OUT [--layers 4] [--dim 384] [--warmup 30] [--steps 4] [--seed 0]
 """
@@ -79,6 +81,13 @@ def write_pair(out, tag, old, new):
             f.write(t.view(torch.int16).numpy().tobytes())
 
 
+def write_safetensors(out, tag, old, new):
+    from safetensors.torch import save_file
+
+    for which, tensors in (("old", old), ("new", new)):
+        save_file({name: t for name, t in tensors}, os.path.join(out, f"{which}_{tag}.safetensors"))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -120,6 +129,7 @@ def main():
     new = {tag: export(model, dt) for tag, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
     for tag in old:
         write_pair(args.out, tag, old[tag], new[tag])
+    write_safetensors(args.out, "bf16", old["bf16"], new["bf16"])
     offset = 0
     with open(os.path.join(args.out, "index.txt"), "w") as f:
         for name, t in old["bf16"]:

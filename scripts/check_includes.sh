@@ -34,9 +34,11 @@ src/apps/diff.cc codec/tracker.h
 src/apps/diff.cc pipeline/bucketing.h
 src/apps/encode.cc codec/tracker.h
 src/apps/encode.cc pipeline/bucketing.h
+src/apps/encode.cc pipeline/context_items.h
 src/apps/estimate.cc core/half_float.h
 src/apps/estimate.cc codec/tracker.h
 src/apps/estimate.cc pipeline/bucketing.h
+src/apps/estimate.cc pipeline/context_items.h
 src/apps/estimate.cc receiver/apply.h
 src/apps/apply_command.cc receiver/apply.h
 src/apps/fleet_coordinator.h codec/tracker.h

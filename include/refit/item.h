@@ -32,7 +32,8 @@ std::string_view OpName(Op op);
 /// Parse an op name (as OpName spells it). Errors: InvalidArgument listing the accepted names.
 Result<Op> ParseOp(std::string_view text);
 
-/// How the changed locations of an item are stored. Wire codes of payload format v1.
+/// How the changed locations of an item are stored. Wire codes of payload format v1 (1–6) and v2
+/// (7).
 enum class LocationEncoding : uint8_t {
   /// Every element of the span; no location bytes.
   kAll = 1,
@@ -44,9 +45,14 @@ enum class LocationEncoding : uint8_t {
   kGap64 = 5,
   /// One bit per element of the span, LSB first.
   kBitmask = 6,
+  /// Payload format v2: an XOR item's locations *and* values coded given the old elements of its
+  /// span (docs/format/context-coding.md); the item carries no values. Only a receiver holding
+  /// the old span can decode it (ExpandContextItems, refit/payload.h), so no
+  /// LocationDecoder reads it.
+  kContext = 7,
 };
 
-/// Return "all", "range", "gap16", "gap32", "gap64" or "bitmask".
+/// Return "all", "range", "gap16", "gap32", "gap64", "bitmask" or "context".
 std::string_view LocationEncodingName(LocationEncoding encoding);
 /// Parse a location encoding name. Errors: InvalidArgument listing the accepted names.
 Result<LocationEncoding> ParseLocationEncoding(std::string_view text);

@@ -13,6 +13,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -49,9 +50,15 @@ struct PayloadIds {
   friend bool operator==(const PayloadIds&, const PayloadIds&) = default;
 };
 
-/// Format version written by this library.
-inline constexpr uint16_t kPayloadFormatVersion = 1;
-/// Size in bytes of the fixed v1 header.
+/// The newest format version this library reads and writes. EncodePayload writes version 2 only
+/// when an item is context-coded (LocationEncoding::kContext), version 1 otherwise, so that a
+/// payload without such items is exactly what a v1 writer made; DecodePayload reads both.
+inline constexpr uint16_t kPayloadFormatVersion = 2;
+/// The first format version: what payloads without context-coded items still are.
+inline constexpr uint16_t kPayloadFormatVersionV1 = 1;
+/// Return the format version EncodePayload writes for `items`: 2 when one is context-coded, else 1.
+uint16_t PayloadFormatVersionFor(std::span<const ItemView> items);
+/// Size in bytes of the fixed header (the same in v1 and v2).
 inline constexpr size_t kPayloadHeaderSize = 128;
 
 /// Options of EncodePayload.
@@ -81,7 +88,7 @@ struct PayloadLimits {
 
 /// The decoded fixed header of a payload.
 struct PayloadHeader {
-  uint16_t format_version = kPayloadFormatVersion;
+  uint16_t format_version = kPayloadFormatVersionV1;
   uint16_t flags = 0;
   PayloadIds ids;
   uint32_t item_count = 0;
@@ -158,6 +165,9 @@ class DecodedPayload {
   /// Where the decode of item `index`'s locations stood at every kLocationMarkInterval
   /// locations (none for an item of fewer): the starts of its slices after the first.
   std::span<const LocationMark> location_marks(size_t index) const { return marks_[index]; }
+  /// Whether an item is context-coded (LocationEncoding::kContext, format v2): such a payload is
+  /// applied only after ExpandContextItems.
+  bool has_context_items() const;
 
  private:
   friend Result<DecodedPayload> DecodePayload(std::span<const std::byte>, const PayloadLimits&);
@@ -166,13 +176,33 @@ class DecodedPayload {
   static Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
                                            std::span<const std::byte> compressed,
                                            const PayloadLimits& limits);
-
+  friend Result<DecodedPayload> ExpandContextItems(
+      const DecodedPayload&,
+      const std::function<Result<bool>(const ItemView&, std::span<std::byte>)>&);
   PayloadHeader header_;
   // unique_ptr keeps item views valid when the DecodedPayload moves.
   std::unique_ptr<std::vector<std::byte>> body_;
   std::vector<ItemView> items_;
   std::vector<std::vector<LocationMark>> marks_;
+  // The plain XOR items that ExpandContextItems decoded context-coded ones to (items_ views them).
+  std::vector<std::unique_ptr<Item>> expanded_;
 };
+
+/// Reads the old elements of an item's span [span_begin, span_end) into `out` (span length ×
+/// DTypeSize(dtype) bytes): the receiver's current bits of that span, host or device. Returns
+/// false when the receiver does not hold the tensor at all (a loader's skip rule): the item is
+/// then left context-coded, for an applier that ignores it.
+using OldSpanReader = std::function<Result<bool>(const ItemView& item, std::span<std::byte> out)>;
+
+/// Return `payload` with every context-coded item decoded, against the old span `read_old` gives
+/// for it, into a plain XOR item of the same tensor, span, count and digest (locations in the
+/// encoding ChooseLocationEncoding picks, location marks as DecodePayload makes them); the other
+/// items unchanged. Call it right before the apply, against the bits the payload applies to.
+/// Errors: DataLoss naming the payload and item when the bytes do not decode against the old
+/// span (a receiver not at the payload's base, or corrupt bytes); the reader's errors.
+/// Complexity: O(span) per context-coded item, O(body) for the copy of the rest.
+Result<DecodedPayload> ExpandContextItems(const DecodedPayload& payload,
+                                          const OldSpanReader& read_old);
 
 /// Validate everything (header, checksum, bounded decompression, item table, every location and
 /// value size) and return the decoded items. Nothing in a payload that fails here may be applied.

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -38,6 +39,26 @@ enum class AnchorCompression : uint8_t {
 std::string_view AnchorCompressionName(AnchorCompression mode);
 /// Parse AnchorCompressionName's spelling. Errors: InvalidArgument naming the value.
 Result<AnchorCompression> ParseAnchorCompression(std::string_view name);
+
+/// How a delta's XOR items are coded (ProducerStreamOptions::item_coding). Context coding
+/// (payload format v2, docs/format/context-coding.md) codes each change given the old value both
+/// sides hold: about a quarter fewer bytes on weights trained with Adam, for a receiver pass over
+/// every old element of the item's span (O(span), where plain items cost O(changes)).
+enum class ItemCoding : uint8_t {
+  /// Context-code an item when it is smaller by a margin and the stream's link is slow enough
+  /// (ProducerStreamOptions::link_uri: s3:// and file:// are, fabrics are not).
+  kAuto,
+  /// Context-code every item whose dtype allows it (bf16, fp16, fp32, fp8) and whose old span
+  /// the producer holds.
+  kContext,
+  /// Never: every payload stays format v1.
+  kPlain,
+};
+
+/// Return "auto", "context" or "plain".
+std::string_view ItemCodingName(ItemCoding coding);
+/// Parse ItemCodingName's spelling. Errors: InvalidArgument naming the value.
+Result<ItemCoding> ParseItemCoding(std::string_view name);
 
 struct ProducerStreamOptions {
   /// This producer's rank p and the number of producers W; p owns chunk k iff k % W == p.
@@ -77,6 +98,14 @@ struct ProducerStreamOptions {
   /// How an anchor's payloads are compressed: `payload` as it is (kZstd), raw (kNone), or as
   /// measured (kAuto). Deltas always use `payload`.
   AnchorCompression anchor_compression = AnchorCompression::kAuto;
+  /// Whether a delta's XOR items are context-coded (format v2). Only the stream's own deltas to
+  /// receivers at its base are: anchors, folded catch-ups and items of placed (boxed) tensors stay
+  /// plain.
+  ItemCoding item_coding = ItemCoding::kAuto;
+  /// The transport the stream's payloads go through, as a URI: what kAuto reads the link's speed
+  /// and price from (LinkHintForTransport). Empty: a fast link (never context-coded by kAuto).
+  /// The publisher sets it from PublisherOptions::transport_uri.
+  std::string link_uri;
 
   /// Upper bound on each thread count: far above any core count, low enough that a mistyped
   /// value is reported instead of exhausting the process (as ThreadPool's bound).

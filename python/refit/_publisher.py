@@ -120,6 +120,9 @@ class Publisher:
     - ``api_key``: the receivers' control-plane key;
     - ``chunk_bytes``, ``bucket_bytes``: export chunk and payload bucket targets;
     - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
+    - ``item_coding``: ``"auto"`` (context-code a delta's items where the transport's link is
+      slow or billed: ``s3://``, ``file://``), ``"context"`` or ``"plain"``
+      (``delta_compression.item_coding``; payload format v2);
     - ``transfer_timeout``: seconds one sync may take, on every rank;
     - ``commit_policy``: ``"all"`` (default: one receiver that fails or misses the flush deadline
       aborts the sync everywhere) or ``"quorum:N"`` / ``"quorum:0.5"`` / ``"quorum:75%"`` of the
@@ -142,6 +145,7 @@ class Publisher:
         "bucket_bytes": "delta_compression.sparse_bucket_size_bytes",
         "full_sync_interval": "delta_compression.full_sync_interval",
         "commit_policy": "commit_policy",
+        "item_coding": "delta_compression.item_coding",
     }
 
     def __init__(
@@ -155,6 +159,7 @@ class Publisher:
         chunk_bytes: Optional[int] = None,
         bucket_bytes: Optional[int] = None,
         full_sync_interval: Optional[int] = None,
+        item_coding: Optional[str] = None,
         transfer_timeout: float = 600.0,
         staging_bytes: Optional[int] = None,
         run_id: Optional[str] = None,

@@ -36,6 +36,7 @@
 #include "codec/tracker.h"
 #include "core/half_float.h"
 #include "pipeline/bucketing.h"
+#include "pipeline/context_items.h"
 #include "progress.h"
 #include "receiver/apply.h"
 #include "refit/payload.h"
@@ -94,6 +95,12 @@ struct Calibration {
   double commit_s_per_changed = 0;
   double fold_s_per_changed = 0;
   double wire_bytes_per_changed = 0;
+  // The same delta context-coded (delta_compression.item_coding): the coder per model byte, the
+  // wire bytes per changed element, and the receiver's decode against the old span + apply per
+  // model byte (O(span): every old element is read once).
+  double context_encode_s_per_byte = 0;
+  double context_wire_bytes_per_changed = 0;
+  double context_apply_s_per_byte = 0;
   // FULL: encode (copy + digests) per byte; serialize per byte with zstd and raw; the zstd ratio;
   // apply (decode + copy + digests) per byte of a zstd and of a raw payload.
   double full_encode_s_per_byte = 0;
@@ -206,6 +213,25 @@ Result<Calibration> Calibrate(uint64_t bytes, double density, uint64_t bucket_by
   REFIT_ASSIGN_OR_RETURN(const ApplySeconds delta_apply, ApplyAll(delta_payloads, *store));
   c.delta_apply_s_per_changed = delta_apply.total / c.changed;
   c.delta_decode_s_per_changed = delta_apply.decode / c.changed;
+
+  // The delta context-coded against the baseline, applied to a receiver at the base.
+  {
+    std::vector<Item> coded;
+    start = std::chrono::steady_clock::now();
+    for (const Item& item : delta.items) {
+      REFIT_ASSIGN_OR_RETURN(Item one, internal::ContextCodeItem(item.view(), base.bytes));
+      coded.push_back(std::move(one));
+    }
+    c.context_encode_s_per_byte = SecondsSince(start) / c.bytes;
+    REFIT_ASSIGN_OR_RETURN(auto context_payloads,
+                           PackPayloads(CalibrationIds(delta_plan), coded, bucket_bytes));
+    c.context_wire_bytes_per_changed =
+        static_cast<double>(TotalBytes(context_payloads)) / c.changed;
+    auto at_base = WeightStore::Make();
+    REFIT_RETURN_NOT_OK(at_base->AddCopy(base.view()));
+    REFIT_ASSIGN_OR_RETURN(const ApplySeconds context_apply, ApplyAll(context_payloads, *at_base));
+    c.context_apply_s_per_byte = context_apply.total / c.bytes;
+  }
   start = std::chrono::steady_clock::now();
   REFIT_RETURN_NOT_OK(tracker->Commit(delta_id));
   c.commit_s_per_changed = SecondsSince(start) / c.changed;
@@ -304,6 +330,9 @@ nlohmann::json CalibrationJson(const Calibration& c) {
           {"commit_changed_per_s", per_core(c.commit_s_per_changed)},
           {"fold_changed_per_s", per_core(c.fold_s_per_changed)},
           {"wire_bytes_per_changed", c.wire_bytes_per_changed},
+          {"context_encode_bytes_per_s", per_core(c.context_encode_s_per_byte)},
+          {"context_wire_bytes_per_changed", c.context_wire_bytes_per_changed},
+          {"context_apply_bytes_per_s", per_core(c.context_apply_s_per_byte)},
           {"full_encode_bytes_per_s", per_core(c.full_encode_s_per_byte)},
           {"full_zstd_bytes_per_s", per_core(c.full_zstd_s_per_byte)},
           {"full_raw_bytes_per_s", per_core(c.full_raw_s_per_byte)},
@@ -409,6 +438,22 @@ Status RunEstimate(const EstimateArgs& args) {
       // tensors than threads).
       predictions.push_back(delta("delta", changed, receiver_parallel,
                                   fmt::format("apply ({} threads)", receiver_parallel)));
+      // Context-coded (delta_compression.item_coding): fewer wire bytes, for the coder at the
+      // producer and, at the receiver, a decode over every old element of the payload's items on
+      // the apply thread before the payload applies (payloads apply one at a time).
+      const double context_wire = changed * c.context_wire_bytes_per_changed;
+      const double context_encode_cpu = model_bytes * c.context_encode_s_per_byte;
+      const double context_apply_cpu = model_bytes * c.context_apply_s_per_byte;
+      predictions.push_back(Pipeline(
+          "delta (context-coded)", static_cast<uint64_t>(context_wire),
+          {{"producer compare + encode + context coding",
+            (encode_cpu + context_encode_cpu) / producers / producer_parallel,
+            encode_cpu + context_encode_cpu},
+           {"producer serialize", serialize_cpu / producers / producer_parallel, serialize_cpu},
+           {"link", context_wire * relay / link, 0.0},
+           {"receiver context decode + apply (1 thread)", context_apply_cpu,
+            context_apply_cpu * args.receivers}},
+          shared, changed * c.commit_s_per_changed / producers, "producer commit"));
     } else {
       // Routed by holdings, a shard is sent only its class's 1/TP of the changes; unrouted, it
       // receives and decodes the whole delta and maps every changed element through its loader,
@@ -486,6 +531,21 @@ Status RunEstimate(const EstimateArgs& args) {
                         {"calibration", CalibrationJson(c)},
                         {"predictions", nlohmann::json::array()}};
   const double raw_s = predictions.back().seconds;
+  // What delta_compression.item_coding = auto would send: context-coded when at least
+  // kContextMinSaving smaller and, on a link whose bytes are not billed, sooner (s3:// bills them).
+  std::string auto_choice = "no context-coded row (TP shards must be sent plain)";
+  if (args.tp == 1) {
+    const Prediction& plain = predictions[0];
+    const Prediction& context = predictions[1];
+    const bool smaller = static_cast<double>(context.wire_bytes) <=
+                         (1 - internal::kContextMinSaving) * static_cast<double>(plain.wire_bytes);
+    auto_choice = fmt::format("s3:// (billed bytes) {}, a link of this speed {}",
+                              smaller ? "context" : "plain",
+                              smaller && context.seconds < plain.seconds ? "context" : "plain");
+    out["item_coding_auto"] = {
+        {"billed_link", smaller ? "context" : "plain"},
+        {"unbilled_link", smaller && context.seconds < plain.seconds ? "context" : "plain"}};
+  }
   for (const Prediction& p : predictions) {
     out["predictions"].push_back(
         {{"kind", p.kind},
@@ -550,6 +610,10 @@ Status RunEstimate(const EstimateArgs& args) {
       delta.kind, FormatDuration(delta.seconds), kTargetTrainerVisibleSyncS,
       delta.seconds <= kTargetTrainerVisibleSyncS ? "MET" : "NOT MET",
       FormatDuration(delta.background_s));
+  std::cout << "delta_compression.item_coding auto would send: " << auto_choice
+            << " (context-coded only when at least 5 % smaller; the calibration's changes do "
+               "not depend on magnitude as an optimizer's do, so real checkpoints gain more: "
+               "bench/context_bench)\n";
   return Status::OK();
 }
 

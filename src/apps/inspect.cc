@@ -75,6 +75,10 @@ Status RunInspect(const InspectArgs& args) {
               : 0.0,
           ChecksumHex(h.checksum));
       table.Print(std::cout);
+      if (decoded.has_context_items()) {
+        std::cout << "  context: the item's locations and values coded given the old values "
+                     "(format v2); it decodes only against the payload's base\n";
+      }
       std::cout << "\n";
     }
     report.push_back(std::move(entry));

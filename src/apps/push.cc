@@ -518,6 +518,11 @@ void RegisterPush(CLI::App& app, Status* result) {
               "How an anchor's payloads are compressed: auto (measure the compressor against the "
               "link, compress only if it is faster), zstd, none (raw)",
               "auto");
+  config_flag("--item-coding", {"delta_compression.item_coding"},
+              "Whether a delta's XOR items are context-coded (payload format v2, coded given the "
+              "old values the receiver holds: fewer bytes for an O(model) pass at the receiver): "
+              "auto (where the transport's link is slow or billed: s3://, file://), context, plain",
+              "auto");
   config_flag("--transport", {"transport"},
               "Transport URI for the payloads (zmq://?timeout_ms=…&api_key_env=…&curve_…)",
               "zmq://");

@@ -462,11 +462,76 @@ std::vector<uint32_t> ChooseThresholds(const ExponentStats& stats, uint32_t mant
   return thresholds;
 }
 
+/// The fixed fields at the start of the layout, checked against what the item declares.
+struct Preamble {
+  uint32_t classes = 0;
+  uint64_t count = 0;
+  /// Where the thresholds begin.
+  uint64_t end = 0;
+};
+
+Result<Preamble> ParsePreamble(DType dtype, uint64_t span_length, std::span<const uint8_t> bytes,
+                               uint64_t expected_count) {
+  if (bytes.size() < 4) {
+    return DataLoss("context-coded changes: {} bytes, shorter than the 4-byte preamble",
+                    bytes.size());
+  }
+  if (bytes[0] != kLayoutVersion) {
+    return InvalidArgument("context-coded changes: layout version {} (this decoder reads {})",
+                           bytes[0], kLayoutVersion);
+  }
+  if (bytes[1] != static_cast<uint8_t>(dtype)) {
+    return DataLoss("context-coded changes: dtype code {} for a {} tensor", bytes[1],
+                    DTypeName(dtype));
+  }
+  const uint32_t classes = bytes[2];
+  if (classes < 1 || classes > kMaxContextThresholds + 1) {
+    return DataLoss("context-coded changes: {} classes (1 to {} allowed)", classes,
+                    kMaxContextThresholds + 1);
+  }
+  if (bytes[3] != 0) {
+    return InvalidArgument("context-coded changes: reserved byte is {}", bytes[3]);
+  }
+  Preamble preamble;
+  uint64_t position = 4;
+  auto read = [&](const char* field, uint64_t* value) -> Status {
+    if (!GetVarint(bytes, &position, value)) {
+      return DataLoss("context-coded changes: {} at byte {}: truncated or malformed varint", field,
+                      position);
+    }
+    return Status::OK();
+  };
+  uint64_t declared_span = 0;
+  uint64_t count = 0;
+  REFIT_RETURN_NOT_OK(read("span length", &declared_span));
+  REFIT_RETURN_NOT_OK(read("count", &count));
+  if (declared_span != span_length) {
+    return DataLoss("context-coded changes: span of {} elements, the old tensor's span holds {}",
+                    declared_span, span_length);
+  }
+  if (count != expected_count || count > span_length) {
+    return DataLoss("context-coded changes: {} changes, the item declares {} (span {})", count,
+                    expected_count, span_length);
+  }
+  preamble.classes = classes;
+  preamble.count = count;
+  preamble.end = position;
+  return preamble;
+}
+
 }  // namespace
 
 bool ContextCodingSupported(DType dtype) { return MantissaBits(dtype) != 0; }
 
 std::string_view ContextCodingSimdTarget() { return DispatchedContextTarget(); }
+
+Status CheckContextCodedPreamble(DType dtype, uint64_t span_length, std::span<const uint8_t> bytes,
+                                 uint64_t expected_count) {
+  if (!ContextCodingSupported(dtype)) {
+    return InvalidArgument("context coding is not defined for dtype {}", DTypeName(dtype));
+  }
+  return ParsePreamble(dtype, span_length, bytes, expected_count).status();
+}
 
 Result<std::vector<uint8_t>> EncodeContextCoded(DType dtype, std::span<const std::byte> old_span,
                                                 std::span<const uint64_t> locations,
@@ -650,27 +715,11 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
   }
   const uint32_t width = DTypeSize(dtype);
   const uint64_t span_length = old_span.size() / width;
-  if (bytes.size() < 4) {
-    return DataLoss("context-coded changes: {} bytes, shorter than the 4-byte preamble",
-                    bytes.size());
-  }
-  if (bytes[0] != kLayoutVersion) {
-    return InvalidArgument("context-coded changes: layout version {} (this decoder reads {})",
-                           bytes[0], kLayoutVersion);
-  }
-  if (bytes[1] != static_cast<uint8_t>(dtype)) {
-    return DataLoss("context-coded changes: dtype code {} for a {} tensor", bytes[1],
-                    DTypeName(dtype));
-  }
-  const uint32_t classes = bytes[2];
-  if (classes < 1 || classes > kMaxContextThresholds + 1) {
-    return DataLoss("context-coded changes: {} classes (1 to {} allowed)", classes,
-                    kMaxContextThresholds + 1);
-  }
-  if (bytes[3] != 0) {
-    return InvalidArgument("context-coded changes: reserved byte is {}", bytes[3]);
-  }
-  uint64_t position = 4;
+  REFIT_ASSIGN_OR_RETURN(const Preamble preamble,
+                         ParsePreamble(dtype, span_length, bytes, expected_count));
+  const uint32_t classes = preamble.classes;
+  const uint64_t count = preamble.count;
+  uint64_t position = preamble.end;
   auto read = [&](const char* field, uint64_t* value) -> Status {
     if (!GetVarint(bytes, &position, value)) {
       return DataLoss("context-coded changes: {} at byte {}: truncated or malformed varint", field,
@@ -678,18 +727,6 @@ Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte
     }
     return Status::OK();
   };
-  uint64_t declared_span = 0;
-  uint64_t count = 0;
-  REFIT_RETURN_NOT_OK(read("span length", &declared_span));
-  REFIT_RETURN_NOT_OK(read("count", &count));
-  if (declared_span != span_length) {
-    return DataLoss("context-coded changes: span of {} elements, the old tensor's span holds {}",
-                    declared_span, span_length);
-  }
-  if (count != expected_count || count > span_length) {
-    return DataLoss("context-coded changes: {} changes, the item declares {} (span {})", count,
-                    expected_count, span_length);
-  }
   const uint64_t max_magnitude = WidthMask(width) >> 1;
   std::vector<uint32_t> thresholds(classes - 1);
   for (uint32_t j = 0; j + 1 < classes; ++j) {

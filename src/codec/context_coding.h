@@ -14,8 +14,9 @@
 // magnitude-ordered bits: the magnitude class is meaningful). Not for float64 (not worth an
 // 8-byte-lane kernel: no trainer exports float64 weights) nor integer dtypes (no exponent).
 //
-// The byte layout is internal until a payload format version carries it (see
-// docs/format/context-coding.md): this API is what a format bump would call.
+// The byte layout is that of payload format v2's `context` location encoding
+// (docs/format/context-coding.md); pipeline/context_items.h codes items into it, ExpandContextItems
+// (refit/payload.h) back.
 #pragma once
 
 #include <cstddef>
@@ -70,6 +71,13 @@ struct ContextDecoded {
 /// Complexity: O(span + changes); one pass over the old elements.
 Result<ContextDecoded> DecodeContextCoded(DType dtype, std::span<const std::byte> old_span,
                                           std::span<const uint8_t> bytes, uint64_t expected_count);
+
+/// Check the layout's fixed preamble (layout version, dtype, class count, reserved byte, span
+/// length, count) against the item that carries it, without the old span: what a payload decoder
+/// can check before the receiver decodes the item against its old elements.
+/// Errors: as DecodeContextCoded for those fields. Complexity: O(1).
+Status CheckContextCodedPreamble(DType dtype, uint64_t span_length, std::span<const uint8_t> bytes,
+                                 uint64_t expected_count);
 
 /// Return the Highway target the decoder's and encoder's O(N) pass runs on, e.g. "AVX3".
 std::string_view ContextCodingSimdTarget();

@@ -211,7 +211,7 @@ bool ChangedWordsKernel(const std::byte* old_elements, uint32_t width, uint64_t 
   }
 }
 
-const char* KernelTargetName() { return hwy::TargetName(HWY_TARGET); }
+const char* ContextKernelTargetName() { return hwy::TargetName(HWY_TARGET); }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
@@ -222,7 +222,7 @@ HWY_AFTER_NAMESPACE();
 namespace refit::internal {
 
 HWY_EXPORT(ClassMasksKernel);
-HWY_EXPORT(KernelTargetName);
+HWY_EXPORT(ContextKernelTargetName);
 HWY_EXPORT(ChangedWordsKernel);
 
 void ContextClassMasks(const std::byte* old_elements, uint32_t width, uint64_t blocks,
@@ -243,7 +243,9 @@ bool ContextChangedWords(const std::byte* old_elements, uint32_t width, uint64_t
                                                   offsets, changed);
 }
 
-std::string_view DispatchedContextTarget() { return HWY_DYNAMIC_DISPATCH(KernelTargetName)(); }
+std::string_view DispatchedContextTarget() {
+  return HWY_DYNAMIC_DISPATCH(ContextKernelTargetName)();
+}
 
 }  // namespace refit::internal
 #endif  // HWY_ONCE

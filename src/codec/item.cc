@@ -28,13 +28,14 @@ struct EncodingEntry {
 };
 
 // In wire-code order, so error messages list the names in that order.
-constexpr std::array<EncodingEntry, 6> kEncodings = {{
+constexpr std::array<EncodingEntry, 7> kEncodings = {{
     {LocationEncoding::kAll, "all"},
     {LocationEncoding::kRange, "range"},
     {LocationEncoding::kGap16, "gap16"},
     {LocationEncoding::kGap32, "gap32"},
     {LocationEncoding::kGap64, "gap64"},
     {LocationEncoding::kBitmask, "bitmask"},
+    {LocationEncoding::kContext, "context"},
 }};
 
 // Join the `name` fields of `entries` with ", " for error messages.

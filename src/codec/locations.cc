@@ -119,6 +119,16 @@ bool IsKnownEncoding(LocationEncoding encoding) {
   return encoding >= LocationEncoding::kAll && encoding <= LocationEncoding::kBitmask;
 }
 
+/// kContext is a location encoding on the wire but not one of these plug-ins: its bytes code the
+/// values too, given the old elements, which only a receiver holds.
+Status ContextIsNotAPlugIn(std::string_view what) {
+  return InvalidArgument(
+      "location encoding 'context' cannot be {}: it codes an XOR item's locations and values "
+      "given the old span (ExpandContextItems; producers choose it by "
+      "delta_compression.item_coding)",
+      what);
+}
+
 /// Bytes of `value` that are not leading zeros, at least 1.
 uint64_t SignificantBytes(uint64_t value) {
   return std::max<uint64_t>(1, (std::bit_width(value) + kBitsPerByte - 1) / kBitsPerByte);
@@ -193,6 +203,8 @@ uint64_t EstimateFromStats(LocationEncoding encoding, const LocationStats& stats
       return stats.max_gap <= GapMax(encoding) ? count * GapWidth(encoding) : kNotRepresentable;
     case LocationEncoding::kBitmask:
       return BitmaskBytes(span_length);
+    case LocationEncoding::kContext:
+      return kNotRepresentable;
   }
   return kNotRepresentable;
 }
@@ -440,6 +452,7 @@ Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locati
   REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
   const uint64_t span_length = span_end - span_begin;
   if (force.has_value()) {
+    if (*force == LocationEncoding::kContext) return ContextIsNotAPlugIn("forced here");
     if (!IsKnownEncoding(*force)) {
       return InvalidArgument("unknown location encoding code {}", static_cast<int>(*force));
     }
@@ -469,6 +482,7 @@ Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> loca
                        uint64_t span_begin, uint64_t span_end, std::vector<uint8_t>* out) {
   LocationStats stats;
   REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+  if (encoding == LocationEncoding::kContext) return ContextIsNotAPlugIn("encoded from locations");
   if (!IsKnownEncoding(encoding)) {
     return InvalidArgument("unknown location encoding code {}", static_cast<int>(encoding));
   }
@@ -479,6 +493,8 @@ Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> loca
         LocationEncodingName(encoding), locations.size(), span_begin, span_end, stats.max_gap);
   }
   switch (encoding) {
+    case LocationEncoding::kContext:  // Refused before the switch.
+      break;
     case LocationEncoding::kAll:
       break;
     case LocationEncoding::kRange:
@@ -503,6 +519,11 @@ Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> loca
 Result<LocationDecoder> LocationDecoder::Make(LocationEncoding encoding,
                                               std::span<const uint8_t> bytes, uint64_t count,
                                               uint64_t span_begin, uint64_t span_end) {
+  if (encoding == LocationEncoding::kContext) {
+    // DataLoss as any code the decoder cannot read (the payload decoder never gets here).
+    return Status(StatusCode::kDataLoss,
+                  ContextIsNotAPlugIn("decoded without the old span").message());
+  }
   if (!IsKnownEncoding(encoding)) {
     return DataLoss("unknown location encoding code {}", static_cast<int>(encoding));
   }
@@ -515,6 +536,8 @@ Result<LocationDecoder> LocationDecoder::Make(LocationEncoding encoding,
     return DataLoss("{} locations: count {} exceeds span length {}", name, count, span_length);
   }
   switch (encoding) {
+    case LocationEncoding::kContext:  // Refused before the switch.
+      break;
     case LocationEncoding::kAll:
       if (count != span_length || !bytes.empty()) {
         return DataLoss("all locations: count {} and {} bytes, expected count {} and 0 bytes",
@@ -588,6 +611,8 @@ Result<size_t> LocationDecoder::Next(std::span<uint64_t> out) {
   const size_t n = static_cast<size_t>(std::min<uint64_t>(out.size(), count_ - emitted_));
   out = out.first(n);
   switch (encoding_) {
+    case LocationEncoding::kContext:  // Refused before the switch.
+      break;
     case LocationEncoding::kAll: {
       const uint64_t first = cursor_;  // A local: `out` could alias the member.
       for (size_t i = 0; i < n; ++i) out[i] = first + i;

@@ -22,6 +22,7 @@
 #include <xxhash.h>
 #include <zstd.h>
 
+#include "codec/context_coding.h"
 #include "codec/locations.h"
 #include "codec/values.h"
 #include "refit/dtype.h"
@@ -129,6 +130,11 @@ int WidthSlot(uint32_t width) {
   return -1;
 }
 
+/// Values an item carries in its value group: none for a context-coded item (its bytes code them).
+uint64_t WireValueCount(const ItemView& item) {
+  return item.location_encoding == LocationEncoding::kContext ? 0 : item.count;
+}
+
 /// The value groups implied by an item table, in first-seen order of value width.
 struct GroupPlan {
   struct Group {
@@ -157,13 +163,14 @@ Result<GroupPlan> PlanGroups(std::span<const ItemView> items, const PayloadIds& 
       plan.groups.push_back({width, 0});
     }
     GroupPlan::Group& group = plan.groups[group_of_slot[slot]];
-    if (items[i].count > std::numeric_limits<uint64_t>::max() - group.element_count) {
+    const uint64_t values = WireValueCount(items[i]);
+    if (values > std::numeric_limits<uint64_t>::max() - group.element_count) {
       return DataLoss("{}: value group of width {} overflows 2^64 elements",
                       ItemContext(ids, i, items[i].name), width);
     }
     plan.item_group.push_back(static_cast<size_t>(group_of_slot[slot]));
     plan.item_first_element.push_back(group.element_count);
-    group.element_count += items[i].count;
+    group.element_count += values;
   }
   return plan;
 }
@@ -172,7 +179,7 @@ Result<GroupPlan> PlanGroups(std::span<const ItemView> items, const PayloadIds& 
 /// `numel` is the element count of the item's shape. Codes follow the decoder's conventions;
 /// the encoder re-codes every failure as InvalidArgument.
 Status CheckItemRules(const ItemView& item, uint64_t numel, const PayloadLimits& limits,
-                      const PayloadIds& ids, size_t index) {
+                      const PayloadIds& ids, size_t index, uint16_t format_version) {
   auto context = [&] { return ItemContext(ids, index, item.name); };
   if (item.name.empty()) return DataLoss("{}: empty name", context());
   if (item.name.size() > limits.max_name_length) {
@@ -218,6 +225,22 @@ Status CheckItemRules(const ItemView& item, uint64_t numel, const PayloadLimits&
     return DataLoss("{}: location encoding all with {} location bytes", context(),
                     item.locations.size());
   }
+  if (item.location_encoding == LocationEncoding::kContext) {
+    if (format_version < 2) {
+      return InvalidArgument(
+          "{}: location encoding context needs payload format version 2, the "
+          "payload says {}",
+          context(), format_version);
+    }
+    if (item.op != Op::kXor) {
+      return DataLoss("{}: location encoding context needs op xor, got {}", context(),
+                      OpName(item.op));
+    }
+    if (!internal::ContextCodingSupported(item.dtype)) {
+      return DataLoss("{}: location encoding context is not defined for dtype {}", context(),
+                      DTypeName(item.dtype));
+    }
+  }
   return Status::OK();
 }
 
@@ -241,6 +264,13 @@ Status CheckSameNameAgreement(std::span<const ItemView> items, const PayloadIds&
 
 Status ValidateLocations(const ItemView& item, const PayloadIds& ids, size_t index,
                          std::vector<LocationMark>* marks = nullptr) {
+  if (item.location_encoding == LocationEncoding::kContext) {
+    // Only the preamble can be checked without the old span; the receiver decodes the rest
+    // against it (ExpandContextItems) before anything is applied.
+    return internal::CheckContextCodedPreamble(item.dtype, item.span_end - item.span_begin,
+                                               item.locations, item.count)
+        .WithContext(ItemContext(ids, index, item.name));
+  }
   auto decoder = LocationDecoder::Make(item.location_encoding, item.locations, item.count,
                                        item.span_begin, item.span_end);
   Status status = decoder.ok() ? decoder->ValidateAll(marks) : decoder.status();
@@ -385,17 +415,20 @@ Status CheckEncoderItem(const ItemView& item, const PayloadIds& ids, size_t inde
   }
   const auto encoding_code = static_cast<uint8_t>(item.location_encoding);
   if (encoding_code < static_cast<uint8_t>(LocationEncoding::kAll) ||
-      encoding_code > static_cast<uint8_t>(LocationEncoding::kBitmask)) {
+      encoding_code > static_cast<uint8_t>(LocationEncoding::kContext)) {
     return InvalidArgument("{}: invalid location encoding code {}", context(), encoding_code);
   }
   Result<uint64_t> numel = NumElements(item.shape);
   if (!numel.ok()) return numel.status().WithContext(context());
-  Status rules = CheckItemRules(item, *numel, limits, ids, index);
+  Status rules = CheckItemRules(item, *numel, limits, ids, index, kPayloadFormatVersion);
   if (!rules.ok()) return Status(StatusCode::kInvalidArgument, rules.message());
   const uint32_t width = DTypeSize(item.value_dtype);
-  if (item.values.size() / width != item.count || item.values.size() % width != 0) {
-    return InvalidArgument("{}: {} value bytes for {} locations of {} ({} bytes each)", context(),
-                           item.values.size(), item.count, DTypeName(item.value_dtype), width);
+  const uint64_t values = WireValueCount(item);
+  if (item.values.size() / width != values || item.values.size() % width != 0) {
+    return InvalidArgument(
+        "{}: {} value bytes for {} values of {} ({} bytes each; a "
+        "context-coded item carries none)",
+        context(), item.values.size(), values, DTypeName(item.value_dtype), width);
   }
   Status locations = ValidateLocations(item, ids, index);
   if (!locations.ok()) return Status(StatusCode::kInvalidArgument, locations.message());
@@ -424,11 +457,12 @@ void AppendItemEntry(const ItemView& item, std::vector<std::byte>* body) {
   AppendLE(body, item.digest);
 }
 
-void WriteHeader(const PayloadIds& ids, uint16_t flags, uint32_t item_count, uint64_t body_bytes,
-                 std::span<const std::byte> compressed, std::byte* header) {
+void WriteHeader(uint16_t format_version, const PayloadIds& ids, uint16_t flags,
+                 uint32_t item_count, uint64_t body_bytes, std::span<const std::byte> compressed,
+                 std::byte* header) {
   std::memset(header, 0, kPayloadHeaderSize);
   std::memcpy(header + kOffsetMagic, kMagic.data(), kMagic.size());
-  StoreLittleEndian(header + kOffsetFormatVersion, kPayloadFormatVersion);
+  StoreLittleEndian(header + kOffsetFormatVersion, format_version);
   StoreLittleEndian(header + kOffsetFlags, flags);
   std::memcpy(header + kOffsetTransferId, ids.transfer_id.bytes.data(),
               ids.transfer_id.bytes.size());
@@ -489,7 +523,7 @@ struct ParsedEntry {
 };
 
 Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, size_t index,
-                                   const PayloadLimits& limits) {
+                                   const PayloadLimits& limits, uint16_t format_version) {
   ParsedEntry entry;
   ItemView& item = entry.view;
   auto where = [&] { return fmt::format("{}: item {} name", PayloadContext(ids), index); };
@@ -514,10 +548,14 @@ Result<ParsedEntry> ParseItemEntry(BodyReader* reader, const PayloadIds& ids, si
     return InvalidArgument("{}: unknown op code {} (valid: 1..4)", context(), code(2));
   }
   item.op = static_cast<Op>(code(2));
+  const auto last_encoding =
+      format_version >= 2 ? LocationEncoding::kContext : LocationEncoding::kBitmask;
   if (code(3) < static_cast<uint8_t>(LocationEncoding::kAll) ||
-      code(3) > static_cast<uint8_t>(LocationEncoding::kBitmask)) {
-    return InvalidArgument("{}: unknown location encoding code {} (valid: 1..6)", context(),
-                           code(3));
+      code(3) > static_cast<uint8_t>(last_encoding)) {
+    return InvalidArgument(
+        "{}: unknown location encoding code {} (valid in format version {}: "
+        "1..{})",
+        context(), code(3), format_version, static_cast<int>(last_encoding));
   }
   item.location_encoding = static_cast<LocationEncoding>(code(3));
   const uint8_t rank = code(4);
@@ -633,6 +671,13 @@ std::string TransferId::ToHex() const {
 
 // ---- EncodePayload. ----------------------------------------------------------------------------
 
+uint16_t PayloadFormatVersionFor(std::span<const ItemView> items) {
+  for (const ItemView& item : items) {
+    if (item.location_encoding == LocationEncoding::kContext) return 2;
+  }
+  return kPayloadFormatVersionV1;
+}
+
 Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<const ItemView> items,
                                              const PayloadEncodeOptions& options) {
   // The encoder never writes what the default decoder would refuse; the default name limit also
@@ -706,6 +751,7 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   REFIT_DCHECK(body.size() == body_bytes, "body size differs from its plan");
 
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
+  const uint16_t format_version = PayloadFormatVersionFor(items);
   if (!options.compress) {
     const uint64_t frame_bytes = RawZstdFrameBytes(body.size());
     if (kPayloadHeaderSize + frame_bytes > kLimits.max_payload_bytes) {
@@ -715,7 +761,7 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
     }
     std::vector<std::byte> payload(kPayloadHeaderSize + frame_bytes);
     WriteRawZstdFrame(body, std::span<std::byte>(payload).subspan(kPayloadHeaderSize));
-    WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
+    WriteHeader(format_version, ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
                 std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
     return payload;
   }
@@ -743,7 +789,7 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   }
   std::vector<std::byte> payload(kPayloadHeaderSize + compressed);
   std::memcpy(payload.data() + kPayloadHeaderSize, compressed_bytes, compressed);
-  WriteHeader(ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
+  WriteHeader(format_version, ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
               std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
   return payload;
 }
@@ -782,9 +828,11 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
   // The version decides the header layout, so it is read before the v1 header checksum.
   PayloadHeader header;
   header.format_version = LoadLittleEndian<uint16_t>(h + kOffsetFormatVersion);
-  if (header.format_version != kPayloadFormatVersion) {
-    return InvalidArgument("payload format version {} is not supported (this decoder reads {})",
-                           header.format_version, kPayloadFormatVersion);
+  if (header.format_version < kPayloadFormatVersionV1 ||
+      header.format_version > kPayloadFormatVersion) {
+    return InvalidArgument(
+        "payload format version {} is not supported (this decoder reads {} to {})",
+        header.format_version, kPayloadFormatVersionV1, kPayloadFormatVersion);
   }
   const uint64_t stored_header_checksum = LoadLittleEndian<uint64_t>(h + kOffsetHeaderChecksum);
   const uint64_t header_checksum = XXH3_64bits(h, kOffsetHeaderChecksum);
@@ -936,12 +984,13 @@ Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
   location_bytes.reserve(header.item_count);
   decoded.items_.reserve(header.item_count);
   for (size_t i = 0; i < header.item_count; ++i) {
-    REFIT_ASSIGN_OR_RETURN(ParsedEntry entry, ParseItemEntry(&reader, ids, i, limits));
+    REFIT_ASSIGN_OR_RETURN(ParsedEntry entry,
+                           ParseItemEntry(&reader, ids, i, limits, header.format_version));
     Result<uint64_t> numel = NumElements(entry.view.shape);
     if (!numel.ok()) {
       return DataLoss("{}: {}", ItemContext(ids, i, entry.view.name), numel.status().message());
     }
-    REFIT_RETURN_NOT_OK(CheckItemRules(entry.view, *numel, limits, ids, i));
+    REFIT_RETURN_NOT_OK(CheckItemRules(entry.view, *numel, limits, ids, i, header.format_version));
     location_bytes.push_back(entry.location_bytes);
     decoded.items_.push_back(std::move(entry.view));
   }
@@ -1009,9 +1058,73 @@ Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
     const size_t g = plan.item_group[i];
     const uint32_t width = plan.groups[g].width;
     items[i].values = std::span<const std::byte>(
-        body.data() + group_offset[g] + plan.item_first_element[i] * width, items[i].count * width);
+        body.data() + group_offset[g] + plan.item_first_element[i] * width,
+        WireValueCount(items[i]) * width);
   }
   return decoded;
+}
+
+bool DecodedPayload::has_context_items() const { return PayloadFormatVersionFor(items_) >= 2; }
+
+Result<DecodedPayload> ExpandContextItems(const DecodedPayload& payload,
+                                          const OldSpanReader& read_old) {
+  DecodedPayload out;
+  out.header_ = payload.header_;
+  out.marks_ = payload.marks_;
+  out.items_ = payload.items_;
+  // The other items keep viewing the body: a copy of it, views moved to the copy.
+  out.body_ = std::make_unique<std::vector<std::byte>>(*payload.body_);
+  const auto* old_begin = reinterpret_cast<const uint8_t*>(payload.body_->data());
+  const auto* old_end = old_begin + payload.body_->size();
+  const auto* new_begin = reinterpret_cast<const uint8_t*>(out.body_->data());
+  auto moved = [&](const void* p) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return b >= old_begin && b <= old_end ? new_begin + (b - old_begin) : b;
+  };
+  for (ItemView& item : out.items_) {
+    item.name =
+        std::string_view(reinterpret_cast<const char*>(moved(item.name.data())), item.name.size());
+    item.locations = std::span<const uint8_t>(moved(item.locations.data()), item.locations.size());
+    item.values = std::span<const std::byte>(
+        reinterpret_cast<const std::byte*>(moved(item.values.data())), item.values.size());
+  }
+  const PayloadIds& ids = payload.header_.ids;
+  std::vector<std::byte> old_span;
+  for (size_t i = 0; i < out.items_.size(); ++i) {
+    const ItemView& coded = out.items_[i];
+    if (coded.location_encoding != LocationEncoding::kContext) continue;
+    const auto context = [&] { return ItemContext(ids, i, coded.name); };
+    const uint32_t width = DTypeSize(coded.dtype);
+    old_span.resize((coded.span_end - coded.span_begin) * width);
+    Result<bool> held = read_old(coded, old_span);
+    if (!held.ok()) return held.status().WithContext(context() + " old span");
+    if (!*held) continue;
+    Result<internal::ContextDecoded> decoded =
+        internal::DecodeContextCoded(coded.dtype, old_span, coded.locations, coded.count);
+    if (!decoded.ok()) return decoded.status().WithContext(context());
+    auto plain = std::make_unique<Item>();
+    plain->name = std::string(coded.name);
+    plain->dtype = coded.dtype;
+    plain->shape = coded.shape;
+    plain->op = Op::kXor;
+    plain->value_dtype = coded.value_dtype;
+    plain->span_begin = coded.span_begin;
+    plain->span_end = coded.span_end;
+    plain->count = coded.count;
+    plain->digest = coded.digest;
+    std::vector<uint64_t>& locations = decoded->locations;
+    for (uint64_t& location : locations) location += coded.span_begin;
+    REFIT_ASSIGN_OR_RETURN(plain->location_encoding,
+                           ChooseLocationEncoding(locations, plain->span_begin, plain->span_end));
+    REFIT_RETURN_NOT_OK(EncodeLocations(plain->location_encoding, locations, plain->span_begin,
+                                        plain->span_end, &plain->locations));
+    plain->values = std::move(decoded->xor_values);
+    out.items_[i] = plain->view();
+    out.marks_[i].clear();
+    REFIT_RETURN_NOT_OK(ValidateLocations(out.items_[i], ids, i, &out.marks_[i]));
+    out.expanded_.push_back(std::move(plain));
+  }
+  return out;
 }
 
 }  // namespace refit

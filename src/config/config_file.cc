@@ -645,6 +645,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
       IntegerKey("zstd_level", ZSTD_minCLevel(), ZSTD_maxCLevel(), &delta.zstd_level),
       {"zstd_threads", [](R& r, const N& v, const W& w) { return ReadZstdThreads(r, v, w); }},
       ParsedKey("anchor_compression", ParseAnchorCompression, &delta.anchor_compression),
+      ParsedKey("item_coding", ParseItemCoding, &delta.item_coding),
       StringListKey("overwrite_names", &delta.overwrite_names),
       BoolKey("enabled", &delta.enabled),
   };

@@ -51,6 +51,9 @@ struct DeltaCompressionConfig {
   /// `anchor_compression`: auto | zstd | none, how an anchor's payloads are compressed
   /// (ProducerStreamOptions::anchor_compression).
   AnchorCompression anchor_compression = ProducerStreamOptions{}.anchor_compression;
+  /// `item_coding`: auto | context | plain, whether a delta's XOR items are context-coded
+  /// (payload format v2; ProducerStreamOptions::item_coding). Not `encoding`, which is the op.
+  ItemCoding item_coding = ProducerStreamOptions{}.item_coding;
   /// `overwrite_names`: tensors always sent as OVERWRITE in delta transfers.
   std::vector<std::string> overwrite_names;
   /// `enabled` (upstream's name): false sends every transfer as an anchor (FULL), the dense

@@ -63,6 +63,9 @@ ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
   options.send_threads = config.tuning.transfer_workers;
   options.payload.zstd_level = config.delta_compression.zstd_level;
   options.anchor_compression = config.delta_compression.anchor_compression;
+  options.item_coding = config.delta_compression.item_coding;
+  // The link hint of item_coding's auto: the transport the payloads go through.
+  options.link_uri = config.transport;
   return options;
 }
 

@@ -1127,6 +1127,8 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
   // A trainer that neither names its run nor resumes one starts a lineage of its own.
   if (impl->run_id.empty() && !options.resume) impl->run_id = TransferId::Random().ToHex();
   ProducerStreamOptions stream = options.stream;
+  // The link hint of item_coding's kAuto: the transport this publisher sends through.
+  if (stream.link_uri.empty()) stream.link_uri = options.transport_uri;
   stream.producer_id = group->rank();
   stream.num_producers = group->world_size();
   REFIT_ASSIGN_OR_RETURN(impl->stream, ProducerStream::Make(stream));

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "refit/status_format.h"
+#include "refit/stream_options.h"
 
 namespace refit::internal {
 namespace {
@@ -59,3 +60,26 @@ LinkHint LinkHintForTransport(std::string_view transport_uri) {
 }
 
 }  // namespace refit::internal
+
+namespace refit {
+
+std::string_view ItemCodingName(ItemCoding coding) {
+  switch (coding) {
+    case ItemCoding::kAuto:
+      return "auto";
+    case ItemCoding::kContext:
+      return "context";
+    case ItemCoding::kPlain:
+      return "plain";
+  }
+  return "unknown";
+}
+
+Result<ItemCoding> ParseItemCoding(std::string_view name) {
+  for (ItemCoding coding : {ItemCoding::kAuto, ItemCoding::kContext, ItemCoding::kPlain}) {
+    if (ItemCodingName(coding) == name) return coding;
+  }
+  return InvalidArgument("item_coding '{}' is not one of auto, context, plain", name);
+}
+
+}  // namespace refit

@@ -5,8 +5,8 @@
 // Pure functions of their inputs: the producer supplies the sizes (both encodings of the item),
 // the receiver's context decode rate (a calibration, e.g. bench/context_bench.cc's or
 // `refit estimate`'s) and the link's rate, which a transport URI hints at (LinkHintForTransport)
-// where nothing was measured. Not called by the producer stream yet: the payload format carries
-// no context-coded item until its version 2 (docs/format/context-coding.md).
+// where nothing was measured. The producer stream and `refit encode` call it per item through
+// ChooseItemCoding (context_items.h); payload format v2 carries the chosen items.
 #pragma once
 
 #include <cstdint>

@@ -37,6 +37,7 @@
 
 #include "anchor_compression.h"
 #include "pipeline/bucketing.h"
+#include "pipeline/context_items.h"
 #include "pipeline/producer_stream.h"
 #include "refit/status_format.h"
 #include "util/bounded_queue.h"
@@ -634,18 +635,42 @@ bool StreamRun::EmitBucket(size_t route) {
 
 void StreamRun::SerializeLoop() {
   while (std::optional<PayloadJob> job = serialize_queue_.Pop(stop_)) {
-    std::vector<ItemView> views;
-    views.reserve(job->items.size());
-    for (const Item& item : job->items) views.push_back(item.view());
     // A catch-up route's payloads move its receivers from the base they were prepared from
     // (folded, or an anchor of their own from the version they hold).
     const StreamRoute& route_of_job = routes_[job->route];
     const uint64_t base =
         route_of_job.content != CatchUp::kDelta ? route_of_job.from_version : plan_.base_version;
+    const bool own_delta = route_of_job.content == CatchUp::kDelta;
     const PayloadIds ids{plan_.transfer_id, options_.producer_id, job->payload_id, base,
                          plan_.target_version};
     const PayloadEncodeOptions encode = compression_->Next();
     const Clock::time_point start = Clock::now();
+    // Context coding needs the old span its receivers hold: the tracker's baseline, which is the
+    // base version's bits only for the stream's own deltas (not a fold from an older version, nor
+    // an anchor of a receiver's own).
+    // Here, after the history recorded the items and routes cut them, so that both see plain ones.
+    if (!plan_.anchor && own_delta && options_.item_coding != ItemCoding::kPlain) {
+      Result<internal::ItemCodingReport> coded = internal::ChooseItemCoding(
+          job->items, options_.item_coding, options_.link_uri, encode,
+          [this](const ItemView& item, std::span<const std::byte>* old_span) -> Result<bool> {
+            Result<TensorView> baseline = tracker_.Baseline(std::string(item.name));
+            // A canonical item of a placed (boxed) tensor has no baseline of its name and shape.
+            if (!baseline.ok() || baseline->dtype != item.dtype || baseline->shape != item.shape) {
+              return false;
+            }
+            const uint32_t width = DTypeSize(item.dtype);
+            *old_span = baseline->bytes.subspan(item.span_begin * width,
+                                                (item.span_end - item.span_begin) * width);
+            return true;
+          });
+      if (!coded.ok()) {
+        Fail(coded.status().WithContext(fmt::format("{}, payload {}", context_, job->payload_id)));
+        break;
+      }
+    }
+    std::vector<ItemView> views;
+    views.reserve(job->items.size());
+    for (const Item& item : job->items) views.push_back(item.view());
     Result<std::vector<std::byte>> bytes = EncodePayload(ids, views, encode);
     const double encode_s = serialize_time_.Add(start);
     if (bytes.ok()) compression_->RecordEncoded(encode, job->item_bytes, bytes->size(), encode_s);

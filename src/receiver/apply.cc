@@ -500,9 +500,11 @@ Status ApplyInOrder(const DecodedPayload& payload, WeightStore& store, UndoLog& 
 
 }  // namespace
 
-Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
-                    ValidatedPayload* received, int threads) {
-  if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
+namespace {
+
+/// ApplyPayload of a payload whose context-coded items were expanded (or that has none).
+Status ApplyExpanded(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
+                     ValidatedPayload* received, int threads) {
   // The loader path is separate so that a store without one runs exactly the paths below.
   if (store.has_loader()) return internal::ApplyThroughLoader(payload, store, *undo, threads);
   const PayloadHeader& header = payload.header();
@@ -525,6 +527,20 @@ Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* 
     }
   }
   return ApplyInOrder(payload, store, *undo, received);
+}
+
+}  // namespace
+
+Status ApplyPayload(const DecodedPayload& payload, WeightStore& store, UndoLog* undo,
+                    ValidatedPayload* received, int threads) {
+  if (undo == nullptr) return InvalidArgument("ApplyPayload needs an undo log");
+  if (!payload.has_context_items()) return ApplyExpanded(payload, store, undo, received, threads);
+  // Decoded against the bits the payload applies to, now that every payload before it has
+  // applied (a decode thread ahead of the apply could not know them), then applied as plain XOR
+  // items undone from their old bits: applying the kept payload again would decode it against the
+  // bits this apply changed. Items of tensors a loader skips stay context-coded and are ignored.
+  REFIT_ASSIGN_OR_RETURN(DecodedPayload expanded, internal::ExpandForApply(payload, store));
+  return ApplyExpanded(expanded, store, undo, /*received=*/nullptr, threads);
 }
 
 }  // namespace refit::internal

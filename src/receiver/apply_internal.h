@@ -148,6 +148,14 @@ Status ReadDevice(TensorMemory& memory, uint64_t offset, std::span<std::byte> ou
 /// call each).
 Status WriteDevice(TensorMemory& memory, uint64_t offset, std::span<const std::byte> bytes);
 
+/// `payload` with its context-coded items (format v2) decoded against the bits `store` holds now
+/// (ExpandContextItems): host tensors read in place, device tensors through TensorMemory::Read,
+/// canonical tensors through the loader where one piece holds the whole tensor (FailedPrecondition
+/// naming the tensor where the receiver holds only part of it); items of tensors a loader skips
+/// stay as they are. Errors: DataLoss when an item does not decode against the old span (the
+/// receiver is not at the payload's base); NotFound / InvalidArgument as ApplyPayload's checks.
+Result<DecodedPayload> ExpandForApply(const DecodedPayload& payload, const WeightStore& store);
+
 /// ApplyPayload through the store's loader (apply_loader.cc), recording into `undo`. `threads` > 1:
 /// a payload (deltas, FULL items or both) whose items write more than one group of local tensors
 /// applies the groups in parallel, with the same all-or-nothing result.

@@ -4,8 +4,10 @@
 //   bit 0 clear — the rest is a whole payload. The checksums stop almost every mutation at the
 //                 header, so this mode exercises header validation and the checksum gate.
 //   bit 0 set   — the rest is a decompressed *body*: byte 1 is the item count and bit 1 of the
-//                 mode byte the byte-plane flag; the body is wrapped in a valid header, zstd frame
-//                 and checksums, so mutations reach the item table, locations and value groups.
+//                 mode byte the byte-plane flag, bit 2 format version 2 (context items, whose
+//                 bytes are only checked up to their preamble without the old span); the body is
+//                 wrapped in a valid header, zstd frame and checksums, so mutations reach the item
+//                 table, locations and value groups.
 // Whatever decodes must be internally consistent and re-encode to the same body (v1 admits one
 // byte string per content); anything else must fail with a documented code. abort() otherwise.
 #include <cstddef>
@@ -28,10 +30,12 @@ namespace {
 
 constexpr uint8_t kBodyModeBit = 0x01;
 constexpr uint8_t kBytePlanesBit = 0x02;
+constexpr uint8_t kVersion2Bit = 0x04;
 /// Bodies and payloads above this are not interesting and would only slow the fuzzer down.
 constexpr uint64_t kMaxFuzzBytes = uint64_t{1} << 20;
 
 // Header offsets of docs/format/payload.md, "Fixed header".
+constexpr size_t kFormatVersionOffset = 4;
 constexpr size_t kItemCountOffset = 48;
 constexpr size_t kBodyBytesOffset = 56;
 constexpr size_t kCompressedBytesOffset = 64;
@@ -59,7 +63,7 @@ refit::PayloadIds FuzzIds() {
 /// Wrap `body` into a payload whose header and checksums are valid. The header comes from the
 /// real encoder (an empty payload), then item count, sizes and checksums are patched.
 std::vector<std::byte> WrapBody(std::span<const std::byte> body, uint32_t item_count,
-                                bool byte_planes) {
+                                bool byte_planes, uint16_t format_version) {
   refit::PayloadEncodeOptions options;
   options.byte_planes = byte_planes;
   auto empty = refit::EncodePayload(FuzzIds(), {}, options);
@@ -74,6 +78,7 @@ std::vector<std::byte> WrapBody(std::span<const std::byte> body, uint32_t item_c
   if (ZSTD_isError(n)) Fail("zstd compression failed");
   payload.insert(payload.end(), frame.begin(), frame.begin() + n);
 
+  Store(payload.data() + kFormatVersionOffset, format_version, 2);
   Store(payload.data() + kItemCountOffset, item_count, 4);
   Store(payload.data() + kBodyBytesOffset, body.size(), 8);
   Store(payload.data() + kCompressedBytesOffset, n, 8);
@@ -97,6 +102,12 @@ std::vector<std::byte> Decompress(std::span<const std::byte> payload) {
 /// Check what a successful decode promises, and that re-encoding gives back the same body.
 void CheckAccepted(const refit::DecodedPayload& decoded, std::span<const std::byte> payload) {
   for (const refit::ItemView& item : decoded.items()) {
+    if (item.location_encoding == refit::LocationEncoding::kContext) {
+      // Its locations and values decode only against an old span (ExpandContextItems).
+      if (decoded.header().format_version != 2) Fail("a context item in a v1 payload");
+      if (!item.values.empty()) Fail("a context item with values");
+      continue;
+    }
     if (item.values.size() != item.count * refit::DTypeSize(item.value_dtype)) {
       Fail("decoded item has a wrong value size");
     }
@@ -141,7 +152,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if ((mode & kBodyModeBit) != 0) {
     if (input.empty()) return 0;
     const uint32_t item_count = std::to_integer<uint8_t>(input[0]);
-    wrapped = WrapBody(input.subspan(1), item_count, (mode & kBytePlanesBit) != 0);
+    wrapped = WrapBody(input.subspan(1), item_count, (mode & kBytePlanesBit) != 0,
+                       (mode & kVersion2Bit) != 0 ? 2 : 1);
     input = wrapped;
   }
   refit::PayloadLimits limits;

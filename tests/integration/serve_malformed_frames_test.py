@@ -596,7 +596,7 @@ def test_malformed_frames(receiver):
     forged[24] ^= 1  # producer id changed after the checksum was computed
     receiver.expect_nack("ids changed under the checksum", data_request(bytes(forged)), DATA_LOSS, "")
     receiver.expect_nack("unknown format version",
-                      data_request(forge_payload(tid, format_version=2, **version)),
+                      data_request(forge_payload(tid, format_version=3, **version)),
                       INVALID_ARGUMENT, "")
     receiver.expect_nack("unknown flags", data_request(forge_payload(tid, flags=0x8000, **version)),
                       INVALID_ARGUMENT, "")

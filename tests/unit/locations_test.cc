@@ -741,8 +741,11 @@ TEST(LocationDecoderTest, RejectsBadSpansCountsAndCodes) {
                     LocationDecoder::Make(LocationEncoding::kGap16, {}, 11, 0, 10));
   EXPECT_STATUS_MSG(DataLoss, "unknown location encoding code 0",
                     LocationDecoder::Make(static_cast<LocationEncoding>(0), {}, 0, 0, 10));
-  EXPECT_STATUS_MSG(DataLoss, "unknown location encoding code 7",
-                    LocationDecoder::Make(static_cast<LocationEncoding>(7), {}, 0, 0, 10));
+  EXPECT_STATUS_MSG(DataLoss, "unknown location encoding code 8",
+                    LocationDecoder::Make(static_cast<LocationEncoding>(8), {}, 0, 0, 10));
+  // 7 (format v2's context) is known, but no plug-in: it decodes only against the old span.
+  EXPECT_STATUS_MSG(DataLoss, "without the old span",
+                    LocationDecoder::Make(LocationEncoding::kContext, {}, 0, 0, 10));
 }
 
 TEST(LocationDecoderTest, AllNeedsTheWholeSpanAndNoBytes) {

@@ -305,6 +305,8 @@ LocationCase LocationsFor(LocationEncoding encoding) {
       c.locations.push_back(96);
       return c;
     }
+    case LocationEncoding::kContext:  // Coded from old values: context_items_test.
+      break;
   }
   return {};
 }
@@ -794,7 +796,8 @@ TEST(PayloadHostileTest, SpecificHeaderViolationsGetTheirCodes) {
     return edited;
   };
   EXPECT_STATUS(DataLoss, DecodePayload(with(kMagicOffset, 0x4C504652 + 1, 4)));
-  EXPECT_STATUS_MSG(InvalidArgument, "format version 2", DecodePayload(with(kVersionOffset, 2, 2)));
+  EXPECT_STATUS_MSG(InvalidArgument, "format version 3", DecodePayload(with(kVersionOffset, 3, 2)));
+  EXPECT_STATUS_MSG(InvalidArgument, "format version 0", DecodePayload(with(kVersionOffset, 0, 2)));
   EXPECT_STATUS_MSG(InvalidArgument, "flag", DecodePayload(with(kFlagsOffset, 0x3, 2)));
   EXPECT_STATUS_MSG(InvalidArgument, "compression", DecodePayload(with(kCompressionOffset, 2, 1)));
   EXPECT_STATUS_MSG(InvalidArgument, "MAC algorithm",
