@@ -78,6 +78,8 @@ struct ControlStatus {
 /// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the
 /// one place that layout is written, for tools that print a status.
 std::string ControlStatusToJson(const ControlStatus& status);
+/// Return `membership` as GET /v1/members reports it (JSON text, without the "ok" envelope).
+std::string ControlMembershipToJson(const FleetMembership& membership);
 
 /// A client of one receiver's control plane.
 ///

@@ -48,6 +48,11 @@ class SyncReport:
     #: ``wire_bytes`` (what it was sent). A newcomer or a receiver behind is caught up on its own
     #: while the others get the delta (docs/protocol.md "Per-receiver plans").
     catch_ups: Tuple[dict, ...] = ()
+    #: Rank 0 with a membership endpoint: the members left out of this sync because they could
+    #: not be reached at its start (each "url: why"), and those dropped from the fleet for it
+    #: (unreachable ``drop_after_missed_syncs`` syncs in a row, default 3).
+    unreachable: Tuple[str, ...] = ()
+    dropped: Tuple[str, ...] = ()
 
     @property
     def density(self) -> float:
@@ -118,7 +123,12 @@ class Publisher:
     - ``full_sync_interval``: every N-th sync is a full anchor (0: only the first);
     - ``transfer_timeout``: seconds one sync may take, on every rank;
     - ``staging_bytes``: host memory that tensors in device memory (:class:`DeviceTensor`) are
-      staged through, in reusable buffers (default: twice the largest chunk this rank stages).
+      staged through, in reusable buffers (default: twice the largest chunk this rank stages);
+    - ``membership_port``, ``membership_host``: rank 0: serve a membership endpoint there (port 0:
+      a free one; host default 127.0.0.1), where receivers join and leave with one call
+      (:meth:`Receiver.join`, ``refit join``), authenticated by ``api_key``; ``receivers`` may then
+      be empty. Changes take effect at the next sync. A member unreachable at a sync's start is
+      left out of it and dropped after ``drop_after_missed_syncs`` (default 3) such syncs in a row.
     """
 
     #: The keywords that set a key of the configuration file, and the key each sets.
@@ -143,6 +153,9 @@ class Publisher:
         full_sync_interval: Optional[int] = None,
         transfer_timeout: float = 600.0,
         staging_bytes: Optional[int] = None,
+        membership_port: Optional[int] = None,
+        membership_host: Optional[str] = None,
+        drop_after_missed_syncs: Optional[int] = None,
     ):
         if group is None:
             group = in_process_group(1)[0]
@@ -154,6 +167,9 @@ class Publisher:
             api_key=api_key,
             transfer_timeout_s=float(transfer_timeout),
             staging_bytes=staging_bytes,
+            membership_host=membership_host,
+            membership_port=membership_port,
+            drop_after_missed_syncs=drop_after_missed_syncs,
         )
 
     def adopt_baseline(
@@ -211,11 +227,24 @@ class Publisher:
             report = self._core.sync(buffer_tensors(tensors), force_anchor)
         report["receivers"] = tuple(report["receivers"])
         report["catch_ups"] = tuple(report["catch_ups"])
+        report["unreachable"] = tuple(report["unreachable"])
+        report["dropped"] = tuple(report["dropped"])
         return SyncReport(**report)
 
     def set_receivers(self, receivers: Iterable[ReceiverLike]) -> None:
         """Rank 0: replace the fleet from the next sync on."""
         self._core.set_receivers(_receiver_endpoints(receivers))
+
+    @property
+    def membership_url(self) -> str:
+        """Rank 0: the membership endpoint's URL, where receivers join ("" without one)."""
+        return self._core.membership_url
+
+    def membership(self) -> dict:
+        """Rank 0: the members and how each stood at the last sync (``GET /v1/members``):
+        ``{"fleet_version", "members": [{control_url, data_endpoint, joined, version,
+        held_version, lag, caught_up_by, wire_bytes, missed_syncs, fenced}]}``."""
+        return self._core.membership()
 
     def cancel(self) -> None:
         """Make the sync in flight (on another thread) fail soon with Cancelled."""

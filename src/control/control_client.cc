@@ -856,4 +856,10 @@ std::string ControlStatusToJson(const ControlStatus& status) {
   return internal::DumpJson(body);
 }
 
+std::string ControlMembershipToJson(const FleetMembership& membership) {
+  internal::Json body = internal::MembershipToJson(membership);
+  body.erase("ok");
+  return internal::DumpJson(body);
+}
+
 }  // namespace refit

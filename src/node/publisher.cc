@@ -11,9 +11,12 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "codec/delta_history.h"
 #include "codec/tracker.h"
+#include "control/fleet_roster.h"
+#include "control/membership_server.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
@@ -97,6 +100,10 @@ struct PublisherRank {
   // The host buffers device tensors are staged through, kept between Syncs while the budget they
   // need stays the same; null until a Sync stages.
   std::shared_ptr<StagingPool> staging;
+  // Rank 0 with PublisherOptions::membership: the fleet (configured and joined members) and the
+  // endpoint that changes it; LeadTransfer snapshots it at each Sync's start.
+  std::unique_ptr<internal::FleetRoster> roster;
+  std::unique_ptr<internal::MembershipServer> membership_server;
 
   // ---- A sharded Sync (Publisher::Sync(const ShardedModel&)). ----------------------------------
   // The model of the Sync in flight, and its local tensors by name; null for a whole-model Sync.
@@ -790,18 +797,45 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(receiver.data_endpoint);
     }
   } else {
-    for (const PublisherReceiver& receiver : options.receivers) {
+    // With a membership endpoint the fleet is the roster as it stands now: one snapshot per
+    // Sync, which the begin message carries to every rank.
+    std::vector<PublisherReceiver> members = options.receivers;
+    if (roster != nullptr) {
+      members.clear();
+      for (const MemberEndpoint& member : roster->Members()) {
+        members.push_back({member.control_url, member.data_endpoint});
+      }
+      if (members.empty()) {
+        return FailedPrecondition(
+            "publisher: the fleet has no members: none configured, and none joined at {}",
+            membership_server != nullptr ? membership_server->url() : std::string("?"));
+      }
+    }
+    for (const PublisherReceiver& receiver : members) {
       ControlClientOptions link = options.control;
       link.base_url = receiver.control_url;
       links.push_back(std::move(link));
       fleet.push_back(caps.needs_manifest ? receiver.control_url : receiver.data_endpoint);
     }
   }
+  internal::RosterMiss missed;
+  std::vector<std::string> reached_fleet;
   for (size_t r = 0; r < links.size(); ++r) {
     const ControlClientOptions& link = links[r];
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client, ControlClient::Make(link));
     Result<ControlStatus> status = client->GetStatus();
+    // A member of an elastic fleet (membership endpoint) that cannot be reached is left out of
+    // this Sync, and dropped after drop_after_missed_syncs Syncs in a row; it catches up on its
+    // own when it is back. Any other error (a wrong key) fails the Sync as before.
+    if (!status.ok() && roster != nullptr &&
+        (status.status().code() == StatusCode::kUnavailable ||
+         status.status().code() == StatusCode::kDeadlineExceeded)) {
+      roster->RecordUnreachable(link.base_url, status.status(), missed);
+      continue;
+    }
     if (!status.ok()) return status.status().WithContext("receiver " + link.base_url);
+    if (roster != nullptr) roster->RecordReached(link.base_url);
+    reached_fleet.push_back(fleet[r]);
     versions.push_back(status->receiver.version);
     if (status->receiver.needs_anchor && !force_anchor && !per_receiver) {
       REFIT_LOG_INFO("receiver {} needs an anchor ({}): this sync is one", link.base_url,
@@ -813,6 +847,11 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
                                           status->receiver.accepts_target_version}});
     clients.push_back(std::move(client));
   }
+  if (receivers.empty()) {
+    return Unavailable("publisher: no member of the fleet could be reached: {}",
+                       fmt::join(missed.unreachable, "; "));
+  }
+  fleet = std::move(reached_fleet);
   GroupProducers producers(*this, source, std::move(fleet), std::move(versions), per_receiver);
   CoordinatorOptions coordinator_options;
   coordinator_options.transfer_timeout = options.transfer_timeout;
@@ -832,7 +871,11 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
-  return SyncReport{std::move(report), rank(), world()};
+  if (roster != nullptr) roster->RecordSync(report);
+  SyncReport synced{std::move(report), rank(), world()};
+  synced.unreachable = std::move(missed.unreachable);
+  synced.dropped = std::move(missed.dropped);
+  return synced;
 }
 
 Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
@@ -954,9 +997,25 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
         uri, internal::KeyDataPlane(std::move(uri), options.control.api_key, "publisher"));
   }
   REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(uri, transport_options));
-  if (group->rank() == 0 && options.receivers.empty() &&
+  if (group->rank() == 0 && options.receivers.empty() && !options.membership.has_value() &&
       !impl->transport->capabilities().carries_control) {
-    return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+    return InvalidArgument(
+        "publisher: rank 0 coordinates the receivers but none were given (and no membership "
+        "endpoint to join)");
+  }
+  if (group->rank() == 0 && options.membership.has_value()) {
+    std::vector<MemberEndpoint> configured;
+    for (const PublisherReceiver& receiver : options.receivers) {
+      configured.push_back({receiver.control_url, receiver.data_endpoint});
+    }
+    MembershipOptions membership = *options.membership;
+    if (membership.api_key.empty()) membership.api_key = options.control.api_key;
+    impl->roster =
+        std::make_unique<internal::FleetRoster>(configured, membership.drop_after_missed_syncs);
+    REFIT_ASSIGN_OR_RETURN(impl->membership_server,
+                           internal::MembershipServer::Make(membership, *impl->roster));
+    REFIT_RETURN_NOT_OK(
+        impl->membership_server->Start().WithContext("publisher: membership endpoint"));
   }
   impl->group = std::move(group);
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
@@ -983,6 +1042,8 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
                                          rank(), world_size(),
                                          impl_->StagingFor(largest_device).get()));
   if (version.has_value()) REFIT_RETURN_NOT_OK(impl_->tracker->Rebase(*version));
+  // Joining receivers learn the version the fleet holds (their readiness needs it).
+  if (version.has_value() && impl_->roster != nullptr) impl_->roster->SetFleetVersion(*version);
   // The deltas retained before no longer chain to the adopted state.
   if (impl_->history != nullptr) impl_->history->Clear();
   impl_->version_unknown = !version.has_value();
@@ -1103,8 +1164,26 @@ Result<SyncReport> Publisher::Sync(std::vector<ExportTensor> tensors, bool force
 Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {
   if (rank() != 0) return FailedPrecondition("publisher: only rank 0 knows the receivers");
   if (receivers.empty()) return InvalidArgument("publisher: no receivers");
+  if (impl_->roster != nullptr) {
+    std::vector<MemberEndpoint> members;
+    for (const PublisherReceiver& receiver : receivers) {
+      members.push_back({receiver.control_url, receiver.data_endpoint});
+    }
+    impl_->roster->Replace(members);
+  }
   impl_->options.receivers = std::move(receivers);
   return Status::OK();
+}
+
+std::string Publisher::membership_url() const {
+  return impl_->membership_server != nullptr ? impl_->membership_server->url() : std::string();
+}
+
+Result<FleetMembership> Publisher::membership() const {
+  if (impl_->roster == nullptr) {
+    return FailedPrecondition("publisher: rank {} serves no membership endpoint", rank());
+  }
+  return impl_->roster->Snapshot();
 }
 
 uint32_t Publisher::rank() const { return impl_->rank(); }
