@@ -10,6 +10,7 @@
 
 #include "control/fleet_roster.h"
 #include "control/protocol.h"
+#include "refit/status_format.h"
 #include "test_util.h"
 
 namespace refit::internal {
@@ -138,8 +139,8 @@ TEST(FleetRosterTest, JoinLeaveAndDropAfterConsecutiveMisses) {
   // Joining again keeps the place and takes the new data endpoint; another member's is refused.
   ASSERT_OK(roster.Join({"http://b:1", "b:3"}).status());
   EXPECT_EQ(roster.Members()[1].data_endpoint, "b:3");
-  EXPECT_STATUS(StatusCode::kInvalidArgument, roster.Join({"http://c:1", "a:2"}).status());
-  EXPECT_STATUS(StatusCode::kNotFound, roster.Leave("http://nobody:1").status());
+  EXPECT_STATUS(InvalidArgument, roster.Join({"http://c:1", "a:2"}).status());
+  EXPECT_STATUS(NotFound, roster.Leave("http://nobody:1").status());
 
   RosterMiss miss;
   EXPECT_FALSE(roster.RecordUnreachable("http://a:1", Unavailable("refused"), miss));
