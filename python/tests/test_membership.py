@@ -274,3 +274,58 @@ def test_join_leave_fail_readiness_and_visibility(tmp_path):
             embedded.stop()
         for worker in workers:
             worker.stop()
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file straight from the format's definition: 8-byte little-endian header
+    length, the JSON header, the tensors' bytes."""
+    dtypes = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+    header, offset, blobs = {}, 0, []
+    for name, array in tensors.items():
+        blob = np.ascontiguousarray(array).tobytes()
+        header[name] = {"dtype": dtypes[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def test_a_serve_daemon_joins_on_start_and_leaves_at_shutdown(tmp_path):
+    rng = np.random.default_rng(SEED + 2)
+    trainer = step0_model(SEED)
+    publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60)
+    publisher.adopt_baseline(copy(trainer), version=0)
+    model = tmp_path / "step0.safetensors"
+    write_safetensors(model, trainer)
+    ready_file = tmp_path / "ready.json"
+    env = dict(os.environ, MEMBERSHIP_KEY=KEY)
+    daemon = subprocess.Popen(
+        [refit_cli(), "serve", "--model", str(model), "--version", "0", "--bind", "127.0.0.1",
+         "--control-port", "0", "--api-key-env", "MEMBERSHIP_KEY", "--ready-file", str(ready_file),
+         "--join", publisher.membership_url],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        lines = []
+        for line in daemon.stdout:
+            lines.append(line)
+            if "joined the fleet of" in line:
+                break
+        assert any("joined the fleet of" in line for line in lines), "".join(lines) + str(daemon.poll())
+        control = json.loads(ready_file.read_text())["control_url"]
+        members = publisher.membership()["members"]
+        assert [m["control_url"] for m in members] == [control], members
+        status, body = http("GET", control + "/ready", key=None)
+        assert status == 200 and body["fleet_version"] == 0, body
+        step(trainer, rng)
+        report = publisher.sync(trainer)
+        assert report.receivers == (control,) and report.catch_ups[0]["caught_up_by"] == "delta"
+        assert_holds(control, trainer)
+        daemon.terminate()
+        assert daemon.wait(timeout=60) == 0
+        assert publisher.membership()["members"] == []
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
