@@ -446,9 +446,10 @@ void PutReadiness(const Readiness& readiness, py::dict& out) {
   out["fleet_version"] = readiness.fleet_version.has_value()
                              ? py::object(py::int_(*readiness.fleet_version))
                              : py::object(py::none());
-  out["last_catch_up"] = readiness.last_catch_up.has_value()
-                             ? py::object(py::str(std::string(CatchUpName(*readiness.last_catch_up))))
-                             : py::object(py::none());
+  out["last_catch_up"] =
+      readiness.last_catch_up.has_value()
+          ? py::object(py::str(std::string(CatchUpName(*readiness.last_catch_up))))
+          : py::object(py::none());
   out["publisher_url"] = readiness.publisher_url;
 }
 
@@ -464,8 +465,8 @@ py::dict MembershipToDict(const FleetMembership& membership) {
     one["data_endpoint"] = member.endpoint.data_endpoint;
     one["joined"] = member.joined;
     one["missed_syncs"] = member.missed_syncs;
-    one["version"] = member.version.has_value() ? py::object(py::int_(*member.version))
-                                                : py::object(py::none());
+    one["version"] =
+        member.version.has_value() ? py::object(py::int_(*member.version)) : py::object(py::none());
     one["held_version"] = member.held_version;
     one["lag"] = member.lag;
     one["caught_up_by"] = member.caught_up_by.has_value()
@@ -1246,33 +1247,31 @@ PYBIND11_MODULE(_core, m) {
       .def("traffic", [](const TensorMemory& memory) { return TrafficToDict(memory.traffic()); });
 
   py::class_<PyPublisher>(m, "Publisher", "One trainer rank's Publisher.")
-      .def(
-          py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
-                      const py::list& overrides, const std::optional<std::string>& api_key,
-                      double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
-                      const std::optional<std::string>& membership_host,
-                      std::optional<uint16_t> membership_port,
-                      std::optional<uint32_t> drop_after_missed_syncs) {
-            PublisherOptions options =
-                PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes);
-            if (membership_port.has_value() || membership_host.has_value()) {
-              MembershipOptions membership;
-              if (membership_host.has_value()) membership.bind_address = *membership_host;
-              if (membership_port.has_value()) membership.port = *membership_port;
-              if (drop_after_missed_syncs.has_value()) {
-                membership.drop_after_missed_syncs = *drop_after_missed_syncs;
-              }
-              options.membership = membership;
-            }
-            return std::make_unique<PyPublisher>(std::move(options), group);
-          }),
-          py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
-          py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
-          py::arg("staging_bytes") = py::none(), py::arg("membership_host") = py::none(),
-          py::arg("membership_port") = py::none(),
-          py::arg("drop_after_missed_syncs") = py::none(),
-          "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
-          "(key path, value, origin) from the keywords that name configuration keys.")
+      .def(py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
+                       const py::list& overrides, const std::optional<std::string>& api_key,
+                       double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
+                       const std::optional<std::string>& membership_host,
+                       std::optional<uint16_t> membership_port,
+                       std::optional<uint32_t> drop_after_missed_syncs) {
+             PublisherOptions options = PublisherOptionsFrom(config, overrides, api_key,
+                                                             transfer_timeout_s, staging_bytes);
+             if (membership_port.has_value() || membership_host.has_value()) {
+               MembershipOptions membership;
+               if (membership_host.has_value()) membership.bind_address = *membership_host;
+               if (membership_port.has_value()) membership.port = *membership_port;
+               if (drop_after_missed_syncs.has_value()) {
+                 membership.drop_after_missed_syncs = *drop_after_missed_syncs;
+               }
+               options.membership = membership;
+             }
+             return std::make_unique<PyPublisher>(std::move(options), group);
+           }),
+           py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
+           py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
+           py::arg("staging_bytes") = py::none(), py::arg("membership_host") = py::none(),
+           py::arg("membership_port") = py::none(), py::arg("drop_after_missed_syncs") = py::none(),
+           "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
+           "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
            py::arg("version") = py::none())
       .def("adopt_baseline_sharded", &PyPublisher::AdoptBaselineSharded, py::arg("pieces"),

@@ -67,10 +67,10 @@ void RegisterJoin(CLI::App& app, Status* result) {
   cmd->add_option("--receiver", args->receiver,
                   "The receiver's control URL, e.g. http://127.0.0.1:8470")
       ->required();
-  CLI::Option* publisher = cmd->add_option(
-      "--publisher", args->publisher,
-      "The publisher's membership URL (rank 0's; Publisher.membership_url), e.g. "
-      "http://10.0.0.2:8480");
+  CLI::Option* publisher =
+      cmd->add_option("--publisher", args->publisher,
+                      "The publisher's membership URL (rank 0's; Publisher.membership_url), e.g. "
+                      "http://10.0.0.2:8480");
   cmd->add_option("--advertise-control", args->advertise_control,
                   "The control URL the publisher reaches the receiver at, if not its own");
   cmd->add_option("--advertise-data", args->advertise_data,

@@ -84,16 +84,16 @@ Table StatusTable(const std::string& url, const ControlStatus& status) {
 
 // The fleet as a publisher's membership endpoint lists it, one row per member.
 Table MembersTable(const FleetMembership& membership) {
-  Table table({"member", "data endpoint", "version", "lag", "caught up by", "bytes", "missed",
-               "fenced"});
+  Table table(
+      {"member", "data endpoint", "version", "lag", "caught up by", "bytes", "missed", "fenced"});
   for (const MemberStanding& member : membership.members) {
-    table.AddRow({member.endpoint.control_url, member.endpoint.data_endpoint,
-                  member.version.has_value() ? std::to_string(*member.version) : kNone,
-                  member.version.has_value() ? std::to_string(member.lag) : kNone,
-                  member.caught_up_by.has_value() ? std::string(CatchUpName(*member.caught_up_by))
-                                                  : kNone,
-                  member.version.has_value() ? FormatBytes(member.wire_bytes) : kNone,
-                  std::to_string(member.missed_syncs), member.fenced ? "yes" : "no"});
+    table.AddRow(
+        {member.endpoint.control_url, member.endpoint.data_endpoint,
+         member.version.has_value() ? std::to_string(*member.version) : kNone,
+         member.version.has_value() ? std::to_string(member.lag) : kNone,
+         member.caught_up_by.has_value() ? std::string(CatchUpName(*member.caught_up_by)) : kNone,
+         member.version.has_value() ? FormatBytes(member.wire_bytes) : kNone,
+         std::to_string(member.missed_syncs), member.fenced ? "yes" : "no"});
   }
   return table;
 }

@@ -691,7 +691,7 @@ Result<ControlStatus> ControlClient::GetStatus() {
   Result<internal::ControlStatusFields> fields = internal::StatusFromJson(body);
   if (!fields.ok()) return ReplyFieldError(fields.status());
   return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint,
-                       std::move(fields->place), fields->relay, std::move(fields->readiness)};
+                       std::move(fields->place),    fields->relay,   std::move(fields->readiness)};
 }
 
 namespace {
@@ -730,15 +730,13 @@ Result<FleetMembership> ControlClient::GetMembership() {
 Result<FleetMembership> ControlClient::AddMember(const MemberEndpoint& member) {
   return MembershipReply(impl_->PostText(internal::kMembersJoinPath,
                                          internal::DumpJson(internal::MemberEndpointToJson(member)),
-                                         internal::kJsonContentType,
-                                         std::chrono::milliseconds(0)));
+                                         internal::kJsonContentType, std::chrono::milliseconds(0)));
 }
 
 Result<FleetMembership> ControlClient::RemoveMember(const std::string& control_url) {
   return MembershipReply(impl_->PostText(internal::kMembersLeavePath,
                                          internal::DumpJson(Json{{"control_url", control_url}}),
-                                         internal::kJsonContentType,
-                                         std::chrono::milliseconds(0)));
+                                         internal::kJsonContentType, std::chrono::milliseconds(0)));
 }
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
@@ -849,9 +847,9 @@ ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOption
 }
 
 std::string ControlStatusToJson(const ControlStatus& status) {
-  internal::Json body = internal::StatusToJson(internal::ControlStatusFields{
-      status.receiver, status.tensors, status.state_fingerprint, status.place, status.relay,
-      status.readiness});
+  internal::Json body = internal::StatusToJson(
+      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint,
+                                    status.place, status.relay, status.readiness});
   body.erase("ok");
   return internal::DumpJson(body);
 }

@@ -663,8 +663,8 @@ ControlReply ControlServer::Impl::ReadyReply() {
   internal::PutReadiness(readiness, body);
   if (!readiness.ready) {
     body["code"] = std::string(StatusCodeName(StatusCode::kUnavailable));
-    body["message"] = fmt::format("not ready ({}): {}", ReadinessReasonName(readiness.reason),
-                                  readiness.detail);
+    body["message"] =
+        fmt::format("not ready ({}): {}", ReadinessReasonName(readiness.reason), readiness.detail);
   }
   return ControlReply{readiness.ready ? kHttpOk : kHttpServiceUnavailable,
                       internal::DumpJson(body)};
@@ -813,14 +813,14 @@ void ControlServer::Impl::InstallRoutes() {
             [this](const httplib::Request& request, httplib::Response& response) {
               Guarded(response, [&] { SendTensor(request, response); });
             });
-  http->Get(std::string(internal::kMetricsPath), [this](const httplib::Request&,
-                                                        httplib::Response& response) {
-    Guarded(response, [&] {
-      const ReceiverStatus status = session.GetStatus();
-      response.set_content(metrics->Render(status, standing.Evaluate(status)),
-                           std::string(kMetricsContentType));
-    });
-  });
+  http->Get(std::string(internal::kMetricsPath),
+            [this](const httplib::Request&, httplib::Response& response) {
+              Guarded(response, [&] {
+                const ReceiverStatus status = session.GetStatus();
+                response.set_content(metrics->Render(status, standing.Evaluate(status)),
+                                     std::string(kMetricsContentType));
+              });
+            });
   http->Get(std::string(internal::kHealthPath),
             [](const httplib::Request&, httplib::Response& response) {
               ReplyJson(response, kHttpOk, Json{{"ok", true}});

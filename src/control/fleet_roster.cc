@@ -109,14 +109,16 @@ bool FleetRoster::RecordUnreachable(const std::string& control_url, const Status
   ++member->missed_syncs;
   const bool drop =
       drop_after_missed_syncs_ != 0 && member->missed_syncs >= drop_after_missed_syncs_;
-  const std::string limit =
-      drop_after_missed_syncs_ == 0 ? "never dropped" : fmt::format("of {}", drop_after_missed_syncs_);
-  miss.unreachable.push_back(
-      fmt::format("{}: unreachable ({} {}): {}", name, member->missed_syncs, limit, why.ToString()));
+  const std::string limit = drop_after_missed_syncs_ == 0
+                                ? "never dropped"
+                                : fmt::format("of {}", drop_after_missed_syncs_);
+  miss.unreachable.push_back(fmt::format("{}: unreachable ({} {}): {}", name, member->missed_syncs,
+                                         limit, why.ToString()));
   if (!drop) {
-    REFIT_LOG_WARN("membership: {} is unreachable ({} consecutive syncs, {}); this sync goes "
-                   "without it: {}",
-                   name, member->missed_syncs, limit, why.ToString());
+    REFIT_LOG_WARN(
+        "membership: {} is unreachable ({} consecutive syncs, {}); this sync goes "
+        "without it: {}",
+        name, member->missed_syncs, limit, why.ToString());
     return false;
   }
   REFIT_LOG_WARN("membership: {} dropped from the fleet: unreachable for {} consecutive syncs: {}",

@@ -65,10 +65,10 @@ std::string RenderMetrics(const FleetMembership& membership) {
     return escaped;
   };
   family("refit_fleet_version", "The fleet's committed version (-1: unknown)");
-  text += fmt::format("refit_fleet_version {}\n",
-                      membership.fleet_version.has_value()
-                          ? static_cast<int64_t>(*membership.fleet_version)
-                          : int64_t{-1});
+  text +=
+      fmt::format("refit_fleet_version {}\n", membership.fleet_version.has_value()
+                                                  ? static_cast<int64_t>(*membership.fleet_version)
+                                                  : int64_t{-1});
   family("refit_fleet_members", "Members the next sync lists");
   text += fmt::format("refit_fleet_members {}\n", membership.members.size());
   family("refit_member_version",
@@ -133,8 +133,9 @@ struct MembershipServer::Impl {
 
 bool MembershipServer::Impl::Authorize(const httplib::Request& request,
                                        httplib::Response& response) const {
-  const AuthResult auth = verifier.Check(PresentedApiKey(
-      request.get_header_value("Authorization"), request.get_header_value(std::string(kApiKeyHeader))));
+  const AuthResult auth =
+      verifier.Check(PresentedApiKey(request.get_header_value("Authorization"),
+                                     request.get_header_value(std::string(kApiKeyHeader))));
   if (auth == AuthResult::kAllowed) return true;
   if (auth == AuthResult::kMissing) {
     response.set_header("WWW-Authenticate", "Bearer realm=\"refit\"");
@@ -160,21 +161,23 @@ Result<MemberEndpoint> MembershipServer::Impl::MemberOf(const httplib::Request& 
 }
 
 void MembershipServer::Impl::InstallRoutes() {
-  http->set_pre_routing_handler([this](const httplib::Request& request,
-                                       httplib::Response& response) {
-    if (request.path == kHealthPath) return httplib::Server::HandlerResponse::Unhandled;
-    return Authorize(request, response) ? httplib::Server::HandlerResponse::Unhandled
-                                        : httplib::Server::HandlerResponse::Handled;
-  });
+  http->set_pre_routing_handler(
+      [this](const httplib::Request& request, httplib::Response& response) {
+        if (request.path == kHealthPath) return httplib::Server::HandlerResponse::Unhandled;
+        return Authorize(request, response) ? httplib::Server::HandlerResponse::Unhandled
+                                            : httplib::Server::HandlerResponse::Handled;
+      });
   http->Get(std::string(kHealthPath), [](const httplib::Request&, httplib::Response& response) {
     ReplyJson(response, kHttpOk, Json{{"ok", true}});
   });
-  http->Get(std::string(kMembersPath), [this](const httplib::Request&, httplib::Response& response) {
-    ReplyResult(response, roster.Snapshot());
-  });
-  http->Get(std::string(kMetricsPath), [this](const httplib::Request&, httplib::Response& response) {
-    response.set_content(RenderMetrics(roster.Snapshot()), std::string(kMetricsContentType));
-  });
+  http->Get(std::string(kMembersPath),
+            [this](const httplib::Request&, httplib::Response& response) {
+              ReplyResult(response, roster.Snapshot());
+            });
+  http->Get(
+      std::string(kMetricsPath), [this](const httplib::Request&, httplib::Response& response) {
+        response.set_content(RenderMetrics(roster.Snapshot()), std::string(kMetricsContentType));
+      });
   http->Post(std::string(kMembersJoinPath),
              [this](const httplib::Request& request, httplib::Response& response) {
                Result<MemberEndpoint> member = MemberOf(request, /*need_data=*/true);
@@ -189,18 +192,16 @@ void MembershipServer::Impl::InstallRoutes() {
              });
   http->set_error_handler([](const httplib::Request& request, httplib::Response& response) {
     if (!response.body.empty()) return;
-    const Status status = response.status == 404
-                              ? NotFound("no route {} {} on the membership endpoint",
-                                         request.method, request.path)
-                              : Status(StatusCodeForHttp(response.status),
-                                       fmt::format("{} {}: HTTP {}", request.method, request.path,
-                                                   response.status));
+    const Status status =
+        response.status == 404
+            ? NotFound("no route {} {} on the membership endpoint", request.method, request.path)
+            : Status(StatusCodeForHttp(response.status),
+                     fmt::format("{} {}: HTTP {}", request.method, request.path, response.status));
     response.set_content(DumpJson(ErrorBody(status)), std::string(kJsonContentType));
   });
   http->set_exception_handler(
       [](const httplib::Request&, httplib::Response& response, const std::exception_ptr&) {
-        ReplyJson(response, 500,
-                  ErrorBody(Internal("membership endpoint: unexpected exception")));
+        ReplyJson(response, 500, ErrorBody(Internal("membership endpoint: unexpected exception")));
       });
 }
 
@@ -213,8 +214,9 @@ Result<std::unique_ptr<MembershipServer>> MembershipServer::Make(const Membershi
     return InvalidArgument("membership endpoint: bind_address is empty");
   }
   auto impl = std::make_unique<Impl>(options, roster);
-  REFIT_ASSIGN_OR_RETURN(impl->http, GuardedHttpServer::Make(HttpConnectionLimits{
-                                         .worker_threads = kMembershipWorkerThreads}));
+  REFIT_ASSIGN_OR_RETURN(
+      impl->http,
+      GuardedHttpServer::Make(HttpConnectionLimits{.worker_threads = kMembershipWorkerThreads}));
   impl->http->set_payload_max_length(kMaxMembershipBodyBytes);
   try {
     impl->InstallRoutes();
@@ -234,9 +236,10 @@ Status MembershipServer::Start() {
                                ? impl.options.port
                                : -1);
   if (bound <= 0) {
-    return Unavailable("membership endpoint cannot bind {}:{} (address in use, not local, or not "
-                       "permitted)",
-                       impl.options.bind_address, impl.options.port);
+    return Unavailable(
+        "membership endpoint cannot bind {}:{} (address in use, not local, or not "
+        "permitted)",
+        impl.options.bind_address, impl.options.port);
   }
   impl.port = static_cast<uint16_t>(bound);
   try {
@@ -250,9 +253,10 @@ Status MembershipServer::Start() {
   }
   impl.started = true;
   if (!impl.verifier.enabled()) {
-    REFIT_LOG_WARN("membership endpoint {} has NO API KEY: anyone who can reach it can add "
-                   "receivers to the fleet. Set the fleet's API key.",
-                   url());
+    REFIT_LOG_WARN(
+        "membership endpoint {} has NO API KEY: anyone who can reach it can add "
+        "receivers to the fleet. Set the fleet's API key.",
+        url());
   } else {
     REFIT_LOG_INFO("membership endpoint listening on {}", url());
   }

@@ -167,14 +167,13 @@ void ControlMetrics::RecordAborted() { transfers_aborted_->Increment(); }
 
 std::string ControlMetrics::Render(const ReceiverStatus& status, const Readiness& readiness) {
   ready_->Set(readiness.ready ? 1 : 0);
-  fleet_version_->Set(readiness.fleet_version.has_value()
-                          ? static_cast<double>(*readiness.fleet_version)
-                          : -1.0);
+  fleet_version_->Set(
+      readiness.fleet_version.has_value() ? static_cast<double>(*readiness.fleet_version) : -1.0);
   fleet_lag_->Set(readiness.fleet_version.has_value() && *readiness.fleet_version > status.version
                       ? static_cast<double>(*readiness.fleet_version - status.version)
                       : 0.0);
-  for (CatchUp how : {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain,
-                      CatchUp::kAnchor}) {
+  for (CatchUp how :
+       {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain, CatchUp::kAnchor}) {
     last_catch_up_->Add({{"how", std::string(CatchUpName(how))}})
         .Set(readiness.last_catch_up == how ? 1 : 0);
   }

@@ -637,8 +637,8 @@ std::string PercentEncode(std::string_view text) {
 namespace {
 
 Result<CatchUp> CatchUpFromName(std::string_view name, const std::string& field) {
-  for (CatchUp how : {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain,
-                      CatchUp::kAnchor}) {
+  for (CatchUp how :
+       {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain, CatchUp::kAnchor}) {
     if (CatchUpName(how) == name) return how;
   }
   return InvalidArgument("{}: unknown catch-up '{}' (delta, folded, peer, chain or anchor)", field,
@@ -698,8 +698,8 @@ Result<MemberEndpoint> MemberEndpointFromJson(const JsonFields& fields, bool nee
   MemberEndpoint member;
   REFIT_ASSIGN_OR_RETURN(member.control_url, fields.String("control_url"));
   if (!member.control_url.starts_with("http://") && !member.control_url.starts_with("https://")) {
-    return InvalidArgument("{} '{}' is not an http:// or https:// URL",
-                           fields.Name("control_url"), member.control_url);
+    return InvalidArgument("{} '{}' is not an http:// or https:// URL", fields.Name("control_url"),
+                           member.control_url);
   }
   if (need_data || fields.Has("data_endpoint")) {
     REFIT_ASSIGN_OR_RETURN(member.data_endpoint, fields.String("data_endpoint"));

@@ -8,9 +8,9 @@
 #include <fmt/format.h>
 
 #include "control/control_server.h"
-#include "refit/control_client.h"
 #include "node/chain_replay.h"
 #include "receiver/receiver_session.h"
+#include "refit/control_client.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -252,7 +252,9 @@ Status ReceiverNode::Impl::Start() {
   control.join = [this](const std::string& publisher_url, const MemberEndpoint& advertised) {
     return Join(publisher_url, advertised);
   };
-  control.leave = [this] { return Leave(ControlClientOptions{}.timeout, ControlClientOptions{}.max_retries); };
+  control.leave = [this] {
+    return Leave(ControlClientOptions{}.timeout, ControlClientOptions{}.max_retries);
+  };
   Result<std::unique_ptr<ControlServer>> server_made =
       ControlServer::Make(control, *session, *store);
   if (!server_made.ok()) return server_made.status().WithContext("receiver node: control plane");
@@ -312,7 +314,8 @@ void ReceiverNode::Impl::Stop() {
     // A worker that shuts down cleanly leaves; one that dies is dropped after missed syncs.
     Result<FleetMembership> left = Leave(kLeaveAtStopTimeout, 0);
     if (!left.ok()) {
-      REFIT_LOG_WARN("receiver node: could not leave the fleet at stop: {}", left.status().ToString());
+      REFIT_LOG_WARN("receiver node: could not leave the fleet at stop: {}",
+                     left.status().ToString());
     }
   }
   stopped = true;
@@ -359,11 +362,12 @@ Result<std::unique_ptr<ControlClient>> ReceiverNode::Impl::PublisherClient(
 Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_url,
                                                  const MemberEndpoint& advertised) {
   if (server == nullptr || stopped) {
-    return FailedPrecondition("receiver node: join {} after Start (and before Stop)", publisher_url);
+    return FailedPrecondition("receiver node: join {} after Start (and before Stop)",
+                              publisher_url);
   }
-  MemberEndpoint self{advertised.control_url.empty() ? server->base_url() : advertised.control_url,
-                      advertised.data_endpoint.empty() ? producer_endpoint
-                                                       : advertised.data_endpoint};
+  MemberEndpoint self{
+      advertised.control_url.empty() ? server->base_url() : advertised.control_url,
+      advertised.data_endpoint.empty() ? producer_endpoint : advertised.data_endpoint};
   for (std::string_view wildcard : {"0.0.0.0", "[::]", "*"}) {
     if (self.control_url.find(wildcard) != std::string::npos ||
         self.data_endpoint.find(wildcard) != std::string::npos) {
@@ -409,7 +413,8 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
                          PublisherClient(publisher, timeout, max_retries));
   Result<FleetMembership> left = client->RemoveMember(self.control_url);
-  if (!left.ok()) return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
+  if (!left.ok())
+    return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
   {
     internal::MutexLock lock(membership_mutex);
     joined_publisher.clear();

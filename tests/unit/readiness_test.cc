@@ -181,7 +181,8 @@ TEST(FleetRosterTest, JoinLeaveAndDropAfterConsecutiveMisses) {
 TEST(FleetRosterTest, ZeroMissesNeverDrops) {
   FleetRoster roster({{"http://a:1", "a:2"}}, 0);
   RosterMiss miss;
-  for (int i = 0; i < 10; ++i) EXPECT_FALSE(roster.RecordUnreachable("http://a:1", Unavailable("x"), miss));
+  for (int i = 0; i < 10; ++i)
+    EXPECT_FALSE(roster.RecordUnreachable("http://a:1", Unavailable("x"), miss));
   EXPECT_EQ(roster.Members().size(), 1u);
 }
 
