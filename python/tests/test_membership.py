@@ -8,8 +8,9 @@ way or by dying. Asserted, from the receivers' own byte counters and ``GET /read
 - an unauthenticated (or wrongly keyed) join is refused with a clear error;
 - a worker that has not joined, or joined behind the fleet, is not ready (503, with the reason);
   one whose transfer is open is not ready; every member is ready after its catch-up;
-- a worker that joins between syncs at the step-0 checkpoint is caught up on its own (folded or
-  an anchor for it alone) while the current members receive exactly the fleet's delta;
+- a worker that joins between syncs at the step-0 checkpoint is caught up on its own — folded
+  deltas within the producers' history, an anchor for it alone beyond it (a `refit serve --join`
+  daemon 10 versions behind) — while the current members receive exactly the fleet's delta;
 - one that leaves is out of the next sync and says "left"; one killed is left out while
   unreachable and dropped after ``drop_after_missed_syncs`` syncs, reported in the SyncReport;
 - ``refit status`` (a receiver, and ``--members`` at the publisher), ``/metrics`` on both ends and
@@ -291,22 +292,43 @@ def write_safetensors(path, tensors):
         out.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def test_a_serve_daemon_joins_on_start_and_leaves_at_shutdown(tmp_path):
+# The producers' retained history (PublisherOptions::history_versions): a newcomer further behind
+# than this is caught up by an anchor of its own.
+HISTORY_VERSIONS = 8
+
+
+def test_a_serve_daemon_beyond_the_history_joins_on_start_is_anchored_alone_and_leaves_at_shutdown(tmp_path):
     rng = np.random.default_rng(SEED + 2)
     trainer = step0_model(SEED)
-    publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60)
-    publisher.adopt_baseline(copy(trainer), version=0)
     model = tmp_path / "step0.safetensors"
     write_safetensors(model, trainer)
-    ready_file = tmp_path / "ready.json"
-    env = dict(os.environ, MEMBERSHIP_KEY=KEY)
-    daemon = subprocess.Popen(
-        [refit_cli(), "serve", "--model", str(model), "--version", "0", "--bind", "127.0.0.1",
-         "--control-port", "0", "--api-key-env", "MEMBERSHIP_KEY", "--ready-file", str(ready_file),
-         "--join", publisher.membership_url],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
+    publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60)
+    publisher.adopt_baseline(copy(trainer), version=0)
+    held = step0_model(SEED)
+    current = refit.Receiver(version=0, api_key=KEY)
+    for name, array in held.items():
+        current.register(name, array)
+    current.start()
+    daemon = None
     try:
+        current.join(publisher.membership_url)
+        for _ in range(HISTORY_VERSIONS + 1):
+            step(trainer, rng)
+            publisher.sync(trainer)
+        delta_before = current.status().received_bytes
+        step(trainer, rng)
+        publisher.sync(trainer)
+        one_delta = current.status().received_bytes - delta_before
+
+        # A worker restarted from the step-0 checkpoint, 10 versions behind, joins as it starts.
+        ready_file = tmp_path / "ready.json"
+        env = dict(os.environ, MEMBERSHIP_KEY=KEY)
+        daemon = subprocess.Popen(
+            [refit_cli(), "serve", "--model", str(model), "--version", "0", "--bind", "127.0.0.1",
+             "--control-port", "0", "--api-key-env", "MEMBERSHIP_KEY", "--ready-file", str(ready_file),
+             "--join", publisher.membership_url],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
         lines = []
         for line in daemon.stdout:
             lines.append(line)
@@ -314,18 +336,30 @@ def test_a_serve_daemon_joins_on_start_and_leaves_at_shutdown(tmp_path):
                 break
         assert any("joined the fleet of" in line for line in lines), "".join(lines) + str(daemon.poll())
         control = json.loads(ready_file.read_text())["control_url"]
-        members = publisher.membership()["members"]
-        assert [m["control_url"] for m in members] == [control], members
+        assert [m["control_url"] for m in publisher.membership()["members"]] == [current.control_url, control]
         status, body = http("GET", control + "/ready", key=None)
-        assert status == 200 and body["fleet_version"] == 0, body
+        assert status == 503 and body["ready_reason"] == "behind" and body["fleet_version"] == 10, body
+
+        before = current.status().received_bytes
         step(trainer, rng)
         report = publisher.sync(trainer)
-        assert report.receivers == (control,) and report.catch_ups[0]["caught_up_by"] == "delta"
+        how = {entry["name"]: entry for entry in report.catch_ups}
+        assert how[control]["caught_up_by"] == "anchor" and how[control]["lag"] == 10, how
+        assert how[current.control_url]["caught_up_by"] == "delta", how
+        got = current.status().received_bytes - before
+        # The current member got the fleet's delta only, delta-sized; the newcomer its anchor.
+        assert got == how[current.control_url]["wire_bytes"] and got < 2 * one_delta, (got, one_delta, how)
+        _, daemon_status = http("GET", control + "/v1/status")
+        assert daemon_status["received_bytes"] == how[control]["wire_bytes"] > 4 * got, (daemon_status, how)
         assert_holds(control, trainer)
+        status, body = http("GET", control + "/ready", key=None)
+        assert status == 200 and body["last_catch_up"] == "anchor", body
+
         daemon.terminate()
         assert daemon.wait(timeout=60) == 0
-        assert publisher.membership()["members"] == []
+        assert [m["control_url"] for m in publisher.membership()["members"]] == [current.control_url]
     finally:
-        if daemon.poll() is None:
+        if daemon is not None and daemon.poll() is None:
             daemon.kill()
             daemon.wait()
+        current.stop()
