@@ -157,8 +157,12 @@ def test_join_leave_fail_readiness_and_visibility(tmp_path):
         # An embedded receiver, whose hook looks at its readiness while its transfer is open.
         held = step0_model(SEED)
         seen = []
+        at_commit = []
         embedded = refit.Receiver(
-            version=0, api_key=KEY, before_first_apply=lambda transfer_id: seen.append(embedded.status())
+            version=0,
+            api_key=KEY,
+            before_first_apply=lambda transfer_id: seen.append(embedded.status()),
+            after_commit=lambda transfer_id, version: at_commit.append(embedded.status()),
         )
         for name, array in held.items():
             embedded.register(name, array)
@@ -179,6 +183,11 @@ def test_join_leave_fail_readiness_and_visibility(tmp_path):
             for worker in workers:
                 assert_holds(worker.control, trainer)
         assert seen and not seen[0].ready and seen[0].ready_reason == "transfer_open", seen[:1]
+        # Inside the commit hook (the engine takes the new bytes) the receiver is not ready yet:
+        # the fleet's version is already the new one, the version it reports not yet.
+        assert [s.ready_reason for s in at_commit] and all(
+            not s.ready and s.ready_reason in ("behind", "transfer_open") for s in at_commit
+        ), at_commit
         assert embedded.status().ready and embedded.status().last_catch_up == "delta"
         assert all(held[name].tobytes() == trainer[name].tobytes() for name in trainer)
 

@@ -531,6 +531,10 @@ Result<Json> ControlServer::Impl::Commit(const JsonFields& body) {
   // Commit is idempotent; count only the call that moved the transfer out of kPrepared. The
   // exclusive lock keeps other control calls of this server from changing the state between.
   const ReceiverStatus before = session.GetStatus();
+  // A Commit is the fleet's decision: the fleet holds the target from now on, whether or not
+  // this receiver's own commit succeeds. Known before the session commits, so that readiness
+  // never sees the new version ahead of the fleet's (the after_commit hook runs inside Commit).
+  if (before.transfer_id == id) standing.ObserveFleetVersion(before.target_version);
   REFIT_RETURN_NOT_OK(session.Commit(id));
   if (before.state == ReceiverState::kPrepared && before.transfer_id == id) {
     metrics->RecordCommitted();
