@@ -372,3 +372,63 @@ def test_a_serve_daemon_beyond_the_history_joins_on_start_is_anchored_alone_and_
             daemon.kill()
             daemon.wait()
         current.stop()
+
+
+def test_with_two_ranks_the_fleet_is_rank_0s_snapshot_at_each_sync(tmp_path):
+    """W = 2: only rank 0 serves the membership endpoint; a member that joins between syncs is
+    sent both ranks' chunks in the next sync (rank 0's begin message carries the fleet)."""
+    import threading  # noqa: PLC0415
+
+    rng = np.random.default_rng(SEED + 3)
+    trainer = step0_model(SEED)
+    groups = refit.in_process_group(2)
+    publishers = [
+        refit.Publisher(group=group, api_key=KEY, transfer_timeout=60, chunk_bytes=4096,
+                        **({"membership_port": 0} if rank == 0 else {}))
+        for rank, group in enumerate(groups)
+    ]
+    assert publishers[0].membership_url and publishers[1].membership_url == ""
+    for publisher in publishers:
+        publisher.adopt_baseline(copy(trainer), version=0)
+
+    def sync_all():
+        errors, reports = [None, None], [None, None]
+
+        def run(rank):
+            try:
+                reports[rank] = publishers[rank].sync(trainer)
+            except refit.Error as error:
+                errors[rank] = error
+
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert errors == [None, None], errors
+        # Rank 1 sent its own chunks to the members rank 0 listed.
+        assert reports[1].wire_bytes > 0 and reports[1].rank == 1
+        return reports[0]
+
+    helds = [step0_model(SEED), step0_model(SEED)]
+    receivers = []
+    try:
+        for held in helds:
+            receiver = refit.Receiver(version=0, api_key=KEY)
+            for name, array in held.items():
+                receiver.register(name, array)
+            receivers.append(receiver.start())
+        receivers[0].join(publishers[0].membership_url)
+        step(trainer, rng)
+        assert sync_all().receivers == (receivers[0].control_url,)
+        receivers[1].join(publishers[0].membership_url)
+        step(trainer, rng)
+        report = sync_all()
+        assert set(report.receivers) == {r.control_url for r in receivers}
+        assert {c["name"]: c["caught_up_by"] for c in report.catch_ups}[receivers[1].control_url] in ("folded", "anchor")
+        for held in helds:
+            assert all(held[name].tobytes() == trainer[name].tobytes() for name in trainer)
+        assert all(r.ready and r.version == 2 for r in receivers)
+    finally:
+        for receiver in receivers:
+            receiver.stop()
