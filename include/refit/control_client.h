@@ -13,7 +13,9 @@
 
 #include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
+#include "refit/membership.h"
 #include "refit/payload.h"
+#include "refit/readiness.h"
 #include "refit/receiver_session_options.h"
 #include "refit/status.h"
 #include "refit/tensor.h"
@@ -69,11 +71,15 @@ struct ControlStatus {
   /// Its place in its relay tree (ControlServerOptions::relay); nullopt without relays, or from
   /// a receiver older than this field. (Last, with an initializer, for aggregate initializers.)
   std::optional<RelayPlace> relay = std::nullopt;
+  /// Whether it may serve (GET /ready); nullopt from a receiver older than readiness.
+  std::optional<Readiness> readiness = std::nullopt;
 };
 
 /// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the
 /// one place that layout is written, for tools that print a status.
 std::string ControlStatusToJson(const ControlStatus& status);
+/// Return `membership` as GET /v1/members reports it (JSON text, without the "ok" envelope).
+std::string ControlMembershipToJson(const FleetMembership& membership);
 
 /// A client of one receiver's control plane.
 ///
@@ -127,6 +133,23 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
   Result<OwnedTensor> GetTensor(std::string_view name);
   /// GET /healthz (no key needed). Errors: Unavailable when the server cannot be reached.
   Status CheckHealth();
+
+  /// Of a receiver: POST /v1/join — make it join the fleet of the publisher's membership
+  /// endpoint `publisher_url` (`refit join`), advertising `advertised` where set instead of its
+  /// own addresses. Errors: those of the publisher (PermissionDenied for a key it refuses,
+  /// Unavailable when it cannot be reached), naming it.
+  Result<FleetMembership> JoinFleet(const std::string& publisher_url,
+                                    const MemberEndpoint& advertised = {});
+  /// Of a receiver: POST /v1/leave — make it leave the fleet it joined. Errors: as JoinFleet;
+  /// FailedPrecondition when it joined none.
+  Result<FleetMembership> LeaveFleet();
+  /// Of a publisher's membership endpoint (base_url): GET /v1/members, POST
+  /// /v1/members/join and /v1/members/leave (refit/membership.h). Errors: PermissionDenied for a
+  /// missing or wrong key; InvalidArgument for a member it refuses; NotFound for leaving a fleet
+  /// one is not a member of.
+  Result<FleetMembership> GetMembership();
+  Result<FleetMembership> AddMember(const MemberEndpoint& member);
+  Result<FleetMembership> RemoveMember(const std::string& control_url);
 
   /// The base URL the client calls, without a trailing '/'.
   const std::string& base_url() const;

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "refit/membership.h"
 #include "refit/status.h"
 #include "refit/transfer.h"
 
@@ -99,6 +100,14 @@ struct ControlServerOptions {
   /// tree is refused.
   std::function<Status(const TransferId& transfer_id, const RelayTree& tree)> route_transfer =
       nullptr;
+  /// Called by POST /v1/join {"publisher_url", optional "control_url", "data_endpoint"}: join the
+  /// publisher's fleet as this receiver (ReceiverNode::Join; the optional fields advertise other
+  /// addresses than the node's own). Null: the route answers 409.
+  std::function<Result<FleetMembership>(const std::string& publisher_url,
+                                        const MemberEndpoint& advertised)>
+      join = nullptr;
+  /// Called by POST /v1/leave: leave the fleet joined last (ReceiverNode::Leave). Null: 409.
+  std::function<Result<FleetMembership>()> leave = nullptr;
 };
 
 }  // namespace refit

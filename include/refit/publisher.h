@@ -30,6 +30,7 @@
 #include "refit/chunk_source.h"
 #include "refit/commit_policy.h"
 #include "refit/control_client.h"
+#include "refit/membership.h"
 #include "refit/producer_group.h"
 #include "refit/producer_layout.h"
 #include "refit/refit_report.h"
@@ -112,6 +113,14 @@ struct PublisherOptions {
   /// Sync). A quorum needs a transport with relay trees (zmq://). Checked at Sync against the
   /// fleet: a count above its replicas fails the Sync (InvalidArgument).
   CommitPolicy commit_policy = {};
+  /// Rank 0: serve a membership endpoint (refit/membership.h) through which receivers join and
+  /// leave the fleet with one authenticated call; `receivers` may then be empty (the fleet is
+  /// whoever joined). Changes take effect at the next Sync. A member unreachable at a Sync's
+  /// start is left out of it, and dropped after drop_after_missed_syncs such Syncs in a row.
+  /// Other ranks ignore it: rank 0 snapshots the fleet at each Sync's start and its begin
+  /// message carries the data endpoints to every rank. Unset: no endpoint; an unreachable
+  /// receiver fails the Sync.
+  std::optional<MembershipOptions> membership;
 };
 
 /// What a sharded trainer rank holds — FSDP2/DTensor shards, Megatron tensor- and
@@ -143,6 +152,11 @@ struct SyncReport {
   uint32_t world_size = 1;
   /// This rank's staging of device tensors.
   StagingReport staging = {};
+  /// Rank 0 with a membership endpoint: the members left out of this Sync because their control
+  /// plane could not be reached at its start (each with why), and those dropped from the fleet
+  /// for it (unreachable for MembershipOptions::drop_after_missed_syncs Syncs in a row).
+  std::vector<std::string> unreachable = {};
+  std::vector<std::string> dropped = {};
 };
 
 /// One trainer rank's publisher.
@@ -226,6 +240,13 @@ class Publisher {
   /// others' payloads do not change. Over other transports such a receiver makes the Sync an
   /// anchor. Errors: FailedPrecondition on other ranks; InvalidArgument for an empty list.
   Status SetReceivers(std::vector<PublisherReceiver> receivers);
+
+  /// Rank 0 with PublisherOptions::membership: the membership endpoint's URL, where receivers
+  /// join (`refit join --publisher URL`); empty otherwise.
+  std::string membership_url() const;
+  /// Rank 0 with a membership endpoint: the members and how each stood at the last Sync (as
+  /// GET /v1/members). Errors: FailedPrecondition without one.
+  Result<FleetMembership> membership() const;
 
   uint32_t rank() const;
   uint32_t world_size() const;

@@ -22,6 +22,8 @@
 #include "refit/chain_version.h"
 #include "refit/control_server_options.h"
 #include "refit/loader.h"
+#include "refit/membership.h"
+#include "refit/readiness.h"
 #include "refit/receiver_session_options.h"
 #include "refit/status.h"
 #include "refit/stream_options.h"
@@ -153,6 +155,26 @@ class ReceiverNode {
   std::string producer_endpoint() const;
   /// The session's state; an idle status before Start.
   ReceiverStatus status() const;
+  /// Whether this receiver may serve (GET /ready; refit/readiness.h): it holds the fleet's
+  /// committed version, no transfer is open, it is neither behind, fenced nor left.
+  Readiness readiness() const;
+
+  /// Join the fleet of the publisher whose membership endpoint is `publisher_url` (rank 0's;
+  /// refit/membership.h), with this receiver's control key (ReceiverNodeOptions::control.api_key,
+  /// the fleet's one key), as control_url() and producer_endpoint() — or the addresses set in
+  /// `advertised` (a receiver bound to a wildcard, behind NAT). It takes part from the publisher's
+  /// next Sync, caught up on its own (folded deltas or an anchor for it alone); the reply's fleet
+  /// version tells readiness what it must hold. Joining again (the same or another publisher)
+  /// replaces the membership. After Start; thread-safe.
+  /// Errors: FailedPrecondition before Start; InvalidArgument for a bad URL; the publisher's
+  /// (PermissionDenied for a key it refuses, Unavailable when it cannot be reached), naming it.
+  Result<FleetMembership> Join(const std::string& publisher_url,
+                               const MemberEndpoint& advertised = {});
+  /// Leave the fleet joined last: the publisher's next Sync goes without this receiver, and
+  /// readiness turns false (reason "left"). Stop leaves too (best effort). Thread-safe.
+  /// Errors: FailedPrecondition when it joined none; the publisher's, as Join.
+  Result<FleetMembership> Leave();
+
   /// What the bootstrap did at Start, if one ran.
   const std::optional<ChainBootstrapReport>& bootstrap_report() const;
   /// The store (its tensors, digests, version). Read it only while no transfer is open.

@@ -52,6 +52,11 @@ class SyncReport:
     #: flush; rolled back to the version they held and caught up at the next sync). Each one's
     #: ``catch_ups`` entry has ``fenced: True`` and ``fenced_because``.
     fenced: Tuple[str, ...] = ()
+    #: Rank 0 with a membership endpoint: the members left out of this sync because they could
+    #: not be reached at its start (each "url: why"), and those dropped from the fleet for it
+    #: (unreachable ``drop_after_missed_syncs`` syncs in a row, default 3).
+    unreachable: Tuple[str, ...] = ()
+    dropped: Tuple[str, ...] = ()
 
     @property
     def density(self) -> float:
@@ -135,6 +140,11 @@ class Publisher:
       that would reuse a version number they hold under other contents, naming both runs;
     - ``resume``: rank 0: continue the run as its next epoch (the fleet's highest + 1), which
       fences the trainer it replaces; without it a run id the fleet holds fails the first sync.
+    - ``membership_port``, ``membership_host``: rank 0: serve a membership endpoint there (port 0:
+      a free one; host default 127.0.0.1), where receivers join and leave with one call
+      (:meth:`Receiver.join`, ``refit join``), authenticated by ``api_key``; ``receivers`` may then
+      be empty. Changes take effect at the next sync. A member unreachable at a sync's start is
+      left out of it and dropped after ``drop_after_missed_syncs`` (default 3) such syncs in a row.
     """
 
     #: The keywords that set a key of the configuration file, and the key each sets.
@@ -165,6 +175,9 @@ class Publisher:
         run_id: Optional[str] = None,
         resume: bool = False,
         commit_policy: Optional[str] = None,
+        membership_port: Optional[int] = None,
+        membership_host: Optional[str] = None,
+        drop_after_missed_syncs: Optional[int] = None,
     ):
         if group is None:
             group = in_process_group(1)[0]
@@ -178,6 +191,9 @@ class Publisher:
             staging_bytes=staging_bytes,
             run_id=run_id,
             resume=bool(resume),
+            membership_host=membership_host,
+            membership_port=membership_port,
+            drop_after_missed_syncs=drop_after_missed_syncs,
         )
 
     def adopt_baseline(
@@ -236,11 +252,24 @@ class Publisher:
         report["receivers"] = tuple(report["receivers"])
         report["catch_ups"] = tuple(report["catch_ups"])
         report["fenced"] = tuple(report["fenced"])
+        report["unreachable"] = tuple(report["unreachable"])
+        report["dropped"] = tuple(report["dropped"])
         return SyncReport(**report)
 
     def set_receivers(self, receivers: Iterable[ReceiverLike]) -> None:
         """Rank 0: replace the fleet from the next sync on."""
         self._core.set_receivers(_receiver_endpoints(receivers))
+
+    @property
+    def membership_url(self) -> str:
+        """Rank 0: the membership endpoint's URL, where receivers join ("" without one)."""
+        return self._core.membership_url
+
+    def membership(self) -> dict:
+        """Rank 0: the members and how each stood at the last sync (``GET /v1/members``):
+        ``{"fleet_version", "members": [{control_url, data_endpoint, joined, version,
+        held_version, lag, caught_up_by, wire_bytes, missed_syncs, fenced}]}``."""
+        return self._core.membership()
 
     def cancel(self) -> None:
         """Make the sync in flight (on another thread) fail soon with Cancelled."""

@@ -49,6 +49,21 @@ class ReceiverStatus:
     run_id: Optional[str] = None
     epoch: int = 0
     fingerprint: Optional[str] = None
+    #: Whether the receiver may serve (``GET /ready``): it holds, committed, the version its fleet
+    #: holds — never while a transfer is open, while it is behind, fenced, or after it left.
+    ready: bool = False
+    #: Why not: "ready", "fleet_version_unknown", "transfer_open", "behind", "ahead",
+    #: "needs_anchor", "fenced" or "left"; ``ready_detail`` says it with the versions.
+    ready_reason: str = "fleet_version_unknown"
+    ready_detail: str = ""
+    #: The fleet's committed version as last heard from the publisher (a join reply, a prepare, a
+    #: commit), or None before that.
+    fleet_version: Optional[int] = None
+    #: How the last committed transfer brought it to its version: "delta", "folded", "chain" or
+    #: "anchor" (None before the first).
+    last_catch_up: Optional[str] = None
+    #: The membership URL of the publisher it joined (:meth:`Receiver.join`), or "".
+    publisher_url: str = ""
 
 
 Hook = Optional[Callable[..., None]]
@@ -225,6 +240,36 @@ class Receiver:
     def status(self) -> ReceiverStatus:
         """The receiver's state, version and open transfer."""
         return ReceiverStatus(**self._core.status())
+
+    @property
+    def ready(self) -> bool:
+        """Whether the receiver may serve now (:attr:`ReceiverStatus.ready`)."""
+        return bool(self._core.readiness()["ready"])
+
+    def join(
+        self,
+        publisher_url: str,
+        *,
+        control_url: Optional[str] = None,
+        data_endpoint: Optional[str] = None,
+    ) -> dict:
+        """Join the fleet of the publisher whose membership endpoint is ``publisher_url``.
+
+        One authenticated call (this receiver's ``api_key``, the fleet's one key). The receiver
+        takes part from the publisher's next sync, caught up on its own (folded deltas, or an
+        anchor for it alone) while the other members keep receiving deltas; until it holds the
+        fleet's version :attr:`ready` is False. ``control_url`` and ``data_endpoint`` advertise
+        other addresses than its own (a wildcard bind, NAT). Returns the membership: ``{
+        "fleet_version", "members": [{control_url, data_endpoint, version, lag, caught_up_by,
+        wire_bytes, …}]}``. Raises PermissionDenied when the publisher refuses the key,
+        Unavailable when it cannot be reached.
+        """
+        return self._core.join(publisher_url, control_url or "", data_endpoint or "")
+
+    def leave(self) -> dict:
+        """Leave the fleet joined last: the next sync goes without this receiver, and
+        :attr:`ready` turns False. :meth:`stop` leaves too. Returns the membership."""
+        return self._core.leave()
 
     def wait_for_version(self, version: int, timeout: Optional[float] = None) -> int:
         """Block until the receiver has committed ``version`` (or a later one); return it.

@@ -259,6 +259,15 @@ class Publisher:
         """Rank 0: replace the fleet from the next sync on."""
         self._inner.set_receivers(receivers)
 
+    @property
+    def membership_url(self) -> str:
+        """Rank 0 with ``membership_port=``: where receivers join (``Receiver.join``)."""
+        return self._inner.membership_url
+
+    def membership(self) -> dict:
+        """Rank 0: the members and how each stood at the last sync (:meth:`refit.Publisher.membership`)."""
+        return self._inner.membership()
+
     def cancel(self) -> None:
         """Make the sync in flight (on another thread) fail soon with Cancelled."""
         self._inner.cancel()
@@ -711,6 +720,19 @@ class Receiver:
     def version(self) -> int:
         """The committed version the module holds."""
         return self._receiver().version
+
+    @property
+    def ready(self) -> bool:
+        """Whether the module may serve: it holds the fleet's committed version (:attr:`refit.Receiver.ready`)."""
+        return self._receiver().ready
+
+    def join(self, publisher_url: str, **advertise: Any) -> dict:
+        """Join the fleet of ``publisher_url`` with one call (:meth:`refit.Receiver.join`)."""
+        return self._receiver().join(publisher_url, **advertise)
+
+    def leave(self) -> dict:
+        """Leave the fleet joined last (:meth:`refit.Receiver.leave`)."""
+        return self._receiver().leave()
 
     def status(self) -> refit.ReceiverStatus:
         """The receiver's state, version and open transfer."""

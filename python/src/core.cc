@@ -445,6 +445,48 @@ py::dict StatusToDict(const ReceiverStatus& status) {
   return out;
 }
 
+// Readiness (refit/readiness.h) as ReceiverStatus's fields in Python.
+void PutReadiness(const Readiness& readiness, py::dict& out) {
+  out["ready"] = readiness.ready;
+  out["ready_reason"] = std::string(ReadinessReasonName(readiness.reason));
+  out["ready_detail"] = readiness.detail;
+  out["fleet_version"] = readiness.fleet_version.has_value()
+                             ? py::object(py::int_(*readiness.fleet_version))
+                             : py::object(py::none());
+  out["last_catch_up"] =
+      readiness.last_catch_up.has_value()
+          ? py::object(py::str(std::string(CatchUpName(*readiness.last_catch_up))))
+          : py::object(py::none());
+  out["publisher_url"] = readiness.publisher_url;
+}
+
+py::dict MembershipToDict(const FleetMembership& membership) {
+  py::dict out;
+  out["fleet_version"] = membership.fleet_version.has_value()
+                             ? py::object(py::int_(*membership.fleet_version))
+                             : py::object(py::none());
+  py::list members;
+  for (const MemberStanding& member : membership.members) {
+    py::dict one;
+    one["control_url"] = member.endpoint.control_url;
+    one["data_endpoint"] = member.endpoint.data_endpoint;
+    one["joined"] = member.joined;
+    one["missed_syncs"] = member.missed_syncs;
+    one["version"] =
+        member.version.has_value() ? py::object(py::int_(*member.version)) : py::object(py::none());
+    one["held_version"] = member.held_version;
+    one["lag"] = member.lag;
+    one["caught_up_by"] = member.caught_up_by.has_value()
+                              ? py::object(py::str(std::string(CatchUpName(*member.caught_up_by))))
+                              : py::object(py::none());
+    one["wire_bytes"] = member.wire_bytes;
+    one["fenced"] = member.fenced;
+    members.append(std::move(one));
+  }
+  out["members"] = members;
+  return out;
+}
+
 py::dict SyncReportToDict(const SyncReport& sync) {
   const RefitReport& report = sync.transfer;
   py::dict out;
@@ -489,6 +531,8 @@ py::dict SyncReportToDict(const SyncReport& sync) {
   out["staged_bytes"] = sync.staging.staged_bytes;
   out["staging_budget_bytes"] = sync.staging.budget_bytes;
   out["staging_peak_bytes"] = sync.staging.peak_held_bytes;
+  out["unreachable"] = py::tuple(py::cast(sync.unreachable));
+  out["dropped"] = py::tuple(py::cast(sync.dropped));
   return out;
 }
 
@@ -1168,13 +1212,47 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("control_url", [](PyReceiver& r) { return r.node().control_url(); })
       .def_property_readonly("producer_endpoint",
                              [](PyReceiver& r) { return r.node().producer_endpoint(); })
-      .def("status", [](PyReceiver& r) {
-        ReceiverStatus status;
-        {
+      .def("status",
+           [](PyReceiver& r) {
+             ReceiverStatus status;
+             Readiness readiness;
+             {
+               py::gil_scoped_release release;
+               status = r.node().status();
+               readiness = r.node().readiness();
+             }
+             py::dict out = StatusToDict(status);
+             PutReadiness(readiness, out);
+             return out;
+           })
+      .def("readiness",
+           [](PyReceiver& r) {
+             Readiness readiness;
+             {
+               py::gil_scoped_release release;
+               readiness = r.node().readiness();
+             }
+             py::dict out;
+             PutReadiness(readiness, out);
+             return out;
+           })
+      .def(
+          "join",
+          [](PyReceiver& r, const std::string& publisher_url, const std::string& control_url,
+             const std::string& data_endpoint) {
+            Result<FleetMembership> joined = [&] {
+              py::gil_scoped_release release;
+              return r.node().Join(publisher_url, MemberEndpoint{control_url, data_endpoint});
+            }();
+            return MembershipToDict(Unwrap(std::move(joined)));
+          },
+          py::arg("publisher_url"), py::arg("control_url") = "", py::arg("data_endpoint") = "")
+      .def("leave", [](PyReceiver& r) {
+        Result<FleetMembership> left = [&] {
           py::gil_scoped_release release;
-          status = r.node().status();
-        }
-        return StatusToDict(status);
+          return r.node().Leave();
+        }();
+        return MembershipToDict(Unwrap(std::move(left)));
       });
 
   py::class_<TensorMemory, PyTensorMemory, std::shared_ptr<TensorMemory>>(
@@ -1190,16 +1268,28 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](GroupHandle& group, const std::optional<LoadedConfig>& config,
                        const py::list& overrides, const std::optional<std::string>& api_key,
                        double transfer_timeout_s, std::optional<uint64_t> staging_bytes,
-                       const std::optional<std::string>& run_id, bool resume) {
-             return std::make_unique<PyPublisher>(
-                 PublisherOptionsFrom(config, overrides, api_key, transfer_timeout_s, staging_bytes,
-                                      run_id, resume),
-                 group);
+                       const std::optional<std::string>& run_id, bool resume,
+                       const std::optional<std::string>& membership_host,
+                       std::optional<uint16_t> membership_port,
+                       std::optional<uint32_t> drop_after_missed_syncs) {
+             PublisherOptions options = PublisherOptionsFrom(
+                 config, overrides, api_key, transfer_timeout_s, staging_bytes, run_id, resume);
+             if (membership_port.has_value() || membership_host.has_value()) {
+               MembershipOptions membership;
+               if (membership_host.has_value()) membership.bind_address = *membership_host;
+               if (membership_port.has_value()) membership.port = *membership_port;
+               if (drop_after_missed_syncs.has_value()) {
+                 membership.drop_after_missed_syncs = *drop_after_missed_syncs;
+               }
+               options.membership = membership;
+             }
+             return std::make_unique<PyPublisher>(std::move(options), group);
            }),
            py::arg("group"), py::arg("config"), py::arg("overrides"), py::kw_only(),
            py::arg("api_key") = py::none(), py::arg("transfer_timeout_s") = 600.0,
            py::arg("staging_bytes") = py::none(), py::arg("run_id") = py::none(),
-           py::arg("resume") = false,
+           py::arg("resume") = false, py::arg("membership_host") = py::none(),
+           py::arg("membership_port") = py::none(), py::arg("drop_after_missed_syncs") = py::none(),
            "A Publisher configured by `config` (a Config or None) with `overrides`, a list of "
            "(key path, value, origin) from the keywords that name configuration keys.")
       .def("adopt_baseline", &PyPublisher::AdoptBaseline, py::arg("tensors"),
@@ -1220,5 +1310,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("run_id", [](PyPublisher& p) { return p.get().run_id(); })
       .def_property_readonly("epoch", [](PyPublisher& p) { return p.get().epoch(); })
       .def_property_readonly("baseline_bytes",
-                             [](PyPublisher& p) { return p.get().baseline_bytes(); });
+                             [](PyPublisher& p) { return p.get().baseline_bytes(); })
+      .def_property_readonly("membership_url",
+                             [](PyPublisher& p) { return p.get().membership_url(); })
+      .def("membership",
+           [](PyPublisher& p) { return MembershipToDict(Unwrap(p.get().membership())); });
 }

@@ -28,6 +28,7 @@ void RegisterDemo(CLI::App& app, Status* result);
 void RegisterServe(CLI::App& app, Status* result);
 void RegisterPush(CLI::App& app, Status* result);
 void RegisterStatus(CLI::App& app, Status* result);
+void RegisterJoin(CLI::App& app, Status* result);
 void RegisterAbort(CLI::App& app, Status* result);
 void RegisterKeygen(CLI::App& app, Status* result);
 void RegisterRawCopySink(CLI::App& app, Status* result);

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   refit::cli::RegisterServe(app, &result);
   refit::cli::RegisterPush(app, &result);
   refit::cli::RegisterStatus(app, &result);
+  refit::cli::RegisterJoin(app, &result);
   refit::cli::RegisterAbort(app, &result);
   refit::cli::RegisterKeygen(app, &result);
   refit::cli::RegisterDiff(app, &result);

@@ -288,6 +288,15 @@ void PrintReport(const PushArgs& args, const SyncReport& sync, uint64_t model_by
         FormatBytes(report.wire_bytes), FormatBytes(model_bytes), FormatDuration(report.total_s),
         FormatDuration(report.stream_s), FormatDuration(report.flush_s),
         FormatDuration(report.commit_s));
+    // Receivers caught up on their own (new, behind, needing an anchor) in a delta transfer;
+    // those at the base got the delta above. `--json` lists every receiver.
+    for (const ReceiverOutcome& receiver : report.receivers) {
+      if (receiver.caught_up_by == CatchUp::kDelta || report.plan.anchor) continue;
+      std::cout << fmt::format("  {}: v{} -> v{} ({} behind the base) by {}, {} sent to it\n",
+                               receiver.name, receiver.held_version, report.plan.target_version,
+                               receiver.lag, CatchUpName(receiver.caught_up_by),
+                               FormatBytes(receiver.wire_bytes));
+    }
     std::vector<size_t> idle;
     for (size_t p = 0; p < report.producers.size(); ++p) {
       if (report.producers[p].owned_chunks == 0) idle.push_back(p);

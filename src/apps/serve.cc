@@ -62,6 +62,11 @@ struct ServeSettings {
   std::vector<std::string> peers;
   /// The version the model is at; unset: the file's "refit.version" metadata, else 0.
   std::optional<uint64_t> version;
+  /// A publisher's membership URL to join once both planes listen (left at a clean shutdown),
+  /// and the addresses to advertise there instead of the node's own. Empty: join none.
+  std::string join_publisher;
+  std::string advertise_control;
+  std::string advertise_data;
   /// Where to write the weights held at a clean shutdown (safetensors, with their version):
   /// what an MPI job's receivers keep when the job ends. Empty: nothing is written.
   std::string save_on_exit;
@@ -294,6 +299,18 @@ Status RunServe(const ServeSettings& settings) {
               control_url.c_str(), data_plane.c_str(), static_cast<unsigned long long>(version),
               tensors, place.c_str());
   std::fflush(stdout);
+  if (!settings.join_publisher.empty()) {
+    REFIT_ASSIGN_OR_RETURN(
+        const FleetMembership joined,
+        node->Join(settings.join_publisher,
+                   MemberEndpoint{settings.advertise_control, settings.advertise_data}));
+    std::printf("refit serve: joined the fleet of %s (fleet version %s, %zu members)\n",
+                settings.join_publisher.c_str(),
+                joined.fleet_version.has_value() ? std::to_string(*joined.fleet_version).c_str()
+                                                 : "unknown",
+                joined.members.size());
+    std::fflush(stdout);
+  }
 
   // An MPI job ends when its producers close it: a thread waits for that and wakes the sigwait
   // below with SIGUSR1 (blocked like the others, so it is only ever taken here).
@@ -492,6 +509,13 @@ void RegisterServe(CLI::App& app, Status* result) {
   config_option("--ready-file", "server.ready_file",
                 "Write {pid, control_url, data_endpoint, version, tensors} as JSON here once "
                 "both planes listen; removed at a clean shutdown");
+  cmd->add_option("--join", settings.join_publisher,
+                  "Join the fleet of this publisher membership URL once serving (leave it at a "
+                  "clean shutdown); the fleet's key is the control plane's (--api-key-env)");
+  cmd->add_option("--advertise-control", settings.advertise_control,
+                  "With --join: the control URL the publisher reaches this receiver at");
+  cmd->add_option("--advertise-data", settings.advertise_data,
+                  "With --join: the data endpoint the publisher sends to");
   cmd->add_option("--save-on-exit", settings.save_on_exit,
                   "Write the weights held at a clean shutdown to this safetensors file, with "
                   "their version (what an MPI job's receivers keep when the job ends)");

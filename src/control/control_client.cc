@@ -692,7 +692,52 @@ Result<ControlStatus> ControlClient::GetStatus() {
   Result<internal::ControlStatusFields> fields = internal::StatusFromJson(body);
   if (!fields.ok()) return ReplyFieldError(fields.status());
   return ControlStatus{std::move(fields->receiver), fields->tensors, fields->state_fingerprint,
-                       std::move(fields->place), fields->relay};
+                       std::move(fields->place),    fields->relay,   std::move(fields->readiness)};
+}
+
+namespace {
+
+// What a receiver's join or leave may take on top of the client's own timeout: its own call to
+// the publisher (ControlClientOptions::timeout by default).
+constexpr std::chrono::milliseconds kFleetCallServerTime = std::chrono::seconds(30);
+
+Result<FleetMembership> MembershipReply(Result<Json> body) {
+  if (!body.ok()) return body.status();
+  Result<FleetMembership> membership = internal::MembershipFromJson(*body);
+  if (!membership.ok()) return ReplyFieldError(membership.status());
+  return membership;
+}
+
+}  // namespace
+
+Result<FleetMembership> ControlClient::JoinFleet(const std::string& publisher_url,
+                                                 const MemberEndpoint& advertised) {
+  Json body{{"publisher_url", publisher_url}};
+  if (!advertised.control_url.empty()) body["control_url"] = advertised.control_url;
+  if (!advertised.data_endpoint.empty()) body["data_endpoint"] = advertised.data_endpoint;
+  return MembershipReply(impl_->PostText(internal::kJoinPath, internal::DumpJson(body),
+                                         internal::kJsonContentType, kFleetCallServerTime));
+}
+
+Result<FleetMembership> ControlClient::LeaveFleet() {
+  return MembershipReply(impl_->PostText(internal::kLeavePath, "{}", internal::kJsonContentType,
+                                         kFleetCallServerTime));
+}
+
+Result<FleetMembership> ControlClient::GetMembership() {
+  return MembershipReply(impl_->GetJson(internal::kMembersPath));
+}
+
+Result<FleetMembership> ControlClient::AddMember(const MemberEndpoint& member) {
+  return MembershipReply(impl_->PostText(internal::kMembersJoinPath,
+                                         internal::DumpJson(internal::MemberEndpointToJson(member)),
+                                         internal::kJsonContentType, std::chrono::milliseconds(0)));
+}
+
+Result<FleetMembership> ControlClient::RemoveMember(const std::string& control_url) {
+  return MembershipReply(impl_->PostText(internal::kMembersLeavePath,
+                                         internal::DumpJson(Json{{"control_url", control_url}}),
+                                         internal::kJsonContentType, std::chrono::milliseconds(0)));
 }
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
@@ -803,8 +848,15 @@ ManifestAnnouncerFactory MakeControlManifestAnnouncers(const ControlClientOption
 }
 
 std::string ControlStatusToJson(const ControlStatus& status) {
-  internal::Json body = internal::StatusToJson(internal::ControlStatusFields{
-      status.receiver, status.tensors, status.state_fingerprint, status.place, status.relay});
+  internal::Json body = internal::StatusToJson(
+      internal::ControlStatusFields{status.receiver, status.tensors, status.state_fingerprint,
+                                    status.place, status.relay, status.readiness});
+  body.erase("ok");
+  return internal::DumpJson(body);
+}
+
+std::string ControlMembershipToJson(const FleetMembership& membership) {
+  internal::Json body = internal::MembershipToJson(membership);
   body.erase("ok");
   return internal::DumpJson(body);
 }

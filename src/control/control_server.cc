@@ -28,6 +28,7 @@
 #include "control/http_connections.h"
 #include "control/metrics.h"
 #include "control/protocol.h"
+#include "control/readiness.h"
 #include "core/digest.h"
 #include "refit/status_format.h"
 #include "util/bounded_queue.h"
@@ -79,6 +80,9 @@ constexpr int kHttpUnauthorized = 401;
 constexpr int kHttpForbidden = 403;
 constexpr int kHttpNotFound = 404;
 constexpr int kHttpPayloadTooLarge = 413;
+// GET /ready while not ready: what Kubernetes readiness probes (any status outside 200–399)
+// and load balancers take as "send no traffic".
+constexpr int kHttpServiceUnavailable = 503;
 
 constexpr std::string_view kMetricsContentType = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -143,15 +147,16 @@ bool IsLoopback(std::string_view address) {
 std::string_view RouteLabel(const httplib::Request& request) {
   const std::string_view path = request.path;
   if (request.method == "GET" || request.method == "HEAD") {
-    for (std::string_view route :
-         {internal::kStatusPath, internal::kMetricsPath, internal::kHealthPath}) {
+    for (std::string_view route : {internal::kStatusPath, internal::kMetricsPath,
+                                   internal::kHealthPath, internal::kReadyPath}) {
       if (path == route) return route;
     }
     if (path.starts_with(internal::kTensorsPathPrefix)) return "/v1/tensors/{name}";
   } else if (request.method == "POST") {
     for (std::string_view route :
          {internal::kPreparePath, internal::kFlushPath, internal::kCommitPath, internal::kAbortPath,
-          internal::kPayloadPath, internal::kManifestPath, internal::kRegionsPath}) {
+          internal::kPayloadPath, internal::kManifestPath, internal::kRegionsPath,
+          internal::kJoinPath, internal::kLeavePath}) {
       if (path == route) return route;
     }
   }
@@ -239,6 +244,9 @@ Status ReadBody(const httplib::Request& request, httplib::Response& response,
 
 Json VersionBody(uint64_t version) { return Json{{"ok", true}, {"version", version}}; }
 
+// The fields of a request body that has none ({}).
+constexpr std::array<std::string_view, 0> kNoFields = {};
+
 }  // namespace
 
 struct ControlServer::Impl {
@@ -253,6 +261,8 @@ struct ControlServer::Impl {
   WeightStore& store;
   const internal::ApiKeyVerifier verifier;
   std::unique_ptr<internal::ControlMetrics> metrics;
+  // What this receiver heard of its fleet: readiness (GET /ready, status, metrics).
+  internal::FleetStanding standing;
   std::unique_ptr<httplib::Server> http;
   // The listening socket httplib made (seen in its socket-options hook), or -1.
   int listen_socket = -1;
@@ -314,6 +324,8 @@ struct ControlServer::Impl {
   Result<Json> Commit(const JsonFields& body);
   Result<Json> Abort(const JsonFields& body);
   Result<Json> Regions(const JsonFields& body);
+  Result<Json> Join(const JsonFields& body);
+  Result<Json> Leave(const JsonFields& body);
   // The transfer routes, for HTTP (InstallRoutes) and for other carriers (Serve) alike.
   struct JsonRoute {
     std::string_view path;
@@ -325,7 +337,9 @@ struct ControlServer::Impl {
       {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
       {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
       {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort},
-      {internal::kRegionsPath, internal::kRegionsFields, &Impl::Regions}};
+      {internal::kRegionsPath, internal::kRegionsFields, &Impl::Regions},
+      {internal::kJoinPath, internal::kJoinFields, &Impl::Join},
+      {internal::kLeavePath, kNoFields, &Impl::Leave}};
   void StagePayload(const httplib::Request& request, httplib::Response& response,
                     const httplib::ContentReader& reader);
   // POST /v1/manifest: hand the manifest to the data plane's listener, which fetches and
@@ -333,6 +347,8 @@ struct ControlServer::Impl {
   void StageManifest(const httplib::Request& request, httplib::Response& response,
                      const httplib::ContentReader& reader);
   Json StatusBody();
+  // GET /ready: the readiness object, and 200 or 503.
+  ControlReply ReadyReply();
   void SendTensor(const httplib::Request& request, httplib::Response& response);
 };
 
@@ -391,6 +407,7 @@ ControlReply ControlServer::Impl::Serve(const ControlRequest& request) {
     if (request.method == "GET" && request.path == internal::kHealthPath) {
       return reply(Json{{"ok", true}});
     }
+    if (request.method == "GET" && request.path == internal::kReadyPath) return ReadyReply();
     for (const JsonRoute& route : kJsonRoutes) {
       if (request.method != "POST" || request.path != route.path) continue;
       std::string reason;
@@ -459,15 +476,20 @@ Result<Json> ControlServer::Impl::Prepare(const JsonFields& body) {
     REFIT_RETURN_NOT_OK(options.route_transfer(request.transfer_id, *request.relay_tree));
   }
   std::unique_lock lock(store_access);
+  bool chain_replayed = false;
   if (options.catch_up && !request.anchor) {
     const ReceiverStatus now = session.GetStatus();
     if (now.state == ReceiverState::kIdle && request.base_version > now.version) {
       REFIT_RETURN_NOT_OK(options.catch_up(request.base_version)
                               .WithContext(fmt::format("catching up from version {} to {}",
                                                        now.version, request.base_version)));
+      chain_replayed = true;
     }
   }
   REFIT_ASSIGN_OR_RETURN(const PrepareResult prepared, session.Prepare(request));
+  // An implied commit committed the transfer this one is based on.
+  if (prepared.implied_commit.has_value()) standing.ObserveCommit(request.base_version);
+  standing.ObservePrepare(request, chain_replayed);
   if (prepared.implied_commit.has_value()) metrics->RecordCommitted();
   if (prepared.implied_abort.has_value()) metrics->RecordAborted();
   if (!prepared.repeated) metrics->RecordPrepared(request.transfer_id);
@@ -511,11 +533,17 @@ Result<Json> ControlServer::Impl::Commit(const JsonFields& body) {
   // Commit is idempotent; count only the call that moved the transfer out of kPrepared. The
   // exclusive lock keeps other control calls of this server from changing the state between.
   const ReceiverStatus before = session.GetStatus();
+  // A Commit is the fleet's decision: the fleet holds the target from now on, whether or not
+  // this receiver's own commit succeeds. Known before the session commits, so that readiness
+  // never sees the new version ahead of the fleet's (the after_commit hook runs inside Commit).
+  if (before.transfer_id == id) standing.ObserveFleetVersion(before.target_version);
   REFIT_RETURN_NOT_OK(session.Commit(id));
   if (before.state == ReceiverState::kPrepared && before.transfer_id == id) {
     metrics->RecordCommitted();
   }
-  return VersionBody(session.GetStatus().version);
+  const uint64_t version = session.GetStatus().version;
+  standing.ObserveCommit(version);
+  return VersionBody(version);
 }
 
 Result<Json> ControlServer::Impl::Abort(const JsonFields& body) {
@@ -534,6 +562,29 @@ Result<Json> ControlServer::Impl::Regions(const JsonFields& body) {
   Json reply = internal::RegionsToJson(regions);
   reply["ok"] = true;
   return reply;
+}
+
+Result<Json> ControlServer::Impl::Join(const JsonFields& body) {
+  if (!options.join) {
+    return FailedPrecondition("this receiver cannot join a fleet: its control plane has no node");
+  }
+  REFIT_ASSIGN_OR_RETURN(const std::string publisher_url, body.String("publisher_url"));
+  MemberEndpoint advertised;
+  if (body.Has("control_url")) {
+    REFIT_ASSIGN_OR_RETURN(advertised, internal::MemberEndpointFromJson(body, false));
+  } else if (body.Has("data_endpoint")) {
+    REFIT_ASSIGN_OR_RETURN(advertised.data_endpoint, body.String("data_endpoint"));
+  }
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership membership, options.join(publisher_url, advertised));
+  return internal::MembershipToJson(membership);
+}
+
+Result<Json> ControlServer::Impl::Leave(const JsonFields&) {
+  if (!options.leave) {
+    return FailedPrecondition("this receiver cannot leave a fleet: its control plane has no node");
+  }
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership membership, options.leave());
+  return internal::MembershipToJson(membership);
 }
 
 void ControlServer::Impl::StagePayload(const httplib::Request& request, httplib::Response& response,
@@ -607,7 +658,22 @@ Json ControlServer::Impl::StatusBody() {
   if (status.receiver.state != ReceiverState::kReceiving) {
     status.state_fingerprint = StateFingerprint(std::as_const(store).Digests());
   }
+  status.readiness = standing.Evaluate(status.receiver);
   return internal::StatusToJson(status);
+}
+
+ControlReply ControlServer::Impl::ReadyReply() {
+  const ReceiverStatus status = session.GetStatus();
+  const Readiness readiness = standing.Evaluate(status);
+  Json body{{"ok", readiness.ready}, {"version", readiness.version}};
+  internal::PutReadiness(readiness, body);
+  if (!readiness.ready) {
+    body["code"] = std::string(StatusCodeName(StatusCode::kUnavailable));
+    body["message"] =
+        fmt::format("not ready ({}): {}", ReadinessReasonName(readiness.reason), readiness.detail);
+  }
+  return ControlReply{readiness.ready ? kHttpOk : kHttpServiceUnavailable,
+                      internal::DumpJson(body)};
 }
 
 void ControlServer::Impl::SendTensor(const httplib::Request& request, httplib::Response& response) {
@@ -680,7 +746,10 @@ httplib::Server::HandlerResponse ControlServer::Impl::PreRoute(const httplib::Re
                                                                httplib::Response& response) {
   using HandlerResponse = httplib::Server::HandlerResponse;
   // Methods with a body are authenticated in their handlers, which can drain the body.
-  if (MethodCarriesBody(request.method) || request.path == internal::kHealthPath) {
+  // Health and readiness need no key: probes (a kubelet, a load balancer) hold no secret, and
+  // they tell only whether to send traffic, the version and why not (docs/security.md).
+  if (MethodCarriesBody(request.method) || request.path == internal::kHealthPath ||
+      request.path == internal::kReadyPath) {
     return HandlerResponse::Unhandled;
   }
   HandlerResponse outcome = HandlerResponse::Unhandled;
@@ -750,15 +819,25 @@ void ControlServer::Impl::InstallRoutes() {
             [this](const httplib::Request& request, httplib::Response& response) {
               Guarded(response, [&] { SendTensor(request, response); });
             });
-  http->Get(std::string(internal::kMetricsPath), [this](const httplib::Request&,
-                                                        httplib::Response& response) {
-    Guarded(response, [&] {
-      response.set_content(metrics->Render(session.GetStatus()), std::string(kMetricsContentType));
-    });
-  });
+  http->Get(std::string(internal::kMetricsPath),
+            [this](const httplib::Request&, httplib::Response& response) {
+              Guarded(response, [&] {
+                const ReceiverStatus status = session.GetStatus();
+                response.set_content(metrics->Render(status, standing.Evaluate(status)),
+                                     std::string(kMetricsContentType));
+              });
+            });
   http->Get(std::string(internal::kHealthPath),
             [](const httplib::Request&, httplib::Response& response) {
               ReplyJson(response, kHttpOk, Json{{"ok", true}});
+            });
+  http->Get(std::string(internal::kReadyPath),
+            [this](const httplib::Request&, httplib::Response& response) {
+              Guarded(response, [&] {
+                const ControlReply ready = ReadyReply();
+                response.status = ready.status;
+                response.set_content(ready.body, std::string(internal::kJsonContentType));
+              });
             });
   http->set_pre_routing_handler(
       [this](const httplib::Request& request, httplib::Response& response) {
@@ -955,6 +1034,12 @@ void ControlServer::Stop() {
 uint16_t ControlServer::port() const { return impl_->port; }
 
 ControlReply ControlServer::Serve(const ControlRequest& request) { return impl_->Serve(request); }
+
+Readiness ControlServer::readiness() const {
+  return impl_->standing.Evaluate(impl_->session.GetStatus());
+}
+
+internal::FleetStanding& ControlServer::fleet_standing() { return impl_->standing; }
 
 std::string ControlServer::base_url() const {
   const uint16_t port = impl_->port;

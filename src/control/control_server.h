@@ -25,7 +25,12 @@
 //                        headers X-Refit-Dtype (canonical name), X-Refit-Shape (JSON array),
 //                        X-Refit-Digest (hex16) and X-Refit-Version
 //   GET  /metrics      → Prometheus text exposition
-//   GET  /healthz      → {"ok": true}; the only route that needs no API key
+//   POST /v1/join      {"publisher_url", optional "control_url", "data_endpoint"} → join that
+//                      publisher's fleet (ControlServerOptions::join) → its FleetMembership
+//   POST /v1/leave     {} → leave it (ControlServerOptions::leave) → its FleetMembership
+//   GET  /ready        → readiness (refit/readiness.h): 200 {"ok": true, "ready": true, …} when
+//                        the receiver may serve, else 503 with "ready_reason" and "message"
+//   GET  /healthz      → {"ok": true}; with /ready, the only routes that need no API key
 //
 // Status codes map to HTTP as: InvalidArgument 400, PermissionDenied 403, NotFound 404,
 // FailedPrecondition and AlreadyExists 409, ResourceExhausted 413, DataLoss 422, Unavailable 503,
@@ -45,6 +50,7 @@
 #include <string>
 #include <string_view>
 
+#include "control/readiness.h"
 #include "receiver/receiver_session.h"
 #include "refit/control_message.h"
 #include "refit/control_server_options.h"
@@ -105,6 +111,12 @@ class ControlServer {
   /// boundary. Other routes answer 404. Works before Start and after Stop (the session decides).
   /// Thread-safe; a Flush blocks for up to its timeout.
   ControlReply Serve(const ControlRequest& request);
+
+  /// Whether the receiver may serve now (GET /ready). Thread-safe.
+  Readiness readiness() const;
+  /// What the receiver heard of its fleet: the node reports joins, leaves and join replies here,
+  /// and the quorum policy fences through it. Thread-safe; lives as long as the server.
+  internal::FleetStanding& fleet_standing();
 
  private:
   struct Impl;

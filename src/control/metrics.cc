@@ -98,6 +98,23 @@ Result<std::unique_ptr<ControlMetrics>> ControlMetrics::Make(const ReplicaPlace&
                                           "Payloads staged and waiting for the apply thread");
     metrics->transfer_open_ = &AddGauge(registry, "refit_transfer_open",
                                         "1 while a transfer is open (receiving or prepared)");
+    metrics->ready_ = &AddGauge(
+        registry, "refit_receiver_ready",
+        "1 while the receiver may serve: it holds the fleet's committed version, no transfer is "
+        "open, it is neither behind, fenced nor left (GET /ready)");
+    metrics->fleet_version_ =
+        &AddGauge(registry, "refit_fleet_version",
+                  "The fleet's committed version as the receiver last heard it (-1: not yet)");
+    metrics->fleet_lag_ = &AddGauge(
+        registry, "refit_fleet_lag_versions",
+        "Versions the receiver's committed version is behind the fleet's (0 when unknown)");
+    metrics->last_catch_up_ =
+        &prometheus::BuildGauge()
+             .Name("refit_last_catch_up")
+             .Help(
+                 "How the last committed transfer brought the receiver to its version: 1 for "
+                 "the way it took (delta, folded, peer, chain, anchor), 0 for the others")
+             .Register(registry);
     // The info-metric idiom: a constant 1 whose labels say where the receiver sits, so a
     // dashboard can group a shard group's receivers by replica.
     prometheus::BuildGauge()
@@ -148,7 +165,18 @@ void ControlMetrics::RecordCommitted() { transfers_committed_->Increment(); }
 
 void ControlMetrics::RecordAborted() { transfers_aborted_->Increment(); }
 
-std::string ControlMetrics::Render(const ReceiverStatus& status) {
+std::string ControlMetrics::Render(const ReceiverStatus& status, const Readiness& readiness) {
+  ready_->Set(readiness.ready ? 1 : 0);
+  fleet_version_->Set(
+      readiness.fleet_version.has_value() ? static_cast<double>(*readiness.fleet_version) : -1.0);
+  fleet_lag_->Set(readiness.fleet_version.has_value() && *readiness.fleet_version > status.version
+                      ? static_cast<double>(*readiness.fleet_version - status.version)
+                      : 0.0);
+  for (CatchUp how :
+       {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain, CatchUp::kAnchor}) {
+    last_catch_up_->Add({{"how", std::string(CatchUpName(how))}})
+        .Set(readiness.last_catch_up == how ? 1 : 0);
+  }
   version_->Set(static_cast<double>(status.version));
   undo_bytes_->Set(static_cast<double>(status.undo_bytes));
   undo_file_bytes_->Set(static_cast<double>(status.undo_file_bytes));

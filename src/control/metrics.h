@@ -11,6 +11,7 @@
 
 #include "receiver/receiver_session.h"
 #include "refit/payload.h"
+#include "refit/readiness.h"
 #include "refit/status.h"
 #include "util/mutex.h"
 
@@ -59,7 +60,7 @@ class ControlMetrics {
   void RecordAborted();
 
   /// Sample the session gauges from `status` and return every metric as exposition text.
-  std::string Render(const ReceiverStatus& status);
+  std::string Render(const ReceiverStatus& status, const Readiness& readiness);
 
  private:
   ControlMetrics();
@@ -81,6 +82,12 @@ class ControlMetrics {
   prometheus::Gauge* needs_anchor_ = nullptr;
   prometheus::Gauge* queued_payloads_ = nullptr;
   prometheus::Gauge* transfer_open_ = nullptr;
+  // Readiness (refit/readiness.h): 1 while ready; the fleet's version (-1 unknown), the lag
+  // behind it; how the last transfer caught this receiver up (one series per way, 1 for it).
+  prometheus::Gauge* ready_ = nullptr;
+  prometheus::Gauge* fleet_version_ = nullptr;
+  prometheus::Gauge* fleet_lag_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* last_catch_up_ = nullptr;
   // Mirrors ReceiverStatus::expired_leases (the session counts; Render adds what is new).
   prometheus::Counter* leases_expired_ = nullptr;
 

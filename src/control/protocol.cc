@@ -557,6 +557,7 @@ Json StatusToJson(const ControlStatusFields& status) {
     body["relay_index"] = status.relay->index;
     body["relays"] = status.relay->relays;
   }
+  if (status.readiness.has_value()) PutReadiness(*status.readiness, body);
   return body;
 }
 
@@ -648,6 +649,10 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
     }
     status.relay = RelayPlace{static_cast<uint32_t>(index), static_cast<uint32_t>(relays)};
   }
+  // Absent from receivers older than readiness.
+  if (fields.Has("ready")) {
+    REFIT_ASSIGN_OR_RETURN(status.readiness, ReadinessFromJson(fields));
+  }
   return status;
 }
 
@@ -669,6 +674,130 @@ std::string PercentEncode(std::string_view text) {
     }
   }
   return encoded;
+}
+
+namespace {
+
+Result<CatchUp> CatchUpFromName(std::string_view name, const std::string& field) {
+  for (CatchUp how :
+       {CatchUp::kDelta, CatchUp::kFolded, CatchUp::kPeer, CatchUp::kChain, CatchUp::kAnchor}) {
+    if (CatchUpName(how) == name) return how;
+  }
+  return InvalidArgument("{}: unknown catch-up '{}' (delta, folded, peer, chain or anchor)", field,
+                         name);
+}
+
+Result<ReadinessReason> ReadinessReasonFromName(std::string_view name, const std::string& field) {
+  for (ReadinessReason reason :
+       {ReadinessReason::kReady, ReadinessReason::kFleetVersionUnknown,
+        ReadinessReason::kTransferOpen, ReadinessReason::kBehind, ReadinessReason::kAhead,
+        ReadinessReason::kNeedsAnchor, ReadinessReason::kFenced, ReadinessReason::kLeft}) {
+    if (ReadinessReasonName(reason) == name) return reason;
+  }
+  return InvalidArgument("{}: unknown readiness reason '{}'", field, name);
+}
+
+Json OptionalNumber(const std::optional<uint64_t>& value) {
+  return value.has_value() ? Json(*value) : Json(nullptr);
+}
+
+}  // namespace
+
+void PutReadiness(const Readiness& readiness, Json& body) {
+  body["ready"] = readiness.ready;
+  body["ready_reason"] = std::string(ReadinessReasonName(readiness.reason));
+  body["ready_detail"] = readiness.detail;
+  body["fleet_version"] = OptionalNumber(readiness.fleet_version);
+  body["last_catch_up"] = readiness.last_catch_up.has_value()
+                              ? Json(std::string(CatchUpName(*readiness.last_catch_up)))
+                              : Json(nullptr);
+  body["publisher_url"] = readiness.publisher_url;
+}
+
+Result<Readiness> ReadinessFromJson(const JsonFields& fields) {
+  Readiness readiness;
+  REFIT_ASSIGN_OR_RETURN(readiness.ready, fields.Bool("ready"));
+  REFIT_ASSIGN_OR_RETURN(const std::string reason, fields.String("ready_reason"));
+  REFIT_ASSIGN_OR_RETURN(readiness.reason,
+                         ReadinessReasonFromName(reason, fields.Name("ready_reason")));
+  REFIT_ASSIGN_OR_RETURN(readiness.detail, fields.String("ready_detail"));
+  REFIT_ASSIGN_OR_RETURN(readiness.version, fields.Uint("version"));
+  REFIT_ASSIGN_OR_RETURN(readiness.fleet_version, fields.OptionalUint("fleet_version"));
+  if (fields.Has("last_catch_up")) {
+    REFIT_ASSIGN_OR_RETURN(const std::string how, fields.String("last_catch_up"));
+    REFIT_ASSIGN_OR_RETURN(readiness.last_catch_up,
+                           CatchUpFromName(how, fields.Name("last_catch_up")));
+  }
+  REFIT_ASSIGN_OR_RETURN(readiness.publisher_url, fields.String("publisher_url"));
+  return readiness;
+}
+
+Json MemberEndpointToJson(const MemberEndpoint& member) {
+  return Json{{"control_url", member.control_url}, {"data_endpoint", member.data_endpoint}};
+}
+
+Result<MemberEndpoint> MemberEndpointFromJson(const JsonFields& fields, bool need_data) {
+  MemberEndpoint member;
+  REFIT_ASSIGN_OR_RETURN(member.control_url, fields.String("control_url"));
+  if (!member.control_url.starts_with("http://") && !member.control_url.starts_with("https://")) {
+    return InvalidArgument("{} '{}' is not an http:// or https:// URL", fields.Name("control_url"),
+                           member.control_url);
+  }
+  if (need_data || fields.Has("data_endpoint")) {
+    REFIT_ASSIGN_OR_RETURN(member.data_endpoint, fields.String("data_endpoint"));
+  }
+  return member;
+}
+
+Json MembershipToJson(const FleetMembership& membership) {
+  Json members = Json::array();
+  for (const MemberStanding& member : membership.members) {
+    Json one = MemberEndpointToJson(member.endpoint);
+    one["joined"] = member.joined;
+    one["missed_syncs"] = member.missed_syncs;
+    one["version"] = OptionalNumber(member.version);
+    one["held_version"] = member.held_version;
+    one["lag"] = member.lag;
+    one["caught_up_by"] = member.caught_up_by.has_value()
+                              ? Json(std::string(CatchUpName(*member.caught_up_by)))
+                              : Json(nullptr);
+    one["wire_bytes"] = member.wire_bytes;
+    one["fenced"] = member.fenced;
+    members.push_back(std::move(one));
+  }
+  return Json{{"ok", true},
+              {"fleet_version", OptionalNumber(membership.fleet_version)},
+              {"members", std::move(members)}};
+}
+
+Result<FleetMembership> MembershipFromJson(const Json& body) {
+  const JsonFields fields(body, "membership");
+  FleetMembership membership;
+  REFIT_ASSIGN_OR_RETURN(membership.fleet_version, fields.OptionalUint("fleet_version"));
+  REFIT_ASSIGN_OR_RETURN(const Json* members, fields.Require("members"));
+  if (!members->is_array()) {
+    return InvalidArgument("{} must be a list, got {}", fields.Name("members"),
+                           JsonTypeName(*members));
+  }
+  for (size_t i = 0; i < members->size(); ++i) {
+    const JsonFields one((*members)[i], fmt::format("{}[{}]", fields.Name("members"), i));
+    MemberStanding member;
+    REFIT_ASSIGN_OR_RETURN(member.endpoint, MemberEndpointFromJson(one, /*need_data=*/false));
+    REFIT_ASSIGN_OR_RETURN(member.joined, one.Bool("joined"));
+    REFIT_ASSIGN_OR_RETURN(const uint64_t missed, one.Uint("missed_syncs"));
+    member.missed_syncs = static_cast<uint32_t>(std::min<uint64_t>(missed, UINT32_MAX));
+    REFIT_ASSIGN_OR_RETURN(member.version, one.OptionalUint("version"));
+    REFIT_ASSIGN_OR_RETURN(member.held_version, one.Uint("held_version"));
+    REFIT_ASSIGN_OR_RETURN(member.lag, one.Uint("lag"));
+    if (one.Has("caught_up_by")) {
+      REFIT_ASSIGN_OR_RETURN(const std::string how, one.String("caught_up_by"));
+      REFIT_ASSIGN_OR_RETURN(member.caught_up_by, CatchUpFromName(how, one.Name("caught_up_by")));
+    }
+    REFIT_ASSIGN_OR_RETURN(member.wire_bytes, one.Uint("wire_bytes"));
+    REFIT_ASSIGN_OR_RETURN(member.fenced, one.Bool("fenced"));
+    membership.members.push_back(std::move(member));
+  }
+  return membership;
 }
 
 }  // namespace refit::internal

@@ -22,6 +22,8 @@
 #include <nlohmann/json.hpp>
 
 #include "receiver/receiver_session.h"
+#include "refit/membership.h"
+#include "refit/readiness.h"
 #include "refit/status.h"
 
 namespace refit::internal {
@@ -40,6 +42,15 @@ inline constexpr std::string_view kStatusPath = "/v1/status";
 inline constexpr std::string_view kTensorsPathPrefix = "/v1/tensors/";
 inline constexpr std::string_view kMetricsPath = "/metrics";
 inline constexpr std::string_view kHealthPath = "/healthz";
+/// Readiness (refit/readiness.h): 200 when the receiver may serve, 503 otherwise; no key needed.
+inline constexpr std::string_view kReadyPath = "/ready";
+/// A receiver's own join and leave (ReceiverNode::Join, Leave), and a publisher's membership
+/// endpoint (refit/membership.h).
+inline constexpr std::string_view kJoinPath = "/v1/join";
+inline constexpr std::string_view kLeavePath = "/v1/leave";
+inline constexpr std::string_view kMembersPath = "/v1/members";
+inline constexpr std::string_view kMembersJoinPath = "/v1/members/join";
+inline constexpr std::string_view kMembersLeavePath = "/v1/members/leave";
 
 /// The alternative to "Authorization: Bearer <key>", for clients that cannot set Authorization.
 inline constexpr std::string_view kApiKeyHeader = "X-Refit-Api-Key";
@@ -169,6 +180,8 @@ struct ControlStatusFields {
   std::optional<uint64_t> state_fingerprint;
   ReplicaPlace place;
   std::optional<RelayPlace> relay = std::nullopt;
+  /// Whether it may serve (absent from receivers older than readiness).
+  std::optional<Readiness> readiness = std::nullopt;
 };
 Json StatusToJson(const ControlStatusFields& status);
 Result<ControlStatusFields> StatusFromJson(const Json& body);
@@ -177,5 +190,27 @@ Result<ControlStatusFields> StatusFromJson(const Json& body);
 /// characters (A–Z a–z 0–9 - . _ ~) becomes %XX, so names with '/', '?', '#', '%' or spaces
 /// survive the trip.
 std::string PercentEncode(std::string_view text);
+
+// ---- Readiness and membership (docs/protocol.md "Admission"). ---------------------------------
+
+/// The fields of a readiness object: {"ready", "reason", "detail", "version", "fleet_version",
+/// "last_catch_up", "publisher_url"}; StatusToJson writes them at the top level of the status too.
+void PutReadiness(const Readiness& readiness, Json& body);
+/// Parse what PutReadiness wrote. Errors: InvalidArgument naming the field.
+Result<Readiness> ReadinessFromJson(const JsonFields& fields);
+
+/// The body of POST /v1/members/join and /v1/members/leave: {"control_url", "data_endpoint"}
+/// (leave needs only control_url).
+inline constexpr std::array<std::string_view, 2> kMemberFields = {"control_url", "data_endpoint"};
+/// The body of a receiver's POST /v1/join: the publisher's membership URL, and optionally the
+/// addresses to advertise instead of the node's own.
+inline constexpr std::array<std::string_view, 3> kJoinFields = {"publisher_url", "control_url",
+                                                                "data_endpoint"};
+Json MemberEndpointToJson(const MemberEndpoint& member);
+/// Errors: InvalidArgument naming the field: a missing or empty control_url, one that is not
+/// http(s)://; a data_endpoint that is not a string (`need_data`: it must be present).
+Result<MemberEndpoint> MemberEndpointFromJson(const JsonFields& fields, bool need_data);
+Json MembershipToJson(const FleetMembership& membership);
+Result<FleetMembership> MembershipFromJson(const Json& body);
 
 }  // namespace refit::internal

@@ -12,11 +12,14 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "codec/delta_history.h"
 #include "codec/tracker.h"
 #include "control/protocol.h"
 #include "core/digest.h"
+#include "control/fleet_roster.h"
+#include "control/membership_server.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
@@ -101,6 +104,10 @@ struct PublisherRank {
   // The host buffers device tensors are staged through, kept between Syncs while the budget they
   // need stays the same; null until a Sync stages.
   std::shared_ptr<StagingPool> staging;
+  // Rank 0 with PublisherOptions::membership: the fleet (configured and joined members) and the
+  // endpoint that changes it; LeadTransfer snapshots it at each Sync's start.
+  std::unique_ptr<internal::FleetRoster> roster;
+  std::unique_ptr<internal::MembershipServer> membership_server;
 
   // ---- A sharded Sync (Publisher::Sync(const ShardedModel&)). ----------------------------------
   // The model of the Sync in flight, and its local tensors by name; null for a whole-model Sync.
@@ -829,7 +836,21 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
       fleet.push_back(receiver.data_endpoint);
     }
   } else {
-    for (const PublisherReceiver& receiver : options.receivers) {
+    // With a membership endpoint the fleet is the roster as it stands now: one snapshot per
+    // Sync, which the begin message carries to every rank.
+    std::vector<PublisherReceiver> members = options.receivers;
+    if (roster != nullptr) {
+      members.clear();
+      for (const MemberEndpoint& member : roster->Members()) {
+        members.push_back({member.control_url, member.data_endpoint});
+      }
+      if (members.empty()) {
+        return FailedPrecondition(
+            "publisher: the fleet has no members: none configured, and none joined at {}",
+            membership_server != nullptr ? membership_server->url() : std::string("?"));
+      }
+    }
+    for (const PublisherReceiver& receiver : members) {
       ControlClientOptions link = options.control;
       link.base_url = receiver.control_url;
       links.push_back(std::move(link));
@@ -848,6 +869,21 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     std::vector<std::jthread> askers;
     for (size_t r = 0; r < links.size(); ++r) {
       askers.emplace_back([&, r] { statuses[r] = asked_clients[r]->GetStatus(); });
+    }
+  }
+  // A member of an elastic fleet (membership endpoint) that cannot be reached is left out of
+  // this Sync, and dropped after drop_after_missed_syncs Syncs in a row; it catches up on its own
+  // when it is back. Any other error (a wrong key) fails the Sync as before.
+  internal::RosterMiss missed;
+  std::vector<bool> unreachable_member(links.size(), false);
+  for (size_t r = 0; r < links.size() && roster != nullptr; ++r) {
+    const Result<ControlStatus>& status = statuses[r];
+    if (!status.ok() && (status.status().code() == StatusCode::kUnavailable ||
+                         status.status().code() == StatusCode::kDeadlineExceeded)) {
+      roster->RecordUnreachable(links[r].base_url, status.status(), missed);
+      unreachable_member[r] = true;
+    } else if (status.ok()) {
+      roster->RecordReached(links[r].base_url);
     }
   }
   // Under a quorum, a receiver that did not answer is left out of this transfer — fenced before
@@ -881,6 +917,7 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   std::vector<HeldLineage> held;
   std::vector<std::string> included_fleet;
   for (size_t r = 0; r < links.size(); ++r) {
+    if (unreachable_member[r]) continue;
     if (quorum_fleet.has_value() && !quorum_fleet->included[r]) continue;
     const ControlClientOptions& link = links[r];
     std::unique_ptr<ControlClient> client = std::move(asked_clients[r]);
@@ -901,6 +938,10 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
     held.push_back(answered.back().receiver.lineage);
     included_fleet.push_back(fleet[r]);
     clients.push_back(std::move(client));
+  }
+  if (answered.empty()) {
+    return Unavailable("publisher: no member of the fleet could be reached: {}",
+                       fmt::join(missed.unreachable, "; "));
   }
   fleet = std::move(included_fleet);
   REFIT_RETURN_NOT_OK(DecideLineage(names, held));
@@ -978,7 +1019,11 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   }
   routed_tensors.clear();
   for (const auto& [name, digest] : report.digests) routed_tensors.push_back(name);
-  return SyncReport{std::move(report), rank(), world()};
+  if (roster != nullptr) roster->RecordSync(report);
+  SyncReport synced{std::move(report), rank(), world()};
+  synced.unreachable = std::move(missed.unreachable);
+  synced.dropped = std::move(missed.dropped);
+  return synced;
 }
 
 Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
@@ -1151,9 +1196,25 @@ Result<std::unique_ptr<Publisher>> Publisher::Make(const PublisherOptions& optio
         uri, internal::KeyDataPlane(std::move(uri), options.control.api_key, "publisher"));
   }
   REFIT_ASSIGN_OR_RETURN(impl->transport, MakeTransport(uri, transport_options));
-  if (group->rank() == 0 && options.receivers.empty() &&
+  if (group->rank() == 0 && options.receivers.empty() && !options.membership.has_value() &&
       !impl->transport->capabilities().carries_control) {
-    return InvalidArgument("publisher: rank 0 coordinates the receivers but none were given");
+    return InvalidArgument(
+        "publisher: rank 0 coordinates the receivers but none were given (and no membership "
+        "endpoint to join)");
+  }
+  if (group->rank() == 0 && options.membership.has_value()) {
+    std::vector<MemberEndpoint> configured;
+    for (const PublisherReceiver& receiver : options.receivers) {
+      configured.push_back({receiver.control_url, receiver.data_endpoint});
+    }
+    MembershipOptions membership = *options.membership;
+    if (membership.api_key.empty()) membership.api_key = options.control.api_key;
+    impl->roster =
+        std::make_unique<internal::FleetRoster>(configured, membership.drop_after_missed_syncs);
+    REFIT_ASSIGN_OR_RETURN(impl->membership_server,
+                           internal::MembershipServer::Make(membership, *impl->roster));
+    REFIT_RETURN_NOT_OK(
+        impl->membership_server->Start().WithContext("publisher: membership endpoint"));
   }
   if (Status policy = CheckCommitPolicy(options.commit_policy); !policy.ok()) {
     return policy.WithContext("publisher: commit_policy");
@@ -1192,6 +1253,8 @@ Status Publisher::AdoptBaseline(std::span<const ExportTensor> model,
                                          rank(), world_size(),
                                          impl_->StagingFor(largest_device).get()));
   if (version.has_value()) REFIT_RETURN_NOT_OK(impl_->tracker->Rebase(*version));
+  // Joining receivers learn the version the fleet holds (their readiness needs it).
+  if (version.has_value() && impl_->roster != nullptr) impl_->roster->SetFleetVersion(*version);
   // The deltas retained before no longer chain to the adopted state.
   if (impl_->history != nullptr) impl_->history->Clear();
   impl_->version_unknown = !version.has_value();
@@ -1319,8 +1382,26 @@ Result<SyncReport> Publisher::Sync(std::vector<ExportTensor> tensors, bool force
 Status Publisher::SetReceivers(std::vector<PublisherReceiver> receivers) {
   if (rank() != 0) return FailedPrecondition("publisher: only rank 0 knows the receivers");
   if (receivers.empty()) return InvalidArgument("publisher: no receivers");
+  if (impl_->roster != nullptr) {
+    std::vector<MemberEndpoint> members;
+    for (const PublisherReceiver& receiver : receivers) {
+      members.push_back({receiver.control_url, receiver.data_endpoint});
+    }
+    impl_->roster->Replace(members);
+  }
   impl_->options.receivers = std::move(receivers);
   return Status::OK();
+}
+
+std::string Publisher::membership_url() const {
+  return impl_->membership_server != nullptr ? impl_->membership_server->url() : std::string();
+}
+
+Result<FleetMembership> Publisher::membership() const {
+  if (impl_->roster == nullptr) {
+    return FailedPrecondition("publisher: rank {} serves no membership endpoint", rank());
+  }
+  return impl_->roster->Snapshot();
 }
 
 uint32_t Publisher::rank() const { return impl_->rank(); }

@@ -12,11 +12,13 @@
 #include "node/peer_bootstrap.h"
 #include "receiver/receiver_session.h"
 #include "refit/lineage.h"
+#include "refit/control_client.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
 #include "transport/transport_internal.h"
 #include "util/logging.h"
+#include "util/mutex.h"
 
 namespace refit {
 
@@ -58,9 +60,28 @@ struct ReceiverNode::Impl {
   bool started = false;
   bool stopped = false;
 
+  // The fleet this receiver joined (Join), for Leave: its publisher and what it advertised.
+  internal::Mutex membership_mutex;
+  std::string joined_publisher REFIT_GUARDED_BY(membership_mutex);
+  MemberEndpoint joined_as REFIT_GUARDED_BY(membership_mutex);
+
   Status Start();
   void Stop();
+  Result<FleetMembership> Join(const std::string& publisher_url, const MemberEndpoint& advertised);
+  Result<FleetMembership> Leave(std::chrono::milliseconds timeout, int max_retries);
+  // A client of the publisher's membership endpoint, with this receiver's key.
+  Result<std::unique_ptr<ControlClient>> PublisherClient(const std::string& publisher_url,
+                                                         std::chrono::milliseconds timeout,
+                                                         int max_retries) const;
 };
+
+namespace {
+
+// Stop leaves the fleet it joined, but must not hang on a publisher that is gone: one attempt,
+// this long.
+constexpr std::chrono::milliseconds kLeaveAtStopTimeout{std::chrono::seconds(5)};
+
+}  // namespace
 
 Result<std::unique_ptr<ReceiverNode>> ReceiverNode::Make(const ReceiverNodeOptions& options) {
   auto impl = std::make_unique<Impl>();
@@ -256,6 +277,12 @@ Status ReceiverNode::Impl::Start() {
       return StagedManifest{.result = delivered.result, .payload_bytes = delivered.payload_bytes};
     };
   }
+  control.join = [this](const std::string& publisher_url, const MemberEndpoint& advertised) {
+    return Join(publisher_url, advertised);
+  };
+  control.leave = [this] {
+    return Leave(ControlClientOptions{}.timeout, ControlClientOptions{}.max_retries);
+  };
   Result<std::unique_ptr<ControlServer>> server_made =
       ControlServer::Make(control, *session, *store);
   if (!server_made.ok()) return server_made.status().WithContext("receiver node: control plane");
@@ -306,6 +333,19 @@ void ReceiverNode::Stop() { impl_->Stop(); }
 
 void ReceiverNode::Impl::Stop() {
   if (stopped) return;
+  bool joined = false;
+  {
+    internal::MutexLock lock(membership_mutex);
+    joined = !joined_publisher.empty();
+  }
+  if (joined && server != nullptr) {
+    // A worker that shuts down cleanly leaves; one that dies is dropped after missed syncs.
+    Result<FleetMembership> left = Leave(kLeaveAtStopTimeout, 0);
+    if (!left.ok()) {
+      REFIT_LOG_WARN("receiver node: could not leave the fleet at stop: {}",
+                     left.status().ToString());
+    }
+  }
   stopped = true;
   // No new transfer can start once the control plane is down, and no payload arrives once the
   // data plane is; only then may the session go (its end rolls an open transfer back).
@@ -335,6 +375,100 @@ ReceiverStatus ReceiverNode::status() const {
     return idle;
   }
   return impl_->session->GetStatus();
+}
+
+Result<std::unique_ptr<ControlClient>> ReceiverNode::Impl::PublisherClient(
+    const std::string& publisher_url, std::chrono::milliseconds timeout, int max_retries) const {
+  ControlClientOptions client;
+  client.base_url = publisher_url;
+  client.api_key = options.control.api_key;
+  client.timeout = timeout;
+  client.max_retries = max_retries;
+  return ControlClient::Make(client);
+}
+
+Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_url,
+                                                 const MemberEndpoint& advertised) {
+  if (server == nullptr || stopped) {
+    return FailedPrecondition("receiver node: join {} after Start (and before Stop)",
+                              publisher_url);
+  }
+  MemberEndpoint self{
+      advertised.control_url.empty() ? server->base_url() : advertised.control_url,
+      advertised.data_endpoint.empty() ? producer_endpoint : advertised.data_endpoint};
+  for (std::string_view wildcard : {"0.0.0.0", "[::]", "*"}) {
+    if (self.control_url.find(wildcard) != std::string::npos ||
+        self.data_endpoint.find(wildcard) != std::string::npos) {
+      return InvalidArgument(
+          "receiver node: cannot join {} as control URL '{}', data endpoint '{}': a wildcard "
+          "address is not reachable; advertise the addresses the publisher reaches",
+          publisher_url, self.control_url, self.data_endpoint);
+    }
+  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                         PublisherClient(publisher_url, ControlClientOptions{}.timeout,
+                                         ControlClientOptions{}.max_retries));
+  Result<FleetMembership> joined = client->AddMember(self);
+  if (!joined.ok()) {
+    return joined.status().WithContext(fmt::format("joining the fleet of {}", publisher_url));
+  }
+  {
+    internal::MutexLock lock(membership_mutex);
+    joined_publisher = client->base_url();
+    joined_as = self;
+  }
+  internal::FleetStanding& standing = server->fleet_standing();
+  if (joined->fleet_version.has_value()) standing.ObserveFleetVersion(*joined->fleet_version);
+  standing.Joined(client->base_url());
+  REFIT_LOG_INFO("receiver node: joined the fleet of {} as {} (fleet version {}, {} members)",
+                 client->base_url(), self.control_url,
+                 joined->fleet_version.has_value() ? std::to_string(*joined->fleet_version)
+                                                   : std::string("unknown"),
+                 joined->members.size());
+  return joined;
+}
+
+Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds timeout,
+                                                  int max_retries) {
+  std::string publisher;
+  MemberEndpoint self;
+  {
+    internal::MutexLock lock(membership_mutex);
+    publisher = joined_publisher;
+    self = joined_as;
+  }
+  if (publisher.empty()) return FailedPrecondition("receiver node: it joined no fleet to leave");
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                         PublisherClient(publisher, timeout, max_retries));
+  Result<FleetMembership> left = client->RemoveMember(self.control_url);
+  if (!left.ok())
+    return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
+  {
+    internal::MutexLock lock(membership_mutex);
+    joined_publisher.clear();
+  }
+  if (server != nullptr) server->fleet_standing().Left();
+  REFIT_LOG_INFO("receiver node: left the fleet of {}", publisher);
+  return left;
+}
+
+Readiness ReceiverNode::readiness() const {
+  if (impl_->server == nullptr) {
+    Readiness readiness;
+    readiness.version = status().version;
+    readiness.detail = "the receiver is not started";
+    return readiness;
+  }
+  return impl_->server->readiness();
+}
+
+Result<FleetMembership> ReceiverNode::Join(const std::string& publisher_url,
+                                           const MemberEndpoint& advertised) {
+  return impl_->Join(publisher_url, advertised);
+}
+
+Result<FleetMembership> ReceiverNode::Leave() {
+  return impl_->Leave(ControlClientOptions{}.timeout, ControlClientOptions{}.max_retries);
 }
 
 const std::optional<ChainBootstrapReport>& ReceiverNode::bootstrap_report() const {

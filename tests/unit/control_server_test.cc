@@ -413,6 +413,41 @@ TEST_F(ControlServerTest, HealthzNeedsNoKey) {
   EXPECT_EQ(metrics->status, 401);
 }
 
+// GET /ready (no key, like a kubelet's probe): 503 with the reason until the receiver holds the
+// fleet's committed version, 503 while a transfer is open, 200 after its commit; the status and
+// /metrics say the same.
+TEST_F(ControlServerTest, ReadyOnlyAtTheFleetsCommittedVersionAndNeverMidTransfer) {
+  StartServer();
+  httplib::Client raw = Raw();
+  const auto ready = [&raw](int expected_status, std::string_view expected_reason) {
+    auto reply = raw.Get(std::string(internal::kReadyPath));
+    ASSERT_TRUE(reply);
+    EXPECT_EQ(reply->status, expected_status) << reply->body;
+    EXPECT_EQ(ParseBody(reply)["ready_reason"], std::string(expected_reason)) << reply->body;
+  };
+  ready(503, "fleet_version_unknown");
+  const Step step = EncodeStep(1);
+  ASSERT_OK(client_->Prepare(Request(step)).status());
+  ready(503, "transfer_open");
+  for (const auto& payload : step.payloads) ASSERT_OK(client_->SendPayload(payload).status());
+  ASSERT_OK(client_->Flush(step.id, Generous()).status());
+  ready(503, "transfer_open");
+  ASSERT_OK(client_->Commit(step.id));
+  ready(200, "ready");
+  ASSERT_OK_AND_ASSIGN(ControlStatus status, client_->GetStatus());
+  ASSERT_TRUE(status.readiness.has_value());
+  EXPECT_TRUE(status.readiness->ready);
+  EXPECT_EQ(status.readiness->fleet_version, 1u);
+  EXPECT_EQ(status.readiness->last_catch_up, CatchUp::kDelta);
+  EXPECT_EQ(Sample("refit_receiver_ready"), 1);
+  EXPECT_EQ(Sample("refit_fleet_version"), 1);
+  // The fleet moved on without this receiver (a quorum commit, a join reply): behind.
+  server_->fleet_standing().ObserveFleetVersion(3);
+  ready(503, "behind");
+  EXPECT_EQ(Sample("refit_receiver_ready"), 0);
+  EXPECT_EQ(Sample("refit_fleet_lag_versions"), 2);
+}
+
 TEST_F(ControlServerTest, ServerWithoutKeyAcceptsEveryone) {
   ControlServerOptions options = DefaultOptions();
   options.api_key.clear();
