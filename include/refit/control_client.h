@@ -109,6 +109,8 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
   Status Commit(const TransferId& id) override;
   /// POST /v1/abort. Errors: as ReceiverSession::Abort.
   Status Abort(const TransferId& id) override;
+  /// POST /v1/abort with "fenced_at_version". Errors: as Abort.
+  Status Fence(const TransferId& id, uint64_t fleet_version) override;
   /// POST /v1/regions. Errors: as ReceiverSession::Regions.
   Result<HeldRegions> Regions(const std::vector<std::string>& canonical_names) override;
   /// Bound every later call, each connect, read, write, retry and backoff of it, by `deadline`

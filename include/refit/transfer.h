@@ -230,6 +230,14 @@ class ReceiverControl {
   virtual Result<FlushReport> Flush(const TransferId& id, const FlushOptions& options) = 0;
   virtual Status Commit(const TransferId& id) = 0;
   virtual Status Abort(const TransferId& id) = 0;
+  /// Abort `id` on this receiver because the transfer committed on a quorum of the fleet
+  /// without it (docs/protocol.md "Stragglers and quorum"): rolled back as by Abort, and told
+  /// that the fleet now holds `fleet_version`, so that it reports itself behind, fenced, not
+  /// ready to serve, until it has caught up. Default: Abort (a receiver without readiness).
+  virtual Status Fence(const TransferId& id, uint64_t fleet_version) {
+    (void)fleet_version;
+    return Abort(id);
+  }
   /// Which elements of each named canonical tensor this receiver holds (its loader's layouts);
   /// tensors it holds whole, or cannot resolve, are left out (payloads carry them whole, and an
   /// unresolvable one then fails where it always did, at apply). Asked by a coordinator that

@@ -608,6 +608,12 @@ Status ControlClient::Abort(const TransferId& id) {
   return impl_->PostJson(internal::kAbortPath, TransferBody(id)).status();
 }
 
+Status ControlClient::Fence(const TransferId& id, uint64_t fleet_version) {
+  Json body = TransferBody(id);
+  body["fenced_at_version"] = fleet_version;
+  return impl_->PostJson(internal::kAbortPath, body).status();
+}
+
 void ControlClient::SetCallDeadline(std::optional<std::chrono::steady_clock::time_point> deadline) {
   impl_->call_deadline.store(deadline.has_value() ? deadline->time_since_epoch().count()
                                                   : Impl::kNoCallDeadline);

@@ -336,7 +336,7 @@ struct ControlServer::Impl {
       {internal::kPreparePath, internal::kPrepareFields, &Impl::Prepare},
       {internal::kFlushPath, internal::kFlushFields, &Impl::Flush},
       {internal::kCommitPath, internal::kTransferOnlyFields, &Impl::Commit},
-      {internal::kAbortPath, internal::kTransferOnlyFields, &Impl::Abort},
+      {internal::kAbortPath, internal::kAbortFields, &Impl::Abort},
       {internal::kRegionsPath, internal::kRegionsFields, &Impl::Regions},
       {internal::kJoinPath, internal::kJoinFields, &Impl::Join},
       {internal::kLeavePath, kNoFields, &Impl::Leave}};
@@ -550,9 +550,21 @@ Result<Json> ControlServer::Impl::Abort(const JsonFields& body) {
   REFIT_ASSIGN_OR_RETURN(const TransferId id, body.Transfer("transfer_id"));
   std::unique_lock lock(store_access);
   const ReceiverStatus before = session.GetStatus();
+  REFIT_ASSIGN_OR_RETURN(const std::optional<uint64_t> fenced_at,
+                         body.OptionalUint("fenced_at_version"));
   REFIT_RETURN_NOT_OK(session.Abort(id));
   if (before.transfer_id == id) metrics->RecordAborted();
-  return VersionBody(session.GetStatus().version);
+  const uint64_t version = session.GetStatus().version;
+  if (fenced_at.has_value() && *fenced_at > version) {
+    // Fenced by a quorum commit: the fleet moved on without this receiver. Behind and fenced
+    // until a transfer brings it to the fleet's version (its commit clears the fence).
+    standing.ObserveFleetVersion(*fenced_at);
+    standing.SetFenced(fmt::format(
+        "transfer {} committed version {} on a quorum of the fleet without this receiver, which "
+        "holds version {}",
+        id.ToHex(), *fenced_at, version));
+  }
+  return VersionBody(version);
 }
 
 // What the store's loader holds of each named tensor; reads no weights, so no store lock.

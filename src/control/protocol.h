@@ -155,6 +155,10 @@ inline constexpr std::array<std::string_view, 8> kPrepareFields = {
 inline constexpr std::array<std::string_view, 4> kFlushFields = {"transfer_id", "timeout_ms",
                                                                  "expected", "expected_digests"};
 inline constexpr std::array<std::string_view, 1> kTransferOnlyFields = {"transfer_id"};
+/// An abort; with "fenced_at_version" a fence (ReceiverControl::Fence): the fleet holds that
+/// version without this receiver.
+inline constexpr std::array<std::string_view, 2> kAbortFields = {"transfer_id",
+                                                                 "fenced_at_version"};
 inline constexpr std::array<std::string_view, 1> kRegionsFields = {"tensors"};
 /// The most rectangles one tensor's held region may list (a loader's layout has a few).
 inline constexpr size_t kMaxRegionRects = 4096;

@@ -738,7 +738,7 @@ Result<RefitReport> Coordinator::Impl::Refit(const TransferId& id, bool force_an
       // Decided per receiver: a fenced one is aborted (rolled back to what it held). Its abort
       // may be lost; it then never commits this transfer anyway: the next transfer prepares it
       // from the version it holds, which rolls this one back (implied abort, PlanCatchUps).
-      Status aborted = receivers[r].control->Abort(id);
+      Status aborted = receivers[r].control->Fence(id, plan.target_version);
       if (!aborted.ok()) {
         REFIT_LOG_WARN(
             "transfer {}: abort of fenced {} failed ({}); the next transfer's prepare from the "
