@@ -10,6 +10,9 @@ checkpoint; nothing about it is known in advance: rank 0 is told the fleet befor
 - a daemon and an embedded receiver join, both loaded from the step-0 checkpoint (versions
   behind: each is caught up on its own, folded or by an anchor for it alone);
 - a daemon is killed with SIGKILL and restarted from an older checkpoint (five versions behind);
+- a daemon is stopped (SIGSTOP) before a sync under `commit_policy="quorum:0.6"`: the sync commits
+  on the others and fences it; resumed (SIGCONT), it holds the version before, bit for bit, and is
+  caught up at the next sync;
 - an embedded receiver joins from the step-0 checkpoint beyond the retained history (an anchor
   for it alone);
 - a daemon joins from the step-0 checkpoint copying the fleet's version from a peer replica
@@ -19,7 +22,7 @@ checkpoint; nothing about it is known in advance: rank 0 is told the fleet befor
   they adopt their baseline, and the next sync is a delta for every member.
 
 After every sync every member's every tensor equals the trainer's byte for byte (daemons read
-back over GET /v1/tensors), and the members that held the base version before the sync were
+back over GET /v1/tensors) and says it is ready to serve, and the members that held the base version before the sync were
 each sent exactly the same bytes (their own ``received_bytes`` counters), delta-sized: what a
 newcomer or a laggard costs is paid by it alone. The model's elements move by an ulp or two (as
 Adam steps of ~1e-6 do after rounding), 2 % of them per step, with odd tensor names.
@@ -109,6 +112,10 @@ def rank_main(rank, first_step, group, workdir):
     publisher = refit.Publisher(receivers=fleet_of(first_step) if rank == 0 else None,
                                 group=refit.tcp_group(group, rank, WORLD, connect_timeout=60),
                                 api_key=os.environ[KEY_ENV], transfer_timeout=TIMEOUT_S,
+                                # A member that does not answer (SIGSTOP) is fenced, not waited
+                                # for: 3 s per control call, and the sync commits on the others.
+                                config=refit.Config.parse("request_timeout_s: 3\n"),
+                                commit_policy="quorum:0.6",
                                 # Restarted: continue the fleet's run (its lineage), fencing the
                                 # ranks that were killed.
                                 resume=first_step > 1)
@@ -123,7 +130,8 @@ def rank_main(rank, first_step, group, workdir):
             publisher.set_receivers(fleet)
         local, layout = rank_tensors(rank, step)
         report = publisher.sync(local, layout=layout)
-        out = {"version": report.version, "anchor": report.anchor, "catch_ups": list(report.catch_ups)}
+        out = {"version": report.version, "anchor": report.anchor, "catch_ups": list(report.catch_ups),
+               "fenced": list(report.fenced)}
         done = workdir / f"done.{step}.{rank}.json"
         (workdir / "tmp").mkdir(exist_ok=True)
         tmp = workdir / "tmp" / done.name
@@ -216,7 +224,7 @@ class Embedded:
 
     def status(self):
         s = self.receiver.status()
-        return {"version": s.version, "received_bytes": s.received_bytes, "state": s.state}
+        return {"version": s.version, "received_bytes": s.received_bytes, "state": s.state, "ready": s.ready}
 
     def holds(self):
         return {n: a.tobytes() for n, a in self.held.items()}
@@ -283,6 +291,18 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 held_version["d5"], counted["d5"] = step - 1, members["d5"].status()["received_bytes"]
                 assert members["d5"].status()["version"] == step - 1, members["d5"].status()
                 events.append((step, f"d5 joined from step 0, copied version {step - 1} from peer d0"))
+            if step == 15:  # a member stops answering (SIGSTOP) under the quorum policy
+                members["d2"].proc.send_signal(signal.SIGSTOP)
+                stopped = members.pop("d2")
+                events.append((step, "d2 stopped (SIGSTOP)"))
+            if step == 16:  # back (SIGCONT): it never took version 15, and is caught up now
+                stopped.proc.send_signal(signal.SIGCONT)
+                members["d2"] = stopped
+                status = stopped.status()
+                assert status["version"] == 14, status
+                assert stopped.holds() == {n: a.tobytes() for n, a in model_at(14).items()}
+                counted["d2"] = status["received_bytes"]
+                events.append((step, "d2 resumed (SIGCONT) at version 14"))
             if step == 22:  # both trainer ranks restart from the checkpoint of step 21
                 for rank in ranks:
                     rank.send_signal(signal.SIGKILL)
@@ -291,6 +311,8 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 events.append((step, "trainer ranks restarted from step 21"))
 
             fleet = [members[name].endpoint for name in sorted(members)]
+            if step == 15:
+                fleet.append(stopped.endpoint)
             tmp = tmp_path / "tmp"
             tmp.mkdir(exist_ok=True)
             (tmp / f"sync.{step}.json").write_text(json.dumps(fleet))
@@ -304,6 +326,8 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 time.sleep(0.02)
             report = json.loads(done[0].read_text())
             assert report["version"] == step, report
+            # Only the stopped member is fenced, in the sync it missed.
+            assert report["fenced"] == ([stopped.endpoint[0]] if step == 15 else []), (step, report)
 
             # ---- Every member holds the trainer's step, byte for byte. ----
             expected = {n: a.tobytes() for n, a in model_at(step).items()}
@@ -311,7 +335,9 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
                 holds = member.holds()
                 for tensor, data in expected.items():
                     assert holds[tensor] == data, f"sync {step}: {name} differs in {tensor!r}"
-                assert member.status()["version"] == step, (name, member.status())
+                status = member.status()
+                assert status["version"] == step, (name, status)
+                assert status["ready"], (step, name, status)
 
             # ---- The members that were current got the delta, the same bytes each. ----
             received = {}
@@ -342,7 +368,8 @@ def test_a_fleet_that_changes_under_the_training_loop_stays_bit_identical(tmp_pa
             member.stop()
     print("\n".join(f"sync {s}: {what}" for s, what in events))
     caught = [(s, what.split()[0], what.split()[4].rstrip(":")) for s, what in events if "caught up" in what]
-    assert caught == [(9, "d3", "folded"), (9, "e3", "folded"), (13, "d1", "folded"), (18, "e4", "anchor")], events
+    assert caught == [(9, "d3", "folded"), (9, "e3", "folded"), (13, "d1", "folded"), (16, "d2", "folded"),
+                      (18, "e4", "anchor")], events
 
 
 if __name__ == "__main__":
