@@ -154,8 +154,11 @@ struct Producer {
   std::unique_ptr<Publisher> additive;
 };
 
+// Every publisher of the test is a trainer of one run: the first starts it, each later one
+// (another transport, another op, a restart) resumes it as its next epoch, which fences the ones
+// before (docs/protocol.md "Lineage and fencing").
 Result<std::unique_ptr<Publisher>> MakePublisher(const MpiJobInfo& info, std::string uri,
-                                                 uint64_t chunk_bytes, Op op) {
+                                                 uint64_t chunk_bytes, Op op, bool resume) {
   MpiGroupOptions group_options;
   group_options.communicator = info.producer_communicator;
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ProducerGroup> group, MakeMpiGroup(group_options));
@@ -165,6 +168,8 @@ Result<std::unique_ptr<Publisher>> MakePublisher(const MpiJobInfo& info, std::st
   options.tracker.op = op;
   options.transfer_timeout = std::chrono::seconds(60);
   options.control.timeout = std::chrono::seconds(30);
+  options.run_id = "mpi-transport-test";
+  options.resume = resume;
   return Publisher::Make(options, std::move(group));
 }
 
@@ -193,15 +198,15 @@ int RunRefit(uint32_t producers, uint64_t chunk_bytes, const std::string& scheme
   Producer producer;
 
   if (info.producer) {
-    Result<std::unique_ptr<Publisher>> good = MakePublisher(info, uri, chunk_bytes, Op::kXor);
+    Result<std::unique_ptr<Publisher>> good = MakePublisher(info, uri, chunk_bytes, Op::kXor, false);
     if (NoDevice(good.status())) {
       std::printf("SKIP: %s\n", good.status().ToString().c_str());
       MPI_Barrier(MPI_COMM_WORLD);
       return kSkipped;
     }
     Result<std::unique_ptr<Publisher>> bad =
-        MakePublisher(info, "fault+" + uri + "&corrupt=1", chunk_bytes, Op::kXor);
-    Result<std::unique_ptr<Publisher>> add = MakePublisher(info, uri, chunk_bytes, Op::kAdd);
+        MakePublisher(info, "fault+" + uri + "&corrupt=1", chunk_bytes, Op::kXor, true);
+    Result<std::unique_ptr<Publisher>> add = MakePublisher(info, uri, chunk_bytes, Op::kAdd, true);
     CheckOk(good.status(), "publisher");
     CheckOk(bad.status(), "corrupting publisher");
     CheckOk(add.status(), "additive publisher");
@@ -288,6 +293,16 @@ int RunRefit(uint32_t producers, uint64_t chunk_bytes, const std::string& scheme
   }();
   Update(model, 4);
   step("corrupted", producer.corrupting.get(), false, false, before_corruption, 3);
+  if (info.producer) {
+    // The corrupting trainer's prepare fenced the first: a restarted one resumes the run from the
+    // version the fleet holds.
+    Result<std::unique_ptr<Publisher>> restarted =
+        MakePublisher(info, uri, chunk_bytes, Op::kXor, true);
+    CheckOk(restarted.status(), "restarted publisher");
+    if (!restarted.ok()) return 1;
+    producer.good = std::move(restarted).ValueOrDie();
+    CheckOk(producer.good->AdoptBaseline(Views(before_corruption), 3), "adopt (restarted)");
+  }
   step("after-corruption", producer.good.get(), false, true, model, 4);
   Update(model, 5);
   step("delta-again", producer.good.get(), false, true, model, 5);
