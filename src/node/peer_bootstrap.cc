@@ -10,8 +10,8 @@
 
 #include "core/digest.h"
 #include "refit/control_client.h"
-#include "util/logging.h"
 #include "refit/status_format.h"
+#include "util/logging.h"
 
 namespace refit::internal {
 namespace {
@@ -31,15 +31,16 @@ Result<PeerState> IdleState(ControlClient& peer) {
                        status.receiver.transfer_id.value_or(TransferId{}).ToHex());
   }
   if (!status.state_fingerprint.has_value()) {
-    return FailedPrecondition("peer {} reports no state fingerprint (an older refit)", peer.base_url());
+    return FailedPrecondition("peer {} reports no state fingerprint (an older refit)",
+                              peer.base_url());
   }
   return PeerState{status.receiver.version, *status.state_fingerprint};
 }
 
 Status CheckSameTensor(const TensorView& mine, const OwnedTensor& theirs, std::string_view peer) {
   if (mine.dtype != theirs.dtype || mine.shape != theirs.shape) {
-    return FailedPrecondition("tensor '{}': this receiver holds {} {}, peer {} holds {} {}", mine.name,
-                              DTypeName(mine.dtype), ShapeToString(mine.shape), peer,
+    return FailedPrecondition("tensor '{}': this receiver holds {} {}, peer {} holds {} {}",
+                              mine.name, DTypeName(mine.dtype), ShapeToString(mine.shape), peer,
                               DTypeName(theirs.dtype), ShapeToString(theirs.shape));
   }
   return Status::OK();
@@ -67,13 +68,14 @@ Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore
   REFIT_ASSIGN_OR_RETURN(const PeerState after, IdleState(peer));
   if (after.version != before.version || after.fingerprint != before.fingerprint) {
     return Unavailable("peer {} moved from version {} to {} during the copy", peer.base_url(),
-                   before.version, after.version);
+                       before.version, after.version);
   }
   const uint64_t fingerprint = StateFingerprint(digests);
   if (fingerprint != after.fingerprint) {
-    return Unavailable("the copy of peer {}'s version {} has state fingerprint {:016x}, the peer {:016x} "
-                   "(it held other tensors than this receiver, or changed meanwhile)",
-                   peer.base_url(), after.version, fingerprint, after.fingerprint);
+    return Unavailable(
+        "the copy of peer {}'s version {} has state fingerprint {:016x}, the peer {:016x} "
+        "(it held other tensors than this receiver, or changed meanwhile)",
+        peer.base_url(), after.version, fingerprint, after.fingerprint);
   }
   return copied;
 }
@@ -85,9 +87,10 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
   const auto start = std::chrono::steady_clock::now();
   for (const TensorView& mine : store.tensors()) {
     if (store.DeviceMemory(mine.name) != nullptr) {
-      return FailedPrecondition("bootstrap from peer {}: tensor '{}' is in device memory, which a "
-                                "peer copy does not write; bootstrap from the trainer instead",
-                                peer_url, mine.name);
+      return FailedPrecondition(
+          "bootstrap from peer {}: tensor '{}' is in device memory, which a "
+          "peer copy does not write; bootstrap from the trainer instead",
+          peer_url, mine.name);
     }
   }
   ControlClientOptions client_options;

@@ -16,10 +16,10 @@
 
 #include "codec/delta_history.h"
 #include "codec/tracker.h"
-#include "control/protocol.h"
-#include "core/digest.h"
 #include "control/fleet_roster.h"
 #include "control/membership_server.h"
+#include "control/protocol.h"
+#include "core/digest.h"
 #include "node/group_protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/piece_source.h"
@@ -289,7 +289,7 @@ struct PublisherRank {
   // Stream this rank's share through one sender per route (routing by holdings; one route of
   // the whole fleet otherwise), each finished with its route's payload count.
   Result<internal::ProducerStreamed> Stream(const ChunkSource& source, Clock::time_point deadline,
-                                  std::span<const TransferRoute> routes) {
+                                            std::span<const TransferRoute> routes) {
     if (!open.has_value()) return FailedPrecondition("publisher rank {}: no open transfer", rank());
     if (routes.empty()) return InvalidArgument("publisher rank {}: no routes", rank());
     std::vector<std::unique_ptr<TransportSender>> senders;
@@ -587,8 +587,8 @@ class GroupProducers final : public internal::ProducerSet {
   std::optional<uint64_t> FoldableFrom() const override { return fold_from_; }
 
   Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
-                                               std::span<const TransferRoute> routes,
-                                               Clock::time_point deadline) override {
+                                                         std::span<const TransferRoute> routes,
+                                                         Clock::time_point deadline) override {
     REFIT_RETURN_NOT_OK(self_.CheckCancelled("before the stream"));
     Json stream = GroupMessage(kOpStream);
     stream["routes"] = RoutesToJson(routes);
@@ -785,8 +785,8 @@ class BorrowedProducers final : public internal::ProducerSet {
     return inner_.Begin(id, force_anchor);
   }
   Result<std::vector<internal::ProducerStreamed>> Stream(const TransferPlan& plan,
-                                               std::span<const TransferRoute> routes,
-                                               Clock::time_point deadline) override {
+                                                         std::span<const TransferRoute> routes,
+                                                         Clock::time_point deadline) override {
     return inner_.Stream(plan, routes, deadline);
   }
   std::vector<std::string> TensorNames() const override { return inner_.TensorNames(); }
@@ -990,10 +990,10 @@ Result<SyncReport> PublisherRank::LeadTransfer(const ChunkSource& source, bool f
   coordinator_options.fingerprint_version = fingerprint_version;
   coordinator_options.commit_policy =
       quorum_fleet.has_value() ? quorum_fleet->policy : options.commit_policy;
-  REFIT_ASSIGN_OR_RETURN(
-      std::unique_ptr<internal::Coordinator> coordinator,
-      internal::Coordinator::Make(coordinator_options, std::make_unique<BorrowedProducers>(producers),
-                        std::move(receivers)));
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<internal::Coordinator> coordinator,
+                         internal::Coordinator::Make(coordinator_options,
+                                                     std::make_unique<BorrowedProducers>(producers),
+                                                     std::move(receivers)));
   REFIT_ASSIGN_OR_RETURN(RefitReport report, coordinator->Refit(force_anchor));
   committed_in_run = true;
   base_fingerprint = report.digests.empty() ? 0 : StateFingerprint(report.digests);
@@ -1065,8 +1065,9 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
       Result<std::vector<TransferRoute>> routes =
           RoutesFromJson(message->value("routes", Json::array()), leader);
       if (cancelled.ok() && !routes.ok()) cancelled = routes.status();
-      Result<internal::ProducerStreamed> own = cancelled.ok() ? Stream(source, Deadline(), *routes)
-                                                    : Result<internal::ProducerStreamed>(cancelled);
+      Result<internal::ProducerStreamed> own = cancelled.ok()
+                                                   ? Stream(source, Deadline(), *routes)
+                                                   : Result<internal::ProducerStreamed>(cancelled);
       reply = StatusToJson(own.status());
       if (own.ok()) {
         reply["report"] = StreamReportToJson(own->report);
@@ -1275,7 +1276,8 @@ Status Publisher::AdoptBaseline(const ShardedModel& model, std::optional<uint64_
   // Built aside and swapped in at the end: nothing changes on error.
   std::unique_ptr<internal::DeltaTracker> tracker;
   if (adopted.ok()) {
-    Result<std::unique_ptr<internal::DeltaTracker>> made = internal::DeltaTracker::Make(self.options.tracker);
+    Result<std::unique_ptr<internal::DeltaTracker>> made =
+        internal::DeltaTracker::Make(self.options.tracker);
     adopted = made.status();
     if (made.ok()) tracker = std::move(made).ValueOrDie();
   }

@@ -11,8 +11,8 @@
 #include "node/chain_replay.h"
 #include "node/peer_bootstrap.h"
 #include "receiver/receiver_session.h"
-#include "refit/lineage.h"
 #include "refit/control_client.h"
+#include "refit/lineage.h"
 #include "refit/safetensors.h"
 #include "refit/status_format.h"
 #include "refit/transport.h"
@@ -225,10 +225,11 @@ Status ReceiverNode::Impl::Start() {
     Result<internal::PeerBootstrapReport> copied =
         internal::BootstrapFromPeer(options.bootstrap_peer, *store, peer);
     if (!copied.ok()) return copied.status().WithContext("receiver node");
-    REFIT_LOG_INFO("receiver node: copied version {} ({} tensors, {} bytes) from peer {} in {:.2f} s "
-                   "({} attempt(s)); held version {} before",
-                   copied->final_version, copied->tensors, copied->bytes, copied->peer,
-                   copied->seconds, copied->attempts, copied->start_version);
+    REFIT_LOG_INFO(
+        "receiver node: copied version {} ({} tensors, {} bytes) from peer {} in {:.2f} s "
+        "({} attempt(s)); held version {} before",
+        copied->final_version, copied->tensors, copied->bytes, copied->peer, copied->seconds,
+        copied->attempts, copied->start_version);
   }
   Result<std::unique_ptr<internal::ReceiverSession>> made =
       internal::ReceiverSession::Make(options.session, *store);

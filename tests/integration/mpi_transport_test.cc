@@ -198,7 +198,8 @@ int RunRefit(uint32_t producers, uint64_t chunk_bytes, const std::string& scheme
   Producer producer;
 
   if (info.producer) {
-    Result<std::unique_ptr<Publisher>> good = MakePublisher(info, uri, chunk_bytes, Op::kXor, false);
+    Result<std::unique_ptr<Publisher>> good =
+        MakePublisher(info, uri, chunk_bytes, Op::kXor, false);
     if (NoDevice(good.status())) {
       std::printf("SKIP: %s\n", good.status().ToString().c_str());
       MPI_Barrier(MPI_COMM_WORLD);
