@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_model.h"
 #include "local_fleet.h"
 #include "loopback.h"
 #include "process.h"
@@ -38,47 +39,12 @@ namespace {
 using testkit::LocalFleet;
 using testkit::LocalFleetOptions;
 
-struct Tensor {
-  std::string name;
-  std::vector<uint16_t> bits;
-
-  TensorView view() const {
-    return TensorView{name,
-                      DType::kBFloat16,
-                      {static_cast<int64_t>(bits.size())},
-                      std::as_bytes(std::span<const uint16_t>(bits))};
-  }
-};
+using bf16_model::Step;
+using bf16_model::Tensor;
+using bf16_model::Views;
 
 // Four bf16 tensors of 4096 elements, weights around ±0.02.
-std::vector<Tensor> MakeModel(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<Tensor> model;
-  for (int t = 0; t < 4; ++t) {
-    Tensor tensor{"model.layers." + std::to_string(t) + ".weight", std::vector<uint16_t>(4096)};
-    for (uint16_t& b : tensor.bits) {
-      b = static_cast<uint16_t>(((rng() & 1) << 15) | (0x3c80 + rng() % 0x100));
-    }
-    model.push_back(std::move(tensor));
-  }
-  return model;
-}
-
-// One optimizer step: about 2 % of elements move by an ulp or two.
-void Step(std::vector<Tensor>& model, std::mt19937_64& rng) {
-  std::bernoulli_distribution changes(0.02);
-  for (Tensor& t : model) {
-    for (uint16_t& b : t.bits) {
-      if (changes(rng)) b = static_cast<uint16_t>(b ^ (1 + rng() % 3));
-    }
-  }
-}
-
-std::vector<TensorView> Views(const std::vector<Tensor>& model) {
-  std::vector<TensorView> views;
-  for (const Tensor& t : model) views.push_back(t.view());
-  return views;
-}
+std::vector<Tensor> MakeModel(uint64_t seed) { return bf16_model::MakeModel(seed, 4); }
 
 ReceiverStatus StatusOf(const std::string& control_url) {
   ControlClientOptions options;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "bf16_model.h"
 #include "loopback.h"
 #include "refit/control_client.h"
 #include "refit/producer_group.h"
@@ -28,49 +29,10 @@ namespace {
 
 using std::chrono::milliseconds;
 
-struct Tensor {
-  std::string name;
-  uint64_t elements = 0;
-  std::vector<uint16_t> bits;
-
-  TensorView view() const {
-    return TensorView{name,
-                      DType::kBFloat16,
-                      {static_cast<int64_t>(elements)},
-                      std::as_bytes(std::span<const uint16_t>(bits))};
-  }
-};
-
-// Eight bf16 tensors of 4096 elements (64 KiB in all), weights around ±0.02.
-std::vector<Tensor> MakeModel(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<Tensor> model;
-  for (int t = 0; t < 8; ++t) {
-    Tensor tensor{"model.layers." + std::to_string(t) + ".weight", 4096,
-                  std::vector<uint16_t>(4096)};
-    for (uint16_t& b : tensor.bits) {
-      b = static_cast<uint16_t>(((rng() & 1) << 15) | (0x3c80 + rng() % 0x100));
-    }
-    model.push_back(std::move(tensor));
-  }
-  return model;
-}
-
-// One optimizer step as bf16 sees it: about 2 % of elements move by an ulp or two.
-void Step(std::vector<Tensor>& model, std::mt19937_64& rng) {
-  std::bernoulli_distribution changes(0.02);
-  for (Tensor& t : model) {
-    for (uint16_t& b : t.bits) {
-      if (changes(rng)) b = static_cast<uint16_t>(b ^ (1 + rng() % 3));
-    }
-  }
-}
-
-std::vector<TensorView> Views(const std::vector<Tensor>& model) {
-  std::vector<TensorView> views;
-  for (const Tensor& t : model) views.push_back(t.view());
-  return views;
-}
+using bf16_model::MakeModel;
+using bf16_model::Step;
+using bf16_model::Tensor;
+using bf16_model::Views;
 
 // A receiver embedded in this process over buffers it owns, whose apply thread can be stalled.
 struct Receiver {
@@ -80,6 +42,10 @@ struct Receiver {
   // While set, every payload's apply waits (the apply thread is stuck; staging and relaying go
   // on, as in an engine whose weight copy hangs).
   std::atomic<bool> stalled{false};
+
+  // A test that fails while the apply thread is stuck must not hang in the node's Stop: the stall
+  // ends before `node` is destroyed (members are destroyed after this body).
+  ~Receiver() { stalled = false; }
 
   ControlStatus status() const {
     ControlClientOptions options;
@@ -127,7 +93,7 @@ std::unique_ptr<Receiver> StartReceiver(std::string who, const std::vector<Tenso
     EXPECT_OK(receiver->node->RegisterTensor(
         MutableTensorView{t.name,
                           DType::kBFloat16,
-                          {static_cast<int64_t>(t.elements)},
+                          {static_cast<int64_t>(t.elements())},
                           std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
   }
   EXPECT_OK(receiver->node->Start());
