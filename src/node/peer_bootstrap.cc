@@ -47,10 +47,12 @@ Status CheckSameTensor(const TensorView& mine, const OwnedTensor& theirs, std::s
 }
 
 // One attempt: download every tensor the store holds, then check the peer did not move.
+// Each tensor's state digest lands in `digests`: checked here, then written with the tensor.
 Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore& store,
-                                          const PeerState& before, uint64_t* bytes) {
+                                          const PeerState& before, uint64_t* bytes,
+                                          std::map<std::string, uint64_t>* digests) {
   std::vector<OwnedTensor> copied;
-  std::map<std::string, uint64_t> digests;
+  digests->clear();
   for (const TensorView& mine : store.tensors()) {
     Result<OwnedTensor> downloaded = peer.GetTensor(mine.name);
     if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
@@ -61,7 +63,7 @@ Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore
     if (!downloaded.ok()) return downloaded.status();
     OwnedTensor theirs = std::move(downloaded).ValueOrDie();
     REFIT_RETURN_NOT_OK(CheckSameTensor(mine, theirs, peer.base_url()));
-    digests[theirs.name] = TensorDigest(theirs.view());
+    (*digests)[theirs.name] = TensorDigest(theirs.view());
     *bytes += theirs.bytes.size();
     copied.push_back(std::move(theirs));
   }
@@ -70,7 +72,7 @@ Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore
     return Unavailable("peer {} moved from version {} to {} during the copy", peer.base_url(),
                        before.version, after.version);
   }
-  const uint64_t fingerprint = StateFingerprint(digests);
+  const uint64_t fingerprint = StateFingerprint(*digests);
   if (fingerprint != after.fingerprint) {
     return Unavailable(
         "the copy of peer {}'s version {} has state fingerprint {:016x}, the peer {:016x} "
@@ -117,7 +119,8 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
       break;
     }
     uint64_t bytes = 0;
-    Result<std::vector<OwnedTensor>> copied = CopyOnce(*peer, store, *before, &bytes);
+    std::map<std::string, uint64_t> digests;
+    Result<std::vector<OwnedTensor>> copied = CopyOnce(*peer, store, *before, &bytes, &digests);
     if (!copied.ok()) {
       last = copied.status();
       // Only a peer that moved is worth another try; a tensor set that differs will differ again.
@@ -130,7 +133,7 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
     for (OwnedTensor& theirs : *copied) {
       REFIT_ASSIGN_OR_RETURN(MutableTensorView mine, store.Find(theirs.name));
       std::memcpy(mine.bytes.data(), theirs.bytes.data(), theirs.bytes.size());
-      REFIT_RETURN_NOT_OK(store.SetDigest(theirs.name, TensorDigest(theirs.view())));
+      REFIT_RETURN_NOT_OK(store.SetDigest(theirs.name, digests.at(theirs.name)));
     }
     store.set_version(before->version);
     report.final_version = before->version;
