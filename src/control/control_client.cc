@@ -126,6 +126,8 @@ Result<ParsedUrl> ParseBaseUrl(std::string_view url) {
 // The longest a failed connect's probe may take: a refused connect answers at once; this bounds
 // a host that drops packets, whose request already waited for its own connect timeout.
 constexpr std::chrono::milliseconds kConnectProbeLimit{1000};
+// How near the deadline a failed read or write counts as one that waited out the budget.
+constexpr std::chrono::milliseconds kDeadlineSlack{2};
 
 // Say why a connect to `endpoint` fails, as the user needs it: httplib reports only "Connection"
 // (its errno is gone by then), so one more connect asks the kernel. A refused connect means that
@@ -393,9 +395,10 @@ std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
   std::chrono::milliseconds limit = options.timeout;
   std::chrono::milliseconds read_limit = options.timeout;
   if (deadline.has_value()) {
-    const auto left =
-        std::max(std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - Clock::now()),
-                 std::chrono::milliseconds(1));
+    // Rounded up: a read limit cut short by truncation would end a hair before the deadline,
+    // and the silence would be reported as a failed read instead of a missed deadline.
+    const auto left = std::max(std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()),
+                               std::chrono::milliseconds(1));
     limit = std::min(left, options.timeout);
     // A flush's reply comes after its wait on the server: one read may take the whole budget.
     read_limit = left;
@@ -452,7 +455,11 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
       if (token.has_value()) watchdog.Disarm(*token);
       if (!result) {
         // The connection is in an unknown state: drop it rather than return it to the pool.
-        if (deadline.has_value() && Clock::now() >= *deadline) return past_deadline(attempt);
+        // httplib's timers and ours are not one clock tick: a read that gave up within
+        // kDeadlineSlack of the deadline waited out the budget.
+        if (deadline.has_value() && Clock::now() + kDeadlineSlack >= *deadline) {
+          return past_deadline(attempt);
+        }
         std::string why = httplib::to_string(result.error());
         if (result.error() == httplib::Error::Connection) {
           Clock::time_point probe_deadline = Clock::now() + kConnectProbeLimit;

@@ -60,10 +60,12 @@ using internal::StatusToJson;
 using internal::StreamReportFromJson;
 using internal::StreamReportToJson;
 
-// How long rank 0 tries to tell the other ranks to abort: they wait for its word at most the
-// transfer timeout anyway, so this only needs to cover a live link (a rank whose link is down
+// How long rank 0 tries to tell the other ranks to abort: they stop waiting for its word on
+// their own (LeaderSilenceDeadline) anyway, so this only needs to cover a live link (a rank whose link is down
 // is waited for this long, in case it is reconnecting).
 constexpr std::chrono::seconds kAbortNoticeBudget{1};
+// What rank 0 may spend on a commit's calls after a flush (the coordinator's decision margin).
+constexpr std::chrono::seconds kCommitMargin{1};
 
 // The bytes read so far from the device tensors among `tensors` (their boundaries count them).
 uint64_t DeviceReadBytes(std::span<const ExportTensor> tensors) {
@@ -176,6 +178,13 @@ struct PublisherRank {
   uint32_t rank() const { return group->rank(); }
   uint32_t world() const { return group->world_size(); }
   Clock::time_point Deadline() const { return Clock::now() + options.transfer_timeout; }
+  // How long a follower waits for rank 0's next word. Between two words rank 0 may wait out a
+  // whole flush (the transfer timeout, then the control timeout for the flush's reply) and then
+  // the commit's calls: a follower that gave up after the transfer timeout alone would leave a
+  // commit that the receivers already made without its tracker.
+  Clock::time_point LeaderSilenceDeadline() const {
+    return Clock::now() + options.transfer_timeout + options.control.timeout + kCommitMargin;
+  }
 
   // ---- This rank's part of each op. -------------------------------------------------------------
 
@@ -1030,7 +1039,7 @@ Result<SyncReport> PublisherRank::Follow(const ChunkSource& source) {
   const std::string leader = "rank 0";
   std::optional<internal::ProducerStreamed> sent;
   while (true) {
-    Result<std::string> text = group->Broadcast({}, Deadline());
+    Result<std::string> text = group->Broadcast({}, LeaderSilenceDeadline());
     if (!text.ok()) {
       // Rank 0 is gone or silent: nothing can be decided, so drop this rank's pending bits.
       if (open.has_value()) Abort(open->transfer_id);
