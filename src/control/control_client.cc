@@ -397,8 +397,9 @@ std::unique_ptr<httplib::Client> ControlClient::Impl::Borrow(
   if (deadline.has_value()) {
     // Rounded up: a read limit cut short by truncation would end a hair before the deadline,
     // and the silence would be reported as a failed read instead of a missed deadline.
-    const auto left = std::max(std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()),
-                               std::chrono::milliseconds(1));
+    const auto left =
+        std::max(std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()),
+                 std::chrono::milliseconds(1));
     limit = std::min(left, options.timeout);
     // A flush's reply comes after its wait on the server: one read may take the whole budget.
     read_limit = left;

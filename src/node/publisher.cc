@@ -61,8 +61,8 @@ using internal::StreamReportFromJson;
 using internal::StreamReportToJson;
 
 // How long rank 0 tries to tell the other ranks to abort: they stop waiting for its word on
-// their own (LeaderSilenceDeadline) anyway, so this only needs to cover a live link (a rank whose link is down
-// is waited for this long, in case it is reconnecting).
+// their own (LeaderSilenceDeadline) anyway, so this only needs to cover a live link (a rank whose
+// link is down is waited for this long, in case it is reconnecting).
 constexpr std::chrono::seconds kAbortNoticeBudget{1};
 // What rank 0 may spend on a commit's calls after a flush (the coordinator's decision margin).
 constexpr std::chrono::seconds kCommitMargin{1};
