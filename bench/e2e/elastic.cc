@@ -2,7 +2,9 @@
 // laggard (3 versions behind) join between syncs. The join sync runs twice from the same seed:
 // once as today's whole-fleet anchor and once under per-receiver plans; then the newcomer's
 // catch-up against the raw copy of the model to one receiver, and the laggard's folded bytes
-// against the deltas it missed.
+// against the deltas it missed. Last, a second newcomer with no weights copies a member (a peer
+// replica) and joins: its copy against the same raw copy, and the next sync's egress, which must
+// be the fleet's delta alone.
 #include "e2e/sections.h"
 
 #include <fmt/format.h>
@@ -12,6 +14,7 @@
 #include <atomic>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -35,6 +38,8 @@ namespace refit::bench::e2e {
 namespace {
 
 constexpr size_t kFleet = 8;  // 6 members, a laggard and a newcomer.
+// The receiver that then joins by copying a member (a peer replica); its port is the last.
+constexpr size_t kPeerNewcomer = kFleet;
 constexpr size_t kMembers = 6;
 constexpr uint64_t kLaggardBehind = 3;
 constexpr uint32_t kRanks = 2;
@@ -47,11 +52,15 @@ struct Node {
   std::unique_ptr<ReceiverNode> node;
 };
 
-Result<std::unique_ptr<Node>> StartNode(const std::vector<TensorView>& model, uint16_t port) {
+// `peer`: the control URL of a member to copy the fleet's version from before serving (empty:
+// none).
+Result<std::unique_ptr<Node>> StartNode(const std::vector<TensorView>& model, uint16_t port,
+                                        const std::string& peer = {}) {
   auto node = std::make_unique<Node>();
   ReceiverNodeOptions options;
   options.transport_uri = "zmq://?timeout_ms=60000";
   options.data_endpoint = fmt::format("127.0.0.1:{}", port);
+  options.bootstrap_peer = peer;
   REFIT_ASSIGN_OR_RETURN(node->node, ReceiverNode::Make(options));
   for (const TensorView& tensor : model) {
     node->buffers.emplace_back(tensor.bytes.begin(), tensor.bytes.end());
@@ -69,6 +78,15 @@ struct JoinRun {
   uint64_t laggard_bytes = 0;
   uint64_t newcomer_bytes = 0;
   uint64_t missed_delta_bytes = 0;  // Producers' egress of the deltas the laggard missed.
+  // Under per-receiver plans, a second newcomer then copies a member (a peer replica) and joins.
+  struct PeerJoin {
+    double copy_s = 0;  // Its Start: the copy from the peer, verified, until it serves.
+    uint64_t model_bytes = 0;
+    RefitReport report;  // The sync it joined in.
+    uint64_t member_bytes = 0;
+    uint64_t newcomer_bytes = 0;
+  };
+  std::optional<PeerJoin> peer;
 };
 
 // Run the scenario once: 7 receivers at version 0, two syncs, the laggard out for three, then
@@ -76,20 +94,20 @@ struct JoinRun {
 Result<JoinRun> RunJoin(const Args& args, uint64_t model_bytes, bool whole_anchor) {
   REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
                          SyntheticModel::Make(model_bytes, args.seed, args.threads, nullptr));
-  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, testkit::FreeLoopbackPorts(kFleet));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports,
+                         testkit::FreeLoopbackPorts(kFleet + 1));
   std::vector<std::unique_ptr<Node>> nodes;
   for (size_t r = 0; r + 1 < kFleet; ++r) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Node> node, StartNode(model.views(), ports[r]));
     nodes.push_back(std::move(node));
   }
-  const std::vector<TensorView> step0 = [&] {
-    std::vector<TensorView> views;
-    for (const std::vector<std::byte>& buffer : nodes.front()->buffers) {
-      const TensorView& like = model.views()[views.size()];
-      views.push_back(TensorView{like.name, like.dtype, like.shape, buffer});
-    }
-    return views;
-  }();
+  // The step-0 checkpoint the newcomer loads: a copy, since every node's buffers move on.
+  std::vector<std::vector<std::byte>> step0_bytes;
+  std::vector<TensorView> step0;
+  for (const TensorView& like : model.views()) {
+    step0_bytes.emplace_back(like.bytes.begin(), like.bytes.end());
+    step0.push_back(TensorView{like.name, like.dtype, like.shape, step0_bytes.back()});
+  }
   PublisherOptions options;
   options.transport_uri = "zmq://?timeout_ms=60000";
   options.stream.chunk_bytes = std::max<uint64_t>(model_bytes / 16, 1 << 20);
@@ -153,14 +171,45 @@ Result<JoinRun> RunJoin(const Args& args, uint64_t model_bytes, bool whole_ancho
     if (r == kMembers + 1) run.newcomer_bytes = bytes;
   }
   // Every receiver holds the trainer's bytes.
-  for (size_t r = 0; r < kFleet; ++r) {
-    for (size_t t = 0; t < model.views().size(); ++t) {
-      const auto want = model.views()[t].bytes;
-      if (!std::equal(want.begin(), want.end(), nodes[r]->buffers[t].begin())) {
-        return DataLoss("elastic: receiver {} tensor '{}' differs after the join sync", r,
-                        model.views()[t].name);
+  const auto check = [&](std::string_view after) -> Status {
+    for (size_t r = 0; r < nodes.size(); ++r) {
+      for (size_t t = 0; t < model.views().size(); ++t) {
+        const auto want = model.views()[t].bytes;
+        if (!std::equal(want.begin(), want.end(), nodes[r]->buffers[t].begin())) {
+          return DataLoss("elastic: receiver {} tensor '{}' differs after the {}", r,
+                          model.views()[t].name, after);
+        }
       }
     }
+    return Status::OK();
+  };
+  REFIT_RETURN_NOT_OK(check("join sync"));
+  if (!whole_anchor) {
+    // A newcomer with no weights of its own (zeroed buffers) copies the fleet's version from a
+    // member, then joins: the next sync is the fleet's delta for everyone.
+    JoinRun::PeerJoin peer;
+    std::vector<std::vector<std::byte>> zeros;
+    std::vector<TensorView> empty;
+    for (const TensorView& like : model.views()) {
+      zeros.emplace_back(like.bytes.size());
+      empty.push_back(TensorView{like.name, like.dtype, like.shape, zeros.back()});
+    }
+    const double copy_start = Now();
+    REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Node> copied,
+                           StartNode(empty, ports[kPeerNewcomer], nodes[0]->node->control_url()));
+    peer.copy_s = Now() - copy_start;
+    peer.model_bytes = model_bytes;
+    nodes.push_back(std::move(copied));
+    REFIT_RETURN_NOT_OK(fleet(kFleet + 1, true));
+    REFIT_RETURN_NOT_OK(model.Step(++step, args.step_density).status());
+    REFIT_ASSIGN_OR_RETURN(SyncReport after_copy, sync(false));
+    peer.report = after_copy.transfer;
+    for (size_t r = 0; r < kMembers; ++r) {
+      peer.member_bytes = std::max(peer.member_bytes, peer.report.receivers[r].wire_bytes);
+    }
+    peer.newcomer_bytes = peer.report.receivers[kPeerNewcomer].wire_bytes;
+    REFIT_RETURN_NOT_OK(check("sync after the peer copy"));
+    run.peer = std::move(peer);
   }
   for (std::unique_ptr<Node>& node : nodes) node->node->Stop();
   return run;
@@ -262,6 +311,22 @@ Result<nlohmann::json> RunElastic(const Args& args, const std::string& work_dir)
   out["catch_up_vs_raw_copy"] = plan.report.total_s / std::max(copy.seconds, 1e-9);
   out["catch_up_target"] = kCatchUpTarget;
   out["catch_up_met"] = out["catch_up_vs_raw_copy"].get<double>() <= kCatchUpTarget;
+  // The newcomer that copied a member: its copy against the same yardstick, and the sync it
+  // joined in, which must be the fleet's delta alone (one route; it got what a member got).
+  const JoinRun::PeerJoin& peer = plan.peer.value();
+  const bool delta_only = peer.report.wire_bytes == peer.member_bytes &&
+                          peer.newcomer_bytes == peer.member_bytes &&
+                          peer.report.receivers[kPeerNewcomer].caught_up_by == CatchUp::kDelta;
+  out["peer"] = nlohmann::json{
+      {"copy_s", peer.copy_s},
+      {"copy_vs_raw_copy", peer.copy_s / std::max(copy.seconds, 1e-9)},
+      {"copy_met", peer.copy_s / std::max(copy.seconds, 1e-9) <= kCatchUpTarget},
+      {"next_sync_egress_bytes", peer.report.wire_bytes},
+      {"next_sync_member_bytes", peer.member_bytes},
+      {"next_sync_newcomer_bytes", peer.newcomer_bytes},
+      {"newcomer_caught_up_by",
+       std::string(CatchUpName(peer.report.receivers[kPeerNewcomer].caught_up_by))},
+      {"next_sync_delta_only", delta_only}};
   REFIT_ASSIGN_OR_RETURN(out["fold"], MeasureFold(args, model_bytes));
   out["laggard_folded_end_to_end"] =
       std::string(CatchUpName(plan.report.receivers[kMembers].caught_up_by)) == "folded";
@@ -290,7 +355,7 @@ void PrintElastic(const nlohmann::json& section) {
       "newcomer catch-up {} vs raw copy {} to one receiver: {:.2f}x (target <= {:.1f}x): {}\n"
       "laggard fold at the producers: {} vs the {} deltas it missed {} (incl. the join delta): "
       "{:.2f}x: {}\n"
-      "laggard folded end to end: {}\n\n",
+      "laggard folded end to end: {}\n",
       section["egress_ratio"].get<double>(), section["time_ratio"].get<double>(),
       FormatDuration(section["newcomer_catch_up_s"]), FormatDuration(section["raw_copy_s"]),
       section["catch_up_vs_raw_copy"].get<double>(), section["catch_up_target"].get<double>(),
@@ -300,6 +365,18 @@ void PrintElastic(const nlohmann::json& section) {
       section["laggard_folded_end_to_end"].get<bool>()
           ? "yes"
           : "NOT MET (the laggard was not caught up by a fold: an anchor of its own)");
+  const nlohmann::json& peer = section["peer"];
+  std::cout << fmt::format(
+      "newcomer copied from a peer replica: {} vs raw copy {}: {:.2f}x (target <= {:.1f}x): {}\n"
+      "the sync it then joined: producers' egress {}, a member got {}, it got {} ({}): {}\n\n",
+      FormatDuration(peer["copy_s"]), FormatDuration(section["raw_copy_s"]),
+      peer["copy_vs_raw_copy"].get<double>(), section["catch_up_target"].get<double>(),
+      peer["copy_met"].get<bool>() ? "met" : "NOT MET", FormatBytes(peer["next_sync_egress_bytes"]),
+      FormatBytes(peer["next_sync_member_bytes"]), FormatBytes(peer["next_sync_newcomer_bytes"]),
+      peer["newcomer_caught_up_by"].get<std::string>(),
+      peer["next_sync_delta_only"].get<bool>()
+          ? "the fleet's delta alone"
+          : "NOT MET (the producers sent more than the fleet's delta)");
 }
 
 }  // namespace refit::bench::e2e
