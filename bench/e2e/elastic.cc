@@ -50,6 +50,7 @@ constexpr double kCatchUpTarget = 1.3;
 struct Node {
   std::vector<std::vector<std::byte>> buffers;
   std::unique_ptr<ReceiverNode> node;
+  double start_s = 0;  // Its Start (with a peer: the copy, verified, until it serves).
 };
 
 // `peer`: the control URL of a member to copy the fleet's version from before serving (empty:
@@ -67,7 +68,9 @@ Result<std::unique_ptr<Node>> StartNode(const std::vector<TensorView>& model, ui
     REFIT_RETURN_NOT_OK(node->node->RegisterTensor(
         MutableTensorView{tensor.name, tensor.dtype, tensor.shape, node->buffers.back()}));
   }
+  const double start = Now();
   REFIT_RETURN_NOT_OK(node->node->Start());
+  node->start_s = Now() - start;
   return node;
 }
 
@@ -194,10 +197,9 @@ Result<JoinRun> RunJoin(const Args& args, uint64_t model_bytes, bool whole_ancho
       zeros.emplace_back(like.bytes.size());
       empty.push_back(TensorView{like.name, like.dtype, like.shape, zeros.back()});
     }
-    const double copy_start = Now();
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Node> copied,
                            StartNode(empty, ports[kPeerNewcomer], nodes[0]->node->control_url()));
-    peer.copy_s = Now() - copy_start;
+    peer.copy_s = copied->start_s;
     peer.model_bytes = model_bytes;
     nodes.push_back(std::move(copied));
     REFIT_RETURN_NOT_OK(fleet(kFleet + 1, true));

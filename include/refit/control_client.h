@@ -130,9 +130,11 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
   /// GET /v1/status.
   Result<ControlStatus> GetStatus();
   /// GET /v1/tensors/{name}: download one tensor and check its bytes against the digest the
-  /// server sent. Errors: NotFound naming it; FailedPrecondition while a transfer is receiving;
-  /// DataLoss when the bytes, shape or digest disagree.
-  Result<OwnedTensor> GetTensor(std::string_view name);
+  /// server sent; `digest`, when not null, receives that digest (TensorDigest of the bytes), so
+  /// a caller that needs it does not hash the tensor again. Safe to call concurrently: each call
+  /// takes its own connection. Errors: NotFound naming it; FailedPrecondition while a transfer
+  /// is receiving; DataLoss when the bytes, shape or digest disagree.
+  Result<OwnedTensor> GetTensor(std::string_view name, uint64_t* digest = nullptr);
   /// GET /healthz (no key needed). Errors: Unavailable when the server cannot be reached.
   Status CheckHealth();
 

@@ -756,7 +756,7 @@ Result<FleetMembership> ControlClient::RemoveMember(const std::string& control_u
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
 
-Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
+Result<OwnedTensor> ControlClient::GetTensor(std::string_view name, uint64_t* digest_out) {
   if (impl_->options.carrier) return impl_->RefuseBulk("GET /v1/tensors");
   const std::string route =
       std::string(internal::kTensorsPathPrefix) + internal::PercentEncode(name);
@@ -832,6 +832,7 @@ Result<OwnedTensor> ControlClient::GetTensor(std::string_view name) {
     return DataLoss("{}: tensor '{}' digest {} != {} sent by the server", what, tensor.name,
                     internal::DigestToHex(actual), digest_hex);
   }
+  if (digest_out != nullptr) *digest_out = actual;
   return tensor;
 }
 

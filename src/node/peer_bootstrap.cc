@@ -1,5 +1,6 @@
 #include "node/peer_bootstrap.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -12,9 +13,13 @@
 #include "refit/control_client.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
+#include "util/thread_pool.h"
 
 namespace refit::internal {
 namespace {
+
+// Tensors downloaded at once (each on its own connection to the peer).
+constexpr size_t kDownloadStreams = 4;
 
 // The peer's committed version and state fingerprint, read while it is idle (a prepared peer
 // already holds the next version's bytes under the old version number).
@@ -48,24 +53,34 @@ Status CheckSameTensor(const TensorView& mine, const OwnedTensor& theirs, std::s
 
 // One attempt: download every tensor the store holds, then check the peer did not move.
 // Each tensor's state digest lands in `digests`: checked here, then written with the tensor.
+// Up to kDownloadStreams tensors are downloaded at once, on connections of their own: one
+// stream leaves the link idle while each tensor is checked against its digest.
 Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore& store,
                                           const PeerState& before, uint64_t* bytes,
                                           std::map<std::string, uint64_t>* digests) {
-  std::vector<OwnedTensor> copied;
-  digests->clear();
-  for (const TensorView& mine : store.tensors()) {
-    Result<OwnedTensor> downloaded = peer.GetTensor(mine.name);
-    if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
-      // The peer refuses reads while a transfer writes: it moved, try again.
-      return Unavailable("peer {} began a transfer during the copy: {}", peer.base_url(),
-                         downloaded.status().message());
+  const std::vector<TensorView> mine = store.tensors();
+  std::vector<OwnedTensor> copied(mine.size());
+  std::vector<uint64_t> tensor_digests(mine.size());
+  const int streams = static_cast<int>(std::min<size_t>(kDownloadStreams, mine.size()));
+  const Status downloaded_all = ParallelFor(streams, mine.size(), [&](uint64_t begin, uint64_t end) {
+    for (uint64_t t = begin; t < end; ++t) {
+      Result<OwnedTensor> downloaded = peer.GetTensor(mine[t].name, &tensor_digests[t]);
+      if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
+        // The peer refuses reads while a transfer writes: it moved, try again.
+        return Unavailable("peer {} began a transfer during the copy: {}", peer.base_url(),
+                           downloaded.status().message());
+      }
+      if (!downloaded.ok()) return downloaded.status();
+      REFIT_RETURN_NOT_OK(CheckSameTensor(mine[t], *downloaded, peer.base_url()));
+      copied[t] = std::move(downloaded).ValueOrDie();
     }
-    if (!downloaded.ok()) return downloaded.status();
-    OwnedTensor theirs = std::move(downloaded).ValueOrDie();
-    REFIT_RETURN_NOT_OK(CheckSameTensor(mine, theirs, peer.base_url()));
-    (*digests)[theirs.name] = TensorDigest(theirs.view());
-    *bytes += theirs.bytes.size();
-    copied.push_back(std::move(theirs));
+    return Status::OK();
+  });
+  REFIT_RETURN_NOT_OK(downloaded_all);
+  digests->clear();
+  for (size_t t = 0; t < copied.size(); ++t) {
+    (*digests)[copied[t].name] = tensor_digests[t];
+    *bytes += copied[t].bytes.size();
   }
   REFIT_ASSIGN_OR_RETURN(const PeerState after, IdleState(peer));
   if (after.version != before.version || after.fingerprint != before.fingerprint) {

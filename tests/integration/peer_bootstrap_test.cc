@@ -1,0 +1,231 @@
+// A newcomer copies the fleet's version from a peer replica (internal::BootstrapFromPeer) over
+// the peer's real HTTP control plane: the copy is bit-identical and verified as a whole, the
+// store is written only when it is; tensor sets that differ, a peer that cannot be reached, a
+// wrong key and device tensors are refused by name with the store untouched.
+#include "node/peer_bootstrap.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <memory>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bf16_model.h"
+#include "loopback.h"
+#include "refit/producer_group.h"
+#include "refit/publisher.h"
+#include "refit/receiver_node.h"
+#include "refit/weight_store.h"
+#include "test_util.h"
+
+namespace refit {
+namespace {
+
+using bf16_model::MakeModel;
+using bf16_model::Step;
+using bf16_model::Tensor;
+using bf16_model::Views;
+
+constexpr char kKey[] = "peer-bootstrap-test-key";
+
+// Names a URL must carry intact: spaces, slashes, percent signs, non-ASCII.
+std::vector<Tensor> OddlyNamedModel(uint64_t seed) {
+  std::vector<Tensor> model = MakeModel(seed, 11);
+  const char* names[] = {"model.embed tokens/weight", "lm_head%2Fweight", "blocks.0.mlp.w₁",
+                         "a?b=c&d", "x#frag"};
+  for (size_t t = 0; t < std::size(names); ++t) model[t].name = names[t];
+  return model;
+}
+
+// The peer: a receiver node over buffers it owns, synced to version 2 by a publisher.
+class PeerBootstrapTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = OddlyNamedModel(7);
+    buffers_ = model_;
+    ReceiverNodeOptions options;
+    options.transport_uri = "zmq://?timeout_ms=10000";
+    options.data_endpoint = testing::FreeLoopbackEndpoint();
+    options.control.api_key = kKey;
+    peer_ = ReceiverNode::Make(options).ValueOrDie();
+    for (Tensor& t : buffers_) {
+      ASSERT_OK(peer_->RegisterTensor(
+          MutableTensorView{t.name,
+                            DType::kBFloat16,
+                            {static_cast<int64_t>(t.elements())},
+                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+    }
+    ASSERT_OK(peer_->Start());
+    PublisherOptions publisher;
+    publisher.transport_uri = "zmq://?timeout_ms=10000";
+    publisher.control.api_key = kKey;
+    publisher.receivers = {{peer_->control_url(), peer_->producer_endpoint()}};
+    trainer_ =
+        Publisher::Make(publisher, std::move(MakeInProcessGroup(1).ValueOrDie()[0])).ValueOrDie();
+    ASSERT_OK(trainer_->AdoptBaseline(Views(model_), 0));
+    for (int step = 0; step < 2; ++step) {
+      Step(model_, rng_);
+      ASSERT_OK(trainer_->Sync(Views(model_)).status());
+    }
+  }
+
+  // A newcomer's store: `loaded` copied in (a checkpoint it loaded), at version 0.
+  static std::unique_ptr<WeightStore> Newcomer(const std::vector<Tensor>& loaded) {
+    std::unique_ptr<WeightStore> store = WeightStore::Make();
+    for (const Tensor& t : loaded) EXPECT_OK(store->AddCopy(t.view()));
+    return store;
+  }
+
+  static bool Holds(const WeightStore& store, const std::vector<Tensor>& model) {
+    for (const Tensor& t : model) {
+      Result<TensorView> held = store.Find(t.name);
+      if (!held.ok()) return false;
+      const auto want = t.view().bytes;
+      if (!std::equal(want.begin(), want.end(), held->bytes.begin(), held->bytes.end())) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  internal::PeerBootstrapOptions Options() const {
+    internal::PeerBootstrapOptions options;
+    options.api_key = kKey;
+    options.call_timeout = std::chrono::seconds(5);
+    return options;
+  }
+
+  std::mt19937_64 rng_{11};
+  std::vector<Tensor> model_;    // The trainer's, at version 2 after SetUp.
+  std::vector<Tensor> buffers_;  // The peer's memory.
+  std::unique_ptr<ReceiverNode> peer_;
+  std::unique_ptr<Publisher> trainer_;
+};
+
+TEST_F(PeerBootstrapTest, ANewcomerCopiesThePeersVersionBitForBitWithItsDigests) {
+  const std::vector<Tensor> step0 = OddlyNamedModel(7);
+  std::unique_ptr<WeightStore> store = Newcomer(step0);
+  ASSERT_OK_AND_ASSIGN(internal::PeerBootstrapReport report,
+                       internal::BootstrapFromPeer(peer_->control_url(), *store, Options()));
+  EXPECT_EQ(report.start_version, 0u);
+  EXPECT_EQ(report.final_version, 2u);
+  EXPECT_EQ(report.tensors, model_.size());
+  EXPECT_EQ(report.bytes, model_.size() * 4096 * 2);
+  EXPECT_EQ(report.attempts, 1);
+  EXPECT_EQ(store->version(), 2u);
+  EXPECT_TRUE(Holds(*store, model_));
+  // The digests written with the tensors are those of the bytes.
+  EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+
+  // A second bootstrap finds the state already held and writes nothing.
+  ASSERT_OK_AND_ASSIGN(internal::PeerBootstrapReport again,
+                       internal::BootstrapFromPeer(peer_->control_url(), *store, Options()));
+  EXPECT_EQ(again.final_version, 2u);
+  EXPECT_EQ(again.tensors, 0u);
+}
+
+// The peer commits version after version while newcomers copy it: every copy that succeeds is
+// exactly one version the trainer published (never a mix of two), and one that straddled the
+// peer's transfers on every attempt is refused with the store untouched.
+TEST_F(PeerBootstrapTest, ACopyOfAPeerThatKeepsMovingIsOneVersionOrRefused) {
+  std::map<uint64_t, std::vector<Tensor>> published{{2, model_}};
+  std::mutex published_mutex;
+  std::atomic<bool> stop{false};
+  Status trainer_status;
+  std::jthread trainer([&] {
+    // Until the newcomers are done (bounded: each version is kept to compare with).
+    for (uint64_t version = 3; version <= 400 && !stop; ++version) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));  // a training step
+      Step(model_, rng_);
+      {
+        std::lock_guard lock(published_mutex);
+        published.emplace(version, model_);
+      }
+      Result<SyncReport> synced = trainer_->Sync(Views(model_));
+      if (!synced.ok()) {
+        trainer_status = synced.status();
+        return;
+      }
+    }
+  });
+  const std::vector<Tensor> step0 = OddlyNamedModel(7);
+  int copied = 0;
+  for (int newcomer = 0; newcomer < 12; ++newcomer) {
+    std::unique_ptr<WeightStore> store = Newcomer(step0);
+    internal::PeerBootstrapOptions options = Options();
+    options.attempts = 2;
+    Result<internal::PeerBootstrapReport> report =
+        internal::BootstrapFromPeer(peer_->control_url(), *store, options);
+    if (!report.ok()) {
+      EXPECT_EQ(report.status().code(), StatusCode::kUnavailable) << report.status().ToString();
+      EXPECT_EQ(store->version(), 0u);
+      EXPECT_TRUE(Holds(*store, step0)) << "a refused copy writes nothing";
+      continue;
+    }
+    ++copied;
+    std::lock_guard lock(published_mutex);
+    ASSERT_TRUE(published.contains(report->final_version)) << report->final_version;
+    EXPECT_TRUE(Holds(*store, published.at(report->final_version)))
+        << "newcomer " << newcomer << " holds a mix, not version " << report->final_version;
+    EXPECT_EQ(store->version(), report->final_version);
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+  }
+  stop = true;
+  trainer.join();
+  EXPECT_OK(trainer_status);
+  EXPECT_GT(copied, 0) << "no copy succeeded in 12 tries of 2 attempts";
+}
+
+TEST_F(PeerBootstrapTest, ATensorSetThatDiffersIsRefusedByNameAndNothingIsWritten) {
+  std::vector<Tensor> other = OddlyNamedModel(7);
+  other[3].bits.resize(2048);  // "a?b=c&d" has another shape here.
+  std::unique_ptr<WeightStore> store = Newcomer(other);
+  Result<internal::PeerBootstrapReport> copied =
+      internal::BootstrapFromPeer(peer_->control_url(), *store, Options());
+  EXPECT_STATUS_MSG(FailedPrecondition, "a?b=c&d", copied.status());
+  EXPECT_STATUS_MSG(FailedPrecondition, "[2048]", copied.status());
+  EXPECT_EQ(store->version(), 0u);
+  EXPECT_TRUE(Holds(*store, other)) << "nothing is written before the whole copy is verified";
+
+  // A tensor the peer does not hold.
+  std::vector<Tensor> more = OddlyNamedModel(7);
+  more.push_back(Tensor{"only.here", std::vector<uint16_t>(16)});
+  std::unique_ptr<WeightStore> bigger = Newcomer(more);
+  copied = internal::BootstrapFromPeer(peer_->control_url(), *bigger, Options());
+  EXPECT_STATUS_MSG(NotFound, "only.here", copied.status());
+  EXPECT_TRUE(Holds(*bigger, more));
+}
+
+TEST_F(PeerBootstrapTest, AWrongKeyOrAPeerThatIsNotThereIsRefusedAndNothingIsWritten) {
+  const std::vector<Tensor> step0 = OddlyNamedModel(7);
+  std::unique_ptr<WeightStore> store = Newcomer(step0);
+  internal::PeerBootstrapOptions wrong = Options();
+  wrong.api_key = "not-the-key";
+  Result<internal::PeerBootstrapReport> copied =
+      internal::BootstrapFromPeer(peer_->control_url(), *store, wrong);
+  EXPECT_EQ(copied.status().code(), StatusCode::kPermissionDenied) << copied.status().ToString();
+  EXPECT_TRUE(Holds(*store, step0));
+
+  const std::string gone = peer_->control_url();
+  peer_->Stop();
+  internal::PeerBootstrapOptions once = Options();
+  once.attempts = 2;
+  copied = internal::BootstrapFromPeer(gone, *store, once);
+  EXPECT_STATUS_MSG(Unavailable, gone, copied.status());
+  EXPECT_STATUS_MSG(Unavailable, "2 attempt(s)", copied.status());
+  EXPECT_EQ(store->version(), 0u);
+  EXPECT_TRUE(Holds(*store, step0));
+
+  copied = internal::BootstrapFromPeer("not a url", *store, Options());
+  EXPECT_EQ(copied.status().code(), StatusCode::kInvalidArgument) << copied.status().ToString();
+}
+
+}  // namespace
+}  // namespace refit
