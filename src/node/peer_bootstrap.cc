@@ -62,20 +62,21 @@ Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore
   std::vector<OwnedTensor> copied(mine.size());
   std::vector<uint64_t> tensor_digests(mine.size());
   const int streams = static_cast<int>(std::min<size_t>(kDownloadStreams, mine.size()));
-  const Status downloaded_all = ParallelFor(streams, mine.size(), [&](uint64_t begin, uint64_t end) {
-    for (uint64_t t = begin; t < end; ++t) {
-      Result<OwnedTensor> downloaded = peer.GetTensor(mine[t].name, &tensor_digests[t]);
-      if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
-        // The peer refuses reads while a transfer writes: it moved, try again.
-        return Unavailable("peer {} began a transfer during the copy: {}", peer.base_url(),
-                           downloaded.status().message());
-      }
-      if (!downloaded.ok()) return downloaded.status();
-      REFIT_RETURN_NOT_OK(CheckSameTensor(mine[t], *downloaded, peer.base_url()));
-      copied[t] = std::move(downloaded).ValueOrDie();
-    }
-    return Status::OK();
-  });
+  const Status downloaded_all =
+      ParallelFor(streams, mine.size(), [&](uint64_t begin, uint64_t end) {
+        for (uint64_t t = begin; t < end; ++t) {
+          Result<OwnedTensor> downloaded = peer.GetTensor(mine[t].name, &tensor_digests[t]);
+          if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
+            // The peer refuses reads while a transfer writes: it moved, try again.
+            return Unavailable("peer {} began a transfer during the copy: {}", peer.base_url(),
+                               downloaded.status().message());
+          }
+          if (!downloaded.ok()) return downloaded.status();
+          REFIT_RETURN_NOT_OK(CheckSameTensor(mine[t], *downloaded, peer.base_url()));
+          copied[t] = std::move(downloaded).ValueOrDie();
+        }
+        return Status::OK();
+      });
   REFIT_RETURN_NOT_OK(downloaded_all);
   digests->clear();
   for (size_t t = 0; t < copied.size(); ++t) {

@@ -9,8 +9,8 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <span>
 #include <string>
