@@ -12,6 +12,7 @@
 // then data plane, then the session, whose end rolls an open transfer back bit-exactly).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -88,6 +89,11 @@ struct ReceiverNodeOptions {
   /// (docs/protocol.md "A peer replica"); the control plane's api_key authenticates it. Empty:
   /// none. Not with bootstrap_uri.
   std::string bootstrap_peer;
+  /// While joined to a fleet (Join), how often it asks the publisher's membership endpoint for
+  /// the fleet's version. A member learns of a new version from the transfers it takes part in;
+  /// one that was left out or fenced while it could not be reached (stopped, partitioned) would
+  /// otherwise report ready at its old version until the next sync reached it. 0: never ask.
+  std::chrono::milliseconds fleet_watch_interval{std::chrono::seconds(1)};
 };
 
 /// The smallest default payload limit: room for any bucket of the default size with its names.

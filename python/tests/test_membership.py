@@ -20,8 +20,10 @@ way or by dying. Asserted, from the receivers' own byte counters and ``GET /read
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -371,6 +373,78 @@ def test_a_serve_daemon_beyond_the_history_joins_on_start_is_anchored_alone_and_
         if daemon is not None and daemon.poll() is None:
             daemon.kill()
             daemon.wait()
+        current.stop()
+
+
+def test_a_member_stopped_through_a_sync_says_it_is_behind_as_soon_as_it_resumes(tmp_path):
+    """A joined `refit serve` member that cannot be reached when a sync starts (SIGSTOP) is left
+    out and fenced under a quorum; it never hears of that sync, so it learns that the fleet moved
+    on from its publisher (server.fleet_watch_s): resumed, its /ready says "behind" at once, never
+    "ready" at the version it held, and the next sync catches it up."""
+    rng = np.random.default_rng(SEED + 3)
+    trainer = step0_model(SEED)
+    model = tmp_path / "step0.safetensors"
+    write_safetensors(model, trainer)
+    # A member whose status does not answer within 2 s is left out; 1 of 2 replicas commits.
+    publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60, commit_policy="quorum:0.5",
+                                config=refit.Config.parse("request_timeout_s: 2\n"))
+    publisher.adopt_baseline(copy(trainer), version=0)
+    held = step0_model(SEED)
+    current = refit.Receiver(version=0, api_key=KEY)
+    for name, array in held.items():
+        current.register(name, array)
+    current.start()
+    log = tmp_path / "daemon.log"
+    ready_file = tmp_path / "ready.json"
+    daemon = subprocess.Popen(
+        [refit_cli(), "serve", "--model", str(model), "--version", "0", "--bind", "127.0.0.1",
+         "--control-port", "0", "--api-key-env", "MEMBERSHIP_KEY", "--ready-file", str(ready_file),
+         "--join", publisher.membership_url],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, MEMBERSHIP_KEY=KEY),
+    )
+    stopped = False
+    try:
+        current.join(publisher.membership_url)
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while "joined the fleet of" not in log.read_text():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        control = json.loads(ready_file.read_text())["control_url"]
+        step(trainer, rng)
+        publisher.sync(trainer)
+        status, body = http("GET", control + "/ready", key=None)
+        assert status == 200 and body["version"] == 1, body
+
+        daemon.send_signal(signal.SIGSTOP)
+        stopped = True
+        step(trainer, rng)
+        report = publisher.sync(trainer)
+        assert report.fenced == (control,), report
+        assert current.status().version == 2
+        daemon.send_signal(signal.SIGCONT)
+        stopped = False
+        # Every answer after it resumed: not ready, behind the fleet's version 2.
+        answers = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            answers.append(http("GET", control + "/ready", key=None))
+            time.sleep(0.1)
+        assert all(status == 503 for status, _ in answers), answers[:3]
+        status, body = answers[-1]
+        assert body["ready_reason"] == "behind" and body["version"] == 1 and body["fleet_version"] == 2, body
+
+        step(trainer, rng)
+        report = publisher.sync(trainer)
+        how = {entry["name"]: entry for entry in report.catch_ups}
+        assert how[control]["caught_up_by"] == "folded" and how[control]["lag"] == 1, how
+        assert_holds(control, trainer)
+        status, body = http("GET", control + "/ready", key=None)
+        assert status == 200 and body["version"] == 3, body
+    finally:
+        if stopped:
+            daemon.send_signal(signal.SIGCONT)
+        daemon.terminate()
+        daemon.wait(timeout=60)
         current.stop()
 
 

@@ -686,6 +686,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
       StringKey("replica", &server.replica),
       StringKey("bootstrap", &server.bootstrap),
       StringKey("bootstrap_peer", &server.bootstrap_peer),
+      SecondsKey("fleet_watch_s", &server.fleet_watch_interval, kZeroAllowed),
   };
   std::vector<YAML::Mark> receiver_marks;
   const KeySpec top_keys[] = {

@@ -143,6 +143,9 @@ struct ServerConfig {
   /// `bootstrap_peer`: the control URL of a receiver of the fleet with the same tensors to copy
   /// the fleet's version from before serving; empty: none.
   std::string bootstrap_peer;
+  /// `fleet_watch_s`: while joined to a fleet, how often to ask the publisher for the fleet's
+  /// version (ReceiverNodeOptions::fleet_watch_interval); 0: never.
+  std::chrono::milliseconds fleet_watch_interval{std::chrono::seconds(1)};
 };
 
 /// Every setting of a configuration file. A plain value type.

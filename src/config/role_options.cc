@@ -162,6 +162,7 @@ Result<ReceiverNodeOptions> ToReceiverNodeOptions(const RefitConfig& config) {
   options.producer_bucket_bytes = config.delta_compression.sparse_bucket_size_bytes;
   options.bootstrap_uri = server.bootstrap;
   options.bootstrap_peer = server.bootstrap_peer;
+  options.fleet_watch_interval = server.fleet_watch_interval;
   REFIT_ASSIGN_OR_RETURN(const std::string uri_text, ToTransportUri(config));
   REFIT_ASSIGN_OR_RETURN(TransportUri uri, TransportUri::Parse(uri_text));
   REFIT_RETURN_NOT_OK(AddCurveKeyFiles(config, &uri));

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -64,11 +65,21 @@ struct ReceiverNode::Impl {
   internal::Mutex membership_mutex;
   std::string joined_publisher REFIT_GUARDED_BY(membership_mutex);
   MemberEndpoint joined_as REFIT_GUARDED_BY(membership_mutex);
+  // While joined: asks the publisher for the fleet's version every fleet_watch_interval
+  // (WatchFleet); stopped by Leave and Stop.
+  internal::CondVar watch_wake;
+  bool watch_stop REFIT_GUARDED_BY(membership_mutex) = false;
+  std::thread fleet_watch;
 
   Status Start();
   void Stop();
   Result<FleetMembership> Join(const std::string& publisher_url, const MemberEndpoint& advertised);
   Result<FleetMembership> Leave(std::chrono::milliseconds timeout, int max_retries);
+  // Until told to stop: every fleet_watch_interval, the fleet's version from `publisher`'s
+  // membership endpoint into the readiness; a failed ask is logged once per outage and changes
+  // nothing (the receiver knows what it knew).
+  void WatchFleet(std::string publisher);
+  void StopWatchingFleet();
   // A client of the publisher's membership endpoint, with this receiver's key.
   Result<std::unique_ptr<ControlClient>> PublisherClient(const std::string& publisher_url,
                                                          std::chrono::milliseconds timeout,
@@ -347,6 +358,7 @@ void ReceiverNode::Impl::Stop() {
                      left.status().ToString());
     }
   }
+  StopWatchingFleet();
   stopped = true;
   // No new transfer can start once the control plane is down, and no payload arrives once the
   // data plane is; only then may the session go (its end rolls an open transfer back).
@@ -421,6 +433,14 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
   internal::FleetStanding& standing = server->fleet_standing();
   if (joined->fleet_version.has_value()) standing.ObserveFleetVersion(*joined->fleet_version);
   standing.Joined(client->base_url());
+  StopWatchingFleet();  // A join to another fleet replaces the watch of the last one.
+  if (options.fleet_watch_interval.count() > 0) {
+    {
+      internal::MutexLock lock(membership_mutex);
+      watch_stop = false;
+    }
+    fleet_watch = std::thread([this, publisher = client->base_url()] { WatchFleet(publisher); });
+  }
   REFIT_LOG_INFO("receiver node: joined the fleet of {} as {} (fleet version {}, {} members)",
                  client->base_url(), self.control_url,
                  joined->fleet_version.has_value() ? std::to_string(*joined->fleet_version)
@@ -441,6 +461,7 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   if (publisher.empty()) return FailedPrecondition("receiver node: it joined no fleet to leave");
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
                          PublisherClient(publisher, timeout, max_retries));
+  StopWatchingFleet();
   Result<FleetMembership> left = client->RemoveMember(self.control_url);
   if (!left.ok())
     return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
@@ -451,6 +472,47 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   if (server != nullptr) server->fleet_standing().Left();
   REFIT_LOG_INFO("receiver node: left the fleet of {}", publisher);
   return left;
+}
+
+void ReceiverNode::Impl::WatchFleet(std::string publisher) {
+  const std::chrono::milliseconds interval = options.fleet_watch_interval;
+  Result<std::unique_ptr<ControlClient>> client = PublisherClient(publisher, interval, 0);
+  if (!client.ok()) {
+    REFIT_LOG_WARN("receiver node: cannot watch the fleet of {}: {}", publisher,
+                   client.status().ToString());
+    return;
+  }
+  bool reached = true;
+  while (true) {
+    {
+      internal::MutexLock lock(membership_mutex);
+      watch_wake.wait_for(lock, interval,
+                          [this]() REFIT_REQUIRES(membership_mutex) { return watch_stop; });
+      if (watch_stop) return;
+    }
+    Result<FleetMembership> fleet = (*client)->GetMembership();
+    if (!fleet.ok()) {
+      if (reached) {
+        REFIT_LOG_WARN("receiver node: cannot ask the fleet of {} for its version: {}", publisher,
+                       fleet.status().ToString());
+      }
+      reached = false;
+      continue;
+    }
+    reached = true;
+    if (fleet->fleet_version.has_value() && server != nullptr) {
+      server->fleet_standing().ObserveFleetVersion(*fleet->fleet_version);
+    }
+  }
+}
+
+void ReceiverNode::Impl::StopWatchingFleet() {
+  {
+    internal::MutexLock lock(membership_mutex);
+    watch_stop = true;
+  }
+  watch_wake.notify_all();
+  if (fleet_watch.joinable()) fleet_watch.join();
 }
 
 Readiness ReceiverNode::readiness() const {
