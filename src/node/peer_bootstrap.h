@@ -38,7 +38,9 @@ struct PeerBootstrapReport {
 
 /// Bring `store` to the version the receiver at `peer_url` (its control URL) holds, by copying
 /// every tensor from it (GET /v1/tensors/{name}, each checked against the digest the peer sent).
-/// The peer must hold the same tensors (names, dtypes, shapes: the same replica layout). The copy
+/// The peer must hold the same tensors (names, dtypes, shapes: the same local layout — without a
+/// loader, or with the same loader spec and rank as the peer's, whose local tensors these are;
+/// the store's canonical piece digests are then recomputed from the copied bytes). The copy
 /// is verified as a whole before anything is written: the state fingerprint of what was
 /// downloaded must equal the one the peer reports, idle, at that version after the download —
 /// so a copy that straddled one of the peer's transfers is refused and tried again. The store is

@@ -19,6 +19,7 @@
 
 #include "bf16_model.h"
 #include "loopback.h"
+#include "refit/loader.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
 #include "refit/receiver_node.h"
@@ -225,6 +226,110 @@ TEST_F(PeerBootstrapTest, AWrongKeyOrAPeerThatIsNotThereIsRefusedAndNothingIsWri
 
   copied = internal::BootstrapFromPeer("not a url", *store, Options());
   EXPECT_EQ(copied.status().code(), StatusCode::kInvalidArgument) << copied.status().ToString();
+}
+
+// Receivers whose engine names its tensors its own way (a loader: canonical "model.layers.N.weight"
+// held as "engine.block.N.w") copy each other's local tensors: the newcomer, started with a peer
+// through the same loader, holds the peer's version, its canonical piece digests describe the
+// copied bytes, and the next sync is the fleet's delta for it, bit-identical.
+TEST(PeerBootstrapLoaderTest, ANewcomerThroughTheSameLoaderCopiesAPeerAndTakesTheNextDelta) {
+  const LoaderSpec spec{.tp_rank = 0,
+                        .tp_size = 1,
+                        .rules = {{.kind = LoaderKind::kRename,
+                                   .match = "model\\.layers\\.(\\d+)\\.weight",
+                                   .to = "engine.block.$1.w"}}};
+  struct Engine {
+    std::vector<Tensor> buffers;  // under the engine's names
+    std::unique_ptr<ReceiverNode> node;
+  };
+  const auto start = [&](const std::vector<Tensor>& canonical, const std::string& peer) {
+    auto engine = std::make_unique<Engine>();
+    for (size_t t = 0; t < canonical.size(); ++t) {
+      engine->buffers.push_back(
+          Tensor{"engine.block." + std::to_string(t) + ".w", canonical[t].bits});
+    }
+    ReceiverNodeOptions options;
+    options.transport_uri = "zmq://?timeout_ms=10000";
+    options.data_endpoint = testing::FreeLoopbackEndpoint();
+    options.loader = spec;
+    options.bootstrap_peer = peer;
+    engine->node = ReceiverNode::Make(options).ValueOrDie();
+    for (Tensor& t : engine->buffers) {
+      EXPECT_OK(engine->node->RegisterTensor(
+          MutableTensorView{t.name,
+                            DType::kBFloat16,
+                            {static_cast<int64_t>(t.elements())},
+                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+    }
+    EXPECT_OK(engine->node->Start());
+    return engine;
+  };
+  const auto holds = [](const Engine& engine, const std::vector<Tensor>& canonical) {
+    for (size_t t = 0; t < canonical.size(); ++t) {
+      if (engine.buffers[t].bits != canonical[t].bits) return false;
+    }
+    return true;
+  };
+  const std::vector<Tensor> step0 = MakeModel(5);
+  std::vector<Tensor> model = step0;
+  std::unique_ptr<Engine> peer = start(step0, "");
+  PublisherOptions options;
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.receivers = {{peer->node->control_url(), peer->node->producer_endpoint()}};
+  auto trainer =
+      Publisher::Make(options, std::move(MakeInProcessGroup(1).ValueOrDie()[0])).ValueOrDie();
+  ASSERT_OK(trainer->AdoptBaseline(Views(model), 0));
+  std::mt19937_64 rng(3);
+  for (int step = 0; step < 3; ++step) {
+    Step(model, rng);
+    ASSERT_OK(trainer->Sync(Views(model)).status());
+  }
+  ASSERT_TRUE(holds(*peer, model));
+
+  // The copy into a bare store whose canonical pieces were resolved before it.
+  {
+    std::unique_ptr<WeightStore> store = WeightStore::Make();
+    std::vector<Tensor> local;
+    for (size_t t = 0; t < step0.size(); ++t) {
+      local.push_back(Tensor{"engine.block." + std::to_string(t) + ".w", step0[t].bits});
+    }
+    for (Tensor& t : local) {
+      ASSERT_OK(store->AddExternal(
+          MutableTensorView{t.name,
+                            DType::kBFloat16,
+                            {static_cast<int64_t>(t.elements())},
+                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+    }
+    ASSERT_OK(store->AttachLoader(Loader::Make(spec, *store).ValueOrDie()));
+    const std::vector<std::string> names{"model.layers.0.weight"};
+    ASSERT_OK(store->Holdings(names).status());  // resolves it: its piece digest is computed
+    ASSERT_OK_AND_ASSIGN(const uint64_t stale, store->PieceDigest(names[0], 0));
+    ASSERT_OK_AND_ASSIGN(const internal::PeerBootstrapReport report,
+                         internal::BootstrapFromPeer(peer->node->control_url(), *store));
+    EXPECT_EQ(report.final_version, 3u);
+    ASSERT_OK_AND_ASSIGN(const uint64_t piece, store->PieceDigest(names[0], 0));
+    EXPECT_NE(piece, stale);
+    ASSERT_OK_AND_ASSIGN(const auto fresh, store->RecomputeHoldings(names));
+    ASSERT_EQ(fresh.at(names[0]).pieces.size(), 1u);
+    EXPECT_EQ(piece, fresh.at(names[0]).pieces.begin()->second) << "the piece describes the copy";
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+  }
+
+  // A newcomer node started with the peer joins; the next sync is a delta for both.
+  std::unique_ptr<Engine> newcomer = start(step0, peer->node->control_url());
+  EXPECT_EQ(newcomer->node->status().version, 3u);
+  EXPECT_TRUE(holds(*newcomer, model));
+  ASSERT_OK(trainer->SetReceivers(
+      {{peer->node->control_url(), peer->node->producer_endpoint()},
+       {newcomer->node->control_url(), newcomer->node->producer_endpoint()}}));
+  Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(const SyncReport synced, trainer->Sync(Views(model)));
+  EXPECT_FALSE(synced.transfer.plan.anchor);
+  for (const ReceiverOutcome& outcome : synced.transfer.receivers) {
+    EXPECT_EQ(outcome.caught_up_by, CatchUp::kDelta) << outcome.name;
+  }
+  EXPECT_TRUE(holds(*peer, model));
+  EXPECT_TRUE(holds(*newcomer, model)) << "bit-identical to the trainer through the loader";
 }
 
 }  // namespace
