@@ -97,6 +97,13 @@ struct ReceiverSessionOptions {
   /// outstanding because each batch costs an RPC round trip; applying in process needs only
   /// enough queued work that the apply thread never waits for the next payload.
   size_t apply_queue_depth = 8;
+  /// The bytes of the payloads staged but not yet applied: Stage also waits while the queue holds
+  /// this many (a queue that is empty takes any payload, so one larger than this still passes).
+  /// The depth bounds a delta's many small payloads; this bounds an anchor's, which are each up
+  /// to a bucket (32 MiB by default): eight of them queued were a quarter of a 1 GiB model on
+  /// top of it. Two buckets keep the next payload ready while one applies. 0: no bound but the
+  /// depth.
+  uint64_t apply_queue_bytes = uint64_t{64} << 20;
   /// Limits for decoding untrusted payloads (Stage checks the header against them too).
   PayloadLimits limits;
   /// How many finished (committed or aborted) transfer ids to remember, so that a late payload

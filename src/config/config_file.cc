@@ -661,6 +661,7 @@ Status ReadDocument(ConfigReader& reader, const YAML::Node& root, RefitConfig& c
       IntegerKey("apply_queue_depth", 1,
                  static_cast<int64_t>(ReceiverSessionOptions::kMaxApplyQueueDepth),
                  &tuning.apply_queue_depth),
+      ByteSizeKey("apply_queue_bytes", &tuning.apply_queue_bytes),
       IntegerKey("apply_threads", 1, ReceiverSessionOptions::kMaxApplyThreads,
                  &tuning.apply_threads),
       IntegerKey("decode_threads", 0, ReceiverSessionOptions::kMaxApplyThreads,

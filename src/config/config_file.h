@@ -82,6 +82,9 @@ struct TuningConfig {
   int zmq_retries = kDefaultZmqRetries;
   /// `apply_queue_depth`: payloads staged and not yet applied, per receiver.
   size_t apply_queue_depth = ReceiverSessionOptions{}.apply_queue_depth;
+  /// `apply_queue_bytes`: the staged bytes not yet applied, per receiver
+  /// (ReceiverSessionOptions::apply_queue_bytes).
+  uint64_t apply_queue_bytes = ReceiverSessionOptions{}.apply_queue_bytes;
   /// `apply_threads`: threads that apply one payload, per receiver
   /// (ReceiverSessionOptions::apply_threads).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;

@@ -72,6 +72,7 @@ ProducerStreamOptions ToProducerStreamOptions(const RefitConfig& config) {
 ReceiverSessionOptions ToReceiverSessionOptions(const RefitConfig& config) {
   ReceiverSessionOptions options;
   options.apply_queue_depth = config.tuning.apply_queue_depth;
+  options.apply_queue_bytes = config.tuning.apply_queue_bytes;
   options.apply_threads = config.tuning.apply_threads;
   options.decode_threads = config.tuning.decode_threads;
   options.transfer_lease = config.server.transfer_lease;

@@ -1,5 +1,7 @@
 #include "receiver/apply_queue.h"
 
+#include <algorithm>
+#include <span>
 #include <system_error>
 #include <utility>
 
@@ -43,7 +45,9 @@ void ApplyQueue::Stop() {
 }
 
 void ApplyQueue::Push(const PayloadIds& ids, ValidatedPayload payload) {
-  queue_.push_back(QueuedPayload{ids, std::make_shared<PayloadWork>(std::move(payload))});
+  const uint64_t bytes = payload.size();
+  queue_.push_back(QueuedPayload{ids, std::make_shared<PayloadWork>(std::move(payload)), bytes});
+  queued_bytes_ += bytes;
   decode_work_.notify_one();
 }
 
@@ -51,13 +55,26 @@ std::optional<QueuedPayload> ApplyQueue::Pop() {
   if (queue_.empty()) return std::nullopt;
   QueuedPayload payload = std::move(queue_.front());
   queue_.pop_front();
+  queued_bytes_ -= payload.bytes;
   decode_work_.notify_one();  // Room to decode the next one ahead.
   return payload;
+}
+
+void PayloadWork::Decode(const PayloadLimits& limits) {
+  decoded = DecodePayload(*payload, limits);
+  if (!decoded->ok()) return;
+  // Only XOR items are undone by applying their bytes again (ApplyPayload's `received`).
+  const std::span<const ItemView> items = (*decoded)->items();
+  if (std::none_of(items.begin(), items.end(),
+                   [](const ItemView& item) { return item.op == Op::kXor; })) {
+    payload.reset();
+  }
 }
 
 size_t ApplyQueue::Clear() {
   const size_t discarded = queue_.size();
   queue_.clear();
+  queued_bytes_ = 0;
   return discarded;
 }
 
@@ -65,7 +82,7 @@ void ApplyQueue::DecodeForApply(MutexLock& lock, PayloadWork& payload) {
   if (payload.decode == PayloadWork::Decode::kPending) {
     payload.decode = PayloadWork::Decode::kRunning;
     lock.unlock();
-    payload.decoded = DecodePayload(payload.payload, options_.limits);
+    payload.Decode(options_.limits);
     lock.lock();
     payload.decode = PayloadWork::Decode::kDone;
     return;
@@ -89,7 +106,8 @@ ApplyOutcome ApplyQueue::Apply(QueuedPayload& payload) {
   }
   // The payload's bytes go to the undo log, which rolls its XOR items back by applying them
   // again: O(wire) instead of the old bits (docs/architecture.md, "Rollback").
-  outcome.status = internal::ApplyPayload(decoded_payload, store_, &undo_, &staged.payload,
+  outcome.status = internal::ApplyPayload(decoded_payload, store_, &undo_,
+                                          staged.payload.has_value() ? &*staged.payload : nullptr,
                                           options_.apply_threads);
   return outcome;
 }
@@ -139,7 +157,7 @@ void ApplyQueue::RunDecodeAhead(const std::stop_token& stop) {
     if (!decode_work_.wait(lock, stop, pending)) break;
     next->decode = PayloadWork::Decode::kRunning;
     lock.unlock();
-    next->decoded = DecodePayload(next->payload, options_.limits);
+    next->Decode(options_.limits);
     lock.lock();
     next->decode = PayloadWork::Decode::kDone;
     decoded_.notify_all();

@@ -32,15 +32,23 @@ struct PayloadWork {
   enum class Decode : uint8_t { kPending, kRunning, kDone };
   Decode decode = Decode::kPending;
   /// As staged; the apply moves it to the undo log (an XOR item is undone by applying it again).
-  ValidatedPayload payload;
+  /// Dropped once decoded when no item needs it (an anchor's FULL items: their undo keeps the old
+  /// bits, or nothing), so that a queued anchor payload holds its body, not body and bytes.
+  std::optional<ValidatedPayload> payload;
   /// Written by the thread that set kRunning, without the lock; read once kDone.
   std::optional<Result<DecodedPayload>> decoded;
+
+  /// Decode the payload into `decoded`, then drop its bytes unless an item is undone from them.
+  /// Called by the thread that set kRunning.
+  void Decode(const PayloadLimits& limits);
 };
 
 /// One staged payload waiting for the apply.
 struct QueuedPayload {
   PayloadIds ids;
   std::shared_ptr<PayloadWork> work;
+  /// Its staged size (ValidatedPayload::size), which the queue's byte count holds while queued.
+  uint64_t bytes = 0;
 };
 
 /// What one payload's apply did.
@@ -87,6 +95,8 @@ class ApplyQueue {
   Mutex& mutex() REFIT_RETURN_CAPABILITY(mutex_) { return mutex_; }
 
   size_t size() const REFIT_REQUIRES(mutex_) { return queue_.size(); }
+  /// The staged bytes (ValidatedPayload::size) of the queued payloads.
+  uint64_t queued_bytes() const REFIT_REQUIRES(mutex_) { return queued_bytes_; }
   bool empty() const REFIT_REQUIRES(mutex_) { return queue_.empty(); }
   /// Whether a payload is being applied (without the lock).
   bool applying() const REFIT_REQUIRES(mutex_) { return applying_; }
@@ -133,6 +143,7 @@ class ApplyQueue {
   CondVar decode_work_;
   CondVar decoded_;
   std::deque<QueuedPayload> queue_ REFIT_GUARDED_BY(mutex_);
+  uint64_t queued_bytes_ REFIT_GUARDED_BY(mutex_) = 0;
   bool applying_ REFIT_GUARDED_BY(mutex_) = false;
   /// Written by Apply without the lock while `applying_`; otherwise under the lock.
   internal::UndoLog undo_;

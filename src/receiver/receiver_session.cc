@@ -253,6 +253,14 @@ struct ReceiverSession::Impl {
     return result;
   }
 
+  // Whether a payload of `bytes` may join the apply queue now: below its depth, and within its
+  // byte bound unless the queue is empty (a payload larger than the bound still passes alone).
+  bool HasRoomFor(uint64_t bytes) const REFIT_REQUIRES(mutex()) {
+    if (queue.size() >= options.apply_queue_depth) return false;
+    return options.apply_queue_bytes == 0 || queue.size() == 0 ||
+           queue.queued_bytes() + bytes <= options.apply_queue_bytes;
+  }
+
   Result<StageResult> StagePayload(ValidatedPayload& payload, bool block,
                                    const std::stop_token& stop) REFIT_EXCLUDES(mutex()) {
     const PayloadHeader& header = payload.header();
@@ -265,19 +273,20 @@ struct ReceiverSession::Impl {
       // A sender that offers a payload of the open transfer is alive, even if it must wait.
       ledger.Touch(Clock::now());
       if (duplicate) return StageResult::kDuplicate;
-      if (queue.size() < options.apply_queue_depth) break;
+      if (HasRoomFor(payload.size())) break;
       if (!block) {
         return ResourceExhausted(
-            "payload {} of producer {} (transfer {}): the apply queue is full at depth {}",
-            ids.payload_id, ids.producer_id, ids.transfer_id.ToHex(), options.apply_queue_depth);
+            "payload {} of producer {} (transfer {}): the apply queue is full ({} payload(s) "
+            "of {} bytes; depth {}, {} bytes)",
+            ids.payload_id, ids.producer_id, ids.transfer_id.ToHex(), queue.size(),
+            queue.queued_bytes(), options.apply_queue_depth, options.apply_queue_bytes);
       }
       // Wake on room or on any change of the transfer; the loop re-checks everything, since
       // another thread may have staged the same payload or the transfer may have ended.
       const bool woken = progress.wait(lock, stop, [&]() REFIT_REQUIRES(mutex()) {
         const OpenTransfer* open = ledger.open();
-        return queue.size() < options.apply_queue_depth || open == nullptr ||
-               open->id != ids.transfer_id || open->aborting || open->sealed ||
-               !open->first_error.ok();
+        return HasRoomFor(payload.size()) || open == nullptr || open->id != ids.transfer_id ||
+               open->aborting || open->sealed || !open->first_error.ok();
       });
       if (!woken) {
         return Cancelled(

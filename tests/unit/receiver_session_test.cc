@@ -778,7 +778,9 @@ TEST_F(ReceiverSessionTest, FullApplyQueueBlocksStageAndFailsTryStage) {
   EXPECT_EQ(session->GetStatus().queued_payloads, kDepth);
 
   ASSERT_OK_AND_ASSIGN(ValidatedPayload refused, ValidatePayload(step.payloads[3]));
-  EXPECT_STATUS_MSG(ResourceExhausted, "full at depth 2", session->TryStage(refused));
+  EXPECT_STATUS_MSG(ResourceExhausted, "apply queue is full (2 payload(s)",
+                    session->TryStage(refused));
+  EXPECT_STATUS_MSG(ResourceExhausted, "depth 2", session->TryStage(refused));
   // Untouched, so the caller can retry it.
   EXPECT_TRUE(std::ranges::equal(refused.bytes(), step.payloads[3]));
   ASSERT_OK_AND_ASSIGN(ValidatedPayload duplicate, ValidatePayload(step.payloads[1]));
@@ -806,6 +808,50 @@ TEST_F(ReceiverSessionTest, FullApplyQueueBlocksStageAndFailsTryStage) {
   ASSERT_OK_AND_ASSIGN(StageResult late, blocked_result);
   EXPECT_EQ(late, StageResult::kAccepted);
   for (size_t i = 4; i < step.payloads.size(); ++i) ASSERT_OK(session->Stage(step.payloads[i]));
+  ASSERT_OK(session->Flush(step.id, Generous()));
+  ASSERT_OK(session->Commit(step.id));
+  CommitTrainer(step);
+  ExpectStoreHolds(current_);
+}
+
+// The queue's byte bound: a payload waits while the queued ones hold apply_queue_bytes, though
+// the depth has room; an empty queue takes any payload, however large.
+TEST_F(ReceiverSessionTest, TheApplyQueuesByteBoundBlocksStageButAnEmptyQueueTakesAnyPayload) {
+  ApplyGate gate;
+  ReceiverSessionOptions options;
+  options.apply_queue_depth = 8;
+  options.apply_queue_bytes = 1;  // Less than any payload: one queued at a time.
+  options.before_apply = [&](const PayloadIds&) { gate.Wait(); };
+  auto session = MakeSession(options);
+  ASSERT_NE(session, nullptr);
+  struct GateOpener {
+    ApplyGate& gate;
+    ~GateOpener() { gate.Open(); }
+  } opener{gate};
+  const Step step = EncodeStep(1, 2, 2);
+  ASSERT_GE(step.payloads.size(), 4u);
+  ASSERT_OK(session->Prepare(Request(step)));
+  ASSERT_OK(session->Stage(step.payloads[0]));  // taken by the apply thread, held at the gate
+  gate.WaitUntilEntered(1);
+  ASSERT_OK(session->Stage(step.payloads[1]));  // the queue was empty: larger than the bound
+  EXPECT_EQ(session->GetStatus().queued_payloads, 1u);
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload refused, ValidatePayload(step.payloads[2]));
+  EXPECT_STATUS_MSG(ResourceExhausted, "1 bytes)", session->TryStage(refused));
+  EXPECT_STATUS_MSG(ResourceExhausted,
+                    fmt::format("1 payload(s) of {} bytes", step.payloads[1].size()),
+                    session->TryStage(refused));
+  std::atomic<bool> returned{false};
+  Result<StageResult> blocked_result = Status(StatusCode::kInternal, "not run");
+  std::jthread blocked([&] {
+    blocked_result = session->Stage(step.payloads[2]);
+    returned = true;
+  });
+  std::this_thread::sleep_for(kSettleTime);
+  EXPECT_FALSE(returned.load()) << "waits for the bytes ahead of it, not for the depth";
+  gate.Open();
+  blocked.join();
+  ASSERT_OK(blocked_result.status());
+  for (size_t i = 3; i < step.payloads.size(); ++i) ASSERT_OK(session->Stage(step.payloads[i]));
   ASSERT_OK(session->Flush(step.id, Generous()));
   ASSERT_OK(session->Commit(step.id));
   CommitTrainer(step);
