@@ -675,6 +675,7 @@ Json ControlServer::Impl::StatusBody() {
 }
 
 ControlReply ControlServer::Impl::ReadyReply() {
+  standing.RefreshIfOverdue();
   const ReceiverStatus status = session.GetStatus();
   const Readiness readiness = standing.Evaluate(status);
   Json body{{"ok", readiness.ready}, {"version", readiness.version}};
@@ -1048,6 +1049,7 @@ uint16_t ControlServer::port() const { return impl_->port; }
 ControlReply ControlServer::Serve(const ControlRequest& request) { return impl_->Serve(request); }
 
 Readiness ControlServer::readiness() const {
+  impl_->standing.RefreshIfOverdue();
   return impl_->standing.Evaluate(impl_->session.GetStatus());
 }
 

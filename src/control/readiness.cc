@@ -131,6 +131,38 @@ void FleetStanding::SetFenced(std::optional<std::string> reason) {
   fenced_ = std::move(reason);
 }
 
+void FleetStanding::StartWatch(std::function<void()> ask, std::chrono::milliseconds interval) {
+  MutexLock lock(mutex_);
+  ask_ = std::move(ask);
+  watch_interval_ = interval;
+  last_heard_ = last_asked_ = std::chrono::steady_clock::now();
+}
+
+void FleetStanding::StopWatch() {
+  MutexLock lock(mutex_);
+  ask_ = nullptr;
+}
+
+void FleetStanding::Watched(uint64_t fleet_version) {
+  MutexLock lock(mutex_);
+  fleet_version_ = std::max(fleet_version_.value_or(0), fleet_version);
+  last_heard_ = std::chrono::steady_clock::now();
+}
+
+void FleetStanding::RefreshIfOverdue() {
+  std::function<void()> ask;
+  {
+    MutexLock lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (!ask_ || now - last_heard_ < 2 * watch_interval_ || now - last_asked_ < watch_interval_) {
+      return;
+    }
+    last_asked_ = now;
+    ask = ask_;
+  }
+  ask();  // Without the lock: a network call, bounded by the watch's interval.
+}
+
 Readiness FleetStanding::Evaluate(const ReceiverStatus& status) const {
   ReadinessInputs inputs;
   inputs.status = status;

@@ -1,7 +1,9 @@
 // What a receiver knows of its fleet, and whether it may serve (refit/readiness.h).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -64,6 +66,19 @@ class FleetStanding {
   /// Readiness given the session's current `status`.
   Readiness Evaluate(const ReceiverStatus& status) const;
 
+  /// While a member watches its publisher (ReceiverNode's fleet watch, every `interval`): `ask`
+  /// asks the publisher for the fleet's version once and reports it through Watched. StopWatch
+  /// ends it (before whatever `ask` refers to goes).
+  void StartWatch(std::function<void()> ask, std::chrono::milliseconds interval);
+  void StopWatch();
+  /// The watch heard the fleet's version from the publisher.
+  void Watched(uint64_t fleet_version);
+  /// Before a readiness answer: a watch that has not heard from the publisher for two intervals
+  /// (the process was stopped, or the publisher does not answer) is asked once more now, at most
+  /// once per interval, so that a member that slept through a sync does not answer "ready" at
+  /// its old version in the moment before its watch thread runs again.
+  void RefreshIfOverdue();
+
  private:
   mutable Mutex mutex_;
   std::optional<uint64_t> fleet_version_ REFIT_GUARDED_BY(mutex_);
@@ -73,6 +88,11 @@ class FleetStanding {
   std::optional<std::string> fenced_ REFIT_GUARDED_BY(mutex_);
   std::string publisher_url_ REFIT_GUARDED_BY(mutex_);
   bool left_ REFIT_GUARDED_BY(mutex_) = false;
+  // The fleet watch: how to ask, how often, and when it last heard and last asked.
+  std::function<void()> ask_ REFIT_GUARDED_BY(mutex_);
+  std::chrono::milliseconds watch_interval_ REFIT_GUARDED_BY(mutex_){0};
+  std::chrono::steady_clock::time_point last_heard_ REFIT_GUARDED_BY(mutex_);
+  std::chrono::steady_clock::time_point last_asked_ REFIT_GUARDED_BY(mutex_);
 };
 
 }  // namespace refit::internal

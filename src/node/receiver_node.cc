@@ -79,6 +79,9 @@ struct ReceiverNode::Impl {
   // membership endpoint into the readiness; a failed ask is logged once per outage and changes
   // nothing (the receiver knows what it knew).
   void WatchFleet(std::string publisher);
+  // Ask `publisher` for the fleet's version once (one attempt within the watch's interval) and
+  // tell the readiness. Returns why not, when it could not.
+  Status AskFleet(const std::string& publisher);
   void StopWatchingFleet();
   // A client of the publisher's membership endpoint, with this receiver's key.
   Result<std::unique_ptr<ControlClient>> PublisherClient(const std::string& publisher_url,
@@ -439,7 +442,10 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
       internal::MutexLock lock(membership_mutex);
       watch_stop = false;
     }
-    fleet_watch = std::thread([this, publisher = client->base_url()] { WatchFleet(publisher); });
+    const std::string publisher = client->base_url();
+    standing.StartWatch([this, publisher] { AskFleet(publisher).IgnoreError(); },
+                        options.fleet_watch_interval);
+    fleet_watch = std::thread([this, publisher] { WatchFleet(publisher); });
   }
   REFIT_LOG_INFO("receiver node: joined the fleet of {} as {} (fleet version {}, {} members)",
                  client->base_url(), self.control_url,
@@ -474,39 +480,35 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   return left;
 }
 
-void ReceiverNode::Impl::WatchFleet(std::string publisher) {
+Status ReceiverNode::Impl::AskFleet(const std::string& publisher) {
   const std::chrono::milliseconds interval = options.fleet_watch_interval;
-  Result<std::unique_ptr<ControlClient>> client = PublisherClient(publisher, interval, 0);
-  if (!client.ok()) {
-    REFIT_LOG_WARN("receiver node: cannot watch the fleet of {}: {}", publisher,
-                   client.status().ToString());
-    return;
-  }
+  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
+                         PublisherClient(publisher, interval, 0));
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client->GetMembership());
+  if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
+  return Status::OK();
+}
+
+void ReceiverNode::Impl::WatchFleet(std::string publisher) {
   bool reached = true;
   while (true) {
     {
       internal::MutexLock lock(membership_mutex);
-      watch_wake.wait_for(lock, interval,
+      watch_wake.wait_for(lock, options.fleet_watch_interval,
                           [this]() REFIT_REQUIRES(membership_mutex) { return watch_stop; });
       if (watch_stop) return;
     }
-    Result<FleetMembership> fleet = (*client)->GetMembership();
-    if (!fleet.ok()) {
-      if (reached) {
-        REFIT_LOG_WARN("receiver node: cannot ask the fleet of {} for its version: {}", publisher,
-                       fleet.status().ToString());
-      }
-      reached = false;
-      continue;
+    const Status asked = AskFleet(publisher);
+    if (!asked.ok() && reached) {
+      REFIT_LOG_WARN("receiver node: cannot ask the fleet of {} for its version: {}", publisher,
+                     asked.ToString());
     }
-    reached = true;
-    if (fleet->fleet_version.has_value() && server != nullptr) {
-      server->fleet_standing().ObserveFleetVersion(*fleet->fleet_version);
-    }
+    reached = asked.ok();
   }
 }
 
 void ReceiverNode::Impl::StopWatchingFleet() {
+  if (server != nullptr) server->fleet_standing().StopWatch();
   {
     internal::MutexLock lock(membership_mutex);
     watch_stop = true;

@@ -255,7 +255,7 @@ struct ReceiverSession::Impl {
 
   // Whether a payload of `bytes` may join the apply queue now: below its depth, and within its
   // byte bound unless the queue is empty (a payload larger than the bound still passes alone).
-  bool HasRoomFor(uint64_t bytes) const REFIT_REQUIRES(mutex()) {
+  bool HasRoomFor(uint64_t bytes) REFIT_REQUIRES(mutex()) {
     if (queue.size() >= options.apply_queue_depth) return false;
     return options.apply_queue_bytes == 0 || queue.size() == 0 ||
            queue.queued_bytes() + bytes <= options.apply_queue_bytes;
