@@ -19,6 +19,13 @@ struct Tensor {
   std::vector<uint16_t> bits;
 
   uint64_t elements() const { return bits.size(); }
+  // Its bits as a receiver registers them: the memory the receiver writes.
+  MutableTensorView mutable_view() {
+    return MutableTensorView{name,
+                             DType::kBFloat16,
+                             {static_cast<int64_t>(bits.size())},
+                             std::as_writable_bytes(std::span<uint16_t>(bits))};
+  }
   TensorView view() const {
     return TensorView{name,
                       DType::kBFloat16,

@@ -69,11 +69,7 @@ std::unique_ptr<Embedded> StartEmbedded(const std::vector<Tensor>& loaded) {
   options.data_endpoint = testing::FreeLoopbackEndpoint();
   receiver->node = ReceiverNode::Make(options).ValueOrDie();
   for (Tensor& t : receiver->buffers) {
-    EXPECT_OK(receiver->node->RegisterTensor(
-        MutableTensorView{t.name,
-                          DType::kBFloat16,
-                          {static_cast<int64_t>(t.bits.size())},
-                          std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+    EXPECT_OK(receiver->node->RegisterTensor(t.mutable_view()));
   }
   EXPECT_OK(receiver->node->Start());
   return receiver;

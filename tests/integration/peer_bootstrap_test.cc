@@ -57,11 +57,7 @@ class PeerBootstrapTest : public ::testing::Test {
     options.control.api_key = kKey;
     peer_ = ReceiverNode::Make(options).ValueOrDie();
     for (Tensor& t : buffers_) {
-      ASSERT_OK(peer_->RegisterTensor(
-          MutableTensorView{t.name,
-                            DType::kBFloat16,
-                            {static_cast<int64_t>(t.elements())},
-                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+      ASSERT_OK(peer_->RegisterTensor(t.mutable_view()));
     }
     ASSERT_OK(peer_->Start());
     PublisherOptions publisher;
@@ -255,11 +251,7 @@ TEST(PeerBootstrapLoaderTest, ANewcomerThroughTheSameLoaderCopiesAPeerAndTakesTh
     options.bootstrap_peer = peer;
     engine->node = ReceiverNode::Make(options).ValueOrDie();
     for (Tensor& t : engine->buffers) {
-      EXPECT_OK(engine->node->RegisterTensor(
-          MutableTensorView{t.name,
-                            DType::kBFloat16,
-                            {static_cast<int64_t>(t.elements())},
-                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+      EXPECT_OK(engine->node->RegisterTensor(t.mutable_view()));
     }
     EXPECT_OK(engine->node->Start());
     return engine;
@@ -294,11 +286,7 @@ TEST(PeerBootstrapLoaderTest, ANewcomerThroughTheSameLoaderCopiesAPeerAndTakesTh
       local.push_back(Tensor{"engine.block." + std::to_string(t) + ".w", step0[t].bits});
     }
     for (Tensor& t : local) {
-      ASSERT_OK(store->AddExternal(
-          MutableTensorView{t.name,
-                            DType::kBFloat16,
-                            {static_cast<int64_t>(t.elements())},
-                            std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+      ASSERT_OK(store->AddExternal(t.mutable_view()));
     }
     ASSERT_OK(store->AttachLoader(Loader::Make(spec, *store).ValueOrDie()));
     const std::vector<std::string> names{"model.layers.0.weight"};

@@ -90,11 +90,7 @@ std::unique_ptr<Receiver> StartReceiver(std::string who, const std::vector<Tenso
   EXPECT_OK(node.status());
   receiver->node = std::move(node).ValueOrDie();
   for (Tensor& t : receiver->buffers) {
-    EXPECT_OK(receiver->node->RegisterTensor(
-        MutableTensorView{t.name,
-                          DType::kBFloat16,
-                          {static_cast<int64_t>(t.elements())},
-                          std::as_writable_bytes(std::span<uint16_t>(t.bits))}));
+    EXPECT_OK(receiver->node->RegisterTensor(t.mutable_view()));
   }
   EXPECT_OK(receiver->node->Start());
   return receiver;

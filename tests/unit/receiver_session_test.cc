@@ -733,6 +733,20 @@ class ApplyGate {
   bool open_ = false;
 };
 
+// Opens its gate when it goes out of scope. Declared after the session, it opens the gate before
+// the session is destroyed, even when an ASSERT returns early: the apply thread would otherwise
+// wait at the gate forever.
+class GateOpener {
+ public:
+  explicit GateOpener(ApplyGate& gate) : gate_(gate) {}
+  ~GateOpener() { gate_.Open(); }
+  GateOpener(const GateOpener&) = delete;
+  GateOpener& operator=(const GateOpener&) = delete;
+
+ private:
+  ApplyGate& gate_;
+};
+
 // A payload arrives validated under its listener's limits; the session checks the header's
 // sizes against its own (tighter here) before queueing it, and the transfer goes on.
 TEST_F(ReceiverSessionTest, AValidatedPayloadOverTheSessionsLimitsIsRefusedByName) {
@@ -761,11 +775,7 @@ TEST_F(ReceiverSessionTest, FullApplyQueueBlocksStageAndFailsTryStage) {
   options.before_apply = [&](const PayloadIds&) { gate.Wait(); };
   auto session = MakeSession(options);
   ASSERT_NE(session, nullptr);
-  // Opens the gate before the session is destroyed, even when an ASSERT returns early.
-  struct GateOpener {
-    ApplyGate& gate;
-    ~GateOpener() { gate.Open(); }
-  } opener{gate};
+  const GateOpener opener(gate);
   const Step step = EncodeStep(1, 2, 2);
   ASSERT_GE(step.payloads.size(), kDepth + 3);
   ASSERT_OK(session->Prepare(Request(step)));
@@ -824,10 +834,7 @@ TEST_F(ReceiverSessionTest, TheApplyQueuesByteBoundBlocksStageButAnEmptyQueueTak
   options.before_apply = [&](const PayloadIds&) { gate.Wait(); };
   auto session = MakeSession(options);
   ASSERT_NE(session, nullptr);
-  struct GateOpener {
-    ApplyGate& gate;
-    ~GateOpener() { gate.Open(); }
-  } opener{gate};
+  const GateOpener opener(gate);
   const Step step = EncodeStep(1, 2, 2);
   ASSERT_GE(step.payloads.size(), 4u);
   ASSERT_OK(session->Prepare(Request(step)));
@@ -864,10 +871,7 @@ TEST_F(ReceiverSessionTest, PayloadsQueuedBehindAnApplyErrorAreNotApplied) {
   options.before_apply = [&](const PayloadIds&) { gate.Wait(); };
   auto session = MakeSession(options);
   ASSERT_NE(session, nullptr);
-  struct GateOpener {
-    ApplyGate& gate;
-    ~GateOpener() { gate.Open(); }
-  } opener{gate};
+  const GateOpener opener(gate);
   const StoreSnapshot before = TakeSnapshot(*store_);
   const Step step = EncodeStep(1);
   std::vector<std::byte> corrupt = step.payloads[0];
