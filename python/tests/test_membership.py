@@ -308,6 +308,15 @@ def write_safetensors(path, tensors):
 HISTORY_VERSIONS = 8
 
 
+def embedded_member_at_step0():
+    """A started embedded receiver holding the step-0 model at version 0 (not joined yet)."""
+    receiver = refit.Receiver(version=0, api_key=KEY)
+    for name, array in step0_model(SEED).items():
+        receiver.register(name, array)
+    receiver.start()
+    return receiver
+
+
 def test_a_serve_daemon_beyond_the_history_joins_on_start_is_anchored_alone_and_leaves_at_shutdown(tmp_path):
     rng = np.random.default_rng(SEED + 2)
     trainer = step0_model(SEED)
@@ -315,11 +324,7 @@ def test_a_serve_daemon_beyond_the_history_joins_on_start_is_anchored_alone_and_
     write_safetensors(model, trainer)
     publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60)
     publisher.adopt_baseline(copy(trainer), version=0)
-    held = step0_model(SEED)
-    current = refit.Receiver(version=0, api_key=KEY)
-    for name, array in held.items():
-        current.register(name, array)
-    current.start()
+    current = embedded_member_at_step0()
     daemon = None
     try:
         current.join(publisher.membership_url)
@@ -389,11 +394,7 @@ def test_a_member_stopped_through_a_sync_says_it_is_behind_as_soon_as_it_resumes
     publisher = refit.Publisher(api_key=KEY, membership_port=0, transfer_timeout=60, commit_policy="quorum:0.5",
                                 config=refit.Config.parse("request_timeout_s: 2\n"))
     publisher.adopt_baseline(copy(trainer), version=0)
-    held = step0_model(SEED)
-    current = refit.Receiver(version=0, api_key=KEY)
-    for name, array in held.items():
-        current.register(name, array)
-    current.start()
+    current = embedded_member_at_step0()
     log = tmp_path / "daemon.log"
     ready_file = tmp_path / "ready.json"
     daemon = subprocess.Popen(
