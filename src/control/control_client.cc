@@ -457,7 +457,9 @@ Result<ControlClient::Impl::Reply> ControlClient::Impl::Call(
       if (!result) {
         // The connection is in an unknown state: drop it rather than return it to the pool.
         // httplib's timers and ours are not one clock tick: a read that gave up within
-        // kDeadlineSlack of the deadline waited out the budget.
+        // kDeadlineSlack of the deadline waited out the budget. (A reset that happens to come
+        // in those 2 ms is reported as the deadline too: the caller's budget was spent either
+        // way.)
         if (deadline.has_value() && Clock::now() + kDeadlineSlack >= *deadline) {
           return past_deadline(attempt);
         }

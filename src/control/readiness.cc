@@ -135,7 +135,8 @@ void FleetStanding::StartWatch(std::function<void()> ask, std::chrono::milliseco
   MutexLock lock(mutex_);
   ask_ = std::move(ask);
   watch_interval_ = interval;
-  last_heard_ = last_asked_ = std::chrono::steady_clock::now();
+  last_heard_ = std::chrono::steady_clock::now();  // the join reply
+  last_inline_ask_ = {};
 }
 
 void FleetStanding::StopWatch() {
@@ -154,13 +155,14 @@ void FleetStanding::RefreshIfOverdue() {
   {
     MutexLock lock(mutex_);
     const auto now = std::chrono::steady_clock::now();
-    if (!ask_ || now - last_heard_ < 2 * watch_interval_ || now - last_asked_ < watch_interval_) {
+    if (!ask_ || now - last_heard_ < 2 * watch_interval_ ||
+        now - last_inline_ask_ < watch_interval_) {
       return;
     }
-    last_asked_ = now;
+    last_inline_ask_ = now;
     ask = ask_;
   }
-  ask();  // Without the lock: a network call, bounded by the watch's interval.
+  ask();  // Without the lock: a network call, bounded by the node.
 }
 
 Readiness FleetStanding::Evaluate(const ReceiverStatus& status) const {

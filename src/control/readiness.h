@@ -73,10 +73,12 @@ class FleetStanding {
   void StopWatch();
   /// The watch heard the fleet's version from the publisher.
   void Watched(uint64_t fleet_version);
-  /// Before a readiness answer: a watch that has not heard from the publisher for two intervals
-  /// (the process was stopped, or the publisher does not answer) is asked once more now, at most
-  /// once per interval, so that a member that slept through a sync does not answer "ready" at
-  /// its old version in the moment before its watch thread runs again.
+  /// Before a readiness answer: when the watch has not heard from the publisher for two
+  /// intervals — the process was stopped and its watch thread has not asked yet, or the
+  /// publisher does not answer — ask now, at most once per interval, so that a member that
+  /// slept through a sync does not answer "ready" at its old version. The ask is short
+  /// (the node bounds it well under a probe's timeout); one that fails leaves the answer as it
+  /// was.
   void RefreshIfOverdue();
 
  private:
@@ -88,11 +90,12 @@ class FleetStanding {
   std::optional<std::string> fenced_ REFIT_GUARDED_BY(mutex_);
   std::string publisher_url_ REFIT_GUARDED_BY(mutex_);
   bool left_ REFIT_GUARDED_BY(mutex_) = false;
-  // The fleet watch: how to ask, how often, and when it last heard and last asked.
+  // The fleet watch: how to ask, how often, when it last heard, and when a readiness answer last
+  // asked.
   std::function<void()> ask_ REFIT_GUARDED_BY(mutex_);
   std::chrono::milliseconds watch_interval_ REFIT_GUARDED_BY(mutex_){0};
   std::chrono::steady_clock::time_point last_heard_ REFIT_GUARDED_BY(mutex_);
-  std::chrono::steady_clock::time_point last_asked_ REFIT_GUARDED_BY(mutex_);
+  std::chrono::steady_clock::time_point last_inline_ask_ REFIT_GUARDED_BY(mutex_);
 };
 
 }  // namespace refit::internal

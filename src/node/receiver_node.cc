@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>
@@ -59,30 +60,36 @@ struct ReceiverNode::Impl {
   std::string producer_endpoint;
   uint64_t max_payload_bytes = 0;
   bool started = false;
-  bool stopped = false;
 
+  // Join, Leave and Stop run one at a time: any of them may start or stop the fleet watch, and
+  // they come from the user's thread and from control-plane handlers alike. Held across their
+  // calls to the publisher; the watch never takes it (Stop waits for the watch while holding it).
+  internal::Mutex lifecycle_mutex;
+  bool stopped REFIT_GUARDED_BY(lifecycle_mutex) = false;
   // The fleet this receiver joined (Join), for Leave: its publisher and what it advertised.
   internal::Mutex membership_mutex;
   std::string joined_publisher REFIT_GUARDED_BY(membership_mutex);
   MemberEndpoint joined_as REFIT_GUARDED_BY(membership_mutex);
   // While joined: asks the publisher for the fleet's version every fleet_watch_interval
-  // (WatchFleet); stopped by Leave and Stop.
+  // (WatchFleet). Only Join, Leave and Stop start and stop it.
+  internal::Mutex watch_mutex;
   internal::CondVar watch_wake;
-  bool watch_stop REFIT_GUARDED_BY(membership_mutex) = false;
-  std::thread fleet_watch;
+  std::jthread fleet_watch;
 
   Status Start();
   void Stop();
   Result<FleetMembership> Join(const std::string& publisher_url, const MemberEndpoint& advertised);
   Result<FleetMembership> Leave(std::chrono::milliseconds timeout, int max_retries);
-  // Until told to stop: every fleet_watch_interval, the fleet's version from `publisher`'s
-  // membership endpoint into the readiness; a failed ask is logged once per outage and changes
-  // nothing (the receiver knows what it knew).
-  void WatchFleet(std::string publisher);
-  // Ask `publisher` for the fleet's version once (one attempt within the watch's interval) and
-  // tell the readiness. Returns why not, when it could not.
-  Status AskFleet(const std::string& publisher);
-  void StopWatchingFleet();
+  Result<FleetMembership> LeaveLocked(std::chrono::milliseconds timeout, int max_retries)
+      REFIT_REQUIRES(lifecycle_mutex);
+  // Until `stop`: every fleet_watch_interval, the fleet's version from `publisher`'s membership
+  // endpoint into the readiness; a failed ask is logged once per outage and changes nothing (the
+  // receiver knows what it knew).
+  void WatchFleet(const std::stop_token& stop, const std::string& publisher);
+  // Ask the publisher behind `client` for the fleet's version once and tell the readiness.
+  // Returns why not, when it could not.
+  Status AskFleet(ControlClient& client);
+  void StopWatchingFleet() REFIT_REQUIRES(lifecycle_mutex);
   // A client of the publisher's membership endpoint, with this receiver's key.
   Result<std::unique_ptr<ControlClient>> PublisherClient(const std::string& publisher_url,
                                                          std::chrono::milliseconds timeout,
@@ -94,6 +101,9 @@ namespace {
 // Stop leaves the fleet it joined, but must not hang on a publisher that is gone: one attempt,
 // this long.
 constexpr std::chrono::milliseconds kLeaveAtStopTimeout{std::chrono::seconds(5)};
+// The longest a readiness answer waits for its own ask of the publisher (FleetStanding::
+// RefreshIfOverdue): probes time out after about a second.
+constexpr std::chrono::milliseconds kInlineAskLimit{300};
 
 }  // namespace
 
@@ -347,22 +357,26 @@ Status ReceiverNode::Impl::Start() {
 void ReceiverNode::Stop() { impl_->Stop(); }
 
 void ReceiverNode::Impl::Stop() {
-  if (stopped) return;
-  bool joined = false;
   {
-    internal::MutexLock lock(membership_mutex);
-    joined = !joined_publisher.empty();
-  }
-  if (joined && server != nullptr) {
-    // A worker that shuts down cleanly leaves; one that dies is dropped after missed syncs.
-    Result<FleetMembership> left = Leave(kLeaveAtStopTimeout, 0);
-    if (!left.ok()) {
-      REFIT_LOG_WARN("receiver node: could not leave the fleet at stop: {}",
-                     left.status().ToString());
+    internal::MutexLock life(lifecycle_mutex);
+    if (stopped) return;
+    bool joined = false;
+    {
+      internal::MutexLock lock(membership_mutex);
+      joined = !joined_publisher.empty();
     }
+    if (joined && server != nullptr) {
+      // A worker that shuts down cleanly leaves; one that dies is dropped after missed syncs.
+      Result<FleetMembership> left = LeaveLocked(kLeaveAtStopTimeout, 0);
+      if (!left.ok()) {
+        REFIT_LOG_WARN("receiver node: could not leave the fleet at stop: {}",
+                       left.status().ToString());
+      }
+    }
+    StopWatchingFleet();
+    // A Join waiting for the lock sees this and refuses: no watch starts after this point.
+    stopped = true;
   }
-  StopWatchingFleet();
-  stopped = true;
   // No new transfer can start once the control plane is down, and no payload arrives once the
   // data plane is; only then may the session go (its end rolls an open transfer back).
   if (server != nullptr) server->Stop();
@@ -405,6 +419,7 @@ Result<std::unique_ptr<ControlClient>> ReceiverNode::Impl::PublisherClient(
 
 Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_url,
                                                  const MemberEndpoint& advertised) {
+  internal::MutexLock life(lifecycle_mutex);
   if (server == nullptr || stopped) {
     return FailedPrecondition("receiver node: join {} after Start (and before Stop)",
                               publisher_url);
@@ -428,6 +443,9 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
   if (!joined.ok()) {
     return joined.status().WithContext(fmt::format("joining the fleet of {}", publisher_url));
   }
+  // A join to another fleet replaces the watch of the last one, before anything of the new
+  // fleet is recorded (the old watch cannot report the old fleet's version after that).
+  StopWatchingFleet();
   {
     internal::MutexLock lock(membership_mutex);
     joined_publisher = client->base_url();
@@ -436,16 +454,21 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
   internal::FleetStanding& standing = server->fleet_standing();
   if (joined->fleet_version.has_value()) standing.ObserveFleetVersion(*joined->fleet_version);
   standing.Joined(client->base_url());
-  StopWatchingFleet();  // A join to another fleet replaces the watch of the last one.
   if (options.fleet_watch_interval.count() > 0) {
-    {
-      internal::MutexLock lock(membership_mutex);
-      watch_stop = false;
-    }
     const std::string publisher = client->base_url();
-    standing.StartWatch([this, publisher] { AskFleet(publisher).IgnoreError(); },
-                        options.fleet_watch_interval);
-    fleet_watch = std::thread([this, publisher] { WatchFleet(publisher); });
+    // A readiness answer asks the publisher itself when the watch is overdue (a process that
+    // was stopped): briefly, since a probe waits for it.
+    const std::chrono::milliseconds inline_limit =
+        std::min(options.fleet_watch_interval, kInlineAskLimit);
+    standing.StartWatch(
+        [this, publisher, inline_limit] {
+          Result<std::unique_ptr<ControlClient>> asker =
+              PublisherClient(publisher, inline_limit, 0);
+          if (asker.ok()) AskFleet(**asker).IgnoreError();
+        },
+        options.fleet_watch_interval);
+    fleet_watch = std::jthread(
+        [this, publisher](const std::stop_token& stop) { WatchFleet(stop, publisher); });
   }
   REFIT_LOG_INFO("receiver node: joined the fleet of {} as {} (fleet version {}, {} members)",
                  client->base_url(), self.control_url,
@@ -457,6 +480,12 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
 
 Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds timeout,
                                                   int max_retries) {
+  internal::MutexLock life(lifecycle_mutex);
+  return LeaveLocked(timeout, max_retries);
+}
+
+Result<FleetMembership> ReceiverNode::Impl::LeaveLocked(std::chrono::milliseconds timeout,
+                                                        int max_retries) {
   std::string publisher;
   MemberEndpoint self;
   {
@@ -467,10 +496,11 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   if (publisher.empty()) return FailedPrecondition("receiver node: it joined no fleet to leave");
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
                          PublisherClient(publisher, timeout, max_retries));
-  StopWatchingFleet();
   Result<FleetMembership> left = client->RemoveMember(self.control_url);
+  // Still a member when the publisher did not take the leave: the watch goes on.
   if (!left.ok())
     return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
+  StopWatchingFleet();
   {
     internal::MutexLock lock(membership_mutex);
     joined_publisher.clear();
@@ -480,25 +510,29 @@ Result<FleetMembership> ReceiverNode::Impl::Leave(std::chrono::milliseconds time
   return left;
 }
 
-Status ReceiverNode::Impl::AskFleet(const std::string& publisher) {
-  const std::chrono::milliseconds interval = options.fleet_watch_interval;
-  REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
-                         PublisherClient(publisher, interval, 0));
-  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client->GetMembership());
+Status ReceiverNode::Impl::AskFleet(ControlClient& client) {
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client.GetMembership());
   if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
   return Status::OK();
 }
 
-void ReceiverNode::Impl::WatchFleet(std::string publisher) {
+void ReceiverNode::Impl::WatchFleet(const std::stop_token& stop, const std::string& publisher) {
+  // One client for the watch's life: its connection is kept between asks.
+  Result<std::unique_ptr<ControlClient>> client =
+      PublisherClient(publisher, options.fleet_watch_interval, 0);
+  if (!client.ok()) {
+    REFIT_LOG_WARN("receiver node: cannot watch the fleet of {}: {}", publisher,
+                   client.status().ToString());
+    return;
+  }
   bool reached = true;
   while (true) {
     {
-      internal::MutexLock lock(membership_mutex);
-      watch_wake.wait_for(lock, options.fleet_watch_interval,
-                          [this]() REFIT_REQUIRES(membership_mutex) { return watch_stop; });
-      if (watch_stop) return;
+      internal::MutexLock lock(watch_mutex);
+      watch_wake.wait_for(lock, stop, options.fleet_watch_interval, [] { return false; });
     }
-    const Status asked = AskFleet(publisher);
+    if (stop.stop_requested()) return;
+    const Status asked = AskFleet(**client);
     if (!asked.ok() && reached) {
       REFIT_LOG_WARN("receiver node: cannot ask the fleet of {} for its version: {}", publisher,
                      asked.ToString());
@@ -509,12 +543,10 @@ void ReceiverNode::Impl::WatchFleet(std::string publisher) {
 
 void ReceiverNode::Impl::StopWatchingFleet() {
   if (server != nullptr) server->fleet_standing().StopWatch();
-  {
-    internal::MutexLock lock(membership_mutex);
-    watch_stop = true;
+  if (fleet_watch.joinable()) {
+    fleet_watch.request_stop();
+    fleet_watch.join();
   }
-  watch_wake.notify_all();
-  if (fleet_watch.joinable()) fleet_watch.join();
 }
 
 Readiness ReceiverNode::readiness() const {

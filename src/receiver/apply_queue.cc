@@ -60,7 +60,7 @@ std::optional<QueuedPayload> ApplyQueue::Pop() {
   return payload;
 }
 
-void PayloadWork::Decode(const PayloadLimits& limits) {
+void PayloadWork::DecodeAndDropBytes(const PayloadLimits& limits) {
   decoded = DecodePayload(*payload, limits);
   if (!decoded->ok()) return;
   // Only XOR items are undone by applying their bytes again (ApplyPayload's `received`).
@@ -82,7 +82,7 @@ void ApplyQueue::DecodeForApply(MutexLock& lock, PayloadWork& payload) {
   if (payload.decode == PayloadWork::Decode::kPending) {
     payload.decode = PayloadWork::Decode::kRunning;
     lock.unlock();
-    payload.Decode(options_.limits);
+    payload.DecodeAndDropBytes(options_.limits);
     lock.lock();
     payload.decode = PayloadWork::Decode::kDone;
     return;
@@ -157,7 +157,7 @@ void ApplyQueue::RunDecodeAhead(const std::stop_token& stop) {
     if (!decode_work_.wait(lock, stop, pending)) break;
     next->decode = PayloadWork::Decode::kRunning;
     lock.unlock();
-    next->Decode(options_.limits);
+    next->DecodeAndDropBytes(options_.limits);
     lock.lock();
     next->decode = PayloadWork::Decode::kDone;
     decoded_.notify_all();

@@ -40,7 +40,7 @@ struct PayloadWork {
 
   /// Decode the payload into `decoded`, then drop its bytes unless an item is undone from them.
   /// Called by the thread that set kRunning.
-  void Decode(const PayloadLimits& limits);
+  void DecodeAndDropBytes(const PayloadLimits& limits);
 };
 
 /// One staged payload waiting for the apply.
