@@ -97,8 +97,7 @@ struct JoinRun {
 Result<JoinRun> RunJoin(const Args& args, uint64_t model_bytes, bool whole_anchor) {
   REFIT_ASSIGN_OR_RETURN(SyntheticModel model,
                          SyntheticModel::Make(model_bytes, args.seed, args.threads, nullptr));
-  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports,
-                         testkit::FreeLoopbackPorts(kFleet + 1));
+  REFIT_ASSIGN_OR_RETURN(const std::vector<uint16_t> ports, testkit::FreeLoopbackPorts(kFleet + 1));
   std::vector<std::unique_ptr<Node>> nodes;
   for (size_t r = 0; r + 1 < kFleet; ++r) {
     REFIT_ASSIGN_OR_RETURN(std::unique_ptr<Node> node, StartNode(model.views(), ports[r]));
@@ -319,16 +318,16 @@ Result<nlohmann::json> RunElastic(const Args& args, const std::string& work_dir)
   const bool delta_only = peer.report.wire_bytes == peer.member_bytes &&
                           peer.newcomer_bytes == peer.member_bytes &&
                           peer.report.receivers[kPeerNewcomer].caught_up_by == CatchUp::kDelta;
-  out["peer"] = nlohmann::json{
-      {"copy_s", peer.copy_s},
-      {"copy_vs_raw_copy", peer.copy_s / std::max(copy.seconds, 1e-9)},
-      {"copy_met", peer.copy_s / std::max(copy.seconds, 1e-9) <= kCatchUpTarget},
-      {"next_sync_egress_bytes", peer.report.wire_bytes},
-      {"next_sync_member_bytes", peer.member_bytes},
-      {"next_sync_newcomer_bytes", peer.newcomer_bytes},
-      {"newcomer_caught_up_by",
-       std::string(CatchUpName(peer.report.receivers[kPeerNewcomer].caught_up_by))},
-      {"next_sync_delta_only", delta_only}};
+  out["peer"] =
+      nlohmann::json{{"copy_s", peer.copy_s},
+                     {"copy_vs_raw_copy", peer.copy_s / std::max(copy.seconds, 1e-9)},
+                     {"copy_met", peer.copy_s / std::max(copy.seconds, 1e-9) <= kCatchUpTarget},
+                     {"next_sync_egress_bytes", peer.report.wire_bytes},
+                     {"next_sync_member_bytes", peer.member_bytes},
+                     {"next_sync_newcomer_bytes", peer.newcomer_bytes},
+                     {"newcomer_caught_up_by",
+                      std::string(CatchUpName(peer.report.receivers[kPeerNewcomer].caught_up_by))},
+                     {"next_sync_delta_only", delta_only}};
   REFIT_ASSIGN_OR_RETURN(out["fold"], MeasureFold(args, model_bytes));
   out["laggard_folded_end_to_end"] =
       std::string(CatchUpName(plan.report.receivers[kMembers].caught_up_by)) == "folded";
