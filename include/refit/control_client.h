@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "refit/control_message.h"
 #include "refit/manifest_announcer.h"
@@ -75,6 +76,22 @@ struct ControlStatus {
   std::optional<Readiness> readiness = std::nullopt;
 };
 
+/// One tensor of a receiver's store as GET /v1/tensors lists it: its (local) name, dtype, shape
+/// and state digest.
+struct HeldTensor {
+  std::string name;
+  DType dtype = DType::kUInt8;
+  Shape shape;
+  uint64_t digest = 0;
+};
+
+/// What GET /v1/tensors reports: every tensor of a receiver's store, in name order, read under
+/// the store's lock at the version it holds (one version, never a mix).
+struct TensorListing {
+  uint64_t version = 0;
+  std::vector<HeldTensor> tensors;
+};
+
 /// Return `status` as GET /v1/status reports it (JSON text, without the "ok" envelope): the
 /// one place that layout is written, for tools that print a status.
 std::string ControlStatusToJson(const ControlStatus& status);
@@ -129,6 +146,10 @@ class ControlClient final : public ReceiverControl, public ManifestAnnouncer {
                                        std::chrono::milliseconds stage_time) override;
   /// GET /v1/status.
   Result<ControlStatus> GetStatus();
+  /// GET /v1/tensors: every tensor the receiver holds, with its state digest, at the version it
+  /// holds. Errors: FailedPrecondition while a transfer is receiving; InvalidArgument naming the
+  /// field of a malformed reply.
+  Result<TensorListing> ListTensors();
   /// GET /v1/tensors/{name}: download one tensor and check its bytes against the digest the
   /// server sent; `digest`, when not null, receives that digest (TensorDigest of the bytes), so
   /// a caller that needs it does not hash the tensor again. Safe to call concurrently: each call

@@ -758,6 +758,13 @@ Result<FleetMembership> ControlClient::RemoveMember(const std::string& control_u
 
 Status ControlClient::CheckHealth() { return impl_->GetJson(internal::kHealthPath).status(); }
 
+Result<TensorListing> ControlClient::ListTensors() {
+  REFIT_ASSIGN_OR_RETURN(const Json body, impl_->GetJson(internal::kTensorsPath));
+  Result<TensorListing> listing = internal::TensorListingFromJson(body);
+  if (!listing.ok()) return ReplyFieldError(listing.status());
+  return listing;
+}
+
 Result<OwnedTensor> ControlClient::GetTensor(std::string_view name, uint64_t* digest_out) {
   if (impl_->options.carrier) return impl_->RefuseBulk("GET /v1/tensors");
   const std::string route =

@@ -147,8 +147,9 @@ bool IsLoopback(std::string_view address) {
 std::string_view RouteLabel(const httplib::Request& request) {
   const std::string_view path = request.path;
   if (request.method == "GET" || request.method == "HEAD") {
-    for (std::string_view route : {internal::kStatusPath, internal::kMetricsPath,
-                                   internal::kHealthPath, internal::kReadyPath}) {
+    for (std::string_view route :
+         {internal::kStatusPath, internal::kTensorsPath, internal::kMetricsPath,
+          internal::kHealthPath, internal::kReadyPath}) {
       if (path == route) return route;
     }
     if (path.starts_with(internal::kTensorsPathPrefix)) return "/v1/tensors/{name}";
@@ -347,6 +348,8 @@ struct ControlServer::Impl {
   void StageManifest(const httplib::Request& request, httplib::Response& response,
                      const httplib::ContentReader& reader);
   Json StatusBody();
+  // GET /v1/tensors: FailedPrecondition while a transfer is receiving.
+  Result<Json> TensorListingBody();
   // GET /ready: the readiness object, and 200 or 503.
   ControlReply ReadyReply();
   void SendTensor(const httplib::Request& request, httplib::Response& response);
@@ -403,6 +406,9 @@ ControlReply ControlServer::Impl::Serve(const ControlRequest& request) {
   try {
     if (request.method == "GET" && request.path == internal::kStatusPath) {
       return reply(StatusBody());
+    }
+    if (request.method == "GET" && request.path == internal::kTensorsPath) {
+      return reply(TensorListingBody());
     }
     if (request.method == "GET" && request.path == internal::kHealthPath) {
       return reply(Json{{"ok", true}});
@@ -674,6 +680,27 @@ Json ControlServer::Impl::StatusBody() {
   return internal::StatusToJson(status);
 }
 
+Result<Json> ControlServer::Impl::TensorListingBody() {
+  std::shared_lock lock(store_access);
+  const ReceiverStatus status = session.GetStatus();
+  if (status.state == ReceiverState::kReceiving) {
+    return FailedPrecondition(
+        "the tensors cannot be listed while transfer {} is receiving "
+        "payloads; retry after its flush",
+        status.transfer_id.value_or(TransferId{}).ToHex());
+  }
+  TensorListing listing;
+  listing.version = status.version;
+  const std::map<std::string, uint64_t> digests = std::as_const(store).Digests();
+  for (const TensorView& tensor : std::as_const(store).tensors()) {
+    listing.tensors.push_back(HeldTensor{std::string(tensor.name), tensor.dtype, tensor.shape,
+                                         digests.at(std::string(tensor.name))});
+  }
+  std::sort(listing.tensors.begin(), listing.tensors.end(),
+            [](const HeldTensor& a, const HeldTensor& b) { return a.name < b.name; });
+  return internal::TensorListingToJson(listing);
+}
+
 ControlReply ControlServer::Impl::ReadyReply() {
   standing.RefreshIfOverdue();
   const ReceiverStatus status = session.GetStatus();
@@ -825,6 +852,14 @@ void ControlServer::Impl::InstallRoutes() {
   http->Get(std::string(internal::kStatusPath),
             [this](const httplib::Request&, httplib::Response& response) {
               Guarded(response, [&] { ReplyJson(response, kHttpOk, StatusBody()); });
+            });
+  http->Get(std::string(internal::kTensorsPath),
+            [this](const httplib::Request&, httplib::Response& response) {
+              Guarded(response, [&] {
+                Result<Json> body = TensorListingBody();
+                if (!body.ok()) return ReplyError(response, body.status());
+                ReplyJson(response, kHttpOk, *body);
+              });
             });
   // Route patterns are regular expressions over the URL-decoded path; "." in a tensor name is
   // matched by "(.+)" like any other character.

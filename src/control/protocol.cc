@@ -656,6 +656,57 @@ Result<ControlStatusFields> StatusFromJson(const Json& body) {
   return status;
 }
 
+Json TensorListingToJson(const TensorListing& listing) {
+  Json tensors = Json::array();
+  for (const HeldTensor& tensor : listing.tensors) {
+    Json shape = Json::array();
+    for (const int64_t extent : tensor.shape) shape.push_back(extent);
+    tensors.push_back(Json{{"name", tensor.name},
+                           {"dtype", std::string(DTypeName(tensor.dtype))},
+                           {"shape", std::move(shape)},
+                           {"digest", DigestToHex(tensor.digest)}});
+  }
+  return Json{{"ok", true}, {"version", listing.version}, {"tensors", std::move(tensors)}};
+}
+
+Result<TensorListing> TensorListingFromJson(const Json& body) {
+  const JsonFields fields(body, "tensor listing");
+  TensorListing listing;
+  REFIT_ASSIGN_OR_RETURN(listing.version, fields.Uint("version"));
+  REFIT_ASSIGN_OR_RETURN(const Json* tensors, fields.Require("tensors"));
+  if (!tensors->is_array()) {
+    return InvalidArgument("{} must be an array, got {}", fields.Name("tensors"),
+                           JsonTypeName(*tensors));
+  }
+  listing.tensors.reserve(tensors->size());
+  for (size_t t = 0; t < tensors->size(); ++t) {
+    const JsonFields entry((*tensors)[t], fmt::format("{}[{}]", fields.Name("tensors"), t));
+    HeldTensor tensor;
+    REFIT_ASSIGN_OR_RETURN(tensor.name, entry.String("name"));
+    REFIT_ASSIGN_OR_RETURN(const std::string dtype, entry.String("dtype"));
+    Result<DType> parsed = ParseDType(dtype);
+    if (!parsed.ok())
+      return InvalidArgument("{}: {}", entry.Name("dtype"), parsed.status().message());
+    tensor.dtype = *parsed;
+    REFIT_ASSIGN_OR_RETURN(const Json* shape, entry.Require("shape"));
+    if (!shape->is_array()) {
+      return InvalidArgument("{} must be an array, got {}", entry.Name("shape"),
+                             JsonTypeName(*shape));
+    }
+    for (const Json& extent : *shape) {
+      if (!extent.is_number_unsigned() || extent.get<uint64_t>() > INT64_MAX) {
+        return InvalidArgument("{} has an extent that is not a non-negative integer: {}",
+                               entry.Name("shape"), DumpJson(*shape));
+      }
+      tensor.shape.push_back(static_cast<int64_t>(extent.get<uint64_t>()));
+    }
+    REFIT_ASSIGN_OR_RETURN(const std::string digest, entry.String("digest"));
+    REFIT_ASSIGN_OR_RETURN(tensor.digest, DigestFromHex(digest, entry.Name("digest")));
+    listing.tensors.push_back(std::move(tensor));
+  }
+  return listing;
+}
+
 std::string PercentEncode(std::string_view text) {
   static constexpr char kHexDigits[] = "0123456789ABCDEF";
   std::string encoded;

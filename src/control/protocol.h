@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "receiver/receiver_session.h"
+#include "refit/control_client.h"
 #include "refit/membership.h"
 #include "refit/readiness.h"
 #include "refit/status.h"
@@ -38,6 +39,8 @@ inline constexpr std::string_view kPayloadPath = "/v1/payload";
 inline constexpr std::string_view kManifestPath = "/v1/manifest";
 inline constexpr std::string_view kRegionsPath = "/v1/regions";
 inline constexpr std::string_view kStatusPath = "/v1/status";
+/// GET: the list of the store's tensors (ControlClient::ListTensors).
+inline constexpr std::string_view kTensorsPath = "/v1/tensors";
 /// Followed by the percent-encoded tensor name.
 inline constexpr std::string_view kTensorsPathPrefix = "/v1/tensors/";
 inline constexpr std::string_view kMetricsPath = "/metrics";
@@ -189,6 +192,11 @@ struct ControlStatusFields {
 };
 Json StatusToJson(const ControlStatusFields& status);
 Result<ControlStatusFields> StatusFromJson(const Json& body);
+
+/// GET /v1/tensors's body, and its parse. Errors: InvalidArgument naming the field (a dtype the
+/// build does not know, a negative extent, a malformed digest).
+Json TensorListingToJson(const TensorListing& listing);
+Result<TensorListing> TensorListingFromJson(const Json& body);
 
 /// Percent-encode `text` for one URL path segment: every byte except the RFC 3986 unreserved
 /// characters (A–Z a–z 0–9 - . _ ~) becomes %XX, so names with '/', '?', '#', '%' or spaces

@@ -5,12 +5,17 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
+#include <span>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "core/digest.h"
+#include "receiver/apply.h"
 #include "refit/control_client.h"
+#include "refit/loader.h"
+#include "refit/payload.h"
 #include "refit/status_format.h"
 #include "util/logging.h"
 #include "util/thread_pool.h"
@@ -20,6 +25,12 @@ namespace {
 
 // Tensors downloaded at once (each on its own connection to the peer).
 constexpr size_t kDownloadStreams = 4;
+// A canonical copy is written through the loader as FULL items of at most this many bytes, in
+// payloads of at most kCanonicalPayloadBytes: the memory it adds to the download's is bounded.
+constexpr uint64_t kCanonicalItemBytes = uint64_t{64} << 20;
+constexpr uint64_t kCanonicalPayloadBytes = uint64_t{256} << 20;
+// Threads that write one canonical payload through the loader (one per group of local tensors).
+constexpr int kCanonicalApplyThreads = 4;
 
 // The peer's committed version and state fingerprint, read while it is idle (a prepared peer
 // already holds the next version's bytes under the old version number).
@@ -98,6 +109,172 @@ Result<std::vector<OwnedTensor>> CopyOnce(ControlClient& peer, const WeightStore
   return copied;
 }
 
+// Whether the peer lists exactly this store's tensors (names, dtypes, shapes): then its local
+// tensors are copied as they are.
+bool HoldsTheSameTensors(const WeightStore& store, const TensorListing& listing) {
+  const std::vector<TensorView> mine = store.tensors();
+  if (mine.size() != listing.tensors.size()) return false;
+  for (const HeldTensor& theirs : listing.tensors) {
+    Result<TensorView> held = store.Find(theirs.name);
+    if (!held.ok() || held->dtype != theirs.dtype || held->shape != theirs.shape) return false;
+  }
+  return true;
+}
+
+// The peer's tensors this store's loader places (the others it skips), checked before anything is
+// downloaded: each must be one the loader knows with the dtype and shape the peer holds, and every
+// local tensor of the store must be built from at least one of them. A peer whose tensors are
+// canonical (one without a loader) thus serves a newcomer of any layout: a TP shard, fused
+// qkv / gate_up, expert stacks.
+Result<std::vector<size_t>> PlanCanonicalCopy(const WeightStore& store,
+                                              const TensorListing& listing, std::string_view peer) {
+  std::vector<size_t> fetch;
+  std::set<std::string, std::less<>> built;
+  for (size_t t = 0; t < listing.tensors.size(); ++t) {
+    const HeldTensor& theirs = listing.tensors[t];
+    Result<const CanonicalLayout*> layout = store.ResolveCanonical(theirs.name);
+    if (!layout.ok()) {
+      return FailedPrecondition(
+          "tensor '{}' of peer {} ({} {}) cannot go through this "
+          "receiver's loader: {}",
+          theirs.name, peer, DTypeName(theirs.dtype), ShapeToString(theirs.shape),
+          layout.status().message());
+    }
+    const CanonicalLayout& placed = **layout;
+    if (placed.skipped) continue;
+    if (placed.dtype != theirs.dtype || placed.shape != theirs.shape) {
+      return FailedPrecondition(
+          "tensor '{}': peer {} holds {} {}, this receiver's loader expects {} {}", theirs.name,
+          peer, DTypeName(theirs.dtype), ShapeToString(theirs.shape), DTypeName(placed.dtype),
+          ShapeToString(placed.shape));
+    }
+    built.insert(placed.local_tensor);
+    for (const CanonicalPiece& piece : placed.pieces) built.insert(piece.local_tensor);
+    fetch.push_back(t);
+  }
+  for (const TensorView& mine : store.tensors()) {
+    if (!built.contains(mine.name)) {
+      return FailedPrecondition(
+          "tensor '{}' of this receiver is built from none of the {} tensors of peer {} (its "
+          "loader maps none of them onto it): the peer holds another model, or its own layout",
+          mine.name, listing.tensors.size(), peer);
+    }
+  }
+  return fetch;
+}
+
+// One attempt of a canonical copy: download the tensors `fetch` names (every one checked against
+// the digest the listing gave it), then check the peer did not move and that the listing was its
+// state.
+Result<std::vector<OwnedTensor>> CopyCanonicalOnce(ControlClient& peer,
+                                                   const TensorListing& listing,
+                                                   std::span<const size_t> fetch,
+                                                   const PeerState& before, uint64_t* bytes) {
+  std::map<std::string, uint64_t> listed;
+  for (const HeldTensor& theirs : listing.tensors) listed[theirs.name] = theirs.digest;
+  if (listing.version != before.version || StateFingerprint(listed) != before.fingerprint) {
+    return Unavailable("peer {} moved from version {} to {} while it listed its tensors",
+                       peer.base_url(), before.version, listing.version);
+  }
+  std::vector<OwnedTensor> copied(fetch.size());
+  const int streams = static_cast<int>(std::min<size_t>(kDownloadStreams, fetch.size()));
+  const Status downloaded_all =
+      ParallelFor(std::max(streams, 1), fetch.size(), [&](uint64_t begin, uint64_t end) {
+        for (uint64_t f = begin; f < end; ++f) {
+          const HeldTensor& theirs = listing.tensors[fetch[f]];
+          uint64_t digest = 0;
+          Result<OwnedTensor> downloaded = peer.GetTensor(theirs.name, &digest);
+          if (!downloaded.ok() && downloaded.status().code() == StatusCode::kFailedPrecondition) {
+            return Unavailable("peer {} began a transfer during the copy: {}", peer.base_url(),
+                               downloaded.status().message());
+          }
+          if (!downloaded.ok()) return downloaded.status();
+          if (digest != theirs.digest || downloaded->dtype != theirs.dtype ||
+              downloaded->shape != theirs.shape) {
+            return Unavailable("peer {}: tensor '{}' changed after the peer listed it",
+                               peer.base_url(), theirs.name);
+          }
+          copied[f] = std::move(downloaded).ValueOrDie();
+        }
+        return Status::OK();
+      });
+  REFIT_RETURN_NOT_OK(downloaded_all);
+  REFIT_ASSIGN_OR_RETURN(const PeerState after, IdleState(peer));
+  if (after.version != before.version || after.fingerprint != before.fingerprint) {
+    return Unavailable("peer {} moved from version {} to {} during the copy", peer.base_url(),
+                       before.version, after.version);
+  }
+  for (const OwnedTensor& tensor : copied) *bytes += tensor.bytes.size();
+  return copied;
+}
+
+// Write verified canonical tensors through the store's loader: FULL items, each with the digest
+// of its span, applied as an anchor's are (the loader cuts each into the pieces this receiver
+// holds and keeps the local and piece digests current). The old bits are not kept: the copy was
+// verified before this, and a write that fails (none is expected once PlanCanonicalCopy passed)
+// leaves the written spans in place with every digest recomputed from the bytes.
+Status WriteThroughLoader(std::span<const OwnedTensor> copied, uint64_t version,
+                          WeightStore& store) {
+  UndoLogOptions undo_options;
+  undo_options.anchor_undo = AnchorUndo::kNone;
+  UndoLog undo(undo_options);
+  const TransferId id = TransferId::Random();
+  std::vector<ItemView> items;
+  uint64_t pending_bytes = 0;
+  uint32_t payload_id = 0;
+  const auto apply_pending = [&]() -> Status {
+    if (items.empty()) return Status::OK();
+    PayloadEncodeOptions encode;
+    encode.compress = false;
+    encode.byte_planes = false;
+    // An anchor to `version` (any base below it: the payloads never leave this process).
+    const PayloadIds ids{id, 0, payload_id++, 0, std::max<uint64_t>(version, 1)};
+    REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> payload, EncodePayload(ids, items, encode));
+    REFIT_ASSIGN_OR_RETURN(const DecodedPayload decoded, DecodePayload(payload, PayloadLimits{}));
+    items.clear();
+    pending_bytes = 0;
+    return ApplyPayload(decoded, store, &undo, nullptr, kCanonicalApplyThreads);
+  };
+  Status written = [&]() -> Status {
+    for (const OwnedTensor& tensor : copied) {
+      const uint32_t width = DTypeSize(tensor.dtype);
+      const uint64_t numel = tensor.bytes.size() / width;
+      const uint64_t step = std::max<uint64_t>(kCanonicalItemBytes / width, 1);
+      for (uint64_t begin = 0; begin < numel; begin += step) {
+        const uint64_t end = std::min(numel, begin + step);
+        const std::span<const std::byte> values =
+            std::span<const std::byte>(tensor.bytes).subspan(begin * width, (end - begin) * width);
+        if (pending_bytes + values.size() > kCanonicalPayloadBytes) {
+          REFIT_RETURN_NOT_OK(apply_pending());
+        }
+        items.push_back(ItemView{.name = tensor.name,
+                                 .dtype = tensor.dtype,
+                                 .shape = tensor.shape,
+                                 .op = Op::kFull,
+                                 .value_dtype = tensor.dtype,
+                                 .span_begin = begin,
+                                 .span_end = end,
+                                 .count = end - begin,
+                                 .location_encoding = LocationEncoding::kAll,
+                                 .locations = {},
+                                 .values = values,
+                                 .digest = DigestRange(tensor.bytes, width, begin, end)});
+        pending_bytes += values.size();
+      }
+    }
+    return apply_pending();
+  }();
+  if (!written.ok()) {
+    Status rolled_back = undo.Rollback(store);
+    return written.WithContext(fmt::format(
+        "writing the copy through the loader (the store holds part of it{}; start this receiver "
+        "again, from a checkpoint or for an anchor)",
+        rolled_back.ok() ? ", its digests recomputed" : ": " + rolled_back.ToString()));
+  }
+  undo.Clear();
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightStore& store,
@@ -134,7 +311,37 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
       report.final_version = store.version();  // holds the peer's state already
       break;
     }
+    Result<TensorListing> listing = peer->ListTensors();
+    if (!listing.ok()) {
+      last =
+          listing.status().code() == StatusCode::kFailedPrecondition
+              ? Unavailable("peer {} began a transfer: {}", report.peer, listing.status().message())
+              : listing.status();
+      if (last.code() != StatusCode::kUnavailable) return last;
+      continue;
+    }
     uint64_t bytes = 0;
+    if (store.has_loader() && !HoldsTheSameTensors(store, *listing)) {
+      // Another layout than the peer's: its tensors are canonical ones, cut by this loader.
+      REFIT_ASSIGN_OR_RETURN(const std::vector<size_t> fetch,
+                             PlanCanonicalCopy(store, *listing, report.peer));
+      Result<std::vector<OwnedTensor>> copied =
+          CopyCanonicalOnce(*peer, *listing, fetch, *before, &bytes);
+      if (!copied.ok()) {
+        last = copied.status();
+        if (last.code() != StatusCode::kUnavailable) return last;
+        REFIT_LOG_INFO("bootstrap from peer {}: attempt {}: {}", report.peer, report.attempts,
+                       last.message());
+        continue;
+      }
+      REFIT_RETURN_NOT_OK(WriteThroughLoader(*copied, before->version, store));
+      store.set_version(before->version);
+      report.final_version = before->version;
+      report.tensors = copied->size();
+      report.bytes = bytes;
+      report.canonical = true;
+      break;
+    }
     std::map<std::string, uint64_t> digests;
     Result<std::vector<OwnedTensor>> copied = CopyOnce(*peer, store, *before, &bytes, &digests);
     if (!copied.ok()) {

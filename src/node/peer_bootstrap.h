@@ -34,19 +34,32 @@ struct PeerBootstrapReport {
   uint64_t bytes = 0;
   int attempts = 0;
   double seconds = 0;
+  /// The peer's tensors were canonical ones written through this store's loader (another layout
+  /// than the peer's), not its local tensors copied as they are.
+  bool canonical = false;
 };
 
 /// Bring `store` to the version the receiver at `peer_url` (its control URL) holds, by copying
-/// every tensor from it (GET /v1/tensors/{name}, each checked against the digest the peer sent).
-/// The peer must hold the same tensors (names, dtypes, shapes: the same local layout — without a
-/// loader, or with the same loader spec and rank as the peer's, whose local tensors these are;
-/// the store's canonical piece digests are then recomputed from the copied bytes). The copy
-/// is verified as a whole before anything is written: the state fingerprint of what was
-/// downloaded must equal the one the peer reports, idle, at that version after the download —
-/// so a copy that straddled one of the peer's transfers is refused and tried again. The store is
-/// written only when that holds (it needs the model's size in memory meanwhile) and then set to
-/// the peer's version; otherwise it is left untouched. A store that already holds the peer's
-/// state is not written. Device tensors are not supported (FailedPrecondition naming one).
+/// its tensors (GET /v1/tensors lists them with their digests; GET /v1/tensors/{name} downloads
+/// one, checked against its digest). Two ways:
+/// - **local**: the peer holds the same tensors as the store (names, dtypes, shapes: without a
+///   loader, or with the same loader spec and rank as the peer's, whose local tensors these are):
+///   each is copied as it is, and the store's canonical piece digests are recomputed from the
+///   copied bytes;
+/// - **canonical**: the store has a loader and holds other tensors than the peer, whose tensors
+///   are then canonical ones (a peer without a loader): each tensor the loader places is
+///   downloaded whole and written through the loader as an anchor's FULL items are (a TP shard
+///   of any rank, fused qkv / gate_up, expert stacks); the tensors it skips are not downloaded.
+///   Before any download, every peer tensor must be one the loader knows with the peer's dtype and
+///   shape, and every local tensor must be built from at least one of them (FailedPrecondition
+///   naming the tensor). A sharded peer cannot serve it: its tensors are not canonical.
+/// The copy is verified as a whole before anything is written: the state fingerprint of what was
+/// listed (and each download's digest) must equal the one the peer reports, idle, at that version
+/// before and after the download — so a copy that straddled one of the peer's transfers is refused
+/// and tried again. The store is written only when that holds (it needs the copied tensors' size
+/// in memory meanwhile) and then set to the peer's version; otherwise it is left untouched. A
+/// store that already holds the peer's state is not written. Device tensors are not supported
+/// (FailedPrecondition naming one).
 /// Errors: InvalidArgument (peer_url); FailedPrecondition (the tensor sets differ, naming the
 /// tensor and both descriptions; a device tensor); Unavailable (the peer could not be reached, or
 /// its state kept moving, for every attempt); NotFound (a tensor the peer lacks); those of the

@@ -1,7 +1,9 @@
 // A newcomer copies the fleet's version from a peer replica (internal::BootstrapFromPeer) over
 // the peer's real HTTP control plane: the copy is bit-identical and verified as a whole, the
 // store is written only when it is; tensor sets that differ, a peer that cannot be reached, a
-// wrong key and device tensors are refused by name with the store untouched.
+// wrong key and device tensors are refused by name with the store untouched. Through a loader it
+// copies the peer's local tensors (the same loader) or the peer's canonical tensors (a TP shard
+// from an unsharded peer).
 #include "node/peer_bootstrap.h"
 
 #include <gtest/gtest.h>
@@ -18,7 +20,9 @@
 #include <vector>
 
 #include "bf16_model.h"
+#include "core/digest.h"
 #include "loopback.h"
+#include "refit/control_client.h"
 #include "refit/loader.h"
 #include "refit/producer_group.h"
 #include "refit/publisher.h"
@@ -126,6 +130,35 @@ TEST_F(PeerBootstrapTest, ANewcomerCopiesThePeersVersionBitForBitWithItsDigests)
                        internal::BootstrapFromPeer(peer_->control_url(), *store, Options()));
   EXPECT_EQ(again.final_version, 2u);
   EXPECT_EQ(again.tensors, 0u);
+}
+
+// GET /v1/tensors lists what a newcomer needs to plan its copy: every tensor, in name order, with
+// its dtype, shape and digest, at the version the peer holds; only with the key.
+TEST_F(PeerBootstrapTest, TheTensorListingNamesEveryTensorWithItsDigestAtTheHeldVersion) {
+  ControlClientOptions options;
+  options.base_url = peer_->control_url();
+  options.api_key = kKey;
+  std::unique_ptr<ControlClient> client = ControlClient::Make(options).ValueOrDie();
+  ASSERT_OK_AND_ASSIGN(const TensorListing listing, client->ListTensors());
+  EXPECT_EQ(listing.version, 2u);
+  ASSERT_EQ(listing.tensors.size(), model_.size());
+  std::map<std::string, uint64_t> digests;
+  for (size_t t = 0; t < listing.tensors.size(); ++t) {
+    const HeldTensor& held = listing.tensors[t];
+    if (t > 0) {
+      EXPECT_LT(listing.tensors[t - 1].name, held.name);
+    }
+    EXPECT_EQ(held.dtype, DType::kBFloat16);
+    EXPECT_EQ(held.shape, Shape{4096});
+    digests[held.name] = held.digest;
+  }
+  std::map<std::string, uint64_t> want;
+  for (const Tensor& t : model_) want[t.name] = TensorDigest(t.view());
+  EXPECT_EQ(digests, want) << "the digests of the trainer's version 2";
+
+  options.api_key = "not-the-key";
+  std::unique_ptr<ControlClient> stranger = ControlClient::Make(options).ValueOrDie();
+  EXPECT_EQ(stranger->ListTensors().status().code(), StatusCode::kPermissionDenied);
 }
 
 // The peer commits version after version while newcomers copy it: every copy that succeeds is
@@ -320,5 +353,146 @@ TEST(PeerBootstrapLoaderTest, ANewcomerThroughTheSameLoaderCopiesAPeerAndTakesTh
   EXPECT_TRUE(holds(*newcomer, model)) << "bit-identical to the trainer through the loader";
 }
 
+// A newcomer of another layout than its peer: the peer holds the model whole (no loader, so its
+// tensors are canonical), the newcomers are the two ranks of a TP = 2 group whose loader shards
+// four tensors by rows, keeps three whole and skips one. Each copies the peer's version through
+// its loader — the rows it holds, never the skipped tensor — and the next sync is the fleet's
+// delta for the peer and the group, bit-identical. A loader that expects another shape, or a
+// store the peer's tensors do not build, is refused by name before any download.
+TEST(PeerBootstrapLoaderTest, ATensorParallelNewcomerCopiesAWholePeerThroughItsLoader) {
+  constexpr int kTensors = 8;
+  constexpr size_t kRows = 4096;
+  const auto spec = [](uint32_t rank) {
+    return LoaderSpec{
+        .tp_rank = rank,
+        .tp_size = 2,
+        .rules = {{.kind = LoaderKind::kRow, .match = "model\\.layers\\.[0-3]\\.weight"},
+                  {.kind = LoaderKind::kSkip, .match = "model\\.layers\\.7\\.weight"}}};
+  };
+  // What rank `rank` holds of `canonical`: its rows of tensors 0-3, tensors 4-6 whole.
+  const auto shard_of = [](const std::vector<Tensor>& canonical, uint32_t rank) {
+    std::vector<Tensor> local;
+    for (int t = 0; t < 7; ++t) {
+      const std::vector<uint16_t>& bits = canonical[t].bits;
+      if (t < 4) {
+        local.push_back(Tensor{canonical[t].name,
+                               std::vector<uint16_t>(bits.begin() + rank * kRows / 2,
+                                                     bits.begin() + (rank + 1) * kRows / 2)});
+      } else {
+        local.push_back(canonical[t]);
+      }
+    }
+    return local;
+  };
+
+  const std::vector<Tensor> step0 = MakeModel(21, kTensors);
+  std::vector<Tensor> model = step0;
+  std::vector<Tensor> peer_buffers = step0;
+  ReceiverNodeOptions peer_options;
+  peer_options.transport_uri = "zmq://?timeout_ms=10000";
+  peer_options.data_endpoint = testing::FreeLoopbackEndpoint();
+  auto peer = ReceiverNode::Make(peer_options).ValueOrDie();
+  for (Tensor& t : peer_buffers) ASSERT_OK(peer->RegisterTensor(t.mutable_view()));
+  ASSERT_OK(peer->Start());
+  PublisherOptions options;
+  options.transport_uri = "zmq://?timeout_ms=10000";
+  options.receivers = {{peer->control_url(), peer->producer_endpoint()}};
+  auto trainer =
+      Publisher::Make(options, std::move(MakeInProcessGroup(1).ValueOrDie()[0])).ValueOrDie();
+  ASSERT_OK(trainer->AdoptBaseline(Views(model), 0));
+  std::mt19937_64 rng(4);
+  for (int step = 0; step < 3; ++step) {
+    Step(model, rng);
+    ASSERT_OK(trainer->Sync(Views(model)).status());
+  }
+
+  // Refused by name before any download, the store untouched: a local tensor none of the peer's
+  // tensors builds, and a loader that cuts the peer's tensors into other shapes than the store's.
+  {
+    std::vector<Tensor> local = shard_of(step0, 0);
+    std::unique_ptr<WeightStore> store = WeightStore::Make();
+    for (Tensor& t : local) ASSERT_OK(store->AddExternal(t.mutable_view()));
+    ASSERT_OK(store->AttachLoader(Loader::Make(spec(0), *store).ValueOrDie()));
+    const std::vector<Tensor> before = local;
+    std::vector<Tensor> extra = local;
+    extra.push_back(Tensor{"engine.only.here", std::vector<uint16_t>(8)});
+    std::unique_ptr<WeightStore> bigger = WeightStore::Make();
+    for (Tensor& t : extra) ASSERT_OK(bigger->AddExternal(t.mutable_view()));
+    ASSERT_OK(bigger->AttachLoader(Loader::Make(spec(0), *bigger).ValueOrDie()));
+    Result<internal::PeerBootstrapReport> refused =
+        internal::BootstrapFromPeer(peer->control_url(), *bigger);
+    EXPECT_STATUS_MSG(FailedPrecondition, "engine.only.here", refused.status());
+    EXPECT_EQ(bigger->version(), 0u);
+    // Rank 0 of TP = 4 holds 1,024 rows of each sharded tensor; this store holds 2,048.
+    LoaderSpec wrong = spec(0);
+    wrong.tp_size = 4;
+    std::unique_ptr<WeightStore> other = WeightStore::Make();
+    for (Tensor& t : local) ASSERT_OK(other->AddExternal(t.mutable_view()));
+    ASSERT_OK(other->AttachLoader(Loader::Make(wrong, *other).ValueOrDie()));
+    refused = internal::BootstrapFromPeer(peer->control_url(), *other);
+    EXPECT_STATUS_MSG(FailedPrecondition, "model.layers.0.weight", refused.status());
+    EXPECT_EQ(other->version(), 0u);
+    for (size_t t = 0; t < local.size(); ++t) {
+      EXPECT_EQ(local[t].bits, before[t].bits) << "a refused copy writes nothing";
+    }
+    // The copy itself: seven canonical tensors downloaded whole, the skipped one not at all.
+    ASSERT_OK_AND_ASSIGN(const internal::PeerBootstrapReport report,
+                         internal::BootstrapFromPeer(peer->control_url(), *store));
+    EXPECT_TRUE(report.canonical);
+    EXPECT_EQ(report.final_version, 3u);
+    EXPECT_EQ(report.tensors, 7u);
+    EXPECT_EQ(report.bytes, 7 * kRows * sizeof(uint16_t));
+    EXPECT_EQ(store->version(), 3u);
+    EXPECT_EQ(store->Digests(), store->RecomputeDigests());
+    const std::vector<Tensor> want = shard_of(model, 0);
+    for (size_t t = 0; t < want.size(); ++t) EXPECT_EQ(local[t].bits, want[t].bits) << want[t].name;
+  }
+
+  struct Shard {
+    std::vector<Tensor> buffers;
+    std::unique_ptr<ReceiverNode> node;
+  };
+  std::vector<std::unique_ptr<Shard>> group;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    auto shard = std::make_unique<Shard>();
+    shard->buffers = shard_of(step0, rank);
+    ReceiverNodeOptions shard_options;
+    shard_options.transport_uri = "zmq://?timeout_ms=10000";
+    shard_options.data_endpoint = testing::FreeLoopbackEndpoint();
+    shard_options.loader = spec(rank);
+    shard_options.place = ReplicaPlace{"tp2", rank, 2};
+    shard_options.bootstrap_peer = peer->control_url();
+    shard->node = ReceiverNode::Make(shard_options).ValueOrDie();
+    for (Tensor& t : shard->buffers) ASSERT_OK(shard->node->RegisterTensor(t.mutable_view()));
+    ASSERT_OK(shard->node->Start());
+    EXPECT_EQ(shard->node->status().version, 3u);
+    const std::vector<Tensor> want = shard_of(model, rank);
+    for (size_t t = 0; t < want.size(); ++t) {
+      EXPECT_EQ(shard->buffers[t].bits, want[t].bits)
+          << "rank " << rank << " " << want[t].name << " after the copy";
+    }
+    group.push_back(std::move(shard));
+  }
+  ASSERT_OK(trainer->SetReceivers(
+      {{peer->control_url(), peer->producer_endpoint()},
+       {group[0]->node->control_url(), group[0]->node->producer_endpoint()},
+       {group[1]->node->control_url(), group[1]->node->producer_endpoint()}}));
+  for (int step = 0; step < 2; ++step) {
+    Step(model, rng);
+    ASSERT_OK_AND_ASSIGN(const SyncReport synced, trainer->Sync(Views(model)));
+    EXPECT_FALSE(synced.transfer.plan.anchor);
+    for (const ReceiverOutcome& outcome : synced.transfer.receivers) {
+      EXPECT_EQ(outcome.caught_up_by, CatchUp::kDelta) << outcome.name;
+    }
+  }
+  for (size_t t = 0; t < model.size(); ++t) EXPECT_EQ(peer_buffers[t].bits, model[t].bits);
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    const std::vector<Tensor> want = shard_of(model, rank);
+    for (size_t t = 0; t < want.size(); ++t) {
+      EXPECT_EQ(group[rank]->buffers[t].bits, want[t].bits)
+          << "rank " << rank << " " << want[t].name << " after two deltas";
+    }
+  }
+}
 }  // namespace
 }  // namespace refit
