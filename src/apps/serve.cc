@@ -512,7 +512,8 @@ void RegisterServe(CLI::App& app, Status* result) {
                 "it missed first");
   config_option("--bootstrap-peer", "server.bootstrap_peer",
                 "Before serving, copy the fleet's version from this peer (the control URL of a "
-                "receiver with the same tensors), verified by its state fingerprint, instead of "
+                "receiver with the same tensors, or, with --loader, of one without a loader, "
+                "whose tensors the loader cuts), verified by its state fingerprint, instead of "
                 "being sent an anchor by the trainer; the --api-key authenticates it",
                 "URL");
   config_option("--loader", "server.loader",

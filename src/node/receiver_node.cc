@@ -250,10 +250,11 @@ Status ReceiverNode::Impl::Start() {
         internal::BootstrapFromPeer(options.bootstrap_peer, *store, peer);
     if (!copied.ok()) return copied.status().WithContext("receiver node");
     REFIT_LOG_INFO(
-        "receiver node: copied version {} ({} tensors, {} bytes) from peer {} in {:.2f} s "
+        "receiver node: copied version {} ({} tensors, {} bytes{}) from peer {} in {:.2f} s "
         "({} attempt(s)); held version {} before",
-        copied->final_version, copied->tensors, copied->bytes, copied->peer, copied->seconds,
-        copied->attempts, copied->start_version);
+        copied->final_version, copied->tensors, copied->bytes,
+        copied->canonical ? ", canonical, through the loader" : "", copied->peer,
+        copied->seconds, copied->attempts, copied->start_version);
   }
   Result<std::unique_ptr<internal::ReceiverSession>> made =
       internal::ReceiverSession::Make(options.session, *store);
