@@ -26,6 +26,7 @@
 #include "pipeline/staged_source.h"
 #include "receiver/receiver_session.h"
 #include "refit/chunk_source.h"
+#include "refit/commit_policy.h"
 #include "refit/control_client.h"
 #include "refit/transport.h"
 #include "refit/weight_store.h"
@@ -75,6 +76,9 @@ struct FleetOptions {
   /// Every receiver's apply and decode threads (ReceiverSessionOptions).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;
   int decode_threads = ReceiverSessionOptions{}.decode_threads;
+  /// The coordinator's commit policy ("all", "quorum:…"). A quorum makes the coordinator name
+  /// each transfer's relay tree and plan per receiver, as a Publisher does (zmq:// only).
+  std::string commit_policy = "all";
 };
 
 /// One receiver: what `refit serve` holds.
@@ -161,6 +165,11 @@ class Fleet {
       if (!options_.catch_up_chain.empty()) {
         server_options.catch_up = [&node, uri = options_.catch_up_chain](uint64_t base_version) {
           return CatchUpFromChain(uri, *node.session, *node.store, base_version).status();
+        };
+      }
+      if (transport_->capabilities().fan_out_tree) {
+        server_options.route_transfer = [&node](const TransferId& id, const RelayTree& tree) {
+          return node.listener->RouteTransfer(id, tree);
         };
       }
       ASSERT_OK_AND_ASSIGN(node.server,
@@ -285,8 +294,14 @@ class Fleet {
     std::vector<internal::CoordinatedReceiver> receivers;
     for (size_t r = 0; r < receivers_.size(); ++r) {
       receivers.push_back({fmt::format("receiver {}", r), receivers_[r].control()});
+      receivers.back().data_endpoint = endpoints_[r];
     }
     internal::CoordinatorOptions options;
+    ASSERT_OK_AND_ASSIGN(options.commit_policy, ParseCommitPolicy(options_.commit_policy));
+    if (options.commit_policy.kind == CommitPolicy::Kind::kQuorum) {
+      options.relay_trees = true;
+      options.per_receiver_plans = true;
+    }
     options.observer = options_.observer != nullptr ? options_.observer : sender_transport_.get();
     options.stream.chunk_bytes = options_.chunk_bytes;
     options.stream.bucket_bytes = options_.bucket_bytes;

@@ -148,6 +148,48 @@ TEST_F(FleetTest, AReceiverKilledMidTransferLeavesTheSurvivorsAtTheBase) {
   fleet_->ExpectTrackersAt(2);
 }
 
+// Under a quorum, a receiver that dies mid-stream costs the transfer that receiver alone: it is
+// the root relay of producer 0's tree, so every payload of that producer must go around it — its
+// two children are sent each payload directly and forward it to their subtrees — and the
+// survivors commit while it is fenced. Killed with no relay tree to route around (the policy
+// `all`), the same death aborts everywhere (AReceiverKilledMidTransferLeavesTheSurvivorsAtTheBase).
+TEST_F(FleetTest, UnderAQuorumAReceiverKilledMidStreamIsRoutedAroundAndFenced) {
+  fleet_ = std::make_unique<Fleet>(FleetOptions{.receivers = 6,
+                                                .producers = 2,
+                                                .transport = "zmq://?timeout_ms=2000&retries=1",
+                                                .transfer_timeout = std::chrono::seconds(30),
+                                                .commit_policy = "quorum:5"});
+  ASSERT_NO_FATAL_FAILURE(fleet_->Start());
+  fleet_->TrainStep(0.02, 1);
+  ASSERT_OK(fleet_->Refit().status());
+  fleet_->TrainStep(0.05, 2);
+  constexpr size_t kVictim = 0;
+  std::atomic<bool> killed{false};
+  fleet_->on_channel_open = [&](const internal::ChannelRequest&) {
+    if (!killed.exchange(true)) fleet_->KillReceiver(kVictim);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  Result<RefitReport> refit = fleet_->Refit();
+  ASSERT_OK(refit.status());
+  const RefitReport& report = *refit;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fleet_->on_channel_open = nullptr;
+  EXPECT_EQ(report.plan.target_version, 2u);
+  ASSERT_EQ(report.fenced, std::vector<std::string>{"receiver 0"});
+  EXPECT_EQ(report.flushed_replicas, 5u);
+  EXPECT_LT(seconds, 20) << "the dead relay is found at once, not after the transfer's deadline";
+  const StoreSnapshot at_two = fleet_->ModelSnapshot(2);
+  for (size_t r = 1; r < fleet_->receivers().size(); ++r) {
+    SCOPED_TRACE(fmt::format("survivor {}", r));
+    EXPECT_EQ(testing::TakeSnapshot(*fleet_->receivers()[r].store), at_two);
+    EXPECT_FALSE(report.receivers[r].fenced);
+    EXPECT_EQ(report.receivers[r].flush.payloads, report.payloads)
+        << "every payload of both producers reached it, around the dead root";
+  }
+  fleet_->ExpectTrackersAt(2);
+}
+
 // 200 consecutive steps with random densities; about one transfer in four gets a random fault.
 // Whatever fails is aborted everywhere and its changes travel with the next transfer; every
 // transfer leaves the fleet consistent, and the last one leaves every receiver equal to the

@@ -26,6 +26,7 @@
 #include "transport/transport_internal.h"
 #include "transport/zmq/zmq_messages.h"
 #include "transport/zmq/zmq_zap.h"
+#include "util/logging.h"
 #include "util/mutex.h"
 
 namespace refit::internal::zmq {
@@ -81,6 +82,7 @@ class ZmqSender final : public TransportSender {
         zmq_context_(std::move(context)),
         config_(std::move(config)),
         curve_(std::move(curve)),
+        tree_(std::make_shared<const std::vector<std::string>>(this->context().endpoints)),
         root_index_(this->context().producer_id % this->context().endpoints.size()),
         root_(this->context().endpoints[root_index_]) {}
 
@@ -108,8 +110,7 @@ class ZmqSender final : public TransportSender {
       frames.push_back(bytes.substr(offset, kMaxFrameBytes));
     }
     if (bytes.empty()) frames.push_back(bytes);
-    return ThreadConnection()
-        .Request(frames, key, {}, context().deadline)
+    return SendToTree(frames, key)
         .WithContext(fmt::format("sending payload {} of producer {} to root relay {}", payload_id,
                                  context().producer_id, root_));
   }
@@ -122,20 +123,43 @@ class ZmqSender final : public TransportSender {
     const std::string count = U32Bytes(static_cast<uint32_t>(payloads));
     const ReplyKey key{context().transfer_id.ToHex(), producer, ""};
     REFIT_RETURN_NOT_OK(
-        ThreadConnection()
-            .Request({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key,
-                     {}, context().deadline)
+        SendToTree({kProtocol, kKindFlush, config_.api_key, root, transfer, producer, count}, key)
             .WithContext(fmt::format("finishing producer {} ({} payloads) at root relay {}",
                                      context().producer_id, payloads, root_)));
     return Status::OK();
   }
 
-  // The calling thread's connection to the root; only this thread uses it until CleanupThread.
-  Connection& ThreadConnection() {
+  // Send to the root relay, or around it and any relay below it that is gone (a receiver that
+  // died during the transfer): its children's subtrees get the request directly, with the same
+  // root in its frames, so their relays forward it as they would have.
+  Status SendToTree(const std::vector<std::string_view>& frames, const ReplyKey& key) {
+    Status gone;
+    REFIT_ASSIGN_OR_RETURN(const size_t reached,
+                           RequestAroundUnreachable(
+                               TreeBranch{tree_, root_index_, {0}},
+                               [&](const std::string& endpoint, bool* is_gone) {
+                                 Connection& connection = ThreadConnection(endpoint);
+                                 Status status =
+                                     connection.Request(frames, key, {}, context().deadline);
+                                 *is_gone = connection.unreachable();
+                                 if (*is_gone) gone = status;
+                                 return status;
+                               },
+                               unreachable_));
+    if (reached == 0) {
+      return Unavailable("no relay of the tree of {} accepts connections{}", tree_->size(),
+                         gone.ok() ? std::string() : "; the last: " + gone.ToString());
+    }
+    return Status::OK();
+  }
+
+  // The calling thread's connection to `endpoint` (the root, or a relay below a gone one); only
+  // this thread uses it until CleanupThread.
+  Connection& ThreadConnection(const std::string& endpoint) {
     internal::MutexLock lock(mutex_);
-    std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()];
+    std::unique_ptr<Connection>& connection = connections_[std::this_thread::get_id()][endpoint];
     if (connection == nullptr) {
-      connection = std::make_unique<Connection>(zmq_context_.get(), root_, config_, curve_);
+      connection = std::make_unique<Connection>(zmq_context_.get(), endpoint, config_, curve_);
     }
     return *connection;
   }
@@ -143,10 +167,13 @@ class ZmqSender final : public TransportSender {
   const ZmqContext zmq_context_;
   const ZmqConfig config_;
   const std::optional<CurveClientKeys> curve_;
+  const std::shared_ptr<const std::vector<std::string>> tree_;
   const uint32_t root_index_;
   const std::string root_;
+  UnreachableRelays unreachable_;
   internal::Mutex mutex_;
-  std::map<std::thread::id, std::unique_ptr<Connection>> connections_;
+  std::map<std::thread::id, std::map<std::string, std::unique_ptr<Connection>>> connections_
+      REFIT_GUARDED_BY(mutex_);
 };
 
 }  // namespace
@@ -174,11 +201,14 @@ Status Connection::RequestWith(const SendRequest& send, const ReplyKey& key,
   };
   Status last;
   const auto past_deadline = [&](int attempts) {
+    // The transfer's failure, not the endpoint's: nothing is routed around a deadline.
+    unreachable_ = false;
     return DeadlineExceeded("zmq endpoint {}: the transfer's deadline passed after {} attempt(s){}",
                             endpoint_, attempts,
                             last.ok() ? std::string() : "; the last: " + last.ToString());
   };
   int backoff_ms = kFirstBackoffMs;
+  unreachable_ = false;
   for (int attempt = 0; attempt <= config_.retries; ++attempt) {
     if (attempt > 0) {
       if (deadline.has_value() && left_ms() <= backoff_ms) return past_deadline(attempt);
@@ -189,6 +219,7 @@ Status Connection::RequestWith(const SendRequest& send, const ReplyKey& key,
     const int64_t left = left_ms();
     if (left <= 0) return past_deadline(attempt);
     const int timeout_ms = static_cast<int>(std::min<int64_t>(config_.timeout_ms, left));
+    unreachable_ = false;
     Result<std::optional<Status>> reply = Attempt(send, key, stop, timeout_ms);
     if (!reply.ok()) {
       last = reply.status();
@@ -238,8 +269,9 @@ Status Connection::Connect() {
   const std::string monitor_endpoint = fmt::format("{}{}", kMonitorPrefix, next_monitor++);
   if (zmq_socket_monitor(socket.get(), monitor_endpoint.c_str(),
                          ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
-                             ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                             ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+                             ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                             ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_CONNECT_RETRIED |
+                             ZMQ_EVENT_DISCONNECTED) != 0 ||
       zmq_connect(monitor.get(), monitor_endpoint.c_str()) != 0) {
     return Unavailable("zmq handshake monitor for {}: {}", endpoint_, ZmqError());
   }
@@ -254,9 +286,10 @@ Status Connection::Connect() {
 void Connection::Disconnect() {
   socket_.reset();
   monitor_.reset();
+  handshake_done_ = false;
 }
 
-Status Connection::ReadHandshakeFailure() {
+Status Connection::ReadMonitorEvent() {
   REFIT_ASSIGN_OR_RETURN(const std::vector<std::string> event,
                          ReceiveFrames(monitor_.get(), kMonitorEventFrames));
   if (event.empty() || event[0].size() != kMonitorEventBytes) {
@@ -265,7 +298,33 @@ Status Connection::ReadHandshakeFailure() {
   uint16_t id = 0;
   std::memcpy(&id, event[0].data(), sizeof(id));
   const std::optional<uint32_t> value = ReadU32(std::string_view(event[0]).substr(sizeof(id)));
+  if (id == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+    handshake_done_ = true;
+    return Status::OK();
+  }
+  // A TCP connect that failed (refused: nothing listens there; or unreachable), or an
+  // established connection the other end closed: the receiver is gone, not slow.
+  if (id == ZMQ_EVENT_CONNECT_RETRIED) {
+    unreachable_ = true;
+    return Unavailable(
+        "zmq endpoint {}: nothing accepts connections there (refused or "
+        "unreachable)",
+        endpoint_);
+  }
+  if (id == ZMQ_EVENT_DISCONNECTED && handshake_done_) {
+    unreachable_ = true;
+    return Unavailable("zmq endpoint {} closed the connection", endpoint_);
+  }
   return HandshakeFailure(id, value.value_or(0), endpoint_, curve_.has_value());
+}
+
+std::optional<Status> Connection::PollMonitor() {
+  while (true) {
+    zmq_pollitem_t item{monitor_.get(), 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, 0) <= 0) return std::nullopt;
+    Status event = ReadMonitorEvent();
+    if (!event.ok()) return event;
+  }
 }
 
 Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const ReplyKey& key,
@@ -274,13 +333,12 @@ Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const
   // A send blocks while the DEALER has no connection to queue on: bound it like the reply.
   zmq_setsockopt(socket_.get(), ZMQ_SNDTIMEO, &timeout_ms, sizeof(timeout_ms));
   if (Status sent = send(socket_.get()); !sent.ok()) {
-    // Not taken within the timeout: most likely the handshake failed, which the monitor says.
-    zmq_pollitem_t item{monitor_.get(), 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(&item, 1, 0) > 0) {
-      const Status failure = ReadHandshakeFailure();
+    // Not taken within the timeout: most likely the handshake or the connect failed, which the
+    // monitor says.
+    if (std::optional<Status> failure = PollMonitor()) {
       Disconnect();
-      if (failure.code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
-      return failure;
+      if (failure->code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
+      return *failure;
     }
     return sent;
   }
@@ -300,12 +358,15 @@ Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const
       return Unavailable("zmq poll on {}: {}", endpoint_, ZmqError());
     }
     if ((items[1].revents & ZMQ_POLLIN) != 0) {
-      const Status failure = ReadHandshakeFailure();
-      // The connection is dead either way (libzmq does not retry a refused key).
-      Disconnect();
-      // A refused key stays refused: final, like a NACK. Anything else is this attempt's.
-      if (failure.code() == StatusCode::kPermissionDenied) return std::optional<Status>(failure);
-      return failure;
+      if (std::optional<Status> failure = PollMonitor()) {
+        // The connection is dead either way (libzmq does not retry a refused key).
+        Disconnect();
+        // A refused key stays refused: final, like a NACK. Anything else is this attempt's.
+        if (failure->code() == StatusCode::kPermissionDenied) {
+          return std::optional<Status>(failure);
+        }
+        return *failure;
+      }
     }
     if ((items[0].revents & ZMQ_POLLIN) == 0) continue;
     REFIT_ASSIGN_OR_RETURN(std::vector<std::string> reply,
@@ -313,6 +374,39 @@ Result<std::optional<Status>> Connection::Attempt(const SendRequest& send, const
     // Not ours (another protocol, a reply naming another request): keep waiting.
     if (std::optional<Status> answer = ReadReply(reply, key, endpoint_)) return answer;
   }
+}
+
+Result<size_t> RequestAroundUnreachable(
+    const TreeBranch& branch, const std::function<Status(const std::string&, bool*)>& request,
+    UnreachableRelays& unreachable) {
+  const size_t n = branch.endpoints->size();
+  // Depth first, in tree order: a gone relay's children take its place in the walk.
+  std::vector<size_t> pending(branch.positions.rbegin(), branch.positions.rend());
+  size_t reached = 0;
+  while (!pending.empty()) {
+    const size_t position = pending.back();
+    pending.pop_back();
+    const std::string& endpoint = branch.Endpoint(position);
+    if (!unreachable.Contains(endpoint)) {
+      bool is_gone = false;
+      Status status = request(endpoint, &is_gone);
+      if (status.ok()) {
+        ++reached;
+        continue;
+      }
+      if (!is_gone) return status;
+      if (unreachable.Add(endpoint)) {
+        REFIT_LOG_WARN(
+            "zmq: relay {} is unreachable ({}): its subtree is reached around it, and "
+            "it misses this transfer",
+            endpoint, status.message());
+      }
+    }
+    for (const size_t child : {2 * position + 2, 2 * position + 1}) {
+      if (child < n) pending.push_back(child);
+    }
+  }
+  return reached;
 }
 
 std::unique_ptr<TransportSender> MakeZmqSender(ZmqContext context, ZmqConfig config,

@@ -89,8 +89,9 @@ struct ForwardJob {
   // The request's frames without the identity; the payload frame is the one the relay received.
   std::vector<Frame> request;
   ReplyKey key;
-  // The children's data endpoints.
-  std::vector<std::string> children;
+  // The relays below this one in the request's tree: its children, and theirs in place of any
+  // that is gone (RequestAroundUnreachable).
+  TreeBranch children;
 };
 
 // The relay tree of a transfer as this relay sees it: every relay's endpoint in tree order, and
@@ -450,17 +451,17 @@ class ZmqListener final : public Listener {
     if (!sent.ok()) RecordFailure(sent);
   }
 
-  // The endpoints of the relays below this one in `tree`'s heap rooted at `root` (none in a
-  // tree of its own).
-  static std::vector<std::string> Children(const TreeView& tree, size_t root) {
+  // The relays below this one in `tree`'s heap rooted at `root` (none in a tree of its own, or
+  // at a leaf).
+  static TreeBranch Children(const TreeView& tree, size_t root) {
+    TreeBranch branch{tree.endpoints, root, {}};
     const size_t n = tree.endpoints->size();
-    if (n == 0) return {};
+    if (n == 0) return branch;
     const size_t position = (tree.self + n - root) % n;
-    std::vector<std::string> children;
     for (const size_t child : {2 * position + 1, 2 * position + 2}) {
-      if (child < n) children.push_back((*tree.endpoints)[(child + root) % n]);
+      if (child < n) branch.positions.push_back(child);
     }
-    return children;
+    return branch;
   }
 
   void HandleRequest(std::vector<Frame> frames, const std::stop_token& stop) {
@@ -624,8 +625,8 @@ class ZmqListener final : public Listener {
   void ReplyOnceSubtreeHas(const std::string& identity, std::vector<Frame> frames,
                            const ReplyKey& key, const PayloadIds& ids, StagedPayload& staged,
                            const TreeView& tree, uint32_t root) {
-    std::vector<std::string> children = Children(tree, root);
-    if (children.empty()) staged.acked_root = root;
+    TreeBranch children = Children(tree, root);
+    if (children.positions.empty()) staged.acked_root = root;
     if (staged.acked_root == root) {
       Reply(identity, key, Status::OK());
       return;
@@ -682,8 +683,8 @@ class ZmqListener final : public Listener {
       internal::MutexLock lock(stats_mutex_);
       ++stats_.streams_ended;
     }
-    std::vector<std::string> children = Children(tree, root);
-    if (children.empty()) {
+    TreeBranch children = Children(tree, root);
+    if (children.positions.empty()) {
       Reply(identity, key, Status::OK());
       return;
     }
@@ -693,7 +694,7 @@ class ZmqListener final : public Listener {
 
   // Hand the request to the forwarding thread, which replies once `children` answered.
   void Forward(uint64_t job, const std::string& identity, std::vector<Frame> frames,
-               const ReplyKey& key, std::vector<std::string> children) {
+               const ReplyKey& key, TreeBranch children) {
     frames.erase(frames.begin());
     {
       internal::MutexLock lock(jobs_mutex_);
@@ -746,6 +747,8 @@ class ZmqListener final : public Listener {
     // By child endpoint. Trees change from transfer to transfer (receivers join and leave), so
     // connections to relays no longer a child are closed once there are more than a relay needs.
     std::map<std::string, std::unique_ptr<Connection>> connections;
+    // The relays found unreachable, per transfer (the kSealedTransfers most recent).
+    std::deque<std::pair<std::string, std::unique_ptr<UnreachableRelays>>> unreachable;
     while (true) {
       ForwardJob job;
       {
@@ -756,20 +759,35 @@ class ZmqListener final : public Listener {
       }
       if (connections.size() > kMaxIdleConnections) {
         std::erase_if(connections, [&](const auto& entry) {
-          return std::find(job.children.begin(), job.children.end(), entry.first) ==
-                 job.children.end();
+          return std::none_of(
+              job.children.positions.begin(), job.children.positions.end(),
+              [&](size_t position) { return job.children.Endpoint(position) == entry.first; });
         });
       }
-      Status status;
-      for (const std::string& child : job.children) {
-        std::unique_ptr<Connection>& connection = connections[child];
-        if (connection == nullptr) {
-          connection = std::make_unique<Connection>(context_.get(), child, config_, ForwardKeys());
-        }
-        status = connection->Request(job.request, job.key, stop)
-                     .WithContext(fmt::format("relay {} forwarding", endpoint_));
-        if (!status.ok()) break;
+      auto gone = std::find_if(unreachable.begin(), unreachable.end(), [&](const auto& entry) {
+        return entry.first == job.key.transfer_hex;
+      });
+      if (gone == unreachable.end()) {
+        if (unreachable.size() >= kSealedTransfers) unreachable.pop_front();
+        unreachable.emplace_back(job.key.transfer_hex, std::make_unique<UnreachableRelays>());
+        gone = std::prev(unreachable.end());
       }
+      const Status status =
+          RequestAroundUnreachable(
+              job.children,
+              [&](const std::string& child, bool* is_gone) {
+                std::unique_ptr<Connection>& connection = connections[child];
+                if (connection == nullptr) {
+                  connection =
+                      std::make_unique<Connection>(context_.get(), child, config_, ForwardKeys());
+                }
+                Status forwarded = connection->Request(job.request, job.key, stop);
+                *is_gone = connection->unreachable();
+                return forwarded;
+              },
+              *gone->second)
+              .status()
+              .WithContext(fmt::format("relay {} forwarding", endpoint_));
       if (!status.ok()) RecordFailure(status);
       std::string job_id(kJobIdBytes, '\0');
       std::memcpy(job_id.data(), &job.id, kJobIdBytes);
