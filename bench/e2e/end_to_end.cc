@@ -349,10 +349,15 @@ void PrintEndToEnd(const nlohmann::json& e2e, const Args& args) {
   const uint64_t model_bytes = e2e["model_bytes"];
   std::cout << fmt::format(
       "== end to end: bf16 model {} ({} tensors), 1 producer -> {} `refit serve` daemon "
-      "({} load) on loopback, zmq:// + HTTP control; chunks {}, buckets {}, {} threads/stage\n",
+      "({} load) on loopback, zmq:// + HTTP control; chunks {}, buckets {} (a delta's {}), {} "
+      "threads/stage\n",
       FormatBytes(model_bytes), e2e["tensors"].get<size_t>(), kEndToEndReceivers,
       e2e["receiver_mode"].get<std::string>(), FormatBytes(args.chunk_bytes),
-      FormatBytes(args.bucket_bytes), args.threads);
+      FormatBytes(args.bucket_bytes),
+      FormatBytes(args.delta_bucket_bytes == 0
+                      ? args.bucket_bytes
+                      : std::min(args.bucket_bytes, args.delta_bucket_bytes)),
+      args.threads);
   Table table({"kind", "density", "changed", "payloads", "wire", "wire/full", "time", "stream",
                "flush", "commit", "fold (bg)", "speedup", "vs raw", "prod peak", "prod over",
                "recv peak", "recv over"});

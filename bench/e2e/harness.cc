@@ -168,6 +168,14 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
                 args.bucket_bytes = mib * kMiB;
                 return Status::OK();
               });
+  flags.Value("--delta-bucket-mib", "N",
+              "payload bucket size of a delta (ProducerStreamOptions::delta_bucket_bytes; "
+              "0: the bucket size)",
+              [&](std::string_view flag, std::string_view text) -> Status {
+                REFIT_ASSIGN_OR_RETURN(uint64_t mib, ParseUnsigned(flag, text));
+                args.delta_bucket_bytes = mib * kMiB;
+                return Status::OK();
+              });
   flags.Value("--threads", "N", "threads per producer stage",
               [&](std::string_view flag, std::string_view text) -> Status {
                 REFIT_ASSIGN_OR_RETURN(uint64_t threads, ParseUnsigned(flag, text));
@@ -392,6 +400,7 @@ Result<BenchFleet> StartFleet(const Args& args, const std::string& work_dir,
   REFIT_ASSIGN_OR_RETURN(producers.transport, TransportUri::Parse("zmq://"));
   producers.stream.chunk_bytes = args.chunk_bytes;
   producers.stream.bucket_bytes = args.bucket_bytes;
+  producers.stream.delta_bucket_bytes = args.delta_bucket_bytes;
   producers.stream.encode_threads = args.threads;
   producers.stream.serialize_threads = args.threads;
   producers.stream.send_threads = args.threads;

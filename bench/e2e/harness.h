@@ -62,6 +62,7 @@ struct Args {
   // encode, send and apply overlap over many units while a chunk stays far below the model.
   uint64_t chunk_bytes = 64 * kMiB;
   uint64_t bucket_bytes = ProducerStreamOptions{}.bucket_bytes;
+  uint64_t delta_bucket_bytes = ProducerStreamOptions{}.delta_bucket_bytes;
   // Threads per producer stage: the machine this was written for has 2 cores.
   int threads = 2;
   // Receivers read the model into memory (default) or map it copy-on-write.

@@ -103,6 +103,7 @@ Status Run(const Args& args) {
   report["config"] = {{"quick", args.quick},
                       {"chunk_bytes", args.chunk_bytes},
                       {"bucket_bytes", args.bucket_bytes},
+                      {"delta_bucket_bytes", args.delta_bucket_bytes},
                       {"threads_per_stage", args.threads},
                       {"receiver_mode", args.receiver_mmap ? "mmap" : "ram"},
                       {"transport", "zmq:// (loopback) + HTTP control"},

@@ -17,6 +17,8 @@ namespace refit {
 /// The default bucket size of producers (ProducerStreamOptions::bucket_bytes), which receivers
 /// also size their default payload limit by (ReceiverNodeOptions::producer_bucket_bytes).
 inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
+/// The default bucket size of a delta's payloads (ProducerStreamOptions::delta_bucket_bytes).
+inline constexpr uint64_t kDefaultDeltaBucketBytes = uint64_t{4} << 20;
 
 /// How an anchor's payloads are compressed (ProducerStreamOptions::anchor_compression). An anchor
 /// sends every element, so its time is set by whichever is slower, the compressor or the link:
@@ -77,6 +79,13 @@ struct ProducerStreamOptions {
   /// of *dense* tensor bytes, which at the typical 1–5 % changed bf16 elements and ~1.5 location
   /// bytes per change is of this order; measuring sparse bytes bounds payloads at any density.
   uint64_t bucket_bytes = kDefaultBucketBytes;
+  /// The same for the payloads of a delta or folded route (not an anchor's), at most
+  /// bucket_bytes; 0: bucket_bytes. Smaller than an anchor's, so that the receivers decode and
+  /// apply a delta's first payloads while its later ones are serialized and sent: a 3 % delta of
+  /// 256 MiB is one 16 MB payload at 32 MiB, four at 4 MiB (docs/benchmark-results.md, issue 43).
+  /// An anchor's payloads stay large: there the per-payload costs (an ACK, a decode context)
+  /// matter and the pipeline is full anyway.
+  uint64_t delta_bucket_bytes = kDefaultDeltaBucketBytes;
   /// Threads calling DeltaTracker::Encode on owned chunks (upstream `encode_workers`).
   int encode_threads = 8;
   /// Threads running EncodePayload (serialize, compress, checksum): upstream uses

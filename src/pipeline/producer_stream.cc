@@ -347,6 +347,14 @@ Result<StreamReport> StreamRun::Run(const ChunkSource& source) {
   if (plan) {
     plan_ = *plan;
     compression_.emplace(options_, plan_.anchor);
+    // A delta's payloads are smaller than an anchor's, so that the receivers start on them early
+    // (ProducerStreamOptions::delta_bucket_bytes).
+    for (size_t r = 0; r < routes_.size(); ++r) {
+      if (plan_.anchor || routes_[r].content == CatchUp::kAnchor) continue;
+      if (options_.delta_bucket_bytes == 0) continue;
+      route_states_[r]->bucketer =
+          PayloadBucketer(std::min(options_.bucket_bytes, options_.delta_bucket_bytes));
+    }
     context_ =
         fmt::format("producer {} of transfer {}", options_.producer_id, plan_.transfer_id.ToHex());
     StartThreads();
