@@ -11,6 +11,11 @@ an exact phase without any hook in refit itself:
      every daemon staged a payload.
   3. after flush: every daemon is prepared, every commit is kept by the proxies; kill -9.
   4. between receiver commits: daemon 2's commit is kept, daemons 0 and 1 commit; kill -9.
+  5. a daemon killed mid-stream under `commit_policy: quorum:2`: the slowed push streams, and
+     daemon 0 — the root relay of the push's tree — is killed with kill -9 once every daemon
+     staged a payload. The push routes every later payload around it (to its children), commits
+     on daemons 1 and 2 and fences daemon 0; daemon 0 restarts from the base checkpoint, and the
+     next push brings the whole fleet to one version.
 
 After 1 and 2 every daemon must roll back by itself within its lease (no `refit abort`) and hold
 the base bytes. After 3 and 4 every prepared daemon must *stay* prepared past its lease (it may be
@@ -454,6 +459,51 @@ class Chaos:
               f"{what}: the next push is based on the committed version {committed_version}",
               json.dumps(report))
 
+    def kill_daemon_mid_stream_under_quorum(self):
+        what = "a daemon killed mid-stream under quorum:2"
+        step = training_step(self.rng, self.model)
+        step_path = self.write(step)
+        config = os.path.join(self.workdir, "quorum.yaml")
+        with open(config, "w") as f:
+            f.write(f"delta_compression:\n  sparse_bucket_size_bytes: {SMALL_BUCKET_BYTES}\n"
+                    "commit_policy: quorum:2\nrequest_timeout_s: 5\n")
+        push = self.push(step_path, base=self.path, config=config,
+                         transport=f"fault+zmq://?delay_ms={SLOW_SEND_MS // 3}", threads=1)
+        self.wait_until(f"{what}: every daemon staged a payload",
+                        lambda: all(d.status()["staged_payloads"] >= 1 for d in self.daemons),
+                        REQUEST_TIMEOUT_S, push)
+        victim = self.daemons[0]
+        # Its control plane goes first (the push is streaming, so no call is in flight there),
+        # then the process.
+        victim.proxy.close()
+        victim.proc.kill()
+        victim.proc.wait(timeout=REQUEST_TIMEOUT_S)
+        out, _ = push.communicate(timeout=PUSH_TIMEOUT_S + 30)
+        check(push.returncode == 0, f"{what}: the push commits on the two daemons left", out)
+        report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+        check(report["fenced"] == [victim.proxy.url], f"{what}: the dead daemon is fenced",
+              json.dumps(report))
+        for commit in report["commits"]:
+            dead = commit["receiver"] == victim.proxy.url
+            check(commit["committed"] != dead, f"{what}: {commit['receiver']} committed: {not dead}",
+                  json.dumps(commit))
+        survivors = self.daemons[1:]
+        for d in survivors:
+            status = d.status()
+            check(status["version"] == self.version + 1 and
+                  all(np.array_equal(d.tensor_bits(name), bits.reshape(-1))
+                      for name, bits in step.items()),
+                  f"{what}: {d.name} holds the pushed step bit-exactly", json.dumps(status))
+        # The dead daemon comes back from the checkpoint of the base: the next push, based on the
+        # version the survivors hold, brings it along.
+        restarted = Daemon(self.refit, self.workdir, "d0-restarted", self.path,
+                           int(victim.data.rsplit(":", 1)[1]), [d.data for d in self.daemons],
+                           self.lease_s, self.env, ["--version", str(self.version)])
+        restarted.wait_ready()
+        self.daemons[0] = restarted
+        self.version, self.model, self.path = self.version + 1, step, step_path
+        self.next_push_succeeds(what, base=self.path)
+
     def close(self):
         for d in self.daemons:
             d.stop()
@@ -473,7 +523,7 @@ def main():
     try:
         chaos.next_push_succeeds("first push", base=None)
         for scenario in (chaos.kill_after_prepare, chaos.kill_mid_stream, chaos.kill_after_flush,
-                         chaos.kill_between_commits):
+                         chaos.kill_between_commits, chaos.kill_daemon_mid_stream_under_quorum):
             if args.only and scenario.__name__ != args.only:
                 continue
             started = time.time()
