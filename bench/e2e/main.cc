@@ -22,6 +22,7 @@
 
 #include "bench_util.h"
 #include "codec/compare.h"
+#include "core/digest_kernels.h"
 #include "e2e/harness.h"
 #include "e2e/sections.h"
 #include "flags.h"
@@ -93,12 +94,13 @@ Status Run(const Args& args) {
   nlohmann::json report;
   report["machine"] = {{"hardware_threads", std::thread::hardware_concurrency()},
                        {"compare_simd_target", std::string(BestCompareTarget())},
+                       {"digest_simd_target", std::string(internal::DigestTargetName())},
                        {"load_average_start", LoadAverage()}};
   if (!args.json) {
     std::cout << fmt::format(
-        "e2e_bench: compare kernel {} (Highway, chosen at run time), {} "
+        "e2e_bench: compare kernel {} (Highway), digest kernel {}, both chosen at run time; {} "
         "hardware threads\n\n",
-        BestCompareTarget(), std::thread::hardware_concurrency());
+        BestCompareTarget(), internal::DigestTargetName(), std::thread::hardware_concurrency());
   }
   report["config"] = {{"quick", args.quick},
                       {"chunk_bytes", args.chunk_bytes},

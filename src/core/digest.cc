@@ -1,63 +1,19 @@
 #include "core/digest.h"
 
-#include <cstring>
-
 #include <xxhash.h>
 
+#include "core/digest_kernels.h"
+
 namespace refit {
-namespace {
-
-template <typename Word>
-uint64_t DigestWords(const std::byte* data, uint64_t begin, uint64_t end) {
-  uint64_t sum = 0;
-  for (uint64_t i = begin; i < end; ++i) {
-    Word word;
-    std::memcpy(&word, data + i * sizeof(Word), sizeof(Word));
-    sum += ElementHash(i, static_cast<uint64_t>(word));
-  }
-  return sum;
-}
-
-template <typename Word>
-uint64_t RemappedWords(const std::byte* data, uint64_t local_begin, uint64_t canonical_begin,
-                       uint64_t count) {
-  uint64_t sum = 0;
-  for (uint64_t k = 0; k < count; ++k) {
-    Word word;
-    std::memcpy(&word, data + (local_begin + k) * sizeof(Word), sizeof(Word));
-    sum += ElementHash(canonical_begin + k, static_cast<uint64_t>(word));
-  }
-  return sum;
-}
-
-}  // namespace
-
 uint64_t DigestRange(std::span<const std::byte> bytes, uint32_t width, uint64_t begin,
                      uint64_t end) {
-  switch (width) {
-    case 1:
-      return DigestWords<uint8_t>(bytes.data(), begin, end);
-    case 2:
-      return DigestWords<uint16_t>(bytes.data(), begin, end);
-    case 4:
-      return DigestWords<uint32_t>(bytes.data(), begin, end);
-    default:
-      return DigestWords<uint64_t>(bytes.data(), begin, end);
-  }
+  return internal::DigestRun(bytes.data() + begin * width, width, begin, end - begin);
 }
 
 uint64_t RemappedDigestRange(std::span<const std::byte> local_bytes, uint32_t width,
                              uint64_t local_begin, uint64_t canonical_begin, uint64_t count) {
-  switch (width) {
-    case 1:
-      return RemappedWords<uint8_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    case 2:
-      return RemappedWords<uint16_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    case 4:
-      return RemappedWords<uint32_t>(local_bytes.data(), local_begin, canonical_begin, count);
-    default:
-      return RemappedWords<uint64_t>(local_bytes.data(), local_begin, canonical_begin, count);
-  }
+  return internal::DigestRun(local_bytes.data() + local_begin * width, width, canonical_begin,
+                             count);
 }
 
 uint64_t StateFingerprint(const std::map<std::string, uint64_t>& digests) {
