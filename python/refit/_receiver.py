@@ -102,6 +102,10 @@ class Receiver:
       decompressed body, in bytes (or a size such as ``"512MiB"``); default: sized to the model
       (twice the larger of the sparse bucket size and the largest tensor, at least 256 MiB), as
       ``refit serve --max-payload-bytes`` and the file's ``server.max_payload_bytes``;
+    - ``bootstrap_peer``: the control URL of a receiver of the fleet: before serving, copy the
+      version it holds (verified by its state fingerprint) instead of being sent an anchor — its
+      own tensors when it holds the same ones, or, with a ``loader``, the canonical tensors of a
+      peer without one, cut by the loader (a TP shard joining unsharded workers);
     - ``config``: a :class:`Config`; explicit arguments override it;
     - ``before_first_apply(transfer_id)``, ``after_commit(transfer_id, version)``,
       ``after_abort(transfer_id, version)``: engine hooks, called on refit's threads. Pause
@@ -121,6 +125,7 @@ class Receiver:
         "apply_threads": "tuning.apply_threads",
         "decode_threads": "tuning.decode_threads",
         "max_payload_bytes": "server.max_payload_bytes",
+        "bootstrap_peer": "server.bootstrap_peer",
     }
 
     def __init__(
@@ -144,6 +149,7 @@ class Receiver:
         apply_threads: Optional[int] = None,
         decode_threads: Optional[int] = None,
         max_payload_bytes: Optional[Union[int, str]] = None,
+        bootstrap_peer: Optional[str] = None,
         config: Optional[Config] = None,
         before_first_apply: Hook = None,
         after_commit: Hook = None,

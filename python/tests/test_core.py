@@ -225,6 +225,53 @@ def test_w_publishers_on_threads_share_the_chunks(rng):
             assert held[name].tobytes() == trainer[name].tobytes()
 
 
+def test_a_tensor_parallel_receiver_copies_a_whole_peer_through_its_loader(rng):
+    # A fleet of one unsharded receiver at version 2; the two ranks of a TP = 2 group join with
+    # bootstrap_peer = that receiver: each copies its version through its loader (the rows it
+    # holds of the embedding, the rest whole), and the next syncs are deltas for all three.
+    trainer = make_model(rng)
+    held = held_copy(trainer)
+    with serve(held) as peer:
+        publisher = refit.Publisher(receivers=[peer])
+        publisher.adopt_baseline(held_copy(trainer), version=0)
+        for _ in range(2):
+            perturb(trainer["embed.weight"], rng)
+            publisher.sync(trainer)
+        def rows(array, rank):
+            return array[rank * 32:(rank + 1) * 32]
+
+        shards = []
+        for rank in range(2):
+            local = held_copy(make_model(np.random.default_rng(99)))  # a stale checkpoint
+            local["embed.weight"] = rows(local["embed.weight"], rank).copy()
+            loader = refit.Loader(tp_rank=rank, tp_size=2,
+                                  rules=[{"kind": "row", "match": r"embed\.weight"}])
+            receiver = refit.Receiver(loader=loader, replica="tp2", bootstrap_peer=peer.control_url)
+            for name, array in local.items():
+                receiver.register(name, array)
+            shards.append((receiver.start(), local))
+        try:
+            for rank, (receiver, local) in enumerate(shards):
+                # It holds the version, but serves only once a publisher told it the fleet's.
+                status = receiver.status()
+                assert status.version == 2 and not status.ready, status
+                assert status.ready_reason == "fleet_version_unknown", status
+                assert local["embed.weight"].tobytes() == rows(trainer["embed.weight"], rank).tobytes()
+                for name in ("layer.0.bias", "odd name/with:chars.0", "scalar"):
+                    assert local[name].tobytes() == trainer[name].tobytes(), name
+            publisher.set_receivers([peer] + [receiver for receiver, _ in shards])
+            perturb(trainer["embed.weight"], rng)
+            report = publisher.sync(trainer)
+            assert not report.anchor and report.version == 3
+            assert [c["caught_up_by"] for c in report.catch_ups] == ["delta"] * 3
+            for rank, (receiver, local) in enumerate(shards):
+                assert local["embed.weight"].tobytes() == rows(trainer["embed.weight"], rank).tobytes()
+                assert receiver.ready
+        finally:
+            for receiver, _ in shards:
+                receiver.stop()
+
+
 def test_loader_specs_round_trip_through_yaml():
     loader = refit.Loader.from_yaml(
         "tp_rank: 1\ntp_size: 2\nrules:\n  - {kind: row, match: 'a\\..*'}\n"
