@@ -68,8 +68,9 @@ struct PayloadEncodeOptions {
   /// Split each value group into byte planes before compression: XOR values of 1-ulp changes
   /// are mostly low bits, so planes compress far better.
   bool byte_planes = true;
-  /// false: store the body in raw zstd blocks, a valid v1 body that costs a copy instead of
-  /// compression work (zstd_level is then unused, and byte planes would only cost a pass). For
+  /// false: do not compress (zstd_level is then unused, and byte planes would only cost a pass).
+  /// A payload of FULL items only — an anchor's — stores its body as it is (compression 0, which
+  /// a receiver decodes without a copy); any other is written as a zstd frame of raw blocks. For
   /// anchors on links faster than the compressor (ProducerStreamOptions::anchor_compression).
   bool compress = true;
 };
@@ -94,6 +95,9 @@ struct PayloadHeader {
   uint32_t item_count = 0;
   uint64_t body_bytes = 0;             ///< Decompressed body length.
   uint64_t compressed_bytes = 0;       ///< Compressed body length (the payload is header + this).
+  /// `compression` 0: the body follows the header as it is (compressed_bytes == body_bytes), and
+  /// every item is FULL — an anchor's payload sent raw. Otherwise one zstd frame.
+  bool stored_body = false;
   std::array<uint8_t, 16> checksum{};  ///< XXH3-128 of the compressed body.
 };
 
@@ -117,6 +121,8 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
 /// Errors: ResourceExhausted naming the payload, the size and the limit.
 Status CheckPayloadLimits(const PayloadHeader& header, const PayloadLimits& limits);
 
+class DecodedPayload;
+
 /// A payload whose header passed ValidatePayload, and that header: the two travel together from
 /// the listener that received the bytes through relays and the receiver's session to the decoder,
 /// so the header is parsed once on a payload's way in. The body is not checked yet:
@@ -134,6 +140,7 @@ class ValidatedPayload {
  private:
   friend Result<ValidatedPayload> ValidatePayload(std::vector<std::byte>, const PayloadLimits&);
   friend Result<ValidatedPayload> ValidatePayload(std::span<const std::byte>, const PayloadLimits&);
+  friend Result<DecodedPayload> DecodePayload(ValidatedPayload&&, const PayloadLimits&);
   ValidatedPayload(const PayloadHeader& header, std::vector<std::byte> bytes)
       : header_(header), bytes_(std::move(bytes)) {}
   PayloadHeader header_;
@@ -172,10 +179,14 @@ class DecodedPayload {
  private:
   friend Result<DecodedPayload> DecodePayload(std::span<const std::byte>, const PayloadLimits&);
   friend Result<DecodedPayload> DecodePayload(const ValidatedPayload&, const PayloadLimits&);
-  // The body that follows `header` (validated, and within `limits`), decoded and checked.
+  friend Result<DecodedPayload> DecodePayload(ValidatedPayload&&, const PayloadLimits&);
+  // The body that follows `header` (validated, and within `limits`), decoded and checked. A
+  // stored body takes over `payload_bytes` (the whole payload's, `compressed` inside it) when
+  // given instead of copying it.
   static Result<DecodedPayload> DecodeBody(const PayloadHeader& header,
                                            std::span<const std::byte> compressed,
-                                           const PayloadLimits& limits);
+                                           const PayloadLimits& limits,
+                                           std::vector<std::byte>* payload_bytes = nullptr);
   friend Result<DecodedPayload> ExpandContextItems(
       const DecodedPayload&,
       const std::function<Result<bool>(const ItemView&, std::span<std::byte>)>&);
@@ -214,5 +225,9 @@ Result<DecodedPayload> DecodePayload(std::span<const std::byte> payload,
 /// `limits` (CheckPayloadLimits), the header is not parsed again.
 Result<DecodedPayload> DecodePayload(const ValidatedPayload& payload,
                                      const PayloadLimits& limits = {});
+/// As above, taking the payload: a stored body (an anchor's payload sent raw,
+/// PayloadHeader::stored_body) is decoded in the payload's own bytes, without a copy; any other
+/// is decoded as from a const payload.
+Result<DecodedPayload> DecodePayload(ValidatedPayload&& payload, const PayloadLimits& limits = {});
 
 }  // namespace refit

@@ -33,7 +33,7 @@ enum class AnchorCompression : uint8_t {
   kAuto,
   /// Always zstd at PayloadEncodeOptions::zstd_level, as deltas.
   kZstd,
-  /// Never: raw zstd blocks, no byte planes (PayloadEncodeOptions::compress = false).
+  /// Never: stored bodies, no byte planes (PayloadEncodeOptions::compress = false).
   kNone,
 };
 

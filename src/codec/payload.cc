@@ -57,6 +57,8 @@ constexpr size_t kOffsetHeaderChecksum = 120;
 static_assert(kOffsetHeaderChecksum + sizeof(uint64_t) == kPayloadHeaderSize);
 
 /// The only compression of v1: one zstd frame.
+// `compression`: the body stored as it is (every item FULL), or one zstd frame.
+constexpr uint8_t kCompressionNone = 0;
 constexpr uint8_t kCompressionZstd = 1;
 /// v1 carries no MAC; nonzero codes are reserved for the keyed MAC of a later version.
 constexpr uint8_t kMacNone = 0;
@@ -458,8 +460,8 @@ void AppendItemEntry(const ItemView& item, std::vector<std::byte>* body) {
 }
 
 void WriteHeader(uint16_t format_version, const PayloadIds& ids, uint16_t flags,
-                 uint32_t item_count, uint64_t body_bytes, std::span<const std::byte> compressed,
-                 std::byte* header) {
+                 uint8_t compression, uint32_t item_count, uint64_t body_bytes,
+                 std::span<const std::byte> compressed, std::byte* header) {
   std::memset(header, 0, kPayloadHeaderSize);
   std::memcpy(header + kOffsetMagic, kMagic.data(), kMagic.size());
   StoreLittleEndian(header + kOffsetFormatVersion, format_version);
@@ -471,7 +473,7 @@ void WriteHeader(uint16_t format_version, const PayloadIds& ids, uint16_t flags,
   StoreLittleEndian(header + kOffsetBaseVersion, ids.base_version);
   StoreLittleEndian(header + kOffsetTargetVersion, ids.target_version);
   StoreLittleEndian(header + kOffsetItemCount, item_count);
-  StoreLittleEndian(header + kOffsetCompression, kCompressionZstd);
+  StoreLittleEndian(header + kOffsetCompression, compression);
   StoreLittleEndian(header + kOffsetMacAlgorithm, kMacNone);
   StoreLittleEndian(header + kOffsetBodyBytes, body_bytes);
   StoreLittleEndian(header + kOffsetCompressedBytes, static_cast<uint64_t>(compressed.size()));
@@ -752,6 +754,24 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
 
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   const uint16_t format_version = PayloadFormatVersionFor(items);
+  if (!options.compress && !items.empty() &&
+      std::all_of(items.begin(), items.end(), [](const ItemView& item) {
+        return item.op == Op::kFull && item.location_encoding == LocationEncoding::kAll;
+      })) {
+    // An anchor's payload: the body stored as it is (compression none), which a receiver decodes
+    // without copying it (DecodePayload of a ValidatedPayload it hands over).
+    if (kPayloadHeaderSize + body.size() > kLimits.max_payload_bytes) {
+      return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
+                             context(), kPayloadHeaderSize + body.size(),
+                             kLimits.max_payload_bytes);
+    }
+    std::vector<std::byte> payload(kPayloadHeaderSize + body.size());
+    std::memcpy(payload.data() + kPayloadHeaderSize, body.data(), body.size());
+    WriteHeader(format_version, ids, flags, kCompressionNone, static_cast<uint32_t>(items.size()),
+                body_bytes, std::span<const std::byte>(payload).subspan(kPayloadHeaderSize),
+                payload.data());
+    return payload;
+  }
   if (!options.compress) {
     const uint64_t frame_bytes = RawZstdFrameBytes(body.size());
     if (kPayloadHeaderSize + frame_bytes > kLimits.max_payload_bytes) {
@@ -761,8 +781,9 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
     }
     std::vector<std::byte> payload(kPayloadHeaderSize + frame_bytes);
     WriteRawZstdFrame(body, std::span<std::byte>(payload).subspan(kPayloadHeaderSize));
-    WriteHeader(format_version, ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
-                std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
+    WriteHeader(format_version, ids, flags, kCompressionZstd, static_cast<uint32_t>(items.size()),
+                body_bytes, std::span<const std::byte>(payload).subspan(kPayloadHeaderSize),
+                payload.data());
     return payload;
   }
 
@@ -789,8 +810,9 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
   }
   std::vector<std::byte> payload(kPayloadHeaderSize + compressed);
   std::memcpy(payload.data() + kPayloadHeaderSize, compressed_bytes, compressed);
-  WriteHeader(format_version, ids, flags, static_cast<uint32_t>(items.size()), body_bytes,
-              std::span<const std::byte>(payload).subspan(kPayloadHeaderSize), payload.data());
+  WriteHeader(format_version, ids, flags, kCompressionZstd, static_cast<uint32_t>(items.size()),
+              body_bytes, std::span<const std::byte>(payload).subspan(kPayloadHeaderSize),
+              payload.data());
   return payload;
 }
 
@@ -860,10 +882,11 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
                            header.flags & ~kKnownFlags);
   }
   const uint8_t compression = LoadLittleEndian<uint8_t>(h + kOffsetCompression);
-  if (compression != kCompressionZstd) {
-    return InvalidArgument("{}: unsupported compression {} (v1 knows 1 = zstd)", context(),
-                           compression);
+  if (compression != kCompressionZstd && compression != kCompressionNone) {
+    return InvalidArgument("{}: unsupported compression {} (v1 knows 0 = none, 1 = zstd)",
+                           context(), compression);
   }
+  header.stored_body = compression == kCompressionNone;
   const uint8_t mac_algorithm = LoadLittleEndian<uint8_t>(h + kOffsetMacAlgorithm);
   if (mac_algorithm != kMacNone) {
     return InvalidArgument("{}: unsupported MAC algorithm {} (v1 knows 0 = none)", context(),
@@ -893,6 +916,10 @@ Result<PayloadHeader> ValidatePayloadHeader(std::span<const std::byte> payload,
                     header.compressed_bytes > payload.size() - kPayloadHeaderSize
                         ? "truncated"
                         : "trailing bytes");
+  }
+  if (header.stored_body && header.compressed_bytes != header.body_bytes) {
+    return DataLoss("{}: a stored body (compression 0) of {} bytes declares body_bytes {}",
+                    context(), header.compressed_bytes, header.body_bytes);
   }
   if (header.item_count > header.body_bytes / kMinItemEntryBytes) {
     return DataLoss("{}: {} items cannot fit a body of {} bytes ({} bytes per item at least)",
@@ -946,9 +973,22 @@ Result<DecodedPayload> DecodePayload(const ValidatedPayload& payload, const Payl
                                     limits);
 }
 
+Result<DecodedPayload> DecodePayload(ValidatedPayload&& payload, const PayloadLimits& limits) {
+  REFIT_RETURN_NOT_OK(CheckPayloadLimits(payload.header(), limits));
+  if (!payload.header().stored_body) {
+    return DecodedPayload::DecodeBody(payload.header(), payload.bytes().subspan(kPayloadHeaderSize),
+                                      limits);
+  }
+  std::vector<std::byte> bytes = std::move(payload.bytes_);
+  return DecodedPayload::DecodeBody(payload.header(),
+                                    std::span<const std::byte>(bytes).subspan(kPayloadHeaderSize),
+                                    limits, &bytes);
+}
+
 Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
                                                   std::span<const std::byte> compressed,
-                                                  const PayloadLimits& limits) {
+                                                  const PayloadLimits& limits,
+                                                  std::vector<std::byte>* payload_bytes) {
   DecodedPayload decoded;
   decoded.header_ = header;
   const PayloadIds& ids = header.ids;
@@ -960,22 +1000,36 @@ Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
     return DataLoss("{}: body checksum {} != computed {}", context, HexBytes(header.checksum),
                     HexBytes(checksum));
   }
-  // The frame must declare exactly body_bytes (bounded by the limits) before we allocate it.
-  REFIT_RETURN_NOT_OK(CheckZstdFrame(compressed, header));
-
-  decoded.body_ = std::make_unique<std::vector<std::byte>>(header.body_bytes);
-  std::vector<std::byte>& body = *decoded.body_;
-  ZSTD_DCtx* dctx = ThreadDecompressionContext();
-  if (dctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context);
-  ZSTD_DCtx_reset(dctx, ZSTD_reset_session_and_parameters);
-  const size_t decompressed =
-      ZSTD_decompressDCtx(dctx, body.data(), body.size(), compressed.data(), compressed.size());
-  if (ZSTD_isError(decompressed)) {
-    return DataLoss("{}: zstd decompression failed: {}", context, ZSTD_getErrorName(decompressed));
-  }
-  if (decompressed != header.body_bytes) {
-    return DataLoss("{}: body decompressed to {} bytes, header says {}", context, decompressed,
-                    header.body_bytes);
+  std::span<std::byte> body;
+  if (header.stored_body) {
+    // The body as it is (ValidatePayloadHeader checked its size): taken over with the payload's
+    // bytes when the caller hands them over, else copied once.
+    if (payload_bytes != nullptr) {
+      decoded.body_ = std::make_unique<std::vector<std::byte>>(std::move(*payload_bytes));
+      body = std::span<std::byte>(*decoded.body_).subspan(kPayloadHeaderSize);
+    } else {
+      decoded.body_ =
+          std::make_unique<std::vector<std::byte>>(compressed.begin(), compressed.end());
+      body = std::span<std::byte>(*decoded.body_);
+    }
+  } else {
+    // The frame must declare exactly body_bytes (bounded by the limits) before we allocate it.
+    REFIT_RETURN_NOT_OK(CheckZstdFrame(compressed, header));
+    decoded.body_ = std::make_unique<std::vector<std::byte>>(header.body_bytes);
+    body = std::span<std::byte>(*decoded.body_);
+    ZSTD_DCtx* dctx = ThreadDecompressionContext();
+    if (dctx == nullptr) return ResourceExhausted("{}: cannot allocate a zstd context", context);
+    ZSTD_DCtx_reset(dctx, ZSTD_reset_session_and_parameters);
+    const size_t decompressed =
+        ZSTD_decompressDCtx(dctx, body.data(), body.size(), compressed.data(), compressed.size());
+    if (ZSTD_isError(decompressed)) {
+      return DataLoss("{}: zstd decompression failed: {}", context,
+                      ZSTD_getErrorName(decompressed));
+    }
+    if (decompressed != header.body_bytes) {
+      return DataLoss("{}: body decompressed to {} bytes, header says {}", context, decompressed,
+                      header.body_bytes);
+    }
   }
 
   // Item table.
@@ -996,6 +1050,15 @@ Result<DecodedPayload> DecodedPayload::DecodeBody(const PayloadHeader& header,
   }
   std::span<ItemView> items(decoded.items_);
   REFIT_RETURN_NOT_OK(CheckSameNameAgreement(items, ids));
+  if (header.stored_body) {
+    // A stored body is an anchor's: its bytes are never kept to undo an XOR item with.
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].op != Op::kFull || items[i].location_encoding != LocationEncoding::kAll) {
+        return DataLoss("{}: a stored body (compression 0) carries only FULL items",
+                        ItemContext(ids, i, items[i].name));
+      }
+    }
+  }
 
   // Location section: each item's bytes in item order.
   for (size_t i = 0; i < items.size(); ++i) {

@@ -70,6 +70,12 @@ struct ReceiverNode::Impl {
   internal::Mutex membership_mutex;
   std::string joined_publisher REFIT_GUARDED_BY(membership_mutex);
   MemberEndpoint joined_as REFIT_GUARDED_BY(membership_mutex);
+  // The watch is announcing this receiver again (RejoinIfUnlisted), and a Leave is under way:
+  // each waits for the other (membership_changed), so a leave is never undone by a re-join that
+  // crossed it.
+  bool rejoining REFIT_GUARDED_BY(membership_mutex) = false;
+  bool leaving REFIT_GUARDED_BY(membership_mutex) = false;
+  internal::CondVar membership_changed;
   // While joined: asks the publisher for the fleet's version every fleet_watch_interval
   // (WatchFleet). Only Join, Leave and Stop start and stop it.
   internal::Mutex watch_mutex;
@@ -89,6 +95,10 @@ struct ReceiverNode::Impl {
   // Ask the publisher behind `client` for the fleet's version once and tell the readiness.
   // Returns why not, when it could not.
   Status AskFleet(ControlClient& client);
+  // The watch's ask: the fleet's version into the readiness, and, when the publisher's roster
+  // does not list this receiver (a publisher restarted without its roster, or one that dropped
+  // this receiver while it was cut off), this receiver announces itself again.
+  Status WatchOnce(ControlClient& client, const std::string& publisher);
   void StopWatchingFleet() REFIT_REQUIRES(lifecycle_mutex);
   // A client of the publisher's membership endpoint, with this receiver's key.
   Result<std::unique_ptr<ControlClient>> PublisherClient(const std::string& publisher_url,
@@ -497,14 +507,24 @@ Result<FleetMembership> ReceiverNode::Impl::LeaveLocked(std::chrono::millisecond
   if (publisher.empty()) return FailedPrecondition("receiver node: it joined no fleet to leave");
   REFIT_ASSIGN_OR_RETURN(std::unique_ptr<ControlClient> client,
                          PublisherClient(publisher, timeout, max_retries));
+  {
+    // No re-join of the watch may land after the leave.
+    internal::MutexLock lock(membership_mutex);
+    leaving = true;
+    membership_changed.wait(lock, [&]() REFIT_REQUIRES(membership_mutex) { return !rejoining; });
+  }
   Result<FleetMembership> left = client->RemoveMember(self.control_url);
   // Still a member when the publisher did not take the leave: the watch goes on.
-  if (!left.ok())
+  if (!left.ok()) {
+    internal::MutexLock lock(membership_mutex);
+    leaving = false;
     return left.status().WithContext(fmt::format("leaving the fleet of {}", publisher));
+  }
   StopWatchingFleet();
   {
     internal::MutexLock lock(membership_mutex);
     joined_publisher.clear();
+    leaving = false;
   }
   if (server != nullptr) server->fleet_standing().Left();
   REFIT_LOG_INFO("receiver node: left the fleet of {}", publisher);
@@ -514,6 +534,45 @@ Result<FleetMembership> ReceiverNode::Impl::LeaveLocked(std::chrono::millisecond
 Status ReceiverNode::Impl::AskFleet(ControlClient& client) {
   REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client.GetMembership());
   if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
+  return Status::OK();
+}
+
+Status ReceiverNode::Impl::WatchOnce(ControlClient& client, const std::string& publisher) {
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client.GetMembership());
+  if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
+  MemberEndpoint self;
+  {
+    internal::MutexLock lock(membership_mutex);
+    if (joined_publisher != publisher || leaving) return Status::OK();
+    self = joined_as;
+  }
+  if (std::any_of(fleet.members.begin(), fleet.members.end(), [&](const MemberStanding& member) {
+        return member.endpoint.control_url == self.control_url;
+      })) {
+    return Status::OK();
+  }
+  {
+    internal::MutexLock lock(membership_mutex);
+    if (joined_publisher != publisher || leaving) return Status::OK();
+    rejoining = true;
+  }
+  Result<FleetMembership> joined = client.AddMember(self);
+  {
+    internal::MutexLock lock(membership_mutex);
+    rejoining = false;
+  }
+  membership_changed.notify_all();
+  if (!joined.ok()) {
+    return joined.status().WithContext(fmt::format(
+        "joining the fleet of {} again (its roster does not list this receiver)", publisher));
+  }
+  if (joined->fleet_version.has_value()) {
+    server->fleet_standing().ObserveFleetVersion(*joined->fleet_version);
+  }
+  REFIT_LOG_WARN(
+      "receiver node: the fleet of {} did not list this receiver (a publisher restarted without "
+      "its roster, or one that dropped it while it was cut off): joined it again as {}",
+      publisher, self.control_url);
   return Status::OK();
 }
 
@@ -533,7 +592,7 @@ void ReceiverNode::Impl::WatchFleet(const std::stop_token& stop, const std::stri
       watch_wake.wait_for(lock, stop, options.fleet_watch_interval, [] { return false; });
     }
     if (stop.stop_requested()) return;
-    const Status asked = AskFleet(**client);
+    const Status asked = WatchOnce(**client, publisher);
     if (!asked.ok() && reached) {
       REFIT_LOG_WARN("receiver node: cannot ask the fleet of {} for its version: {}", publisher,
                      asked.ToString());

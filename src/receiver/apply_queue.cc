@@ -61,6 +61,13 @@ std::optional<QueuedPayload> ApplyQueue::Pop() {
 }
 
 void PayloadWork::DecodeAndDropBytes(const PayloadLimits& limits) {
+  if (payload->header().stored_body) {
+    // An anchor's raw payload: decoded in its own bytes, which the decoded payload keeps (its
+    // FULL items are never undone from them).
+    decoded = DecodePayload(std::move(*payload), limits);
+    payload.reset();
+    return;
+  }
   decoded = DecodePayload(*payload, limits);
   if (!decoded->ok()) return;
   // Only XOR items are undone by applying their bytes again (ApplyPayload's `received`).

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,11 +50,15 @@ std::unique_ptr<Member> StartMember(const std::vector<Tensor>& loaded,
   return member;
 }
 
-std::unique_ptr<Publisher> MakeTrainer() {
+// `resume`: a trainer restarted from the fleet's checkpoint, continuing run "fleet-watch-run".
+std::unique_ptr<Publisher> MakeTrainer(uint16_t membership_port = 0, bool resume = false) {
   PublisherOptions options;
+  options.run_id = "fleet-watch-run";
+  options.resume = resume;
   options.transport_uri = "zmq://?timeout_ms=10000";
   options.control.api_key = kKey;
   options.membership = MembershipOptions{};
+  options.membership->port = membership_port;
   return Publisher::Make(options, std::move(MakeInProcessGroup(1).ValueOrDie()[0])).ValueOrDie();
 }
 
@@ -91,6 +96,55 @@ TEST(FleetWatchTest, AMemberLearnsTheFleetsVersionThatNoTransferBroughtIt) {
   // Left, it no longer follows the fleet: "left", whatever the fleet does.
   ASSERT_OK(member->node->Leave().status());
   EXPECT_EQ(member->node->readiness().reason, ReadinessReason::kLeft);
+}
+
+// The trainer restarts: its new membership endpoint (same address) starts with an empty roster.
+// Each member's watch finds itself unlisted and joins again, so the restarted trainer's next sync
+// reaches every member with no member restarted or reconfigured — and one that left before the
+// restart stays out.
+TEST(FleetWatchTest, MembersJoinARestartedTrainerAgainByThemselves) {
+  std::vector<Tensor> model = MakeModel(5);
+  std::unique_ptr<Publisher> trainer = MakeTrainer();
+  ASSERT_OK(trainer->AdoptBaseline(Views(model), 0));
+  std::vector<std::unique_ptr<Member>> members;
+  for (int m = 0; m < 3; ++m) {
+    members.push_back(StartMember(model, std::chrono::milliseconds(50)));
+    ASSERT_OK(members.back()->node->Join(trainer->membership_url()).status());
+  }
+  std::mt19937_64 rng(5);
+  bf16_model::Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(SyncReport first, trainer->Sync(Views(model)));
+  EXPECT_EQ(first.transfer.receivers.size(), 3u);
+  ASSERT_OK(members[2]->node->Leave().status());
+
+  const std::string url = trainer->membership_url();
+  const auto port = static_cast<uint16_t>(std::stoi(url.substr(url.rfind(':') + 1)));
+  trainer.reset();
+  std::unique_ptr<Publisher> restarted = MakeTrainer(port, /*resume=*/true);
+  ASSERT_EQ(restarted->membership_url(), url);
+  ASSERT_OK(restarted->AdoptBaseline(Views(model), 1));
+  const auto members_of = [](const Publisher& publisher) {
+    Result<FleetMembership> fleet = publisher.membership();
+    return fleet.ok() ? fleet->members.size() : size_t{0};
+  };
+  ASSERT_TRUE(Eventually([&] { return members_of(*restarted) == 2; }, std::chrono::seconds(10)))
+      << members_of(*restarted) << " members";
+  bf16_model::Step(model, rng);
+  ASSERT_OK_AND_ASSIGN(SyncReport next, restarted->Sync(Views(model)));
+  EXPECT_FALSE(next.transfer.plan.anchor);
+  ASSERT_EQ(next.transfer.receivers.size(), 2u);
+  for (const ReceiverOutcome& outcome : next.transfer.receivers) {
+    EXPECT_EQ(outcome.caught_up_by, CatchUp::kDelta) << outcome.name;
+    EXPECT_NE(outcome.name, members[2]->node->control_url()) << "the member that left";
+  }
+  for (int m = 0; m < 2; ++m) {
+    for (size_t t = 0; t < model.size(); ++t) {
+      EXPECT_EQ(members[m]->buffers[t].bits, model[t].bits) << "member " << m;
+    }
+    EXPECT_TRUE(members[m]->node->readiness().ready) << members[m]->node->readiness().detail;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // four watch intervals
+  EXPECT_EQ(members_of(*restarted), 2u) << "the member that left stays out";
 }
 
 TEST(FleetWatchTest, JoinLeaveAndStopFromManyThreadsStartAndStopTheWatchOneAtATime) {

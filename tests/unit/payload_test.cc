@@ -567,6 +567,80 @@ TEST(PayloadTest, ARawBlockBodyDecodesToTheSameItems) {
   EXPECT_FALSE(DecodePayload(payload).ok());
 }
 
+// An anchor's payload sent raw (compress = false, FULL items only) stores its body as it is
+// (compression 0): the payload is the header and the body, and a receiver that hands the payload
+// over decodes it in the payload's own bytes, without a copy.
+TEST(PayloadTest, AnAnchorsRawPayloadStoresItsBodyAndDecodesInPlace) {
+  PayloadEncodeOptions raw;
+  raw.compress = false;
+  raw.byte_planes = false;
+  std::vector<Item> items;
+  for (int t = 0; t < 3; ++t) {
+    Item full = MakeItem(fmt::format("layers.{}.weight", t), DType::kBFloat16, Op::kFull,
+                         DType::kBFloat16, LocationEncoding::kAll, 1);
+    full.shape = {70 * 1024};
+    full.span_begin = 0;
+    full.span_end = full.count = 70 * 1024;
+    full.values = RandomBytes(70 * 1024 * 2, 20 + t);
+    items.push_back(full);
+  }
+  ASSERT_OK_AND_ASSIGN(auto payload, EncodePayload(TestIds(), Views(items), raw));
+  EXPECT_EQ(static_cast<uint8_t>(payload[kCompressionOffset]), 0u);
+  ASSERT_OK_AND_ASSIGN(DecodedPayload copied, DecodePayload(payload));
+  EXPECT_TRUE(copied.header().stored_body);
+  EXPECT_EQ(payload.size(), kPayloadHeaderSize + copied.header().body_bytes);
+  EXPECT_EQ(copied.header().compressed_bytes, copied.header().body_bytes);
+  ExpectSameItems(copied.items(), Views(items));
+
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload validated, ValidatePayload(payload));
+  const std::byte* first = validated.bytes().data();
+  const std::byte* last = first + validated.size();
+  ASSERT_OK_AND_ASSIGN(DecodedPayload taken, DecodePayload(std::move(validated)));
+  ExpectSameItems(taken.items(), Views(items));
+  for (const ItemView& item : taken.items()) {
+    EXPECT_TRUE(item.values.data() >= first && item.values.data() + item.values.size() <= last)
+        << item.name << ": its values are in the payload's own bytes";
+  }
+
+  // A flipped body byte fails the checksum on either path; nothing is decoded.
+  std::vector<std::byte> corrupt = payload;
+  corrupt[corrupt.size() / 2] ^= std::byte{1};
+  EXPECT_STATUS_MSG(DataLoss, "checksum", DecodePayload(corrupt).status());
+  ASSERT_OK_AND_ASSIGN(ValidatedPayload bad, ValidatePayload(corrupt));
+  EXPECT_STATUS_MSG(DataLoss, "checksum", DecodePayload(std::move(bad)).status());
+  // A stored body must be as long as body_bytes says.
+  std::vector<std::byte> lying = payload;
+  StoreAt(lying, kBodyBytesOffset, LoadAt(lying, kBodyBytesOffset, 8) + 1, 8);
+  FixChecksums(&lying);
+  EXPECT_STATUS_MSG(DataLoss, "stored body", DecodePayload(lying).status());
+}
+
+// A stored body carries FULL items only (its bytes are never kept to undo an XOR item with): a
+// forged one with XOR items is refused by name, however consistent otherwise.
+TEST(PayloadTest, AStoredBodyWithAnXorItemIsRefused) {
+  PayloadEncodeOptions raw;
+  raw.compress = false;
+  raw.byte_planes = false;
+  const std::vector<Item> items = MixedItems();
+  ASSERT_OK_AND_ASSIGN(auto framed, EncodePayload(TestIds(), Views(items), raw));
+  ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(framed));
+  const uint64_t body_bytes = decoded.header().body_bytes;
+  std::vector<std::byte> body(body_bytes);
+  const size_t n = ZSTD_decompress(body.data(), body.size(), framed.data() + kPayloadHeaderSize,
+                                   framed.size() - kPayloadHeaderSize);
+  ASSERT_EQ(n, body_bytes);
+  std::vector<std::byte> forged(framed.begin(), framed.begin() + kPayloadHeaderSize);
+  forged.insert(forged.end(), body.begin(), body.end());
+  forged[kCompressionOffset] = std::byte{0};
+  StoreAt(forged, kCompressedBytesOffset, body_bytes, 8);
+  FixChecksums(&forged);
+  EXPECT_STATUS_MSG(DataLoss, "only FULL items", DecodePayload(forged).status());
+  // An unknown compression is still refused in the header.
+  forged[kCompressionOffset] = std::byte{2};
+  FixChecksums(&forged);
+  EXPECT_STATUS_MSG(InvalidArgument, "unsupported compression 2", DecodePayload(forged).status());
+}
+
 TEST(PayloadTest, EncodingIsDeterministic) {
   const std::vector<Item> items = MixedItems();
   const auto views = Views(items);

@@ -462,14 +462,14 @@ TEST(ProducerStreamTest, UnchangedChunksSendNothingButCountInTheTotals) {
 
 /// Whether a payload's body is a frame of raw zstd blocks (the descriptor PayloadEncodeOptions::
 /// compress = false writes) rather than compressed.
-bool IsRawFrame(const std::vector<std::byte>& payload) {
-  return payload.size() > kPayloadHeaderSize + 5 &&
-         payload[kPayloadHeaderSize + 4] == std::byte{0xC0} &&
-         payload[kPayloadHeaderSize + 5] == std::byte{0x38};
+// Whether an anchor payload went raw: its body stored as it is (the header's compression byte, at
+// offset 52, is 0: docs/format/payload.md).
+bool IsStoredBody(const std::vector<std::byte>& payload) {
+  return payload.size() > kPayloadHeaderSize && payload[52] == std::byte{0};
 }
 
-// kNone sends an anchor in raw blocks, kZstd compressed; deltas are compressed either way, and
-// the receiver reproduces both exactly.
+// kNone sends an anchor raw (stored bodies), kZstd compressed; deltas are compressed either way,
+// and the receiver reproduces both exactly.
 TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
   const std::vector<OwnedTensor> v0 = MakeModel(3);
   const std::vector<OwnedTensor> v1 = PerturbModel(v0, 0.05, 31);
@@ -496,7 +496,7 @@ TEST(ProducerStreamTest, AnAnchorIsSentRawOrCompressedAsAnchorCompressionSays) {
       EXPECT_EQ(report.anchor_compression.compressed_payloads, raw ? 0u : report.payloads);
       EXPECT_FALSE(report.anchor_compression.measured);
       for (const auto& [payload_id, bytes] : collector.payloads()) {
-        EXPECT_EQ(IsRawFrame(bytes), raw) << "payload " << payload_id;
+        EXPECT_EQ(IsStoredBody(bytes), raw) << "payload " << payload_id;
       }
       internal::UndoLog undo;
       ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
