@@ -275,6 +275,23 @@ Status WriteThroughLoader(std::span<const OwnedTensor> copied, uint64_t version,
   return Status::OK();
 }
 
+// Write verified tensors of the store's own layout, each with its digest.
+Status WriteLocalCopy(std::span<const OwnedTensor> copied,
+                      const std::map<std::string, uint64_t>& digests, WeightStore& store) {
+  for (const OwnedTensor& theirs : copied) {
+    REFIT_ASSIGN_OR_RETURN(MutableTensorView mine, store.Find(theirs.name));
+    std::memcpy(mine.bytes.data(), theirs.bytes.data(), theirs.bytes.size());
+    if (store.has_loader()) {
+      // Through a loader the canonical pieces' partial digests are state too: any resolved
+      // already describe the bytes just replaced (O(tensor) once more).
+      REFIT_RETURN_NOT_OK(store.RehashTensor(theirs.name));
+    } else {
+      REFIT_RETURN_NOT_OK(store.SetDigest(theirs.name, digests.at(theirs.name)));
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightStore& store,
@@ -321,29 +338,15 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
       continue;
     }
     uint64_t bytes = 0;
-    if (store.has_loader() && !HoldsTheSameTensors(store, *listing)) {
-      // Another layout than the peer's: its tensors are canonical ones, cut by this loader.
+    std::map<std::string, uint64_t> digests;
+    // Another layout than the peer's: its tensors are canonical ones, cut by this loader.
+    const bool canonical = store.has_loader() && !HoldsTheSameTensors(store, *listing);
+    Result<std::vector<OwnedTensor>> copied = [&]() -> Result<std::vector<OwnedTensor>> {
+      if (!canonical) return CopyOnce(*peer, store, *before, &bytes, &digests);
       REFIT_ASSIGN_OR_RETURN(const std::vector<size_t> fetch,
                              PlanCanonicalCopy(store, *listing, report.peer));
-      Result<std::vector<OwnedTensor>> copied =
-          CopyCanonicalOnce(*peer, *listing, fetch, *before, &bytes);
-      if (!copied.ok()) {
-        last = copied.status();
-        if (last.code() != StatusCode::kUnavailable) return last;
-        REFIT_LOG_INFO("bootstrap from peer {}: attempt {}: {}", report.peer, report.attempts,
-                       last.message());
-        continue;
-      }
-      REFIT_RETURN_NOT_OK(WriteThroughLoader(*copied, before->version, store));
-      store.set_version(before->version);
-      report.final_version = before->version;
-      report.tensors = copied->size();
-      report.bytes = bytes;
-      report.canonical = true;
-      break;
-    }
-    std::map<std::string, uint64_t> digests;
-    Result<std::vector<OwnedTensor>> copied = CopyOnce(*peer, store, *before, &bytes, &digests);
+      return CopyCanonicalOnce(*peer, *listing, fetch, *before, &bytes);
+    }();
     if (!copied.ok()) {
       last = copied.status();
       // Only a peer that moved is worth another try; a tensor set that differs will differ again.
@@ -353,21 +356,16 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
       continue;
     }
     // Verified as a whole: now write it.
-    for (OwnedTensor& theirs : *copied) {
-      REFIT_ASSIGN_OR_RETURN(MutableTensorView mine, store.Find(theirs.name));
-      std::memcpy(mine.bytes.data(), theirs.bytes.data(), theirs.bytes.size());
-      if (store.has_loader()) {
-        // Through a loader the canonical pieces' partial digests are state too: any resolved
-        // already describe the bytes just replaced (O(tensor) once more).
-        REFIT_RETURN_NOT_OK(store.RehashTensor(theirs.name));
-      } else {
-        REFIT_RETURN_NOT_OK(store.SetDigest(theirs.name, digests.at(theirs.name)));
-      }
+    if (canonical) {
+      REFIT_RETURN_NOT_OK(WriteThroughLoader(*copied, before->version, store));
+    } else {
+      REFIT_RETURN_NOT_OK(WriteLocalCopy(*copied, digests, store));
     }
     store.set_version(before->version);
     report.final_version = before->version;
     report.tensors = copied->size();
     report.bytes = bytes;
+    report.canonical = canonical;
     break;
   }
   if (report.attempts > std::max(options.attempts, 1)) {
