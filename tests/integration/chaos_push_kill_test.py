@@ -468,7 +468,7 @@ class Chaos:
             f.write(f"delta_compression:\n  sparse_bucket_size_bytes: {SMALL_BUCKET_BYTES}\n"
                     "commit_policy: quorum:2\nrequest_timeout_s: 5\n")
         push = self.push(step_path, base=self.path, config=config,
-                         transport=f"fault+zmq://?delay_ms={SLOW_SEND_MS // 3}", threads=1)
+                         transport=f"fault+zmq://?delay_ms={SLOW_SEND_MS}", threads=1)
         self.wait_until(f"{what}: every daemon staged a payload",
                         lambda: all(d.status()["staged_payloads"] >= 1 for d in self.daemons),
                         REQUEST_TIMEOUT_S, push)
