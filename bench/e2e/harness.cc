@@ -207,6 +207,10 @@ FlagSet DeclareFlags(Args& args, GivenFlags& given) {
                 args.apply_threads = static_cast<int>(threads);
                 return Status::OK();
               });
+  flags.Unsigned("--apply-queue-mib", "N",
+                 "the daemons' apply queue bound in MiB (refit serve --apply-queue-bytes; 0: the "
+                 "daemon's default)",
+                 &args.apply_queue_mib);
   flags.Switch("--no-raw-copy", "skip the raw-copy yardstick", [&] { args.raw_copy = false; });
   flags.Switch("--skip-end-to-end", "skip the end-to-end section", &args.skip_end_to_end);
   flags.Switch("--skip-fanout", "skip the fan-out section", &args.skip_fanout);
@@ -394,6 +398,10 @@ Result<BenchFleet> StartFleet(const Args& args, const std::string& work_dir,
   fleet_options.extra_args.push_back(std::string(AnchorUndoName(args.anchor_undo)));
   fleet_options.extra_args.push_back("--apply-threads");
   fleet_options.extra_args.push_back(std::to_string(args.apply_threads));
+  if (args.apply_queue_mib > 0) {
+    fleet_options.extra_args.push_back("--apply-queue-bytes");
+    fleet_options.extra_args.push_back(std::to_string(args.apply_queue_mib * kMiB));
+  }
   REFIT_ASSIGN_OR_RETURN(BenchFleet fleet, StartBenchFleet("zmq", fleet_options));
 
   BenchProducers producers;

@@ -72,6 +72,8 @@ struct Args {
   AnchorCompression anchor_compression = ProducerStreamOptions{}.anchor_compression;
   // The daemons' threads per payload (`refit serve --apply-threads`).
   int apply_threads = ReceiverSessionOptions{}.apply_threads;
+  /// The daemons' apply queue bound (refit serve --apply-queue-bytes), MiB; 0: their default.
+  uint64_t apply_queue_mib = 0;
   // Measure the raw-copy yardstick in the end-to-end section.
   bool raw_copy = true;
   // Download every tensor of the end-to-end daemon after the last refit and compare.
