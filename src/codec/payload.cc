@@ -720,11 +720,26 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
                            context(), body_bytes, kLimits.max_body_bytes);
   }
 
+  // An anchor's payload sent raw (FULL items only) stores its body as it is (compression none),
+  // which a receiver decodes without copying it: the body is written straight after the header of
+  // the payload itself. Any other body is built in scratch, then framed or compressed.
+  const bool stored =
+      !options.compress && !items.empty() &&
+      std::all_of(items.begin(), items.end(), [](const ItemView& item) {
+        return item.op == Op::kFull && item.location_encoding == LocationEncoding::kAll;
+      });
+  if (stored && kPayloadHeaderSize + body_bytes > kLimits.max_payload_bytes) {
+    return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
+                           context(), kPayloadHeaderSize + body_bytes, kLimits.max_payload_bytes);
+  }
   EncoderScratch& scratch = ThreadEncoderScratch();
   const ScratchTrim trim(scratch);
-  std::vector<std::byte>& body = scratch.body;
+  std::vector<std::byte> stored_payload;
+  std::vector<std::byte>& body = stored ? stored_payload : scratch.body;
+  const size_t body_offset = stored ? kPayloadHeaderSize : 0;
   body.clear();
-  body.reserve(body_bytes);
+  body.reserve(body_offset + body_bytes);
+  body.resize(body_offset);
   for (const ItemView& item : items) AppendItemEntry(item, &body);
   for (const ItemView& item : items) {
     const auto* locations = reinterpret_cast<const std::byte*>(item.locations.data());
@@ -750,27 +765,15 @@ Result<std::vector<std::byte>> EncodePayload(const PayloadIds& ids, std::span<co
     }
     SplitBytePlanes(group_values, group.width, &body);
   }
-  REFIT_DCHECK(body.size() == body_bytes, "body size differs from its plan");
+  REFIT_DCHECK(body.size() == body_offset + body_bytes, "body size differs from its plan");
 
   const uint16_t flags = options.byte_planes ? kPayloadFlagBytePlanes : 0;
   const uint16_t format_version = PayloadFormatVersionFor(items);
-  if (!options.compress && !items.empty() &&
-      std::all_of(items.begin(), items.end(), [](const ItemView& item) {
-        return item.op == Op::kFull && item.location_encoding == LocationEncoding::kAll;
-      })) {
-    // An anchor's payload: the body stored as it is (compression none), which a receiver decodes
-    // without copying it (DecodePayload of a ValidatedPayload it hands over).
-    if (kPayloadHeaderSize + body.size() > kLimits.max_payload_bytes) {
-      return InvalidArgument("{}: payload of {} bytes > limit {}; split the items over payloads",
-                             context(), kPayloadHeaderSize + body.size(),
-                             kLimits.max_payload_bytes);
-    }
-    std::vector<std::byte> payload(kPayloadHeaderSize + body.size());
-    std::memcpy(payload.data() + kPayloadHeaderSize, body.data(), body.size());
+  if (stored) {
     WriteHeader(format_version, ids, flags, kCompressionNone, static_cast<uint32_t>(items.size()),
-                body_bytes, std::span<const std::byte>(payload).subspan(kPayloadHeaderSize),
-                payload.data());
-    return payload;
+                body_bytes, std::span<const std::byte>(stored_payload).subspan(kPayloadHeaderSize),
+                stored_payload.data());
+    return stored_payload;
   }
   if (!options.compress) {
     const uint64_t frame_bytes = RawZstdFrameBytes(body.size());

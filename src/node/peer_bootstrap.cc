@@ -213,8 +213,11 @@ Result<std::vector<OwnedTensor>> CopyCanonicalOnce(ControlClient& peer,
 // holds and keeps the local and piece digests current). The old bits are not kept: the copy was
 // verified before this, and a write that fails (none is expected once PlanCanonicalCopy passed)
 // leaves the written spans in place with every digest recomputed from the bytes.
-Status WriteThroughLoader(std::span<const OwnedTensor> copied, uint64_t version,
+Status WriteThroughLoader(std::span<const OwnedTensor> copied, const TensorListing& listing,
                           WeightStore& store) {
+  // A whole tensor's span digest is the one its download was checked against: not hashed again.
+  std::map<std::string, uint64_t, std::less<>> listed;
+  for (const HeldTensor& held : listing.tensors) listed.emplace(held.name, held.digest);
   UndoLogOptions undo_options;
   undo_options.anchor_undo = AnchorUndo::kNone;
   UndoLog undo(undo_options);
@@ -228,9 +231,11 @@ Status WriteThroughLoader(std::span<const OwnedTensor> copied, uint64_t version,
     encode.compress = false;
     encode.byte_planes = false;
     // An anchor to `version` (any base below it: the payloads never leave this process).
-    const PayloadIds ids{id, 0, payload_id++, 0, std::max<uint64_t>(version, 1)};
-    REFIT_ASSIGN_OR_RETURN(const std::vector<std::byte> payload, EncodePayload(ids, items, encode));
-    REFIT_ASSIGN_OR_RETURN(const DecodedPayload decoded, DecodePayload(payload, PayloadLimits{}));
+    const PayloadIds ids{id, 0, payload_id++, 0, std::max<uint64_t>(listing.version, 1)};
+    // A stored body (FULL items, not compressed), decoded in the encoded bytes without a copy.
+    REFIT_ASSIGN_OR_RETURN(std::vector<std::byte> payload, EncodePayload(ids, items, encode));
+    REFIT_ASSIGN_OR_RETURN(ValidatedPayload validated, ValidatePayload(std::move(payload)));
+    REFIT_ASSIGN_OR_RETURN(const DecodedPayload decoded, DecodePayload(std::move(validated)));
     items.clear();
     pending_bytes = 0;
     return ApplyPayload(decoded, store, &undo, nullptr, kCanonicalApplyThreads);
@@ -258,7 +263,9 @@ Status WriteThroughLoader(std::span<const OwnedTensor> copied, uint64_t version,
                                  .location_encoding = LocationEncoding::kAll,
                                  .locations = {},
                                  .values = values,
-                                 .digest = DigestRange(tensor.bytes, width, begin, end)});
+                                 .digest = begin == 0 && end == numel
+                                               ? listed.at(tensor.name)
+                                               : DigestRange(tensor.bytes, width, begin, end)});
         pending_bytes += values.size();
       }
     }
@@ -357,7 +364,7 @@ Result<PeerBootstrapReport> BootstrapFromPeer(std::string_view peer_url, WeightS
     }
     // Verified as a whole: now write it.
     if (canonical) {
-      REFIT_RETURN_NOT_OK(WriteThroughLoader(*copied, before->version, store));
+      REFIT_RETURN_NOT_OK(WriteThroughLoader(*copied, *listing, store));
     } else {
       REFIT_RETURN_NOT_OK(WriteLocalCopy(*copied, digests, store));
     }

@@ -92,9 +92,9 @@ struct ReceiverNode::Impl {
   // endpoint into the readiness; a failed ask is logged once per outage and changes nothing (the
   // receiver knows what it knew).
   void WatchFleet(const std::stop_token& stop, const std::string& publisher);
-  // Ask the publisher behind `client` for the fleet's version once and tell the readiness.
-  // Returns why not, when it could not.
-  Status AskFleet(ControlClient& client);
+  // Ask the publisher behind `client` for its roster once and tell the readiness the fleet's
+  // version. Returns the roster, or why not when it could not.
+  Result<FleetMembership> AskFleet(ControlClient& client);
   // The watch's ask: the fleet's version into the readiness, and, when the publisher's roster
   // does not list this receiver (a publisher restarted without its roster, or one that dropped
   // this receiver while it was cut off), this receiver announces itself again.
@@ -263,8 +263,8 @@ Status ReceiverNode::Impl::Start() {
         "receiver node: copied version {} ({} tensors, {} bytes{}) from peer {} in {:.2f} s "
         "({} attempt(s)); held version {} before",
         copied->final_version, copied->tensors, copied->bytes,
-        copied->canonical ? ", canonical, through the loader" : "", copied->peer,
-        copied->seconds, copied->attempts, copied->start_version);
+        copied->canonical ? ", canonical, through the loader" : "", copied->peer, copied->seconds,
+        copied->attempts, copied->start_version);
   }
   Result<std::unique_ptr<internal::ReceiverSession>> made =
       internal::ReceiverSession::Make(options.session, *store);
@@ -475,7 +475,7 @@ Result<FleetMembership> ReceiverNode::Impl::Join(const std::string& publisher_ur
         [this, publisher, inline_limit] {
           Result<std::unique_ptr<ControlClient>> asker =
               PublisherClient(publisher, inline_limit, 0);
-          if (asker.ok()) AskFleet(**asker).IgnoreError();
+          if (asker.ok()) AskFleet(**asker).status().IgnoreError();
         },
         options.fleet_watch_interval);
     fleet_watch = std::jthread(
@@ -531,15 +531,14 @@ Result<FleetMembership> ReceiverNode::Impl::LeaveLocked(std::chrono::millisecond
   return left;
 }
 
-Status ReceiverNode::Impl::AskFleet(ControlClient& client) {
-  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client.GetMembership());
+Result<FleetMembership> ReceiverNode::Impl::AskFleet(ControlClient& client) {
+  REFIT_ASSIGN_OR_RETURN(FleetMembership fleet, client.GetMembership());
   if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
-  return Status::OK();
+  return fleet;
 }
 
 Status ReceiverNode::Impl::WatchOnce(ControlClient& client, const std::string& publisher) {
-  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, client.GetMembership());
-  if (fleet.fleet_version.has_value()) server->fleet_standing().Watched(*fleet.fleet_version);
+  REFIT_ASSIGN_OR_RETURN(const FleetMembership fleet, AskFleet(client));
   MemberEndpoint self;
   {
     internal::MutexLock lock(membership_mutex);
