@@ -445,21 +445,22 @@ uint64_t EstimateLocationBytes(LocationEncoding encoding, std::span<const uint64
   return EstimateFromStats(encoding, stats, locations.size(), span_length);
 }
 
-Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locations,
-                                                uint64_t span_begin, uint64_t span_end,
-                                                std::optional<LocationEncoding> force) {
-  LocationStats stats;
-  REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+namespace {
+
+/// ChooseLocationEncoding's choice from the statistics of valid locations.
+Result<LocationEncoding> ChooseFromStats(const LocationStats& stats, uint64_t count,
+                                         uint64_t span_begin, uint64_t span_end,
+                                         std::optional<LocationEncoding> force) {
   const uint64_t span_length = span_end - span_begin;
   if (force.has_value()) {
     if (*force == LocationEncoding::kContext) return ContextIsNotAPlugIn("forced here");
     if (!IsKnownEncoding(*force)) {
       return InvalidArgument("unknown location encoding code {}", static_cast<int>(*force));
     }
-    if (EstimateFromStats(*force, stats, locations.size(), span_length) == kNotRepresentable) {
+    if (EstimateFromStats(*force, stats, count, span_length) == kNotRepresentable) {
       return InvalidArgument(
           "location encoding '{}' cannot represent {} locations in span [{}, {}) (max gap {})",
-          LocationEncodingName(*force), locations.size(), span_begin, span_end, stats.max_gap);
+          LocationEncodingName(*force), count, span_begin, span_end, stats.max_gap);
     }
     return *force;
   }
@@ -469,7 +470,7 @@ Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locati
   for (uint8_t code = static_cast<uint8_t>(LocationEncoding::kAll);
        code <= static_cast<uint8_t>(LocationEncoding::kBitmask); ++code) {
     const auto encoding = static_cast<LocationEncoding>(code);
-    const uint64_t bytes = CostFromStats(encoding, stats, locations.size(), span_length);
+    const uint64_t bytes = CostFromStats(encoding, stats, count, span_length);
     if (bytes < best_bytes) {  // Strict: ties keep the lower wire code.
       best = encoding;
       best_bytes = bytes;
@@ -478,10 +479,10 @@ Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locati
   return best;
 }
 
-Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> locations,
-                       uint64_t span_begin, uint64_t span_end, std::vector<uint8_t>* out) {
-  LocationStats stats;
-  REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+/// EncodeLocations for locations AnalyzeLocations accepted with `stats`.
+Status EncodeWithStats(LocationEncoding encoding, std::span<const uint64_t> locations,
+                       uint64_t span_begin, uint64_t span_end, const LocationStats& stats,
+                       std::vector<uint8_t>* out) {
   if (encoding == LocationEncoding::kContext) return ContextIsNotAPlugIn("encoded from locations");
   if (!IsKnownEncoding(encoding)) {
     return InvalidArgument("unknown location encoding code {}", static_cast<int>(encoding));
@@ -514,6 +515,35 @@ Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> loca
       break;
   }
   return Status::OK();
+}
+
+}  // namespace
+
+Result<LocationEncoding> ChooseLocationEncoding(std::span<const uint64_t> locations,
+                                                uint64_t span_begin, uint64_t span_end,
+                                                std::optional<LocationEncoding> force) {
+  LocationStats stats;
+  REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+  return ChooseFromStats(stats, locations.size(), span_begin, span_end, force);
+}
+
+Status EncodeLocations(LocationEncoding encoding, std::span<const uint64_t> locations,
+                       uint64_t span_begin, uint64_t span_end, std::vector<uint8_t>* out) {
+  LocationStats stats;
+  REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+  return EncodeWithStats(encoding, locations, span_begin, span_end, stats, out);
+}
+
+Result<LocationEncoding> ChooseAndEncodeLocations(std::span<const uint64_t> locations,
+                                                  uint64_t span_begin, uint64_t span_end,
+                                                  std::optional<LocationEncoding> force,
+                                                  std::vector<uint8_t>* out) {
+  LocationStats stats;
+  REFIT_RETURN_NOT_OK(AnalyzeLocations(locations, span_begin, span_end, &stats));
+  REFIT_ASSIGN_OR_RETURN(const LocationEncoding encoding,
+                         ChooseFromStats(stats, locations.size(), span_begin, span_end, force));
+  REFIT_RETURN_NOT_OK(EncodeWithStats(encoding, locations, span_begin, span_end, stats, out));
+  return encoding;
 }
 
 Result<LocationDecoder> LocationDecoder::Make(LocationEncoding encoding,

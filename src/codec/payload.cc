@@ -1181,9 +1181,8 @@ Result<DecodedPayload> ExpandContextItems(const DecodedPayload& payload,
     std::vector<uint64_t>& locations = decoded->locations;
     for (uint64_t& location : locations) location += coded.span_begin;
     REFIT_ASSIGN_OR_RETURN(plain->location_encoding,
-                           ChooseLocationEncoding(locations, plain->span_begin, plain->span_end));
-    REFIT_RETURN_NOT_OK(EncodeLocations(plain->location_encoding, locations, plain->span_begin,
-                                        plain->span_end, &plain->locations));
+                           ChooseAndEncodeLocations(locations, plain->span_begin, plain->span_end,
+                                                    std::nullopt, &plain->locations));
     plain->values = std::move(decoded->xor_values);
     out.items_[i] = plain->view();
     out.marks_[i].clear();

@@ -208,9 +208,8 @@ Status ItemRoute::Cut(const ItemView& item, std::vector<Item>* out) const {
   part.span_end = item.span_end;
   part.count = kept.size();
   REFIT_ASSIGN_OR_RETURN(part.location_encoding,
-                         ChooseLocationEncoding(kept, part.span_begin, part.span_end));
-  REFIT_RETURN_NOT_OK(EncodeLocations(part.location_encoding, kept, part.span_begin, part.span_end,
-                                      &part.locations));
+                         ChooseAndEncodeLocations(kept, part.span_begin, part.span_end,
+                                                  std::nullopt, &part.locations));
   part.values = std::move(values);
   part.digest = item.digest;
   out->push_back(std::move(part));

@@ -69,8 +69,8 @@ Result<PendingRun> MakePendingRun(std::span<const uint64_t> locations, uint64_t 
   run.count = locations.size();
   run.span_begin = span_begin;
   run.span_end = span_end;
-  REFIT_ASSIGN_OR_RETURN(run.encoding, ChooseLocationEncoding(locations, span_begin, span_end));
-  REFIT_RETURN_NOT_OK(EncodeLocations(run.encoding, locations, span_begin, span_end, &run.bytes));
+  REFIT_ASSIGN_OR_RETURN(run.encoding, ChooseAndEncodeLocations(locations, span_begin, span_end,
+                                                                std::nullopt, &run.bytes));
   return run;
 }
 
@@ -116,20 +116,16 @@ uint64_t DigestIndex(const BoxIndexMap* box, uint64_t i) { return box ? box->Map
 
 uint64_t DigestDelta(std::span<const std::byte> old_tensor, std::span<const std::byte> new_tensor,
                      uint32_t width, std::span<const uint64_t> locations, const BoxIndexMap* box) {
-  uint64_t delta = 0;
-  for (uint64_t location : locations) {
-    const uint64_t index = DigestIndex(box, location);
-    delta += ElementHash(index, LoadBits(new_tensor, width, location)) -
-             ElementHash(index, LoadBits(old_tensor, width, location));
-  }
-  return delta;
+  return DigestChange(
+      locations.size(), [&](size_t k) { return DigestIndex(box, locations[k]); },
+      [&](size_t k) { return LoadBits(new_tensor, width, locations[k]); },
+      [&](size_t k) { return LoadBits(old_tensor, width, locations[k]); });
 }
 
 template <typename Word, bool kBoxed>
 uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_tensor,
                               std::span<const uint64_t> locations, std::byte* xor_out,
                               std::byte* new_out, const BoxIndexMap* box) {
-  uint64_t delta = 0;
   for (size_t k = 0; k < locations.size(); ++k) {
     const uint64_t i = locations[k];
     Word old_word, new_word;
@@ -140,10 +136,17 @@ uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_
       const Word x = static_cast<Word>(old_word ^ new_word);
       std::memcpy(xor_out + k * sizeof(Word), &x, sizeof(Word));
     }
-    const uint64_t index = kBoxed ? box->Map(i) : i;
-    delta += ElementHash(index, new_word) - ElementHash(index, old_word);
   }
-  return delta;
+  // The digest in a pass of its own over the gathered bits, vectorized (DigestChange).
+  const auto load = [](const std::byte* from, uint64_t at) {
+    Word word;
+    std::memcpy(&word, from + at * sizeof(Word), sizeof(Word));
+    return static_cast<uint64_t>(word);
+  };
+  return DigestChange(
+      locations.size(), [&](size_t k) { return kBoxed ? box->Map(locations[k]) : locations[k]; },
+      [&](size_t k) { return load(new_out, k); },
+      [&](size_t k) { return load(old_tensor, locations[k]); });
 }
 
 template <typename Word>
@@ -340,11 +343,9 @@ Result<std::vector<Item>> ToCanonical(std::vector<Item> items, const BoxIndexMap
     box.MapSorted(locations);
     const uint64_t begin = box.Map(item.span_begin);
     const uint64_t end = box.Map(item.span_end - 1) + 1;
-    REFIT_ASSIGN_OR_RETURN(item.location_encoding,
-                           ChooseLocationEncoding(locations, begin, end, force));
     item.locations.clear();
-    REFIT_RETURN_NOT_OK(
-        EncodeLocations(item.location_encoding, locations, begin, end, &item.locations));
+    REFIT_ASSIGN_OR_RETURN(item.location_encoding,
+                           ChooseAndEncodeLocations(locations, begin, end, force, &item.locations));
     item.span_begin = begin;
     item.span_end = end;
     out.push_back(std::move(item));
@@ -588,9 +589,8 @@ Result<Item> DeltaTracker::State::MakeItem(const TensorView& current, Op op, DTy
   item.count = locations.size();
   REFIT_ASSIGN_OR_RETURN(
       item.location_encoding,
-      ChooseLocationEncoding(locations, begin, end, options.force_location_encoding));
-  REFIT_RETURN_NOT_OK(
-      EncodeLocations(item.location_encoding, locations, begin, end, &item.locations));
+      ChooseAndEncodeLocations(locations, begin, end, options.force_location_encoding,
+                               &item.locations));
   return item;
 }
 

@@ -96,10 +96,9 @@ Result<std::optional<Item>> FoldXorItems(std::span<const ItemView> items,
   folded.count = locations.size();
   folded.digest = digest;
   folded.values = std::move(values);
-  REFIT_ASSIGN_OR_RETURN(folded.location_encoding,
-                         ChooseLocationEncoding(locations, span_begin, span_end, force));
-  REFIT_RETURN_NOT_OK(EncodeLocations(folded.location_encoding, locations, span_begin, span_end,
-                                      &folded.locations));
+  REFIT_ASSIGN_OR_RETURN(
+      folded.location_encoding,
+      ChooseAndEncodeLocations(locations, span_begin, span_end, force, &folded.locations));
   return std::optional<Item>(std::move(folded));
 }
 

@@ -11,24 +11,61 @@
 #include <span>
 #include <string>
 
+#include "core/digest_kernels.h"
 #include "refit/tensor.h"
 
 namespace refit {
 
+namespace digest_internal {
+/// The splitmix64 / Murmur3 finalizer: fast (no memory), well-distributed and bijective.
+inline uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  x ^= x >> 31;
+  return x;
+}
+inline constexpr uint64_t kIndexOffset = 0x9e3779b97f4a7c15ULL;
+}  // namespace digest_internal
+
 /// Return h(index, bits): a 64-bit mix of the element index and its zero-extended bits.
 /// The function is part of payload format v1 (docs/format/payload.md) and never changes.
 inline uint64_t ElementHash(uint64_t index, uint64_t bits) {
-  // Two rounds of the splitmix64 / Murmur3 finalizer over the index, then over index ^ bits:
-  // fast (no memory), well-distributed, and bijective in each argument.
-  auto mix = [](uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-  };
-  return mix(mix(index + 0x9e3779b97f4a7c15ULL) ^ bits);
+  // Two rounds of the mixer: over the index, then over the mixed index ^ bits (bijective in
+  // each argument).
+  using digest_internal::Mix;
+  return Mix(Mix(index + digest_internal::kIndexOffset) ^ bits);
+}
+
+/// Return h(index, now) − h(index, before): the digest change of one element, mixing the index
+/// once for both.
+inline uint64_t ElementHashChange(uint64_t index, uint64_t before, uint64_t now) {
+  using digest_internal::Mix;
+  const uint64_t mixed = Mix(index + digest_internal::kIndexOffset);
+  return Mix(mixed ^ now) - Mix(mixed ^ before);
+}
+
+/// Return Σ h(index(k), now(k)) − h(index(k), before(k)) over k < count (mod 2^64): the digest
+/// change of `count` scattered elements, whose index and bits the callables load. The hashing
+/// runs vectorized (internal::DigestChangeRun) over blocks the callables fill.
+template <typename Index, typename Now, typename Before>
+uint64_t DigestChange(size_t count, Index index, Now now, Before before) {
+  constexpr size_t kBlock = 256;
+  uint64_t indices[kBlock];
+  uint64_t now_bits[kBlock];
+  uint64_t before_bits[kBlock];
+  uint64_t change = 0;
+  for (size_t start = 0; start < count; start += kBlock) {
+    const size_t n = count - start < kBlock ? count - start : kBlock;
+    for (size_t k = 0; k < n; ++k) {
+      indices[k] = index(start + k);
+      now_bits[k] = now(start + k);
+      before_bits[k] = before(start + k);
+    }
+    change += internal::DigestChangeRun(indices, now_bits, before_bits, n);
+  }
+  return change;
 }
 
 /// Return the digest of elements [begin, end) of `bytes` (element width `width`).

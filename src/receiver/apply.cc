@@ -130,12 +130,10 @@ uint64_t ApplyDeltaBatch(const ItemView& item, std::span<std::byte> tensor,
   ApplyOpValues(item.op, item.dtype, item.value_dtype, tensor, locations,
                 item.values.subspan(first * value_width, n * value_width), &old_out);
   const std::span<const std::byte> old_bits(old_out.data() + old_start, n * width);
-  uint64_t digest_delta = 0;
-  for (size_t k = 0; k < n; ++k) {
-    digest_delta += ElementHash(locations[k], LoadBits(tensor, width, locations[k])) -
-                    ElementHash(locations[k], LoadBits(old_bits, width, k));
-  }
-  return digest_delta;
+  return DigestChange(
+      n, [&](size_t k) { return locations[k]; },
+      [&](size_t k) { return LoadBits(tensor, width, locations[k]); },
+      [&](size_t k) { return LoadBits(old_bits, width, k); });
 }
 
 /// Apply delta item `item` (not FULL) to `tensor`, recording into `record` the old bits and

@@ -191,22 +191,20 @@ Status ApplyDeltaToPieces(const ItemView& item, const CanonicalLayout& layout, W
       const std::span<const std::byte> old_bits(record.old_bits.data() + old_start, m * width);
       if (local_locations == canonical) {
         // Local and canonical indices coincide: one hash serves both digests.
-        uint64_t delta = 0;
-        for (size_t k = 0; k < m; ++k) {
-          delta += ElementHash(local[k], LoadBits(write.local.bytes, width, local[k])) -
-                   ElementHash(local[k], LoadBits(old_bits, width, k));
-        }
+        const uint64_t delta = DigestChange(
+            m, [&](size_t k) { return local[k]; },
+            [&](size_t k) { return LoadBits(write.local.bytes, width, local[k]); },
+            [&](size_t k) { return LoadBits(old_bits, width, k); });
         write.local_delta += delta;
         write.piece_delta += delta;
         continue;
       }
-      for (size_t k = 0; k < m; ++k) {
-        const uint64_t new_bits = LoadBits(write.local.bytes, width, local[k]);
-        const uint64_t previous = LoadBits(old_bits, width, k);
-        write.local_delta += ElementHash(local[k], new_bits) - ElementHash(local[k], previous);
-        write.piece_delta +=
-            ElementHash(canonical[k], new_bits) - ElementHash(canonical[k], previous);
-      }
+      const auto now = [&](size_t k) { return LoadBits(write.local.bytes, width, local[k]); };
+      const auto before = [&](size_t k) { return LoadBits(old_bits, width, k); };
+      write.local_delta += DigestChange(
+          m, [&](size_t k) { return local[k]; }, now, before);
+      write.piece_delta += DigestChange(
+          m, [&](size_t k) { return canonical[k]; }, now, before);
     }
     applied += n;
   }

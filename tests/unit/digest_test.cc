@@ -89,5 +89,40 @@ TEST(DigestTest, EveryKernelReturnsTheScalarSum) {
   EXPECT_EQ(RemappedDigestRange(all, 4, 3, 1 << 20, 777), reference(4, 12, 1 << 20, 777));
 }
 
+TEST(DigestTest, EveryChangeKernelReturnsTheScalarChange) {
+  std::mt19937_64 rng(43);
+  std::vector<std::string> targets;
+  for (const char* target : {"scalar", "avx2", "avx512"}) {
+    if (internal::DigestTargetSupported(target)) targets.push_back(target);
+  }
+  for (int trial = 0; trial < 1000; ++trial) {
+    const size_t count = trial < 70 ? static_cast<size_t>(trial) : rng() % 700;
+    std::vector<uint64_t> index(count), now(count), before(count);
+    for (size_t k = 0; k < count; ++k) {
+      // Indices anywhere (the top of the range wraps in h's offset), bits of any width.
+      index[k] = trial % 3 == 0 ? UINT64_MAX - rng() % 1000 : rng() % (uint64_t{1} << 40);
+      const uint64_t mask = ~uint64_t{0} >> (8 * (rng() % 8));
+      now[k] = rng() & mask;
+      before[k] = k % 5 == 0 ? now[k] : rng() & mask;  // Some unchanged: no change.
+    }
+    uint64_t want = 0;
+    for (size_t k = 0; k < count; ++k) {
+      want += ElementHash(index[k], now[k]) - ElementHash(index[k], before[k]);
+      EXPECT_EQ(ElementHashChange(index[k], before[k], now[k]),
+                ElementHash(index[k], now[k]) - ElementHash(index[k], before[k]));
+    }
+    for (const std::string& target : targets) {
+      EXPECT_EQ(internal::DigestChangeRunOn(target, index.data(), now.data(), before.data(), count),
+                want)
+          << target << " count " << count;
+    }
+    // DigestChange's blocks (of 256) and callables give the same sum.
+    EXPECT_EQ(DigestChange(
+                  count, [&](size_t k) { return index[k]; }, [&](size_t k) { return now[k]; },
+                  [&](size_t k) { return before[k]; }),
+              want);
+  }
+}
+
 }  // namespace
 }  // namespace refit
