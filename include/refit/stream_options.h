@@ -16,7 +16,7 @@ namespace refit {
 
 /// The default bucket size of producers (ProducerStreamOptions::bucket_bytes), which receivers
 /// also size their default payload limit by (ReceiverNodeOptions::producer_bucket_bytes).
-inline constexpr uint64_t kDefaultBucketBytes = uint64_t{32} << 20;
+inline constexpr uint64_t kDefaultBucketBytes = uint64_t{8} << 20;
 /// The default bucket size of a delta's payloads (ProducerStreamOptions::delta_bucket_bytes).
 inline constexpr uint64_t kDefaultDeltaBucketBytes = uint64_t{4} << 20;
 
@@ -75,16 +75,17 @@ struct ProducerStreamOptions {
   /// Default: the upstream ZeroMQ export chunk (256 MiB).
   uint64_t chunk_bytes = uint64_t{256} << 20;
   /// Most item bytes (location + value bytes, before compression) coalesced into one payload;
-  /// an item larger than this travels alone. Default 32 MiB: upstream caps a bucket at 512 MiB
-  /// of *dense* tensor bytes, which at the typical 1–5 % changed bf16 elements and ~1.5 location
-  /// bytes per change is of this order; measuring sparse bytes bounds payloads at any density.
+  /// a delta's item larger than this travels alone, an anchor's FULL items are cut at it (so an
+  /// anchor's payloads are at most a bucket). Default 8 MiB: a receiver holds a few payloads at
+  /// a time while it receives an anchor (being received, queued, applied), on top of the model;
+  /// at 32 MiB they were 0.15 × a 1 GiB model, at 8 MiB 0.07–0.09, and the anchor no slower
+  /// (docs/benchmark-results.md, issue 43). Measuring sparse bytes bounds payloads at any
+  /// density (upstream caps a bucket at 512 MiB of *dense* tensor bytes).
   uint64_t bucket_bytes = kDefaultBucketBytes;
   /// The same for the payloads of a delta or folded route (not an anchor's), at most
   /// bucket_bytes; 0: bucket_bytes. Smaller than an anchor's, so that the receivers decode and
   /// apply a delta's first payloads while its later ones are serialized and sent: a 3 % delta of
   /// 256 MiB is one 16 MB payload at 32 MiB, four at 4 MiB (docs/benchmark-results.md, issue 43).
-  /// An anchor's payloads stay large: there the per-payload costs (an ACK, a decode context)
-  /// matter and the pipeline is full anyway.
   uint64_t delta_bucket_bytes = kDefaultDeltaBucketBytes;
   /// Threads calling DeltaTracker::Encode on owned chunks (upstream `encode_workers`).
   int encode_threads = 8;

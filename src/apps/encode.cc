@@ -1,4 +1,5 @@
 // refit encode OLD NEW -o DELTA.rfp: the changes from OLD to NEW as a payload file.
+#include <algorithm>
 #include <cstdio>
 
 #include "cli_common.h"
@@ -22,7 +23,7 @@ struct EncodeArgs {
   std::string force_encoding;
   // ProducerStreamOptions' default, which `refit push` also uses (sparse_bucket_size_bytes), so
   // that encode writes the payloads push sends for the same checkpoints and settings.
-  std::string bucket = "32MiB";
+  std::string bucket = "8MiB";
   int level = 1;
   bool no_byte_planes = false;
   bool full = false;
@@ -65,10 +66,17 @@ Status RunEncode(const EncodeArgs& args) {
   std::vector<Item> items;
   uint64_t changed = 0, total = 0;
   for (const TensorView& tensor : new_file->tensors()) {
-    REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r, tracker->Encode(id, tensor));
-    changed += r.changed_elements;
-    total += r.total_elements;
-    for (Item& item : r.items) items.push_back(std::move(item));
+    // As push's stream does: an anchor's FULL items in pieces of a bucket.
+    const uint64_t numel = tensor.numel();
+    const uint64_t piece =
+        plan.anchor ? FullPieceElements(bucket_bytes, tensor.dtype) : std::max<uint64_t>(numel, 1);
+    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += piece) {
+      REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r,
+                             tracker->Encode(id, tensor, begin, std::min(numel, begin + piece)));
+      changed += r.changed_elements;
+      total += r.total_elements;
+      for (Item& item : r.items) items.push_back(std::move(item));
+    }
   }
   PayloadEncodeOptions encode_options;
   encode_options.zstd_level = args.level;
@@ -90,7 +98,10 @@ Status RunEncode(const EncodeArgs& args) {
             }));
   }
   const PayloadIds ids{id, 0, 0, plan.base_version, plan.target_version};
-  REFIT_ASSIGN_OR_RETURN(auto payloads, PackPayloads(ids, items, bucket_bytes, encode_options));
+  // As push's stream does: a delta's payloads are cut at its smaller bucket.
+  const uint64_t payload_bucket =
+      plan.anchor ? bucket_bytes : std::min(bucket_bytes, kDefaultDeltaBucketBytes);
+  REFIT_ASSIGN_OR_RETURN(auto payloads, PackPayloads(ids, items, payload_bucket, encode_options));
   REFIT_RETURN_NOT_OK(WriteFileAtomically(args.output, payloads));
   uint64_t wire = 0;
   for (const auto& p : payloads) wire += p.size();

@@ -1,4 +1,5 @@
 // The payload bucketing rule and the in-memory packer built on it.
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -9,6 +10,10 @@
 namespace refit {
 
 uint64_t BucketedBytes(const ItemView& item) { return item.locations.size() + item.values.size(); }
+
+uint64_t FullPieceElements(uint64_t bucket_bytes, DType dtype) {
+  return std::max<uint64_t>(1, std::max(bucket_bytes, kMinFullPieceBytes) / DTypeSize(dtype));
+}
 
 Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
                                                          std::span<const Item> items,

@@ -45,6 +45,17 @@ class PayloadBucketer {
   Chunker rule_;
 };
 
+/// An anchor's FULL items are cut at the bucket size, so that none of its payloads is larger
+/// than a bucket: a receiver holds several payloads at a time while it receives an anchor, on
+/// top of the model, and a tensor larger than a bucket would otherwise travel as a payload of its
+/// own size (docs/benchmark-results.md, issue 43). Buckets below kMinFullPieceBytes cut at it, so
+/// that tiny buckets do not make an item per element.
+inline constexpr uint64_t kMinFullPieceBytes = uint64_t{1} << 20;
+
+/// The most elements of a tensor of `dtype` in one FULL item under `bucket_bytes` (at least
+/// one). ProducerStream and `refit encode` both cut so, and so send the same payloads.
+uint64_t FullPieceElements(uint64_t bucket_bytes, DType dtype);
+
 /// Encode `items` into payloads bucketed by PayloadBucketer, with payload ids ids.payload_id,
 /// ids.payload_id + 1, …: the payloads ProducerStream sends for the same items, ids and options.
 /// Holds every payload in memory; a producer streams them instead (ProducerStream).

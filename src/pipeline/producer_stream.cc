@@ -517,17 +517,28 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
       return Cancelled("{}, chunk {}: the stream stopped before tensor '{}'", context_,
                        job.chunk_index, tensor.name);
     }
-    const Clock::time_point start = Clock::now();
-    Result<internal::EncodeResult> encoded = tracker_.Encode(plan_.transfer_id, tensor);
-    encode_time_.Add(start);
-    if (!encoded.ok()) {
-      return encoded.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
+    // A delta's items are one per tensor (their size is the changes'); FULL items are cut in
+    // pieces of a bucket (FullPieceElements).
+    const uint64_t numel = tensor.numel();
+    const uint64_t piece = FullPieceElements(options_.bucket_bytes, tensor.dtype);
+    const uint64_t delta_piece = plan_.anchor ? piece : std::max<uint64_t>(numel, 1);
+    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += delta_piece) {
+      const uint64_t end = std::min(numel, begin + delta_piece);
+      const Clock::time_point start = Clock::now();
+      Result<internal::EncodeResult> encoded =
+          tracker_.Encode(plan_.transfer_id, tensor, begin, end);
+      encode_time_.Add(start);
+      if (!encoded.ok()) {
+        return encoded.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
+      }
+      out.changed_elements += encoded->changed_elements;
+      out.total_elements += encoded->total_elements;
+      for (Item& item : encoded->items) out.items.push_back(std::move(item));
     }
-    out.changed_elements += encoded->changed_elements;
-    out.total_elements += encoded->total_elements;
-    for (Item& item : encoded->items) out.items.push_back(std::move(item));
-    if (full_routes_ && !plan_.anchor) {
-      Result<std::vector<Item>> full = tracker_.EncodeFull(plan_.transfer_id, tensor);
+    if (!full_routes_ || plan_.anchor) continue;
+    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += piece) {
+      Result<std::vector<Item>> full =
+          tracker_.EncodeFull(plan_.transfer_id, tensor, begin, std::min(numel, begin + piece));
       if (!full.ok()) {
         return full.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
       }

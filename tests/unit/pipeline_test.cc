@@ -638,6 +638,59 @@ TEST(ProducerStreamTest, PayloadsFollowTheBucketRuleInCanonicalOrder) {
   }
 }
 
+// An anchor's FULL items are cut at the bucket size (FullPieceElements), so that no anchor
+// payload is larger than a bucket, and the receiver still ends up with every bit.
+TEST(ProducerStreamTest, AnAnchorsFullItemsAreCutAtTheBucketSize) {
+  constexpr uint64_t kMiB = uint64_t{1} << 20;
+  const std::vector<OwnedTensor> model = {
+      RandomTensor("a.small", DType::kFloat32, {100}, 1),
+      RandomTensor("b.3mib", DType::kBFloat16, {3 * 1024 + 7, 512}, 2),  // 3 MiB and 7 KiB.
+      RandomTensor("c.exactly_one_bucket", DType::kFloat32, {256, 1024}, 3),
+      RandomTensor("d.empty", DType::kFloat32, {0}, 4),
+  };
+  ProducerStreamOptions options = SmallOptions();
+  options.chunk_bytes = 8 * kMiB;
+  options.bucket_bytes = kMiB;
+  options.anchor_compression = AnchorCompression::kNone;
+  ASSERT_OK_AND_ASSIGN(auto stream, ProducerStream::Make(options));
+  ASSERT_OK_AND_ASSIGN(auto tracker, internal::DeltaTracker::Make({}));
+  const TransferId id = TransferId::Random();
+  ASSERT_OK_AND_ASSIGN(TransferPlan plan, tracker->Begin(id));
+  ASSERT_TRUE(plan.anchor);
+  PayloadCollector collector;
+  ASSERT_OK(
+      stream->Run(*tracker, TensorListSource(Views(model), options.chunk_bytes), collector.Sender())
+          .status());
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> spans;
+  for (const auto& [payload_id, bytes] : collector.payloads()) {
+    ASSERT_OK_AND_ASSIGN(DecodedPayload decoded, DecodePayload(bytes));
+    uint64_t payload_bytes = 0;
+    for (const ItemView& item : decoded.items()) {
+      EXPECT_EQ(item.op, Op::kFull);
+      payload_bytes += BucketedBytes(item);
+      spans[std::string(item.name)].emplace_back(item.span_begin, item.span_end);
+    }
+    EXPECT_LE(payload_bytes, kMiB) << "payload " << payload_id;
+  }
+  // The 3 MiB tensor in four pieces (three of a bucket, the rest), each the next span.
+  const uint64_t b_numel = model[1].view().numel();
+  const uint64_t piece = kMiB / 2;  // bf16 elements in a bucket.
+  EXPECT_EQ(FullPieceElements(kMiB, DType::kBFloat16), piece);
+  EXPECT_EQ(spans["b.3mib"],
+            (std::vector<std::pair<uint64_t, uint64_t>>{
+                {0, piece}, {piece, 2 * piece}, {2 * piece, 3 * piece}, {3 * piece, b_numel}}));
+  EXPECT_EQ(spans["c.exactly_one_bucket"].size(), 1u);
+  EXPECT_EQ(spans["d.empty"], (std::vector<std::pair<uint64_t, uint64_t>>{{0, 0}}));
+  // Tiny buckets cut at kMinFullPieceBytes, not at an element.
+  EXPECT_EQ(FullPieceElements(1, DType::kFloat32), kMinFullPieceBytes / 4);
+
+  std::unique_ptr<WeightStore> store = ZeroStore(model);
+  internal::UndoLog undo;
+  ASSERT_NO_FATAL_FAILURE(ApplyPayloads(collector.payloads(), plan, 0, *store, undo));
+  ExpectStoreHolds(*store, model);
+  ASSERT_OK(tracker->Commit(id));
+}
+
 TEST(PayloadBucketerTest, FollowsTheChunkingRuleOverItemBytes) {
   PayloadBucketer bucketer(100);
   EXPECT_TRUE(bucketer.Add(60));  // The first item opens the first bucket.

@@ -602,6 +602,9 @@ class ZmqListener final : public Listener {
         return;
       }
     }
+    // A leaf forwards nothing: its frames go before the sink may wait for room in the apply
+    // queue, so that a relay waiting there holds the payload once, not twice.
+    if (Children(tree, root).positions.empty()) frames.resize(1 + kDataHeadFrames);
     Result<StageResult> staged = sink_.Deliver(std::move(*payload), stop);
     if (!staged.ok()) {
       Reply(identity, key, staged.status());
