@@ -517,13 +517,13 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
       return Cancelled("{}, chunk {}: the stream stopped before tensor '{}'", context_,
                        job.chunk_index, tensor.name);
     }
-    // A delta's items are one per tensor (their size is the changes'); FULL items are cut in
-    // pieces of a bucket (FullPieceElements).
+    // A delta encodes each tensor whole (its items are the size of its changes); an anchor in
+    // FULL items of at most a bucket (FullPieceElements), as do the FULL items of kAnchor routes.
     const uint64_t numel = tensor.numel();
     const uint64_t piece = FullPieceElements(options_.bucket_bytes, tensor.dtype);
-    const uint64_t delta_piece = plan_.anchor ? piece : std::max<uint64_t>(numel, 1);
-    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += delta_piece) {
-      const uint64_t end = std::min(numel, begin + delta_piece);
+    const uint64_t encode_span = plan_.anchor ? piece : std::max<uint64_t>(numel, 1);
+    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += encode_span) {
+      const uint64_t end = std::min(numel, begin + encode_span);
       const Clock::time_point start = Clock::now();
       Result<internal::EncodeResult> encoded =
           tracker_.Encode(plan_.transfer_id, tensor, begin, end);
