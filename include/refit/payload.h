@@ -93,8 +93,8 @@ struct PayloadHeader {
   uint16_t flags = 0;
   PayloadIds ids;
   uint32_t item_count = 0;
-  uint64_t body_bytes = 0;             ///< Decompressed body length.
-  uint64_t compressed_bytes = 0;       ///< Compressed body length (the payload is header + this).
+  uint64_t body_bytes = 0;        ///< Decompressed body length.
+  uint64_t compressed_bytes = 0;  ///< Compressed body length (the payload is header + this).
   /// `compression` 0: the body follows the header as it is (compressed_bytes == body_bytes), and
   /// every item is FULL — an anchor's payload sent raw. Otherwise one zstd frame.
   bool stored_body = false;

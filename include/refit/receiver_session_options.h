@@ -100,8 +100,8 @@ struct ReceiverSessionOptions {
   /// The bytes of the payloads staged but not yet applied: Stage also waits while the queue holds
   /// this many (a queue that is empty takes any payload, so one larger than this still passes).
   /// The depth bounds a delta's many small payloads; this bounds an anchor's, which are each up
-  /// to a bucket (8 MiB by default): what is queued sits on top of the model, whose receiver
-  /// holds at most 1.1 × its size during an anchor (docs/benchmark-results.md, issue 43). Four
+  /// to a bucket (8 MiB by default): what is queued sits on top of the model (a 1 GiB model's
+  /// receiver peaked at 1.08–1.09 × it during a raw anchor, docs/benchmark-results.md). Four
   /// default buckets keep the next payload ready while one applies. 0: no bound but the depth.
   uint64_t apply_queue_bytes = uint64_t{32} << 20;
   /// Limits for decoding untrusted payloads (Stage checks the header against them too).

@@ -70,9 +70,8 @@ Status RunEncode(const EncodeArgs& args) {
     const uint64_t numel = tensor.numel();
     const uint64_t piece =
         plan.anchor ? FullPieceElements(bucket_bytes, tensor.dtype) : std::max<uint64_t>(numel, 1);
-    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += piece) {
-      REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r,
-                             tracker->Encode(id, tensor, begin, std::min(numel, begin + piece)));
+    for (const auto& [begin, end] : CutSpans(numel, piece)) {
+      REFIT_ASSIGN_OR_RETURN(internal::EncodeResult r, tracker->Encode(id, tensor, begin, end));
       changed += r.changed_elements;
       total += r.total_elements;
       for (Item& item : r.items) items.push_back(std::move(item));

@@ -137,7 +137,8 @@ uint64_t GatherChangesOfWidth(const std::byte* old_tensor, const std::byte* new_
       std::memcpy(xor_out + k * sizeof(Word), &x, sizeof(Word));
     }
   }
-  // The digest in a pass of its own over the gathered bits, vectorized (DigestChange).
+  // The digest in a pass of its own over the gathered bits, vectorized (DigestChange); the
+  // locations are one compare block's (kFusedBlockBytes), so the old bits are still cached.
   const auto load = [](const std::byte* from, uint64_t at) {
     Word word;
     std::memcpy(&word, from + at * sizeof(Word), sizeof(Word));

@@ -15,6 +15,15 @@ uint64_t FullPieceElements(uint64_t bucket_bytes, DType dtype) {
   return std::max<uint64_t>(1, std::max(bucket_bytes, kMinFullPieceBytes) / DTypeSize(dtype));
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> CutSpans(uint64_t numel, uint64_t span_elements) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  if (numel == 0) return {{0, 0}};
+  for (uint64_t begin = 0; begin < numel; begin += span_elements) {
+    spans.emplace_back(begin, std::min(numel, begin + span_elements));
+  }
+  return spans;
+}
+
 Result<std::vector<std::vector<std::byte>>> PackPayloads(const PayloadIds& ids,
                                                          std::span<const Item> items,
                                                          uint64_t bucket_bytes,

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "pipeline/chunking.h"
@@ -55,6 +56,10 @@ inline constexpr uint64_t kMinFullPieceBytes = uint64_t{1} << 20;
 /// The most elements of a tensor of `dtype` in one FULL item under `bucket_bytes` (at least
 /// one). ProducerStream and `refit encode` both cut so, and so send the same payloads.
 uint64_t FullPieceElements(uint64_t bucket_bytes, DType dtype);
+
+/// The consecutive spans [begin, end) of at most `span_elements` (≥ 1) that cover [0, numel):
+/// one empty span for an empty tensor, whose item still says the tensor is sent.
+std::vector<std::pair<uint64_t, uint64_t>> CutSpans(uint64_t numel, uint64_t span_elements);
 
 /// Encode `items` into payloads bucketed by PayloadBucketer, with payload ids ids.payload_id,
 /// ids.payload_id + 1, …: the payloads ProducerStream sends for the same items, ids and options.

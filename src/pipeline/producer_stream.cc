@@ -522,8 +522,7 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
     const uint64_t numel = tensor.numel();
     const uint64_t piece = FullPieceElements(options_.bucket_bytes, tensor.dtype);
     const uint64_t encode_span = plan_.anchor ? piece : std::max<uint64_t>(numel, 1);
-    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += encode_span) {
-      const uint64_t end = std::min(numel, begin + encode_span);
+    for (const auto& [begin, end] : CutSpans(numel, encode_span)) {
       const Clock::time_point start = Clock::now();
       Result<internal::EncodeResult> encoded =
           tracker_.Encode(plan_.transfer_id, tensor, begin, end);
@@ -536,9 +535,8 @@ Result<EncodedChunk> StreamRun::EncodeChunk(const EncodeJob& job) {
       for (Item& item : encoded->items) out.items.push_back(std::move(item));
     }
     if (!full_routes_ || plan_.anchor) continue;
-    for (uint64_t begin = 0; begin == 0 || begin < numel; begin += piece) {
-      Result<std::vector<Item>> full =
-          tracker_.EncodeFull(plan_.transfer_id, tensor, begin, std::min(numel, begin + piece));
+    for (const auto& [begin, end] : CutSpans(numel, piece)) {
+      Result<std::vector<Item>> full = tracker_.EncodeFull(plan_.transfer_id, tensor, begin, end);
       if (!full.ok()) {
         return full.status().WithContext(fmt::format("{}, chunk {}", context_, job.chunk_index));
       }

@@ -683,6 +683,10 @@ TEST(ProducerStreamTest, AnAnchorsFullItemsAreCutAtTheBucketSize) {
   EXPECT_EQ(spans["d.empty"], (std::vector<std::pair<uint64_t, uint64_t>>{{0, 0}}));
   // Tiny buckets cut at kMinFullPieceBytes, not at an element.
   EXPECT_EQ(FullPieceElements(1, DType::kFloat32), kMinFullPieceBytes / 4);
+  using Spans = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(CutSpans(5, 2), (Spans{{0, 2}, {2, 4}, {4, 5}}));
+  EXPECT_EQ(CutSpans(4, 4), (Spans{{0, 4}}));
+  EXPECT_EQ(CutSpans(0, 3), (Spans{{0, 0}}));
 
   std::unique_ptr<WeightStore> store = ZeroStore(model);
   internal::UndoLog undo;
